@@ -1,0 +1,201 @@
+//! Rate-limit keys: which request attributes make a key, and the keyed hash that places it.
+//!
+//! The hash is SipHash-1-3 under a secret 128-bit seed that every worker shares (drawn once per
+//! proxy from `getrandom` and kept in shared data), so a client cannot choose keys that collide
+//! with somebody else's. Parts are length-prefixed, so `("ab", "c")` and `("a", "bc")` differ,
+//! and a missing part hashes differently from an empty one.
+
+use crate::config::{Config, KeyPart, MissingKey};
+use crate::ratelimit::Probe;
+use siphasher::sip::SipHasher13;
+use std::hash::Hasher;
+
+/// The attribute a key part reads from the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source<'a> {
+    /// A request header (lower-case name; pseudo-headers like `:path` included).
+    Header(&'a str),
+    /// The downstream peer address (`source.address`, with its port).
+    SourceAddress,
+}
+
+impl KeyPart {
+    /// Where this part comes from.
+    pub fn source(&self) -> Source<'_> {
+        match self {
+            KeyPart::Header(name) => Source::Header(name),
+            KeyPart::SourceIp => Source::SourceAddress,
+            KeyPart::Path => Source::Header(":path"),
+            KeyPart::Method => Source::Header(":method"),
+            KeyPart::Authority => Source::Header(":authority"),
+        }
+    }
+
+    /// The part of the raw attribute that makes the key: the address without its port, the
+    /// path without its query; other parts whole.
+    pub fn normalize<'v>(&self, raw: &'v [u8]) -> &'v [u8] {
+        match self {
+            KeyPart::SourceIp => strip_port(raw),
+            KeyPart::Path => raw.split(|b| *b == b'?').next().unwrap_or(raw),
+            _ => raw,
+        }
+    }
+}
+
+/// `1.2.3.4:80` → `1.2.3.4`, `[::1]:80` → `::1`; anything else (a bare IPv6 address, a pipe
+/// path) is returned whole.
+pub fn strip_port(address: &[u8]) -> &[u8] {
+    if let Some(rest) = address.strip_prefix(b"[") {
+        if let Some(end) = rest.iter().position(|b| *b == b']') {
+            return rest.get(..end).unwrap_or(rest);
+        }
+        return address;
+    }
+    let colons = address.iter().filter(|b| **b == b':').count();
+    match (colons, address.iter().rposition(|b| *b == b':')) {
+        (1, Some(at)) => address.get(..at).unwrap_or(address),
+        _ => address,
+    }
+}
+
+/// The keyed hash of rate-limit keys.
+#[derive(Clone, Debug)]
+pub struct KeyHasher {
+    k0: u64,
+    k1: u64,
+}
+
+/// Length written for a missing part (a real part is never that long).
+const MISSING: u64 = u64::MAX;
+
+impl KeyHasher {
+    /// A hasher under a 128-bit secret seed.
+    pub fn new(seed: [u8; 16]) -> KeyHasher {
+        let mut k0 = [0u8; 8];
+        let mut k1 = [0u8; 8];
+        let (low, high) = seed.split_at(8);
+        k0.copy_from_slice(low);
+        k1.copy_from_slice(high);
+        KeyHasher {
+            k0: u64::from_le_bytes(k0),
+            k1: u64::from_le_bytes(k1),
+        }
+    }
+
+    /// Hashes the parts of a key in order (`None` for a missing part).
+    pub fn hash<'a>(&self, parts: impl IntoIterator<Item = Option<&'a [u8]>>) -> u64 {
+        let mut hasher = SipHasher13::new_with_keys(self.k0, self.k1);
+        for part in parts {
+            match part {
+                Some(bytes) => {
+                    hasher.write_u64(bytes.len() as u64);
+                    hasher.write(bytes);
+                }
+                None => hasher.write_u64(MISSING),
+            }
+        }
+        hasher.finish()
+    }
+}
+
+/// The rules that apply to a request and its key hash for each, from the request's attributes.
+/// `fetch` is asked once per distinct attribute (host reads are not free); a rule whose key
+/// part is missing is skipped (its index is pushed to `skipped`) unless it shares one counter
+/// for all such requests (`missing_key: "shared"`).
+pub fn probes(
+    config: &Config,
+    hasher: &KeyHasher,
+    mut fetch: impl FnMut(Source<'_>) -> Option<Vec<u8>>,
+    skipped: &mut Vec<usize>,
+) -> Vec<Probe> {
+    let mut fetched: Vec<(Source<'_>, Option<Vec<u8>>)> = Vec::new();
+    let mut probes = Vec::with_capacity(config.rate_limits.len());
+    for (rule_index, rule) in config.rate_limits.iter().enumerate() {
+        for part in &rule.key {
+            let source = part.source();
+            if !fetched.iter().any(|(s, _)| *s == source) {
+                fetched.push((source, fetch(source)));
+            }
+        }
+        let value_of = |part: &KeyPart| -> Option<&[u8]> {
+            let source = part.source();
+            let raw = fetched.iter().find(|(s, _)| *s == source)?.1.as_deref()?;
+            Some(part.normalize(raw))
+        };
+        let complete = rule.key.iter().all(|part| value_of(part).is_some());
+        if !complete && rule.missing_key == MissingKey::Skip {
+            skipped.push(rule_index);
+            continue;
+        }
+        probes.push(Probe {
+            rule: rule_index,
+            key_hash: hasher.hash(rule.key.iter().map(value_of)),
+        });
+    }
+    probes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_are_stripped_from_both_address_families() {
+        assert_eq!(strip_port(b"10.0.0.1:4242"), b"10.0.0.1");
+        assert_eq!(strip_port(b"[2001:db8::1]:443"), b"2001:db8::1");
+        assert_eq!(strip_port(b"2001:db8::1"), b"2001:db8::1");
+        assert_eq!(strip_port(b"[broken"), b"[broken");
+        assert_eq!(strip_port(b""), b"");
+        assert_eq!(strip_port(b"/var/run/sock"), b"/var/run/sock");
+    }
+
+    #[test]
+    fn paths_lose_their_query_only() {
+        assert_eq!(KeyPart::Path.normalize(b"/a/b?x=1?y"), b"/a/b");
+        assert_eq!(KeyPart::Path.normalize(b"?"), b"");
+        assert_eq!(KeyPart::Method.normalize(b"GET?"), b"GET?");
+    }
+
+    #[test]
+    fn framing_separates_parts_and_missing_from_empty() {
+        let hasher = KeyHasher::new([7; 16]);
+        let h = |parts: &[Option<&[u8]>]| hasher.hash(parts.iter().copied());
+        assert_ne!(h(&[Some(b"ab"), Some(b"c")]), h(&[Some(b"a"), Some(b"bc")]));
+        assert_ne!(h(&[None]), h(&[Some(b"")]));
+        assert_eq!(h(&[Some(b"x")]), h(&[Some(b"x")]));
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    fn probes_read_each_attribute_once_and_skip_or_share_missing_keys() {
+        let config = Config::parse(
+            br#"{"rate_limits":[
+              {"name":"a","key":[{"header":"x-key"},"source_ip"],"limit":1,"window":"1s"},
+              {"name":"b","key":["source_ip"],"limit":1,"window":"1s"},
+              {"name":"c","key":[{"header":"x-key"}],"limit":1,"window":"1s","missing_key":"shared"}]}"#,
+        )
+        .unwrap();
+        let hasher = KeyHasher::new([3; 16]);
+        let mut asked = Vec::new();
+        let mut skipped = Vec::new();
+        let probes = probes(&config, &hasher, |source| {
+            asked.push(format!("{source:?}"));
+            match source {
+                Source::SourceAddress => Some(b"10.1.2.3:5555".to_vec()),
+                Source::Header(_) => None,
+            }
+        }, &mut skipped);
+        assert_eq!(asked.len(), 2, "{asked:?}");
+        assert_eq!(skipped, vec![0]);
+        assert_eq!(probes.iter().map(|p| p.rule).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(probes[0].key_hash, hasher.hash([Some(&b"10.1.2.3"[..])]), "port stripped");
+        assert_eq!(probes[1].key_hash, hasher.hash([None]));
+    }
+
+    #[test]
+    fn the_seed_changes_every_hash() {
+        let a = KeyHasher::new([1; 16]).hash([Some(&b"client"[..])]);
+        let b = KeyHasher::new([2; 16]).hash([Some(&b"client"[..])]);
+        assert_ne!(a, b);
+    }
+}

@@ -1,0 +1,20 @@
+//! floodgate: a proxy-wasm filter that protects a service behind Envoy from upstream pressure
+//! (see `SPEC.md`): per-key sliding-window rate limits kept in Envoy shared data, exact across
+//! worker threads and bounded in memory.
+//!
+//! Layout: a pure core that imports nothing from proxy-wasm and takes `now` as an argument —
+//! [`config`] (parsed once, validated), [`ratelimit`] (window, bounded table, limiter),
+//! [`key`] (key parts and the keyed hash), [`store`] (shared data behind a trait, CAS
+//! discipline), [`response`] (the 429 and the `RateLimit` fields), [`time`] — and `host`, the
+//! thin proxy-wasm shell, compiled for wasm only.
+#![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
+
+pub mod config;
+pub mod key;
+pub mod ratelimit;
+pub mod response;
+pub mod store;
+pub mod time;
+
+#[cfg(target_arch = "wasm32")]
+mod host;

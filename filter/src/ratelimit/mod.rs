@@ -1,0 +1,375 @@
+//! Rate limiting: per-key sliding-window counters ([`window`]) kept in bounded tables
+//! ([`table`]) in Envoy shared data, exact across worker threads.
+//!
+//! A request is checked against every rule that applies to it, in two phases:
+//! 1. **Read**: each rule's set is read once and the sliding estimate decides. If any rule
+//!    refuses, the request is rejected and nothing is written: a refused request consumes no
+//!    quota of any rule.
+//! 2. **Commit**: each rule's set is written back with the CAS token of its read. On a CAS
+//!    mismatch (another worker wrote the set meanwhile) the set is read again, the decision is
+//!    re-taken on fresh counts, and the write retried, at most [`MAX_ATTEMPTS`] times. No
+//!    update is ever lost. If a re-taken decision refuses (another worker took the last unit),
+//!    the units already committed for earlier rules are taken back and the request is rejected.
+//!
+//! When the attempts run out (extreme contention on one set), the request is **rejected** and
+//! counted as `contention`: a quota is never looser than configured.
+
+pub mod table;
+pub mod window;
+
+use crate::config::{Config, Name};
+use crate::store::{write_back, SharedStore, Stored, StoreError};
+use crate::time::UnixMillis;
+use std::num::{NonZeroU32, NonZeroU64};
+use table::{fingerprint, Set, WAYS};
+use window::{Counts, Window};
+
+/// Attempts to commit one rule's update before giving up on contention.
+pub const MAX_ATTEMPTS: u32 = 32;
+
+/// One rule's table: where its sets live and how it counts.
+#[derive(Clone, Debug)]
+pub struct RuleTable {
+    /// The rule's name.
+    pub name: Name,
+    /// Requests per window.
+    pub limit: NonZeroU32,
+    /// The window.
+    pub window: Window,
+    sets: NonZeroU64,
+    key_prefix: String,
+}
+
+impl RuleTable {
+    /// The shared-data key of set `index`.
+    fn set_key(&self, index: u64) -> String {
+        format!("{}{index}", self.key_prefix)
+    }
+
+    /// Number of shared-data records this rule can ever create.
+    pub fn set_count(&self) -> u64 {
+        self.sets.get()
+    }
+}
+
+/// A rule that applies to the request, and the hash of the request's key for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Probe {
+    /// Index of the rule in the configuration.
+    pub rule: usize,
+    /// The keyed hash of the request's key.
+    pub key_hash: u64,
+}
+
+/// Where a key stands against one rule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Standing {
+    /// Index of the rule.
+    pub rule: usize,
+    /// The sliding estimate (after this request, when it was admitted).
+    pub estimate: f64,
+    /// Requests of cost 1 that would still be admitted now.
+    pub remaining: u64,
+    /// Milliseconds until the estimate is back to zero if nothing else arrives.
+    pub reset_ms: u64,
+    /// When the same request would be admitted if nothing else arrived (`None`: never).
+    pub retry_at: Option<UnixMillis>,
+}
+
+/// Why a rule refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// The estimate plus the request's cost exceeds the limit.
+    OverLimit,
+    /// The shared counters could not be updated (CAS attempts ran out, or the host failed).
+    Contention,
+}
+
+/// A refusing rule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Violation {
+    /// Where the key stands.
+    pub standing: Standing,
+    /// Why it refused.
+    pub cause: Cause,
+}
+
+/// The decision for one request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Verdict {
+    /// Every applicable rule admitted and counted the request.
+    Admitted {
+        /// One per applicable rule, after counting this request.
+        standings: Vec<Standing>,
+        /// Rules whose table evicted another key's live entry to make room.
+        evictions: Vec<usize>,
+    },
+    /// At least one rule refused; no rule counted the request.
+    Rejected {
+        /// The refusing rules (never empty).
+        violations: Vec<Violation>,
+    },
+}
+
+impl Verdict {
+    /// For a rejection: the earliest instant every refusing rule would admit the same request
+    /// if nothing else arrived (the latest of their `retry_at`s).
+    pub fn retry_at(&self) -> Option<UnixMillis> {
+        match self {
+            Verdict::Admitted { .. } => None,
+            Verdict::Rejected { violations } => violations
+                .iter()
+                .map(|v| v.standing.retry_at)
+                .try_fold(UnixMillis(0), |latest, at| at.map(|at| latest.max(at))),
+        }
+    }
+}
+
+/// All rules' tables.
+#[derive(Clone, Debug)]
+pub struct Limiter {
+    tables: Vec<RuleTable>,
+}
+
+/// A rule's set as read in phase 1.
+struct Read {
+    probe: Probe,
+    key: String,
+    stored: Option<Stored>,
+    set: Set,
+    standing: Standing,
+    admits: bool,
+}
+
+impl Limiter {
+    /// Lays out one table per rule under `namespace` (the shared-data prefix of this filter
+    /// instance). A rule's table is identified by its name, key, window and capacity, so
+    /// changing any of them starts fresh counters, while a changed limit applies at once to the
+    /// counters already there.
+    pub fn new(config: &Config, namespace: &str) -> Limiter {
+        let tables = config
+            .rate_limits
+            .iter()
+            .map(|rule| {
+                let capacity = u64::from(rule.capacity.get().get());
+                let sets = NonZeroU64::new(capacity.div_ceil(WAYS as u64)).unwrap_or(NonZeroU64::MIN);
+                let identity = format!(
+                    "{:?}|{}|{}",
+                    rule.key,
+                    rule.window.get(),
+                    capacity
+                );
+                RuleTable {
+                    name: rule.name.clone(),
+                    limit: rule.limit.get(),
+                    window: Window::new(rule.window.get()),
+                    sets,
+                    key_prefix: format!(
+                        "floodgate/{namespace}/rl/{}/{:016x}/",
+                        rule.name,
+                        fnv1a(identity.as_bytes())
+                    ),
+                }
+            })
+            .collect();
+        Limiter { tables }
+    }
+
+    /// The rules' tables, in configuration order.
+    pub fn tables(&self) -> &[RuleTable] {
+        &self.tables
+    }
+
+    /// Checks a request of `cost` against the rules in `probes` and, if all admit, counts it.
+    pub fn check<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        probes: &[Probe],
+        now: UnixMillis,
+        cost: u32,
+    ) -> Verdict {
+        let mut reads = Vec::with_capacity(probes.len());
+        let mut violations = Vec::new();
+        for probe in probes {
+            match self.read(store, *probe, now, cost) {
+                Ok(read) => {
+                    if !read.admits {
+                        violations.push(Violation {
+                            standing: read.standing,
+                            cause: Cause::OverLimit,
+                        });
+                    }
+                    reads.push(read);
+                }
+                Err(_) => violations.push(Violation {
+                    standing: self.blank_standing(*probe, now),
+                    cause: Cause::Contention,
+                }),
+            }
+        }
+        if !violations.is_empty() {
+            return Verdict::Rejected { violations };
+        }
+        let mut standings = Vec::with_capacity(reads.len());
+        let mut evictions = Vec::new();
+        let mut committed: Vec<(&Read, u64)> = Vec::with_capacity(reads.len());
+        for read in &reads {
+            match self.commit(store, read, now, cost) {
+                Ok((standing, evicted, bucket)) => {
+                    standings.push(standing);
+                    if evicted {
+                        evictions.push(read.probe.rule);
+                    }
+                    committed.push((read, bucket));
+                }
+                Err(violation) => {
+                    for (done, bucket) in committed {
+                        self.take_back(store, done, bucket, cost);
+                    }
+                    return Verdict::Rejected {
+                        violations: vec![violation],
+                    };
+                }
+            }
+        }
+        Verdict::Admitted {
+            standings,
+            evictions,
+        }
+    }
+
+    fn table(&self, rule: usize) -> Option<&RuleTable> {
+        self.tables.get(rule)
+    }
+
+    fn locate(&self, probe: Probe) -> Option<(&RuleTable, String)> {
+        let table = self.table(probe.rule)?;
+        let index = probe.key_hash.checked_rem(table.sets.get()).unwrap_or(0);
+        Some((table, table.set_key(index)))
+    }
+
+    fn read<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        probe: Probe,
+        now: UnixMillis,
+        cost: u32,
+    ) -> Result<Read, StoreError> {
+        let (table, key) = self.locate(probe).ok_or(StoreError::Host(0))?;
+        let stored = store.get(&key)?;
+        let phase = table.window.phase(now);
+        let set = decode_or_empty(stored.as_ref(), phase.bucket_index).rolled_to(phase.bucket_index);
+        let counts = set.counts_of(fingerprint(probe.key_hash));
+        let admits = table.window.admits(counts, phase.elapsed_ms, cost, table.limit);
+        let standing = standing(table, probe.rule, counts, now, cost);
+        Ok(Read {
+            probe,
+            key,
+            stored,
+            set,
+            standing,
+            admits,
+        })
+    }
+
+    /// Phase 2 for one rule: returns where the key stands after counting, whether a live
+    /// entry was evicted, and the window bucket the cost went into.
+    fn commit<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        first: &Read,
+        now: UnixMillis,
+        cost: u32,
+    ) -> Result<(Standing, bool, u64), Violation> {
+        let contention = Violation {
+            standing: first.standing,
+            cause: Cause::Contention,
+        };
+        let table = self.table(first.probe.rule).ok_or(contention)?;
+        let phase = table.window.phase(now);
+        let fp = fingerprint(first.probe.key_hash);
+        let mut stored = first.stored.clone();
+        let mut set = first.set.clone();
+        for attempt in 0..MAX_ATTEMPTS {
+            if attempt > 0 {
+                stored = store.get(&first.key).map_err(|_| contention)?;
+                set = decode_or_empty(stored.as_ref(), phase.bucket_index)
+                    .rolled_to(phase.bucket_index);
+                let counts = set.counts_of(fp);
+                if !table.window.admits(counts, phase.elapsed_ms, cost, table.limit) {
+                    return Err(Violation {
+                        standing: standing(table, first.probe.rule, counts, now, cost),
+                        cause: Cause::OverLimit,
+                    });
+                }
+            }
+            let evicted = set.add(fp, cost, table.window, phase.elapsed_ms).is_some();
+            match write_back(store, &first.key, stored.as_ref(), &set.encode()) {
+                Ok(()) => {
+                    let after = set.counts_of(fp);
+                    let standing = standing(table, first.probe.rule, after, now, cost);
+                    return Ok((standing, evicted, set.bucket_index));
+                }
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Host(_)) => return Err(contention),
+            }
+        }
+        Err(contention)
+    }
+
+    /// Takes back a committed unit (best effort: if it cannot, the key is over-counted, which
+    /// is the safe direction).
+    fn take_back<S: SharedStore + ?Sized>(&self, store: &S, read: &Read, bucket: u64, cost: u32) {
+        let fp = fingerprint(read.probe.key_hash);
+        for _ in 0..MAX_ATTEMPTS {
+            let Ok(stored) = store.get(&read.key) else { return };
+            let Some(current) = stored.as_ref() else { return };
+            let Ok(set) = Set::decode(&current.value) else { return };
+            let mut set = set.rolled_to(bucket);
+            set.subtract(fp, cost, bucket);
+            match write_back(store, &read.key, stored.as_ref(), &set.encode()) {
+                Err(StoreError::CasMismatch) => continue,
+                _ => return,
+            }
+        }
+    }
+
+    fn blank_standing(&self, probe: Probe, now: UnixMillis) -> Standing {
+        Standing {
+            rule: probe.rule,
+            estimate: 0.0,
+            remaining: 0,
+            reset_ms: 0,
+            retry_at: Some(now),
+        }
+    }
+}
+
+fn standing(table: &RuleTable, rule: usize, counts: Counts, now: UnixMillis, cost: u32) -> Standing {
+    let phase = table.window.phase(now);
+    Standing {
+        rule,
+        estimate: table.window.estimate(counts, phase.elapsed_ms),
+        remaining: table.window.remaining(counts, phase.elapsed_ms, table.limit),
+        reset_ms: table.window.ms_until_reset(counts, now),
+        retry_at: table.window.earliest_admission(counts, now, cost, table.limit),
+    }
+}
+
+/// A record that cannot be decoded (corrupt, truncated, or from another version of the
+/// module) is not trusted: the set starts empty and the next write replaces it.
+fn decode_or_empty(stored: Option<&Stored>, bucket_index: u64) -> Set {
+    stored
+        .and_then(|s| Set::decode(&s.value).ok())
+        .unwrap_or_else(|| Set::empty(bucket_index))
+}
+
+/// FNV-1a, 64-bit: a stable, non-secret fingerprint of a rule's definition for key names.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,202 @@
+//! What the filter answers: the `429` of a rate limit, and the IETF `RateLimit` fields.
+//!
+//! - `retry-after` (RFC 9110 §10.2.3): whole seconds, at least 1, rounded up from the exact
+//!   earliest admission, so a request at `now + retry-after` is admitted and one a second
+//!   earlier is not.
+//! - `ratelimit-policy` / `ratelimit` (draft-ietf-httpapi-ratelimit-headers, structured fields):
+//!   `"name";q=<limit>;w=<window seconds>` and `"name";r=<remaining>;t=<seconds>`.
+//! - Body: RFC 9457 problem details with the `quota-exceeded` problem type of the IANA HTTP
+//!   problem types registry, `violated-policies`, and the figures of each refusing rule.
+
+use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
+use crate::time::UnixMillis;
+use serde_json::json;
+
+/// Problem type of a rate-limited request.
+pub const QUOTA_EXCEEDED: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
+
+/// A local reply: status, headers, body.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u32,
+    /// Response headers.
+    pub headers: Vec<(&'static str, String)>,
+    /// Response body.
+    pub body: String,
+}
+
+/// The `ratelimit-policy` and `ratelimit` field values for one rule.
+pub fn ratelimit_fields(table: &RuleTable, remaining: u64, reset_secs: u64) -> (String, String) {
+    (
+        format!(
+            "\"{}\";q={};w={}",
+            table.name,
+            table.limit,
+            table.window.length_ms().div_ceil(1000)
+        ),
+        format!("\"{}\";r={remaining};t={reset_secs}", table.name),
+    )
+}
+
+/// For an admitted request: the fields of the rule with the least remaining quota.
+pub fn admitted_fields(limiter: &Limiter, standings: &[Standing]) -> Option<(String, String)> {
+    let tightest = standings.iter().min_by_key(|s| s.remaining)?;
+    let table = limiter.tables().get(tightest.rule)?;
+    Some(ratelimit_fields(table, tightest.remaining, tightest.reset_ms.div_ceil(1000)))
+}
+
+/// Milliseconds until `retry_at` and the `retry-after` seconds for it (at least 1). A rule that
+/// can never admit (cost above its limit) says one window.
+fn retry_after(retry_at: Option<UnixMillis>, now: UnixMillis, fallback_ms: u64) -> (u64, u64) {
+    let ms = retry_at.map_or(fallback_ms, |at| at.saturating_since(now));
+    (ms, ms.div_ceil(1000).max(1))
+}
+
+/// The `429` for a rejected verdict (`None` for an admitted one).
+pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Option<Reply> {
+    let Verdict::Rejected { violations } = verdict else {
+        return None;
+    };
+    let describe = |v: &Violation| -> Option<(&RuleTable, u64)> {
+        let table = limiter.tables().get(v.standing.rule)?;
+        let (ms, _) = retry_after(v.standing.retry_at, now, table.window.length_ms());
+        Some((table, ms))
+    };
+    let binding = violations
+        .iter()
+        .filter_map(|v| describe(v).map(|d| (v, d)))
+        .max_by_key(|(_, (_, ms))| *ms)?;
+    let (violation, (table, _)) = binding;
+    let (retry_after_ms, retry_after_secs) = retry_after(verdict.retry_at(), now, table.window.length_ms());
+    let (policy, ratelimit) = ratelimit_fields(table, violation.standing.remaining, retry_after_secs);
+    let estimate = round3(violation.standing.estimate);
+    let detail = match violation.cause {
+        Cause::OverLimit => format!(
+            "quota \"{}\" of {} requests per {} is exhausted (current estimate {estimate}); retry in {retry_after_secs} s",
+            table.name,
+            table.limit,
+            window_text(table)
+        ),
+        Cause::Contention => format!(
+            "quota \"{}\" could not be counted under contention; retry in {retry_after_secs} s",
+            table.name
+        ),
+    };
+    let quotas: Vec<_> = violations
+        .iter()
+        .filter_map(|v| {
+            let (table, ms) = describe(v)?;
+            Some(json!({
+                "policy": table.name.as_str(),
+                "limit": table.limit.get(),
+                "window_ms": table.window.length_ms(),
+                "estimate": round3(v.standing.estimate),
+                "retry_after_ms": ms,
+            }))
+        })
+        .collect();
+    let names: Vec<&str> = violations
+        .iter()
+        .filter_map(|v| limiter.tables().get(v.standing.rule).map(|t| t.name.as_str()))
+        .collect();
+    let body = json!({
+        "type": QUOTA_EXCEEDED,
+        "title": "Too Many Requests",
+        "status": 429,
+        "detail": detail,
+        "violated-policies": names,
+        "policy": table.name.as_str(),
+        "limit": table.limit.get(),
+        "window": window_text(table),
+        "window_ms": table.window.length_ms(),
+        "estimate": estimate,
+        "retry_after": retry_after_secs,
+        "retry_after_ms": retry_after_ms,
+        "quotas": quotas,
+    });
+    Some(Reply {
+        status: 429,
+        headers: vec![
+            ("content-type", "application/problem+json".into()),
+            ("retry-after", retry_after_secs.to_string()),
+            ("ratelimit-policy", policy),
+            ("ratelimit", ratelimit),
+        ],
+        body: body.to_string(),
+    })
+}
+
+fn window_text(table: &RuleTable) -> String {
+    crate::config::DurationMs::from_ms(table.window.length_ms()).map_or_else(String::new, |d| d.to_string())
+}
+
+fn round3(value: f64) -> f64 {
+    (value * 1000.0).round() / 1000.0
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::ratelimit::Probe;
+    use crate::store::MemoryStore;
+
+    fn limiter() -> Limiter {
+        let config = Config::parse(
+            br#"{"rate_limits":[
+              {"name":"per-api-key","key":[{"header":"x-api-key"}],"limit":4,"window":"4s"},
+              {"name":"per-ip","key":["source_ip"],"limit":100,"window":"1m"}]}"#,
+        )
+        .unwrap();
+        Limiter::new(&config, "t")
+    }
+
+    #[test]
+    fn the_429_carries_every_field() {
+        let limiter = limiter();
+        let store = MemoryStore::new();
+        let probes = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
+        // 300 ms into a 4 s bucket.
+        let now = UnixMillis(1_700_000_000_000 + 300);
+        for _ in 0..4 {
+            assert!(matches!(limiter.check(&store, &probes, now, 1), Verdict::Admitted { .. }));
+        }
+        let verdict = limiter.check(&store, &probes, now, 1);
+        let reply = rate_limited(&limiter, &verdict, now).unwrap();
+        assert_eq!(reply.status, 429);
+        let header = |name: &str| reply.headers.iter().find(|(n, _)| *n == name).unwrap().1.clone();
+        assert_eq!(header("content-type"), "application/problem+json");
+        // Earliest admission: 1 s into the next bucket, i.e. 4.7 s from now.
+        assert_eq!(header("retry-after"), "5");
+        assert_eq!(header("ratelimit-policy"), "\"per-api-key\";q=4;w=4");
+        assert_eq!(header("ratelimit"), "\"per-api-key\";r=0;t=5");
+        let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        assert_eq!(body["type"], QUOTA_EXCEEDED);
+        assert_eq!(body["status"], 429);
+        assert_eq!(body["violated-policies"], json!(["per-api-key"]));
+        assert_eq!(body["limit"], 4);
+        assert_eq!(body["window"], "4s");
+        assert_eq!(body["estimate"], 4.0);
+        assert_eq!(body["retry_after"], 5);
+        assert_eq!(body["retry_after_ms"], 4700);
+        assert_eq!(body["quotas"][0]["policy"], "per-api-key");
+        assert!(body["detail"].as_str().unwrap().contains("4 requests per 4s"));
+    }
+
+    #[test]
+    fn admitted_fields_name_the_tightest_rule() {
+        let limiter = limiter();
+        let store = MemoryStore::new();
+        let probes = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
+        let now = UnixMillis(1_700_000_000_000 + 300);
+        let Verdict::Admitted { standings, .. } = limiter.check(&store, &probes, now, 1) else {
+            panic!("admitted")
+        };
+        let (policy, ratelimit) = admitted_fields(&limiter, &standings).unwrap();
+        assert_eq!(policy, "\"per-api-key\";q=4;w=4");
+        // One counted in the current bucket: the estimate is back to zero at the end of the next.
+        assert_eq!(ratelimit, "\"per-api-key\";r=3;t=8");
+    }
+}

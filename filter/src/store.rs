@@ -1,0 +1,199 @@
+//! Envoy shared data behind a small trait, and the compare-and-swap discipline every writer
+//! follows.
+//!
+//! Shared data is one process-wide map per `vm_id` (every worker's VM sees it) with a CAS token
+//! per key, taken from one global counter that every successful write advances. Two host facts
+//! shape this module (`notes/proxy-wasm-envoy.md` §2):
+//! - a write with a CAS token to a key that **does not exist** ignores the token and inserts, so
+//!   two workers that both saw a key absent would both "succeed" and one update would be lost;
+//! - there is no delete and no insert-if-absent.
+//!
+//! [`insert_if_absent`] builds the missing primitive: it first writes a scratch key to obtain a
+//! CAS token that was just issued, then writes the real key with that token. If the key is
+//! absent the host ignores the token and inserts; if anyone created the key in the meantime, its
+//! token was issued after ours, cannot be equal, and the write fails with a mismatch. So a key
+//! is created exactly once and every later write is a checked CAS.
+//!
+//! [`MemoryStore`] reproduces those semantics over a map, for unit tests and native tools.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::num::NonZeroU32;
+use std::sync::Mutex;
+
+/// A CAS token from the host (never zero: zero means "don't check").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cas(pub NonZeroU32);
+
+/// A value read from the store and the token to write it back with.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Stored {
+    /// The bytes (empty for a key whose value was "removed").
+    pub value: Vec<u8>,
+    /// The key's CAS token, if the host gave one.
+    pub cas: Option<Cas>,
+}
+
+/// Why a store operation failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreError {
+    /// The key changed since it was read.
+    CasMismatch,
+    /// The host refused with this status code.
+    Host(u32),
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::CasMismatch => f.write_str("CAS mismatch"),
+            StoreError::Host(code) => write!(f, "host status {code}"),
+        }
+    }
+}
+
+/// Process-wide key-value data with compare-and-swap, as Envoy's shared data provides it.
+pub trait SharedStore {
+    /// Reads a key; `None` when it does not exist.
+    fn get(&self, key: &str) -> Result<Option<Stored>, StoreError>;
+    /// Writes a key. With `Some(cas)` the write fails with [`StoreError::CasMismatch`] if the
+    /// key exists with another token; **a missing key is inserted whatever the token** (Envoy).
+    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError>;
+}
+
+/// The scratch key whose rewrites issue fresh CAS tokens for [`insert_if_absent`].
+pub const TOKEN_KEY: &str = "floodgate/cas-token";
+
+/// Creates `key` with `value` if and only if it does not exist yet. Returns `Ok(true)` when this
+/// call created it, `Ok(false)` when it already existed (its value untouched).
+pub fn insert_if_absent<S: SharedStore + ?Sized>(
+    store: &S,
+    key: &str,
+    value: &[u8],
+) -> Result<bool, StoreError> {
+    store.set(TOKEN_KEY, b"", None)?;
+    let token = store
+        .get(TOKEN_KEY)?
+        .and_then(|stored| stored.cas)
+        .ok_or(StoreError::Host(0))?;
+    match store.set(key, value, Some(token)) {
+        Ok(()) => Ok(true),
+        Err(StoreError::CasMismatch) => Ok(false),
+        Err(other) => Err(other),
+    }
+}
+
+/// Writes `value` over what was read (`read` is `None` when the key was absent), failing with
+/// [`StoreError::CasMismatch`] if anyone wrote or created the key since.
+pub fn write_back<S: SharedStore + ?Sized>(
+    store: &S,
+    key: &str,
+    read: Option<&Stored>,
+    value: &[u8],
+) -> Result<(), StoreError> {
+    match read {
+        Some(Stored { cas: Some(cas), .. }) => store.set(key, value, Some(*cas)),
+        // A host that gave no token for an existing key cannot be written safely.
+        Some(Stored { cas: None, .. }) => Err(StoreError::Host(0)),
+        None => match insert_if_absent(store, key, value)? {
+            true => Ok(()),
+            false => Err(StoreError::CasMismatch),
+        },
+    }
+}
+
+/// An in-memory [`SharedStore`] with Envoy's semantics: one global CAS counter starting at 1 and
+/// skipping 0, tokens ignored for absent keys, token 0 (`None`) meaning an unchecked write.
+#[derive(Default)]
+pub struct MemoryStore {
+    inner: Mutex<MemoryInner>,
+}
+
+#[derive(Default)]
+struct MemoryInner {
+    entries: HashMap<String, (Vec<u8>, u32)>,
+    next_cas: u32,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> MemoryStore {
+        MemoryStore::default()
+    }
+
+    /// How many keys exist.
+    pub fn len(&self) -> usize {
+        self.inner.lock().map_or(0, |inner| inner.entries.len())
+    }
+
+    /// True when no key exists.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl SharedStore for MemoryStore {
+    fn get(&self, key: &str) -> Result<Option<Stored>, StoreError> {
+        let inner = self.inner.lock().map_err(|_| StoreError::Host(10))?;
+        Ok(inner.entries.get(key).map(|(value, cas)| Stored {
+            value: value.clone(),
+            cas: NonZeroU32::new(*cas).map(Cas),
+        }))
+    }
+
+    fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+        let mut inner = self.inner.lock().map_err(|_| StoreError::Host(10))?;
+        if let (Some((_, stored)), Some(Cas(expected))) = (inner.entries.get(key), cas) {
+            if *stored != expected.get() {
+                return Err(StoreError::CasMismatch);
+            }
+        }
+        inner.next_cas = match inner.next_cas.wrapping_add(1) {
+            0 => 1,
+            next => next,
+        };
+        let issued = inner.next_cas;
+        inner.entries.insert(key.to_owned(), (value.to_vec(), issued));
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn memory_store_ignores_the_token_for_absent_keys_like_envoy() {
+        let store = MemoryStore::new();
+        let bogus = Some(Cas(NonZeroU32::new(12345).unwrap()));
+        store.set("k", b"a", bogus).unwrap();
+        assert_eq!(store.set("k", b"b", bogus), Err(StoreError::CasMismatch));
+        let read = store.get("k").unwrap().unwrap();
+        store.set("k", b"c", read.cas).unwrap();
+        assert_eq!(store.set("k", b"d", read.cas), Err(StoreError::CasMismatch));
+        store.set("k", b"e", None).unwrap();
+        assert_eq!(store.get("k").unwrap().unwrap().value, b"e");
+    }
+
+    #[test]
+    fn insert_if_absent_creates_once() {
+        let store = MemoryStore::new();
+        assert!(insert_if_absent(&store, "k", b"first").unwrap());
+        assert!(!insert_if_absent(&store, "k", b"second").unwrap());
+        assert_eq!(store.get("k").unwrap().unwrap().value, b"first");
+    }
+
+    #[test]
+    fn write_back_after_reading_absent_loses_to_a_concurrent_creator() {
+        let store = MemoryStore::new();
+        // Worker A reads: absent. Worker B creates the key and updates it.
+        assert_eq!(store.get("k").unwrap(), None);
+        write_back(&store, "k", None, b"B1").unwrap();
+        let read = store.get("k").unwrap();
+        write_back(&store, "k", read.as_ref(), b"B2").unwrap();
+        // A's write, based on "absent", must fail rather than clobber B's updates.
+        assert_eq!(write_back(&store, "k", None, b"A1"), Err(StoreError::CasMismatch));
+        assert_eq!(store.get("k").unwrap().unwrap().value, b"B2");
+    }
+}

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds the floodgate proxy-wasm module (release profile: LTO, one codegen unit, abort on panic).
+# Installs the wasm32-wasip1 target when missing. The last line of output is the module's path.
+set -euo pipefail
+cd "$(dirname "$0")"
+target=wasm32-wasip1
+if ! rustup target list --installed | grep -qx "$target"; then
+  echo "installing the $target target" >&2
+  rustup target add "$target" >&2
+fi
+cargo build --release --target "$target" -p floodgate >&2
+module="$PWD/target/$target/release/floodgate.wasm"
+ls -l "$module" >&2
+echo "$module"
