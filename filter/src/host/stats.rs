@@ -1,6 +1,6 @@
-//! Every metric the filter defines, in one place. Envoy shows them under their names in
-//! `/stats` (without the `wasmcustom.` namespace) and in `/stats/prometheus` with dots and
-//! dashes turned into underscores.
+//! Every metric the filter defines, in one place. Envoy 1.40 shows them in `/stats` under
+//! `wasmcustom.<name>`, and in `/stats/prometheus` as `<name>` with dots and dashes turned into
+//! underscores (`floodgate_rate_limit_per_api_key_allowed`).
 //!
 //! | name | type | meaning |
 //! |---|---|---|
