@@ -9,8 +9,13 @@
 //!   problem types registry, `violated-policies`, and the figures of each refusing rule.
 
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
+use crate::shed::{Shed, Shedder};
 use crate::time::UnixMillis;
 use serde_json::json;
+
+/// Problem type of a shed request.
+pub const TEMPORARY_REDUCED_CAPACITY: &str =
+    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
 
 /// Problem type of a rate-limited request.
 pub const QUOTA_EXCEEDED: &str = "https://iana.org/assignments/http-problem-types#quota-exceeded";
@@ -127,6 +132,69 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
     })
 }
 
+/// The `503` of a shed request.
+pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
+    let class = shedder.classes.get(shed.class);
+    let class_name = class.map_or("", |c| c.name.as_str());
+    let threshold = class.map_or(0, |c| c.threshold);
+    let detail = if shed.contention {
+        format!("the in-flight count could not be updated under contention; retry in {} s", shedder.retry_after_secs)
+    } else {
+        format!(
+            "{} requests in flight; class \"{class_name}\" is shed from {threshold} (limit {}); retry in {} s",
+            shed.in_flight, shedder.max_active_requests, shedder.retry_after_secs
+        )
+    };
+    let body = json!({
+        "type": TEMPORARY_REDUCED_CAPACITY,
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": detail,
+        "in_flight": shed.in_flight,
+        "max_active_requests": shedder.max_active_requests,
+        "class": class_name,
+        "class_threshold": threshold,
+        "retry_after": shedder.retry_after_secs,
+    });
+    Reply {
+        status: 503,
+        headers: vec![
+            ("content-type", "application/problem+json".into()),
+            ("retry-after", shedder.retry_after_secs.to_string()),
+        ],
+        body: body.to_string(),
+    }
+}
+
+/// The health endpoint's answer: `200` when the proxy takes default-class work, `503` when it
+/// would shed it. `in_flight` is `None` when load shedding is not configured.
+pub fn health(shedder: Option<&Shedder>, in_flight: Option<u32>) -> Reply {
+    let (status, body) = match (shedder, in_flight) {
+        (Some(shedder), Some(in_flight)) => {
+            let overloaded = shedder.overloaded(in_flight);
+            let threshold = shedder.classes.get(shedder.default_class).map_or(0, |c| c.threshold);
+            (
+                if overloaded { 503 } else { 200 },
+                json!({
+                    "status": if overloaded { "overloaded" } else { "ok" },
+                    "in_flight": in_flight,
+                    "max_active_requests": shedder.max_active_requests,
+                    "default_class_threshold": threshold,
+                }),
+            )
+        }
+        _ => (200, json!({"status": "ok"})),
+    };
+    Reply {
+        status,
+        headers: vec![
+            ("content-type", "application/json".into()),
+            ("cache-control", "no-store".into()),
+        ],
+        body: body.to_string(),
+    }
+}
+
 fn window_text(table: &RuleTable) -> String {
     crate::config::DurationMs::from_ms(table.window.length_ms()).map_or_else(String::new, |d| d.to_string())
 }
@@ -183,6 +251,26 @@ mod tests {
         assert_eq!(body["retry_after_ms"], 4700);
         assert_eq!(body["quotas"][0]["policy"], "per-api-key");
         assert!(body["detail"].as_str().unwrap().contains("4 requests per 4s"));
+    }
+
+    #[test]
+    fn the_503_and_the_health_answer() {
+        let config = Config::parse(br#"{"load_shedding":{"max_active_requests":10,"retry_after":"2s"}}"#).unwrap();
+        let shedder = Shedder::new(config.load_shedding.as_ref().unwrap(), "t");
+        let reply = shed(&shedder, &Shed { in_flight: 9, class: 1, contention: false });
+        assert_eq!(reply.status, 503);
+        assert!(reply.headers.contains(&("retry-after", "2".into())));
+        assert!(reply.headers.contains(&("content-type", "application/problem+json".into())));
+        let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        assert_eq!(body["type"], TEMPORARY_REDUCED_CAPACITY);
+        assert_eq!(body["class"], "normal");
+        assert_eq!(body["in_flight"], 9);
+        assert_eq!(body["class_threshold"], 9);
+        assert_eq!(health(Some(&shedder), Some(8)).status, 200);
+        let busy = health(Some(&shedder), Some(9));
+        assert_eq!(busy.status, 503);
+        assert!(busy.body.contains("\"overloaded\""));
+        assert_eq!(health(None, None).status, 200);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 
 mod values;
 
-pub use values::{DurationMs, Name, Positive, MAX_DURATION_MS};
+pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -34,6 +34,75 @@ pub struct Config {
     /// When responses carry the `ratelimit` / `ratelimit-policy` fields.
     #[serde(default)]
     pub ratelimit_headers: RateLimitHeaders,
+    /// The proxy-wide in-flight limit and its priority classes.
+    #[serde(default)]
+    pub load_shedding: Option<LoadShedding>,
+    /// The health endpoint.
+    #[serde(default)]
+    pub health: Option<Health>,
+}
+
+/// `load_shedding`: refuse new requests fast when the proxy already has this many in flight.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoadShedding {
+    /// Proxy-wide (all workers) in-flight limit.
+    pub max_active_requests: Positive,
+    /// The request header whose value names the priority class.
+    #[serde(default = "default_priority_header")]
+    pub priority_header: String,
+    /// Priority classes, each shed once the in-flight count reaches its fraction of the limit.
+    #[serde(default = "default_classes")]
+    pub classes: Vec<PriorityClass>,
+    /// The class of requests without the header or with an unknown value.
+    #[serde(default = "default_class")]
+    pub default_class: Name,
+    /// `retry-after` of a shed request (rounded up to whole seconds, at least 1).
+    #[serde(default = "default_retry_after")]
+    pub retry_after: DurationMs,
+}
+
+/// A priority class.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PriorityClass {
+    /// The header value that selects it.
+    pub name: Name,
+    /// Fraction of `max_active_requests` from which the class is shed, in (0, 1].
+    pub shed_at: Fraction,
+}
+
+/// `health`: a path the filter answers itself.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Health {
+    /// The path (matched without its query), e.g. `/floodgate/health`.
+    pub path: String,
+}
+
+/// The priority header when `priority_header` is not given.
+pub const DEFAULT_PRIORITY_HEADER: &str = "x-floodgate-priority";
+
+fn default_priority_header() -> String {
+    DEFAULT_PRIORITY_HEADER.into()
+}
+
+fn default_classes() -> Vec<PriorityClass> {
+    [("critical", 1.0), ("normal", 0.9), ("low", 0.5)]
+        .into_iter()
+        .map(|(name, shed_at)| PriorityClass {
+            name: Name::trusted(name),
+            shed_at: Fraction::trusted(shed_at),
+        })
+        .collect()
+}
+
+fn default_class() -> Name {
+    Name::trusted("normal")
+}
+
+fn default_retry_after() -> DurationMs {
+    DurationMs::from_ms(1000).unwrap_or(DurationMs::MIN)
 }
 
 fn default_stat_prefix() -> Name {
@@ -239,11 +308,70 @@ impl Config {
                 }
             }
         }
+        if let Some(shedding) = &self.load_shedding {
+            self.validate_shedding(shedding)?;
+        }
+        if let Some(health) = &self.health {
+            if !health.path.starts_with('/') || health.path.contains(['?', '#']) {
+                return Err(ConfigError {
+                    path: "health.path".into(),
+                    problem: format!("{:?} must be a path starting with '/', without query", health.path),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_shedding(&self, shedding: &LoadShedding) -> Result<(), ConfigError> {
+        let error = |path: String, problem: String| ConfigError { path, problem };
+        header_name(&shedding.priority_header)
+            .map_err(|problem| error("load_shedding.priority_header".into(), problem))?;
+        if shedding.classes.is_empty() {
+            return Err(error("load_shedding.classes".into(), "must list at least one class".into()));
+        }
+        for (index, class) in shedding.classes.iter().enumerate() {
+            if let Some(first) = shedding.classes.iter().position(|c| c.name == class.name) {
+                if first < index {
+                    return Err(error(
+                        format!("load_shedding.classes[{index}].name"),
+                        format!("duplicate class name \"{}\" (also load_shedding.classes[{first}].name)", class.name),
+                    ));
+                }
+            }
+        }
+        if !shedding.classes.iter().any(|c| c.name == shedding.default_class) {
+            return Err(error(
+                "load_shedding.default_class".into(),
+                format!("\"{}\" is not one of the classes", shedding.default_class),
+            ));
+        }
         Ok(())
     }
 
     /// A one-line summary of what the configuration enforces, for the configure-time log.
     pub fn summary(&self) -> String {
+        let mut parts = vec![self.rate_limit_summary()];
+        if let Some(shedding) = &self.load_shedding {
+            let classes: Vec<String> = shedding
+                .classes
+                .iter()
+                .map(|c| format!("{} at {}", c.name, c.shed_at.get()))
+                .collect();
+            parts.push(format!(
+                "load shedding: {} in flight, classes by {} [{}], default {}",
+                shedding.max_active_requests.get(),
+                shedding.priority_header,
+                classes.join(", "),
+                shedding.default_class
+            ));
+        }
+        if let Some(health) = &self.health {
+            parts.push(format!("health endpoint {}", health.path));
+        }
+        parts.join("; ")
+    }
+
+    fn rate_limit_summary(&self) -> String {
         if self.rate_limits.is_empty() {
             return "no rate limits".into();
         }
@@ -262,7 +390,7 @@ impl Config {
                 )
             })
             .collect();
-        format!("rate limits: {}", rules.join("; "))
+        format!("rate limits: {}", rules.join(", "))
     }
 }
 
@@ -274,9 +402,20 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
         problem: "must be a JSON object".into(),
     };
     let top = document.as_object().ok_or_else(|| not_object(String::new()))?;
-    if let Some(serde_json::Value::Array(rules)) = top.get("rate_limits") {
-        if let Some(index) = rules.iter().position(|rule| !rule.is_object()) {
-            return Err(not_object(format!("rate_limits[{index}]")));
+    for section in ["load_shedding", "health"] {
+        if top.get(section).is_some_and(|v| !v.is_object() && !v.is_null()) {
+            return Err(not_object(section.into()));
+        }
+    }
+    let lists = [
+        ("rate_limits", top.get("rate_limits")),
+        ("load_shedding.classes", top.get("load_shedding").and_then(|s| s.get("classes"))),
+    ];
+    for (path, list) in lists {
+        if let Some(serde_json::Value::Array(items)) = list {
+            if let Some(index) = items.iter().position(|item| !item.is_object()) {
+                return Err(not_object(format!("{path}[{index}]")));
+            }
         }
     }
     Ok(())
@@ -437,6 +576,43 @@ mod tests {
     fn missing_required_fields_are_named() {
         let err = error_of(r#"{"rate_limits":[{"name":"a","key":["path"],"window":"1s"}]}"#);
         assert!(err.starts_with("rate_limits[0]: missing field `limit`"), "{err}");
+    }
+
+    #[test]
+    fn load_shedding_and_health_parse_with_defaults() {
+        let config = Config::parse(
+            br#"{"load_shedding":{"max_active_requests":500},"health":{"path":"/floodgate/health"}}"#,
+        )
+        .unwrap();
+        let shedding = config.load_shedding.unwrap();
+        assert_eq!(shedding.max_active_requests.get().get(), 500);
+        assert_eq!(shedding.priority_header, DEFAULT_PRIORITY_HEADER);
+        assert_eq!(shedding.classes.len(), 3);
+        assert_eq!(shedding.default_class.as_str(), "normal");
+        assert_eq!(shedding.retry_after.get().get(), 1000);
+        assert_eq!(config.health.unwrap().path, "/floodgate/health");
+    }
+
+    #[test]
+    fn load_shedding_errors_are_named() {
+        for (json, expected) in [
+            (r#"{"load_shedding":{}}"#, "load_shedding: missing field `max_active_requests`"),
+            (r#"{"load_shedding":{"max_active_requests":0}}"#, "load_shedding.max_active_requests: must be a positive integer"),
+            (r#"{"load_shedding":{"max_active_requests":5,"classes":[]}}"#, "load_shedding.classes: must list at least one class"),
+            (r#"{"load_shedding":{"max_active_requests":5,"classes":[{"name":"a","shed_at":1.5}],"default_class":"a"}}"#, "load_shedding.classes[0].shed_at: must be a fraction in (0, 1], got 1.5"),
+            (r#"{"load_shedding":{"max_active_requests":5,"classes":[{"name":"a","shed_at":0}],"default_class":"a"}}"#, "load_shedding.classes[0].shed_at: must be a fraction in (0, 1], got 0"),
+            (r#"{"load_shedding":{"max_active_requests":5,"classes":[{"name":"a","shed_at":1},{"name":"a","shed_at":0.5}],"default_class":"a"}}"#, "load_shedding.classes[1].name: duplicate class name"),
+            (r#"{"load_shedding":{"max_active_requests":5,"default_class":"bulk"}}"#, r#"load_shedding.default_class: "bulk" is not one of the classes"#),
+            (r#"{"load_shedding":{"max_active_requests":5,"priority_header":"a b"}}"#, "load_shedding.priority_header: \"a b\" is not a valid header name"),
+            (r#"{"load_shedding":{"max_active_requests":5,"retry_after":"soon"}}"#, r#"load_shedding.retry_after: "soon" is not a duration"#),
+            (r#"{"load_shedding":{"max_active_requests":5,"classes":["low"]}}"#, "load_shedding.classes[0]: must be a JSON object"),
+            (r#"{"load_shedding":[5]}"#, "load_shedding: must be a JSON object"),
+            (r#"{"health":{"path":"health"}}"#, r#"health.path: "health" must be a path"#),
+            (r#"{"health":{"path":"/h","port":1}}"#, "health.port: unknown field `port`"),
+        ] {
+            let err = error_of(json);
+            assert!(err.starts_with(expected), "{json}\n  got: {err}\n want: {expected}");
+        }
     }
 
     #[test]

@@ -16,6 +16,9 @@ pub const MAX_DURATION_MS: u64 = 366 * 24 * 3600 * 1000;
 pub struct DurationMs(NonZeroU64);
 
 impl DurationMs {
+    /// One millisecond.
+    pub const MIN: DurationMs = DurationMs(NonZeroU64::MIN);
+
     /// The duration in milliseconds, never zero.
     pub fn get(self) -> NonZeroU64 {
         self.0
@@ -82,6 +85,50 @@ impl<'de> Deserialize<'de> for DurationMs {
             }
         }
         deserializer.deserialize_any(DurationVisitor)
+    }
+}
+
+/// A fraction in (0, 1].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fraction(f64);
+
+impl Fraction {
+    /// The value, in (0, 1].
+    pub fn get(self) -> f64 {
+        self.0
+    }
+
+    /// A fraction from a constant of this crate, unchecked.
+    pub(crate) fn trusted(value: f64) -> Fraction {
+        Fraction(value)
+    }
+}
+
+impl<'de> Deserialize<'de> for Fraction {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct FractionVisitor;
+        impl Visitor<'_> for FractionVisitor {
+            type Value = Fraction;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a fraction in (0, 1]")
+            }
+            fn visit_f64<E: de::Error>(self, value: f64) -> Result<Fraction, E> {
+                if value > 0.0 && value <= 1.0 {
+                    Ok(Fraction(value))
+                } else {
+                    Err(E::custom(format!("must be a fraction in (0, 1], got {value}")))
+                }
+            }
+            #[allow(clippy::cast_precision_loss)]
+            fn visit_u64<E: de::Error>(self, value: u64) -> Result<Fraction, E> {
+                self.visit_f64(value as f64)
+            }
+            #[allow(clippy::cast_precision_loss)]
+            fn visit_i64<E: de::Error>(self, value: i64) -> Result<Fraction, E> {
+                self.visit_f64(value as f64)
+            }
+        }
+        deserializer.deserialize_any(FractionVisitor)
     }
 }
 

@@ -5,18 +5,21 @@
 mod stats;
 mod store;
 
-use crate::config::{Config, RateLimitHeaders};
+use crate::config::{Config, KeyPart, RateLimitHeaders};
 use crate::key::{self, KeyHasher, Source};
 use crate::ratelimit::{Cause, Limiter, Verdict};
-use crate::response;
+use crate::response::{self, Reply};
+use crate::shed::{LocalCount, Lease, Shedder, HEARTBEAT_MS};
 use crate::store::{insert_if_absent, SharedStore};
 use crate::time::UnixMillis;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use stats::{increment, Stats};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::UNIX_EPOCH;
+use std::time::{Duration, UNIX_EPOCH};
 use store::EnvoyStore;
 
 proxy_wasm::main! {{
@@ -38,6 +41,31 @@ struct Filter {
     limiter: Limiter,
     hasher: KeyHasher,
     stats: Stats,
+    shedder: Option<Shedder>,
+    /// This VM's in-flight count for the filter's namespace.
+    local: LocalCount,
+}
+
+thread_local! {
+    /// This VM's random id in the shared in-flight record (drawn when the VM starts).
+    static VM_ID: u64 = {
+        let mut bytes = [0u8; 8];
+        if getrandom::fill(&mut bytes).is_err() {
+            log::warn!("floodgate: getrandom failed; the VM id falls back to the clock");
+            bytes = now().0.to_le_bytes();
+        }
+        u64::from_le_bytes(bytes)
+    };
+    /// One in-flight count per filter namespace in this VM, shared by its configurations.
+    static LOCAL_COUNTS: RefCell<HashMap<String, LocalCount>> = RefCell::new(HashMap::new());
+}
+
+fn vm_id() -> u64 {
+    VM_ID.with(|id| *id)
+}
+
+fn local_count(namespace: &str) -> LocalCount {
+    LOCAL_COUNTS.with(|counts| Rc::clone(counts.borrow_mut().entry(namespace.to_owned()).or_default()))
 }
 
 #[derive(Default)]
@@ -72,6 +100,12 @@ impl RootContext for FilterRoot {
             }
         };
         let limiter = Limiter::new(&config, &namespace);
+        let shedder = config.load_shedding.as_ref().map(|s| Shedder::new(s, &namespace));
+        if shedder.is_some() {
+            if let Err(status) = hostcalls::set_tick_period(Duration::from_millis(HEARTBEAT_MS)) {
+                log::warn!("floodgate: no tick ({status:?}): in-flight heartbeats disabled");
+            }
+        }
         log::info!(
             "floodgate: configured {namespace:?}: {} ({} shared-data records at most)",
             config.summary(),
@@ -81,9 +115,19 @@ impl RootContext for FilterRoot {
             stats: Stats::define(&config),
             hasher: KeyHasher::new(seed),
             limiter,
+            shedder,
+            local: local_count(&namespace),
             config,
         }));
         true
+    }
+
+    fn on_tick(&mut self) {
+        let Some(filter) = &self.filter else { return };
+        if let Some(shedder) = &filter.shedder {
+            let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now());
+            stats::set(filter.stats.in_flight, u64::from(total));
+        }
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -96,6 +140,7 @@ impl RootContext for FilterRoot {
             filter,
             ratelimit_fields: None,
             replied: false,
+            lease: None,
         }))
     }
 }
@@ -130,6 +175,61 @@ struct FilterStream {
     filter: Rc<Filter>,
     ratelimit_fields: Option<(String, String)>,
     replied: bool,
+    /// Held from admission to the end of the stream (released in `on_log`; `Drop` is the net).
+    lease: Option<Lease>,
+}
+
+impl FilterStream {
+    /// Sends a local reply; the filter then stops the request.
+    fn reply(&mut self, reply: &Reply) -> Action {
+        let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        self.replied = true;
+        if let Err(status) = hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
+            log::warn!("floodgate: local reply failed: {status:?}");
+        }
+        Action::Pause
+    }
+
+    /// The health endpoint, if this request is for it.
+    fn health(&self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
+        let health = filter.config.health.as_ref()?;
+        let path = fetch(Source::Header(":path"))?;
+        if KeyPart::Path.normalize(&path) != health.path.as_bytes() {
+            return None;
+        }
+        let in_flight = filter
+            .shedder
+            .as_ref()
+            .map(|s| s.in_flight(&EnvoyStore, vm_id(), &filter.local, now));
+        Some(response::health(filter.shedder.as_ref(), in_flight))
+    }
+
+    /// Load shedding: takes a lease, or returns the 503.
+    fn shed(&mut self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
+        let shedder = filter.shedder.as_ref()?;
+        let value = fetch(Source::Header(&shedder.priority_header));
+        let class = shedder.class_of(value.as_deref());
+        match shedder.try_acquire(&EnvoyStore, vm_id(), &filter.local, class, now) {
+            Ok(lease) => {
+                self.lease = Some(lease);
+                None
+            }
+            Err(shed) => {
+                increment(filter.stats.shed.get(class).copied().flatten());
+                if shed.contention {
+                    increment(filter.stats.shed_contention);
+                }
+                log::debug!("floodgate: shed {shed:?}");
+                Some(response::shed(shedder, &shed))
+            }
+        }
+    }
+
+    fn release(&mut self) {
+        if let (Some(lease), Some(shedder)) = (self.lease.take(), self.filter.shedder.as_ref()) {
+            shedder.release(&EnvoyStore, vm_id(), lease, now());
+        }
+    }
 }
 
 impl Context for FilterStream {}
@@ -154,10 +254,16 @@ fn fetch(source: Source<'_>) -> Option<Vec<u8>> {
 impl HttpContext for FilterStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let filter = Rc::clone(&self.filter);
+        let now = now();
+        if let Some(reply) = self.health(&filter, now) {
+            return self.reply(&reply);
+        }
+        if let Some(reply) = self.shed(&filter, now) {
+            return self.reply(&reply);
+        }
         if filter.config.rate_limits.is_empty() {
             return Action::Continue;
         }
-        let now = now();
         let mut skipped = Vec::new();
         let probes = key::probes(&filter.config, &filter.hasher, fetch, &mut skipped);
         for rule in skipped {
@@ -189,17 +295,13 @@ impl HttpContext for FilterStream {
                     return Action::Continue;
                 };
                 log::debug!("floodgate: 429 {}", reply.body);
-                let headers: Vec<(&str, &str)> =
-                    reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
-                self.replied = true;
-                if let Err(status) =
-                    hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes()))
-                {
-                    log::warn!("floodgate: local reply failed: {status:?}");
-                }
-                Action::Pause
+                self.reply(&reply)
             }
         }
+    }
+
+    fn on_log(&mut self) {
+        self.release();
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

@@ -9,6 +9,9 @@
 //! | `<prefix>.rate_limit.<rule>.skipped` | counter | requests lacking a key part (`missing_key: skip`) |
 //! | `<prefix>.rate_limit.<rule>.contention` | counter | requests refused because the counters could not be updated (CAS attempts ran out) |
 //! | `<prefix>.rate_limit.<rule>.evictions` | counter | live keys evicted from a full table slot set |
+//! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 |
+//! | `<prefix>.load_shedding.contention` | counter | requests shed because the in-flight count could not be updated |
+//! | `<prefix>.load_shedding.in_flight` | gauge | proxy-wide in-flight requests, refreshed every second |
 
 use crate::config::Config;
 use proxy_wasm::hostcalls;
@@ -34,6 +37,12 @@ pub struct RuleStats {
 pub struct Stats {
     /// Per rule, in configuration order.
     pub rules: Vec<RuleStats>,
+    /// Per priority class, in configuration order: requests shed.
+    pub shed: Vec<Option<u32>>,
+    /// Requests shed on contention.
+    pub shed_contention: Option<u32>,
+    /// The in-flight gauge.
+    pub in_flight: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -64,7 +73,26 @@ impl Stats {
                 }
             })
             .collect();
-        Stats { rules }
+        let shedding = config.load_shedding.as_ref();
+        let shed = shedding.map_or_else(Vec::new, |s| {
+            s.classes
+                .iter()
+                .map(|c| counter(&format!("{prefix}.load_shedding.{}.shed", c.name)))
+                .collect()
+        });
+        let shed_contention = shedding.and_then(|_| counter(&format!("{prefix}.load_shedding.contention")));
+        let in_flight = shedding.and_then(|_| {
+            let name = format!("{prefix}.load_shedding.in_flight");
+            hostcalls::define_metric(MetricType::Gauge, &name)
+                .map_err(|status| log::warn!("metric {name} could not be defined: {status:?}"))
+                .ok()
+        });
+        Stats {
+            rules,
+            shed,
+            shed_contention,
+            in_flight,
+        }
     }
 
     /// The ids of rule `index` (all absent for an unknown index).
@@ -78,6 +106,15 @@ pub fn increment(id: Option<u32>) {
     if let Some(id) = id {
         if let Err(status) = hostcalls::increment_metric(id, 1) {
             log::debug!("metric {id} not incremented: {status:?}");
+        }
+    }
+}
+
+/// Sets a gauge.
+pub fn set(id: Option<u32>, value: u64) {
+    if let Some(id) = id {
+        if let Err(status) = hostcalls::record_metric(id, value) {
+            log::debug!("metric {id} not set: {status:?}");
         }
     }
 }

@@ -1,0 +1,552 @@
+//! Load shedding on the proxy-wide count of in-flight requests (seed `000_60c4a26782fd3f17.txt`
+//! §17.1; seed `003_15aff1c9dc55ed12.txt`, overload detection by concurrency).
+//!
+//! An admitted request holds a [`Lease`] from its request headers to the end of its stream. A
+//! request of priority class `c` is admitted while
+//!
+//! ```text
+//! in_flight < threshold(c) = max(1, ⌊shed_at(c) × max_active_requests⌋)
+//! ```
+//!
+//! so low classes are shed first and the critical class (`shed_at` 1.0) is admitted up to the full
+//! limit. The count is exact across workers: it lives in one shared-data record updated by CAS.
+//!
+//! Each worker VM counts its own admitted, unfinished requests in a VM-local counter (exact:
+//! a VM is single-threaded) and publishes it in one shared-data record holding an entry per VM
+//! (a random id drawn when the VM starts), with the VM's count and its last heartbeat. To admit,
+//! a VM reads the record, adds the other VMs' published counts to its own, and publishes its
+//! count plus one with a compare-and-swap; on a mismatch (another VM published meanwhile) it
+//! reads again. So no two VMs can both take the last unit: the count is exact.
+//!
+//! A release lowers the local counter and publishes it; should that write fail, the next
+//! heartbeat (every [`HEARTBEAT_MS`]) publishes the true local count, so nothing is ever lost and
+//! the published figure errs only on the safe side, for at most a heartbeat. The total counts
+//! **live** entries only: a VM that died or was replaced (`FAIL_RELOAD`, a code update) stops
+//! heartbeating, and after [`STALE_AFTER_MS`] its entry is ignored and then dropped, so its
+//! streams, which can no longer end, stop counting.
+//!
+//! Record layout (little-endian): version `u8`, entry count `u8`, 2 zero bytes, then per entry VM
+//! id `u64`, in-flight `u32`, last heartbeat (ms since epoch) `u64`.
+
+use crate::config::{LoadShedding, Name};
+use crate::store::{write_back, SharedStore, StoreError};
+use crate::time::UnixMillis;
+use std::cell::Cell;
+use std::rc::Rc;
+
+/// A VM whose heartbeat is older than this is considered gone.
+pub const STALE_AFTER_MS: u64 = 10_000;
+/// How often a VM refreshes its heartbeat.
+pub const HEARTBEAT_MS: u64 = 1_000;
+/// Entries a record holds at most (workers plus replaced VMs not yet expired).
+pub const MAX_VMS: usize = 128;
+
+const RECORD_VERSION: u8 = 1;
+const HEADER_LEN: usize = 4;
+const ENTRY_LEN: usize = 8 + 4 + 8;
+
+/// One VM's share of the in-flight count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmEntry {
+    /// The VM's random id.
+    pub vm: u64,
+    /// Requests this VM admitted that have not ended.
+    pub in_flight: u32,
+    /// When the VM last proved it is alive.
+    pub heartbeat: UnixMillis,
+}
+
+/// The proxy-wide in-flight record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InFlight {
+    /// Per-VM entries.
+    pub entries: Vec<VmEntry>,
+}
+
+/// Why a record could not be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Truncated, padded, or another version.
+    Malformed,
+}
+
+impl InFlight {
+    /// Reads a record, refusing anything malformed.
+    pub fn decode(bytes: &[u8]) -> Result<InFlight, DecodeError> {
+        let (header, body) = bytes.split_at_checked(HEADER_LEN).ok_or(DecodeError::Malformed)?;
+        let [version, count, _, _] = <[u8; HEADER_LEN]>::try_from(header).map_err(|_| DecodeError::Malformed)?;
+        if version != RECORD_VERSION || body.len() != usize::from(count).saturating_mul(ENTRY_LEN) {
+            return Err(DecodeError::Malformed);
+        }
+        let entries = body
+            .chunks_exact(ENTRY_LEN)
+            .map(|chunk| {
+                let (vm, rest) = chunk.split_at(8);
+                let (in_flight, heartbeat) = rest.split_at(4);
+                VmEntry {
+                    vm: u64::from_le_bytes(vm.try_into().unwrap_or_default()),
+                    in_flight: u32::from_le_bytes(in_flight.try_into().unwrap_or_default()),
+                    heartbeat: UnixMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
+                }
+            })
+            .collect();
+        Ok(InFlight { entries })
+    }
+
+    /// Writes the record.
+    pub fn encode(&self) -> Vec<u8> {
+        let count = self.entries.len().min(MAX_VMS);
+        let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(count.saturating_mul(ENTRY_LEN)));
+        out.extend_from_slice(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
+        for entry in self.entries.iter().take(count) {
+            out.extend_from_slice(&entry.vm.to_le_bytes());
+            out.extend_from_slice(&entry.in_flight.to_le_bytes());
+            out.extend_from_slice(&entry.heartbeat.0.to_le_bytes());
+        }
+        out
+    }
+
+    /// Requests in flight across every live VM.
+    pub fn total(&self, now: UnixMillis) -> u32 {
+        self.entries
+            .iter()
+            .filter(|e| is_live(e, now))
+            .fold(0u32, |sum, e| sum.saturating_add(e.in_flight))
+    }
+
+    /// Requests in flight on live VMs other than `vm`.
+    pub fn others(&self, vm: u64, now: UnixMillis) -> u32 {
+        self.entries
+            .iter()
+            .filter(|e| e.vm != vm && is_live(e, now))
+            .fold(0u32, |sum, e| sum.saturating_add(e.in_flight))
+    }
+
+    /// Publishes `vm`'s count as of `now`: drops dead and idle entries of other VMs, then sets
+    /// (or, when zero, removes) `vm`'s entry. Returns false if there was no room for it.
+    pub fn publish(&mut self, vm: u64, in_flight: u32, now: UnixMillis) -> bool {
+        self.entries
+            .retain(|e| e.vm != vm && is_live(e, now) && e.in_flight > 0);
+        if in_flight == 0 {
+            return true;
+        }
+        if self.entries.len() >= MAX_VMS {
+            return false;
+        }
+        self.entries.push(VmEntry {
+            vm,
+            in_flight,
+            heartbeat: now,
+        });
+        true
+    }
+
+    /// Whether a heartbeat of `vm` with local count `in_flight` would change anything worth a
+    /// write: its own entry is missing, stale-bound or wrong, or there are dead entries to drop.
+    pub fn needs_heartbeat(&self, vm: u64, in_flight: u32, now: UnixMillis) -> bool {
+        let own = self.entries.iter().find(|e| e.vm == vm);
+        let own_current = match own {
+            Some(e) => e.in_flight == in_flight && now.saturating_since(e.heartbeat) < HEARTBEAT_MS,
+            None => in_flight == 0,
+        };
+        !own_current || self.entries.iter().any(|e| !is_live(e, now))
+    }
+}
+
+/// The decision for one request, given the published record and this VM's local count.
+pub fn admits(record: &InFlight, vm: u64, local: u32, threshold: u32, now: UnixMillis) -> Result<u32, u32> {
+    let total = record.others(vm, now).saturating_add(local);
+    if total < threshold {
+        Ok(total)
+    } else {
+        Err(total)
+    }
+}
+
+fn is_live(entry: &VmEntry, now: UnixMillis) -> bool {
+    now.saturating_since(entry.heartbeat) < STALE_AFTER_MS
+}
+
+/// The admission threshold of a class: `max(1, ⌊shed_at × max_active_requests⌋)`.
+pub fn threshold(shed_at: f64, max_active_requests: u32) -> u32 {
+    let scaled = (shed_at * f64::from(max_active_requests)).floor();
+    // `shed_at` is validated to (0, 1], so the product fits; clamp anyway.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let value = scaled.clamp(1.0, f64::from(max_active_requests)) as u32;
+    value
+}
+
+/// The requests this VM admitted that have not ended: the truth for this VM, which the shared
+/// record only mirrors. One per VM and filter namespace, shared by its configurations.
+pub type LocalCount = Rc<Cell<u32>>;
+
+/// A request's hold on one unit of the in-flight count, released exactly once: by
+/// [`Shedder::release`] when the stream ends, or, should the stream vanish without that, by
+/// `Drop`, which lowers the local count (the next heartbeat publishes it).
+#[derive(Debug)]
+#[must_use = "an admitted request must release its lease when its stream ends"]
+pub struct Lease {
+    local: LocalCount,
+    released: bool,
+}
+
+impl Lease {
+    fn end(&mut self) {
+        if !self.released {
+            self.released = true;
+            self.local.set(self.local.get().saturating_sub(1));
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// A priority class and the in-flight count at which it is shed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Class {
+    /// The class name (the priority header's value).
+    pub name: Name,
+    /// Admitted while the in-flight count is below this.
+    pub threshold: u32,
+}
+
+/// Why a request was shed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shed {
+    /// In-flight requests when it was refused.
+    pub in_flight: u32,
+    /// Index of its class.
+    pub class: usize,
+    /// True when the shared count could not be updated (CAS attempts ran out).
+    pub contention: bool,
+}
+
+/// Attempts to publish an admission before shedding on contention.
+pub const MAX_ATTEMPTS: u32 = 32;
+
+/// The proxy-wide in-flight limit of one filter instance.
+#[derive(Clone, Debug)]
+pub struct Shedder {
+    key: String,
+    /// The configured limit.
+    pub max_active_requests: u32,
+    /// Priority classes, in configuration order.
+    pub classes: Vec<Class>,
+    /// Index of the class of requests without (or with an unknown) priority header value.
+    pub default_class: usize,
+    /// The request header naming the class.
+    pub priority_header: String,
+    /// `retry-after` of a shed request, in seconds.
+    pub retry_after_secs: u64,
+}
+
+impl Shedder {
+    /// The shedder of `config`, its record under `namespace`.
+    pub fn new(config: &LoadShedding, namespace: &str) -> Shedder {
+        let max = config.max_active_requests.get().get();
+        let classes: Vec<Class> = config
+            .classes
+            .iter()
+            .map(|c| Class {
+                name: c.name.clone(),
+                threshold: threshold(c.shed_at.get(), max),
+            })
+            .collect();
+        let default_class = classes
+            .iter()
+            .position(|c| c.name == config.default_class)
+            .unwrap_or(0);
+        Shedder {
+            key: format!("floodgate/{namespace}/in-flight"),
+            max_active_requests: max,
+            classes,
+            default_class,
+            priority_header: config.priority_header.clone(),
+            retry_after_secs: config.retry_after.ceil_secs().max(1),
+        }
+    }
+
+    /// The class a priority header value names (the default class for `None` or unknown).
+    pub fn class_of(&self, value: Option<&[u8]>) -> usize {
+        value
+            .and_then(|v| self.classes.iter().position(|c| c.name.as_str().as_bytes() == v))
+            .unwrap_or(self.default_class)
+    }
+
+    fn read<S: SharedStore + ?Sized>(&self, store: &S) -> Result<(Option<crate::store::Stored>, InFlight), StoreError> {
+        let stored = store.get(&self.key)?;
+        // A malformed record is not trusted: it is replaced by this VM's view at the next write.
+        let record = stored
+            .as_ref()
+            .and_then(|s| InFlight::decode(&s.value).ok())
+            .unwrap_or_default();
+        Ok((stored, record))
+    }
+
+    /// Admits a request of `class` on VM `vm` whose local count is `local`, or sheds it.
+    pub fn try_acquire<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        local: &LocalCount,
+        class: usize,
+        now: UnixMillis,
+    ) -> Result<Lease, Shed> {
+        let threshold = self.classes.get(class).map_or(0, |c| c.threshold);
+        let mut last_total = local.get();
+        for _ in 0..MAX_ATTEMPTS {
+            let Ok((stored, mut record)) = self.read(store) else { break };
+            let mine = local.get();
+            last_total = match admits(&record, vm, mine, threshold, now) {
+                Ok(total) => total,
+                Err(total) => return Err(Shed { in_flight: total, class, contention: false }),
+            };
+            let wanted = mine.saturating_add(1);
+            if !record.publish(vm, wanted, now) {
+                break;
+            }
+            match write_back(store, &self.key, stored.as_ref(), &record.encode()) {
+                Ok(()) => {
+                    local.set(local.get().saturating_add(1));
+                    return Ok(Lease { local: Rc::clone(local), released: false });
+                }
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Host(_)) => break,
+            }
+        }
+        Err(Shed { in_flight: last_total, class, contention: true })
+    }
+
+    /// Ends an admitted request: lowers the local count and publishes it (if that write loses
+    /// every race, the next heartbeat publishes it).
+    pub fn release<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, mut lease: Lease, now: UnixMillis) {
+        lease.end();
+        self.publish(store, vm, &lease.local, now, true);
+    }
+
+    /// Refreshes this VM's entry (on every tick): publishes the local count if the record
+    /// disagrees with it or holds dead entries. Returns the proxy-wide in-flight count.
+    pub fn heartbeat<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis) -> u32 {
+        self.publish(store, vm, local, now, false)
+    }
+
+    /// The proxy-wide in-flight count as this VM sees it.
+    pub fn in_flight<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis) -> u32 {
+        self.read(store)
+            .map_or(local.get(), |(_, record)| record.others(vm, now).saturating_add(local.get()))
+    }
+
+    /// Whether a request of the default class would be shed now (the health endpoint's answer).
+    pub fn overloaded(&self, in_flight: u32) -> bool {
+        self.classes
+            .get(self.default_class)
+            .is_some_and(|c| in_flight >= c.threshold)
+    }
+
+    fn publish<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis, always: bool) -> u32 {
+        let mut total = local.get();
+        for _ in 0..MAX_ATTEMPTS {
+            let Ok((stored, mut record)) = self.read(store) else { break };
+            let mine = local.get();
+            total = record.others(vm, now).saturating_add(mine);
+            if !always && !record.needs_heartbeat(vm, mine, now) {
+                break;
+            }
+            if stored.is_none() && mine == 0 {
+                break;
+            }
+            record.publish(vm, mine, now);
+            match write_back(store, &self.key, stored.as_ref(), &record.encode()) {
+                Err(StoreError::CasMismatch) => continue,
+                _ => break,
+            }
+        }
+        total
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    const T0: UnixMillis = UnixMillis(1_700_000_000_000);
+
+    #[test]
+    fn thresholds_per_class() {
+        assert_eq!(threshold(1.0, 10), 10);
+        assert_eq!(threshold(0.9, 10), 9);
+        assert_eq!(threshold(0.55, 10), 5);
+        assert_eq!(threshold(0.01, 10), 1, "every class gets at least one");
+    }
+
+    /// One VM admitting into a record, as the store layer does it.
+    fn admit(record: &mut InFlight, vm: u64, local: &mut u32, threshold: u32, now: UnixMillis) -> Result<u32, u32> {
+        let total = admits(record, vm, *local, threshold, now)?;
+        *local += 1;
+        assert!(record.publish(vm, *local, now));
+        Ok(total)
+    }
+
+    #[test]
+    fn admission_at_every_boundary() {
+        let mut record = InFlight::default();
+        let (mut one, mut two) = (0, 0);
+        for i in 0..5 {
+            assert_eq!(admit(&mut record, 1, &mut one, 5, T0), Ok(i));
+        }
+        assert_eq!(admit(&mut record, 2, &mut two, 5, T0), Err(5), "at the threshold: shed");
+        assert_eq!(admit(&mut record, 2, &mut two, 4, T0), Err(5), "a lower class is shed earlier");
+        assert_eq!(admit(&mut record, 2, &mut two, 6, T0), Ok(5), "a higher class still fits");
+        assert_eq!(record.total(T0), 6);
+        one -= 1;
+        record.publish(1, one, T0);
+        assert_eq!(admit(&mut record, 2, &mut two, 6, T0), Ok(5));
+    }
+
+    #[test]
+    fn releases_bring_the_count_back_to_zero() {
+        let mut record = InFlight::default();
+        let mut locals = [0u32; 3];
+        for (vm, local) in locals.iter_mut().enumerate() {
+            for _ in 0..4 {
+                admit(&mut record, vm as u64, local, 100, T0).unwrap();
+            }
+        }
+        for vm in [2usize, 0, 1] {
+            for _ in 0..4 {
+                locals[vm] -= 1;
+                record.publish(vm as u64, locals[vm], T0);
+            }
+        }
+        assert_eq!(record.total(T0), 0);
+        assert!(record.entries.is_empty(), "idle VMs leave no entry");
+    }
+
+    #[test]
+    fn a_failed_release_write_is_repaired_by_the_next_heartbeat() {
+        let mut record = InFlight::default();
+        let mut local = 0;
+        admit(&mut record, 1, &mut local, 10, T0).unwrap();
+        local -= 1; // the release's write is lost: the record still says 1
+        assert_eq!(record.total(T0), 1);
+        assert!(record.needs_heartbeat(1, local, T0));
+        record.publish(1, local, T0);
+        assert_eq!(record.total(T0), 0);
+        assert!(!record.needs_heartbeat(1, local, T0));
+    }
+
+    #[test]
+    fn a_dead_vm_stops_counting_after_the_stale_period() {
+        let mut record = InFlight::default();
+        let (mut dead, mut alive) = (0, 0);
+        for _ in 0..3 {
+            admit(&mut record, 7, &mut dead, 10, T0).unwrap(); // VM 7 admits 3, then dies
+        }
+        admit(&mut record, 8, &mut alive, 10, T0).unwrap();
+        let later = T0.plus_ms(STALE_AFTER_MS - 1);
+        assert!(record.needs_heartbeat(8, alive, later));
+        record.publish(8, alive, later);
+        assert_eq!(record.total(later), 4, "still within the stale period");
+        let after = T0.plus_ms(STALE_AFTER_MS + 500);
+        assert_eq!(record.total(after), 1, "VM 7's streams no longer count");
+        assert!(record.needs_heartbeat(8, alive, after));
+        record.publish(8, alive, after);
+        assert!(record.entries.iter().all(|e| e.vm != 7), "and its entry is gone");
+    }
+
+    #[test]
+    fn an_idle_vm_need_not_write_a_heartbeat() {
+        let record = InFlight::default();
+        assert!(!record.needs_heartbeat(1, 0, T0));
+        assert!(record.needs_heartbeat(1, 1, T0));
+    }
+
+    fn shedder(max: u32) -> Shedder {
+        let config = crate::config::Config::parse(
+            format!(r#"{{"load_shedding":{{"max_active_requests":{max}}}}}"#).as_bytes(),
+        )
+        .unwrap();
+        Shedder::new(config.load_shedding.as_ref().unwrap(), "t")
+    }
+
+    #[test]
+    fn default_classes_shed_low_first_and_admit_critical_to_the_limit() {
+        let shedder = shedder(10);
+        let names: Vec<(&str, u32)> = shedder.classes.iter().map(|c| (c.name.as_str(), c.threshold)).collect();
+        assert_eq!(names, vec![("critical", 10), ("normal", 9), ("low", 5)]);
+        assert_eq!(shedder.class_of(None), 1);
+        assert_eq!(shedder.class_of(Some(b"low")), 2);
+        assert_eq!(shedder.class_of(Some(b"\xff\xfe")), 1);
+    }
+
+    #[test]
+    fn two_vms_share_one_exact_count_through_the_store() {
+        let store = crate::store::MemoryStore::new();
+        let shedder = shedder(10);
+        let (a, b): (LocalCount, LocalCount) = (Rc::default(), Rc::default());
+        let mut leases = Vec::new();
+        for i in 0..10 {
+            let (vm, local) = if i % 2 == 0 { (1, &a) } else { (2, &b) };
+            leases.push((vm, shedder.try_acquire(&store, vm, local, 0, T0).unwrap()));
+        }
+        let shed = shedder.try_acquire(&store, 1, &a, 0, T0).unwrap_err();
+        assert_eq!(shed, Shed { in_flight: 10, class: 0, contention: false });
+        assert!(shedder.overloaded(shedder.in_flight(&store, 1, &a, T0)));
+        let (vm, lease) = leases.pop().unwrap();
+        shedder.release(&store, vm, lease, T0);
+        assert_eq!(shedder.in_flight(&store, 1, &a, T0), 9);
+        assert!(shedder.try_acquire(&store, 1, &a, 2, T0).is_err(), "low sheds at 5");
+        leases.push((1, shedder.try_acquire(&store, 1, &a, 0, T0).unwrap()));
+        for (vm, lease) in leases {
+            shedder.release(&store, vm, lease, T0);
+        }
+        assert_eq!(shedder.in_flight(&store, 1, &a, T0), 0);
+        assert_eq!((a.get(), b.get()), (0, 0));
+    }
+
+    #[test]
+    fn a_dropped_lease_is_released_locally_and_published_by_the_heartbeat() {
+        let store = crate::store::MemoryStore::new();
+        let shedder = shedder(10);
+        let local: LocalCount = Rc::default();
+        let lease = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
+        drop(lease);
+        assert_eq!(local.get(), 0);
+        assert_eq!(shedder.in_flight(&store, 2, &Rc::default(), T0), 1, "not yet published");
+        shedder.heartbeat(&store, 1, &local, T0);
+        assert_eq!(shedder.in_flight(&store, 2, &Rc::default(), T0), 0);
+    }
+
+    #[test]
+    fn a_released_lease_is_not_released_again_on_drop() {
+        let store = crate::store::MemoryStore::new();
+        let shedder = shedder(10);
+        let local: LocalCount = Rc::default();
+        let first = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
+        let _second = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
+        shedder.release(&store, 1, first, T0);
+        assert_eq!(local.get(), 1);
+    }
+
+    #[test]
+    fn records_round_trip_and_refuse_corruption() {
+        let mut record = InFlight::default();
+        record.publish(11, 2, T0);
+        record.publish(12, 1, T0);
+        let bytes = record.encode();
+        assert_eq!(InFlight::decode(&bytes), Ok(record));
+        for cut in 0..bytes.len() {
+            assert!(InFlight::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut bad = bytes.clone();
+        bad[1] = 3;
+        assert_eq!(InFlight::decode(&bad), Err(DecodeError::Malformed));
+        assert_eq!(InFlight::decode(&[]), Err(DecodeError::Malformed));
+        assert_eq!(InFlight::decode(&[1, 0, 0, 0]), Ok(InFlight::default()));
+    }
+}
