@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Runs the floodgate demo: builds the Wasm module, installs Envoy into .venv/ if needed, then runs
+# Envoy in the foreground with envoy/demo.yaml (Ctrl-C to stop). Everything listens on 127.0.0.1.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+./wasm-build.sh
+envoy=$(scripts/envoy.sh | tail -n1)
+
+cat <<'TXT'
+
+floodgate demo: Envoy on 127.0.0.1:10000 (admin on 127.0.0.1:9901).
+Rule "per-api-key" allows 5 requests per 10 s per x-api-key; "per-ip" 100 per minute per client.
+In another terminal, try:
+
+  # five 200s, then 429s
+  for i in $(seq 1 7); do curl -s -o /dev/null -w '%{http_code}\n' -H 'x-api-key: demo' localhost:10000/; done
+
+  # a refused request in full: retry-after, ratelimit headers and the problem+json body
+  curl -i -H 'x-api-key: demo' localhost:10000/
+
+  # another key has its own quota
+  curl -i -H 'x-api-key: other' localhost:10000/
+
+  # the filter's counters
+  curl -s localhost:9901/stats | grep floodgate
+
+Starting Envoy (Ctrl-C to stop)...
+TXT
+
+exec "$envoy" -c envoy/demo.yaml --concurrency 2 -l info --disable-hot-restart

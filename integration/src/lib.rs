@@ -1,0 +1,1106 @@
+//! Test harness for floodgate's integration tests.
+//!
+//! The tests in `integration/tests/` load the built Wasm module into a real Envoy process, put a
+//! real HTTP/1.1 upstream behind it, and talk to it over loopback (127.0.0.1 only). This crate
+//! holds what they share:
+//!
+//! * [`wasm_module`] and [`envoy_binary`] locate the artifacts (`FLOODGATE_WASM` / `ENVOY_BIN`, or
+//!   their default places in the workspace). A missing artifact fails the test with a message
+//!   telling to run `./test.sh`; nothing is ever skipped silently.
+//! * [`Upstream`]: a hyper HTTP/1.1 server on an ephemeral port that counts what it receives.
+//! * [`Envoy`]: a real Envoy started from a generated bootstrap with the floodgate filter in front
+//!   of the router; exposes its listener address, admin API, stats, RSS and log.
+//! * [`Client`] (hyper, keep-alive) and [`raw_request`] (arbitrary bytes over a `TcpStream`) to send
+//!   requests.
+//! * [`wait_for_window_phase`] to keep a timing-sensitive test clear of an epoch-aligned window
+//!   boundary.
+//!
+//! Every wait in here is bounded; every server binds 127.0.0.1.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Display;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream as StdTcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper::header::{HeaderMap, HeaderName};
+use hyper::service::service_fn;
+use hyper::{Request, Response as HyperResponse};
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+pub use serde_json::{json, Value};
+
+/// Default stat prefix of the filter's metrics (`stat_prefix` in the configuration).
+pub const STAT_PREFIX: &str = "floodgate";
+
+/// The namespace Envoy puts the module's metrics in (shown in `/stats`, not in
+/// `/stats/prometheus`).
+pub const WASM_CUSTOM_NAMESPACE: &str = "wasmcustom.";
+
+/// How long Envoy may take to become ready (V8 compiles the module once per VM).
+const ENVOY_START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long [`EnvoyBuilder::start_expecting_failure`] waits for Envoy to exit.
+const ENVOY_FAILURE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Timeout of one request made by the helpers in this crate.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Error type of the client helpers.
+pub type Error = Box<dyn std::error::Error + Send + Sync>;
+
+// ---------------------------------------------------------------------------------------------
+// Artifacts
+// ---------------------------------------------------------------------------------------------
+
+/// The workspace root (the parent of this crate's directory).
+pub fn workspace_root() -> PathBuf {
+    let manifest = Path::new(env!("CARGO_MANIFEST_DIR"));
+    manifest
+        .parent()
+        .expect("integration/ has a parent directory")
+        .to_path_buf()
+}
+
+/// The built floodgate Wasm module: `$FLOODGATE_WASM`, else
+/// `<workspace>/target/wasm32-wasip1/release/floodgate.wasm`. Panics with a clear message if it is
+/// missing.
+pub fn wasm_module() -> PathBuf {
+    if let Some(p) = std::env::var_os("FLOODGATE_WASM") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "FLOODGATE_WASM={} does not exist: run ./test.sh (it builds the module with ./wasm-build.sh)",
+            p.display()
+        );
+        return absolute(&p);
+    }
+    let p = workspace_root().join("target/wasm32-wasip1/release/floodgate.wasm");
+    assert!(
+        p.is_file(),
+        "the floodgate Wasm module is not built ({} is missing and FLOODGATE_WASM is unset): \
+         run ./test.sh, which builds it with ./wasm-build.sh",
+        p.display()
+    );
+    p
+}
+
+/// The real Envoy binary: `$ENVOY_BIN`, else
+/// `<workspace>/.venv/lib/python3*/site-packages/envoy/_bin/envoy` (installed by
+/// `scripts/envoy.sh`). Panics with a clear message if it is missing.
+pub fn envoy_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "ENVOY_BIN={} does not exist: run ./test.sh (it installs Envoy with scripts/envoy.sh)",
+            p.display()
+        );
+        return absolute(&p);
+    }
+    let lib = workspace_root().join(".venv/lib");
+    if let Ok(entries) = std::fs::read_dir(&lib) {
+        let mut found: Vec<PathBuf> = entries
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("python3"))
+            .map(|e| e.path().join("site-packages/envoy/_bin/envoy"))
+            .filter(|p| p.is_file())
+            .collect();
+        found.sort();
+        if let Some(p) = found.pop() {
+            return p;
+        }
+    }
+    panic!(
+        "Envoy is not installed (no {}/python3*/site-packages/envoy/_bin/envoy and ENVOY_BIN is \
+         unset): run ./test.sh, which installs it with scripts/envoy.sh",
+        lib.display()
+    );
+}
+
+fn absolute(p: &Path) -> PathBuf {
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .expect("current directory")
+            .join(p)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Time windows
+// ---------------------------------------------------------------------------------------------
+
+/// Time since the Unix epoch, from the system clock (the clock Envoy gives the filter).
+pub fn since_epoch() -> Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("system clock after 1970")
+}
+
+/// How far "now" is into the current window, windows being aligned to multiples of `window`
+/// since the Unix epoch.
+pub fn window_phase(window: Duration) -> Duration {
+    let w = window.as_nanos();
+    assert!(w > 0, "window must be positive");
+    Duration::from_nanos((since_epoch().as_nanos() % w) as u64)
+}
+
+/// Blocks until "now" is between `min_phase` and `max_phase` into an epoch-aligned window of
+/// length `window` (so a test that starts now stays clear of a window boundary), and returns the
+/// phase at that moment. Waits at most one window.
+pub fn wait_for_window_phase(window: Duration, min_phase: Duration, max_phase: Duration) -> Duration {
+    assert!(
+        min_phase < max_phase && max_phase <= window,
+        "need min_phase < max_phase <= window"
+    );
+    let deadline = Instant::now() + window + Duration::from_secs(1);
+    let mut announced = false;
+    loop {
+        let phase = window_phase(window);
+        if phase >= min_phase && phase <= max_phase {
+            return phase;
+        }
+        let wait = if phase < min_phase {
+            min_phase - phase
+        } else {
+            window - phase + min_phase
+        };
+        if !announced && wait > Duration::from_secs(1) {
+            eprintln!(
+                "waiting {:.1} s to be {:?}..{:?} into a {:?} window",
+                wait.as_secs_f64(),
+                min_phase,
+                max_phase,
+                window
+            );
+            announced = true;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "wait_for_window_phase did not converge"
+        );
+        // Aim a little past the start of the range: sleeping overshoots by scheduling jitter only.
+        std::thread::sleep(wait + Duration::from_millis(2));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Upstream
+// ---------------------------------------------------------------------------------------------
+
+/// Options of an [`Upstream`].
+#[derive(Clone, Debug, Default)]
+pub struct UpstreamOptions {
+    /// Also count requests per value of this request header (see [`Upstream::count_for`]).
+    pub count_header: Option<String>,
+    /// Wait this long before answering each request.
+    pub delay: Option<Duration>,
+}
+
+struct UpstreamState {
+    total: AtomicU64,
+    count_header: Option<HeaderName>,
+    by_value: Mutex<HashMap<Vec<u8>, u64>>,
+    delay: Option<Duration>,
+}
+
+/// The body every [`Upstream`] answers with.
+pub const UPSTREAM_BODY: &str = "upstream ok\n";
+
+/// A hyper HTTP/1.1 server on `127.0.0.1:<ephemeral>` that answers every request `200` with
+/// [`UPSTREAM_BODY`] and counts the requests it received. It runs on its own thread and tokio
+/// runtime; dropping it stops it.
+pub struct Upstream {
+    addr: SocketAddr,
+    state: Arc<UpstreamState>,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Upstream {
+    /// Starts an upstream with default options.
+    pub fn start() -> Upstream {
+        Upstream::with_options(UpstreamOptions::default())
+    }
+
+    /// Starts an upstream that also counts requests per value of `header`.
+    pub fn counting_header(header: &str) -> Upstream {
+        Upstream::with_options(UpstreamOptions {
+            count_header: Some(header.to_string()),
+            ..UpstreamOptions::default()
+        })
+    }
+
+    /// Starts an upstream with the given options.
+    pub fn with_options(options: UpstreamOptions) -> Upstream {
+        let state = Arc::new(UpstreamState {
+            total: AtomicU64::new(0),
+            count_header: options.count_header.as_deref().map(|h| {
+                HeaderName::from_bytes(h.as_bytes()).expect("count_header is a valid header name")
+            }),
+            by_value: Mutex::new(HashMap::new()),
+            delay: options.delay,
+        });
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+        listener.set_nonblocking(true).expect("nonblocking listener");
+        let addr = listener.local_addr().expect("upstream address");
+        let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
+        let thread_state = state.clone();
+        let thread = std::thread::Builder::new()
+            .name("upstream".into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("upstream runtime");
+                rt.block_on(async move {
+                    let listener = TcpListener::from_std(listener).expect("tokio listener");
+                    loop {
+                        tokio::select! {
+                            _ = &mut rx => break,
+                            accepted = listener.accept() => {
+                                let Ok((stream, _)) = accepted else { continue };
+                                let _ = stream.set_nodelay(true);
+                                let state = thread_state.clone();
+                                tokio::spawn(async move {
+                                    let svc = service_fn(move |req| handle_upstream(state.clone(), req));
+                                    let _ = hyper::server::conn::http1::Builder::new()
+                                        .keep_alive(true)
+                                        .serve_connection(TokioIo::new(stream), svc)
+                                        .await;
+                                });
+                            }
+                        }
+                    }
+                });
+                // Dropping the runtime here cancels the connection tasks.
+            })
+            .expect("spawn upstream thread");
+        Upstream {
+            addr,
+            state,
+            shutdown: Some(tx),
+            thread: Some(thread),
+        }
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Requests received so far.
+    pub fn total(&self) -> u64 {
+        self.state.total.load(Ordering::SeqCst)
+    }
+
+    /// Requests received so far whose `count_header` had this value (0 if none).
+    pub fn count_for(&self, value: &str) -> u64 {
+        self.count_for_bytes(value.as_bytes())
+    }
+
+    /// Like [`Upstream::count_for`], for a value given as bytes.
+    pub fn count_for_bytes(&self, value: &[u8]) -> u64 {
+        assert!(
+            self.state.count_header.is_some(),
+            "this upstream does not count per header value"
+        );
+        let map = self.state.by_value.lock().expect("upstream counts");
+        map.get(value).copied().unwrap_or(0)
+    }
+
+    /// Requests received so far that lacked `count_header`.
+    pub fn count_without_header(&self) -> u64 {
+        let with: u64 = {
+            let map = self.state.by_value.lock().expect("upstream counts");
+            map.values().sum()
+        };
+        self.total() - with
+    }
+}
+
+async fn handle_upstream(
+    state: Arc<UpstreamState>,
+    req: Request<Incoming>,
+) -> Result<HyperResponse<Full<Bytes>>, hyper::Error> {
+    if let Some(name) = &state.count_header {
+        if let Some(v) = req.headers().get(name) {
+            let mut map = state.by_value.lock().expect("upstream counts");
+            *map.entry(v.as_bytes().to_vec()).or_insert(0) += 1;
+        }
+    }
+    state.total.fetch_add(1, Ordering::SeqCst);
+    // Drain the request body (none is expected; this keeps the connection reusable).
+    let _ = req.into_body().collect().await;
+    if let Some(d) = state.delay {
+        tokio::time::sleep(d).await;
+    }
+    Ok(HyperResponse::builder()
+        .status(200)
+        .header("content-type", "text/plain")
+        .body(Full::new(Bytes::from_static(UPSTREAM_BODY.as_bytes())))
+        .expect("upstream response"))
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Envoy
+// ---------------------------------------------------------------------------------------------
+
+/// Builds and starts an [`Envoy`]: the floodgate filter (with the given JSON configuration) in
+/// front of the router, routing every request to a cluster of the given upstreams.
+pub struct EnvoyBuilder {
+    filter_config: String,
+    upstreams: Vec<SocketAddr>,
+    concurrency: usize,
+}
+
+impl EnvoyBuilder {
+    /// A builder with the filter configuration `filter_config` (a `serde_json::Value` or a JSON
+    /// string; it is passed verbatim as the plugin's `StringValue` configuration).
+    pub fn new(filter_config: impl Display) -> EnvoyBuilder {
+        EnvoyBuilder {
+            filter_config: filter_config.to_string(),
+            upstreams: Vec::new(),
+            concurrency: 2,
+        }
+    }
+
+    /// Adds an upstream to the `upstream` cluster.
+    pub fn upstream(mut self, upstream: &Upstream) -> EnvoyBuilder {
+        self.upstreams.push(upstream.addr());
+        self
+    }
+
+    /// Number of Envoy worker threads (`--concurrency`, default 2).
+    pub fn concurrency(mut self, n: usize) -> EnvoyBuilder {
+        self.concurrency = n;
+        self
+    }
+
+    /// The bootstrap configuration (JSON, which Envoy reads as YAML too).
+    pub fn bootstrap(&self) -> Value {
+        let endpoints: Vec<Value> = if self.upstreams.is_empty() {
+            // Nothing listens there: requests that reach the router get 503 (no test relies on it).
+            vec![endpoint("127.0.0.1:9".parse().expect("addr"))]
+        } else {
+            self.upstreams.iter().map(|a| endpoint(*a)).collect()
+        };
+        json!({
+            "admin": {
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
+            },
+            "static_resources": {
+                "listeners": [{
+                    "name": "front",
+                    "stat_prefix": "front",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                    "filter_chains": [{
+                        "filters": [{
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                                "stat_prefix": "front",
+                                "max_request_headers_kb": 96,
+                                "route_config": {
+                                    "name": "front",
+                                    "virtual_hosts": [{
+                                        "name": "all",
+                                        "domains": ["*"],
+                                        "routes": [{
+                                            "match": {"prefix": "/"},
+                                            "route": {"cluster": "upstream", "timeout": "30s"}
+                                        }]
+                                    }]
+                                },
+                                "http_filters": [
+                                    {
+                                        "name": "envoy.filters.http.wasm",
+                                        "typed_config": {
+                                            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                                            "config": {
+                                                "name": "floodgate",
+                                                "root_id": "floodgate",
+                                                "failure_policy": "FAIL_CLOSED",
+                                                "configuration": {
+                                                    "@type": "type.googleapis.com/google.protobuf.StringValue",
+                                                    "value": self.filter_config
+                                                },
+                                                "vm_config": {
+                                                    "vm_id": "floodgate",
+                                                    "runtime": "envoy.wasm.runtime.v8",
+                                                    "code": {"local": {"filename": wasm_module().display().to_string()}}
+                                                }
+                                            }
+                                        }
+                                    },
+                                    {
+                                        "name": "envoy.filters.http.router",
+                                        "typed_config": {
+                                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
+                                        }
+                                    }
+                                ]
+                            }
+                        }]
+                    }]
+                }],
+                "clusters": [{
+                    "name": "upstream",
+                    "type": "STATIC",
+                    "connect_timeout": "2s",
+                    "circuit_breakers": {"thresholds": [{
+                        "max_connections": 100000,
+                        "max_pending_requests": 100000,
+                        "max_requests": 100000,
+                        "max_retries": 100000
+                    }]},
+                    "load_assignment": {
+                        "cluster_name": "upstream",
+                        "endpoints": [{"lb_endpoints": endpoints}]
+                    }
+                }]
+            }
+        })
+    }
+
+    fn spawn(&self) -> (Child, tempfile::TempDir) {
+        let dir = tempfile::Builder::new()
+            .prefix("floodgate-envoy-")
+            .tempdir()
+            .expect("tempdir");
+        let bootstrap = dir.path().join("bootstrap.json");
+        std::fs::write(
+            &bootstrap,
+            serde_json::to_string_pretty(&self.bootstrap()).expect("bootstrap json"),
+        )
+        .expect("write bootstrap");
+        // Envoy logs to stderr, line by line; `--log-path` would buffer for up to 10 s.
+        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
+        let child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&bootstrap)
+            .arg("--concurrency")
+            .arg(self.concurrency.to_string())
+            .arg("--disable-hot-restart")
+            .arg("-l")
+            .arg("info")
+            .arg("--admin-address-path")
+            .arg(dir.path().join("admin-address"))
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", envoy_binary().display()));
+        (child, dir)
+    }
+
+    /// Starts Envoy and waits (bounded) until it is ready and its listener's port is known.
+    /// Panics, showing the end of Envoy's log, if it exits or does not become ready.
+    pub fn start(self) -> Envoy {
+        let (child, dir) = self.spawn();
+        let mut envoy = Envoy {
+            child,
+            dir,
+            admin: None,
+            listener: None,
+        };
+        let deadline = Instant::now() + ENVOY_START_TIMEOUT;
+        loop {
+            if let Some(status) = envoy.child.try_wait().expect("try_wait") {
+                panic!(
+                    "Envoy exited ({status}) instead of starting; end of its log:\n{}",
+                    tail(&envoy.log(), 60)
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Envoy not ready after {ENVOY_START_TIMEOUT:?}; end of its log:\n{}",
+                tail(&envoy.log(), 60)
+            );
+            if envoy.admin.is_none() {
+                envoy.admin = read_admin_address(envoy.dir.path());
+            }
+            if let Some(admin) = envoy.admin {
+                if let Ok((200, body)) = http_get_blocking(admin, "/ready") {
+                    if body.trim() == "LIVE" {
+                        break;
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (status, body) = envoy.admin_get("/listeners?format=json");
+        assert_eq!(status, 200, "GET /listeners: {body}");
+        let v: Value = serde_json::from_str(&body).expect("listeners json");
+        let port = v["listener_statuses"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l["name"] == "front"))
+            .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
+            .unwrap_or_else(|| panic!("no port for listener `front` in {body}"));
+        envoy.listener = Some(SocketAddr::from(([127, 0, 0, 1], port as u16)));
+        envoy
+    }
+
+    /// Starts Envoy expecting it to refuse the configuration: waits (bounded) for it to exit with
+    /// a non-zero status and returns its log. Panics if it becomes ready or keeps running.
+    pub fn start_expecting_failure(self) -> String {
+        let (mut child, dir) = self.spawn();
+        let deadline = Instant::now() + ENVOY_FAILURE_TIMEOUT;
+        let read_log = |dir: &Path| read_logs(dir);
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                let log = read_log(dir.path());
+                assert!(
+                    !status.success(),
+                    "Envoy exited successfully; expected a configuration error. Log:\n{}",
+                    tail(&log, 40)
+                );
+                return log;
+            }
+            let ready = read_admin_address(dir.path())
+                .and_then(|a| http_get_blocking(a, "/ready").ok())
+                .is_some_and(|(s, b)| s == 200 && b.trim() == "LIVE");
+            if ready || Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                let log = read_log(dir.path());
+                panic!(
+                    "Envoy {} with a configuration that should be refused; end of its log:\n{}",
+                    if ready { "became ready" } else { "kept running" },
+                    tail(&log, 40)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn endpoint(addr: SocketAddr) -> Value {
+    json!({"endpoint": {"address": {"socket_address": {
+        "address": addr.ip().to_string(), "port_value": addr.port()
+    }}}})
+}
+
+fn read_admin_address(dir: &Path) -> Option<SocketAddr> {
+    std::fs::read_to_string(dir.join("admin-address"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+fn read_logs(dir: &Path) -> String {
+    let bytes = std::fs::read(dir.join("envoy.log")).unwrap_or_default();
+    String::from_utf8_lossy(&bytes).into_owned()
+}
+
+/// The last `n` lines of `s`.
+pub fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// A running Envoy (see [`EnvoyBuilder`]); killed when dropped. If the test is panicking, the end
+/// of Envoy's log is printed first.
+pub struct Envoy {
+    child: Child,
+    dir: tempfile::TempDir,
+    admin: Option<SocketAddr>,
+    listener: Option<SocketAddr>,
+}
+
+impl Envoy {
+    /// Starts Envoy (2 workers) with the filter configuration `filter_config` in front of
+    /// `upstream`. See [`EnvoyBuilder`] for more options.
+    pub fn start(filter_config: impl Display, upstream: &Upstream) -> Envoy {
+        EnvoyBuilder::new(filter_config).upstream(upstream).start()
+    }
+
+    /// A builder, for more options.
+    pub fn builder(filter_config: impl Display) -> EnvoyBuilder {
+        EnvoyBuilder::new(filter_config)
+    }
+
+    /// Starts Envoy with `filter_config` expecting it to refuse it; returns Envoy's log.
+    pub fn start_expecting_failure(filter_config: impl Display) -> String {
+        EnvoyBuilder::new(filter_config).start_expecting_failure()
+    }
+
+    /// The address of the listener with the floodgate filter.
+    pub fn addr(&self) -> SocketAddr {
+        self.listener.expect("listener address")
+    }
+
+    /// `http://127.0.0.1:<port><path>` on the floodgate listener.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr(), path)
+    }
+
+    /// The admin API's address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin.expect("admin address")
+    }
+
+    /// `http://127.0.0.1:<admin port><path>`.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin_addr(), path)
+    }
+
+    /// GET on the admin API (blocking); returns status and body.
+    pub fn admin_get(&self, path: &str) -> (u16, String) {
+        http_get_blocking(self.admin_addr(), path)
+            .unwrap_or_else(|e| panic!("admin GET {path}: {e}"))
+    }
+
+    /// Envoy's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Envoy's resident set size (`VmRSS` of `/proc/<pid>/status`), in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        rss_bytes_of(self.pid())
+    }
+
+    /// All counters and gauges of the admin `/stats` page, by name (histograms are left out).
+    ///
+    /// Envoy 1.40's `/stats` shows the module's metrics in their namespace, as
+    /// `wasmcustom.<name>` (only `/stats/prometheus` drops it); each such stat is also listed
+    /// under `<name>`, the name the module defined, which is what the tests use.
+    pub fn stats(&self) -> BTreeMap<String, u64> {
+        let (status, body) = self.admin_get("/stats");
+        assert_eq!(status, 200, "GET /stats");
+        let mut stats = BTreeMap::new();
+        for l in body.lines() {
+            let Some((name, value)) = l.rsplit_once(": ") else { continue };
+            let Ok(value) = value.trim().parse::<u64>() else { continue };
+            if let Some(custom) = name.strip_prefix(WASM_CUSTOM_NAMESPACE) {
+                stats.insert(custom.to_string(), value);
+            }
+            stats.insert(name.to_string(), value);
+        }
+        stats
+    }
+
+    /// One stat by its full name, if Envoy has it.
+    pub fn stat(&self, name: &str) -> Option<u64> {
+        self.stats().get(name).copied()
+    }
+
+    /// Polls (at most `timeout`) until stat `name` equals `expected`; returns its last value.
+    /// Stats may lag the responses by a moment.
+    pub fn wait_for_stat(&self, name: &str, expected: u64, timeout: Duration) -> Option<u64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let v = self.stat(name);
+            if v == Some(expected) || Instant::now() >= deadline {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// All stats whose name starts with `prefix`, as `name: value` lines (for printing).
+    pub fn stats_matching(&self, prefix: &str) -> String {
+        self.stats()
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Downstream connections accepted by each worker on the floodgate listener
+    /// (`listener.front.worker_<n>.downstream_cx_total`), in worker order.
+    pub fn connections_per_worker(&self) -> Vec<u64> {
+        let stats = self.stats();
+        let prefix = "listener.front.worker_";
+        let mut v: Vec<(u64, u64)> = stats
+            .iter()
+            .filter_map(|(k, val)| {
+                let rest = k.strip_prefix(prefix)?;
+                let (n, stat) = rest.split_once('.')?;
+                (stat == "downstream_cx_total").then(|| Some((n.parse().ok()?, *val)))?
+            })
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, c)| c).collect()
+    }
+
+    /// Envoy's log so far (its stderr, at level info, kept in a file of the temporary directory).
+    pub fn log(&self) -> String {
+        read_logs(self.dir.path())
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "---- end of Envoy's log (pid {}) ----\n{}\n----",
+                self.child.id(),
+                tail(&self.log(), 60)
+            );
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The resident set size of process `pid` (`VmRSS` of `/proc/<pid>/status`), in bytes.
+pub fn rss_bytes_of(pid: u32) -> u64 {
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/<pid>/status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .expect("VmRSS line");
+    let kb: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS value");
+    kb * 1024
+}
+
+/// Log lines that show a Wasm VM failure or a panic in the module: a Rust panic message, a V8
+/// trap (`Uncaught RuntimeError`), a stream failed by a broken VM (`wasm_fail_stream`), or any
+/// line at level error/critical from the `wasm` logger.
+pub fn wasm_failures(log: &str) -> Vec<String> {
+    const MARKERS: [&str; 5] = [
+        "panicked",
+        "Uncaught",
+        "RuntimeError",
+        "wasm_fail_stream",
+        "Plugin configured to fail closed",
+    ];
+    log.lines()
+        .filter(|l| {
+            MARKERS.iter().any(|m| l.contains(m))
+                || ((l.contains("][error][") || l.contains("][critical]["))
+                    && (l.contains("[wasm]") || l.contains("wasm log")))
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// Name of a floodgate rate-limit counter with the default stat prefix:
+/// `floodgate.rate_limit.<rule>.<counter>` (`allowed`, `rejected`, `skipped`, `contention`,
+/// `evictions`), as [`Envoy::stats`] lists it (Envoy's `/stats` page shows it as
+/// `wasmcustom.floodgate.rate_limit...`; `/stats/prometheus` as `floodgate_rate_limit_...`).
+pub fn rule_stat(rule: &str, counter: &str) -> String {
+    format!("{STAT_PREFIX}.rate_limit.{rule}.{counter}")
+}
+
+/// The first log line that reports a refused filter configuration (`invalid configuration: ...`),
+/// from `invalid configuration` on.
+pub fn config_error_line(log: &str) -> Option<String> {
+    log.lines().find_map(|l| {
+        l.find("invalid configuration")
+            .map(|i| l[i..].to_string())
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Clients
+// ---------------------------------------------------------------------------------------------
+
+/// A response read by [`Client`].
+#[derive(Debug)]
+pub struct Response {
+    /// Status code.
+    pub status: u16,
+    /// Response headers.
+    pub headers: HeaderMap,
+    /// The whole body.
+    pub body: Bytes,
+}
+
+impl Response {
+    /// A header's value as text (`None` if absent or not visible ASCII).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The body as text (lossy).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The body parsed as JSON; panics with the body if it is not JSON.
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {}", self.text()))
+    }
+}
+
+/// An HTTP/1.1 client on one keep-alive connection (hyper). Requests on one `Client` are sent one
+/// after another; open several clients for concurrency.
+pub struct Client {
+    sender: hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+}
+
+impl Client {
+    /// Opens a connection to `addr`.
+    pub async fn connect(addr: SocketAddr) -> Result<Client, Error> {
+        let stream = tokio::time::timeout(REQUEST_TIMEOUT, TcpStream::connect(addr)).await??;
+        stream.set_nodelay(true)?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(Client { sender })
+    }
+
+    /// Sends `GET path` with the given headers (plus `host: floodgate.test`) and reads the whole
+    /// response.
+    pub async fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> Result<Response, Error> {
+        let mut req = Request::builder()
+            .method("GET")
+            .uri(path)
+            .header("host", "floodgate.test");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Empty::<Bytes>::new())?;
+        let fut = async {
+            self.sender.ready().await?;
+            let resp = self.sender.send_request(req).await?;
+            let (parts, body) = resp.into_parts();
+            let body = body.collect().await?.to_bytes();
+            Ok::<_, Error>(Response {
+                status: parts.status.as_u16(),
+                headers: parts.headers,
+                body,
+            })
+        };
+        tokio::time::timeout(REQUEST_TIMEOUT, fut).await?
+    }
+}
+
+/// One request on a new connection: `GET path` with `headers`. Panics on a transport error.
+pub async fn get(addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Response {
+    let mut c = Client::connect(addr)
+        .await
+        .unwrap_or_else(|e| panic!("connect {addr}: {e}"));
+    c.get(path, headers)
+        .await
+        .unwrap_or_else(|e| panic!("GET {path} {headers:?}: {e}"))
+}
+
+/// A response read by [`raw_request`].
+#[derive(Debug)]
+pub struct RawResponse {
+    /// Status code.
+    pub status: u16,
+    /// Status line and headers, as received (lossy UTF-8).
+    pub head: String,
+    /// The body (as much as was sent before the connection closed, or `content-length` bytes).
+    pub body: Vec<u8>,
+}
+
+/// Sends `request` verbatim (it should ask for `connection: close`) on a new connection to `addr`
+/// and reads one response. Use it for requests hyper would refuse to build, such as header values
+/// that are not UTF-8.
+pub async fn raw_request(addr: SocketAddr, request: &[u8]) -> Result<RawResponse, Error> {
+    let fut = async {
+        let mut stream = TcpStream::connect(addr).await?;
+        stream.write_all(request).await?;
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 8192];
+        let head_end = loop {
+            if let Some(i) = find(&buf, b"\r\n\r\n") {
+                break i + 4;
+            }
+            let n = stream.read(&mut chunk).await?;
+            if n == 0 {
+                return Err(format!(
+                    "connection closed before a full response head; got {:?}",
+                    String::from_utf8_lossy(&buf)
+                )
+                .into());
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        };
+        let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+        let status: u16 = head
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("bad status line in {head:?}"))?;
+        let content_length: Option<usize> = head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim()
+                .eq_ignore_ascii_case("content-length")
+                .then(|| v.trim().parse().ok())?
+        });
+        let mut body = buf[head_end..].to_vec();
+        match content_length {
+            Some(len) => {
+                while body.len() < len {
+                    let n = stream.read(&mut chunk).await?;
+                    if n == 0 {
+                        break;
+                    }
+                    body.extend_from_slice(&chunk[..n]);
+                }
+                body.truncate(len);
+            }
+            None => {
+                stream.read_to_end(&mut body).await?;
+            }
+        }
+        Ok::<_, Error>(RawResponse { status, head, body })
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, fut).await?
+}
+
+/// Builds a `GET` request with a raw request target and raw header bytes, ending with
+/// `host: floodgate.test` and `connection: close`.
+pub fn raw_get_request(target: &[u8], headers: &[(&[u8], &[u8])]) -> Vec<u8> {
+    let mut r = Vec::new();
+    r.extend_from_slice(b"GET ");
+    r.extend_from_slice(target);
+    r.extend_from_slice(b" HTTP/1.1\r\nhost: floodgate.test\r\n");
+    for (k, v) in headers {
+        r.extend_from_slice(k);
+        r.extend_from_slice(b": ");
+        r.extend_from_slice(v);
+        r.extend_from_slice(b"\r\n");
+    }
+    r.extend_from_slice(b"connection: close\r\n\r\n");
+    r
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// A blocking `GET` (HTTP/1.1, `connection: close`) used for Envoy's admin API; returns status and
+/// body (de-chunked).
+pub fn http_get_blocking(addr: SocketAddr, path: &str) -> Result<(u16, String), Error> {
+    let mut s = StdTcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    s.set_read_timeout(Some(REQUEST_TIMEOUT))?;
+    s.set_write_timeout(Some(REQUEST_TIMEOUT))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
+    )?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf)?;
+    let head_end = find(&buf, b"\r\n\r\n").ok_or("no response head")? + 4;
+    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or("bad status line")?;
+    let chunked = head.lines().any(|l| {
+        l.split_once(':').is_some_and(|(k, v)| {
+            k.trim().eq_ignore_ascii_case("transfer-encoding")
+                && v.to_ascii_lowercase().contains("chunked")
+        })
+    });
+    let raw = &buf[head_end..];
+    let body = if chunked { dechunk(raw)? } else { raw.to_vec() };
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+fn dechunk(mut raw: &[u8]) -> Result<Vec<u8>, Error> {
+    let mut out = Vec::new();
+    loop {
+        let line_end = find(raw, b"\r\n").ok_or("bad chunk")?;
+        let size_str = std::str::from_utf8(&raw[..line_end])?;
+        let size = usize::from_str_radix(size_str.split(';').next().unwrap_or("").trim(), 16)?;
+        raw = &raw[line_end + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        if raw.len() < size + 2 {
+            return Err("truncated chunk".into());
+        }
+        out.extend_from_slice(&raw[..size]);
+        raw = &raw[size + 2..];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing helpers for the rate-limit response headers
+// ---------------------------------------------------------------------------------------------
+
+/// Parses a structured `ratelimit` / `ratelimit-policy` item such as `"per-key";r=0;t=7` into the
+/// policy name and its parameters.
+pub fn parse_ratelimit_item(value: &str) -> (String, BTreeMap<String, String>) {
+    let mut parts = value.trim().split(';');
+    let name = parts.next().unwrap_or("").trim();
+    assert!(
+        name.len() >= 2 && name.starts_with('"') && name.ends_with('"'),
+        "policy name is not a quoted string in {value:?}"
+    );
+    let params = parts
+        .map(|p| {
+            let (k, v) = p
+                .split_once('=')
+                .unwrap_or_else(|| panic!("parameter without '=' in {value:?}"));
+            (k.trim().to_string(), v.trim().to_string())
+        })
+        .collect();
+    (name[1..name.len() - 1].to_string(), params)
+}
+
+/// An integer parameter of a parsed `ratelimit` item; panics if missing or not an integer.
+pub fn int_param(params: &BTreeMap<String, String>, key: &str) -> i64 {
+    params
+        .get(key)
+        .unwrap_or_else(|| panic!("missing parameter {key} in {params:?}"))
+        .parse()
+        .unwrap_or_else(|_| panic!("parameter {key} is not an integer in {params:?}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_ratelimit_items() {
+        let (n, p) = parse_ratelimit_item("\"per-key\";r=0;t=7");
+        assert_eq!(n, "per-key");
+        assert_eq!(int_param(&p, "r"), 0);
+        assert_eq!(int_param(&p, "t"), 7);
+    }
+
+    #[test]
+    fn dechunks() {
+        let body = dechunk(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap();
+        assert_eq!(body, b"abcde");
+    }
+
+    #[test]
+    fn window_phase_is_below_window() {
+        let w = Duration::from_secs(4);
+        assert!(window_phase(w) < w);
+        let p = wait_for_window_phase(w, Duration::from_millis(0), Duration::from_secs(4));
+        assert!(p <= w);
+    }
+}

