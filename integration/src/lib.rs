@@ -374,6 +374,7 @@ pub struct EnvoyBuilder {
     filter_config: String,
     upstreams: Vec<SocketAddr>,
     concurrency: usize,
+    route_timeout: Duration,
 }
 
 impl EnvoyBuilder {
@@ -384,7 +385,14 @@ impl EnvoyBuilder {
             filter_config: filter_config.to_string(),
             upstreams: Vec::new(),
             concurrency: 2,
+            route_timeout: Duration::from_secs(30),
         }
+    }
+
+    /// The route's upstream timeout (default 30 s); past it Envoy answers `504` itself.
+    pub fn route_timeout(mut self, timeout: Duration) -> EnvoyBuilder {
+        self.route_timeout = timeout;
+        self
     }
 
     /// Adds an upstream to the `upstream` cluster.
@@ -430,7 +438,7 @@ impl EnvoyBuilder {
                                         "domains": ["*"],
                                         "routes": [{
                                             "match": {"prefix": "/"},
-                                            "route": {"cluster": "upstream", "timeout": "30s"}
+                                            "route": {"cluster": "upstream", "timeout": format!("{}s", self.route_timeout.as_secs_f64())}
                                         }]
                                     }]
                                 },

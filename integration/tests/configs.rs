@@ -128,6 +128,30 @@ fn bad_configurations_are_refused_with_the_field_named() {
             "ratelimit_headers",
             None,
         ),
+        bad(
+            "zero max_active_requests",
+            json!({"load_shedding": {"max_active_requests": 0}}),
+            "load_shedding.max_active_requests",
+            Some("positive"),
+        ),
+        bad(
+            "shed_at above 1",
+            json!({"load_shedding": {"max_active_requests": 5, "classes": [{"name": "a", "shed_at": 1.5}], "default_class": "a"}}),
+            "load_shedding.classes[0].shed_at",
+            Some("fraction"),
+        ),
+        bad(
+            "default class that is not a class",
+            json!({"load_shedding": {"max_active_requests": 5, "default_class": "bulk"}}),
+            "load_shedding.default_class",
+            Some("not one of the classes"),
+        ),
+        bad(
+            "health path without a leading slash",
+            json!({"health": {"path": "health"}}),
+            "health.path",
+            None,
+        ),
     ];
     let mut problems = Vec::new();
     for case in &cases {

@@ -231,3 +231,54 @@ async fn the_health_endpoint_never_reaches_the_upstream_nor_counts() {
     assert_eq!(r.status, 200);
     assert_eq!(upstream.total(), 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_timeouts_and_later_refusals_give_the_limit_back() {
+    const MAX: usize = 4;
+    let upstream = Upstream::with_options(UpstreamOptions {
+        delay: Some(Duration::from_secs(5)),
+        ..UpstreamOptions::default()
+    });
+    // A rate limit after the shedding stage refuses the third request of every key.
+    let mut config = config(MAX as u32);
+    config["rate_limits"] = json!([{"name": "per-key", "key": [{"header": "x-key"}], "limit": 2, "window": "1h"}]);
+    let envoy = Envoy::builder(config)
+        .upstream(&upstream)
+        .route_timeout(Duration::from_millis(800))
+        .start();
+
+    // Timeouts: the upstream answers after 5 s, the route gives up after 0.8 s with a 504.
+    let pending: Vec<Pending> = (0..MAX)
+        .map(|i| {
+            let addr = envoy.addr();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let key = format!("timeout-{i}");
+                let r = get(addr, "/work", &[("x-floodgate-priority", "critical"), ("x-key", &key)]).await;
+                (r.status, started.elapsed(), r)
+            })
+        })
+        .collect();
+    for p in pending {
+        let (status, _, r) = p.await.expect("task");
+        assert_eq!(status, 504, "{}", r.text());
+    }
+    let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(3)).await;
+    assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "after timeouts: {body}");
+
+    // Local replies of a later stage: the rate limit refuses after the request was admitted.
+    let mut statuses = Vec::new();
+    for _ in 0..3 * MAX {
+        let r = get(envoy.addr(), "/work", &[("x-floodgate-priority", "critical"), ("x-key", "same")]).await;
+        statuses.push(r.status);
+        if r.status == 429 {
+            assert_eq!(r.json()["violated-policies"], json!(["per-key"]));
+        }
+    }
+    // Two 504s (the upstream is slow), then 429s; never a 503: nothing leaked.
+    println!("statuses: {statuses:?}");
+    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 3 * MAX - 2, "{statuses:?}");
+    assert!(!statuses.contains(&503), "{statuses:?}");
+    let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(3)).await;
+    assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "after 429s: {body}");
+}
