@@ -10,7 +10,8 @@ envoy=$(scripts/envoy.sh | tail -n1)
 cat <<'TXT'
 
 floodgate demo: Envoy on 127.0.0.1:10000 (admin on 127.0.0.1:9901).
-Rule "per-api-key" allows 5 requests per 10 s per x-api-key; "per-ip" 100 per minute per client.
+Rule "per-api-key" allows 5 requests per 10 s per x-api-key; "per-ip" 100 per minute per client;
+at most 10 requests in flight; health endpoint /floodgate/health.
 In another terminal, try:
 
   # five 200s, then 429s
@@ -21,6 +22,13 @@ In another terminal, try:
 
   # another key has its own quota
   curl -i -H 'x-api-key: other' localhost:10000/
+
+  # load shedding: 10 in flight at most (normal priority from 9); slow requests fill it,
+  # so of 12 concurrent ones 9 get 200 after 2 s and 3 get 503 at once
+  for i in $(seq 1 12); do curl -s -o /dev/null -w '%{http_code}\n' -H "x-api-key: k$i" -H 'x-envoy-fault-delay-request: 2000' localhost:10000/ & done; wait
+
+  # the health endpoint (503 while the proxy sheds)
+  curl -s localhost:10000/floodgate/health
 
   # the filter's counters
   curl -s localhost:9901/stats | grep floodgate
