@@ -108,17 +108,18 @@ impl InFlight {
 
     /// Requests in flight across every live VM.
     pub fn total(&self, now: UnixMillis) -> u32 {
-        self.entries
-            .iter()
-            .filter(|e| is_live(e, now))
-            .fold(0u32, |sum, e| sum.saturating_add(e.in_flight))
+        self.live_sum(now, None)
     }
 
     /// Requests in flight on live VMs other than `vm`.
     pub fn others(&self, vm: u64, now: UnixMillis) -> u32 {
+        self.live_sum(now, Some(vm))
+    }
+
+    fn live_sum(&self, now: UnixMillis, except: Option<u64>) -> u32 {
         self.entries
             .iter()
-            .filter(|e| e.vm != vm && is_live(e, now))
+            .filter(|e| Some(e.vm) != except && is_live(e, now))
             .fold(0u32, |sum, e| sum.saturating_add(e.in_flight))
     }
 
@@ -325,13 +326,13 @@ impl Shedder {
     /// every race, the next heartbeat publishes it).
     pub fn release<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, mut lease: Lease, now: UnixMillis) {
         lease.end();
-        self.publish(store, vm, &lease.local, now, true);
+        self.publish(store, vm, &lease.local, now);
     }
 
     /// Refreshes this VM's entry (on every tick): publishes the local count if the record
     /// disagrees with it or holds dead entries. Returns the proxy-wide in-flight count.
     pub fn heartbeat<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis) -> u32 {
-        self.publish(store, vm, local, now, false)
+        self.publish(store, vm, local, now)
     }
 
     /// The proxy-wide in-flight count as this VM sees it.
@@ -347,13 +348,15 @@ impl Shedder {
             .is_some_and(|c| in_flight >= c.threshold)
     }
 
-    fn publish<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis, always: bool) -> u32 {
+    /// Writes this VM's local count into the record when the record disagrees with it (or holds
+    /// dead entries); returns the proxy-wide count.
+    fn publish<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis) -> u32 {
         let mut total = local.get();
         for _ in 0..MAX_ATTEMPTS {
             let Ok((stored, mut record)) = self.read(store) else { break };
             let mine = local.get();
             total = record.others(vm, now).saturating_add(mine);
-            if !always && !record.needs_heartbeat(vm, mine, now) {
+            if !record.needs_heartbeat(vm, mine, now) {
                 break;
             }
             if stored.is_none() && mine == 0 {

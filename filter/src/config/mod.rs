@@ -296,16 +296,14 @@ impl Config {
                     problem: format!("must be at most {MAX_CAPACITY}, got {}", rule.capacity.get()),
                 });
             }
-            if let Some(first) = self.rate_limits.iter().position(|r| r.name == rule.name) {
-                if first < index {
-                    return Err(ConfigError {
-                        path: at("name"),
-                        problem: format!(
-                            "duplicate rule name \"{}\" (also rate_limits[{first}].name)",
-                            rule.name
-                        ),
-                    });
-                }
+            if let Some(first) = earlier_duplicate(&self.rate_limits, index, |r| &r.name) {
+                return Err(ConfigError {
+                    path: at("name"),
+                    problem: format!(
+                        "duplicate rule name \"{}\" (also rate_limits[{first}].name)",
+                        rule.name
+                    ),
+                });
             }
         }
         if let Some(shedding) = &self.load_shedding {
@@ -330,13 +328,11 @@ impl Config {
             return Err(error("load_shedding.classes".into(), "must list at least one class".into()));
         }
         for (index, class) in shedding.classes.iter().enumerate() {
-            if let Some(first) = shedding.classes.iter().position(|c| c.name == class.name) {
-                if first < index {
-                    return Err(error(
-                        format!("load_shedding.classes[{index}].name"),
-                        format!("duplicate class name \"{}\" (also load_shedding.classes[{first}].name)", class.name),
-                    ));
-                }
+            if let Some(first) = earlier_duplicate(&shedding.classes, index, |c| &c.name) {
+                return Err(error(
+                    format!("load_shedding.classes[{index}].name"),
+                    format!("duplicate class name \"{}\" (also load_shedding.classes[{first}].name)", class.name),
+                ));
             }
         }
         if !shedding.classes.iter().any(|c| c.name == shedding.default_class) {
@@ -392,6 +388,12 @@ impl Config {
             .collect();
         format!("rate limits: {}", rules.join(", "))
     }
+}
+
+/// The index of the first item before `index` with the same name as item `index`.
+fn earlier_duplicate<T>(items: &[T], index: usize, name: impl Fn(&T) -> &Name) -> Option<usize> {
+    let wanted = name(items.get(index)?);
+    items.iter().position(|item| name(item) == wanted).filter(|first| *first < index)
 }
 
 /// serde's derived structs also accept a JSON array of their fields in order; a configuration
