@@ -13,6 +13,7 @@ pub mod config;
 pub mod key;
 pub mod ratelimit;
 pub mod response;
+pub mod select;
 pub mod shed;
 pub mod store;
 pub mod time;

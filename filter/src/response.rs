@@ -9,6 +9,7 @@
 //!   problem types registry, `violated-policies`, and the figures of each refusing rule.
 
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
+use crate::select::{Exhausted, Selector};
 use crate::shed::{Shed, Shedder};
 use crate::time::UnixMillis;
 use serde_json::json;
@@ -161,6 +162,46 @@ pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
         headers: vec![
             ("content-type", "application/problem+json".into()),
             ("retry-after", shedder.retry_after_secs.to_string()),
+        ],
+        body: body.to_string(),
+    }
+}
+
+/// The `503` when cluster selection found no cluster with room under its concurrency limit.
+pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
+    let clusters: Vec<serde_json::Value> = selector
+        .clusters
+        .iter()
+        .zip(&exhausted.clusters)
+        .map(|(cluster, seen)| match seen {
+            Some((in_flight, limit)) => json!({"name": cluster.name.as_str(), "in_flight": in_flight, "limit": limit}),
+            None => json!({"name": cluster.name.as_str(), "in_flight": null, "limit": null}),
+        })
+        .collect();
+    let detail = if exhausted.contention {
+        format!(
+            "no upstream cluster had room, or its lease count could not be updated under contention; retry in {} s",
+            selector.retry_after_secs
+        )
+    } else {
+        format!(
+            "every upstream cluster is at its concurrency limit; retry in {} s",
+            selector.retry_after_secs
+        )
+    };
+    let body = json!({
+        "type": TEMPORARY_REDUCED_CAPACITY,
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": detail,
+        "clusters": clusters,
+        "retry_after": selector.retry_after_secs,
+    });
+    Reply {
+        status: 503,
+        headers: vec![
+            ("content-type", "application/problem+json".into()),
+            ("retry-after", selector.retry_after_secs.to_string()),
         ],
         body: body.to_string(),
     }

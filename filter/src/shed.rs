@@ -192,7 +192,13 @@ pub struct Lease {
 }
 
 impl Lease {
-    fn end(&mut self) {
+    /// A lease on one unit of `local`, which the caller has just raised.
+    pub(crate) fn taken(local: &LocalCount) -> Lease {
+        Lease { local: Rc::clone(local), released: false }
+    }
+
+    /// Gives the unit back (once; later calls do nothing).
+    pub(crate) fn end(&mut self) {
         if !self.released {
             self.released = true;
             self.local.set(self.local.get().saturating_sub(1));
@@ -269,6 +275,11 @@ impl Shedder {
             priority_header: config.priority_header.clone(),
             retry_after_secs: config.retry_after.ceil_secs().max(1),
         }
+    }
+
+    /// The shared-data key of the in-flight record.
+    pub fn record_key(&self) -> &str {
+        &self.key
     }
 
     /// The class a priority header value names (the default class for `None` or unknown).

@@ -213,6 +213,8 @@ struct UpstreamState {
     count_header: Option<HeaderName>,
     by_value: Mutex<HashMap<Vec<u8>, u64>>,
     delay: Option<Duration>,
+    /// The status every request is answered with (200 unless changed at run time).
+    status: std::sync::atomic::AtomicU16,
 }
 
 /// The body every [`Upstream`] answers with.
@@ -251,6 +253,7 @@ impl Upstream {
             }),
             by_value: Mutex::new(HashMap::new()),
             delay: options.delay,
+            status: std::sync::atomic::AtomicU16::new(200),
         });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind upstream");
         listener.set_nonblocking(true).expect("nonblocking listener");
@@ -300,6 +303,11 @@ impl Upstream {
         self.addr
     }
 
+    /// Answers every later request with `status` (e.g. 503 to make it fail, 200 to recover).
+    pub fn set_status(&self, status: u16) {
+        self.state.status.store(status, Ordering::SeqCst);
+    }
+
     /// Requests received so far.
     pub fn total(&self) -> u64 {
         self.state.total.load(Ordering::SeqCst)
@@ -347,7 +355,7 @@ async fn handle_upstream(
         tokio::time::sleep(d).await;
     }
     Ok(HyperResponse::builder()
-        .status(200)
+        .status(state.status.load(Ordering::SeqCst))
         .header("content-type", "text/plain")
         .body(Full::new(Bytes::from_static(UPSTREAM_BODY.as_bytes())))
         .expect("upstream response"))
@@ -368,6 +376,25 @@ impl Drop for Upstream {
 // Envoy
 // ---------------------------------------------------------------------------------------------
 
+/// A static cluster with generous circuit breakers (tests measure floodgate, not Envoy's limits).
+fn static_cluster(name: &str, endpoints: Vec<Value>) -> Value {
+    json!({
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "circuit_breakers": {"thresholds": [{
+            "max_connections": 100000,
+            "max_pending_requests": 100000,
+            "max_requests": 100000,
+            "max_retries": 100000
+        }]},
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": endpoints}]
+        }
+    })
+}
+
 /// Builds and starts an [`Envoy`]: the floodgate filter (with the given JSON configuration) in
 /// front of the router, routing every request to a cluster of the given upstreams.
 pub struct EnvoyBuilder {
@@ -375,6 +402,10 @@ pub struct EnvoyBuilder {
     upstreams: Vec<SocketAddr>,
     concurrency: usize,
     route_timeout: Duration,
+    /// Further clusters by name, each with its endpoints.
+    clusters: Vec<(String, Vec<SocketAddr>)>,
+    /// Route by this request header (`cluster_header`) instead of to the `upstream` cluster.
+    route_header: Option<String>,
 }
 
 impl EnvoyBuilder {
@@ -386,7 +417,23 @@ impl EnvoyBuilder {
             upstreams: Vec::new(),
             concurrency: 2,
             route_timeout: Duration::from_secs(30),
+            clusters: Vec::new(),
+            route_header: None,
         }
+    }
+
+    /// Adds a cluster `name` whose endpoints are `addrs` (an address nothing listens on makes a
+    /// cluster that is down: Envoy answers 503 with flag UF).
+    pub fn cluster(mut self, name: &str, addrs: &[SocketAddr]) -> EnvoyBuilder {
+        self.clusters.push((name.to_string(), addrs.to_vec()));
+        self
+    }
+
+    /// Routes every request to the cluster named by request header `header` (the route's
+    /// `cluster_header`), as cluster selection needs.
+    pub fn route_by_header(mut self, header: &str) -> EnvoyBuilder {
+        self.route_header = Some(header.to_string());
+        self
     }
 
     /// The route's upstream timeout (default 30 s); past it Envoy answers `504` itself.
@@ -415,6 +462,15 @@ impl EnvoyBuilder {
         } else {
             self.upstreams.iter().map(|a| endpoint(*a)).collect()
         };
+        let timeout = format!("{}s", self.route_timeout.as_secs_f64());
+        let route = match &self.route_header {
+            Some(header) => json!({"cluster_header": header, "timeout": timeout}),
+            None => json!({"cluster": "upstream", "timeout": timeout}),
+        };
+        let mut clusters = vec![static_cluster("upstream", endpoints)];
+        for (name, addrs) in &self.clusters {
+            clusters.push(static_cluster(name, addrs.iter().map(|a| endpoint(*a)).collect()));
+        }
         json!({
             "admin": {
                 "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
@@ -438,7 +494,7 @@ impl EnvoyBuilder {
                                         "domains": ["*"],
                                         "routes": [{
                                             "match": {"prefix": "/"},
-                                            "route": {"cluster": "upstream", "timeout": format!("{}s", self.route_timeout.as_secs_f64())}
+                                            "route": route
                                         }]
                                     }]
                                 },
@@ -474,21 +530,7 @@ impl EnvoyBuilder {
                         }]
                     }]
                 }],
-                "clusters": [{
-                    "name": "upstream",
-                    "type": "STATIC",
-                    "connect_timeout": "2s",
-                    "circuit_breakers": {"thresholds": [{
-                        "max_connections": 100000,
-                        "max_pending_requests": 100000,
-                        "max_requests": 100000,
-                        "max_retries": 100000
-                    }]},
-                    "load_assignment": {
-                        "cluster_name": "upstream",
-                        "endpoints": [{"lb_endpoints": endpoints}]
-                    }
-                }]
+                "clusters": clusters
             }
         })
     }

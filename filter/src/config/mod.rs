@@ -6,8 +6,13 @@
 //! types, zero or negative numbers, bad durations, empty key lists and duplicate rule names are
 //! all refused: nothing half-configured ever serves traffic.
 
+mod selection;
 mod values;
 
+pub use selection::{
+    ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
+    MAX_BUCKETS, MAX_CLUSTERS,
+};
 pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -37,6 +42,9 @@ pub struct Config {
     /// The proxy-wide in-flight limit and its priority classes.
     #[serde(default)]
     pub load_shedding: Option<LoadShedding>,
+    /// Chooses the upstream cluster of each request.
+    #[serde(default)]
+    pub cluster_selection: Option<ClusterSelection>,
     /// The health endpoint.
     #[serde(default)]
     pub health: Option<Health>,
@@ -226,7 +234,7 @@ impl<'de> Deserialize<'de> for KeyPart {
 }
 
 /// Checks an HTTP header name (RFC 9110 token) and lower-cases it, as Envoy stores them.
-fn header_name(name: &str) -> Result<String, String> {
+pub(crate) fn header_name(name: &str) -> Result<String, String> {
     let token_char = |c: char| c.is_ascii_alphanumeric() || "!#$%&'*+-.^_`|~".contains(c);
     let pseudo = name.strip_prefix(':').unwrap_or(name);
     if pseudo.is_empty() || !pseudo.chars().all(token_char) {
@@ -309,6 +317,9 @@ impl Config {
         if let Some(shedding) = &self.load_shedding {
             self.validate_shedding(shedding)?;
         }
+        if let Some(selection) = &self.cluster_selection {
+            selection.validate()?;
+        }
         if let Some(health) = &self.health {
             if !health.path.starts_with('/') || health.path.contains(['?', '#']) {
                 return Err(ConfigError {
@@ -361,6 +372,9 @@ impl Config {
                 shedding.default_class
             ));
         }
+        if let Some(selection) = &self.cluster_selection {
+            parts.push(selection.summary());
+        }
         if let Some(health) = &self.health {
             parts.push(format!("health endpoint {}", health.path));
         }
@@ -404,9 +418,16 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
         problem: "must be a JSON object".into(),
     };
     let top = document.as_object().ok_or_else(|| not_object(String::new()))?;
-    for section in ["load_shedding", "health"] {
-        if top.get(section).is_some_and(|v| !v.is_object() && !v.is_null()) {
-            return Err(not_object(section.into()));
+    let selection = top.get("cluster_selection");
+    let sections = [
+        ("load_shedding", top.get("load_shedding")),
+        ("health", top.get("health")),
+        ("cluster_selection", selection),
+        ("cluster_selection.concurrency_limit", selection.and_then(|s| s.get("concurrency_limit"))),
+    ];
+    for (path, section) in sections {
+        if section.is_some_and(|v| !v.is_object() && !v.is_null()) {
+            return Err(not_object(path.into()));
         }
     }
     let lists = [

@@ -9,6 +9,9 @@ use crate::config::{Config, KeyPart, RateLimitHeaders};
 use crate::key::{self, KeyHasher, Source};
 use crate::ratelimit::{Cause, Limiter, Verdict};
 use crate::response::{self, Reply};
+use crate::select::outcome::Outcome;
+use crate::select::shuffle::SplitMix64;
+use crate::select::{ClusterLease, Selector};
 use crate::shed::{LocalCount, Lease, Shedder, HEARTBEAT_MS};
 use crate::store::{insert_if_absent, SharedStore};
 use crate::time::UnixMillis;
@@ -44,6 +47,9 @@ struct Filter {
     shedder: Option<Shedder>,
     /// This VM's in-flight count for the filter's namespace.
     local: LocalCount,
+    selector: Option<Selector>,
+    /// This VM's lease count per cluster, in configuration order.
+    cluster_locals: Vec<LocalCount>,
 }
 
 thread_local! {
@@ -56,16 +62,25 @@ thread_local! {
         }
         u64::from_le_bytes(bytes)
     };
-    /// One in-flight count per filter namespace in this VM, shared by its configurations.
+    /// One in-flight count per shared record (the shedder's, each cluster's) in this VM,
+    /// shared by the configurations that use the record.
     static LOCAL_COUNTS: RefCell<HashMap<String, LocalCount>> = RefCell::new(HashMap::new());
+    /// This VM's random source for the cluster shuffle, seeded from `getrandom`.
+    static RNG: RefCell<SplitMix64> = RefCell::new(SplitMix64::new({
+        let mut bytes = [0u8; 8];
+        if getrandom::fill(&mut bytes).is_err() {
+            bytes = now().0.to_le_bytes();
+        }
+        u64::from_le_bytes(bytes)
+    }));
 }
 
 fn vm_id() -> u64 {
     VM_ID.with(|id| *id)
 }
 
-fn local_count(namespace: &str) -> LocalCount {
-    LOCAL_COUNTS.with(|counts| Rc::clone(counts.borrow_mut().entry(namespace.to_owned()).or_default()))
+fn local_count(record_key: &str) -> LocalCount {
+    LOCAL_COUNTS.with(|counts| Rc::clone(counts.borrow_mut().entry(record_key.to_owned()).or_default()))
 }
 
 #[derive(Default)]
@@ -101,7 +116,11 @@ impl RootContext for FilterRoot {
         };
         let limiter = Limiter::new(&config, &namespace);
         let shedder = config.load_shedding.as_ref().map(|s| Shedder::new(s, &namespace));
-        if shedder.is_some() {
+        let selector = config.cluster_selection.as_ref().map(|s| Selector::new(s, &namespace));
+        let cluster_locals = selector.as_ref().map_or_else(Vec::new, |s| {
+            (0..s.clusters.len()).filter_map(|i| s.record_key(i)).map(local_count).collect()
+        });
+        if shedder.is_some() || selector.is_some() {
             if let Err(status) = hostcalls::set_tick_period(Duration::from_millis(HEARTBEAT_MS)) {
                 log::warn!("floodgate: no tick ({status:?}): in-flight heartbeats disabled");
             }
@@ -115,8 +134,10 @@ impl RootContext for FilterRoot {
             stats: Stats::define(&config),
             hasher: KeyHasher::new(seed),
             limiter,
+            local: local_count(shedder.as_ref().map_or("", |s| s.record_key())),
             shedder,
-            local: local_count(&namespace),
+            selector,
+            cluster_locals,
             config,
         }));
         true
@@ -127,6 +148,18 @@ impl RootContext for FilterRoot {
         if let Some(shedder) = &filter.shedder {
             let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now());
             stats::set(filter.stats.in_flight, u64::from(total));
+        }
+        if let Some(selector) = &filter.selector {
+            let states = selector.heartbeat(&EnvoyStore, vm_id(), &filter.cluster_locals, now());
+            for (index, state) in states.into_iter().enumerate() {
+                let (Some(state), ids) = (state, filter.stats.cluster(index)) else { continue };
+                // The rate is in [0, 1]: millionths fit.
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let ppm = (state.success_rate * 1_000_000.0).round() as u64;
+                stats::set(ids.success_rate_ppm, ppm);
+                stats::set(ids.concurrency_limit, u64::from(state.limit));
+                stats::set(ids.in_flight, u64::from(state.in_flight));
+            }
         }
     }
 
@@ -141,6 +174,7 @@ impl RootContext for FilterRoot {
             ratelimit_fields: None,
             replied: false,
             lease: None,
+            cluster_lease: None,
         }))
     }
 }
@@ -177,6 +211,8 @@ struct FilterStream {
     replied: bool,
     /// Held from admission to the end of the stream (released in `on_log`; `Drop` is the net).
     lease: Option<Lease>,
+    /// The chosen cluster's lease, likewise.
+    cluster_lease: Option<ClusterLease>,
 }
 
 impl FilterStream {
@@ -225,44 +261,10 @@ impl FilterStream {
         }
     }
 
-    fn release(&mut self) {
-        if let (Some(lease), Some(shedder)) = (self.lease.take(), self.filter.shedder.as_ref()) {
-            shedder.release(&EnvoyStore, vm_id(), lease, now());
-        }
-    }
-}
-
-impl Context for FilterStream {}
-
-fn now() -> UnixMillis {
-    let ms = hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    UnixMillis(ms)
-}
-
-fn fetch(source: Source<'_>) -> Option<Vec<u8>> {
-    match source {
-        Source::Header(name) => hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
-            .ok()
-            .flatten(),
-        Source::SourceAddress => hostcalls::get_property(vec!["source", "address"]).ok().flatten(),
-    }
-}
-
-impl HttpContext for FilterStream {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
-        let filter = Rc::clone(&self.filter);
-        let now = now();
-        if let Some(reply) = self.health(&filter, now) {
-            return self.reply(&reply);
-        }
-        if let Some(reply) = self.shed(&filter, now) {
-            return self.reply(&reply);
-        }
+    /// Rate limiting: records the admission in every applicable rule, or returns the 429.
+    fn rate_limit(&mut self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
         if filter.config.rate_limits.is_empty() {
-            return Action::Continue;
+            return None;
         }
         let mut skipped = Vec::new();
         let probes = key::probes(&filter.config, &filter.hasher, fetch, &mut skipped);
@@ -281,7 +283,7 @@ impl HttpContext for FilterStream {
                 if filter.config.ratelimit_headers == RateLimitHeaders::Always {
                     self.ratelimit_fields = response::admitted_fields(&filter.limiter, standings);
                 }
-                Action::Continue
+                None
             }
             Verdict::Rejected { violations } => {
                 for violation in violations {
@@ -291,17 +293,121 @@ impl HttpContext for FilterStream {
                         increment(stats.contention);
                     }
                 }
-                let Some(reply) = response::rate_limited(&filter.limiter, &verdict, now) else {
-                    return Action::Continue;
-                };
+                let reply = response::rate_limited(&filter.limiter, &verdict, now)?;
                 log::debug!("floodgate: 429 {}", reply.body);
-                self.reply(&reply)
+                Some(reply)
             }
+        }
+    }
+
+    /// Cluster selection: takes a lease on a cluster and routes the request to it (overwriting
+    /// whatever the client sent in the route header), or returns the 503 when none has room.
+    fn select(&mut self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
+        let selector = filter.selector.as_ref()?;
+        let chosen = RNG.with(|rng| {
+            let mut rng = rng.borrow_mut();
+            selector.choose(&EnvoyStore, vm_id(), &filter.cluster_locals, now, &mut *rng)
+        });
+        let lease = match chosen {
+            Ok(lease) => lease,
+            Err(exhausted) => {
+                increment(filter.stats.exhausted);
+                if exhausted.contention {
+                    increment(filter.stats.selection_contention);
+                }
+                log::debug!("floodgate: no cluster has room: {exhausted:?}");
+                return Some(response::no_capacity(selector, &exhausted));
+            }
+        };
+        let cluster = selector.clusters.get(lease.cluster)?;
+        // Setting a request header clears the route cache (ABI 0.2.1), so the route's
+        // `cluster_header` reads the new value.
+        let routed = hostcalls::set_map_value(MapType::HttpRequestHeaders, &selector.route_header, Some(cluster.name.as_str()));
+        if let Err(status) = routed {
+            log::warn!("floodgate: cannot set {}: {status:?}", selector.route_header);
+            selector.finish(&EnvoyStore, vm_id(), &filter.cluster_locals, lease, Outcome::Ignored, now);
+            return Some(response::no_capacity(selector, &crate::select::Exhausted { clusters: Vec::new(), contention: true }));
+        }
+        increment(filter.stats.cluster(lease.cluster).selected);
+        log::debug!("floodgate: routed to {} ({} in flight)", cluster.name, lease.in_flight);
+        self.cluster_lease = Some(lease);
+        None
+    }
+
+    /// Ends the chosen cluster's lease with the stream's outcome.
+    fn finish_cluster(&mut self) {
+        let (Some(lease), Some(selector)) = (self.cluster_lease.take(), self.filter.selector.as_ref()) else {
+            return;
+        };
+        let now = now();
+        let status = property_u64(&["response", "code"]).and_then(|code| u16::try_from(code).ok()).filter(|c| *c > 0);
+        let flags = property_u64(&["response", "flags"]).unwrap_or(0);
+        let outcome = selector.classify(&lease, status, flags, now);
+        let finished = selector.finish(&EnvoyStore, vm_id(), &self.filter.cluster_locals, lease, outcome, now);
+        let ids = self.filter.stats.cluster(finished.cluster);
+        increment(match outcome {
+            Outcome::Success => ids.success,
+            Outcome::Slow => ids.slow,
+            Outcome::Failure => ids.failure,
+            Outcome::Timeout => ids.timeout,
+            Outcome::Ignored => ids.ignored,
+        });
+        if !finished.recorded {
+            increment(self.filter.stats.selection_contention);
+        }
+        log::debug!("floodgate: {outcome:?} (status {status:?}, flags {flags:#x}) on cluster {}", finished.cluster);
+    }
+
+    fn release(&mut self) {
+        if let (Some(lease), Some(shedder)) = (self.lease.take(), self.filter.shedder.as_ref()) {
+            shedder.release(&EnvoyStore, vm_id(), lease, now());
+        }
+    }
+}
+
+impl Context for FilterStream {}
+
+fn now() -> UnixMillis {
+    let ms = hostcalls::get_current_time()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    UnixMillis(ms)
+}
+
+/// An integer attribute (Envoy encodes them as 8 little-endian bytes).
+fn property_u64(path: &[&str]) -> Option<u64> {
+    let bytes = hostcalls::get_property(path.to_vec()).ok().flatten()?;
+    <[u8; 8]>::try_from(bytes.as_slice()).ok().map(u64::from_le_bytes)
+}
+
+fn fetch(source: Source<'_>) -> Option<Vec<u8>> {
+    match source {
+        Source::Header(name) => hostcalls::get_map_value_bytes(MapType::HttpRequestHeaders, name)
+            .ok()
+            .flatten(),
+        Source::SourceAddress => hostcalls::get_property(vec!["source", "address"]).ok().flatten(),
+    }
+}
+
+impl HttpContext for FilterStream {
+    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+        let filter = Rc::clone(&self.filter);
+        let now = now();
+        let reply = self
+            .health(&filter, now)
+            .or_else(|| self.shed(&filter, now))
+            .or_else(|| self.rate_limit(&filter, now))
+            .or_else(|| self.select(&filter, now));
+        match reply {
+            Some(reply) => self.reply(&reply),
+            None => Action::Continue,
         }
     }
 
     fn on_log(&mut self) {
         self.release();
+        self.finish_cluster();
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

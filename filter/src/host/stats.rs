@@ -12,6 +12,20 @@
 //! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 |
 //! | `<prefix>.load_shedding.contention` | counter | requests shed because the in-flight count could not be updated |
 //! | `<prefix>.load_shedding.in_flight` | gauge | proxy-wide in-flight requests, refreshed every second |
+//! | `<prefix>.cluster.<cluster>.selected` | counter | requests routed to the cluster |
+//! | `<prefix>.cluster.<cluster>.success` | counter | of those, answered in time with a non-failure status |
+//! | `<prefix>.cluster.<cluster>.slow` | counter | answered successfully, slower than `concurrency_limit.timeout` |
+//! | `<prefix>.cluster.<cluster>.failure` | counter | failure status, reset, connection failure, overflow, unknown cluster |
+//! | `<prefix>.cluster.<cluster>.timeout` | counter | upstream timeouts (`504`, flags UT / UMSDR) |
+//! | `<prefix>.cluster.<cluster>.ignored` | counter | ended without a response (client left first) |
+//! | `<prefix>.cluster.<cluster>.success_rate_ppm` | gauge | the success rate the shuffle uses, in millionths, refreshed every second |
+//! | `<prefix>.cluster.<cluster>.concurrency_limit` | gauge | the cluster's current concurrency limit, refreshed every second |
+//! | `<prefix>.cluster.<cluster>.in_flight` | gauge | leases held on the cluster, proxy-wide, refreshed every second |
+//! | `<prefix>.cluster_selection.exhausted` | counter | requests refused with 503: no cluster had room |
+//! | `<prefix>.cluster_selection.contention` | counter | lease or outcome writes that ran out of CAS attempts |
+//!
+//! A cluster name's characters other than letters, digits, `-`, `_` and `.` appear as `_` in
+//! metric names (`outbound|80||a.b` → `outbound_80__a.b`).
 
 use crate::config::Config;
 use proxy_wasm::hostcalls;
@@ -43,6 +57,35 @@ pub struct Stats {
     pub shed_contention: Option<u32>,
     /// The in-flight gauge.
     pub in_flight: Option<u32>,
+    /// Per cluster, in configuration order.
+    pub clusters: Vec<ClusterStats>,
+    /// Requests refused for lack of cluster capacity.
+    pub exhausted: Option<u32>,
+    /// Cluster-record writes that ran out of attempts.
+    pub selection_contention: Option<u32>,
+}
+
+/// Metric ids of one cluster.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ClusterStats {
+    /// Routed to it.
+    pub selected: Option<u32>,
+    /// Succeeded in time.
+    pub success: Option<u32>,
+    /// Succeeded slowly.
+    pub slow: Option<u32>,
+    /// Failed.
+    pub failure: Option<u32>,
+    /// Timed out.
+    pub timeout: Option<u32>,
+    /// No response.
+    pub ignored: Option<u32>,
+    /// Gauge: success rate in millionths.
+    pub success_rate_ppm: Option<u32>,
+    /// Gauge: concurrency limit.
+    pub concurrency_limit: Option<u32>,
+    /// Gauge: leases held proxy-wide.
+    pub in_flight: Option<u32>,
 }
 
 fn counter(name: &str) -> Option<u32> {
@@ -53,6 +96,24 @@ fn counter(name: &str) -> Option<u32> {
             None
         }
     }
+}
+
+fn gauge(name: &str) -> Option<u32> {
+    match hostcalls::define_metric(MetricType::Gauge, name) {
+        Ok(id) => Some(id),
+        Err(status) => {
+            log::warn!("metric {name} could not be defined: {status:?}");
+            None
+        }
+    }
+}
+
+/// A cluster name as a metric-name segment: characters other than letters, digits, `-`, `_`
+/// and `.` become `_`.
+fn metric_safe(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') { c } else { '_' })
+        .collect()
 }
 
 impl Stats {
@@ -81,18 +142,41 @@ impl Stats {
                 .collect()
         });
         let shed_contention = shedding.and_then(|_| counter(&format!("{prefix}.load_shedding.contention")));
-        let in_flight = shedding.and_then(|_| {
-            let name = format!("{prefix}.load_shedding.in_flight");
-            hostcalls::define_metric(MetricType::Gauge, &name)
-                .map_err(|status| log::warn!("metric {name} could not be defined: {status:?}"))
-                .ok()
+        let in_flight = shedding.and_then(|_| gauge(&format!("{prefix}.load_shedding.in_flight")));
+        let selection = config.cluster_selection.as_ref();
+        let clusters = selection.map_or_else(Vec::new, |s| {
+            s.clusters
+                .iter()
+                .map(|cluster| {
+                    let base = format!("{prefix}.cluster.{}", metric_safe(cluster.as_str()));
+                    ClusterStats {
+                        selected: counter(&format!("{base}.selected")),
+                        success: counter(&format!("{base}.success")),
+                        slow: counter(&format!("{base}.slow")),
+                        failure: counter(&format!("{base}.failure")),
+                        timeout: counter(&format!("{base}.timeout")),
+                        ignored: counter(&format!("{base}.ignored")),
+                        success_rate_ppm: gauge(&format!("{base}.success_rate_ppm")),
+                        concurrency_limit: gauge(&format!("{base}.concurrency_limit")),
+                        in_flight: gauge(&format!("{base}.in_flight")),
+                    }
+                })
+                .collect()
         });
         Stats {
             rules,
             shed,
             shed_contention,
             in_flight,
+            clusters,
+            exhausted: selection.and_then(|_| counter(&format!("{prefix}.cluster_selection.exhausted"))),
+            selection_contention: selection.and_then(|_| counter(&format!("{prefix}.cluster_selection.contention"))),
         }
+    }
+
+    /// The ids of cluster `index` (all absent for an unknown index).
+    pub fn cluster(&self, index: usize) -> ClusterStats {
+        self.clusters.get(index).copied().unwrap_or_default()
     }
 
     /// The ids of rule `index` (all absent for an unknown index).

@@ -1,0 +1,368 @@
+//! Cluster selection: the seed's "success-prioritized, concurrency-limited stochastic fallback
+//! cascade" (`seeds/001_29fb53a81823e255.txt`), shared by every worker of the proxy.
+//!
+//! Per request:
+//! 1. read each cluster's record ([`record`]): stat buckets ([`buckets`]), concurrency limit
+//!    ([`limit`]) and leases in flight per VM;
+//! 2. success rate per cluster (see [`buckets`]: exponentially weighted bucket sums, the sticky
+//!    bucket floored at `no_data_floor / clusters`, or 1 with no data), weight = rate^exponent
+//!    (cubed by default). One deliberate reading of the seed: its floor exists to give a cluster
+//!    whose last data was bad "a slight chance to be picked again", but cubing a floor of
+//!    0.0001/3 leaves a weight of 4·10⁻¹⁴, no chance at all; so by default the floor bounds the
+//!    weight too, and a cluster with only sticky data is tried first with a probability of about
+//!    `no_data_floor / clusters` per request (`no_data_floor_on: "rate"` restores the literal
+//!    formula);
+//! 3. order the clusters by an exact weighted random shuffle ([`shuffle`]);
+//! 4. walk the order and take a lease from the first cluster whose proxy-wide in-flight count is
+//!    below its limit (a compare-and-swap on its record, re-read and re-checked on a mismatch);
+//!    none has room: fail fast (the shell answers `503`);
+//! 5. when the stream ends, classify it ([`outcome`]) and, in one compare-and-swap, count it in
+//!    the newest bucket, move the limit (AIMD) and give the lease back.
+//!
+//! In-flight counts follow the load shedder's scheme ([`crate::shed`]): each VM counts its own
+//! leases locally and publishes the count in the record with a heartbeat, so a VM that dies
+//! stops counting after [`crate::shed::STALE_AFTER_MS`], and a release whose write loses every
+//! race is published by the next heartbeat. Stats and limit moves of such a release are lost
+//! (counted as contention); nothing else is.
+
+pub mod buckets;
+pub mod limit;
+pub mod outcome;
+pub mod record;
+pub mod shuffle;
+
+#[cfg(test)]
+mod tests;
+
+use crate::config::{ClusterName, ClusterSelection, FloorOn, StatusMatch};
+use buckets::Basis;
+use crate::shed::{Lease, LocalCount};
+use crate::store::{write_back, SharedStore, StoreError, Stored};
+use crate::time::UnixMillis;
+use limit::Aimd;
+use outcome::{Ending, Outcome};
+use record::ClusterRecord;
+use shuffle::{weighted_shuffle, Random};
+
+/// Compare-and-swap attempts on one record before giving up on it.
+pub const MAX_ATTEMPTS: u32 = 32;
+
+/// One configured cluster.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    /// The Envoy cluster name (the route header's value).
+    pub name: ClusterName,
+    key: String,
+}
+
+/// The cluster selection of one filter configuration.
+#[derive(Clone, Debug)]
+pub struct Selector {
+    /// The clusters, in configuration order.
+    pub clusters: Vec<Cluster>,
+    /// The request header the route reads with `cluster_header`.
+    pub route_header: String,
+    /// `retry-after` of the 503 when no cluster has room, in seconds.
+    pub retry_after_secs: u64,
+    bucket_width_ms: u64,
+    bucket_count: usize,
+    decay_factor: f64,
+    weight_exponent: f64,
+    /// `no_data_floor / clusters`.
+    sticky_floor: f64,
+    floor_on_weight: bool,
+    failure_statuses: Vec<StatusMatch>,
+    limit: Aimd,
+}
+
+/// A lease on one unit of a cluster's concurrency limit, held from selection to the end of the
+/// stream and released exactly once by [`Selector::finish`] (or, should the stream vanish, by
+/// `Drop`, which lowers the local count for the next heartbeat to publish).
+#[derive(Debug)]
+#[must_use = "a chosen cluster's lease must be finished when the stream ends"]
+pub struct ClusterLease {
+    /// Index of the chosen cluster.
+    pub cluster: usize,
+    /// When it was taken.
+    pub started: UnixMillis,
+    /// The cluster's proxy-wide in-flight count with this lease.
+    pub in_flight: u32,
+    unit: Lease,
+}
+
+/// No cluster had room.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Exhausted {
+    /// Per cluster, in configuration order: in-flight count and limit as last seen
+    /// (`None` when the record could not be read).
+    pub clusters: Vec<Option<(u32, u32)>>,
+    /// True when some cluster may have had room but its record could not be updated.
+    pub contention: bool,
+}
+
+/// What ending a lease did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Finished {
+    /// Index of the cluster.
+    pub cluster: usize,
+    /// How the request counted.
+    pub outcome: Outcome,
+    /// False when the record could not be updated (the stats and limit move were lost; the
+    /// lease itself is released regardless).
+    pub recorded: bool,
+}
+
+/// A cluster's state as the gauges show it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClusterState {
+    /// The current success rate.
+    pub success_rate: f64,
+    /// The current concurrency limit.
+    pub limit: u32,
+    /// Leases held proxy-wide.
+    pub in_flight: u32,
+}
+
+/// A record as read: the stored bytes' token and the decoded, aged record.
+struct View {
+    stored: Option<Stored>,
+    record: ClusterRecord,
+}
+
+impl Selector {
+    /// The selector of `config`, its records under `namespace`.
+    pub fn new(config: &ClusterSelection, namespace: &str) -> Selector {
+        let width = config.bucket_width.get().get();
+        let count = config.buckets.get().get();
+        let clusters = config
+            .clusters
+            .iter()
+            .map(|name| Cluster {
+                key: format!("floodgate/{namespace}/cluster/{name}/{count}x{width}ms"),
+                name: name.clone(),
+            })
+            .collect::<Vec<_>>();
+        #[allow(clippy::cast_precision_loss)]
+        let sticky_floor = config.no_data_floor / clusters.len().max(1) as f64;
+        Selector {
+            clusters,
+            route_header: config.route_header.clone(),
+            retry_after_secs: config.retry_after.ceil_secs().max(1),
+            bucket_width_ms: width,
+            bucket_count: usize::try_from(count).unwrap_or(1),
+            decay_factor: config.decay_factor,
+            weight_exponent: config.weight_exponent,
+            sticky_floor,
+            floor_on_weight: config.no_data_floor_on == FloorOn::Weight,
+            failure_statuses: config.failure_statuses.clone(),
+            limit: Aimd::new(&config.concurrency_limit),
+        }
+    }
+
+    /// The shared-data key of cluster `index`'s record (one per cluster and bucket layout).
+    pub fn record_key(&self, index: usize) -> Option<&str> {
+        self.clusters.get(index).map(|c| c.key.as_str())
+    }
+
+    /// The concurrency-limit parameters.
+    pub fn limit(&self) -> &Aimd {
+        &self.limit
+    }
+
+    fn epoch(&self, now: UnixMillis) -> u64 {
+        now.0.checked_div(self.bucket_width_ms).unwrap_or(0)
+    }
+
+    /// Reads cluster `index`'s record, aged to `now`; a missing or malformed record reads as a
+    /// fresh one (and is replaced at the next write).
+    fn read<S: SharedStore + ?Sized>(&self, store: &S, index: usize, now: UnixMillis) -> Result<View, StoreError> {
+        let key = self.record_key(index).ok_or(StoreError::Host(0))?;
+        let stored = store.get(key)?;
+        let epoch = self.epoch(now);
+        let mut record = stored
+            .as_ref()
+            .and_then(|s| ClusterRecord::decode(&s.value, self.bucket_count).ok())
+            .unwrap_or_else(|| ClusterRecord::new(self.bucket_count, epoch, self.limit.initial));
+        record.buckets.advance_to(epoch);
+        record.limit = self.limit.clamp(record.limit);
+        Ok(View { stored, record })
+    }
+
+    /// The success rate of a record.
+    pub fn success_rate(&self, record: &ClusterRecord) -> f64 {
+        record.buckets.success_rate(self.decay_factor, self.sticky_floor)
+    }
+
+    /// The shuffle weight of a success rate: `rate ^ weight_exponent`.
+    pub fn weight(&self, success_rate: f64) -> f64 {
+        success_rate.powf(self.weight_exponent)
+    }
+
+    /// A record's shuffle weight: `rate ^ weight_exponent`, and, when the rate comes from the
+    /// sticky bucket only, at least `no_data_floor / clusters` unless the floor is configured to
+    /// bound the rate only (see `no_data_floor_on`).
+    pub fn record_weight(&self, record: &ClusterRecord) -> f64 {
+        let weight = self.weight(self.success_rate(record));
+        if self.floor_on_weight && record.buckets.basis() == Basis::Sticky {
+            weight.max(self.sticky_floor)
+        } else {
+            weight
+        }
+    }
+
+    /// Chooses the cluster of a request and takes a lease on it (module doc, steps 1 to 4).
+    /// `locals` holds this VM's lease count per cluster, in configuration order.
+    pub fn choose<S: SharedStore + ?Sized, R: Random + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        locals: &[LocalCount],
+        now: UnixMillis,
+        rng: &mut R,
+    ) -> Result<ClusterLease, Exhausted> {
+        let mut views: Vec<Option<View>> = (0..self.clusters.len()).map(|i| self.read(store, i, now).ok()).collect();
+        let weights: Vec<f64> = views
+            .iter()
+            .map(|view| view.as_ref().map_or(0.0, |v| self.record_weight(&v.record)))
+            .collect();
+        let mut order = Vec::with_capacity(weights.len());
+        weighted_shuffle(&weights, rng, &mut order);
+        let mut contention = false;
+        for index in order {
+            let (Some(slot), Some(local)) = (views.get_mut(index), locals.get(index)) else { continue };
+            match self.try_lease(store, index, slot, vm, local, now) {
+                Ok(Some(lease)) => return Ok(lease),
+                Ok(None) => {}
+                Err(()) => contention = true,
+            }
+        }
+        let clusters = views
+            .iter()
+            .zip(locals)
+            .map(|(view, local)| {
+                view.as_ref()
+                    .map(|v| (v.record.in_flight.others(vm, now).saturating_add(local.get()), v.record.limit))
+            })
+            .collect();
+        Err(Exhausted { clusters, contention })
+    }
+
+    /// Takes a lease on cluster `index` if it has room: `Ok(None)` when it is full, `Err` when
+    /// its record could not be updated.
+    fn try_lease<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        index: usize,
+        slot: &mut Option<View>,
+        vm: u64,
+        local: &LocalCount,
+        now: UnixMillis,
+    ) -> Result<Option<ClusterLease>, ()> {
+        let key = self.record_key(index).ok_or(())?;
+        for _ in 0..MAX_ATTEMPTS {
+            let view = slot.as_mut().ok_or(())?;
+            let mine = local.get();
+            let in_flight = view.record.in_flight.others(vm, now).saturating_add(mine);
+            if in_flight >= view.record.limit {
+                return Ok(None);
+            }
+            if !view.record.in_flight.publish(vm, mine.saturating_add(1), now) {
+                return Err(());
+            }
+            match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
+                Ok(()) => {
+                    local.set(mine.saturating_add(1));
+                    return Ok(Some(ClusterLease {
+                        cluster: index,
+                        started: now,
+                        in_flight: in_flight.saturating_add(1),
+                        unit: Lease::taken(local),
+                    }));
+                }
+                Err(StoreError::CasMismatch) => *slot = self.read(store, index, now).ok(),
+                Err(StoreError::Host(_)) => return Err(()),
+            }
+        }
+        Err(())
+    }
+
+    /// Classifies how a stream ended (the lease's elapsed time filled in from `now`).
+    pub fn classify(&self, lease: &ClusterLease, status: Option<u16>, flags: u64, now: UnixMillis) -> Outcome {
+        let ending = Ending {
+            status,
+            flags,
+            elapsed_ms: now.saturating_since(lease.started),
+        };
+        Outcome::classify(&ending, &self.failure_statuses, self.limit.timeout_ms)
+    }
+
+    /// Ends a lease with its outcome (module doc, step 5): the lease is released whatever
+    /// happens; the stats and the limit move are written in the same compare-and-swap.
+    pub fn finish<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        locals: &[LocalCount],
+        mut lease: ClusterLease,
+        outcome: Outcome,
+        now: UnixMillis,
+    ) -> Finished {
+        lease.unit.end();
+        let index = lease.cluster;
+        let mut finished = Finished { cluster: index, outcome, recorded: false };
+        let (Some(key), Some(local)) = (self.record_key(index), locals.get(index)) else {
+            return finished;
+        };
+        for _ in 0..MAX_ATTEMPTS {
+            let Ok(mut view) = self.read(store, index, now) else { break };
+            if let Some(succeeded) = outcome.tally() {
+                view.record.buckets.record(succeeded);
+            }
+            view.record.limit = self.limit.update(view.record.limit, lease.in_flight, outcome.sample());
+            view.record.in_flight.publish(vm, local.get(), now);
+            match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
+                Ok(()) => {
+                    finished.recorded = true;
+                    break;
+                }
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Host(_)) => break,
+            }
+        }
+        finished
+    }
+
+    /// Refreshes this VM's entries (on every tick) and returns each cluster's state for the
+    /// gauges (`None` for a record that could not be read).
+    pub fn heartbeat<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        locals: &[LocalCount],
+        now: UnixMillis,
+    ) -> Vec<Option<ClusterState>> {
+        (0..self.clusters.len())
+            .map(|index| {
+                let local = locals.get(index).map_or(0, |l| l.get());
+                let key = self.record_key(index)?;
+                let mut view = self.read(store, index, now).ok()?;
+                for _ in 0..MAX_ATTEMPTS {
+                    let mine = locals.get(index).map_or(0, |l| l.get());
+                    if !view.record.in_flight.needs_heartbeat(vm, mine, now) || (view.stored.is_none() && mine == 0) {
+                        break;
+                    }
+                    view.record.in_flight.publish(vm, mine, now);
+                    match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
+                        Err(StoreError::CasMismatch) => view = self.read(store, index, now).ok()?,
+                        _ => break,
+                    }
+                }
+                Some(ClusterState {
+                    success_rate: self.success_rate(&view.record),
+                    limit: view.record.limit,
+                    in_flight: view.record.in_flight.others(vm, now).saturating_add(local),
+                })
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,108 @@
+//! How a stream ended, from the proxy's point of view: the final status and Envoy's response
+//! flags (`response.code` and `response.flags` attributes, read in `on_log`), and how long the
+//! lease was held.
+
+use super::limit::Sample;
+use crate::config::StatusMatch;
+
+/// Envoy's legacy response-flag bits (`StreamInfo::legacyResponseFlags`).
+pub mod flags {
+    /// UH: no healthy upstream host.
+    pub const NO_HEALTHY_UPSTREAM: u64 = 0x2;
+    /// UT: upstream request timeout.
+    pub const UPSTREAM_REQUEST_TIMEOUT: u64 = 0x4;
+    /// LR: connection reset locally.
+    pub const LOCAL_RESET: u64 = 0x8;
+    /// UR: upstream remote reset.
+    pub const UPSTREAM_REMOTE_RESET: u64 = 0x10;
+    /// UF: upstream connection failure.
+    pub const UPSTREAM_CONNECTION_FAILURE: u64 = 0x20;
+    /// UC: upstream connection termination.
+    pub const UPSTREAM_CONNECTION_TERMINATION: u64 = 0x40;
+    /// UO: upstream overflow (circuit breaking).
+    pub const UPSTREAM_OVERFLOW: u64 = 0x80;
+    /// URX: upstream retry limit exceeded.
+    pub const UPSTREAM_RETRY_LIMIT_EXCEEDED: u64 = 0x8000;
+    /// UMSDR: upstream max stream duration reached.
+    pub const UPSTREAM_MAX_STREAM_DURATION_REACHED: u64 = 0x80000;
+    /// UPE: upstream protocol error.
+    pub const UPSTREAM_PROTOCOL_ERROR: u64 = 0x80_0000;
+    /// NC: no cluster of the chosen name.
+    pub const NO_CLUSTER_FOUND: u64 = 0x100_0000;
+
+    /// Flags that mean the upstream timed out.
+    pub const TIMEOUT: u64 = UPSTREAM_REQUEST_TIMEOUT | UPSTREAM_MAX_STREAM_DURATION_REACHED;
+    /// Flags that mean the upstream failed (reset, unreachable, overflowing, missing).
+    pub const FAILURE: u64 = NO_HEALTHY_UPSTREAM
+        | LOCAL_RESET
+        | UPSTREAM_REMOTE_RESET
+        | UPSTREAM_CONNECTION_FAILURE
+        | UPSTREAM_CONNECTION_TERMINATION
+        | UPSTREAM_OVERFLOW
+        | UPSTREAM_RETRY_LIMIT_EXCEEDED
+        | UPSTREAM_PROTOCOL_ERROR
+        | NO_CLUSTER_FOUND;
+}
+
+/// What the proxy saw of a stream when it ended.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ending {
+    /// The final status sent downstream (`None`: no response, e.g. the client left first).
+    pub status: Option<u16>,
+    /// Envoy's response flags.
+    pub flags: u64,
+    /// How long the lease was held, in milliseconds.
+    pub elapsed_ms: u64,
+}
+
+/// A finished request, as it counts for the cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Answered, not with a failure status, within the limit's timeout.
+    Success,
+    /// Answered successfully but slower than the limit's timeout: a success for the success
+    /// rate, a drop for the concurrency limit.
+    Slow,
+    /// Upstream timeout (`504`, flag UT or UMSDR).
+    Timeout,
+    /// A failure status, a reset, a connection failure, overflow, or no such cluster.
+    Failure,
+    /// No response (the client left first): not counted.
+    Ignored,
+}
+
+impl Outcome {
+    /// Classifies an ending: timeouts first, then failures by flag or status, then slowness.
+    pub fn classify(ending: &Ending, failure_statuses: &[StatusMatch], timeout_ms: u64) -> Outcome {
+        if ending.flags & flags::TIMEOUT != 0 || ending.status == Some(504) {
+            return Outcome::Timeout;
+        }
+        if ending.flags & flags::FAILURE != 0 {
+            return Outcome::Failure;
+        }
+        match ending.status {
+            None => Outcome::Ignored,
+            Some(status) if failure_statuses.iter().any(|m| m.matches(status)) => Outcome::Failure,
+            Some(_) if ending.elapsed_ms > timeout_ms => Outcome::Slow,
+            Some(_) => Outcome::Success,
+        }
+    }
+
+    /// Whether it enters the cluster's stats, and as a success.
+    pub fn tally(self) -> Option<bool> {
+        match self {
+            Outcome::Success | Outcome::Slow => Some(true),
+            Outcome::Timeout | Outcome::Failure => Some(false),
+            Outcome::Ignored => None,
+        }
+    }
+
+    /// What it tells the concurrency limit.
+    pub fn sample(self) -> Sample {
+        match self {
+            Outcome::Success => Sample::Success,
+            Outcome::Slow | Outcome::Timeout => Sample::Dropped,
+            Outcome::Failure | Outcome::Ignored => Sample::Ignored,
+        }
+    }
+}

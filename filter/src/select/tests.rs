@@ -1,0 +1,496 @@
+//! Deterministic tests of cluster selection: injected time and random source, the in-memory
+//! store with Envoy's CAS semantics.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic, clippy::cast_precision_loss)]
+
+use super::buckets::{Buckets, Tally};
+use super::limit::{Aimd, Sample};
+use super::outcome::{flags, Ending, Outcome};
+use super::record::ClusterRecord;
+use super::shuffle::{weighted_shuffle, Random, SplitMix64};
+use super::*;
+use crate::config::{Config, StatusMatch};
+use crate::shed::{DecodeError, STALE_AFTER_MS};
+use crate::store::MemoryStore;
+use std::cell::Cell;
+use std::collections::HashMap;
+use std::rc::Rc;
+
+const T0: UnixMillis = UnixMillis(1_700_000_000_000);
+
+fn tally(finished: u32, succeeded: u32) -> Tally {
+    Tally { finished, succeeded }
+}
+
+fn selector(json: &str) -> Selector {
+    let config = Config::parse(format!(r#"{{"cluster_selection":{json}}}"#).as_bytes()).unwrap();
+    Selector::new(config.cluster_selection.as_ref().unwrap(), "test")
+}
+
+fn locals(n: usize) -> Vec<LocalCount> {
+    (0..n).map(|_| Rc::new(Cell::new(0))).collect()
+}
+
+fn close(a: f64, b: f64) -> bool {
+    (a - b).abs() < 1e-12
+}
+
+// ---- success rate and weight: every case of the seed ----
+
+#[test]
+fn success_rate_weights_newer_buckets_by_the_decay_factor() {
+    let mut buckets = Buckets::new(6, 0);
+    buckets.recent[0] = tally(10, 10); // newest: all good
+    buckets.recent[1] = tally(10, 0); // one older: all failed
+    buckets.recent[5] = tally(30, 0);
+    // (10 + 0/3 + 0/243) / (10 + 10/3 + 30/243)
+    let expected = 10.0 / (10.0 + 10.0 / 3.0 + 30.0 / 243.0);
+    assert!(close(buckets.success_rate(3.0, 0.0), expected));
+    // Decay 1 is the plain ratio.
+    assert!(close(buckets.success_rate(1.0, 0.0), 10.0 / 50.0));
+    // The sticky bucket is ignored while the window has data.
+    buckets.sticky = tally(5, 0);
+    assert!(close(buckets.success_rate(3.0, 0.5), expected));
+}
+
+#[test]
+fn success_rate_from_the_sticky_bucket_is_floored() {
+    let mut buckets = Buckets::new(6, 0);
+    buckets.sticky = tally(4, 1);
+    assert!(close(buckets.success_rate(3.0, 0.0001 / 3.0), 0.25));
+    buckets.sticky = tally(4, 0);
+    assert!(close(buckets.success_rate(3.0, 0.0001 / 3.0), 0.0001 / 3.0), "0% is floored");
+    // Without the sticky bucket, a window with data at 0% has no floor.
+    let mut failing = Buckets::new(6, 0);
+    failing.recent[2] = tally(7, 0);
+    assert_eq!(failing.success_rate(3.0, 0.0001), 0.0);
+}
+
+#[test]
+fn success_rate_without_any_data_is_one() {
+    assert_eq!(Buckets::new(6, 0).success_rate(3.0, 0.0001), 1.0);
+}
+
+#[test]
+fn weight_is_the_rate_cubed_by_default() {
+    let s = selector(r#"{"clusters":["a","b","c"]}"#);
+    assert!(close(s.weight(0.5), 0.125));
+    assert!(close(s.weight(1.0), 1.0));
+    assert_eq!(s.weight(0.0), 0.0);
+    let squared = selector(r#"{"clusters":["a"],"weight_exponent":2}"#);
+    assert!(close(squared.weight(0.5), 0.25));
+    // The floor is divided by the number of clusters.
+    let mut record = ClusterRecord::new(6, 0, 20);
+    record.buckets.sticky = tally(3, 0);
+    assert!(close(s.success_rate(&record), 0.0001 / 3.0));
+}
+
+// ---- bucket ageing and the sticky copy ----
+
+#[test]
+fn ageing_shifts_one_bucket_per_width_and_copies_data_to_sticky() {
+    let mut buckets = Buckets::new(3, 100);
+    buckets.record(true);
+    buckets.record(false);
+    assert_eq!(buckets.recent, vec![tally(2, 1), tally(0, 0), tally(0, 0)]);
+    buckets.advance_to(101);
+    buckets.record(true);
+    assert_eq!(buckets.recent, vec![tally(1, 1), tally(2, 1), tally(0, 0)]);
+    assert_eq!(buckets.sticky, tally(0, 0), "the empty oldest bucket left nothing");
+    buckets.advance_to(102);
+    assert_eq!(buckets.recent, vec![tally(0, 0), tally(1, 1), tally(2, 1)]);
+    buckets.advance_to(103);
+    assert_eq!(buckets.sticky, tally(2, 1), "the oldest bucket held data: copied");
+    assert_eq!(buckets.recent, vec![tally(0, 0), tally(0, 0), tally(1, 1)]);
+    buckets.advance_to(104);
+    assert_eq!(buckets.sticky, tally(1, 1));
+    buckets.advance_to(105);
+    assert_eq!(buckets.sticky, tally(1, 1), "an empty bucket ageing out keeps the sticky data");
+    assert_eq!(buckets.recent, vec![tally(0, 0); 3]);
+    assert_eq!(buckets.success_rate(3.0, 0.0), 1.0, "sticky 1/1");
+}
+
+#[test]
+fn a_long_gap_ages_everything_out_and_keeps_the_newest_data() {
+    let mut buckets = Buckets::new(3, 0);
+    buckets.recent = vec![tally(1, 1), tally(0, 0), tally(9, 0)];
+    buckets.advance_to(1_000_000);
+    assert_eq!(buckets.recent, vec![tally(0, 0); 3]);
+    assert_eq!(buckets.sticky, tally(1, 1), "the newest bucket with data aged out last");
+    assert_eq!(buckets.epoch, 1_000_000);
+}
+
+#[test]
+fn a_clock_step_backwards_changes_nothing() {
+    let mut buckets = Buckets::new(3, 50);
+    buckets.record(true);
+    buckets.advance_to(49);
+    assert_eq!(buckets.epoch, 50);
+    assert_eq!(buckets.recent[0], tally(1, 1));
+}
+
+// ---- the shuffle ----
+
+fn chi_square(observed: &[u64], expected: &[f64]) -> f64 {
+    observed
+        .iter()
+        .zip(expected)
+        .map(|(o, e)| {
+            let d = *o as f64 - e;
+            d * d / e
+        })
+        .sum()
+}
+
+#[test]
+fn the_shuffle_draws_every_order_with_its_exact_probability() {
+    let weights = [1.0, 0.5f64.powi(3), 0.2f64.powi(3)];
+    let total: f64 = weights.iter().sum();
+    let mut rng = SplitMix64::new(42);
+    let draws = 200_000u64;
+    let mut counts: HashMap<Vec<usize>, u64> = HashMap::new();
+    let mut order = Vec::new();
+    for _ in 0..draws {
+        weighted_shuffle(&weights, &mut rng, &mut order);
+        *counts.entry(order.clone()).or_default() += 1;
+    }
+    let perms = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+    let mut observed = Vec::new();
+    let mut expected = Vec::new();
+    for p in perms {
+        let first = weights[p[0]] / total;
+        let second = weights[p[1]] / (total - weights[p[0]]);
+        expected.push(first * second * draws as f64);
+        observed.push(counts.get(p.as_slice()).copied().unwrap_or(0));
+    }
+    // 5 degrees of freedom: P(χ² > 20.5) ≈ 0.001.
+    let statistic = chi_square(&observed, &expected);
+    assert!(statistic < 20.5, "χ² = {statistic}: observed {observed:?}, expected {expected:?}");
+}
+
+#[test]
+fn zero_weights_come_last_in_uniform_order() {
+    let mut rng = SplitMix64::new(7);
+    let mut order = Vec::new();
+    let mut last = [0u64; 4];
+    for _ in 0..40_000 {
+        weighted_shuffle(&[0.0, 2.0, 0.0, f64::NAN], &mut rng, &mut order);
+        assert_eq!(order[0], 1, "the only weighted cluster always comes first");
+        last[order[3]] += 1;
+    }
+    assert_eq!(last[1], 0);
+    // The three zero-weight clusters share the last place evenly (2 degrees of freedom).
+    let observed = [last[0], last[2], last[3]];
+    let statistic = chi_square(&observed, &[40_000.0 / 3.0; 3]);
+    assert!(statistic < 13.8, "χ² = {statistic}: {observed:?}");
+}
+
+#[test]
+fn splitmix_is_deterministic_and_spread() {
+    let mut a = SplitMix64::new(1);
+    let mut b = SplitMix64::new(1);
+    assert_eq!(a.next_u64(), b.next_u64());
+    let mean: f64 = (0..100_000).map(|_| a.next_unit()).sum::<f64>() / 100_000.0;
+    assert!((mean - 0.5).abs() < 0.01, "{mean}");
+}
+
+// ---- AIMD ----
+
+fn aimd() -> Aimd {
+    Aimd { initial: 20, min: 2, max: 30, backoff_ratio: 0.9, timeout_ms: 100 }
+}
+
+#[test]
+fn aimd_grows_by_one_only_when_half_the_limit_is_in_use() {
+    let limit = aimd();
+    assert_eq!(limit.update(20, 10, Sample::Success), 21);
+    assert_eq!(limit.update(20, 9, Sample::Success), 20, "mostly idle: no growth");
+    assert_eq!(limit.update(30, 30, Sample::Success), 30, "bounded by max");
+}
+
+#[test]
+fn aimd_backs_off_multiplicatively_on_a_drop() {
+    let limit = aimd();
+    assert_eq!(limit.update(20, 1, Sample::Dropped), 18);
+    assert_eq!(limit.update(10, 1, Sample::Dropped), 9);
+    assert_eq!(limit.update(2, 1, Sample::Dropped), 2, "bounded by min");
+    let mut value = 30;
+    for _ in 0..50 {
+        value = limit.update(value, 1, Sample::Dropped);
+    }
+    assert_eq!(value, 2);
+    assert_eq!(limit.update(17, 17, Sample::Ignored), 17, "ignored samples do not move it");
+    assert_eq!(limit.clamp(500), 30);
+    assert_eq!(limit.clamp(0), 2);
+}
+
+// ---- outcomes ----
+
+#[test]
+fn outcomes_by_status_flags_and_time() {
+    let fail = [StatusMatch::Class(5), StatusMatch::Code(429)];
+    let classify = |status: Option<u16>, flags: u64, elapsed_ms: u64| {
+        Outcome::classify(&Ending { status, flags, elapsed_ms }, &fail, 1000)
+    };
+    assert_eq!(classify(Some(200), 0, 10), Outcome::Success);
+    assert_eq!(classify(Some(404), 0, 10), Outcome::Success);
+    assert_eq!(classify(Some(429), 0, 10), Outcome::Failure);
+    assert_eq!(classify(Some(500), 0, 10), Outcome::Failure);
+    assert_eq!(classify(Some(503), flags::UPSTREAM_CONNECTION_FAILURE, 10), Outcome::Failure);
+    assert_eq!(classify(Some(503), flags::NO_CLUSTER_FOUND, 1), Outcome::Failure);
+    assert_eq!(classify(Some(200), flags::UPSTREAM_REMOTE_RESET, 10), Outcome::Failure, "reset mid-body");
+    assert_eq!(classify(Some(504), flags::UPSTREAM_REQUEST_TIMEOUT, 1500), Outcome::Timeout);
+    assert_eq!(classify(Some(504), 0, 10), Outcome::Timeout);
+    assert_eq!(classify(None, flags::UPSTREAM_REQUEST_TIMEOUT, 10), Outcome::Timeout);
+    assert_eq!(classify(Some(200), 0, 1001), Outcome::Slow);
+    assert_eq!(classify(None, 0x4000, 10), Outcome::Ignored, "client left (DC)");
+    assert_eq!(Outcome::Slow.tally(), Some(true));
+    assert_eq!(Outcome::Slow.sample(), Sample::Dropped);
+    assert_eq!(Outcome::Timeout.tally(), Some(false));
+    assert_eq!(Outcome::Failure.sample(), Sample::Ignored);
+    assert_eq!(Outcome::Ignored.tally(), None);
+}
+
+// ---- the record ----
+
+#[test]
+fn records_round_trip_and_refuse_anything_malformed() {
+    let mut record = ClusterRecord::new(6, 123, 17);
+    record.buckets.record(true);
+    record.buckets.sticky = tally(4, 3);
+    assert!(record.in_flight.publish(9, 3, T0));
+    let bytes = record.encode();
+    assert_eq!(ClusterRecord::decode(&bytes, 6), Ok(record.clone()));
+    assert_eq!(ClusterRecord::decode(&bytes, 5), Err(DecodeError::Malformed), "another layout");
+    for cut in 0..bytes.len() {
+        assert!(ClusterRecord::decode(&bytes[..cut], 6).is_err(), "truncated at {cut}");
+    }
+    let mut padded = bytes.clone();
+    padded.push(0);
+    assert!(ClusterRecord::decode(&padded, 6).is_err());
+    let mut version = bytes.clone();
+    version[0] = 9;
+    assert!(ClusterRecord::decode(&version, 6).is_err());
+    let mut impossible = bytes.clone();
+    impossible[16..20].copy_from_slice(&0u32.to_le_bytes()); // newest finished 0 < succeeded 1
+    assert!(ClusterRecord::decode(&impossible, 6).is_err());
+}
+
+// ---- the cascade on a shared store ----
+
+#[test]
+fn the_cascade_takes_the_next_cluster_with_room_then_fails_fast() {
+    let s = selector(r#"{"clusters":["a","b","c"],"concurrency_limit":{"initial_limit":2,"min_limit":1,"max_limit":5}}"#);
+    let store = MemoryStore::new();
+    let mine = locals(3);
+    let mut rng = SplitMix64::new(3);
+    let mut leases = Vec::new();
+    for _ in 0..6 {
+        leases.push(s.choose(&store, 1, &mine, T0, &mut rng).unwrap());
+    }
+    let per_cluster: Vec<usize> = (0..3).map(|c| leases.iter().filter(|l| l.cluster == c).count()).collect();
+    assert_eq!(per_cluster, vec![2, 2, 2], "each cluster up to its limit");
+    let exhausted = s.choose(&store, 2, &locals(3), T0, &mut rng).unwrap_err();
+    assert_eq!(exhausted.clusters, vec![Some((2, 2)); 3]);
+    assert!(!exhausted.contention);
+    // One release makes room again, on that cluster only.
+    let lease = leases.pop().unwrap();
+    let freed = lease.cluster;
+    let done = s.finish(&store, 1, &mine, lease, Outcome::Failure, T0);
+    assert!(done.recorded);
+    let again = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    assert_eq!(again.cluster, freed);
+    leases.push(again);
+    for lease in leases {
+        s.finish(&store, 1, &mine, lease, Outcome::Ignored, T0);
+    }
+    assert!(mine.iter().all(|l| l.get() == 0));
+    let states = s.heartbeat(&store, 1, &mine, T0);
+    assert!(states.iter().all(|st| st.unwrap().in_flight == 0));
+}
+
+#[test]
+fn leases_are_exact_across_vms_and_a_dead_vm_stops_counting() {
+    let s = selector(r#"{"clusters":["only"],"concurrency_limit":{"initial_limit":3,"min_limit":3,"max_limit":3}}"#);
+    let store = MemoryStore::new();
+    let (one, two) = (locals(1), locals(1));
+    let mut rng = SplitMix64::new(5);
+    let a = s.choose(&store, 1, &one, T0, &mut rng).unwrap();
+    let b = s.choose(&store, 2, &two, T0, &mut rng).unwrap();
+    let c = s.choose(&store, 1, &one, T0, &mut rng).unwrap();
+    assert_eq!((a.in_flight, b.in_flight, c.in_flight), (1, 2, 3));
+    assert!(s.choose(&store, 2, &two, T0, &mut rng).is_err(), "3 of 3 taken across two VMs");
+    // VM 1 dies holding two leases (never finished, never heartbeats again).
+    std::mem::forget(a);
+    std::mem::forget(c);
+    let later = T0.plus_ms(STALE_AFTER_MS / 2);
+    s.heartbeat(&store, 2, &two, later);
+    assert!(s.choose(&store, 2, &two, later, &mut rng).is_err(), "still counted before it is stale");
+    let stale = T0.plus_ms(STALE_AFTER_MS + 1);
+    let d = s.choose(&store, 2, &two, stale, &mut rng).unwrap();
+    assert_eq!(d.in_flight, 2, "only VM 2's leases count");
+    s.finish(&store, 2, &two, d, Outcome::Success, stale);
+    s.finish(&store, 2, &two, b, Outcome::Success, stale);
+    assert_eq!(s.heartbeat(&store, 2, &two, stale)[0].unwrap().in_flight, 0);
+}
+
+#[test]
+fn a_dropped_lease_gives_its_unit_back_and_the_heartbeat_publishes_it() {
+    let s = selector(r#"{"clusters":["only"],"concurrency_limit":{"initial_limit":1,"min_limit":1,"max_limit":1}}"#);
+    let store = MemoryStore::new();
+    let mine = locals(1);
+    let mut rng = SplitMix64::new(5);
+    let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    drop(lease);
+    assert_eq!(mine[0].get(), 0);
+    assert!(s.choose(&store, 2, &locals(1), T0, &mut rng).is_err(), "the record still says 1");
+    assert_eq!(s.heartbeat(&store, 1, &mine, T0)[0].unwrap().in_flight, 0);
+    assert!(s.choose(&store, 2, &locals(1), T0, &mut rng).is_ok());
+}
+
+#[test]
+fn finishing_records_the_outcome_and_moves_the_limit() {
+    let s = selector(
+        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":10,"min_limit":1,"max_limit":20,"timeout":"1s"}}"#,
+    );
+    let store = MemoryStore::new();
+    let mine = locals(1);
+    let mut rng = SplitMix64::new(5);
+    let mut finish = |outcome: Outcome| {
+        let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+        s.finish(&store, 1, &mine, lease, outcome, T0)
+    };
+    finish(Outcome::Timeout);
+    finish(Outcome::Failure);
+    finish(Outcome::Slow);
+    finish(Outcome::Ignored);
+    let view = s.read(&store, 0, T0).unwrap();
+    assert_eq!(view.record.buckets.recent[0], tally(3, 1), "ignored is not counted");
+    assert_eq!(view.record.limit, 8, "10 → 9 (timeout) → 9 (failure) → ⌊8.1⌋ (slow) → 8 (ignored)");
+    // Growth needs half the limit in use: hold 4 leases, then succeed.
+    let held: Vec<_> = (0..3).map(|_| s.choose(&store, 1, &mine, T0, &mut rng).unwrap()).collect();
+    let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    assert_eq!(lease.in_flight, 4);
+    s.finish(&store, 1, &mine, lease, Outcome::Success, T0);
+    assert_eq!(s.read(&store, 0, T0).unwrap().record.limit, 9, "4 × 2 ≥ 8: grows by one");
+    for lease in held {
+        s.finish(&store, 1, &mine, lease, Outcome::Ignored, T0);
+    }
+    let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    assert_eq!(s.classify(&lease, Some(200), 0, T0.plus_ms(1001)), Outcome::Slow);
+    assert_eq!(s.classify(&lease, Some(200), 0, T0.plus_ms(999)), Outcome::Success);
+    assert_eq!(s.classify(&lease, Some(502), 0, T0), Outcome::Failure);
+    s.finish(&store, 1, &mine, lease, Outcome::Success, T0);
+}
+
+/// Runs `requests` requests at `rate_per_sec` through the selector, each finishing at once with
+/// the outcome `health(cluster, now)` gives; returns the requests per cluster.
+fn traffic(
+    s: &Selector,
+    store: &MemoryStore,
+    rng: &mut SplitMix64,
+    start: UnixMillis,
+    requests: u64,
+    rate_per_sec: u64,
+    health: impl Fn(&str) -> Outcome,
+) -> Vec<u64> {
+    let mine = locals(s.clusters.len());
+    let mut per_cluster = vec![0u64; s.clusters.len()];
+    for i in 0..requests {
+        let now = start.plus_ms(i * 1000 / rate_per_sec);
+        let lease = s.choose(store, 1, &mine, now, rng).unwrap();
+        per_cluster[lease.cluster] += 1;
+        let outcome = health(s.clusters[lease.cluster].name.as_str());
+        s.finish(store, 1, &mine, lease, outcome, now);
+    }
+    per_cluster
+}
+
+#[test]
+fn a_failing_cluster_loses_its_traffic_and_wins_it_back_when_it_recovers() {
+    // A floor of 0.03 gives c (sticky data only) a weight of 0.01: about one request a second at
+    // 200 requests/s (with the default 0.0001 it would take some 15 minutes at this rate).
+    let s = selector(r#"{"clusters":["a","b","c"],"no_data_floor":0.03}"#);
+    let store = MemoryStore::new();
+    let mut rng = SplitMix64::new(11);
+    let bad_c = |name: &str| if name == "c" { Outcome::Failure } else { Outcome::Success };
+    // 10 s at 200 requests/s while c fails everything: after the first second c gets ≲1%.
+    traffic(&s, &store, &mut rng, T0, 200, 200, bad_c);
+    let counts = traffic(&s, &store, &mut rng, T0.plus_ms(1000), 1800, 200, bad_c);
+    let share = counts[2] as f64 / 1800.0;
+    assert!(share < 0.01, "failing cluster share {share} ({counts:?})");
+    // c recovers. Its window must age out (6 × 5 s) before the sticky floor lets it back in;
+    // once one request succeeds, it is competitive again.
+    let healthy = |_: &str| Outcome::Success;
+    let mut back_at = None;
+    for second in 10..120u64 {
+        let counts = traffic(&s, &store, &mut rng, T0.plus_ms(second * 1000), 200, 200, healthy);
+        if counts[2] >= 40 {
+            back_at = Some(second);
+            break;
+        }
+    }
+    let back_at = back_at.expect("c never won its share back");
+    // c's last request was in the first seconds; its window (6 × 5 s, epoch-aligned) ages out
+    // 25 to 35 s later, then a probe within a few seconds at this floor.
+    assert!((25..=45).contains(&back_at), "c back to ≥ 20% of traffic after {back_at} s");
+}
+
+#[test]
+fn the_floor_bounds_the_weight_unless_configured_for_the_rate_only() {
+    let mut record = ClusterRecord::new(6, 0, 20);
+    record.buckets.sticky = tally(10, 0);
+    let on_weight = selector(r#"{"clusters":["a","b"]}"#);
+    assert!(close(on_weight.success_rate(&record), 0.00005));
+    assert!(close(on_weight.record_weight(&record), 0.00005));
+    let on_rate = selector(r#"{"clusters":["a","b"],"no_data_floor_on":"rate"}"#);
+    assert!(close(on_rate.record_weight(&record), 0.00005f64.powi(3)));
+    // In the window, a 0% rate has weight 0 either way: it is only a fallback.
+    record.buckets.record(false);
+    assert_eq!(on_weight.record_weight(&record), 0.0);
+}
+
+#[test]
+fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
+    let s = selector(
+        r#"{"clusters":["a","slow"],"concurrency_limit":{"initial_limit":10,"min_limit":1,"max_limit":50,"timeout":"100ms"}}"#,
+    );
+    let store = MemoryStore::new();
+    let mut rng = SplitMix64::new(13);
+    let mine = locals(2);
+    for i in 0..500u64 {
+        let now = T0.plus_ms(i);
+        let lease = s.choose(&store, 1, &mine, now, &mut rng).unwrap();
+        let outcome = if lease.cluster == 1 { Outcome::Slow } else { Outcome::Success };
+        s.finish(&store, 1, &mine, lease, outcome, now);
+    }
+    assert_eq!(s.read(&store, 1, T0.plus_ms(500)).unwrap().record.limit, 1, "slow cluster at min_limit");
+    // With one lease held on the slow cluster, every further request goes to `a`.
+    let held = loop {
+        let lease = s.choose(&store, 1, &mine, T0.plus_ms(600), &mut rng).unwrap();
+        if lease.cluster == 1 {
+            break lease;
+        }
+        s.finish(&store, 1, &mine, lease, Outcome::Success, T0.plus_ms(600));
+    };
+    for _ in 0..100 {
+        let lease = s.choose(&store, 1, &mine, T0.plus_ms(601), &mut rng).unwrap();
+        assert_eq!(lease.cluster, 0);
+        s.finish(&store, 1, &mine, lease, Outcome::Success, T0.plus_ms(601));
+    }
+    s.finish(&store, 1, &mine, held, Outcome::Slow, T0.plus_ms(700));
+}
+
+#[test]
+fn a_record_from_another_layout_or_corrupt_reads_as_fresh() {
+    let s = selector(r#"{"clusters":["a"]}"#);
+    let store = MemoryStore::new();
+    store.set(s.record_key(0).unwrap(), b"garbage", None).unwrap();
+    let mine = locals(1);
+    let mut rng = SplitMix64::new(1);
+    let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    assert_eq!(lease.in_flight, 1);
+    s.finish(&store, 1, &mine, lease, Outcome::Success, T0);
+    let view = s.read(&store, 0, T0).unwrap();
+    assert_eq!(view.record.buckets.recent[0], tally(1, 1));
+    assert_eq!(view.record.limit, 20);
+}

@@ -1,0 +1,286 @@
+//! Cluster selection end to end: the built module in a real Envoy (2 workers) choosing among
+//! real upstream clusters through the route's `cluster_header`. Each test starts its own Envoy.
+//! Figures are printed (`--nocapture`) for the README and the closing notes.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use floodgate_integration::*;
+
+const ROUTE_HEADER: &str = "x-floodgate-cluster";
+
+fn cluster_stat(cluster: &str, what: &str) -> String {
+    format!("{STAT_PREFIX}.cluster.{cluster}.{what}")
+}
+
+/// Statuses seen by a closed-loop load: `clients` keep-alive connections, each sending one
+/// request after another until `stop` is set.
+#[derive(Default, Debug)]
+struct Tally {
+    statuses: BTreeMap<u16, u64>,
+    errors: u64,
+}
+
+impl Tally {
+    fn total(&self) -> u64 {
+        self.statuses.values().sum::<u64>() + self.errors
+    }
+    fn ok(&self) -> u64 {
+        self.statuses.get(&200).copied().unwrap_or(0)
+    }
+    fn success_rate(&self) -> f64 {
+        self.ok() as f64 / self.total().max(1) as f64
+    }
+}
+
+/// Runs a closed loop for `duration` and returns what the clients saw.
+async fn load(addr: SocketAddr, clients: usize, duration: Duration, headers: &'static [(&'static str, &'static str)]) -> Tally {
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (tally, stop) = (tally.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut client = None;
+                while !stop.load(Ordering::Relaxed) {
+                    if client.is_none() {
+                        client = Client::connect(addr).await.ok();
+                    }
+                    let Some(c) = client.as_mut() else { continue };
+                    match c.get("/work", headers).await {
+                        Ok(r) => *tally.lock().unwrap().statuses.entry(r.status).or_default() += 1,
+                        Err(_) => {
+                            tally.lock().unwrap().errors += 1;
+                            client = None;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("load task");
+    }
+    Arc::try_unwrap(tally).expect("tasks done").into_inner().unwrap()
+}
+
+/// An upstream that counts requests per value of the route header it receives.
+fn counted() -> Upstream {
+    Upstream::counting_header(ROUTE_HEADER)
+}
+
+/// Three clusters, `c` answering 503 to everything: floodgate (default tuning) steers away from
+/// it; plain round-robin over the same three upstreams does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_cluster_gets_almost_no_traffic_unlike_round_robin() {
+    let (a, b, c) = (counted(), counted(), counted());
+    c.set_status(503);
+    let envoy = Envoy::builder(json!({"cluster_selection": {"route_header": ROUTE_HEADER, "clusters": ["a", "b", "c"]}}))
+        .cluster("a", &[a.addr()])
+        .cluster("b", &[b.addr()])
+        .cluster("c", &[c.addr()])
+        .route_by_header(ROUTE_HEADER)
+        .start();
+    let warmup = load(envoy.addr(), 8, Duration::from_secs(3), &[]).await;
+    let c_before = c.total();
+    let (a_before, b_before) = (a.total(), b.total());
+    let measured = load(envoy.addr(), 8, Duration::from_secs(5), &[]).await;
+    let to_c = c.total() - c_before;
+    let upstream_total = to_c + (a.total() - a_before) + (b.total() - b_before);
+    let share_c = to_c as f64 / upstream_total.max(1) as f64;
+    println!(
+        "floodgate: warm-up 3 s {} requests ({:.2}% 200); next 5 s {} requests, {:.3}% reached the failing cluster, clients {:.3}% 200 ({:?})",
+        warmup.total(),
+        warmup.success_rate() * 100.0,
+        measured.total(),
+        share_c * 100.0,
+        measured.success_rate() * 100.0,
+        measured
+    );
+    assert!(measured.total() > 1000, "too little traffic to judge: {measured:?}");
+    assert!(share_c <= 0.01, "{to_c} of {upstream_total} requests reached the failing cluster");
+    assert!(measured.success_rate() >= 0.99, "clients saw {measured:?}");
+    // The upstreams saw the header the filter set, and the stats agree with them.
+    assert_eq!(a.count_for("a"), a.total());
+    assert_eq!(b.count_for("b"), b.total());
+    let stats = envoy.stats();
+    let stat = |name: String| stats.get(&name).copied().unwrap_or(0);
+    assert_eq!(stat(cluster_stat("c", "failure")), c.total(), "every 503 of c counted as a failure");
+    assert_eq!(stat(cluster_stat("a", "success")), a.total());
+    let rate_c = envoy.wait_for_stat(&cluster_stat("c", "success_rate_ppm"), 0, Duration::from_secs(3));
+    assert_eq!(rate_c, Some(0), "c's success-rate gauge");
+    assert_eq!(stat(cluster_stat("a", "success_rate_ppm")), 1_000_000);
+    drop(envoy);
+
+    // The same three upstreams behind Envoy's own round-robin, no selection.
+    let baseline = Envoy::builder("{}").upstream(&a).upstream(&b).upstream(&c).start();
+    let round_robin = load(baseline.addr(), 8, Duration::from_secs(5), &[]).await;
+    println!(
+        "round-robin: {} requests, clients {:.3}% 200 ({:?})",
+        round_robin.total(),
+        round_robin.success_rate() * 100.0,
+        round_robin
+    );
+    assert!(round_robin.success_rate() < 0.75, "round-robin should suffer from c: {round_robin:?}");
+    println!(
+        "success rate: floodgate {:.3}% vs round-robin {:.3}%",
+        measured.success_rate() * 100.0,
+        round_robin.success_rate() * 100.0
+    );
+}
+
+/// A failed cluster that recovers gets traffic back once its window ages out and a probe
+/// succeeds. Short buckets and a larger floor keep the test short; the time is measured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recovered_cluster_gets_traffic_back() {
+    let (a, b, c) = (counted(), counted(), counted());
+    c.set_status(500);
+    let config = json!({"cluster_selection": {
+        "clusters": ["a", "b", "c"], "bucket_width": "500ms", "buckets": 6, "no_data_floor": 0.03
+    }});
+    let envoy = Envoy::builder(config)
+        .cluster("a", &[a.addr()])
+        .cluster("b", &[b.addr()])
+        .cluster("c", &[c.addr()])
+        .route_by_header(ROUTE_HEADER)
+        .start();
+    let failing = load(envoy.addr(), 8, Duration::from_secs(3), &[]).await;
+    let c_failed = c.total();
+    println!("while c fails: {failing:?}, c received {c_failed}");
+    c.set_status(200);
+    let recovered_at = Instant::now();
+    let deadline = recovered_at + Duration::from_secs(20);
+    let mut back_after = None;
+    while Instant::now() < deadline {
+        let before = (a.total() + b.total(), c.total());
+        let slice = load(envoy.addr(), 8, Duration::from_millis(500), &[]).await;
+        let to_c = c.total() - before.1;
+        let total = (a.total() + b.total() - before.0) + to_c;
+        if total > 0 && to_c as f64 / total as f64 >= 0.2 {
+            back_after = Some(recovered_at.elapsed());
+            println!("c back to {to_c} of {total} requests in a 500 ms slice, {:?} after it recovered ({slice:?})", recovered_at.elapsed());
+            break;
+        }
+    }
+    let back_after = back_after.expect("c did not get ≥ 20% of the traffic back within 20 s");
+    // The window is 3 s; after it ages out the floor gives c ~0.5% of the requests as probes.
+    assert!(back_after < Duration::from_secs(10), "recovery took {back_after:?}");
+}
+
+/// A cluster that answers slowly has its concurrency limit cut down (AIMD) and the others take
+/// the load; clients see only successes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
+    let (a, b) = (counted(), counted());
+    let slow = Upstream::with_options(UpstreamOptions {
+        delay: Some(Duration::from_millis(800)),
+        count_header: Some(ROUTE_HEADER.into()),
+    });
+    let config = json!({"cluster_selection": {
+        "clusters": ["a", "b", "slow"],
+        "concurrency_limit": {"initial_limit": 20, "min_limit": 1, "max_limit": 50, "timeout": "200ms"}
+    }});
+    let envoy = Envoy::builder(config)
+        .cluster("a", &[a.addr()])
+        .cluster("b", &[b.addr()])
+        .cluster("slow", &[slow.addr()])
+        .route_by_header(ROUTE_HEADER)
+        .start();
+    let first = load(envoy.addr(), 12, Duration::from_secs(4), &[]).await;
+    let slow_before = slow.total();
+    let fast_before = a.total() + b.total();
+    let second = load(envoy.addr(), 12, Duration::from_secs(4), &[]).await;
+    let to_slow = slow.total() - slow_before;
+    let to_fast = a.total() + b.total() - fast_before;
+    let limit = envoy.wait_for_stat(&cluster_stat("slow", "concurrency_limit"), 1, Duration::from_secs(3));
+    println!(
+        "slow cluster: limit gauge {limit:?}; first 4 s {first:?}; next 4 s {to_slow} requests to slow, {to_fast} to a+b, clients {:?}",
+        second
+    );
+    assert_eq!(limit, Some(1), "the slow cluster's limit fell to min_limit");
+    assert!(to_fast > 20 * to_slow.max(1), "a and b took the load: {to_fast} vs {to_slow}");
+    assert!(to_slow <= 12, "at most ~1 lease per 0.8 s on the slow cluster: {to_slow}");
+    assert_eq!(second.ok(), second.total(), "clients see only 200s: {second:?}");
+    let slow_count = envoy.stat(&cluster_stat("slow", "slow")).unwrap_or(0);
+    assert!(slow_count >= 1, "slow answers are counted as `slow`");
+}
+
+/// With every cluster at its (fixed) limit, further requests fail fast with the 503 that says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_every_cluster_at_its_limit_requests_fail_fast() {
+    let slow = || {
+        Upstream::with_options(UpstreamOptions {
+            delay: Some(Duration::from_millis(1500)),
+            count_header: None,
+        })
+    };
+    let (a, b) = (slow(), slow());
+    let config = json!({"cluster_selection": {
+        "clusters": ["a", "b"], "retry_after": "2s",
+        "concurrency_limit": {"initial_limit": 2, "min_limit": 2, "max_limit": 2, "timeout": "10s"}
+    }});
+    let envoy = Envoy::builder(config)
+        .cluster("a", &[a.addr()])
+        .cluster("b", &[b.addr()])
+        .route_by_header(ROUTE_HEADER)
+        .start();
+    let addr = envoy.addr();
+    let held: Vec<_> = (0..4).map(|_| tokio::spawn(async move { get(addr, "/work", &[]).await })).collect();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut fast = Vec::new();
+    for _ in 0..8 {
+        let started = Instant::now();
+        let r = get(addr, "/work", &[]).await;
+        fast.push((r, started.elapsed()));
+    }
+    for (r, latency) in &fast {
+        assert_eq!(r.status, 503, "{}", r.text());
+        assert!(*latency < Duration::from_millis(500), "a refusal took {latency:?}");
+        assert_eq!(r.header("retry-after"), Some("2"));
+        assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        let body = r.json();
+        assert_eq!(body["type"], "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity");
+        assert!(body["detail"].as_str().unwrap().contains("concurrency limit"), "{body}");
+        assert_eq!(body["clusters"], json!([{"name": "a", "in_flight": 2, "limit": 2}, {"name": "b", "in_flight": 2, "limit": 2}]));
+    }
+    for h in held {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    assert_eq!(a.total() + b.total(), 4, "only the four leased requests reached upstreams");
+    assert_eq!(envoy.stat(&format!("{STAT_PREFIX}.cluster_selection.exhausted")), Some(8));
+    let slowest = fast.iter().map(|(_, l)| *l).max().unwrap();
+    println!("8 refusals with both clusters at 2/2, slowest {slowest:?}");
+    // Leases came back: the next requests are admitted.
+    assert_eq!(get(addr, "/work", &[]).await.status, 200);
+    let in_flight = envoy.wait_for_stat(&cluster_stat("a", "in_flight"), 0, Duration::from_secs(3));
+    assert_eq!(in_flight, Some(0));
+}
+
+/// A client cannot choose the cluster: the filter overwrites the route header, even when it
+/// names a cluster Envoy has but the selection does not list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_sent_route_header_cannot_steer() {
+    let (a, b) = (counted(), counted());
+    let forbidden = Upstream::start();
+    let envoy = Envoy::builder(json!({"cluster_selection": {"clusters": ["a", "b"]}}))
+        .upstream(&forbidden)
+        .cluster("a", &[a.addr()])
+        .cluster("b", &[b.addr()])
+        .route_by_header(ROUTE_HEADER)
+        .start();
+    let steered = load(envoy.addr(), 4, Duration::from_secs(2), &[(ROUTE_HEADER, "upstream")]).await;
+    let only_b = load(envoy.addr(), 4, Duration::from_secs(2), &[(ROUTE_HEADER, "b")]).await;
+    println!("client-sent header: {steered:?} / {only_b:?}; a {} b {} forbidden {}", a.total(), b.total(), forbidden.total());
+    assert_eq!(forbidden.total(), 0, "a client-named cluster outside the selection was never reached");
+    assert_eq!(steered.ok(), steered.total());
+    // Asking for `b` does not pin traffic to b: both clusters keep their share.
+    let both = (a.total() + b.total()) as f64;
+    assert!(a.total() as f64 > 0.2 * both && b.total() as f64 > 0.2 * both, "a {} b {}", a.total(), b.total());
+    assert_eq!(a.count_for("a"), a.total(), "the value upstream sees is the filter's choice");
+    assert_eq!(b.count_for("b"), b.total());
+}
