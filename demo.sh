@@ -10,9 +10,13 @@ envoy=$(scripts/envoy.sh | tail -n1)
 cat <<'TXT'
 
 floodgate demo: Envoy on 127.0.0.1:10000 (admin on 127.0.0.1:9901).
-Rule "per-api-key" allows 5 requests per 10 s per x-api-key; "per-ip" 100 per minute per client;
-at most 10 requests in flight; health endpoint /floodgate/health.
+Rule "per-api-key" allows 5 requests per 10 s per x-api-key; "per-ip" 1000 per minute per client;
+at most 10 requests in flight; requests spread over zone-a, zone-b and the flaky zone-c by cluster
+selection; health endpoint /floodgate/health.
 In another terminal, try:
+
+  # cluster selection steers away from zone-c (90 % of its answers are 503)
+  for i in $(seq 1 300); do curl -s -w '\n' localhost:10000/; done | grep . | sort | uniq -c
 
   # five 200s, then 429s
   for i in $(seq 1 7); do curl -s -o /dev/null -w '%{http_code}\n' -H 'x-api-key: demo' localhost:10000/; done
