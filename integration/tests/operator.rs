@@ -1,0 +1,1364 @@
+//! The operator's side of floodgate, kept true:
+//!
+//! * the JSON Schema (`schema/floodgate.schema.json`) is a valid draft 2020-12 schema and accepts
+//!   every example configuration in the repository, each of which the module's parser accepts
+//!   too: the ```json blocks of README.md and docs/*.md, the floodgate filters of every Envoy
+//!   configuration in envoy/ and of the docs' ```yaml blocks, the Istio WasmPlugin's pluginConfig;
+//! * the schema agrees with the parser on hand-written edge cases and on mutations of a
+//!   configuration that sets every field; where JSON Schema cannot express a check of the parser
+//!   (the cross-field rules in [`KNOWN_GAPS`], integers written as `5.0`) the schema is looser,
+//!   never stricter;
+//! * every Envoy configuration in envoy/ and every Envoy snippet of the docs passes
+//!   `envoy --mode validate` with the built module;
+//! * the `floodgate validate` command on good and bad files, with the very message the module
+//!   logs in Envoy;
+//! * envoy/docker-compose.yaml for real (scripts/compose-test.sh) and the OCI image for Istio
+//!   (scripts/oci-image.sh), with the Docker engine: without one these tests fail, saying so.
+//!
+//! Conventions of the docs that these tests rely on: a ```json block in README.md or docs/*.md is
+//! a complete floodgate configuration; a ```yaml block holding an `envoy.filters.http.wasm` filter
+//! or a WasmPlugin is checked too, and goes through `envoy --mode validate` when its top level is
+//! a bootstrap (`static_resources`) or an `http_filters` list. Anything else goes in ```text
+//! blocks (or blocks of another language).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+
+use floodgate::config::Config;
+use floodgate_cli::{find_configurations, parse_documents, Options, WASM_FILTER_TYPE};
+use floodgate_integration::*;
+
+/// Parser refusals that JSON Schema cannot express (cross-field rules): the schema accepts these
+/// configurations and the parser refuses them, with a message containing one of these.
+const KNOWN_GAPS: &[&str] = &[
+    "duplicate rule name",
+    "duplicate class name",
+    "is not one of the classes",
+    "is above max_limit",
+    "is outside [min_limit, max_limit]",
+];
+
+fn validator() -> jsonschema::Validator {
+    let schema: Value = serde_json::from_str(floodgate_cli::SCHEMA).expect("the schema is JSON");
+    jsonschema::draft202012::new(&schema).unwrap_or_else(|e| panic!("the schema does not compile: {e}"))
+}
+
+fn schema_errors(validator: &jsonschema::Validator, instance: &Value) -> Vec<String> {
+    validator
+        .iter_errors(instance)
+        .map(|e| format!("{} at {}", e, e.instance_path()))
+        .collect()
+}
+
+/// A fenced code block of a Markdown file.
+struct Block {
+    origin: String,
+    lang: String,
+    text: String,
+}
+
+fn markdown_files() -> Vec<PathBuf> {
+    let root = workspace_root();
+    let mut files = vec![root.join("README.md")];
+    files.extend(files_under(&root.join("docs"), &["md"]));
+    files
+}
+
+fn markdown_blocks() -> Vec<Block> {
+    let root = workspace_root();
+    let mut blocks = Vec::new();
+    for file in markdown_files() {
+        let text = std::fs::read_to_string(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let name = file.strip_prefix(&root).unwrap_or(&file).display().to_string();
+        let mut open: Option<(usize, String, String)> = None;
+        for (index, line) in text.lines().enumerate() {
+            let fence = line.trim_start().strip_prefix("```");
+            match (&mut open, fence) {
+                (None, Some(lang)) => open = Some((index + 1, lang.trim().to_owned(), String::new())),
+                (Some(_), Some(_)) => {
+                    let (start, lang, body) = open.take().expect("open block");
+                    blocks.push(Block {
+                        origin: format!("{name}:{start}"),
+                        lang,
+                        text: body,
+                    });
+                }
+                (Some((_, _, body)), None) => {
+                    body.push_str(line);
+                    body.push('\n');
+                }
+                (None, None) => {}
+            }
+        }
+        assert!(open.is_none(), "{name}: a code block is not closed");
+    }
+    blocks
+}
+
+fn files_under(dir: &Path, extensions: &[&str]) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else { continue };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else if path
+                .extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| extensions.contains(&e))
+            {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
+}
+
+fn envoy_dir_files() -> Vec<PathBuf> {
+    files_under(&workspace_root().join("envoy"), &["yaml", "yml", "json"])
+}
+
+fn relative(path: &Path) -> String {
+    path.strip_prefix(workspace_root())
+        .unwrap_or(path)
+        .display()
+        .to_string()
+}
+
+fn holds_wasm(text: &str) -> bool {
+    text.contains("envoy.filters.http.wasm") || text.contains(WASM_FILTER_TYPE) || text.contains("kind: WasmPlugin")
+}
+
+/// Every floodgate configuration in the repository's examples: (where, the bytes the module gets).
+fn repository_examples() -> Vec<(String, Vec<u8>)> {
+    let mut examples = Vec::new();
+    let mut add_found =
+        |origin: &str, name: &str, text: &str| match find_configurations(name, text.as_bytes(), Options::default()) {
+            Ok(found) => {
+                for f in found {
+                    let bytes = f.bytes.unwrap_or_else(|e| panic!("{origin} ({}): {e}", f.location));
+                    examples.push((format!("{origin} {}", f.location).trim_end().to_owned(), bytes));
+                }
+            }
+            Err(e) => assert!(!holds_wasm(text), "{origin}: {e}"),
+        };
+    for block in markdown_blocks() {
+        match block.lang.as_str() {
+            "json" => add_found(&block.origin, "block.json", &block.text),
+            "yaml" | "yml" if holds_wasm(&block.text) => add_found(&block.origin, "block.yaml", &block.text),
+            _ => {}
+        }
+    }
+    for file in envoy_dir_files() {
+        let text = std::fs::read_to_string(&file).expect("read");
+        add_found(&relative(&file), &file.display().to_string(), &text);
+    }
+    examples
+}
+
+#[test]
+fn the_schema_is_a_valid_draft_2020_12_schema() {
+    let schema: Value = serde_json::from_str(floodgate_cli::SCHEMA).expect("the schema is JSON");
+    assert_eq!(schema["$schema"], "https://json-schema.org/draft/2020-12/schema");
+    if let Err(e) = jsonschema::draft202012::meta::validate(&schema) {
+        panic!("schema/floodgate.schema.json is not a valid draft 2020-12 schema: {e}");
+    }
+    let on_disk =
+        std::fs::read_to_string(workspace_root().join("schema/floodgate.schema.json")).expect("read the schema");
+    assert_eq!(on_disk, floodgate_cli::SCHEMA);
+    validator();
+    // The committed schema is what schema/generate.py writes.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let generated = dir.path().join("schema.json");
+    let status = Command::new("python3")
+        .arg(workspace_root().join("schema/generate.py"))
+        .arg(&generated)
+        .stdout(Stdio::null())
+        .status()
+        .expect("run python3 schema/generate.py");
+    assert!(status.success(), "schema/generate.py failed");
+    let generated = std::fs::read_to_string(&generated).expect("read the generated schema");
+    assert!(
+        generated == on_disk,
+        "schema/floodgate.schema.json differs from what schema/generate.py writes: run it"
+    );
+}
+
+#[test]
+fn every_example_configuration_in_the_repository_matches_the_schema_and_parses() {
+    let validator = validator();
+    let examples = repository_examples();
+    for expected in [
+        "README.md",
+        "docs/configuration.md",
+        "docs/istio.md",
+        "envoy/demo.yaml",
+        "envoy/compose-envoy.yaml",
+        "envoy/istio/wasmplugin.yaml",
+    ] {
+        assert!(
+            examples.iter().any(|(origin, _)| origin.starts_with(expected)),
+            "no example configuration found in {expected}"
+        );
+    }
+    let mut problems = Vec::new();
+    for (origin, bytes) in &examples {
+        if let Err(e) = Config::parse(bytes) {
+            problems.push(format!("{origin}: the parser refuses it: {e}"));
+        }
+        let text = String::from_utf8_lossy(bytes);
+        let instance: Value = if text.trim().is_empty() {
+            json!({})
+        } else {
+            match serde_json::from_str(&text) {
+                Ok(v) => v,
+                Err(e) => {
+                    problems.push(format!("{origin}: not JSON: {e}"));
+                    continue;
+                }
+            }
+        };
+        for error in schema_errors(&validator, &instance) {
+            problems.push(format!("{origin}: the schema refuses it: {error}"));
+        }
+    }
+    for (origin, _) in &examples {
+        println!("example: {origin}");
+    }
+    println!(
+        "{} example configurations, each accepted by the schema and the parser",
+        examples.len()
+    );
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Each object of the configuration: (a JSON pointer into [`everything`], its `$defs` name in the
+/// schema, the smallest valid configuration that has it).
+const OBJECTS: &[(&str, &str, &str)] = &[
+    ("", "", "{}"),
+    (
+        "/rate_limits/0",
+        "rateLimitRule",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s"}]}"#,
+    ),
+    (
+        "/load_shedding",
+        "loadShedding",
+        r#"{"load_shedding": {"max_active_requests": 5}}"#,
+    ),
+    (
+        "/load_shedding/classes/0",
+        "priorityClass",
+        r#"{"load_shedding": {"max_active_requests": 5, "classes": [{"name": "normal", "shed_at": 1}]}}"#,
+    ),
+    ("/health", "health", r#"{"health": {"path": "/h"}}"#),
+    (
+        "/cluster_selection",
+        "clusterSelection",
+        r#"{"cluster_selection": {"clusters": ["a"]}}"#,
+    ),
+    (
+        "/cluster_selection/concurrency_limit",
+        "concurrencyLimit",
+        r#"{"cluster_selection": {"clusters": ["a"], "concurrency_limit": {}}}"#,
+    ),
+];
+
+/// The field names serde lists in its "unknown field" message for the object at `pointer`.
+fn parser_fields(pointer: &str) -> BTreeSet<String> {
+    let mut config = everything();
+    config
+        .pointer_mut(pointer)
+        .and_then(Value::as_object_mut)
+        .unwrap_or_else(|| panic!("no object at {pointer}"))
+        .insert("zz_unknown".into(), json!(1));
+    let error = Config::parse(config.to_string().as_bytes())
+        .expect_err("an unknown field is refused")
+        .to_string();
+    let expected = error
+        .split_once("expected ")
+        .map(|(_, names)| names)
+        .unwrap_or_else(|| panic!("no field list in: {error}"));
+    expected.split('`').skip(1).step_by(2).map(str::to_owned).collect()
+}
+
+#[test]
+fn the_schema_and_the_reference_know_every_field_and_default_of_the_parser() {
+    let schema: Value = serde_json::from_str(floodgate_cli::SCHEMA).expect("the schema is JSON");
+    let reference =
+        std::fs::read_to_string(workspace_root().join("docs/configuration.md")).expect("docs/configuration.md");
+    let mut problems = Vec::new();
+    let mut fields = 0;
+    for (pointer, def, minimal) in OBJECTS {
+        let object = if def.is_empty() {
+            &schema
+        } else {
+            &schema["$defs"][*def]
+        };
+        let properties = object["properties"]
+            .as_object()
+            .unwrap_or_else(|| panic!("$defs.{def} has no properties"));
+        let in_schema: BTreeSet<String> = properties.keys().cloned().collect();
+        let in_parser = parser_fields(pointer);
+        if in_schema != in_parser {
+            problems.push(format!(
+                "object at `{pointer}`: the parser knows {in_parser:?}, the schema {in_schema:?}"
+            ));
+        }
+        let required: BTreeSet<&str> = object["required"]
+            .as_array()
+            .map_or_else(BTreeSet::new, |r| r.iter().filter_map(Value::as_str).collect());
+        let base: Value = serde_json::from_str(minimal).expect("minimal JSON");
+        let parsed_base = Config::parse(minimal.as_bytes()).unwrap_or_else(|e| panic!("{minimal}: {e}"));
+        for (name, property) in properties {
+            fields += 1;
+            if !reference.contains(&format!("`{name}`")) {
+                problems.push(format!("docs/configuration.md does not mention `{name}`"));
+            }
+            if property.get("description").is_none()
+                && property.get("$ref").is_none()
+                && property.get("anyOf").is_none()
+            {
+                problems.push(format!("{def}.{name}: no description in the schema"));
+            }
+            let Some(default) = property.get("default") else {
+                let section =
+                    property.get("anyOf").is_some() || property.get("$ref") == Some(&json!("#/$defs/concurrencyLimit"));
+                if !required.contains(name.as_str()) && !section {
+                    problems.push(format!("{def}.{name}: optional but the schema gives no default"));
+                }
+                continue;
+            };
+            // Setting a field to the schema's default must change nothing.
+            let mut explicit = base.clone();
+            explicit
+                .pointer_mut(pointer)
+                .and_then(Value::as_object_mut)
+                .expect("object in the minimal configuration")
+                .insert(name.clone(), default.clone());
+            match Config::parse(explicit.to_string().as_bytes()) {
+                Ok(parsed) if parsed == parsed_base => {}
+                Ok(_) => problems.push(format!(
+                    "{def}.{name}: the schema's default {default} is not the parser's"
+                )),
+                Err(e) => problems.push(format!("{def}.{name}: the schema's default {default} is refused: {e}")),
+            }
+        }
+    }
+    println!(
+        "{fields} fields in {} objects: the schema, the parser and docs/configuration.md agree",
+        OBJECTS.len()
+    );
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// A configuration that sets every field, to a value other than its default.
+fn everything() -> Value {
+    json!({
+        "rate_limits": [
+            {"name": "per-key", "key": [{"header": "x-api-key"}, "source_ip", "path", "method", "authority"],
+             "limit": 100, "window": "1m", "capacity": 1024, "missing_key": "shared"},
+            {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s"}
+        ],
+        "stat_prefix": "edge",
+        "ratelimit_headers": "on_reject",
+        "load_shedding": {
+            "max_active_requests": 500, "priority_header": "x-priority",
+            "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "batch", "shed_at": 0.5}],
+            "default_class": "batch", "retry_after": "2s"
+        },
+        "cluster_selection": {
+            "route_header": "x-cluster", "clusters": ["zone-a", "zone-b"], "bucket_width": "2s", "buckets": 10,
+            "decay_factor": 2, "weight_exponent": 2.5, "no_data_floor": 0.001, "no_data_floor_on": "rate",
+            "failure_statuses": ["5xx", 429],
+            "concurrency_limit": {"algorithm": "aimd", "initial_limit": 10, "min_limit": 2, "max_limit": 100,
+                                  "backoff_ratio": 0.8, "timeout": "2s"},
+            "retry_after": "3s"
+        },
+        "health": {"path": "/healthz"}
+    })
+}
+
+/// Values put in place of every node of [`everything`].
+fn replacements() -> Vec<Value> {
+    vec![
+        json!(null),
+        json!(true),
+        json!(0),
+        json!(-1),
+        json!(1),
+        json!(2.0),
+        json!(0.5),
+        json!(1.5),
+        json!(100),
+        json!(4294967296u64),
+        json!(""),
+        json!("x"),
+        json!("10s"),
+        json!("0s"),
+        json!("/p"),
+        json!("5xx"),
+        json!(":authority"),
+        json!([]),
+        json!({}),
+        json!(["path"]),
+        json!([{}]),
+        json!([1]),
+    ]
+}
+
+/// Every JSON pointer below the root of `value`.
+fn pointers(value: &Value, at: String, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            for (key, child) in map {
+                let p = format!("{at}/{key}");
+                out.push(p.clone());
+                pointers(child, p, out);
+            }
+        }
+        Value::Array(items) => {
+            for (index, child) in items.iter().enumerate() {
+                let p = format!("{at}/{index}");
+                out.push(p.clone());
+                pointers(child, p, out);
+            }
+        }
+        _ => {}
+    }
+}
+
+/// (what, the mutated configuration, the value put in, if any).
+fn mutations(base: &Value) -> Vec<(String, Value, Option<Value>)> {
+    let mut out = Vec::new();
+    let mut all = vec![String::new()];
+    pointers(base, String::new(), &mut all);
+    for p in &all {
+        let node = base.pointer(p).expect("pointer").clone();
+        if !p.is_empty() {
+            for r in replacements() {
+                let mut doc = base.clone();
+                *doc.pointer_mut(p).expect("pointer") = r.clone();
+                out.push((format!("{p} = {r}"), doc, Some(r)));
+            }
+        }
+        match &node {
+            Value::Object(map) => {
+                for key in map.keys() {
+                    let mut doc = base.clone();
+                    doc.pointer_mut(p)
+                        .and_then(Value::as_object_mut)
+                        .expect("object")
+                        .remove(key);
+                    out.push((format!("{p}/{key} removed"), doc, None));
+                }
+                let mut doc = base.clone();
+                doc.pointer_mut(p)
+                    .and_then(Value::as_object_mut)
+                    .expect("object")
+                    .insert("unknown_field".into(), json!(1));
+                out.push((format!("{p}/unknown_field added"), doc, None));
+            }
+            Value::Array(items) if !items.is_empty() => {
+                let mut doc = base.clone();
+                doc.pointer_mut(p).and_then(Value::as_array_mut).expect("array").clear();
+                out.push((format!("{p} emptied"), doc, None));
+                let mut doc = base.clone();
+                let array = doc.pointer_mut(p).and_then(Value::as_array_mut).expect("array");
+                let first = array[0].clone();
+                array.push(first);
+                out.push((format!("{p} with its first item repeated"), doc, None));
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// Hand-written samples: (configuration, accepted by the parser?). The schema must agree, but
+/// for the documented gaps (`gap: true`: the schema accepts, the parser refuses).
+fn edge_cases() -> Vec<(Value, bool, bool)> {
+    let rule = |field: &str, v: Value| {
+        let mut r = json!({"name": "r", "key": ["path"], "limit": 5, "window": "1s"});
+        r[field] = v;
+        json!({"rate_limits": [r]})
+    };
+    let selection = |field: &str, v: Value| {
+        let mut s = json!({"clusters": ["a"]});
+        s[field] = v;
+        json!({"cluster_selection": s})
+    };
+    let limit =
+        |field: &str, v: Value| json!({"cluster_selection": {"clusters": ["a"], "concurrency_limit": {field: v}}});
+    let shedding = |field: &str, v: Value| {
+        let mut s = json!({"max_active_requests": 5});
+        s[field] = v;
+        json!({"load_shedding": s})
+    };
+    let (ok, bad, gap) = ((true, false), (false, false), (false, true));
+    let cases: Vec<(Value, (bool, bool))> = vec![
+        (json!({}), ok),
+        (json!([]), bad),
+        (json!("{}"), bad),
+        (
+            json!({"load_shedding": null, "cluster_selection": null, "health": null}),
+            ok,
+        ),
+        (json!({"rate_limits": null}), bad),
+        (json!({"stat_prefix": null}), bad),
+        (json!({"rate_limits": []}), ok),
+        (json!({"$schema": "x"}), bad),
+        // durations
+        (rule("window", json!("250ms")), ok),
+        (rule("window", json!("010s")), ok),
+        (rule("window", json!("0s")), bad),
+        (rule("window", json!("000ms")), bad),
+        (rule("window", json!("8784h")), ok),
+        (rule("window", json!("8785h")), bad),
+        (rule("window", json!("527040m")), ok),
+        (rule("window", json!("527041m")), bad),
+        (rule("window", json!("31622400s")), ok),
+        (rule("window", json!("31622401s")), bad),
+        (rule("window", json!("31622400000ms")), ok),
+        (rule("window", json!("31622400001ms")), bad),
+        (rule("window", json!("99999999999999999999999h")), bad),
+        (rule("window", json!("1.5s")), bad),
+        (rule("window", json!("1d")), bad),
+        (rule("window", json!("10S")), bad),
+        (rule("window", json!(" 1s")), bad),
+        (rule("window", json!("-1s")), bad),
+        (rule("window", json!(10)), bad),
+        // names and key parts
+        (rule("name", json!("a".repeat(64))), ok),
+        (rule("name", json!("a".repeat(65))), bad),
+        (rule("name", json!("per-key_v1.2")), ok),
+        (rule("name", json!("a b")), bad),
+        (rule("name", json!("ü")), bad),
+        (rule("key", json!([{"header": ":authority"}])), ok),
+        (rule("key", json!([{"header": "X-Api-Key"}])), ok),
+        (rule("key", json!([{"header": "a b"}])), bad),
+        (rule("key", json!([{"header": ":"}])), bad),
+        (rule("key", json!([{"header": "::a"}])), bad),
+        (rule("key", json!([{"header": "x", "cookie": "y"}])), bad),
+        (rule("key", json!(["ip"])), bad),
+        (rule("key", json!([])), bad),
+        // integers
+        (rule("limit", json!(4294967295u64)), ok),
+        (rule("limit", json!(4294967296u64)), bad),
+        (rule("limit", json!(5.0)), gap),
+        (rule("limit", json!(5.5)), bad),
+        (rule("limit", json!("5")), bad),
+        (rule("capacity", json!(16777216)), ok),
+        (rule("capacity", json!(16777217)), bad),
+        (rule("missing_key", json!("shared")), ok),
+        (rule("missing_key", json!("deny")), bad),
+        (
+            json!({"rate_limits": [{"name": "a", "key": ["path"], "limit": 1, "window": "1s"},
+                                {"name": "a", "key": ["method"], "limit": 1, "window": "1s"}]}),
+            gap,
+        ),
+        (json!({"ratelimit_headers": "never"}), bad),
+        // load shedding and health
+        (shedding("retry_after", json!("5s")), ok),
+        (shedding("priority_header", json!(":authority")), ok),
+        (shedding("classes", json!([{"name": "normal", "shed_at": 1}])), ok),
+        (shedding("classes", json!([{"name": "normal", "shed_at": 0}])), bad),
+        (shedding("classes", json!([{"name": "normal", "shed_at": 1.01}])), bad),
+        (
+            shedding(
+                "classes",
+                json!([{"name": "normal", "shed_at": 0.5}, {"name": "normal", "shed_at": 1}]),
+            ),
+            gap,
+        ),
+        (shedding("classes", json!([{"name": "low", "shed_at": 0.5}])), gap),
+        (shedding("default_class", json!("low")), ok),
+        (shedding("default_class", json!("bulk")), gap),
+        (json!({"load_shedding": {}}), bad),
+        (json!({"health": {"path": "/"}}), ok),
+        (json!({"health": {"path": "/a?b"}}), bad),
+        (json!({"health": {"path": "/a#b"}}), bad),
+        (json!({"health": {"path": "a"}}), bad),
+        (json!({"health": {}}), bad),
+        // cluster selection
+        (
+            selection("clusters", json!(["outbound|80||reviews.default.svc.cluster.local"])),
+            ok,
+        ),
+        (selection("clusters", json!(["x".repeat(255)])), ok),
+        (selection("clusters", json!(["x".repeat(256)])), bad),
+        (selection("clusters", json!(["a", "a"])), bad),
+        (selection("clusters", json!(["é"])), bad),
+        (
+            selection("clusters", json!((0..64).map(|i| format!("c{i}")).collect::<Vec<_>>())),
+            ok,
+        ),
+        (
+            selection("clusters", json!((0..65).map(|i| format!("c{i}")).collect::<Vec<_>>())),
+            bad,
+        ),
+        (selection("route_header", json!("X-Cluster")), ok),
+        (selection("route_header", json!(":authority")), bad),
+        (selection("buckets", json!(60)), ok),
+        (selection("buckets", json!(61)), bad),
+        (selection("decay_factor", json!(1)), ok),
+        (selection("decay_factor", json!(0.99)), bad),
+        (selection("decay_factor", json!(1000)), ok),
+        (selection("decay_factor", json!(1000.5)), bad),
+        (selection("weight_exponent", json!(100)), ok),
+        (selection("weight_exponent", json!(100.5)), bad),
+        (selection("weight_exponent", json!(0.001)), ok),
+        (selection("weight_exponent", json!(0)), bad),
+        (selection("no_data_floor", json!(0)), ok),
+        (selection("no_data_floor", json!(1)), ok),
+        (selection("no_data_floor", json!(-0.1)), bad),
+        (
+            selection(
+                "failure_statuses",
+                json!(["1xx", "5xx", 100, 599, "404", "+404", "0404"]),
+            ),
+            ok,
+        ),
+        (selection("failure_statuses", json!(["6xx"])), bad),
+        (selection("failure_statuses", json!(["0xx"])), bad),
+        (selection("failure_statuses", json!(["5XX"])), bad),
+        (selection("failure_statuses", json!([600])), bad),
+        (selection("failure_statuses", json!([99])), bad),
+        (selection("failure_statuses", json!(["99"])), bad),
+        (selection("failure_statuses", json!([503.0])), gap),
+        (selection("failure_statuses", json!([])), bad),
+        (selection("retry_after", json!("2s")), ok),
+        (limit("algorithm", json!("aimd")), ok),
+        (limit("algorithm", json!("vegas")), bad),
+        (limit("backoff_ratio", json!(0.5)), ok),
+        (limit("backoff_ratio", json!(1)), bad),
+        (limit("backoff_ratio", json!(0)), bad),
+        (limit("max_limit", json!(5)), gap),
+        (limit("min_limit", json!(50)), gap),
+        (limit("initial_limit", json!(200)), ok),
+        (limit("timeout", json!("250ms")), ok),
+        (
+            json!({"cluster_selection": {"clusters": ["a"], "concurrency_limit": null}}),
+            bad,
+        ),
+    ];
+    cases
+        .into_iter()
+        .map(|(v, (accepted, gap))| (v, accepted, gap))
+        .collect()
+}
+
+fn is_known_gap(problem: &str, put: Option<&Value>) -> bool {
+    let whole_float = put.is_some_and(|v| v.is_f64() && v.as_f64().is_some_and(|f| f.fract() == 0.0));
+    KNOWN_GAPS.iter().any(|gap| problem.contains(gap))
+        || (whole_float && (problem.contains("positive integer, got") || problem.contains("floating point")))
+}
+
+#[test]
+fn the_schema_agrees_with_the_parser() {
+    let validator = validator();
+    let mut problems = Vec::new();
+    let (mut accepted, mut refused, mut gaps) = (0, 0, 0);
+
+    for (config, parser_accepts, gap) in edge_cases() {
+        let parsed = Config::parse(config.to_string().as_bytes());
+        let schema_accepts = validator.is_valid(&config);
+        assert_eq!(parsed.is_ok(), parser_accepts, "the parser on {config}: {parsed:?}");
+        let expected_schema = parser_accepts || gap;
+        if schema_accepts != expected_schema {
+            problems.push(format!(
+                "edge case {config}: the schema {} it (parser: {:?}; schema: {:?})",
+                if schema_accepts { "accepts" } else { "refuses" },
+                parsed.as_ref().err().map(ToString::to_string),
+                schema_errors(&validator, &config)
+            ));
+        }
+        if gap {
+            let problem = parsed.as_ref().err().map(ToString::to_string).unwrap_or_default();
+            assert!(
+                is_known_gap(&problem, None)
+                    || problem.contains("positive integer, got")
+                    || problem.contains("floating point"),
+                "{config}: `{problem}` is not a documented gap"
+            );
+        }
+        match (parser_accepts, gap) {
+            (true, _) => accepted += 1,
+            (false, false) => refused += 1,
+            (false, true) => gaps += 1,
+        }
+    }
+
+    let base = everything();
+    assert!(Config::parse(base.to_string().as_bytes()).is_ok());
+    assert!(validator.is_valid(&base), "{:?}", schema_errors(&validator, &base));
+    let samples = mutations(&base);
+    for (what, config, put) in &samples {
+        let schema_accepts = validator.is_valid(config);
+        match (schema_accepts, Config::parse(config.to_string().as_bytes())) {
+            (true, Ok(_)) => accepted += 1,
+            (false, Err(_)) => refused += 1,
+            (false, Ok(_)) => problems.push(format!(
+                "{what}: the parser accepts it, the schema refuses it: {:?}",
+                schema_errors(&validator, config)
+            )),
+            (true, Err(e)) if is_known_gap(&e.to_string(), put.as_ref()) => gaps += 1,
+            (true, Err(e)) => problems.push(format!("{what}: the schema accepts it, the parser refuses it: {e}")),
+        }
+    }
+    println!(
+        "schema vs parser: {} edge cases + {} mutations: {accepted} accepted by both, {refused} refused by both, \
+         {gaps} refused by the parser alone (documented gaps), {} disagreements",
+        edge_cases().len(),
+        samples.len(),
+        problems.len()
+    );
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    assert!(accepted > 100 && refused > 300 && gaps > 5, "too few samples of a kind");
+}
+
+// ---------------------------------------------------------------------------------------------
+// envoy --mode validate
+// ---------------------------------------------------------------------------------------------
+
+/// Points every `vm_config.code.local.filename` of an Envoy document at the built module.
+fn use_module(value: &mut Value, module: &str) {
+    match value {
+        Value::Object(map) => {
+            if let Some(Value::Object(local)) = map.get_mut("local") {
+                if local.contains_key("filename") {
+                    local.insert("filename".into(), json!(module));
+                }
+            }
+            map.values_mut().for_each(|v| use_module(v, module));
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| use_module(v, module)),
+        _ => {}
+    }
+}
+
+/// A bootstrap around an `http_filters` snippet: one listener routing to `backend`, and a static
+/// cluster for `backend` and for every cluster named in the snippet's floodgate configurations.
+fn bootstrap_around(snippet: &Value, clusters: &BTreeSet<String>) -> Value {
+    let cluster = |name: &str| {
+        json!({"name": name, "type": "STATIC", "connect_timeout": "1s", "load_assignment": {"cluster_name": name,
+               "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 9}}}}]}]}})
+    };
+    let mut all: Vec<Value> = vec![cluster("backend")];
+    all.extend(clusters.iter().map(|c| cluster(c)));
+    json!({"static_resources": {
+        "listeners": [{"name": "front", "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+            "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": "snippet",
+                "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
+                    "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "backend"}}]}]},
+                "http_filters": snippet["http_filters"]}}]}]}],
+        "clusters": all}})
+}
+
+/// Every Envoy configuration to validate: (where, the JSON bootstrap with the module path set).
+fn envoy_configurations() -> Vec<(String, Value)> {
+    let module = wasm_module().display().to_string();
+    let mut configs = Vec::new();
+    for file in envoy_dir_files() {
+        let text = std::fs::read_to_string(&file).expect("read");
+        let documents = parse_documents(&text).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        for mut document in documents {
+            if document.get("static_resources").is_some() || document.get("admin").is_some() {
+                use_module(&mut document, &module);
+                configs.push((relative(&file), document));
+            }
+        }
+    }
+    for block in markdown_blocks() {
+        if !matches!(block.lang.as_str(), "yaml" | "yml") || !holds_wasm(&block.text) {
+            continue;
+        }
+        let documents = parse_documents(&block.text).unwrap_or_else(|e| panic!("{}: {e}", block.origin));
+        for mut document in documents {
+            if document.get("static_resources").is_some() {
+                use_module(&mut document, &module);
+                configs.push((block.origin.clone(), document));
+            } else if document.get("http_filters").is_some() {
+                let clusters: BTreeSet<String> =
+                    find_configurations("snippet.yaml", block.text.as_bytes(), Options::default())
+                        .unwrap_or_default()
+                        .iter()
+                        .filter_map(|f| f.bytes.as_ref().ok().and_then(|b| Config::parse(b).ok()))
+                        .filter_map(|c| c.cluster_selection)
+                        .flat_map(|s| s.clusters.into_iter().map(|c| c.as_str().to_owned()))
+                        .collect();
+                let mut bootstrap = bootstrap_around(&document, &clusters);
+                use_module(&mut bootstrap, &module);
+                configs.push((format!("{} (http_filters in a bootstrap)", block.origin), bootstrap));
+            }
+        }
+    }
+    configs
+}
+
+#[test]
+fn every_envoy_configuration_passes_envoy_validate() {
+    let configs = envoy_configurations();
+    for expected in [
+        "envoy/demo.yaml",
+        "envoy/compose-envoy.yaml",
+        "envoy/compose-upstreams.yaml",
+        "README.md",
+    ] {
+        assert!(
+            configs.iter().any(|(o, _)| o.starts_with(expected)),
+            "no Envoy configuration found in {expected}"
+        );
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut problems = Vec::new();
+    for (index, (origin, bootstrap)) in configs.iter().enumerate() {
+        let path = dir.path().join(format!("config-{index}.json"));
+        std::fs::write(&path, bootstrap.to_string()).expect("write");
+        let out = Command::new(envoy_binary())
+            .args(["--mode", "validate", "-l", "warning", "-c"])
+            .arg(&path)
+            .current_dir(workspace_root())
+            .output()
+            .expect("run envoy --mode validate");
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if out.status.success() && text.contains("OK") {
+            println!("envoy --mode validate: {origin}: OK");
+        } else {
+            problems.push(format!("{origin}: envoy --mode validate failed:\n{}", tail(&text, 12)));
+        }
+    }
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// Gives every non-zero `port_value` a free port (the same old port, the same new one), so a
+/// configuration with fixed ports can run beside anything else on this machine.
+fn remap_ports(value: &mut Value, ports: &mut BTreeMap<u64, u16>) {
+    match value {
+        Value::Object(map) => {
+            for (key, child) in map.iter_mut() {
+                match (key.as_str(), child.as_u64()) {
+                    ("port_value", Some(port)) if port != 0 => {
+                        let new = *ports.entry(port).or_insert_with(|| {
+                            std::net::TcpListener::bind("127.0.0.1:0")
+                                .and_then(|l| l.local_addr())
+                                .map(|a| a.port())
+                                .expect("a free port")
+                        });
+                        *child = json!(new);
+                    }
+                    _ => remap_ports(child, ports),
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(|v| remap_ports(v, ports)),
+        _ => {}
+    }
+}
+
+/// Every `socket_address.address` of a document.
+fn addresses(value: &Value, out: &mut Vec<String>) {
+    match value {
+        Value::Object(map) => {
+            if let Some(address) = map
+                .get("socket_address")
+                .and_then(|s| s.get("address"))
+                .and_then(Value::as_str)
+            {
+                out.push(address.to_owned());
+            }
+            map.values().for_each(|v| addresses(v, out));
+        }
+        Value::Array(items) => items.iter().for_each(|v| addresses(v, out)),
+        _ => {}
+    }
+}
+
+/// An Envoy started from a file; killed when dropped.
+struct Started {
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+impl Drop for Started {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!(
+                "---- end of Envoy's log ----\n{}",
+                tail(&std::fs::read_to_string(&self.log).unwrap_or_default(), 40)
+            );
+        }
+    }
+}
+
+async fn probe(addr: std::net::SocketAddr, path: &str, headers: &[(&str, &str)]) -> RawResponse {
+    let headers: Vec<(&[u8], &[u8])> = headers.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect();
+    raw_request(addr, &raw_get_request(path.as_bytes(), &headers))
+        .await
+        .unwrap_or_else(|e| panic!("GET {path} on {addr}: {e}"))
+}
+
+/// The Envoy configurations of envoy/ that bind only loopback addresses (the Docker Compose ones
+/// bind all of a container's addresses and run in docker_compose_demo_serves_limits_sheds_and_counts)
+/// are started here and probed: ready, a 200 through floodgate, the health endpoint, a 429 with
+/// its headers from a rule keyed on headers only, floodgate's metrics in /stats.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_envoy_configurations_start_and_answer() {
+    let module = wasm_module().display().to_string();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut started_any = Vec::new();
+    for file in envoy_dir_files() {
+        let text = std::fs::read_to_string(&file).expect("read");
+        let Ok(documents) = parse_documents(&text) else {
+            continue;
+        };
+        let Some(mut bootstrap) = documents.into_iter().find(|d| d.get("static_resources").is_some()) else {
+            continue;
+        };
+        let mut bound = Vec::new();
+        addresses(&bootstrap, &mut bound);
+        if !bound.iter().all(|a| a == "127.0.0.1" || a == "::1") {
+            continue;
+        }
+        let Ok(found) = find_configurations(&file.display().to_string(), text.as_bytes(), Options::default()) else {
+            continue;
+        };
+        let origin = relative(&file);
+        let config =
+            Config::parse(found[0].bytes.as_ref().expect("configuration bytes")).expect("a valid configuration");
+        use_module(&mut bootstrap, &module);
+        remap_ports(&mut bootstrap, &mut BTreeMap::new());
+        let port_of = |v: &Value| v["address"]["socket_address"]["port_value"].as_u64().expect("port") as u16;
+        let admin = std::net::SocketAddr::from(([127, 0, 0, 1], port_of(&bootstrap["admin"])));
+        let front = bootstrap["static_resources"]["listeners"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l.to_string().contains(WASM_FILTER_TYPE)))
+            .map(|l| std::net::SocketAddr::from(([127, 0, 0, 1], port_of(l))))
+            .expect("a listener with the floodgate filter");
+        let path = dir.path().join(format!(
+            "{}.json",
+            file.file_stem().and_then(|s| s.to_str()).unwrap_or("config")
+        ));
+        std::fs::write(&path, bootstrap.to_string()).expect("write");
+        let log = path.with_extension("log");
+        let child = Command::new(envoy_binary())
+            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info", "-c"])
+            .arg(&path)
+            .current_dir(workspace_root())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("start envoy");
+        let mut envoy = Started { child, log };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            if let Some(status) = envoy.child.try_wait().expect("try_wait") {
+                panic!("{origin}: Envoy exited ({status})");
+            }
+            if http_get_blocking(admin, "/ready").is_ok_and(|(s, b)| s == 200 && b.trim() == "LIVE") {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{origin}: Envoy not ready in 60 s"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+
+        let mut statuses = Vec::new();
+        for i in 0..10 {
+            let key = format!("operator-probe-{i}");
+            let response = probe(front, "/", &[("x-api-key", key.as_str())]).await;
+            statuses.push(response.status);
+            if response.status == 200 {
+                break;
+            }
+        }
+        assert_eq!(statuses.last(), Some(&200), "{origin}: no 200 in {statuses:?}");
+        if let Some(health) = &config.health {
+            let response = probe(front, &health.path, &[]).await;
+            assert_eq!(
+                response.status,
+                200,
+                "{origin}: {}: {}",
+                health.path,
+                String::from_utf8_lossy(&response.body)
+            );
+            assert!(
+                String::from_utf8_lossy(&response.body).contains(r#""status":"ok""#),
+                "{origin}: health body"
+            );
+        }
+        let headers_only = config.rate_limits.iter().find(|r| {
+            r.limit.get().get() <= 50 && r.key.iter().all(|k| matches!(k, floodgate::config::KeyPart::Header(_)))
+        });
+        if let Some(rule) = headers_only {
+            let value = format!("operator-429-{}", std::process::id());
+            let names: Vec<String> = rule
+                .key
+                .iter()
+                .filter_map(|k| match k {
+                    floodgate::config::KeyPart::Header(name) => Some(name.clone()),
+                    _ => None,
+                })
+                .collect();
+            let headers: Vec<(&str, &str)> = names.iter().map(|n| (n.as_str(), value.as_str())).collect();
+            let mut last = None;
+            for _ in 0..=rule.limit.get().get() {
+                last = Some(probe(front, "/", &headers).await);
+            }
+            let last = last.expect("a response");
+            let head = last.head.to_ascii_lowercase();
+            assert_eq!(
+                last.status,
+                429,
+                "{origin}: request {} with one key of rule {}: {}",
+                rule.limit.get().get() + 1,
+                rule.name,
+                last.head
+            );
+            assert!(
+                head.contains("retry-after:") && head.contains("content-type: application/problem+json"),
+                "{origin}: {}",
+                last.head
+            );
+            assert!(
+                head.contains(&format!("ratelimit-policy: \"{}\"", rule.name)),
+                "{origin}: {}",
+                last.head
+            );
+        }
+        let (status, stats) = http_get_blocking(admin, "/stats").expect("GET /stats");
+        let prefix = format!("{WASM_CUSTOM_NAMESPACE}{}.", config.stat_prefix);
+        assert!(
+            status == 200 && stats.contains(&prefix),
+            "{origin}: no {prefix}* in /stats"
+        );
+        println!(
+            "{origin}: started; 200 after {statuses:?}; health {}; 429 {}; {} metrics under {prefix}",
+            if config.health.is_some() {
+                "ok"
+            } else {
+                "not configured"
+            },
+            headers_only.map_or("not probed (no rule keyed on headers only)".to_owned(), |r| format!(
+                "from {}",
+                r.name
+            )),
+            stats.lines().filter(|l| l.starts_with(&prefix)).count()
+        );
+        started_any.push(origin);
+        drop(envoy);
+    }
+    assert!(
+        started_any.iter().any(|o| o == "envoy/demo.yaml"),
+        "envoy/demo.yaml was not started: {started_any:?}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// The floodgate command
+// ---------------------------------------------------------------------------------------------
+
+/// The `floodgate` binary of floodgate-cli, built once.
+fn cli() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let out = Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "-q",
+                "-p",
+                "floodgate-cli",
+                "--bin",
+                "floodgate",
+                "--message-format=json",
+            ])
+            .current_dir(workspace_root())
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run cargo build -p floodgate-cli");
+        assert!(out.status.success(), "cargo build -p floodgate-cli failed");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+            .filter(|m| m["target"]["name"] == "floodgate")
+            .find_map(|m| m["executable"].as_str().map(PathBuf::from))
+            .expect("cargo build names the floodgate executable")
+    })
+}
+
+fn floodgate(args: &[&str], stdin: Option<&str>) -> (i32, String, String) {
+    let mut child = Command::new(cli())
+        .args(args)
+        .current_dir(workspace_root())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run floodgate");
+    {
+        use std::io::Write;
+        let mut input = child.stdin.take().expect("stdin");
+        input.write_all(stdin.unwrap_or("").as_bytes()).expect("write stdin");
+    }
+    let Output { status, stdout, stderr } = child.wait_with_output().expect("wait");
+    (
+        status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&stdout).into_owned(),
+        String::from_utf8_lossy(&stderr).into_owned(),
+    )
+}
+
+#[test]
+fn floodgate_validate_accepts_every_example_file_without_a_warning() {
+    let files: Vec<String> = envoy_dir_files()
+        .iter()
+        .filter(|f| holds_wasm(&std::fs::read_to_string(f).expect("read")))
+        .map(|f| relative(f))
+        .collect();
+    assert!(files.len() >= 3, "{files:?}");
+    let mut args = vec!["validate"];
+    args.extend(files.iter().map(String::as_str));
+    let (code, out, err) = floodgate(&args, None);
+    print!("{out}{err}");
+    assert_eq!(code, 0, "floodgate validate {files:?}:\n{out}{err}");
+    assert_eq!(err, "", "warnings or errors on the repository's own examples");
+    for file in &files {
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with(&format!("{file}: ")) && l.contains(": ok: ")),
+            "{file}:\n{out}"
+        );
+    }
+}
+
+#[test]
+fn floodgate_validate_names_the_field_like_the_module_does() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let write = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write");
+        path.display().to_string()
+    };
+    // A bare JSON configuration.
+    let bad_window =
+        r#"{"rate_limits": [{"name": "per-ip", "key": ["source_ip"], "limit": 5, "window": "ten seconds"}]}"#;
+    let bare = write("bad.json", bad_window);
+    let (code, out, err) = floodgate(&["validate", &bare], None);
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    let expected = r#"rate_limits[0].window: "ten seconds" is not a duration (use a whole number and a unit: "250ms", "10s", "1m", "1h")"#;
+    assert_eq!(err, format!("{bare}: {expected}\n"));
+    // The module logs the same words in Envoy.
+    let line = config_error_line(&Envoy::start_expecting_failure(bad_window)).expect("an invalid configuration line");
+    assert_eq!(line.trim_end(), format!("invalid configuration: {expected}"));
+
+    // An Envoy bootstrap: the compose one with an empty cluster list.
+    let compose = std::fs::read_to_string(workspace_root().join("envoy/compose-envoy.yaml")).expect("read");
+    let broken = compose.replace(r#""clusters": ["zone-a", "zone-b", "zone-c"]"#, r#""clusters": []"#);
+    assert_ne!(
+        broken, compose,
+        "envoy/compose-envoy.yaml no longer lists its clusters as expected"
+    );
+    let envoy_file = write("envoy.yaml", &broken);
+    let (code, _, err) = floodgate(&["validate", &envoy_file], None);
+    assert_eq!(code, 1);
+    let message = "cluster_selection.clusters: must list at least one cluster";
+    assert_eq!(
+        err,
+        format!("{envoy_file}: listener \"front\", Wasm filter \"floodgate\": {message}\n")
+    );
+    let line = config_error_line(&Envoy::start_expecting_failure(
+        r#"{"cluster_selection": {"clusters": []}}"#,
+    ))
+    .expect("an invalid configuration line");
+    assert_eq!(line.trim_end(), format!("invalid configuration: {message}"));
+
+    // An Istio WasmPlugin.
+    let plugin = std::fs::read_to_string(workspace_root().join("envoy/istio/wasmplugin.yaml")).expect("read");
+    let broken = plugin.replace("max_active_requests: 200", "max_active_requests: -200");
+    assert_ne!(broken, plugin);
+    let plugin_file = write("plugin.yaml", &broken);
+    let (code, _, err) = floodgate(&["validate", &plugin_file], None);
+    assert_eq!(code, 1);
+    assert_eq!(
+        err,
+        format!("{plugin_file}: WasmPlugin \"shop/floodgate\": load_shedding.max_active_requests: must be a positive integer, got -200\n")
+    );
+
+    // Warnings: no failure_policy, a route that does not read the route header, an unknown cluster.
+    let warned = compose
+        .lines()
+        .filter(|line| !line.contains("failure_policy"))
+        .map(|line| format!("{line}\n"))
+        .collect::<String>()
+        .replace("cluster_header: x-floodgate-cluster", "cluster: zone-a")
+        .replace(r#""zone-c"]"#, r#""zone-d"]"#);
+    let warned_file = write("warned.yaml", &warned);
+    let (code, out, err) = floodgate(&["validate", &warned_file], None);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(": ok: "), "{out}");
+    let prefix = format!("{warned_file}: listener \"front\", Wasm filter \"floodgate\": warning: ");
+    let warnings: Vec<&str> = err.lines().map(|l| l.strip_prefix(&prefix).unwrap_or(l)).collect();
+    assert_eq!(warnings.len(), 3, "{err}");
+    assert!(warnings[0].starts_with("failure_policy is not set"), "{err}");
+    assert!(
+        warnings[1].starts_with("cluster_selection.route_header: no route in this file reads"),
+        "{err}"
+    );
+    assert!(
+        warnings[2].starts_with("cluster_selection.clusters[2]: \"zone-d\" is not one of"),
+        "{err}"
+    );
+
+    // Nothing to check, an unreadable file, standard input, usage.
+    let (code, _, err) = floodgate(&["validate", "envoy/compose-upstreams.yaml"], None);
+    assert_eq!(code, 1);
+    assert!(
+        err.starts_with("envoy/compose-upstreams.yaml: no floodgate configuration found"),
+        "{err}"
+    );
+    let (code, _, err) = floodgate(&["validate", "no/such/file.json"], None);
+    assert_eq!(code, 1);
+    assert!(err.starts_with("no/such/file.json: cannot read"), "{err}");
+    let (code, out, _) = floodgate(&["validate", "-"], Some(r#"{"health": {"path": "/h"}}"#));
+    assert_eq!((code, out.as_str()), (0, "-: ok: no rate limits; health endpoint /h\n"));
+    let (code, out, _) = floodgate(&["validate", "--any-wasm", "-"], Some("{}"));
+    assert_eq!((code, out.as_str()), (0, "-: ok: no rate limits\n"));
+    assert_eq!(floodgate(&["validate"], None).0, 2);
+    assert_eq!(floodgate(&["frobnicate"], None).0, 2);
+    assert_eq!(floodgate(&["--help"], None).0, 0);
+}
+
+#[test]
+fn floodgate_schema_prints_the_schema_file() {
+    let (code, out, err) = floodgate(&["schema"], None);
+    assert_eq!(code, 0, "{err}");
+    let on_disk = std::fs::read_to_string(workspace_root().join("schema/floodgate.schema.json")).expect("read");
+    assert_eq!(out, on_disk);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Docker: the compose demo and the OCI image for Istio
+// ---------------------------------------------------------------------------------------------
+
+fn require_docker() {
+    let ok = Command::new("docker")
+        .args(["info", "--format", "{{.ServerVersion}}"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "these tests need a Docker engine (`docker info` failed): install Docker with Compose and start it"
+    );
+}
+
+#[test]
+fn docker_compose_demo_serves_limits_sheds_and_counts() {
+    require_docker();
+    let out = Command::new("bash")
+        .arg(workspace_root().join("scripts/compose-test.sh"))
+        .env("FLOODGATE_WASM", wasm_module())
+        .env("ENVOY_BIN", envoy_binary())
+        .env_remove("FLOODGATE_ENVOY_IMAGE")
+        .current_dir(workspace_root())
+        .output()
+        .expect("run scripts/compose-test.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    println!("{stdout}");
+    assert!(
+        out.status.success(),
+        "scripts/compose-test.sh failed:\n{stdout}\n{}",
+        tail(&stderr, 40)
+    );
+    let last = stdout.lines().last().unwrap_or("");
+    assert!(
+        last.starts_with("compose: ") && last.ends_with(" passed, 0 failed"),
+        "{last}"
+    );
+}
+
+#[test]
+fn oci_image_for_istio_holds_plugin_wasm_in_one_layer() {
+    require_docker();
+    let tag = format!("floodgate-oci-test:{}", std::process::id());
+    let out = Command::new("bash")
+        .arg(workspace_root().join("scripts/oci-image.sh"))
+        .arg(&tag)
+        .env("FLOODGATE_WASM", wasm_module())
+        .current_dir(workspace_root())
+        .output()
+        .expect("run scripts/oci-image.sh");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "scripts/oci-image.sh failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(stdout.lines().last(), Some(tag.as_str()));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let saved = dir.path().join("image.tar");
+    let save = Command::new("docker")
+        .args(["save", "-o"])
+        .arg(&saved)
+        .arg(&tag)
+        .status()
+        .expect("docker save");
+    let _ = Command::new("docker")
+        .args(["rmi", &tag])
+        .stdout(Stdio::null())
+        .status();
+    assert!(save.success(), "docker save {tag}");
+    let untar = |archive: &Path, into: &Path| {
+        std::fs::create_dir_all(into).expect("mkdir");
+        let ok = Command::new("tar")
+            .arg("-xf")
+            .arg(archive)
+            .arg("-C")
+            .arg(into)
+            .status()
+            .expect("tar");
+        assert!(ok.success(), "tar -xf {}", archive.display());
+    };
+    let image = dir.path().join("image");
+    untar(&saved, &image);
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(image.join("manifest.json")).expect("manifest.json"))
+            .expect("manifest JSON");
+    let layers = manifest[0]["Layers"].as_array().expect("Layers");
+    assert_eq!(layers.len(), 1, "Istio wants exactly one layer: {manifest}");
+    let layer = dir.path().join("layer");
+    untar(&image.join(layers[0].as_str().expect("layer path")), &layer);
+    let entries: Vec<String> = std::fs::read_dir(&layer)
+        .expect("layer")
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(entries, ["plugin.wasm"]);
+    let inside = std::fs::read(layer.join("plugin.wasm")).expect("plugin.wasm");
+    assert!(
+        inside == std::fs::read(wasm_module()).expect("module"),
+        "plugin.wasm differs from the module"
+    );
+    println!(
+        "{tag}: one layer holding plugin.wasm ({} bytes), the module byte for byte",
+        inside.len()
+    );
+}

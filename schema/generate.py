@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Writes schema/floodgate.schema.json, the JSON Schema (draft 2020-12) of floodgate's
+configuration (or the file given as argument). Edit the schema here and run
+`python3 schema/generate.py`: the duration pattern is
+generated (a whole number and a unit, at most 366 days, exactly as the parser in
+filter/src/config/values.rs). integration/tests/operator.rs checks the result against the parser,
+the docs and every example configuration in the repository.
+"""
+import json, os, re
+
+def upto(n):
+    """Regex (no anchors) matching decimal integers 1..n without leading zeros."""
+    s = str(n)
+    k = len(s)
+    alts = []
+    if k > 1:
+        alts.append("[1-9]" + ("[0-9]{0,%d}" % (k - 2) if k > 2 else ""))
+        if k == 2: alts[-1] = "[1-9]"
+    # exactly k digits, <= n
+    for i in range(k):
+        d = int(s[i])
+        lo = 1 if i == 0 else 0
+        if d - 1 >= lo:
+            rng = str(lo) if d - 1 == lo else "[%d-%d]" % (lo, d - 1)
+            rest = k - i - 1
+            alts.append(s[:i] + rng + ("[0-9]" if rest == 1 else "[0-9]{%d}" % rest if rest > 1 else ""))
+    alts.append(s)
+    return "(?:" + "|".join(alts) + ")"
+
+# The generated ranges are checked against plain integer comparison.
+for n in [1, 9, 10, 99, 100, 527040, 8784, 31622400, 31622400000, 60]:
+    r = re.compile("^" + upto(n) + "$")
+    for x in list(range(0, 2000)) + [n - 1, n, n + 1, n * 10, n // 10]:
+        if x < 0: continue
+        assert bool(r.match(str(x))) == (1 <= x <= n), (n, x)
+
+MAX_MS = 366 * 24 * 3600 * 1000
+units = [("ms", MAX_MS), ("s", MAX_MS // 1000), ("m", MAX_MS // 60000), ("h", MAX_MS // 3600000)]
+DURATION = "^0*(?:" + "|".join(upto(n) + u for u, n in units) + ")$"
+for t, ok in [("250ms", 1), ("10s", 1), ("1m", 1), ("1h", 1), ("0s", 0), ("8784h", 1), ("8785h", 0), ("010s", 1), ("1.5s", 0), ("1d", 0), ("10S", 0), ("527040m", 1), ("527041m", 0), ("31622400s", 1), ("31622401s", 0), ("31622400000ms", 1), ("31622400001ms", 0), ("00ms", 0)]:
+    assert bool(re.match(DURATION, t)) == bool(ok), t
+
+TOKEN = "!#$%&'*+.^_`|~0-9A-Za-z-"
+
+def positive(desc, default=None, maximum=4294967295):
+    s = {"type": "integer", "minimum": 1, "maximum": maximum, "description": desc}
+    if default is not None: s["default"] = default
+    return s
+
+schema = {
+  "$schema": "https://json-schema.org/draft/2020-12/schema",
+  "title": "floodgate configuration",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "type": "object",
+  "additionalProperties": False,
+  "properties": {
+    "rate_limits": {
+      "description": "Rate-limit rules; every rule that applies to a request must admit it. Rule names must be unique.",
+      "type": "array", "items": {"$ref": "#/$defs/rateLimitRule"}, "default": []
+    },
+    "stat_prefix": {"description": "Prefix of every metric name; give each filter instance its own.", "$ref": "#/$defs/name", "default": "floodgate"},
+    "ratelimit_headers": {
+      "description": "always: admitted responses also carry ratelimit / ratelimit-policy for the rule with the least remaining quota; on_reject: only 429s do.",
+      "enum": ["always", "on_reject"], "default": "always"
+    },
+    "load_shedding": {"description": "The proxy-wide in-flight limit and its priority classes (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
+    "cluster_selection": {"description": "Chooses the upstream cluster of each request (null: none).", "anyOf": [{"$ref": "#/$defs/clusterSelection"}, {"type": "null"}]},
+    "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]}
+  },
+  "$defs": {
+    "name": {
+      "description": "1 to 64 of ASCII letters, digits, '-', '_', '.'.",
+      "type": "string", "pattern": "^[A-Za-z0-9._-]{1,64}$"
+    },
+    "duration": {
+      "description": "A whole number and one unit: \"250ms\", \"10s\", \"1m\", \"1h\"; longer than zero, at most 366 days.",
+      "type": "string", "pattern": DURATION,
+      "examples": ["250ms", "10s", "1m", "1h"]
+    },
+    "headerName": {
+      "description": "An HTTP header name (RFC 9110 token, case-insensitive); a pseudo-header such as :authority is allowed.",
+      "type": "string", "pattern": "^:?[" + TOKEN + "]+$"
+    },
+    "positive": positive("A positive integer of at most 4294967295."),
+    "rateLimitRule": {
+      "type": "object", "additionalProperties": False,
+      "required": ["name", "key", "limit", "window"],
+      "properties": {
+        "name": {"description": "Unique among the rules; used in metrics, shared-data keys and responses.", "$ref": "#/$defs/name"},
+        "key": {"description": "The parts of the request that make the key, joined in order.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
+        "limit": positive("Requests admitted per window and key."),
+        "window": {"description": "The window length.", "$ref": "#/$defs/duration"},
+        "capacity": positive("How many distinct keys the rule tracks individually (memory: about 50 to 65 bytes per key, see docs/configuration.md#sizing).", 16384, 16777216),
+        "missing_key": {
+          "description": "A request lacking a key part: skip = the rule does not apply to it; shared = all such requests share one counter.",
+          "enum": ["skip", "shared"], "default": "skip"
+        }
+      }
+    },
+    "keyPart": {
+      "oneOf": [
+        {"description": "source_ip: the downstream peer address without its port; path: without the query; method; authority.", "enum": ["source_ip", "path", "method", "authority"]},
+        {"description": "A request header's raw value (an absent header is a missing key part).", "type": "object", "additionalProperties": False, "required": ["header"], "properties": {"header": {"$ref": "#/$defs/headerName"}}}
+      ]
+    },
+    "loadShedding": {
+      "type": "object", "additionalProperties": False,
+      "required": ["max_active_requests"],
+      "properties": {
+        "max_active_requests": positive("Proxy-wide (all workers) limit of requests in flight."),
+        "priority_header": {"description": "The request header whose value names the priority class.", "$ref": "#/$defs/headerName", "default": "x-floodgate-priority"},
+        "classes": {
+          "description": "Priority classes (unique names); a class is shed once the in-flight count reaches max(1, floor(shed_at * max_active_requests)).",
+          "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/priorityClass"},
+          "default": [{"name": "critical", "shed_at": 1.0}, {"name": "normal", "shed_at": 0.9}, {"name": "low", "shed_at": 0.5}]
+        },
+        "default_class": {"description": "The class of requests without the header or with an unknown value; must be one of the classes.", "$ref": "#/$defs/name", "default": "normal"},
+        "retry_after": {"description": "retry-after of a shed request (rounded up to whole seconds, at least 1).", "$ref": "#/$defs/duration", "default": "1s"}
+      }
+    },
+    "priorityClass": {
+      "type": "object", "additionalProperties": False,
+      "required": ["name", "shed_at"],
+      "properties": {
+        "name": {"description": "The priority header value that selects the class.", "$ref": "#/$defs/name"},
+        "shed_at": {"description": "Fraction of max_active_requests from which the class is shed, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1}
+      }
+    },
+    "health": {
+      "type": "object", "additionalProperties": False,
+      "required": ["path"],
+      "properties": {
+        "path": {"description": "The path the filter answers (matched without the query).", "type": "string", "pattern": "^/[^?#]*$"}
+      }
+    },
+    "clusterName": {
+      "description": "An Envoy cluster name: 1 to 255 visible ASCII characters.",
+      "type": "string", "pattern": "^[!-~]{1,255}$"
+    },
+    "statusMatch": {
+      "oneOf": [
+        {"description": "A status code.", "type": "integer", "minimum": 100, "maximum": 599},
+        {"description": "A class (\"5xx\") or a status code as a string.", "type": "string", "pattern": "^(?:[1-5]xx|\\+?0*[1-5][0-9]{2})$"}
+      ]
+    },
+    "clusterSelection": {
+      "type": "object", "additionalProperties": False,
+      "required": ["clusters"],
+      "properties": {
+        "route_header": {"description": "The request header the filter sets to the chosen cluster (overwriting any client value); the Envoy route reads it with cluster_header.", "type": "string", "pattern": "^[" + TOKEN + "]+$", "default": "x-floodgate-cluster"},
+        "clusters": {"description": "Envoy cluster names, distinct.", "type": "array", "minItems": 1, "maxItems": 64, "uniqueItems": True, "items": {"$ref": "#/$defs/clusterName"}},
+        "bucket_width": {"description": "Width of one stat bucket.", "$ref": "#/$defs/duration", "default": "5s"},
+        "buckets": positive("Stat buckets in the rolling window, besides the sticky one.", 6, 60),
+        "decay_factor": {"description": "Each bucket weighs this many times less than the next newer one (1: all equal).", "type": "number", "minimum": 1, "maximum": 1000, "default": 3},
+        "weight_exponent": {"description": "A cluster's weight is its success rate to this power.", "type": "number", "exclusiveMinimum": 0, "maximum": 100, "default": 3},
+        "no_data_floor": {"description": "With only the sticky bucket's data, the success rate is at least this divided by the number of clusters.", "type": "number", "minimum": 0, "maximum": 1, "default": 0.0001},
+        "no_data_floor_on": {"description": "weight: the floor bounds the success rate and the weight, so a cluster with only old data keeps a chance of about no_data_floor / clusters per request to be tried again; rate: it bounds the rate only, before weight_exponent (the seed's literal formula).", "enum": ["weight", "rate"], "default": "weight"},
+        "failure_statuses": {"description": "Upstream statuses that count as failures (timeouts and resets always do).", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/statusMatch"}, "default": ["5xx"]},
+        "concurrency_limit": {"$ref": "#/$defs/concurrencyLimit"},
+        "retry_after": {"description": "retry-after of the 503 sent when no cluster has room.", "$ref": "#/$defs/duration", "default": "1s"}
+      }
+    },
+    "concurrencyLimit": {
+      "description": "The per-cluster concurrency limit (AIMD): +1 on a success while at least half of it is in use, times backoff_ratio on a timeout, an overflow or a success slower than timeout; min_limit <= initial_limit <= max_limit.",
+      "type": "object", "additionalProperties": False,
+      "properties": {
+        "algorithm": {"description": "The limit algorithm.", "enum": ["aimd"], "default": "aimd"},
+        "initial_limit": positive("The limit of a cluster with no history.", 20),
+        "min_limit": positive("The limit never falls below this.", 1),
+        "max_limit": positive("The limit never grows above this.", 200),
+        "backoff_ratio": {"description": "Multiplier applied on a drop, in (0, 1).", "type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1, "default": 0.9},
+        "timeout": {"description": "A response slower than this counts as a drop for the limit.", "$ref": "#/$defs/duration", "default": "5s"}
+      }
+    }
+  }
+}
+import sys
+out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "floodgate.schema.json")
+with open(out, "w") as f:
+    f.write(json.dumps(schema, indent=2, ensure_ascii=False) + "\n")
+print(out)
