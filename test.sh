@@ -35,6 +35,9 @@ trap 'rm -f "$results"' EXIT
 step "unit tests: cargo test -p floodgate"
 cargo test -p floodgate 2>&1 | tee -a "$results"
 
+step "fuzz: every target for 20 s (fuzz/run.sh; installs nightly and cargo-fuzz if missing)"
+fuzz/run.sh 20
+
 step "unit tests: cargo test -p floodgate-cli"
 cargo test -p floodgate-cli 2>&1 | tee -a "$results"
 

@@ -164,8 +164,11 @@ pub fn admits(record: &InFlight, vm: u64, local: u32, threshold: u32, now: UnixM
     }
 }
 
+/// A VM's entry counts while its heartbeat is recent: less than [`STALE_AFTER_MS`] old, and not
+/// more than that ahead of `now` either (a corrupt record, or a dead VM's entry after the wall
+/// clock stepped back, must not count forever; a live VM rewrites its entry within a heartbeat).
 fn is_live(entry: &VmEntry, now: UnixMillis) -> bool {
-    now.saturating_since(entry.heartbeat) < STALE_AFTER_MS
+    now.saturating_since(entry.heartbeat) < STALE_AFTER_MS && entry.heartbeat.saturating_since(now) < STALE_AFTER_MS
 }
 
 /// The admission threshold of a class: `max(1, ⌊shed_at × max_active_requests⌋)`.

@@ -39,6 +39,9 @@ use tokio::net::{TcpListener, TcpStream};
 
 pub use serde_json::{json, Value};
 
+pub mod dynamic;
+pub mod faults;
+
 /// Default stat prefix of the filter's metrics (`stat_prefix` in the configuration).
 pub const STAT_PREFIX: &str = "floodgate";
 

@@ -253,13 +253,26 @@ pub struct ConfigError {
 }
 
 impl fmt::Display for ConfigError {
+    /// One line whatever the input held: control characters (in echoed field names, say) are
+    /// written escaped, so a configuration cannot forge log lines.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.path.is_empty() {
-            write!(f, "{}", self.problem)
+        if !self.path.is_empty() {
+            write_escaped(f, &self.path)?;
+            f.write_str(": ")?;
+        }
+        write_escaped(f, &self.problem)
+    }
+}
+
+fn write_escaped(f: &mut fmt::Formatter<'_>, text: &str) -> fmt::Result {
+    for c in text.chars() {
+        if c.is_control() {
+            write!(f, "{}", c.escape_default())?;
         } else {
-            write!(f, "{}: {}", self.path, self.problem)
+            fmt::Write::write_char(f, c)?;
         }
     }
+    Ok(())
 }
 
 impl std::error::Error for ConfigError {}
@@ -321,10 +334,14 @@ impl Config {
             selection.validate()?;
         }
         if let Some(health) = &self.health {
-            if !health.path.starts_with('/') || health.path.contains(['?', '#']) {
+            let odd = |c: char| c.is_control() || c.is_whitespace() || c == '?' || c == '#';
+            if !health.path.starts_with('/') || health.path.contains(odd) {
                 return Err(ConfigError {
                     path: "health.path".into(),
-                    problem: format!("{:?} must be a path starting with '/', without query", health.path),
+                    problem: format!(
+                        "{:?} must be a path starting with '/', without query, spaces or control characters",
+                        health.path
+                    ),
                 });
             }
         }
@@ -648,5 +665,17 @@ mod tests {
         assert!(error_of("{} {}").contains("trailing characters"));
         assert!(error_of("{").contains("EOF"));
         assert!(Config::parse(b"\xff").unwrap_err().problem.contains("not UTF-8"));
+    }
+
+    #[test]
+    fn errors_are_one_line_whatever_the_input_holds() {
+        let err = error_of("{\"x\\r\\nfloodgate: forged\":1}");
+        assert!(!err.contains(['\r', '\n']), "{err}");
+        assert!(err.starts_with("x\\r\\nfloodgate: forged: unknown field"), "{err}");
+        let err = error_of(r#"{"health":{"path":"/a\nb"}}"#);
+        assert!(err.starts_with("health.path: \"/a\\nb\" must be a path"), "{err}");
+        assert!(!err.contains('\n'));
+        let err = error_of(r#"{"health":{"path":"/a b"}}"#);
+        assert!(err.starts_with("health.path:"), "{err}");
     }
 }

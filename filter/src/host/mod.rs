@@ -11,9 +11,9 @@ use crate::ratelimit::{Cause, Limiter, Verdict};
 use crate::response::{self, Reply};
 use crate::select::outcome::Outcome;
 use crate::select::shuffle::SplitMix64;
-use crate::select::{ClusterLease, Selector};
+use crate::select::{ClusterLease, Selector, VmState};
 use crate::shed::{LocalCount, Lease, Shedder, HEARTBEAT_MS};
-use crate::store::{insert_if_absent, SharedStore};
+use crate::store::{write_back, SharedStore, StoreError};
 use crate::time::UnixMillis;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -48,8 +48,8 @@ struct Filter {
     /// This VM's in-flight count for the filter's namespace.
     local: LocalCount,
     selector: Option<Selector>,
-    /// This VM's lease count per cluster, in configuration order.
-    cluster_locals: Vec<LocalCount>,
+    /// This VM's side of cluster selection (lease counts, recent weights).
+    selection_vm: RefCell<VmState>,
 }
 
 thread_local! {
@@ -117,7 +117,7 @@ impl RootContext for FilterRoot {
         let limiter = Limiter::new(&config, &namespace);
         let shedder = config.load_shedding.as_ref().map(|s| Shedder::new(s, &namespace));
         let selector = config.cluster_selection.as_ref().map(|s| Selector::new(s, &namespace));
-        let cluster_locals = selector.as_ref().map_or_else(Vec::new, |s| {
+        let cluster_leases = selector.as_ref().map_or_else(Vec::new, |s| {
             (0..s.clusters.len()).filter_map(|i| s.record_key(i)).map(local_count).collect()
         });
         if shedder.is_some() || selector.is_some() {
@@ -137,7 +137,7 @@ impl RootContext for FilterRoot {
             local: local_count(shedder.as_ref().map_or("", |s| s.record_key())),
             shedder,
             selector,
-            cluster_locals,
+            selection_vm: RefCell::new(VmState::new(vm_id(), cluster_leases)),
             config,
         }));
         true
@@ -150,7 +150,7 @@ impl RootContext for FilterRoot {
             stats::set(filter.stats.in_flight, u64::from(total));
         }
         if let Some(selector) = &filter.selector {
-            let states = selector.heartbeat(&EnvoyStore, vm_id(), &filter.cluster_locals, now());
+            let states = selector.heartbeat(&EnvoyStore, &filter.selection_vm.borrow(), now());
             for (index, state) in states.into_iter().enumerate() {
                 let (Some(state), ids) = (state, filter.stats.cluster(index)) else { continue };
                 // The rate is in [0, 1]: millionths fit.
@@ -190,17 +190,21 @@ fn plugin_name() -> String {
 }
 
 /// The secret key-hash seed every worker of this proxy shares: drawn once from `getrandom`
-/// by whichever VM configures first, and read by all others.
+/// by whichever VM configures first, and read by all others. A record of the wrong length
+/// (corrupt, or from another version) is replaced, with a compare-and-swap, by a fresh seed.
 fn shared_seed(store: &dyn SharedStore, namespace: &str) -> Result<[u8; 16], String> {
     let key = format!("floodgate/{namespace}/seed");
-    for _ in 0..2 {
-        if let Some(stored) = store.get(&key).map_err(|e| e.to_string())? {
-            return <[u8; 16]>::try_from(stored.value.as_slice())
-                .map_err(|_| format!("shared key {key} holds {} bytes, not 16", stored.value.len()));
+    for _ in 0..4 {
+        let stored = store.get(&key).map_err(|e| e.to_string())?;
+        if let Some(seed) = stored.as_ref().and_then(|s| <[u8; 16]>::try_from(s.value.as_slice()).ok()) {
+            return Ok(seed);
         }
         let mut seed = [0u8; 16];
         getrandom::fill(&mut seed).map_err(|e| format!("getrandom: {e}"))?;
-        insert_if_absent(store, &key, &seed).map_err(|e| e.to_string())?;
+        match write_back(store, &key, stored.as_ref(), &seed) {
+            Ok(()) | Err(StoreError::CasMismatch) => continue,
+            Err(err) => return Err(err.to_string()),
+        }
     }
     Err(format!("shared key {key} could not be created"))
 }
@@ -306,7 +310,7 @@ impl FilterStream {
         let selector = filter.selector.as_ref()?;
         let chosen = RNG.with(|rng| {
             let mut rng = rng.borrow_mut();
-            selector.choose(&EnvoyStore, vm_id(), &filter.cluster_locals, now, &mut *rng)
+            selector.choose(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now, &mut *rng)
         });
         let lease = match chosen {
             Ok(lease) => lease,
@@ -325,7 +329,7 @@ impl FilterStream {
         let routed = hostcalls::set_map_value(MapType::HttpRequestHeaders, &selector.route_header, Some(cluster.name.as_str()));
         if let Err(status) = routed {
             log::warn!("floodgate: cannot set {}: {status:?}", selector.route_header);
-            selector.finish(&EnvoyStore, vm_id(), &filter.cluster_locals, lease, Outcome::Ignored, now);
+            selector.finish(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), lease, Outcome::Ignored, now);
             return Some(response::no_capacity(selector, &crate::select::Exhausted { clusters: Vec::new(), contention: true }));
         }
         increment(filter.stats.cluster(lease.cluster).selected);
@@ -343,7 +347,7 @@ impl FilterStream {
         let status = property_u64(&["response", "code"]).and_then(|code| u16::try_from(code).ok()).filter(|c| *c > 0);
         let flags = property_u64(&["response", "flags"]).unwrap_or(0);
         let outcome = selector.classify(&lease, status, flags, now);
-        let finished = selector.finish(&EnvoyStore, vm_id(), &self.filter.cluster_locals, lease, outcome, now);
+        let finished = selector.finish(&EnvoyStore, &mut self.filter.selection_vm.borrow_mut(), lease, outcome, now);
         let ids = self.filter.stats.cluster(finished.cluster);
         increment(match outcome {
             Outcome::Success => ids.success,

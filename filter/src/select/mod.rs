@@ -46,6 +46,11 @@ use shuffle::{weighted_shuffle, Random};
 
 /// Compare-and-swap attempts on one record before giving up on it.
 pub const MAX_ATTEMPTS: u32 = 32;
+/// How long a VM reuses a cluster's weight it computed from a record it read, instead of reading
+/// the record again just to weigh it. The chosen cluster's record is always read afresh for its
+/// lease, and every read (lease, finish, heartbeat) refreshes the weight, so under load a weight
+/// is rarely older than a few requests; idle clusters are re-read after this long.
+pub const WEIGHT_TTL_MS: u64 = 100;
 
 /// One configured cluster.
 #[derive(Clone, Debug)]
@@ -121,6 +126,48 @@ pub struct ClusterState {
     pub limit: u32,
     /// Leases held proxy-wide.
     pub in_flight: u32,
+}
+
+/// What this VM last computed of each cluster's weight, and when: lets [`Selector::choose`]
+/// skip reading every cluster's record on every request (see [`WEIGHT_TTL_MS`]).
+#[derive(Clone, Debug, Default)]
+pub struct Sightings {
+    weights: Vec<Option<(f64, UnixMillis)>>,
+}
+
+impl Sightings {
+    fn fresh(&self, index: usize, now: UnixMillis) -> Option<f64> {
+        let (weight, at) = (*self.weights.get(index)?)?;
+        (now.saturating_since(at) < WEIGHT_TTL_MS && at <= now).then_some(weight)
+    }
+
+    fn note(&mut self, index: usize, weight: f64, now: UnixMillis) {
+        if self.weights.len() <= index {
+            self.weights.resize(index.saturating_add(1), None);
+        }
+        if let Some(slot) = self.weights.get_mut(index) {
+            *slot = Some((weight, now));
+        }
+    }
+}
+
+/// One VM's side of cluster selection: its id in the records, its lease count per cluster
+/// (configuration order; the truth that the records mirror) and its recent weights.
+#[derive(Clone, Debug)]
+pub struct VmState {
+    /// The VM's random id.
+    pub vm: u64,
+    /// Leases held by this VM, per cluster.
+    pub leases: Vec<LocalCount>,
+    /// Recent weights.
+    pub seen: Sightings,
+}
+
+impl VmState {
+    /// The state of VM `vm` with the given lease counts.
+    pub fn new(vm: u64, leases: Vec<LocalCount>) -> VmState {
+        VmState { vm, leases, seen: Sightings::default() }
+    }
 }
 
 /// A record as read: the stored bytes' token and the decoded, aged record.
@@ -211,26 +258,42 @@ impl Selector {
     }
 
     /// Chooses the cluster of a request and takes a lease on it (module doc, steps 1 to 4).
-    /// `locals` holds this VM's lease count per cluster, in configuration order.
     pub fn choose<S: SharedStore + ?Sized, R: Random + ?Sized>(
         &self,
         store: &S,
-        vm: u64,
-        locals: &[LocalCount],
+        state: &mut VmState,
         now: UnixMillis,
         rng: &mut R,
     ) -> Result<ClusterLease, Exhausted> {
-        let mut views: Vec<Option<View>> = (0..self.clusters.len()).map(|i| self.read(store, i, now).ok()).collect();
-        let weights: Vec<f64> = views
-            .iter()
-            .map(|view| view.as_ref().map_or(0.0, |v| self.record_weight(&v.record)))
-            .collect();
+        let VmState { vm, leases: locals, seen } = state;
+        let vm = *vm;
+        let mut views: Vec<Option<View>> = (0..self.clusters.len()).map(|_| None).collect();
+        let mut weights = Vec::with_capacity(views.len());
+        for (index, slot) in views.iter_mut().enumerate() {
+            let weight = match seen.fresh(index, now) {
+                Some(weight) => weight,
+                None => {
+                    *slot = self.read(store, index, now).ok();
+                    let weight = slot.as_ref().map_or(0.0, |v| self.record_weight(&v.record));
+                    seen.note(index, weight, now);
+                    weight
+                }
+            };
+            weights.push(weight);
+        }
         let mut order = Vec::with_capacity(weights.len());
         weighted_shuffle(&weights, rng, &mut order);
         let mut contention = false;
         for index in order {
             let (Some(slot), Some(local)) = (views.get_mut(index), locals.get(index)) else { continue };
-            match self.try_lease(store, index, slot, vm, local, now) {
+            if slot.is_none() {
+                *slot = self.read(store, index, now).ok();
+            }
+            let leased = self.try_lease(store, index, slot, vm, local, now);
+            if let Some(view) = slot.as_ref() {
+                seen.note(index, self.record_weight(&view.record), now);
+            }
+            match leased {
                 Ok(Some(lease)) => return Ok(lease),
                 Ok(None) => {}
                 Err(()) => contention = true,
@@ -238,7 +301,7 @@ impl Selector {
         }
         let clusters = views
             .iter()
-            .zip(locals)
+            .zip(locals.iter())
             .map(|(view, local)| {
                 view.as_ref()
                     .map(|v| (v.record.in_flight.others(vm, now).saturating_add(local.get()), v.record.limit))
@@ -301,12 +364,13 @@ impl Selector {
     pub fn finish<S: SharedStore + ?Sized>(
         &self,
         store: &S,
-        vm: u64,
-        locals: &[LocalCount],
+        state: &mut VmState,
         mut lease: ClusterLease,
         outcome: Outcome,
         now: UnixMillis,
     ) -> Finished {
+        let VmState { vm, leases: locals, seen } = state;
+        let vm = *vm;
         lease.unit.end();
         let index = lease.cluster;
         let mut finished = Finished { cluster: index, outcome, recorded: false };
@@ -323,6 +387,7 @@ impl Selector {
             match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
                 Ok(()) => {
                     finished.recorded = true;
+                    seen.note(index, self.record_weight(&view.record), now);
                     break;
                 }
                 Err(StoreError::CasMismatch) => continue,
@@ -337,10 +402,10 @@ impl Selector {
     pub fn heartbeat<S: SharedStore + ?Sized>(
         &self,
         store: &S,
-        vm: u64,
-        locals: &[LocalCount],
+        state: &VmState,
         now: UnixMillis,
     ) -> Vec<Option<ClusterState>> {
+        let (vm, locals) = (state.vm, &state.leases);
         (0..self.clusters.len())
             .map(|index| {
                 let local = locals.get(index).map_or(0, |l| l.get());

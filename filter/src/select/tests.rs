@@ -10,7 +10,7 @@ use super::shuffle::{weighted_shuffle, Random, SplitMix64};
 use super::*;
 use crate::config::{Config, StatusMatch};
 use crate::shed::{DecodeError, STALE_AFTER_MS};
-use crate::store::MemoryStore;
+use crate::store::{MemoryStore, SharedStore, StoreError, Stored};
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -28,6 +28,12 @@ fn selector(json: &str) -> Selector {
 
 fn locals(n: usize) -> Vec<LocalCount> {
     (0..n).map(|_| Rc::new(Cell::new(0))).collect()
+}
+
+/// VM `id` holding the lease counts `locals` (shared, so several calls see one VM's counts),
+/// with no recent weights.
+fn vm(id: u64, locals: &[LocalCount]) -> VmState {
+    VmState::new(id, locals.to_vec())
 }
 
 fn close(a: f64, b: f64) -> bool {
@@ -285,26 +291,26 @@ fn the_cascade_takes_the_next_cluster_with_room_then_fails_fast() {
     let mut rng = SplitMix64::new(3);
     let mut leases = Vec::new();
     for _ in 0..6 {
-        leases.push(s.choose(&store, 1, &mine, T0, &mut rng).unwrap());
+        leases.push(s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap());
     }
     let per_cluster: Vec<usize> = (0..3).map(|c| leases.iter().filter(|l| l.cluster == c).count()).collect();
     assert_eq!(per_cluster, vec![2, 2, 2], "each cluster up to its limit");
-    let exhausted = s.choose(&store, 2, &locals(3), T0, &mut rng).unwrap_err();
+    let exhausted = s.choose(&store, &mut vm(2, &locals(3)), T0, &mut rng).unwrap_err();
     assert_eq!(exhausted.clusters, vec![Some((2, 2)); 3]);
     assert!(!exhausted.contention);
     // One release makes room again, on that cluster only.
     let lease = leases.pop().unwrap();
     let freed = lease.cluster;
-    let done = s.finish(&store, 1, &mine, lease, Outcome::Failure, T0);
+    let done = s.finish(&store, &mut vm(1, &mine), lease, Outcome::Failure, T0);
     assert!(done.recorded);
-    let again = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    let again = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
     assert_eq!(again.cluster, freed);
     leases.push(again);
     for lease in leases {
-        s.finish(&store, 1, &mine, lease, Outcome::Ignored, T0);
+        s.finish(&store, &mut vm(1, &mine), lease, Outcome::Ignored, T0);
     }
     assert!(mine.iter().all(|l| l.get() == 0));
-    let states = s.heartbeat(&store, 1, &mine, T0);
+    let states = s.heartbeat(&store, &vm(1, &mine), T0);
     assert!(states.iter().all(|st| st.unwrap().in_flight == 0));
 }
 
@@ -314,23 +320,23 @@ fn leases_are_exact_across_vms_and_a_dead_vm_stops_counting() {
     let store = MemoryStore::new();
     let (one, two) = (locals(1), locals(1));
     let mut rng = SplitMix64::new(5);
-    let a = s.choose(&store, 1, &one, T0, &mut rng).unwrap();
-    let b = s.choose(&store, 2, &two, T0, &mut rng).unwrap();
-    let c = s.choose(&store, 1, &one, T0, &mut rng).unwrap();
+    let a = s.choose(&store, &mut vm(1, &one), T0, &mut rng).unwrap();
+    let b = s.choose(&store, &mut vm(2, &two), T0, &mut rng).unwrap();
+    let c = s.choose(&store, &mut vm(1, &one), T0, &mut rng).unwrap();
     assert_eq!((a.in_flight, b.in_flight, c.in_flight), (1, 2, 3));
-    assert!(s.choose(&store, 2, &two, T0, &mut rng).is_err(), "3 of 3 taken across two VMs");
+    assert!(s.choose(&store, &mut vm(2, &two), T0, &mut rng).is_err(), "3 of 3 taken across two VMs");
     // VM 1 dies holding two leases (never finished, never heartbeats again).
     std::mem::forget(a);
     std::mem::forget(c);
     let later = T0.plus_ms(STALE_AFTER_MS / 2);
-    s.heartbeat(&store, 2, &two, later);
-    assert!(s.choose(&store, 2, &two, later, &mut rng).is_err(), "still counted before it is stale");
+    s.heartbeat(&store, &vm(2, &two), later);
+    assert!(s.choose(&store, &mut vm(2, &two), later, &mut rng).is_err(), "still counted before it is stale");
     let stale = T0.plus_ms(STALE_AFTER_MS + 1);
-    let d = s.choose(&store, 2, &two, stale, &mut rng).unwrap();
+    let d = s.choose(&store, &mut vm(2, &two), stale, &mut rng).unwrap();
     assert_eq!(d.in_flight, 2, "only VM 2's leases count");
-    s.finish(&store, 2, &two, d, Outcome::Success, stale);
-    s.finish(&store, 2, &two, b, Outcome::Success, stale);
-    assert_eq!(s.heartbeat(&store, 2, &two, stale)[0].unwrap().in_flight, 0);
+    s.finish(&store, &mut vm(2, &two), d, Outcome::Success, stale);
+    s.finish(&store, &mut vm(2, &two), b, Outcome::Success, stale);
+    assert_eq!(s.heartbeat(&store, &vm(2, &two), stale)[0].unwrap().in_flight, 0);
 }
 
 #[test]
@@ -339,12 +345,12 @@ fn a_dropped_lease_gives_its_unit_back_and_the_heartbeat_publishes_it() {
     let store = MemoryStore::new();
     let mine = locals(1);
     let mut rng = SplitMix64::new(5);
-    let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
     drop(lease);
     assert_eq!(mine[0].get(), 0);
-    assert!(s.choose(&store, 2, &locals(1), T0, &mut rng).is_err(), "the record still says 1");
-    assert_eq!(s.heartbeat(&store, 1, &mine, T0)[0].unwrap().in_flight, 0);
-    assert!(s.choose(&store, 2, &locals(1), T0, &mut rng).is_ok());
+    assert!(s.choose(&store, &mut vm(2, &locals(1)), T0, &mut rng).is_err(), "the record still says 1");
+    assert_eq!(s.heartbeat(&store, &vm(1, &mine), T0)[0].unwrap().in_flight, 0);
+    assert!(s.choose(&store, &mut vm(2, &locals(1)), T0, &mut rng).is_ok());
 }
 
 #[test]
@@ -356,8 +362,8 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
     let mine = locals(1);
     let mut rng = SplitMix64::new(5);
     let mut finish = |outcome: Outcome| {
-        let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
-        s.finish(&store, 1, &mine, lease, outcome, T0)
+        let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
+        s.finish(&store, &mut vm(1, &mine), lease, outcome, T0)
     };
     finish(Outcome::Timeout);
     finish(Outcome::Failure);
@@ -367,19 +373,19 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
     assert_eq!(view.record.buckets.recent[0], tally(3, 1), "ignored is not counted");
     assert_eq!(view.record.limit, 8, "10 → 9 (timeout) → 9 (failure) → ⌊8.1⌋ (slow) → 8 (ignored)");
     // Growth needs half the limit in use: hold 4 leases, then succeed.
-    let held: Vec<_> = (0..3).map(|_| s.choose(&store, 1, &mine, T0, &mut rng).unwrap()).collect();
-    let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    let held: Vec<_> = (0..3).map(|_| s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap()).collect();
+    let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
     assert_eq!(lease.in_flight, 4);
-    s.finish(&store, 1, &mine, lease, Outcome::Success, T0);
+    s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0);
     assert_eq!(s.read(&store, 0, T0).unwrap().record.limit, 9, "4 × 2 ≥ 8: grows by one");
     for lease in held {
-        s.finish(&store, 1, &mine, lease, Outcome::Ignored, T0);
+        s.finish(&store, &mut vm(1, &mine), lease, Outcome::Ignored, T0);
     }
-    let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
     assert_eq!(s.classify(&lease, Some(200), 0, T0.plus_ms(1001)), Outcome::Slow);
     assert_eq!(s.classify(&lease, Some(200), 0, T0.plus_ms(999)), Outcome::Success);
     assert_eq!(s.classify(&lease, Some(502), 0, T0), Outcome::Failure);
-    s.finish(&store, 1, &mine, lease, Outcome::Success, T0);
+    s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0);
 }
 
 /// Runs `requests` requests at `rate_per_sec` through the selector, each finishing at once with
@@ -393,14 +399,14 @@ fn traffic(
     rate_per_sec: u64,
     health: impl Fn(&str) -> Outcome,
 ) -> Vec<u64> {
-    let mine = locals(s.clusters.len());
+    let mut state = vm(1, &locals(s.clusters.len()));
     let mut per_cluster = vec![0u64; s.clusters.len()];
     for i in 0..requests {
         let now = start.plus_ms(i * 1000 / rate_per_sec);
-        let lease = s.choose(store, 1, &mine, now, rng).unwrap();
+        let lease = s.choose(store, &mut state, now, rng).unwrap();
         per_cluster[lease.cluster] += 1;
         let outcome = health(s.clusters[lease.cluster].name.as_str());
-        s.finish(store, 1, &mine, lease, outcome, now);
+        s.finish(store, &mut state, lease, outcome, now);
     }
     per_cluster
 }
@@ -459,25 +465,25 @@ fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
     let mine = locals(2);
     for i in 0..500u64 {
         let now = T0.plus_ms(i);
-        let lease = s.choose(&store, 1, &mine, now, &mut rng).unwrap();
+        let lease = s.choose(&store, &mut vm(1, &mine), now, &mut rng).unwrap();
         let outcome = if lease.cluster == 1 { Outcome::Slow } else { Outcome::Success };
-        s.finish(&store, 1, &mine, lease, outcome, now);
+        s.finish(&store, &mut vm(1, &mine), lease, outcome, now);
     }
     assert_eq!(s.read(&store, 1, T0.plus_ms(500)).unwrap().record.limit, 1, "slow cluster at min_limit");
     // With one lease held on the slow cluster, every further request goes to `a`.
     let held = loop {
-        let lease = s.choose(&store, 1, &mine, T0.plus_ms(600), &mut rng).unwrap();
+        let lease = s.choose(&store, &mut vm(1, &mine), T0.plus_ms(600), &mut rng).unwrap();
         if lease.cluster == 1 {
             break lease;
         }
-        s.finish(&store, 1, &mine, lease, Outcome::Success, T0.plus_ms(600));
+        s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0.plus_ms(600));
     };
     for _ in 0..100 {
-        let lease = s.choose(&store, 1, &mine, T0.plus_ms(601), &mut rng).unwrap();
+        let lease = s.choose(&store, &mut vm(1, &mine), T0.plus_ms(601), &mut rng).unwrap();
         assert_eq!(lease.cluster, 0);
-        s.finish(&store, 1, &mine, lease, Outcome::Success, T0.plus_ms(601));
+        s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0.plus_ms(601));
     }
-    s.finish(&store, 1, &mine, held, Outcome::Slow, T0.plus_ms(700));
+    s.finish(&store, &mut vm(1, &mine), held, Outcome::Slow, T0.plus_ms(700));
 }
 
 #[test]
@@ -487,10 +493,63 @@ fn a_record_from_another_layout_or_corrupt_reads_as_fresh() {
     store.set(s.record_key(0).unwrap(), b"garbage", None).unwrap();
     let mine = locals(1);
     let mut rng = SplitMix64::new(1);
-    let lease = s.choose(&store, 1, &mine, T0, &mut rng).unwrap();
+    let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
     assert_eq!(lease.in_flight, 1);
-    s.finish(&store, 1, &mine, lease, Outcome::Success, T0);
+    s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0);
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(1, 1));
     assert_eq!(view.record.limit, 20);
+}
+
+/// Counts the reads that reach the store.
+struct CountingStore {
+    inner: MemoryStore,
+    gets: Cell<u32>,
+}
+
+impl SharedStore for CountingStore {
+    fn get(&self, key: &str) -> Result<Option<Stored>, StoreError> {
+        self.gets.set(self.gets.get() + 1);
+        self.inner.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<crate::store::Cas>) -> Result<(), StoreError> {
+        self.inner.set(key, value, cas)
+    }
+}
+
+#[test]
+fn recent_weights_spare_reading_every_record_on_every_request() {
+    let s = selector(r#"{"clusters":["a","b","c","d"]}"#);
+    let store = CountingStore { inner: MemoryStore::new(), gets: Cell::new(0) };
+    let mut state = vm(1, &locals(4));
+    let mut rng = SplitMix64::new(2);
+    let first = s.choose(&store, &mut state, T0, &mut rng).unwrap();
+    let cold = store.gets.get();
+    assert!(cold >= 4, "the first choice reads every record ({cold} reads)");
+    store.gets.set(0);
+    let second = s.choose(&store, &mut state, T0.plus_ms(WEIGHT_TTL_MS - 1), &mut rng).unwrap();
+    assert!(store.gets.get() <= 2, "within the TTL only the chosen record is read ({} reads)", store.gets.get());
+    store.gets.set(0);
+    let third = s.choose(&store, &mut state, T0.plus_ms(WEIGHT_TTL_MS), &mut rng).unwrap();
+    assert!(store.gets.get() >= 4, "stale weights are read again ({} reads)", store.gets.get());
+    for lease in [first, second, third] {
+        s.finish(&store, &mut state, lease, Outcome::Success, T0);
+    }
+}
+
+#[test]
+fn a_finish_on_this_vm_updates_its_weight_at_once() {
+    let s = selector(r#"{"clusters":["a","b"]}"#);
+    let store = MemoryStore::new();
+    let mut state = vm(1, &locals(2));
+    let mut rng = SplitMix64::new(9);
+    let lease = s.choose(&store, &mut state, T0, &mut rng).unwrap();
+    let failed = lease.cluster;
+    s.finish(&store, &mut state, lease, Outcome::Failure, T0);
+    // Within the TTL, the failed cluster (weight 0 now) is never chosen first again.
+    for i in 0..50 {
+        let lease = s.choose(&store, &mut state, T0.plus_ms(i), &mut rng).unwrap();
+        assert_ne!(lease.cluster, failed);
+        s.finish(&store, &mut state, lease, Outcome::Success, T0.plus_ms(i));
+    }
 }

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Fuzzes floodgate: runs every cargo-fuzz target (libFuzzer, AddressSanitizer, overflow checks)
+# for a bounded time and prints the executions of each.
+#
+#   fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]     (default 25 s, every target)
+#
+# Installs what it needs: the nightly toolchain (rustup) and cargo-fuzz (crates.io) when missing.
+# Inputs: fuzz/seeds/<target>/ and fuzz/regressions/<target>/ (committed, read only), plus the
+# growing corpus fuzz/corpus/<target>/ (git-ignored; delete it to start over). A failing input
+# is written to fuzz/artifacts/<target>/; reproduce it with
+#   cargo +nightly fuzz run --fuzz-dir fuzz <target> fuzz/artifacts/<target>/<file>
+# and, once fixed, commit it to fuzz/regressions/<target>/ (filter/tests/fuzz_regressions.rs
+# replays that folder in every `cargo test -p floodgate`). Exits non-zero if any target failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+fuzz_dir=fuzz
+secs=${1:-25}
+shift || true
+[[ "$secs" =~ ^[0-9]+$ && "$secs" -gt 0 ]] || { echo "usage: fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]" >&2; exit 2; }
+
+if ! rustup toolchain list | grep -q '^nightly'; then
+  echo "fuzz/run.sh: installing the nightly toolchain" >&2
+  rustup toolchain install nightly --profile minimal >&2
+fi
+if ! cargo fuzz --version >/dev/null 2>&1; then
+  echo "fuzz/run.sh: installing cargo-fuzz (a few minutes, once)" >&2
+  cargo install cargo-fuzz --locked >&2
+fi
+
+if [[ $# -gt 0 ]]; then
+  targets=("$@")
+else
+  mapfile -t targets < <(cargo +nightly fuzz list --fuzz-dir "$fuzz_dir")
+fi
+[[ ${#targets[@]} -gt 0 ]] || { echo "fuzz/run.sh: no fuzz targets" >&2; exit 1; }
+
+echo "==> building ${#targets[@]} fuzz targets (cargo +nightly fuzz build)"
+cargo +nightly fuzz build --fuzz-dir "$fuzz_dir"
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+failed=()
+summary=()
+for t in "${targets[@]}"; do
+  mkdir -p "$fuzz_dir/corpus/$t" "$fuzz_dir/seeds/$t" "$fuzz_dir/regressions/$t"
+  extra=()
+  [[ -f "$fuzz_dir/dicts/$t.dict" ]] && extra+=("-dict=$fuzz_dir/dicts/$t.dict")
+  echo "==> fuzzing $t for ${secs} s"
+  status=0
+  cargo +nightly fuzz run --fuzz-dir "$fuzz_dir" "$t" \
+    "$fuzz_dir/corpus/$t" "$fuzz_dir/seeds/$t" "$fuzz_dir/regressions/$t" -- \
+    -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
+    -close_fd_mask=1 "${extra[@]}" >"$logs/$t.log" 2>&1 || status=$?
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logs/$t.log" | tail -n1)
+  cov=$(grep -Eo 'cov: [0-9]+' "$logs/$t.log" | tail -n1 | awk '{print $2}')
+  corpus=$(find "$fuzz_dir/corpus/$t" -type f | wc -l)
+  if [[ $status -ne 0 ]]; then
+    failed+=("$t")
+    summary+=("$(printf '%-20s FAILED (exit %s) after %s executions' "$t" "$status" "${execs:-?}")")
+    echo "---- $t failed ----"
+    grep -m1 -A3 -E 'panicked at|ERROR: (AddressSanitizer|libFuzzer)' "$logs/$t.log" || tail -n 40 "$logs/$t.log"
+    ls -1 "$fuzz_dir/artifacts/$t" 2>/dev/null | sed "s|^|artifact: $fuzz_dir/artifacts/$t/|" || true
+  else
+    summary+=("$(printf '%-20s %12s executions in %ss, %s coverage points, corpus %s' "$t" "${execs:-?}" "$secs" "${cov:-?}" "$corpus")")
+  fi
+done
+
+echo
+echo "==> fuzzing summary"
+printf '%s\n' "${summary[@]}"
+if [[ ${#failed[@]} -gt 0 ]]; then
+  echo "fuzz: ${#failed[@]} target(s) failed: ${failed[*]}"
+  exit 1
+fi
+echo "fuzz: ${#targets[@]} targets, no failures"

@@ -1,0 +1,457 @@
+//! A real Envoy whose floodgate filter configuration is delivered dynamically, from a file, so a
+//! test can change it while Envoy runs: the listener's Wasm filter is an ECDS filter
+//! (`config_discovery` with a `path_config_source`), and [`DynamicEnvoy::deliver`] writes a new
+//! `TypedExtensionConfig` to a temporary file and renames it over the watched one (an atomic
+//! move, which Envoy's file watcher picks up), then waits until Envoy has taken it or refused it.
+//!
+//! This is how Istio delivers a `WasmPlugin` (ECDS), so it exercises the same update path:
+//! - a new plugin configuration with the same VM configuration keeps the VMs (a new root context
+//!   in each) and, with them, the shared data;
+//! - a new VM configuration ([`FilterVersion::vm_generation`]) makes Envoy create new VMs; the
+//!   shared data lives on (same `vm_id`).
+//!
+//! Everything listens on 127.0.0.1 (ephemeral ports); the Envoy process is killed on drop.
+
+use std::collections::BTreeMap;
+use std::fmt::Display;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::{envoy_binary, http_get_blocking, rss_bytes_of, tail, wasm_module, Error, WASM_CUSTOM_NAMESPACE};
+
+/// How long Envoy may take to become ready.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a delivered configuration may take to be taken or refused.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// The ECDS resource name (also the HTTP filter's name in the listener).
+pub const FILTER_NAME: &str = "floodgate";
+/// The `vm_id` of the module: shared data lives per `vm_id`.
+pub const VM_ID: &str = "floodgate";
+
+/// One version of the Wasm filter's configuration.
+#[derive(Clone, Debug)]
+pub struct FilterVersion {
+    /// The plugin configuration (floodgate's JSON).
+    pub plugin: String,
+    /// The VM configuration (`vm_config.configuration`, ignored by floodgate): changing it makes
+    /// Envoy start new VMs, as a code update would.
+    pub vm_generation: String,
+}
+
+impl FilterVersion {
+    /// A version with plugin configuration `plugin` on VM generation `"1"`.
+    pub fn new(plugin: impl Display) -> FilterVersion {
+        FilterVersion {
+            plugin: plugin.to_string(),
+            vm_generation: "1".into(),
+        }
+    }
+
+    /// The same plugin configuration on VM generation `generation`.
+    pub fn vm_generation(mut self, generation: impl Display) -> FilterVersion {
+        self.vm_generation = generation.to_string();
+        self
+    }
+
+    /// The `TypedExtensionConfig` of this version.
+    fn extension_config(&self) -> Value {
+        json!({
+            "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
+            "name": FILTER_NAME,
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "floodgate",
+                    "root_id": "floodgate",
+                    "failure_policy": "FAIL_CLOSED",
+                    "configuration": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": self.plugin
+                    },
+                    "vm_config": {
+                        "vm_id": VM_ID,
+                        "runtime": "envoy.wasm.runtime.v8",
+                        "configuration": {
+                            "@type": "type.googleapis.com/google.protobuf.StringValue",
+                            "value": self.vm_generation
+                        },
+                        "code": {"local": {"filename": wasm_module().display().to_string()}}
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// What became of a delivered configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Delivery {
+    /// Envoy applied it (`update_success`).
+    Taken,
+    /// Envoy rejected it (`update_rejected`); the previous configuration stays.
+    Refused,
+}
+
+/// Builds a [`DynamicEnvoy`].
+pub struct DynamicEnvoyBuilder {
+    first: FilterVersion,
+    clusters: Vec<(String, Vec<SocketAddr>)>,
+    route_header: Option<String>,
+    route_timeout: Duration,
+    concurrency: usize,
+}
+
+impl DynamicEnvoyBuilder {
+    /// Envoy (2 workers) with `first` as the initial filter configuration.
+    pub fn new(first: FilterVersion) -> DynamicEnvoyBuilder {
+        DynamicEnvoyBuilder {
+            first,
+            clusters: Vec::new(),
+            route_header: None,
+            route_timeout: Duration::from_secs(30),
+            concurrency: 2,
+        }
+    }
+
+    /// Adds a cluster (STATIC, generous circuit breakers). Without [`Self::route_by_header`],
+    /// every request goes to the cluster named `upstream`.
+    pub fn cluster(mut self, name: &str, addrs: &[SocketAddr]) -> DynamicEnvoyBuilder {
+        self.clusters.push((name.to_string(), addrs.to_vec()));
+        self
+    }
+
+    /// Routes by the cluster named in request header `header` (`cluster_header`).
+    pub fn route_by_header(mut self, header: &str) -> DynamicEnvoyBuilder {
+        self.route_header = Some(header.to_string());
+        self
+    }
+
+    /// The route's upstream timeout (default 30 s).
+    pub fn route_timeout(mut self, timeout: Duration) -> DynamicEnvoyBuilder {
+        self.route_timeout = timeout;
+        self
+    }
+
+    /// Worker threads (default 2).
+    pub fn concurrency(mut self, n: usize) -> DynamicEnvoyBuilder {
+        self.concurrency = n;
+        self
+    }
+
+    fn bootstrap(&self, filter_file: &Path) -> Value {
+        let timeout = format!("{}s", self.route_timeout.as_secs_f64());
+        let route = match &self.route_header {
+            Some(header) => json!({"cluster_header": header, "timeout": timeout}),
+            None => json!({"cluster": "upstream", "timeout": timeout}),
+        };
+        let clusters: Vec<Value> = self
+            .clusters
+            .iter()
+            .map(|(name, addrs)| {
+                let endpoints: Vec<Value> = addrs
+                    .iter()
+                    .map(|a| {
+                        json!({"endpoint": {"address": {"socket_address": {
+                            "address": a.ip().to_string(), "port_value": a.port()
+                        }}}})
+                    })
+                    .collect();
+                json!({
+                    "name": name,
+                    "type": "STATIC",
+                    "connect_timeout": "2s",
+                    "circuit_breakers": {"thresholds": [{
+                        "max_connections": 100000, "max_pending_requests": 100000,
+                        "max_requests": 100000, "max_retries": 100000
+                    }]},
+                    "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]}
+                })
+            })
+            .collect();
+        json!({
+            "node": {"id": "floodgate-test", "cluster": "floodgate-test"},
+            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+            "static_resources": {
+                "listeners": [{
+                    "name": "front",
+                    "stat_prefix": "front",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                    "filter_chains": [{"filters": [{
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "front",
+                            "route_config": {"name": "front", "virtual_hosts": [{
+                                "name": "all", "domains": ["*"],
+                                "routes": [{"match": {"prefix": "/"}, "route": route}]
+                            }]},
+                            "http_filters": [
+                                {
+                                    "name": FILTER_NAME,
+                                    "config_discovery": {
+                                        "config_source": {
+                                            "path_config_source": {"path": filter_file.display().to_string()},
+                                            "resource_api_version": "V3"
+                                        },
+                                        "type_urls": ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"]
+                                    }
+                                },
+                                {
+                                    "name": "envoy.filters.http.router",
+                                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+                                }
+                            ]
+                        }
+                    }]}]
+                }],
+                "clusters": clusters
+            }
+        })
+    }
+
+    /// Starts Envoy and waits (bounded) until it is ready. Panics with the end of its log if it
+    /// does not start.
+    pub fn start(self) -> DynamicEnvoy {
+        let dir = tempfile::Builder::new()
+            .prefix("floodgate-dynamic-")
+            .tempdir()
+            .expect("tempdir");
+        let filter_file = dir.path().join("floodgate-filter.json");
+        write_atomically(&filter_file, &discovery_response(&self.first, 1));
+        let bootstrap = dir.path().join("bootstrap.json");
+        std::fs::write(
+            &bootstrap,
+            serde_json::to_string_pretty(&self.bootstrap(&filter_file)).expect("json"),
+        )
+        .expect("write bootstrap");
+        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
+        let child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&bootstrap)
+            .arg("--concurrency")
+            .arg(self.concurrency.to_string())
+            .arg("--disable-hot-restart")
+            .arg("-l")
+            .arg("info")
+            .arg("--admin-address-path")
+            .arg(dir.path().join("admin-address"))
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", envoy_binary().display()));
+        let mut envoy = DynamicEnvoy {
+            child,
+            dir,
+            filter_file,
+            admin: None,
+            listener: None,
+            version: 1,
+        };
+        envoy.wait_ready();
+        envoy
+    }
+}
+
+fn discovery_response(version: &FilterVersion, number: u64) -> String {
+    serde_json::to_string_pretty(&json!({
+        "version_info": number.to_string(),
+        "resources": [version.extension_config()]
+    }))
+    .expect("json")
+}
+
+/// Writes `contents` to `path` by a rename from a file beside it (what Envoy's watcher sees).
+fn write_atomically(path: &Path, contents: &str) {
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, contents).expect("write the new filter configuration");
+    std::fs::rename(&tmp, path).expect("move the new filter configuration into place");
+}
+
+/// A running Envoy whose floodgate configuration can be replaced (see the module docs). Killed
+/// on drop; if the test is panicking, the end of its log is printed first.
+pub struct DynamicEnvoy {
+    child: Child,
+    dir: tempfile::TempDir,
+    filter_file: PathBuf,
+    admin: Option<SocketAddr>,
+    listener: Option<SocketAddr>,
+    version: u64,
+}
+
+impl DynamicEnvoy {
+    /// A builder with `first` as the initial configuration.
+    pub fn builder(first: FilterVersion) -> DynamicEnvoyBuilder {
+        DynamicEnvoyBuilder::new(first)
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                panic!("Envoy exited ({status}) instead of starting; end of its log:\n{}", tail(&self.log(), 60));
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Envoy not ready after {START_TIMEOUT:?}; end of its log:\n{}",
+                tail(&self.log(), 60)
+            );
+            if self.admin.is_none() {
+                self.admin = std::fs::read_to_string(self.dir.path().join("admin-address"))
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok());
+            }
+            if let Some(admin) = self.admin {
+                if let Ok((200, body)) = http_get_blocking(admin, "/ready") {
+                    if body.trim() == "LIVE" {
+                        break;
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let (status, body) = self.admin_get("/listeners?format=json");
+        assert_eq!(status, 200, "GET /listeners: {body}");
+        let v: Value = serde_json::from_str(&body).expect("listeners json");
+        let port = v["listener_statuses"]
+            .as_array()
+            .and_then(|ls| ls.iter().find(|l| l["name"] == "front"))
+            .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
+            .unwrap_or_else(|| panic!("no port for listener `front` in {body}"));
+        self.listener = Some(SocketAddr::from(([127, 0, 0, 1], port as u16)));
+    }
+
+    /// The ECDS counter `what` (`update_success`, `update_rejected`, `config_reload`, ...) of
+    /// the floodgate filter.
+    pub fn discovery_stat(&self, what: &str) -> u64 {
+        let suffix = format!(".{FILTER_NAME}.{what}");
+        self.stats()
+            .iter()
+            .find(|(k, _)| k.starts_with("extension_config_discovery.") && k.ends_with(&suffix))
+            .map_or(0, |(_, v)| *v)
+    }
+
+    /// Delivers a new filter configuration and waits (bounded) until Envoy has applied or
+    /// rejected it (ECDS `update_success` / `update_rejected`), then a moment more for the
+    /// workers to switch (the update reaches them through their event loops). Panics if
+    /// neither happens in time.
+    pub fn deliver(&mut self, version: &FilterVersion) -> Delivery {
+        let (successes, rejections) = (self.discovery_stat("update_success"), self.discovery_stat("update_rejected"));
+        self.version += 1;
+        write_atomically(&self.filter_file, &discovery_response(version, self.version));
+        let deadline = Instant::now() + DELIVERY_TIMEOUT;
+        loop {
+            if self.discovery_stat("update_rejected") > rejections {
+                return Delivery::Refused;
+            }
+            if self.discovery_stat("update_success") > successes {
+                std::thread::sleep(Duration::from_millis(300));
+                return Delivery::Taken;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "Envoy neither took nor refused filter configuration {} within {DELIVERY_TIMEOUT:?}; end of its log:\n{}",
+                self.version,
+                tail(&self.log(), 40)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Wasm VMs Envoy has created so far (all runtimes; canaries and the main thread included).
+    pub fn vms_created(&self) -> u64 {
+        self.stats()
+            .iter()
+            .filter(|(k, _)| k.starts_with("wasm.envoy.wasm.runtime.") && k.ends_with(".created"))
+            .map(|(_, v)| *v)
+            .sum()
+    }
+
+    /// The listener's address.
+    pub fn addr(&self) -> SocketAddr {
+        self.listener.expect("listener address")
+    }
+
+    /// GET on the admin API; returns status and body.
+    pub fn admin_get(&self, path: &str) -> (u16, String) {
+        let admin = self.admin.expect("admin address");
+        http_get_blocking(admin, path).unwrap_or_else(|e| panic!("admin GET {path}: {e}"))
+    }
+
+    /// Counters and gauges of `/stats` by name; the module's own also without their
+    /// `wasmcustom.` namespace (as [`crate::Envoy::stats`] lists them).
+    pub fn stats(&self) -> BTreeMap<String, u64> {
+        let (status, body) = self.admin_get("/stats");
+        assert_eq!(status, 200, "GET /stats");
+        let mut stats = BTreeMap::new();
+        for l in body.lines() {
+            let Some((name, value)) = l.rsplit_once(": ") else { continue };
+            let Ok(value) = value.trim().parse::<u64>() else { continue };
+            if let Some(custom) = name.strip_prefix(WASM_CUSTOM_NAMESPACE) {
+                stats.insert(custom.to_string(), value);
+            }
+            stats.insert(name.to_string(), value);
+        }
+        stats
+    }
+
+    /// One stat by name.
+    pub fn stat(&self, name: &str) -> Option<u64> {
+        self.stats().get(name).copied()
+    }
+
+    /// Polls (at most `timeout`) until stat `name` equals `expected`; returns its last value.
+    pub fn wait_for_stat(&self, name: &str, expected: u64, timeout: Duration) -> Option<u64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let v = self.stat(name);
+            if v == Some(expected) || Instant::now() >= deadline {
+                return v;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Envoy's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Envoy's resident set size, in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        rss_bytes_of(self.pid())
+    }
+
+    /// Envoy's log so far.
+    pub fn log(&self) -> String {
+        let bytes = std::fs::read(self.dir.path().join("envoy.log")).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// `GET path` through the listener on a new connection; status and JSON body (`Null` if the
+    /// body is not JSON).
+    pub async fn get_json(&self, path: &str, headers: &[(&str, &str)]) -> Result<(u16, Value), Error> {
+        let mut c = crate::Client::connect(self.addr()).await?;
+        let r = c.get(path, headers).await?;
+        Ok((r.status, serde_json::from_slice(&r.body).unwrap_or(Value::Null)))
+    }
+}
+
+impl Drop for DynamicEnvoy {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "---- end of Envoy's log (pid {}) ----\n{}\n----",
+                self.child.id(),
+                tail(&self.log(), 60)
+            );
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
