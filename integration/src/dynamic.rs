@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::{envoy_binary, http_get_blocking, rss_bytes_of, tail, wasm_module, Error, WASM_CUSTOM_NAMESPACE};
+use crate::{envoy_binary, http_get_blocking, rss_bytes_of, tail, wasm_module, Error};
 
 /// How long Envoy may take to become ready.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -383,21 +383,9 @@ impl DynamicEnvoy {
         http_get_blocking(admin, path).unwrap_or_else(|e| panic!("admin GET {path}: {e}"))
     }
 
-    /// Counters and gauges of `/stats` by name; the module's own also without their
-    /// `wasmcustom.` namespace (as [`crate::Envoy::stats`] lists them).
+    /// Counters and gauges of `/stats` by name (see [`crate::stats_of`]).
     pub fn stats(&self) -> BTreeMap<String, u64> {
-        let (status, body) = self.admin_get("/stats");
-        assert_eq!(status, 200, "GET /stats");
-        let mut stats = BTreeMap::new();
-        for l in body.lines() {
-            let Some((name, value)) = l.rsplit_once(": ") else { continue };
-            let Ok(value) = value.trim().parse::<u64>() else { continue };
-            if let Some(custom) = name.strip_prefix(WASM_CUSTOM_NAMESPACE) {
-                stats.insert(custom.to_string(), value);
-            }
-            stats.insert(name.to_string(), value);
-        }
-        stats
+        crate::stats_of(self.admin.expect("admin address"))
     }
 
     /// One stat by name.
@@ -407,14 +395,7 @@ impl DynamicEnvoy {
 
     /// Polls (at most `timeout`) until stat `name` equals `expected`; returns its last value.
     pub fn wait_for_stat(&self, name: &str, expected: u64, timeout: Duration) -> Option<u64> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let v = self.stat(name);
-            if v == Some(expected) || Instant::now() >= deadline {
-                return v;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        crate::wait_for_stat_of(self.admin.expect("admin address"), name, expected, timeout)
     }
 
     /// Envoy's process id.

@@ -742,18 +742,7 @@ impl Envoy {
     /// `wasmcustom.<name>` (only `/stats/prometheus` drops it); each such stat is also listed
     /// under `<name>`, the name the module defined, which is what the tests use.
     pub fn stats(&self) -> BTreeMap<String, u64> {
-        let (status, body) = self.admin_get("/stats");
-        assert_eq!(status, 200, "GET /stats");
-        let mut stats = BTreeMap::new();
-        for l in body.lines() {
-            let Some((name, value)) = l.rsplit_once(": ") else { continue };
-            let Ok(value) = value.trim().parse::<u64>() else { continue };
-            if let Some(custom) = name.strip_prefix(WASM_CUSTOM_NAMESPACE) {
-                stats.insert(custom.to_string(), value);
-            }
-            stats.insert(name.to_string(), value);
-        }
-        stats
+        stats_of(self.admin_addr())
     }
 
     /// One stat by its full name, if Envoy has it.
@@ -764,14 +753,7 @@ impl Envoy {
     /// Polls (at most `timeout`) until stat `name` equals `expected`; returns its last value.
     /// Stats may lag the responses by a moment.
     pub fn wait_for_stat(&self, name: &str, expected: u64, timeout: Duration) -> Option<u64> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let v = self.stat(name);
-            if v == Some(expected) || Instant::now() >= deadline {
-                return v;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        wait_for_stat_of(self.admin_addr(), name, expected, timeout)
     }
 
     /// All stats whose name starts with `prefix`, as `name: value` lines (for printing).
@@ -818,6 +800,36 @@ impl Drop for Envoy {
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Counters and gauges of an Envoy's `/stats` (admin API at `admin`) by name; the module's own
+/// are listed both under `wasmcustom.<name>` and under `<name>`.
+pub fn stats_of(admin: SocketAddr) -> BTreeMap<String, u64> {
+    let (status, body) = http_get_blocking(admin, "/stats").unwrap_or_else(|e| panic!("admin GET /stats: {e}"));
+    assert_eq!(status, 200, "GET /stats");
+    let mut stats = BTreeMap::new();
+    for l in body.lines() {
+        let Some((name, value)) = l.rsplit_once(": ") else { continue };
+        let Ok(value) = value.trim().parse::<u64>() else { continue };
+        if let Some(custom) = name.strip_prefix(WASM_CUSTOM_NAMESPACE) {
+            stats.insert(custom.to_string(), value);
+        }
+        stats.insert(name.to_string(), value);
+    }
+    stats
+}
+
+/// Polls (at most `timeout`) until stat `name` of the Envoy at `admin` equals `expected`;
+/// returns its last value. Stats may lag the responses by a moment.
+pub fn wait_for_stat_of(admin: SocketAddr, name: &str, expected: u64, timeout: Duration) -> Option<u64> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let v = stats_of(admin).get(name).copied();
+        if v == Some(expected) || Instant::now() >= deadline {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
