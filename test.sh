@@ -29,6 +29,9 @@ cargo clippy -p floodgate-integration --all-targets -- -D warnings
 step "clippy: floodgate-cli (the floodgate command)"
 cargo clippy -p floodgate-cli --all-targets -- -D warnings
 
+step "clippy: floodgate-bench (the benchmark tool; CI times nothing)"
+cargo clippy -p floodgate-bench --all-targets -- -D warnings
+
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 

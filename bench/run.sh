@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# floodgate's benchmark tool: builds what it needs, then runs the measurements and prints tables
+# (markdown) on stdout, progress on stderr. See docs/benchmarks.md.
+#
+#   bench/run.sh [--quick] [cpu|memory|accuracy|contention|all] [options]
+#
+# --quick finishes in a few minutes; the full run is bounded (about 15-20 min on 2 cores);
+# --diagnose adds the where-the-time-goes variants (about 35 min in all).
+# Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
+# module built elsewhere instead of building this tree's. Loopback only; every server it starts
+# listens on 127.0.0.1 on a port picked at run time, and everything stops by itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+step() { printf '==> %s\n' "$*" >&2; }
+
+for tool in taskset cargo rustup python3; do
+  if ! command -v "$tool" >/dev/null; then
+    echo "bench/run.sh: \`$tool\` is needed (taskset: Debian/Ubuntu package util-linux)" >&2
+    exit 1
+  fi
+done
+if [[ "$(nproc)" -lt 2 ]]; then
+  echo "bench/run.sh: warning: one CPU only; Envoy and the load generator will share it" >&2
+fi
+
+if [[ -n "${FLOODGATE_WASM:-}" ]]; then
+  wasm=$FLOODGATE_WASM
+  rev="$wasm (FLOODGATE_WASM)"
+  step "floodgate module: $rev"
+else
+  step "build the floodgate module (./wasm-build.sh)"
+  wasm=$(./wasm-build.sh | tail -n1)
+  rev="built from $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  if ! git diff --quiet HEAD -- filter 2>/dev/null; then rev="$rev + uncommitted changes in filter/"; fi
+fi
+
+step "build the contrast modules (bench/filters: no-op, naive per-key limiter)"
+if ! rustup target list --installed | grep -qx wasm32-wasip1; then
+  rustup target add wasm32-wasip1 >&2
+fi
+(cd bench/filters && cargo build --release --target wasm32-wasip1 >&2)
+filters=bench/filters/target/wasm32-wasip1/release
+
+step "get Envoy (scripts/envoy.sh)"
+envoy=$(scripts/envoy.sh | tail -n1)
+
+step "build the benchmark tool (cargo build --release -p floodgate-bench)"
+cargo build --release -p floodgate-bench >&2
+
+step "run"
+exec env ENVOY_BIN="$envoy" FLOODGATE_WASM="$wasm" FLOODGATE_REV="$rev" \
+  NOOP_WASM="$filters/floodgate_bench_noop.wasm" NAIVE_WASM="$filters/floodgate_bench_naive.wasm" \
+  target/release/floodgate-bench "$@"

@@ -1,0 +1,396 @@
+//! Measurement 1: CPU per request of the Envoy process, one worker pinned to core 0, the load
+//! generator and the upstreams on the other core, for each variant, alternated over several
+//! rounds; medians and ratios to "no filter". Latency and throughput at a fixed connection
+//! count are secondary figures.
+
+use crate::envoy::{Envoy, Filter, Route, Spec};
+use crate::load::{self, Load, Requests};
+use crate::table::{median, Table};
+use crate::{progress, Selection, Settings};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Distinct `x-api-key` values the load cycles through.
+pub const KEYS: usize = 1000;
+/// The route header of cluster selection.
+pub const ROUTE_HEADER: &str = "x-floodgate-cluster";
+
+/// One rule, per `x-api-key`, with a limit no benchmark reaches: every request is admitted,
+/// so what is measured is the common path (read, decide, count).
+pub fn rule(name: &str) -> String {
+    format!(r#"{{"name": "{name}", "key": [{{"header": "x-api-key"}}], "limit": 1000000000, "window": "1m"}}"#)
+}
+
+/// floodgate's "everything on" configuration.
+pub fn everything_config(selection: bool) -> String {
+    let selection = if selection {
+        format!(r#", "cluster_selection": {{"route_header": "{ROUTE_HEADER}", "clusters": ["a", "b", "c"]}}"#)
+    } else {
+        String::new()
+    };
+    format!(
+        r#"{{"rate_limits": [{}], "load_shedding": {{"max_active_requests": 100000}}, "health": {{"path": "/floodgate/health"}}{selection}}}"#,
+        rule("per-key")
+    )
+}
+
+/// A variant of the comparison.
+#[derive(Clone, Debug)]
+pub struct Variant {
+    /// Short id.
+    pub id: &'static str,
+    /// What it is.
+    pub label: String,
+    /// Filter chain.
+    pub filter: Filter,
+    /// Route.
+    pub route: Route,
+}
+
+fn wasm(module: &std::path::Path, config: impl Into<String>) -> Filter {
+    Filter::Wasm { module: module.to_path_buf(), config: config.into() }
+}
+
+/// The five variants of the issue.
+fn main_variants(s: &Settings) -> Vec<Variant> {
+    let fg = |config: String| wasm(&s.floodgate_wasm, config);
+    vec![
+        Variant { id: "none", label: "no filter (router only)".into(), filter: Filter::None, route: Route::Fixed },
+        Variant { id: "native", label: "Envoy local_ratelimit (one token bucket)".into(), filter: Filter::NativeLocalRateLimit, route: Route::Fixed },
+        Variant { id: "noop", label: "no-op proxy-wasm filter".into(), filter: wasm(&s.noop_wasm, ""), route: Route::Fixed },
+        Variant { id: "fg-rl", label: "floodgate: rate limiting (1 rule)".into(), filter: fg(format!(r#"{{"rate_limits": [{}]}}"#, rule("per-key"))), route: Route::Fixed },
+        Variant { id: "fg-all", label: "floodgate: everything on".into(), filter: fg(everything_config(true)), route: Route::ClusterHeader(ROUTE_HEADER.into()) },
+    ]
+}
+
+/// Host-call pricing: the no-op module making this many calls of one kind per request.
+pub const CALLS: u32 = 20;
+
+/// Variants that show where the time goes.
+fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
+    let fg = |config: String| wasm(&s.floodgate_wasm, config);
+    let mut v = vec![
+        Variant { id: "fg-empty", label: "floodgate `{}` (loaded, nothing configured)".into(), filter: fg("{}".into()), route: Route::Fixed },
+        Variant {
+            id: "fg-rl-onreject",
+            label: "floodgate: 1 rule, ratelimit_headers on_reject".into(),
+            filter: fg(format!(r#"{{"rate_limits": [{}], "ratelimit_headers": "on_reject"}}"#, rule("per-key"))),
+            route: Route::Fixed,
+        },
+        Variant {
+            id: "fg-rl2",
+            label: "floodgate: 2 rules (x-api-key; source_ip)".into(),
+            filter: fg(format!(
+                r#"{{"rate_limits": [{}, {{"name": "per-ip", "key": ["source_ip"], "limit": 1000000000, "window": "1m"}}]}}"#,
+                rule("per-key")
+            )),
+            route: Route::Fixed,
+        },
+        Variant {
+            id: "fg-shed",
+            label: "floodgate: load shedding only".into(),
+            filter: fg(r#"{"load_shedding": {"max_active_requests": 100000}}"#.into()),
+            route: Route::Fixed,
+        },
+        Variant { id: "fg-rl-shed", label: "floodgate: rate limiting + shedding + health".into(), filter: fg(everything_config(false)), route: Route::Fixed },
+    ];
+    for (kind, what) in [
+        ("time", "get_current_time"),
+        ("header", "request header read"),
+        ("absent", "read of an absent request header"),
+        ("pairs", "read of all request headers at once"),
+        ("prop", "get_property(source.address)"),
+        ("get", "get_shared_data (84 B)"),
+        ("set", "set_shared_data (84 B)"),
+        ("incr", "increment_metric"),
+        ("resp", "response header add"),
+    ] {
+        v.push(Variant {
+            id: Box::leak(format!("call-{kind}").into_boxed_str()),
+            label: format!("no-op + {CALLS} × {what}"),
+            filter: wasm(&s.noop_wasm, format!("{kind}={CALLS}")),
+            route: Route::Fixed,
+        });
+    }
+    v
+}
+
+/// Every variant, main and diagnostic.
+pub fn all_variants(s: &Settings) -> Vec<Variant> {
+    main_variants(s).into_iter().chain(diagnostic_variants(s)).collect()
+}
+
+/// `variants` less those `--variants` leaves out.
+fn selected(s: &Settings, variants: Vec<Variant>) -> Vec<Variant> {
+    match &s.only {
+        Some(only) => variants.into_iter().filter(|v| only.iter().any(|o| o == v.id)).collect(),
+        None => variants,
+    }
+}
+
+/// The `x-api-key` requests every variant gets (identical bytes for all).
+pub fn key_requests(prefix: &str, n: usize) -> Arc<Vec<Vec<u8>>> {
+    Arc::new((0..n).map(|i| load::request("/", &[("x-api-key", format!("{prefix}{i}"))])).collect())
+}
+
+/// One measured run.
+#[derive(Clone, Debug)]
+pub struct Run {
+    /// Envoy CPU nanoseconds per response.
+    pub cpu_ns_per_req: f64,
+    /// Responses per second.
+    pub rps: f64,
+    /// Latency percentiles (µs).
+    pub p50: f64,
+    /// 99th percentile.
+    pub p99: f64,
+    /// Non-200 responses.
+    pub not_ok: u64,
+    /// Transport errors.
+    pub errors: u64,
+    /// Envoy's CPU time over the interval's length.
+    pub envoy_busy: f64,
+    /// The load generator's and upstreams' (this process's) CPU time over the interval's length.
+    pub loadgen_busy: f64,
+    /// Everything else on the machine (other processes), in CPUs.
+    pub others_busy: f64,
+}
+
+/// Waits (at most `max`) until the rest of the machine is quiet: less than a quarter of a CPU
+/// busy over 300 ms, with our own Envoys idle. Other processes on a small machine (builds,
+/// tests) skew CPU-per-request figures; this keeps most runs clear of them. Returns whether it
+/// got quiet.
+pub async fn wait_for_quiet(max: Duration) -> bool {
+    let deadline = std::time::Instant::now() + max;
+    loop {
+        let before = crate::envoy::machine_busy_ns();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let busy = crate::envoy::machine_busy_ns().saturating_sub(before) as f64 / 300e6;
+        if busy < 0.25 {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+    }
+}
+
+/// Runs `load` against `envoy` and measures Envoy's CPU over the interval.
+pub async fn measure(envoy: &Envoy, load: &Load, s: &Settings) -> Run {
+    let pid = envoy.pid();
+    let (mut out, before, after) = load::run(
+        load,
+        Duration::from_secs_f64(s.warmup),
+        Duration::from_secs_f64(s.seconds),
+        || (crate::envoy::cpu_ns_of(pid), crate::envoy::cpu_ns_of(std::process::id()), crate::envoy::machine_busy_ns()),
+    )
+    .await;
+    let machine = after.2.saturating_sub(before.2) as f64;
+    let cpu = after.0.saturating_sub(before.0) as f64;
+    let own = after.1.saturating_sub(before.1) as f64;
+    let elapsed_ns = out.elapsed.as_nanos().max(1) as f64;
+    Run {
+        cpu_ns_per_req: cpu / out.completed.max(1) as f64,
+        rps: out.throughput(),
+        p50: out.latency_us(0.50),
+        p99: out.latency_us(0.99),
+        not_ok: out.completed - out.status(200),
+        errors: out.errors,
+        envoy_busy: cpu / elapsed_ns,
+        loadgen_busy: own / elapsed_ns,
+        others_busy: ((machine - cpu - own) / elapsed_ns).max(0.0),
+    }
+}
+
+/// Sends a few requests; `Ok` if all got 200.
+pub async fn sanity(envoy: &Envoy, requests: &Arc<Vec<Vec<u8>>>) -> Result<(), String> {
+    let load = Load { target: envoy.addr(), connections: 2, requests: Requests::Cycle(Arc::clone(requests)), max_requests: None };
+    let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_millis(300), || ()).await;
+    if out.completed == 0 || out.status(200) != out.completed {
+        return Err(format!("{} responses, statuses {:?}, {} errors", out.completed, out.statuses, out.errors));
+    }
+    Ok(())
+}
+
+struct Started {
+    variant: Variant,
+    envoy: Envoy,
+    runs: Vec<Run>,
+    /// Ratio to "none" of the same round, per round.
+    ratios: Vec<f64>,
+}
+
+async fn start_all(variants: Vec<Variant>, s: &Settings, clusters: [SocketAddr; 3], requests: &Arc<Vec<Vec<u8>>>) -> Vec<Started> {
+    let mut started = Vec::new();
+    for mut variant in variants {
+        let spec = |v: &Variant| Spec {
+            filter: v.filter.clone(),
+            route: v.route.clone(),
+            clusters,
+            concurrency: 1,
+            cpus: "0".into(),
+            wrapper: Vec::new(),
+        };
+        let mut result = spec(&variant).start(&s.envoy);
+        if let Ok(envoy) = &result {
+            if let Err(e) = sanity(envoy, requests).await {
+                result = Err(format!("requests fail: {e}; end of its log:\n{}", envoy.log_tail(10)));
+            }
+        }
+        if variant.id == "fg-all" && s.selection != Selection::On {
+            let fallback = match (&result, s.selection) {
+                (_, Selection::Off) => Some("cluster selection off (--selection off)"),
+                (Err(e), _) => {
+                    progress!("fg-all with cluster_selection failed ({}); running it without cluster selection", e.lines().next().unwrap_or(""));
+                    Some("without cluster selection: this module refused it")
+                }
+                _ => None,
+            };
+            if let Some(why) = fallback {
+                variant.filter = wasm(&s.floodgate_wasm, everything_config(false));
+                variant.route = Route::Fixed;
+                variant.label = format!("floodgate: rate limiting + shedding + health ({why})");
+                result = spec(&variant).start(&s.envoy);
+            }
+        }
+        match result {
+            Ok(envoy) => {
+                progress!("started {} (pid {})", variant.id, envoy.pid());
+                started.push(Started { variant, envoy, runs: Vec::new(), ratios: Vec::new() });
+            }
+            Err(e) => {
+                println!("\n**{}** could not be measured: {e}\n", variant.id);
+            }
+        }
+    }
+    started
+}
+
+async fn rounds(group: &mut [Started], rounds: usize, load_for: impl Fn(&Envoy) -> Load, s: &Settings) {
+    let n = group.len();
+    for round in 0..rounds {
+        let mut this_round = vec![None; n];
+        // Alternate, and rotate the order from round to round so drift spreads evenly.
+        for k in 0..n {
+            let i = (k + round) % n;
+            let load = load_for(&group[i].envoy);
+            wait_for_quiet(Duration::from_secs(if s.quick { 3 } else { 6 })).await;
+            let run = measure(&group[i].envoy, &load, s).await;
+            progress!(
+                "round {}/{} {:<16} {:>7.1} µs/req {:>8.0} req/s p99 {:>6.0} µs, busy: Envoy {:.0}% load {:.0}% others {:.0}%{}",
+                round + 1,
+                rounds,
+                group[i].variant.id,
+                run.cpu_ns_per_req / 1000.0,
+                run.rps,
+                run.p99,
+                run.envoy_busy * 100.0,
+                run.loadgen_busy * 100.0,
+                run.others_busy * 100.0,
+                if run.not_ok + run.errors > 0 { format!(" ({} not 200, {} errors)", run.not_ok, run.errors) } else { String::new() }
+            );
+            this_round[i] = Some(run.cpu_ns_per_req);
+            group[i].runs.push(run);
+        }
+        if let Some(base) = group.iter().position(|g| g.variant.id == "none").and_then(|b| this_round[b]) {
+            for (g, cpu) in group.iter_mut().zip(&this_round) {
+                if let Some(cpu) = cpu {
+                    g.ratios.push(cpu / base);
+                }
+            }
+        }
+    }
+}
+
+fn table(group: &[Started]) -> Table {
+    let mut t = Table::new(&["variant", "what", "CPU µs/req (median)", "× no filter (median; range)", "req/s", "p50 µs", "p99 µs", "Envoy busy", "others busy"]);
+    for g in group {
+        let cpu: Vec<f64> = g.runs.iter().map(|r| r.cpu_ns_per_req / 1000.0).collect();
+        let lo = g.ratios.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = g.ratios.iter().copied().fold(0.0, f64::max);
+        let bad: u64 = g.runs.iter().map(|r| r.not_ok + r.errors).sum();
+        t.row(vec![
+            format!("`{}`", g.variant.id),
+            format!("{}{}", g.variant.label, if bad > 0 { format!(" ⚠ {bad} non-200/errors") } else { String::new() }),
+            format!("{:.2}", median(&cpu)),
+            format!("{:.3} ({:.3}–{:.3})", median(&g.ratios), lo, hi),
+            format!("{:.0}", median(&g.runs.iter().map(|r| r.rps).collect::<Vec<_>>())),
+            format!("{:.0}", median(&g.runs.iter().map(|r| r.p50).collect::<Vec<_>>())),
+            format!("{:.0}", median(&g.runs.iter().map(|r| r.p99).collect::<Vec<_>>())),
+            format!("{:.0}%", 100.0 * median(&g.runs.iter().map(|r| r.envoy_busy).collect::<Vec<_>>())),
+            format!("{:.0}%", 100.0 * median(&g.runs.iter().map(|r| r.others_busy).collect::<Vec<_>>())),
+        ]);
+    }
+    t
+}
+
+/// Measurement 1.
+pub async fn run(s: &Settings) {
+    println!("## 1. CPU per request (Envoy: 1 worker pinned to core 0; load generator and upstreams on core {})\n", s.cpus.saturating_sub(1));
+    if s.cpus < 2 {
+        println!("(only one CPU: Envoy and the load generator share it; figures are rougher)\n");
+    }
+    let (a, _) = load::start_upstream().await;
+    let (b, _) = load::start_upstream().await;
+    let (c, _) = load::start_upstream().await;
+    let clusters = [a, b, c];
+    let requests = key_requests("k", KEYS);
+    let load_for = |envoy: &Envoy| Load {
+        target: envoy.addr(),
+        connections: s.connections,
+        requests: Requests::Cycle(Arc::clone(&requests)),
+        max_requests: None,
+    };
+    let mut group = start_all(selected(s, main_variants(s)), s, clusters, &requests).await;
+    rounds(&mut group, s.rounds, load_for, s).await;
+    println!(
+        "{} connections, {} distinct x-api-key values, every request admitted; {} rounds of {:.0} s (after {:.0} s warm-up) per variant, alternated. \
+         Ratio: the variant's CPU/request over \"no filter\"'s in the same round, median over rounds (range). \
+         \"Envoy busy\": share of its core; \"others busy\": CPU used by other processes of the machine meanwhile (noise).\n",
+        s.connections, KEYS, s.rounds, s.seconds, s.warmup
+    );
+    println!("{}\n", table(&group).render());
+    if !s.diagnose {
+        return;
+    }
+    drop(group);
+    println!("### Where the time goes: diagnostic variants\n");
+    let base = main_variants(s).into_iter().filter(|v| v.id == "none" || v.id == "noop" || v.id == "fg-rl");
+    let variants: Vec<Variant> = base.chain(diagnostic_variants(s)).collect();
+    let diag_rounds = s.rounds.div_ceil(2).clamp(2, 3);
+    let mut group = start_all(selected(s, variants), s, clusters, &requests).await;
+    rounds(&mut group, diag_rounds, load_for, s).await;
+    println!("{diag_rounds} rounds, same method.\n");
+    println!("{}\n", table(&group).render());
+    let median_of = |id: &str| {
+        group
+            .iter()
+            .find(|g| g.variant.id == id)
+            .map(|g| median(&g.runs.iter().map(|r| r.cpu_ns_per_req).collect::<Vec<_>>()))
+    };
+    if let Some(noop) = median_of("noop") {
+        let mut t = Table::new(&["host call", "ns per call (Δ over no-op ÷ calls)"]);
+        for g in group.iter().filter(|g| g.variant.id.starts_with("call-")) {
+            let per = (median(&g.runs.iter().map(|r| r.cpu_ns_per_req).collect::<Vec<_>>()) - noop) / f64::from(CALLS);
+            t.row(vec![g.variant.label.trim_start_matches(&format!("no-op + {CALLS} × ")).to_string(), format!("{per:.0}")]);
+        }
+        println!("Price of one host call from the no-op module (V8, Envoy 1.40):\n\n{}\n", t.render());
+        let mut t = Table::new(&["step", "Δ CPU ns/req"]);
+        let pairs = [
+            ("noop", "none", "a wasm filter at all (no-op)"),
+            ("fg-empty", "noop", "floodgate loaded with `{}` over the no-op"),
+            ("fg-rl", "fg-empty", "one rate-limit rule (ratelimit headers always)"),
+            ("fg-rl-onreject", "fg-empty", "one rule, headers on reject only"),
+            ("fg-rl2", "fg-rl", "a second rule (source_ip)"),
+            ("fg-shed", "fg-empty", "load shedding alone"),
+            ("fg-rl-shed", "fg-rl", "shedding + health on top of one rule"),
+        ];
+        for (a, b, what) in pairs {
+            if let (Some(x), Some(y)) = (median_of(a), median_of(b)) {
+                t.row(vec![what.into(), format!("{:+.0}", x - y)]);
+            }
+        }
+        println!("Marginal costs (differences of medians):\n\n{}\n", t.render());
+    }
+}

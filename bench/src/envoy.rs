@@ -1,0 +1,310 @@
+//! Envoy for the benchmark: bootstraps for each variant (no filter, native `local_ratelimit`, a
+//! wasm module with a configuration), started with `--disable-hot-restart`, pinned with
+//! `taskset`, listening on 127.0.0.1 ports picked at run time; its CPU time, RSS and stats.
+
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The filter chain in front of the router.
+#[derive(Clone, Debug)]
+pub enum Filter {
+    /// Nothing but the router.
+    None,
+    /// Envoy's `envoy.filters.http.local_ratelimit`, one token bucket large enough to admit
+    /// everything (the check is still made per request).
+    NativeLocalRateLimit,
+    /// `envoy.filters.http.wasm` with this module and configuration string.
+    Wasm { module: PathBuf, config: String },
+}
+
+/// How the route picks its cluster.
+#[derive(Clone, Debug)]
+pub enum Route {
+    /// Every request to cluster `a`.
+    Fixed,
+    /// `cluster_header: <header>` over clusters `a`, `b`, `c` (floodgate's cluster selection).
+    ClusterHeader(String),
+}
+
+/// An Envoy to start.
+#[derive(Clone, Debug)]
+pub struct Spec {
+    /// Filter chain.
+    pub filter: Filter,
+    /// Route.
+    pub route: Route,
+    /// Upstream of each cluster `a`, `b`, `c`.
+    pub clusters: [SocketAddr; 3],
+    /// Worker threads.
+    pub concurrency: usize,
+    /// CPUs the process may run on (`taskset -c` list).
+    pub cpus: String,
+    /// A command Envoy runs under (e.g. valgrind and its options); empty for none.
+    pub wrapper: Vec<String>,
+}
+
+impl Spec {
+    /// The bootstrap (JSON, which Envoy reads as YAML).
+    pub fn bootstrap(&self) -> Value {
+        let mut filters = Vec::new();
+        match &self.filter {
+            Filter::None => {}
+            Filter::NativeLocalRateLimit => filters.push(json!({
+                "name": "envoy.filters.http.local_ratelimit",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.local_ratelimit.v3.LocalRateLimit",
+                    "stat_prefix": "native_local_rate_limit",
+                    "token_bucket": {"max_tokens": 1_000_000_000u64, "tokens_per_fill": 1_000_000_000u64, "fill_interval": "60s"},
+                    "filter_enabled": {"runtime_key": "local_rate_limit_enabled", "default_value": {"numerator": 100, "denominator": "HUNDRED"}},
+                    "filter_enforced": {"runtime_key": "local_rate_limit_enforced", "default_value": {"numerator": 100, "denominator": "HUNDRED"}}
+                }
+            })),
+            Filter::Wasm { module, config } => filters.push(json!({
+                "name": "envoy.filters.http.wasm",
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                    "config": {
+                        "name": "floodgate",
+                        "root_id": "floodgate",
+                        "failure_policy": "FAIL_CLOSED",
+                        "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": config},
+                        "vm_config": {
+                            "vm_id": "floodgate",
+                            "runtime": "envoy.wasm.runtime.v8",
+                            "code": {"local": {"filename": module.display().to_string()}}
+                        }
+                    }
+                }
+            })),
+        }
+        filters.push(json!({
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+        }));
+        let route = match &self.route {
+            Route::Fixed => json!({"cluster": "a", "timeout": "30s"}),
+            Route::ClusterHeader(header) => json!({"cluster_header": header, "timeout": "30s"}),
+        };
+        let clusters: Vec<Value> = ["a", "b", "c"]
+            .iter()
+            .zip(self.clusters)
+            .map(|(name, addr)| {
+                json!({
+                    "name": name,
+                    "type": "STATIC",
+                    "connect_timeout": "2s",
+                    "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000, "max_retries": 100000}]},
+                    "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": addr.ip().to_string(), "port_value": addr.port()}}}}]}]}
+                })
+            })
+            .collect();
+        json!({
+            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+            "static_resources": {
+                "listeners": [{
+                    "name": "front",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                    "filter_chains": [{"filters": [{
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                            "stat_prefix": "front",
+                            "route_config": {"name": "front", "virtual_hosts": [{
+                                "name": "all", "domains": ["*"],
+                                "routes": [{"match": {"prefix": "/"}, "route": route}]
+                            }]},
+                            "http_filters": filters
+                        }
+                    }]}]
+                }],
+                "clusters": clusters
+            }
+        })
+    }
+
+    /// Starts Envoy and waits (at most 60 s) until it is ready. `Err` carries the end of its log
+    /// (e.g. a configuration the module refused).
+    pub fn start(&self, envoy: &Path) -> Result<Envoy, String> {
+        self.spawn(envoy)?.wait_ready(Duration::from_secs(60))
+    }
+
+    /// Starts Envoy without waiting for it.
+    pub fn spawn(&self, envoy: &Path) -> Result<Envoy, String> {
+        let dir = tempfile::Builder::new().prefix("floodgate-bench-").tempdir().map_err(|e| e.to_string())?;
+        let bootstrap = dir.path().join("bootstrap.json");
+        std::fs::write(&bootstrap, self.bootstrap().to_string()).map_err(|e| e.to_string())?;
+        let log = std::fs::File::create(dir.path().join("envoy.log")).map_err(|e| e.to_string())?;
+        let mut command = Command::new("taskset");
+        command.arg("-c").arg(&self.cpus);
+        command.args(&self.wrapper);
+        let child = command
+            .arg(envoy)
+            .arg("-c")
+            .arg(&bootstrap)
+            .arg("--concurrency")
+            .arg(self.concurrency.to_string())
+            .arg("--disable-hot-restart")
+            .arg("-l")
+            .arg("warn")
+            .arg("--admin-address-path")
+            .arg(dir.path().join("admin-address"))
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .map_err(|e| format!("cannot start taskset {}: {e}", envoy.display()))?;
+        Ok(Envoy { child, dir, admin: None, listener: None })
+    }
+}
+
+impl Envoy {
+    /// Waits (at most `timeout`) until a [`Spec::spawn`]ed Envoy is ready.
+    pub fn wait_ready(mut self, timeout: Duration) -> Result<Envoy, String> {
+        let envoy = &mut self;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = envoy.child.try_wait() {
+                return Err(format!("Envoy exited ({status}); end of its log:\n{}", envoy.log_tail(15)));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("Envoy not ready after {timeout:?}; end of its log:\n{}", envoy.log_tail(15)));
+            }
+            if envoy.admin.is_none() {
+                envoy.admin = std::fs::read_to_string(envoy.dir.path().join("admin-address"))
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok());
+            }
+            if let Some(admin) = envoy.admin {
+                if matches!(http_get(admin, "/ready"), Ok((200, body)) if body.trim() == "LIVE") {
+                    break;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let (_, body) = envoy.admin_get("/listeners?format=json")?;
+        let v: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+        let port = v["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
+            .as_u64()
+            .ok_or_else(|| format!("no listener port in {body}"))?;
+        envoy.listener = Some(SocketAddr::from(([127, 0, 0, 1], port as u16)));
+        Ok(self)
+    }
+
+    /// Its temporary directory (bootstrap, log, profiles).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+/// A running Envoy; killed when dropped.
+pub struct Envoy {
+    child: Child,
+    dir: tempfile::TempDir,
+    admin: Option<SocketAddr>,
+    listener: Option<SocketAddr>,
+}
+
+impl Envoy {
+    /// The listener.
+    pub fn addr(&self) -> SocketAddr {
+        self.listener.expect("listener")
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Resident set size in bytes (`VmRSS`).
+    pub fn rss_bytes(&self) -> u64 {
+        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmRSS:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|v| v.parse::<u64>().ok())
+            })
+            .map_or(0, |kb| kb * 1024)
+    }
+
+    /// GET on the admin API.
+    pub fn admin_get(&self, path: &str) -> Result<(u16, String), String> {
+        http_get(self.admin.ok_or("no admin address")?, path)
+    }
+
+    /// A counter or gauge of `/stats` by full name (e.g. `wasmcustom.floodgate...`).
+    pub fn stat(&self, name: &str) -> Option<u64> {
+        let (_, body) = self.admin_get(&format!("/stats?filter=^{}$", name.replace('.', "\\."))).ok()?;
+        body.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(": ")?.trim().parse().ok())
+    }
+
+    /// The last `n` lines of its log.
+    pub fn log_tail(&self, n: usize) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// CPU time of every thread of `pid` so far, in nanoseconds (the first field of
+/// `/proc/<pid>/task/<tid>/schedstat`, summed; Envoy's threads live as long as it does).
+pub fn cpu_ns_of(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+/// A blocking `GET` with `connection: close`; status and (de-chunked) body.
+pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(Duration::from_secs(20))).map_err(|e| e.to_string())?;
+    write!(s, "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").ok_or("no response head")?;
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or("bad status line")?;
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    Ok((status, if chunked { dechunk(body) } else { body.to_string() }))
+}
+
+fn dechunk(mut raw: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = raw.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else { break };
+        if size == 0 || rest.len() < size {
+            break;
+        }
+        out.push_str(&rest[..size]);
+        raw = rest[size..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// CPU time used by the whole machine so far (all CPUs, busy time only), in nanoseconds, from
+/// `/proc/stat` (10 ms resolution).
+pub fn machine_busy_ns() -> u64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let Some(line) = stat.lines().next() else { return 0 };
+    let fields: Vec<u64> = line.split_whitespace().skip(1).filter_map(|f| f.parse().ok()).collect();
+    // user nice system idle iowait irq softirq steal guest guest_nice
+    let busy: u64 = fields.iter().enumerate().filter(|(i, _)| ![3, 4, 8, 9].contains(i)).map(|(_, v)| v).sum();
+    busy * 10_000_000
+}

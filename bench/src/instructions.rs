@@ -1,0 +1,135 @@
+//! Measurement 1b: user-space instructions per request of the Envoy process, counted by
+//! valgrind's callgrind. Slow (Envoy runs ~50× slower under valgrind, so few requests are
+//! sent) but deterministic: unlike CPU time it does not move with the machine's other load,
+//! the load level or the core's frequency, so it prices small differences (one host call) that
+//! CPU time on a noisy machine cannot. It leaves out the kernel (syscalls, scheduling), which is
+//! the same for every variant: the ratios are therefore larger than the CPU-time ratios.
+
+use crate::cpu::{self, Variant, CALLS};
+use crate::envoy::{Envoy, Spec};
+use crate::load::{self, Load, Requests};
+use crate::table::{count, Table};
+use crate::{progress, Settings};
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+fn callgrind_control(pid: u32, what: &str) -> bool {
+    Command::new("callgrind_control")
+        .arg(what)
+        .arg(pid.to_string())
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// The `totals:` of the newest callgrind dump in `dir`.
+fn latest_totals(envoy: &Envoy) -> Option<u64> {
+    let mut dumps: Vec<_> = std::fs::read_dir(envoy.dir())
+        .ok()?
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("callgrind.out."))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    dumps.sort();
+    let text = std::fs::read_to_string(&dumps.last()?.1).ok()?;
+    text.lines().find_map(|l| l.strip_prefix("totals:")?.split_whitespace().next()?.parse().ok())
+}
+
+/// Measurement 1b.
+pub async fn run(s: &Settings) {
+    println!("## 1b. Instructions per request (callgrind; deterministic)\n");
+    let have = |tool: &str| Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
+    if !have("valgrind") || Command::new("callgrind_control").arg("-h").output().is_err() {
+        println!("valgrind is not installed (Debian: `apt-get install valgrind`): skipped.\n");
+        return;
+    }
+    let wanted: &[&str] = if !s.diagnose {
+        &["none", "native", "noop", "fg-empty", "fg-rl", "fg-all"]
+    } else {
+        &["none", "native", "noop", "fg-empty", "fg-rl", "fg-rl-onreject", "fg-rl2", "fg-shed", "fg-rl-shed", "fg-all", "call-time", "call-header", "call-absent", "call-pairs", "call-prop", "call-get", "call-set", "call-incr", "call-resp"]
+    };
+    let wanted: Vec<&str> = match &s.only {
+        Some(only) => only.iter().map(String::as_str).collect(),
+        None => wanted.to_vec(),
+    };
+    let all = cpu::all_variants(s);
+    let variants: Vec<Variant> = wanted.iter().filter_map(|id| all.iter().find(|v| v.id == *id).cloned()).collect();
+    let (a, _) = load::start_upstream().await;
+    let (b, _) = load::start_upstream().await;
+    let (c, _) = load::start_upstream().await;
+    let requests = cpu::key_requests("k", cpu::KEYS);
+    // Start them all at once: each takes a minute or more to compile the module under valgrind.
+    let mut pending = Vec::new();
+    for v in &variants {
+        let spec = Spec {
+            filter: v.filter.clone(),
+            route: v.route.clone(),
+            clusters: [a, b, c],
+            concurrency: 1,
+            cpus: format!("0-{}", s.cpus.saturating_sub(1)),
+            wrapper: ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"]
+                .map(String::from)
+                .to_vec(),
+        };
+        pending.push((v.clone(), spec.spawn(&s.envoy)));
+    }
+    let per_variant: u64 = if s.quick { 1_000 } else { 2_000 };
+    let mut results: Vec<(Variant, f64)> = Vec::new();
+    for (v, envoy) in pending {
+        let envoy = match envoy.and_then(|e| e.wait_ready(Duration::from_secs(900))) {
+            Ok(e) => e,
+            Err(e) => {
+                println!("**{}** could not be measured: {e}\n", v.id);
+                continue;
+            }
+        };
+        let warm = Load { target: envoy.addr(), connections: 4, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(300) };
+        let (out, _, _) = load::run(&warm, Duration::ZERO, Duration::from_secs(300), || ()).await;
+        if out.status(200) != out.completed || out.completed == 0 {
+            println!("**{}**: warm-up requests failed ({:?}); skipped\n", v.id, out.statuses);
+            continue;
+        }
+        if !callgrind_control(envoy.pid(), "-z") {
+            println!("**{}**: callgrind_control -z failed; skipped\n", v.id);
+            continue;
+        }
+        let load = Load { target: envoy.addr(), connections: 8, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(per_variant) };
+        let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_secs(600), || ()).await;
+        if !callgrind_control(envoy.pid(), "-d") {
+            println!("**{}**: callgrind_control -d failed; skipped\n", v.id);
+            continue;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let Some(total) = latest_totals(&envoy) else {
+            println!("**{}**: no callgrind dump found; skipped\n", v.id);
+            continue;
+        };
+        let per = total as f64 / out.completed.max(1) as f64;
+        progress!("{}: {} requests, {:.0} instructions/request", v.id, out.completed, per);
+        results.push((v, per));
+    }
+    let base = results.iter().find(|(v, _)| v.id == "none").map(|r| r.1);
+    let noop = results.iter().find(|(v, _)| v.id == "noop").map(|r| r.1);
+    let mut t = Table::new(&["variant", "what", "instructions/request", "× no filter", "Δ over no-op"]);
+    for (v, per) in results.iter().filter(|(v, _)| !v.id.starts_with("call-")) {
+        t.row(vec![
+            format!("`{}`", v.id),
+            v.label.clone(),
+            count(*per as u64),
+            base.map_or("–".into(), |b| format!("{:.3}", per / b)),
+            noop.map_or("–".into(), |n| format!("{:+}", (per - n) as i64)),
+        ]);
+    }
+    println!(
+        "Envoy 1 worker under callgrind, {per_variant} keep-alive requests over 8 connections after 300 of warm-up; \
+         all user-space instructions of the process (Envoy, V8, the module) divided by requests.\n\n{}\n",
+        t.render()
+    );
+    if let Some(n) = noop {
+        let mut t = Table::new(&["host call", "instructions per call"]);
+        for (v, per) in results.iter().filter(|(v, _)| v.id.starts_with("call-")) {
+            t.row(vec![v.label.trim_start_matches(&format!("no-op + {CALLS} × ")).to_string(), count(((per - n) / f64::from(CALLS)).max(0.0) as u64)]);
+        }
+        println!("Price of one host call (no-op module making {CALLS} per request, minus the no-op):\n\n{}\n", t.render());
+    }
+}

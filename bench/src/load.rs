@@ -1,0 +1,305 @@
+//! The upstreams and the load generator: minimal HTTP/1.1 over tokio, so that what they cost
+//! stays small next to Envoy's share (they run on the other core). Loopback only.
+//!
+//! The load generator is closed-loop: a fixed number of keep-alive connections, each sending
+//! its next request as soon as the previous response is complete.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What every upstream answers.
+const UPSTREAM_RESPONSE: &[u8] =
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 12\r\n\r\nupstream ok\n";
+
+/// Per-upstream count of requests answered.
+#[derive(Default)]
+pub struct UpstreamCount(pub AtomicU64);
+
+/// Starts an upstream on `127.0.0.1:<ephemeral>` in the current runtime; it runs until the
+/// runtime stops.
+pub async fn start_upstream() -> (SocketAddr, Arc<UpstreamCount>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind an upstream on 127.0.0.1");
+    let addr = listener.local_addr().expect("upstream address");
+    let count = Arc::new(UpstreamCount::default());
+    let served = Arc::clone(&count);
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else { continue };
+            let _ = stream.set_nodelay(true);
+            let served = Arc::clone(&served);
+            tokio::spawn(serve_upstream(stream, served));
+        }
+    });
+    (addr, count)
+}
+
+async fn serve_upstream(mut stream: TcpStream, served: Arc<UpstreamCount>) {
+    let mut buf = Vec::with_capacity(8192);
+    let mut chunk = [0u8; 8192];
+    loop {
+        // Answer every complete request in the buffer (requests carry no body).
+        let mut answered = 0;
+        while let Some(end) = find(&buf, b"\r\n\r\n") {
+            let body = content_length(&buf[..end]).unwrap_or(0);
+            if buf.len() < end + 4 + body {
+                break;
+            }
+            buf.drain(..end + 4 + body);
+            answered += 1;
+        }
+        if answered > 0 {
+            served.0.fetch_add(answered as u64, Ordering::Relaxed);
+            let mut out = Vec::with_capacity(UPSTREAM_RESPONSE.len() * answered);
+            for _ in 0..answered {
+                out.extend_from_slice(UPSTREAM_RESPONSE);
+            }
+            if stream.write_all(&out).await.is_err() {
+                return;
+            }
+        }
+        match stream.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// The `content-length` of a message head (without the final blank line).
+fn content_length(head: &[u8]) -> Option<usize> {
+    head.split(|b| *b == b'\n').find_map(|line| {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let colon = line.iter().position(|b| *b == b':')?;
+        if !line[..colon].eq_ignore_ascii_case(b"content-length") {
+            return None;
+        }
+        std::str::from_utf8(&line[colon + 1..]).ok()?.trim().parse().ok()
+    })
+}
+
+/// Builds `GET <path>` with `headers`, for the load generator.
+pub fn request(path: &str, headers: &[(&str, String)]) -> Vec<u8> {
+    let mut r = format!("GET {path} HTTP/1.1\r\nhost: bench.floodgate\r\n");
+    for (name, value) in headers {
+        r.push_str(name);
+        r.push_str(": ");
+        r.push_str(value);
+        r.push_str("\r\n");
+    }
+    r.push_str("\r\n");
+    r.into_bytes()
+}
+
+/// Where the requests come from: a fixed list cycled through, or one made per request number.
+#[derive(Clone)]
+pub enum Requests {
+    /// Connection `c` sends `list[(c * 7919 + n) % len]` as its `n`-th request.
+    Cycle(Arc<Vec<Vec<u8>>>),
+    /// Request number `i` (over all connections, each number used once) is `make(i)`.
+    Numbered(Arc<dyn Fn(u64) -> Vec<u8> + Send + Sync>),
+}
+
+/// One run of the load generator.
+#[derive(Clone)]
+pub struct Load {
+    /// Envoy's listener.
+    pub target: SocketAddr,
+    /// Concurrent keep-alive connections.
+    pub connections: usize,
+    /// What to send.
+    pub requests: Requests,
+    /// Stop after this many requests in all, if set.
+    pub max_requests: Option<u64>,
+}
+
+/// What a run produced within its measurement interval.
+#[derive(Clone, Debug, Default)]
+pub struct Outcome {
+    /// Responses completed in the interval.
+    pub completed: u64,
+    /// Responses by status, over the interval.
+    pub statuses: BTreeMap<u16, u64>,
+    /// Connection or parse errors, over the whole run.
+    pub errors: u64,
+    /// Latency of each response of the interval, in microseconds.
+    pub latencies_us: Vec<u32>,
+    /// Length of the interval.
+    pub elapsed: Duration,
+}
+
+impl Outcome {
+    /// Responses per second over the interval.
+    pub fn throughput(&self) -> f64 {
+        self.completed as f64 / self.elapsed.as_secs_f64().max(1e-9)
+    }
+
+    /// The `q`-quantile latency in microseconds (0 with no samples).
+    pub fn latency_us(&mut self, q: f64) -> f64 {
+        if self.latencies_us.is_empty() {
+            return 0.0;
+        }
+        self.latencies_us.sort_unstable();
+        let idx = ((self.latencies_us.len() as f64 - 1.0) * q).round() as usize;
+        f64::from(self.latencies_us[idx.min(self.latencies_us.len() - 1)])
+    }
+
+    /// Responses with `status`.
+    pub fn status(&self, status: u16) -> u64 {
+        self.statuses.get(&status).copied().unwrap_or(0)
+    }
+}
+
+struct Shared {
+    stop: AtomicBool,
+    measuring: AtomicBool,
+    completed: AtomicU64,
+    next_number: AtomicU64,
+    errors: AtomicU64,
+    samples: Mutex<(Vec<u32>, BTreeMap<u16, u64>)>,
+}
+
+/// Runs `load`: `warmup`, then the measurement interval of `duration` (at whose start and end
+/// `probe` is called, e.g. to read Envoy's CPU time), then stops. In `Numbered` mode with
+/// `max_requests`, the interval ends early when they have all been answered. Returns the
+/// outcome and the two probe readings.
+pub async fn run<P: Clone>(
+    load: &Load,
+    warmup: Duration,
+    duration: Duration,
+    mut probe: impl FnMut() -> P,
+) -> (Outcome, P, P) {
+    let shared = Arc::new(Shared {
+        stop: AtomicBool::new(false),
+        measuring: AtomicBool::new(warmup.is_zero()),
+        completed: AtomicU64::new(0),
+        next_number: AtomicU64::new(0),
+        errors: AtomicU64::new(0),
+        samples: Mutex::new((Vec::new(), BTreeMap::new())),
+    });
+    let mut tasks = Vec::new();
+    for c in 0..load.connections {
+        tasks.push(tokio::spawn(connection(load.clone(), c, Arc::clone(&shared))));
+    }
+    tokio::time::sleep(warmup).await;
+    shared.measuring.store(true, Ordering::SeqCst);
+    let before = probe();
+    let start = Instant::now();
+    let deadline = start + duration;
+    loop {
+        let now = Instant::now();
+        if now >= deadline || tasks.iter().all(|t| t.is_finished()) {
+            break;
+        }
+        tokio::time::sleep((deadline - now).min(Duration::from_millis(20))).await;
+    }
+    let after = probe();
+    let elapsed = start.elapsed();
+    shared.measuring.store(false, Ordering::SeqCst);
+    shared.stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        let _ = tokio::time::timeout(Duration::from_secs(10), t).await;
+    }
+    let (latencies_us, statuses) = std::mem::take(&mut *shared.samples.lock().expect("samples"));
+    let outcome = Outcome {
+        completed: shared.completed.load(Ordering::SeqCst),
+        statuses,
+        errors: shared.errors.load(Ordering::SeqCst),
+        latencies_us,
+        elapsed,
+    };
+    (outcome, before, after)
+}
+
+async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
+    let mut n: u64 = 0;
+    let mut local_lat: Vec<u32> = Vec::with_capacity(1 << 16);
+    let mut local_status: BTreeMap<u16, u64> = BTreeMap::new();
+    let flush = |lat: &mut Vec<u32>, st: &mut BTreeMap<u16, u64>| {
+        let mut s = shared.samples.lock().expect("samples");
+        s.0.append(lat);
+        for (k, v) in std::mem::take(st) {
+            *s.1.entry(k).or_insert(0) += v;
+        }
+    };
+    'reconnect: while !shared.stop.load(Ordering::Relaxed) {
+        let mut stream = match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(load.target)).await {
+            Ok(Ok(s)) => s,
+            _ => {
+                shared.errors.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let mut buf: Vec<u8> = Vec::with_capacity(16384);
+        let mut chunk = vec![0u8; 16384];
+        while !shared.stop.load(Ordering::Relaxed) {
+            if let (Requests::Cycle(_), Some(max)) = (&load.requests, load.max_requests) {
+                if shared.next_number.fetch_add(1, Ordering::Relaxed) >= max {
+                    break 'reconnect;
+                }
+            }
+            let req = match &load.requests {
+                Requests::Cycle(list) => {
+                    let i = (index as u64).wrapping_mul(7919).wrapping_add(n) as usize % list.len();
+                    std::borrow::Cow::Borrowed(list[i].as_slice())
+                }
+                Requests::Numbered(make) => {
+                    let i = shared.next_number.fetch_add(1, Ordering::Relaxed);
+                    if load.max_requests.is_some_and(|max| i >= max) {
+                        break 'reconnect;
+                    }
+                    std::borrow::Cow::Owned(make(i))
+                }
+            };
+            n += 1;
+            let sent = Instant::now();
+            if stream.write_all(&req).await.is_err() {
+                shared.errors.fetch_add(1, Ordering::Relaxed);
+                continue 'reconnect;
+            }
+            // Read one response: head, then content-length bytes.
+            let status = loop {
+                if let Some(end) = find(&buf, b"\r\n\r\n") {
+                    let head = &buf[..end];
+                    let status: u16 = std::str::from_utf8(head.get(9..12).unwrap_or(b"000"))
+                        .ok()
+                        .and_then(|s| s.parse().ok())
+                        .unwrap_or(0);
+                    let Some(len) = content_length(head) else {
+                        shared.errors.fetch_add(1, Ordering::Relaxed);
+                        continue 'reconnect;
+                    };
+                    if buf.len() >= end + 4 + len {
+                        buf.drain(..end + 4 + len);
+                        break status;
+                    }
+                }
+                match stream.read(&mut chunk).await {
+                    Ok(0) | Err(_) => {
+                        shared.errors.fetch_add(1, Ordering::Relaxed);
+                        continue 'reconnect;
+                    }
+                    Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                }
+            };
+            if shared.measuring.load(Ordering::Relaxed) {
+                shared.completed.fetch_add(1, Ordering::Relaxed);
+                local_lat.push(u32::try_from(sent.elapsed().as_micros()).unwrap_or(u32::MAX));
+                *local_status.entry(status).or_insert(0) += 1;
+                if local_lat.len() >= 1 << 16 {
+                    flush(&mut local_lat, &mut local_status);
+                }
+            }
+        }
+    }
+    flush(&mut local_lat, &mut local_status);
+}

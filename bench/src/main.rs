@@ -1,0 +1,199 @@
+//! floodgate's benchmark tool (issue 5; docs/benchmarks.md). Prints tables; asserts nothing
+//! about time. Run it through `bench/run.sh`, which builds the modules and Envoy first.
+//!
+//! ```text
+//! floodgate-bench [cpu|instructions|memory|accuracy|contention|all] [--quick] [options]
+//! ```
+
+mod accuracy;
+mod contention;
+mod cpu;
+mod envoy;
+mod instructions;
+mod load;
+mod memory;
+mod table;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Where the artifacts are, and how long to measure.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    /// Short runs (a few minutes in all).
+    pub quick: bool,
+    /// The Envoy binary.
+    pub envoy: PathBuf,
+    /// floodgate's module.
+    pub floodgate_wasm: PathBuf,
+    /// The no-op / host-call pricing module.
+    pub noop_wasm: PathBuf,
+    /// The naive per-key limiter module.
+    pub naive_wasm: PathBuf,
+    /// Rounds of the CPU comparison (each variant once per round).
+    pub rounds: usize,
+    /// Measured seconds per run.
+    pub seconds: f64,
+    /// Warm-up seconds per run.
+    pub warmup: f64,
+    /// Load-generator connections.
+    pub connections: usize,
+    /// Also run the diagnostic variants (marginal costs, host-call prices).
+    pub diagnose: bool,
+    /// Whether the "everything on" variant includes cluster selection (`auto`: if the module
+    /// accepts it and routes by it).
+    pub selection: Selection,
+    /// Number of CPUs.
+    pub cpus: usize,
+    /// Only these variants (ids), if given (`cpu`, `instructions`).
+    pub only: Option<Vec<String>>,
+}
+
+/// Cluster selection in the "everything on" variant.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Selection {
+    /// Use it if the module accepts the section and a request gets through; else leave it out.
+    Auto,
+    /// Always (fail if the module refuses it).
+    On,
+    /// Never.
+    Off,
+}
+
+fn usage() -> ! {
+    eprintln!(
+        "usage: floodgate-bench [cpu|instructions|memory|accuracy|contention|all]... [--quick] [--rounds N] [--seconds S]\n\
+         \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id]\n\
+         \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH]\n\
+         Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM. Use bench/run.sh, which builds them."
+    );
+    std::process::exit(2)
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mut what: Vec<String> = Vec::new();
+    let env_path = |k: &str| std::env::var_os(k).map(PathBuf::from).unwrap_or_default();
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut s = Settings {
+        quick: false,
+        envoy: env_path("ENVOY_BIN"),
+        floodgate_wasm: env_path("FLOODGATE_WASM"),
+        noop_wasm: env_path("NOOP_WASM"),
+        naive_wasm: env_path("NAIVE_WASM"),
+        rounds: 0,
+        seconds: 0.0,
+        warmup: 0.0,
+        connections: 32,
+        diagnose: true,
+        selection: Selection::Auto,
+        cpus,
+        only: None,
+    };
+    let mut diagnose: Option<bool> = None;
+    while let Some(a) = args.next() {
+        let mut value = || args.next().unwrap_or_else(|| usage());
+        match a.as_str() {
+            "cpu" | "instructions" | "memory" | "accuracy" | "contention" | "all" => what.push(a),
+            "--quick" => s.quick = true,
+            "--rounds" => s.rounds = value().parse().unwrap_or_else(|_| usage()),
+            "--seconds" => s.seconds = value().parse().unwrap_or_else(|_| usage()),
+            "--warmup" => s.warmup = value().parse().unwrap_or_else(|_| usage()),
+            "--connections" => s.connections = value().parse().unwrap_or_else(|_| usage()),
+            "--variants" => s.only = Some(value().split(',').map(str::to_string).collect()),
+            "--diagnose" => diagnose = Some(true),
+            "--no-diagnose" => diagnose = Some(false),
+            "--selection" => {
+                s.selection = match value().as_str() {
+                    "auto" => Selection::Auto,
+                    "on" => Selection::On,
+                    "off" => Selection::Off,
+                    _ => usage(),
+                }
+            }
+            "--envoy" => s.envoy = value().into(),
+            "--wasm" => s.floodgate_wasm = value().into(),
+            "--noop-wasm" => s.noop_wasm = value().into(),
+            "--naive-wasm" => s.naive_wasm = value().into(),
+            _ => usage(),
+        }
+    }
+    if what.is_empty() || what.iter().any(|w| w == "all") {
+        what = ["accuracy", "cpu", "instructions", "contention", "memory"].map(String::from).to_vec();
+    }
+    if s.rounds == 0 {
+        s.rounds = if s.quick { 3 } else { 7 };
+    }
+    if s.seconds == 0.0 {
+        s.seconds = if s.quick { 3.0 } else { 5.0 };
+    }
+    if s.warmup == 0.0 {
+        s.warmup = 1.0;
+    }
+    s.diagnose = diagnose.unwrap_or(false);
+    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.noop_wasm, &mut s.naive_wasm] {
+        if let Ok(abs) = std::fs::canonicalize(&*p) {
+            *p = abs;
+        }
+    }
+    let needs_envoy = what.iter().any(|w| w != "accuracy");
+    if needs_envoy {
+        for (name, p) in [("Envoy", &s.envoy), ("floodgate module", &s.floodgate_wasm), ("no-op module", &s.noop_wasm), ("naive module", &s.naive_wasm)] {
+            if !p.is_file() {
+                eprintln!("floodgate-bench: {name} not found at {:?}; run bench/run.sh, which builds everything", p);
+                std::process::exit(2);
+            }
+        }
+        if std::process::Command::new("taskset").arg("-V").output().is_err() {
+            eprintln!("floodgate-bench: `taskset` (util-linux) is needed to pin Envoy and the load generator to cores");
+            std::process::exit(2);
+        }
+        // The load generator and the upstreams run on the last core; Envoy (in the CPU
+        // comparison) on core 0. Threads created from now on inherit this.
+        if s.cpus >= 2 {
+            let _ = std::process::Command::new("taskset")
+                .args(["-a", "-p", "-c", &(s.cpus - 1).to_string(), &std::process::id().to_string()])
+                .stdout(std::process::Stdio::null())
+                .status();
+        }
+    }
+    let started = Instant::now();
+    println!(
+        "# floodgate benchmark ({}{}; {} CPUs; {}; module {})\n",
+        if s.quick { "quick" } else { "full" },
+        if s.diagnose { ", diagnostic variants" } else { "" },
+        s.cpus,
+        now_utc(),
+        std::env::var("FLOODGATE_REV").unwrap_or_else(|_| s.floodgate_wasm.display().to_string())
+    );
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    for w in &what {
+        let t = Instant::now();
+        match w.as_str() {
+            "accuracy" => accuracy::run(&s),
+            "cpu" => rt.block_on(cpu::run(&s)),
+            "instructions" => rt.block_on(instructions::run(&s)),
+            "contention" => rt.block_on(contention::run(&s)),
+            "memory" => rt.block_on(memory::run(&s)),
+            _ => unreachable!(),
+        }
+        eprintln!("[{w} took {:.0} s]", t.elapsed().as_secs_f64());
+    }
+    println!("\n(total {:.0} s)", started.elapsed().as_secs_f64());
+}
+
+/// The date and time, UTC, from `date` (no time crate needed).
+fn now_utc() -> String {
+    std::process::Command::new("date")
+        .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Progress on stderr.
+#[macro_export]
+macro_rules! progress {
+    ($($t:tt)*) => { eprintln!("  .. {}", format!($($t)*)) };
+}
