@@ -2,10 +2,11 @@
 # floodgate's benchmark tool: builds what it needs, then runs the measurements and prints tables
 # (markdown) on stdout, progress on stderr. See docs/benchmarks.md.
 #
-#   bench/run.sh [--quick] [cpu|memory|accuracy|contention|all] [options]
+#   bench/run.sh [--quick] [--diagnose] [cpu|instructions|memory|accuracy|contention|all] [options]
 #
-# --quick finishes in a few minutes; the full run is bounded (about 15-20 min on 2 cores);
-# --diagnose adds the where-the-time-goes variants (about 35 min in all).
+# --quick takes about 4 min on 2 cores, the full run about 10 min; --diagnose adds the
+# where-the-time-goes variants (about 30 min in all). valgrind is needed for `instructions`
+# (skipped with a message without it).
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
 # module built elsewhere instead of building this tree's. Loopback only; every server it starts
 # listens on 127.0.0.1 on a port picked at run time, and everything stops by itself.

@@ -43,7 +43,9 @@ pub async fn run(s: &Settings) {
         println!("valgrind is not installed (Debian: `apt-get install valgrind`): skipped.\n");
         return;
     }
-    let wanted: &[&str] = if !s.diagnose {
+    let wanted: &[&str] = if s.quick && !s.diagnose {
+        &["none", "noop", "fg-rl", "fg-all"]
+    } else if !s.diagnose {
         &["none", "native", "noop", "fg-empty", "fg-rl", "fg-all"]
     } else {
         &["none", "native", "noop", "fg-empty", "fg-rl", "fg-rl-onreject", "fg-rl2", "fg-shed", "fg-rl-shed", "fg-all", "call-time", "call-header", "call-absent", "call-pairs", "call-prop", "call-get", "call-set", "call-incr", "call-resp"]
@@ -125,7 +127,7 @@ pub async fn run(s: &Settings) {
          all user-space instructions of the process (Envoy, V8, the module) divided by requests.\n\n{}\n",
         t.render()
     );
-    if let Some(n) = noop {
+    if let Some(n) = noop.filter(|_| results.iter().any(|(v, _)| v.id.starts_with("call-"))) {
         let mut t = Table::new(&["host call", "instructions per call"]);
         for (v, per) in results.iter().filter(|(v, _)| v.id.starts_with("call-")) {
             t.row(vec![v.label.trim_start_matches(&format!("no-op + {CALLS} × ")).to_string(), count(((per - n) / f64::from(CALLS)).max(0.0) as u64)]);
