@@ -16,15 +16,13 @@ use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::{envoy_binary, http_get_blocking, rss_bytes_of, tail, wasm_module, Error};
+use crate::{http_get_blocking, rss_bytes_of, spawn_envoy, tail, wait_for_envoy, wasm_module, Error};
 
-/// How long Envoy may take to become ready.
-const START_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a delivered configuration may take to be taken or refused.
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 /// The ECDS resource name (also the HTTP filter's name in the listener).
@@ -222,29 +220,7 @@ impl DynamicEnvoyBuilder {
             .expect("tempdir");
         let filter_file = dir.path().join("floodgate-filter.json");
         write_atomically(&filter_file, &discovery_response(&self.first, 1));
-        let bootstrap = dir.path().join("bootstrap.json");
-        std::fs::write(
-            &bootstrap,
-            serde_json::to_string_pretty(&self.bootstrap(&filter_file)).expect("json"),
-        )
-        .expect("write bootstrap");
-        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
-        let child = Command::new(envoy_binary())
-            .arg("-c")
-            .arg(&bootstrap)
-            .arg("--concurrency")
-            .arg(self.concurrency.to_string())
-            .arg("--disable-hot-restart")
-            .arg("-l")
-            .arg("info")
-            .arg("--admin-address-path")
-            .arg(dir.path().join("admin-address"))
-            .current_dir(dir.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", envoy_binary().display()));
+        let child = spawn_envoy(dir.path(), &self.bootstrap(&filter_file), self.concurrency);
         let mut envoy = DynamicEnvoy {
             child,
             dir,
@@ -291,39 +267,9 @@ impl DynamicEnvoy {
     }
 
     fn wait_ready(&mut self) {
-        let deadline = Instant::now() + START_TIMEOUT;
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                panic!("Envoy exited ({status}) instead of starting; end of its log:\n{}", tail(&self.log(), 60));
-            }
-            assert!(
-                Instant::now() < deadline,
-                "Envoy not ready after {START_TIMEOUT:?}; end of its log:\n{}",
-                tail(&self.log(), 60)
-            );
-            if self.admin.is_none() {
-                self.admin = std::fs::read_to_string(self.dir.path().join("admin-address"))
-                    .ok()
-                    .and_then(|s| s.trim().parse().ok());
-            }
-            if let Some(admin) = self.admin {
-                if let Ok((200, body)) = http_get_blocking(admin, "/ready") {
-                    if body.trim() == "LIVE" {
-                        break;
-                    }
-                }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let (status, body) = self.admin_get("/listeners?format=json");
-        assert_eq!(status, 200, "GET /listeners: {body}");
-        let v: Value = serde_json::from_str(&body).expect("listeners json");
-        let port = v["listener_statuses"]
-            .as_array()
-            .and_then(|ls| ls.iter().find(|l| l["name"] == "front"))
-            .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
-            .unwrap_or_else(|| panic!("no port for listener `front` in {body}"));
-        self.listener = Some(SocketAddr::from(([127, 0, 0, 1], port as u16)));
+        let (admin, listener) = wait_for_envoy(&mut self.child, self.dir.path());
+        self.admin = Some(admin);
+        self.listener = Some(listener);
     }
 
     /// The ECDS counter `what` (`update_success`, `update_rejected`, `config_reload`, ...) of
@@ -410,8 +356,7 @@ impl DynamicEnvoy {
 
     /// Envoy's log so far.
     pub fn log(&self) -> String {
-        let bytes = std::fs::read(self.dir.path().join("envoy.log")).unwrap_or_default();
-        String::from_utf8_lossy(&bytes).into_owned()
+        crate::read_logs(self.dir.path())
     }
 
     /// `GET path` through the listener on a new connection; status and JSON body (`Null` if the

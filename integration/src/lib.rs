@@ -42,6 +42,27 @@ pub use serde_json::{json, Value};
 pub mod dynamic;
 pub mod faults;
 
+/// The health endpoint the shedding tests configure.
+pub const HEALTH_PATH: &str = "/floodgate/health";
+
+/// A filter configuration with load shedding at `max` in flight (classes critical 1.0, normal
+/// 0.6, low 0.3; default normal; `retry-after` 2 s) and the health endpoint at [`HEALTH_PATH`].
+pub fn shedding_config(max: u32) -> Value {
+    json!({
+        "load_shedding": {
+            "max_active_requests": max,
+            "classes": [
+                {"name": "critical", "shed_at": 1.0},
+                {"name": "normal", "shed_at": 0.6},
+                {"name": "low", "shed_at": 0.3}
+            ],
+            "default_class": "normal",
+            "retry_after": "2s"
+        },
+        "health": {"path": HEALTH_PATH}
+    })
+}
+
 /// Default stat prefix of the filter's metrics (`stat_prefix` in the configuration).
 pub const STAT_PREFIX: &str = "floodgate";
 
@@ -543,30 +564,7 @@ impl EnvoyBuilder {
             .prefix("floodgate-envoy-")
             .tempdir()
             .expect("tempdir");
-        let bootstrap = dir.path().join("bootstrap.json");
-        std::fs::write(
-            &bootstrap,
-            serde_json::to_string_pretty(&self.bootstrap()).expect("bootstrap json"),
-        )
-        .expect("write bootstrap");
-        // Envoy logs to stderr, line by line; `--log-path` would buffer for up to 10 s.
-        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log file");
-        let child = Command::new(envoy_binary())
-            .arg("-c")
-            .arg(&bootstrap)
-            .arg("--concurrency")
-            .arg(self.concurrency.to_string())
-            .arg("--disable-hot-restart")
-            .arg("-l")
-            .arg("info")
-            .arg("--admin-address-path")
-            .arg(dir.path().join("admin-address"))
-            .current_dir(dir.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {}: {e}", envoy_binary().display()));
+        let child = spawn_envoy(dir.path(), &self.bootstrap(), self.concurrency);
         (child, dir)
     }
 
@@ -580,40 +578,9 @@ impl EnvoyBuilder {
             admin: None,
             listener: None,
         };
-        let deadline = Instant::now() + ENVOY_START_TIMEOUT;
-        loop {
-            if let Some(status) = envoy.child.try_wait().expect("try_wait") {
-                panic!(
-                    "Envoy exited ({status}) instead of starting; end of its log:\n{}",
-                    tail(&envoy.log(), 60)
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "Envoy not ready after {ENVOY_START_TIMEOUT:?}; end of its log:\n{}",
-                tail(&envoy.log(), 60)
-            );
-            if envoy.admin.is_none() {
-                envoy.admin = read_admin_address(envoy.dir.path());
-            }
-            if let Some(admin) = envoy.admin {
-                if let Ok((200, body)) = http_get_blocking(admin, "/ready") {
-                    if body.trim() == "LIVE" {
-                        break;
-                    }
-                }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let (status, body) = envoy.admin_get("/listeners?format=json");
-        assert_eq!(status, 200, "GET /listeners: {body}");
-        let v: Value = serde_json::from_str(&body).expect("listeners json");
-        let port = v["listener_statuses"]
-            .as_array()
-            .and_then(|ls| ls.iter().find(|l| l["name"] == "front"))
-            .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
-            .unwrap_or_else(|| panic!("no port for listener `front` in {body}"));
-        envoy.listener = Some(SocketAddr::from(([127, 0, 0, 1], port as u16)));
+        let (admin, listener) = wait_for_envoy(&mut envoy.child, envoy.dir.path());
+        envoy.admin = Some(admin);
+        envoy.listener = Some(listener);
         envoy
     }
 
@@ -655,6 +622,65 @@ fn endpoint(addr: SocketAddr) -> Value {
     json!({"endpoint": {"address": {"socket_address": {
         "address": addr.ip().to_string(), "port_value": addr.port()
     }}}})
+}
+
+/// Starts Envoy with `bootstrap`, written into `dir`, which also receives its log (`envoy.log`,
+/// line by line: `--log-path` would buffer for up to 10 s) and its admin address.
+pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize) -> Child {
+    let path = dir.join("bootstrap.json");
+    std::fs::write(&path, serde_json::to_string_pretty(bootstrap).expect("bootstrap json")).expect("write bootstrap");
+    let log = std::fs::File::create(dir.join("envoy.log")).expect("log file");
+    Command::new(envoy_binary())
+        .arg("-c")
+        .arg(&path)
+        .arg("--concurrency")
+        .arg(concurrency.to_string())
+        .arg("--disable-hot-restart")
+        .arg("-l")
+        .arg("info")
+        .arg("--admin-address-path")
+        .arg(dir.join("admin-address"))
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", envoy_binary().display()))
+}
+
+/// Waits (bounded) until the Envoy started by [`spawn_envoy`] in `dir` is ready; returns its
+/// admin address and the address of its listener `front`. Panics, showing the end of its log, if
+/// it exits or does not become ready.
+pub(crate) fn wait_for_envoy(child: &mut Child, dir: &Path) -> (SocketAddr, SocketAddr) {
+    let deadline = Instant::now() + ENVOY_START_TIMEOUT;
+    let admin = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            panic!("Envoy exited ({status}) instead of starting; end of its log:\n{}", tail(&read_logs(dir), 60));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Envoy not ready after {ENVOY_START_TIMEOUT:?}; end of its log:\n{}",
+            tail(&read_logs(dir), 60)
+        );
+        if let Some(admin) = read_admin_address(dir) {
+            if let Ok((200, body)) = http_get_blocking(admin, "/ready") {
+                if body.trim() == "LIVE" {
+                    break admin;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (status, body) = http_get_blocking(admin, "/listeners?format=json").expect("GET /listeners");
+    assert_eq!(status, 200, "GET /listeners: {body}");
+    let v: Value = serde_json::from_str(&body).expect("listeners json");
+    let port = v["listener_statuses"]
+        .as_array()
+        .and_then(|ls| ls.iter().find(|l| l["name"] == "front"))
+        .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
+        .and_then(|p| u16::try_from(p).ok())
+        .unwrap_or_else(|| panic!("no port for listener `front` in {body}"));
+    (admin, SocketAddr::from(([127, 0, 0, 1], port)))
 }
 
 fn read_admin_address(dir: &Path) -> Option<SocketAddr> {

@@ -6,26 +6,9 @@ use std::time::{Duration, Instant};
 use floodgate_integration::*;
 use tokio::task::JoinHandle;
 
-const HEALTH: &str = "/floodgate/health";
+const HEALTH: &str = HEALTH_PATH;
 const DELAY: Duration = Duration::from_millis(2500);
 const SETTLE: Duration = Duration::from_millis(400);
-
-/// Limit `max`; classes critical (all of it), normal (60 %), low (30 %).
-fn config(max: u32) -> Value {
-    json!({
-        "load_shedding": {
-            "max_active_requests": max,
-            "classes": [
-                {"name": "critical", "shed_at": 1.0},
-                {"name": "normal", "shed_at": 0.6},
-                {"name": "low", "shed_at": 0.3}
-            ],
-            "default_class": "normal",
-            "retry_after": "2s"
-        },
-        "health": {"path": HEALTH}
-    })
-}
 
 fn slow_upstream() -> Upstream {
     Upstream::with_options(UpstreamOptions {
@@ -102,7 +85,7 @@ async fn wait_in_flight(envoy: &Envoy, expected: u64, within: Duration) -> (u16,
 async fn exactly_the_limit_is_admitted_and_the_rest_refused_fast() {
     const MAX: usize = 8;
     let upstream = slow_upstream();
-    let envoy = Envoy::start(config(MAX as u32), &upstream);
+    let envoy = Envoy::start(shedding_config(MAX as u32), &upstream);
     let (status, body) = health(&envoy).await;
     assert_eq!((status, body["status"].as_str()), (200, Some("ok")), "{body}");
 
@@ -141,7 +124,7 @@ async fn priority_classes_are_shed_in_order() {
         delay: Some(Duration::from_secs(4)),
         ..UpstreamOptions::default()
     });
-    let envoy = Envoy::start(config(10), &upstream);
+    let envoy = Envoy::start(shedding_config(10), &upstream);
     let addr = envoy.addr();
 
     let low = send(addr, "low", 5);
@@ -181,7 +164,7 @@ async fn hung_up_clients_and_upstream_resets_give_the_limit_back() {
         delay: Some(Duration::from_secs(10)),
         ..UpstreamOptions::default()
     });
-    let envoy = Envoy::start(config(MAX as u32), &upstream);
+    let envoy = Envoy::start(shedding_config(MAX as u32), &upstream);
 
     // Clients that hang up mid-request.
     let hanging = send(envoy.addr(), "critical", MAX);
@@ -219,7 +202,7 @@ async fn hung_up_clients_and_upstream_resets_give_the_limit_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_health_endpoint_never_reaches_the_upstream_nor_counts() {
     let upstream = Upstream::start();
-    let envoy = Envoy::start(config(4), &upstream);
+    let envoy = Envoy::start(shedding_config(4), &upstream);
     for _ in 0..20 {
         let r = get(envoy.addr(), "/floodgate/health?probe=1", &[]).await;
         assert_eq!(r.status, 200);
@@ -240,7 +223,7 @@ async fn route_timeouts_and_later_refusals_give_the_limit_back() {
         ..UpstreamOptions::default()
     });
     // A rate limit after the shedding stage refuses the third request of every key.
-    let mut config = config(MAX as u32);
+    let mut config = shedding_config(MAX as u32);
     config["rate_limits"] = json!([{"name": "per-key", "key": [{"header": "x-key"}], "limit": 2, "window": "1h"}]);
     let envoy = Envoy::builder(config)
         .upstream(&upstream)

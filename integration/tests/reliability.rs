@@ -19,29 +19,12 @@ use floodgate_integration::faults::{hang_up, HangUp, HangingUpstream, UpstreamPr
 use floodgate_integration::*;
 use tokio::task::JoinHandle;
 
-const HEALTH: &str = "/floodgate/health";
+const HEALTH: &str = HEALTH_PATH;
 const IN_FLIGHT: &str = "floodgate.load_shedding.in_flight";
 const ROUTE_HEADER: &str = "x-floodgate-cluster";
 
 fn upstream_bin() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_floodgate-upstream"))
-}
-
-/// Load shedding at `max` (critical 1.0, normal 0.6, low 0.3) and the health endpoint.
-fn shedding(max: u32) -> Value {
-    json!({
-        "load_shedding": {
-            "max_active_requests": max,
-            "classes": [
-                {"name": "critical", "shed_at": 1.0},
-                {"name": "normal", "shed_at": 0.6},
-                {"name": "low", "shed_at": 0.3}
-            ],
-            "default_class": "normal",
-            "retry_after": "2s"
-        },
-        "health": {"path": HEALTH}
-    })
 }
 
 fn shed_stat(class: &str) -> String {
@@ -130,7 +113,7 @@ async fn an_upstream_process_killed_mid_load_gives_every_lease_back() {
     const MAX: usize = 400;
     const STREAMS: usize = 300;
     let mut upstream = UpstreamProcess::start(upstream_bin(), Duration::from_secs(6));
-    let mut config = shedding(MAX as u32);
+    let mut config = shedding_config(MAX as u32);
     config["rate_limits"] = json!([{"name": "per-ip", "key": ["source_ip"], "limit": 1000000, "window": "1m"}]);
     let envoy = DynamicEnvoy::builder(FilterVersion::new(&config))
         .cluster("upstream", &[upstream.addr()])
@@ -185,7 +168,7 @@ async fn every_cluster_down_fails_fast_and_recovers() {
     let mut upstreams: Vec<UpstreamProcess> =
         (0..3).map(|_| UpstreamProcess::start(upstream_bin(), Duration::ZERO)).collect();
     let names = ["a", "b", "c"];
-    let mut config = shedding(100);
+    let mut config = shedding_config(100);
     config["cluster_selection"] = json!({
         "route_header": ROUTE_HEADER,
         "clusters": names,
@@ -296,7 +279,7 @@ async fn an_upstream_hanging_past_the_route_timeout_gives_the_limit_back() {
     const MAX: usize = 20;
     const TIMEOUT: Duration = Duration::from_millis(1500);
     let upstream = HangingUpstream::start();
-    let envoy = DynamicEnvoy::builder(FilterVersion::new(shedding(MAX as u32)))
+    let envoy = DynamicEnvoy::builder(FilterVersion::new(shedding_config(MAX as u32)))
         .cluster("upstream", &[upstream.addr()])
         .route_timeout(TIMEOUT)
         .start();
@@ -339,7 +322,7 @@ async fn bulk_client_hang_ups_leave_nothing_behind() {
         delay: Some(Duration::from_secs(2)),
         ..UpstreamOptions::default()
     });
-    let mut config = shedding(MAX as u32);
+    let mut config = shedding_config(MAX as u32);
     config["rate_limits"] = json!([{"name": "per-key", "key": [{"header": "x-key"}], "limit": 1000000, "window": "1m"}]);
     let envoy = DynamicEnvoy::builder(FilterVersion::new(&config))
         .cluster("upstream", &[upstream.addr()])
@@ -515,7 +498,7 @@ async fn a_vm_restart_leaves_no_in_flight_count_behind() {
         delay: Some(DELAY),
         ..UpstreamOptions::default()
     });
-    let config = shedding(MAX as u32);
+    let config = shedding_config(MAX as u32);
     let mut envoy = DynamicEnvoy::builder(FilterVersion::new(&config))
         .cluster("upstream", &[upstream.addr()])
         .start();
