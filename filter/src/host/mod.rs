@@ -339,11 +339,10 @@ impl FilterStream {
     }
 
     /// Ends the chosen cluster's lease with the stream's outcome.
-    fn finish_cluster(&mut self) {
+    fn finish_cluster(&mut self, now: UnixMillis) {
         let (Some(lease), Some(selector)) = (self.cluster_lease.take(), self.filter.selector.as_ref()) else {
             return;
         };
-        let now = now();
         let status = property_u64(&["response", "code"]).and_then(|code| u16::try_from(code).ok()).filter(|c| *c > 0);
         let flags = property_u64(&["response", "flags"]).unwrap_or(0);
         let outcome = selector.classify(&lease, status, flags, now);
@@ -362,9 +361,9 @@ impl FilterStream {
         log::debug!("floodgate: {outcome:?} (status {status:?}, flags {flags:#x}) on cluster {}", finished.cluster);
     }
 
-    fn release(&mut self) {
+    fn release(&mut self, now: UnixMillis) {
         if let (Some(lease), Some(shedder)) = (self.lease.take(), self.filter.shedder.as_ref()) {
-            shedder.release(&EnvoyStore, vm_id(), lease, now());
+            shedder.release(&EnvoyStore, vm_id(), lease, now);
         }
     }
 }
@@ -410,8 +409,10 @@ impl HttpContext for FilterStream {
     }
 
     fn on_log(&mut self) {
-        self.release();
-        self.finish_cluster();
+        // One clock read for both: the stream ended once.
+        let now = now();
+        self.release(now);
+        self.finish_cluster(now);
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {

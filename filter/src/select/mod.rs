@@ -412,11 +412,10 @@ impl Selector {
                 let key = self.record_key(index)?;
                 let mut view = self.read(store, index, now).ok()?;
                 for _ in 0..MAX_ATTEMPTS {
-                    let mine = locals.get(index).map_or(0, |l| l.get());
-                    if !view.record.in_flight.needs_heartbeat(vm, mine, now) || (view.stored.is_none() && mine == 0) {
+                    if !view.record.in_flight.needs_heartbeat(vm, local, now) || (view.stored.is_none() && local == 0) {
                         break;
                     }
-                    view.record.in_flight.publish(vm, mine, now);
+                    view.record.in_flight.publish(vm, local, now);
                     match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
                         Err(StoreError::CasMismatch) => view = self.read(store, index, now).ok()?,
                         _ => break,
