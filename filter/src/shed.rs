@@ -25,6 +25,27 @@
 //! heartbeating, and after [`STALE_AFTER_MS`] its entry is ignored and then dropped, so its
 //! streams, which can no longer end, stop counting.
 //!
+//! **Reserves.** Reading and writing the record for every request costs two host calls that
+//! return bytes at admission and two more at the end (about 3 µs per request under V8). So a VM
+//! far below the limit publishes a few units more than it uses, and admits the next requests
+//! from that reserve without touching shared data (see [`reserve`]):
+//!
+//! ```text
+//! held = in_use + min(RESERVE_MAX, ⌊room / (RESERVE_SPREAD × live VMs)⌋)
+//! room = lowest class threshold − (other VMs' units + in_use)
+//! ```
+//!
+//! Reserved units count as in flight for everybody, so the limit stays exact: the published units
+//! of all VMs never exceed the threshold of the class that wrote them, and no request runs
+//! without a published unit. Near the lowest threshold `room` is small and the reserve is 0:
+//! every admission is a compare-and-swap, as without reserves. The price is bounded: a VM's idle
+//! reserve (at most [`RESERVE_MAX`] units, and only while the count is far below every
+//! threshold) can make another VM shed early by that much, and a surge from far below the lowest
+//! threshold to above it can admit up to `RESERVE_MAX` lower-class requests per VM from reserves
+//! taken before it. Releases far below the threshold stay in the VM's reserve (a later request
+//! takes the unit again); a VM gives its reserve back when its last request ends, when the
+//! reserve outgrows `RESERVE_MAX`, on every heartbeat, and, near the threshold, at every release.
+//!
 //! Record layout (little-endian): version `u8`, entry count `u8`, 2 zero bytes, then per entry VM
 //! id `u64`, in-flight `u32`, last heartbeat (ms since epoch) `u64`.
 
@@ -40,6 +61,10 @@ pub const STALE_AFTER_MS: u64 = 10_000;
 pub const HEARTBEAT_MS: u64 = 1_000;
 /// Entries a record holds at most (workers plus replaced VMs not yet expired).
 pub const MAX_VMS: usize = 128;
+/// Units a VM may hold beyond the requests it has in flight (module doc, "Reserves").
+pub const RESERVE_MAX: u32 = 16;
+/// A VM reserves at most `1 / (RESERVE_SPREAD × live VMs)` of the room left below the threshold.
+pub const RESERVE_SPREAD: u32 = 4;
 
 const RECORD_VERSION: u8 = 1;
 const HEADER_LEN: usize = 4;
@@ -116,6 +141,16 @@ impl InFlight {
         self.live_sum(now, Some(vm))
     }
 
+    /// Live VMs other than `vm` that hold units.
+    pub fn other_vms(&self, vm: u64, now: UnixMillis) -> u32 {
+        let count = self
+            .entries
+            .iter()
+            .filter(|e| e.vm != vm && is_live(e, now))
+            .count();
+        u32::try_from(count).unwrap_or(u32::MAX)
+    }
+
     fn live_sum(&self, now: UnixMillis, except: Option<u64>) -> u32 {
         self.entries
             .iter()
@@ -180,9 +215,96 @@ pub fn threshold(shed_at: f64, max_active_requests: u32) -> u32 {
     value
 }
 
-/// The requests this VM admitted that have not ended: the truth for this VM, which the shared
-/// record only mirrors. One per VM and filter namespace, shared by its configurations.
-pub type LocalCount = Rc<Cell<u32>>;
+/// The units a VM publishes once it admits a request that brings its count in use to
+/// `in_use_after`: those, plus a reserve of `min(RESERVE_MAX, ⌊room / (RESERVE_SPREAD × live)⌋)`
+/// where `room = ceiling − (others + in_use_after)` and `live` counts the live VMs, this one
+/// included (module doc, "Reserves"). Never more than `max(ceiling, in_use_after)`.
+pub fn reserve(in_use_after: u32, others: u32, other_vms: u32, ceiling: u32) -> u32 {
+    let room = ceiling.saturating_sub(others.saturating_add(in_use_after));
+    let live = other_vms.saturating_add(1);
+    let spare = room
+        .checked_div(live.saturating_mul(RESERVE_SPREAD))
+        .unwrap_or(0);
+    in_use_after.saturating_add(spare.min(RESERVE_MAX))
+}
+
+/// This VM's side of one shared in-flight count (the shedder's, or one cluster's): the truth for
+/// this VM, which the shared record only mirrors. One per VM and record, shared by the
+/// configurations that use the record.
+#[derive(Debug, Default)]
+pub struct Local {
+    /// Requests admitted that have not ended.
+    in_use: Cell<u32>,
+    /// Units this VM's entry in the record holds, as last written (at least `in_use`; more when
+    /// the VM holds a reserve). Raised only once a write succeeded, so it never claims more
+    /// than the record grants.
+    held: Cell<u32>,
+    /// Other live VMs' units when the record was last read.
+    others: Cell<u32>,
+    /// The last admission that wrote the record was granted no reserve: the count is near its
+    /// threshold, so every release is published at once.
+    near: Cell<bool>,
+}
+
+impl Local {
+    /// Requests admitted on this VM that have not ended.
+    pub fn in_use(&self) -> u32 {
+        self.in_use.get()
+    }
+
+    /// Units this VM holds in the record (its requests plus its reserve), as last written.
+    pub fn held(&self) -> u32 {
+        self.held.get()
+    }
+
+    /// Other VMs' units as last read.
+    pub fn others(&self) -> u32 {
+        self.others.get()
+    }
+
+    /// Takes one unit from the reserve, if there is one: the admission needs no shared data.
+    pub fn take_reserved(&self) -> bool {
+        let in_use = self.in_use.get();
+        if in_use < self.held.get() {
+            self.in_use.set(in_use.saturating_add(1));
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Records a successful write of `held` units with one more request in use.
+    pub(crate) fn admitted(&self, held: u32, others: u32) {
+        let in_use = self.in_use.get().saturating_add(1);
+        self.in_use.set(in_use);
+        self.held.set(held.max(in_use));
+        self.others.set(others);
+        self.near.set(held <= in_use);
+    }
+
+    /// Records that the record now holds `held` units for this VM (after a write that lowered
+    /// them, or one that failed: lowering is always safe).
+    pub(crate) fn published(&self, held: u32, others: u32) {
+        self.held.set(held.max(self.in_use.get()));
+        self.others.set(others);
+    }
+
+    /// Whether the VM holds units it does not use and should give them back now: its last
+    /// request ended, its reserve outgrew [`RESERVE_MAX`] (the load fell), or the count is near
+    /// its threshold, where every unit may be another VM's next admission.
+    pub fn idle_surplus(&self) -> bool {
+        let (in_use, held) = (self.in_use.get(), self.held.get());
+        held > in_use
+            && (in_use == 0 || held.saturating_sub(in_use) > RESERVE_MAX || self.near.get())
+    }
+
+    fn end_one(&self) {
+        self.in_use.set(self.in_use.get().saturating_sub(1));
+    }
+}
+
+/// A VM's [`Local`] count, shared by the configurations and leases that use it.
+pub type LocalCount = Rc<Local>;
 
 /// A request's hold on one unit of the in-flight count, released exactly once: by
 /// [`Shedder::release`] when the stream ends, or, should the stream vanish without that, by
@@ -195,7 +317,7 @@ pub struct Lease {
 }
 
 impl Lease {
-    /// A lease on one unit of `local`, which the caller has just raised.
+    /// A lease on one unit of `local`, whose count in use the caller has just raised.
     pub(crate) fn taken(local: &LocalCount) -> Lease {
         Lease { local: Rc::clone(local), released: false }
     }
@@ -204,7 +326,7 @@ impl Lease {
     pub(crate) fn end(&mut self) {
         if !self.released {
             self.released = true;
-            self.local.set(self.local.get().saturating_sub(1));
+            self.local.end_one();
         }
     }
 }
@@ -252,6 +374,8 @@ pub struct Shedder {
     pub priority_header: String,
     /// `retry-after` of a shed request, in seconds.
     pub retry_after_secs: u64,
+    /// The lowest class threshold: reserves are sized on the room below it.
+    lowest_threshold: u32,
 }
 
 impl Shedder {
@@ -271,6 +395,7 @@ impl Shedder {
             .position(|c| c.name == config.default_class)
             .unwrap_or(0);
         Shedder {
+            lowest_threshold: classes.iter().map(|c| c.threshold).min().unwrap_or(max),
             key: format!("floodgate/{namespace}/in-flight"),
             max_active_requests: max,
             classes,
@@ -302,7 +427,8 @@ impl Shedder {
         Ok((stored, record))
     }
 
-    /// Admits a request of `class` on VM `vm` whose local count is `local`, or sheds it.
+    /// Admits a request of `class` on VM `vm` whose local count is `local`, or sheds it: from
+    /// the VM's reserve when it has one, else by a compare-and-swap on the record.
     pub fn try_acquire<S: SharedStore + ?Sized>(
         &self,
         store: &S,
@@ -311,23 +437,37 @@ impl Shedder {
         class: usize,
         now: UnixMillis,
     ) -> Result<Lease, Shed> {
+        if local.take_reserved() {
+            return Ok(Lease::taken(local));
+        }
         let threshold = self.classes.get(class).map_or(0, |c| c.threshold);
-        let mut last_total = local.get();
+        let mut last_total = local.in_use();
         for _ in 0..MAX_ATTEMPTS {
-            let Ok((stored, mut record)) = self.read(store) else { break };
-            let mine = local.get();
+            let Ok((stored, mut record)) = self.read(store) else {
+                break;
+            };
+            let mine = local.in_use();
+            let others = record.others(vm, now);
             last_total = match admits(&record, vm, mine, threshold, now) {
                 Ok(total) => total,
                 Err(total) => return Err(Shed { in_flight: total, class, contention: false }),
             };
-            let wanted = mine.saturating_add(1);
+            // The reserve is sized on the lowest threshold, and never takes the count past the
+            // requesting class's own.
+            let wanted = reserve(
+                mine.saturating_add(1),
+                others,
+                record.other_vms(vm, now),
+                self.lowest_threshold,
+            )
+            .min(threshold.saturating_sub(others).max(mine.saturating_add(1)));
             if !record.publish(vm, wanted, now) {
                 break;
             }
             match write_back(store, &self.key, stored.as_ref(), &record.encode()) {
                 Ok(()) => {
-                    local.set(local.get().saturating_add(1));
-                    return Ok(Lease { local: Rc::clone(local), released: false });
+                    local.admitted(wanted, others);
+                    return Ok(Lease::taken(local));
                 }
                 Err(StoreError::CasMismatch) => continue,
                 Err(StoreError::Host(_)) => break,
@@ -336,23 +476,46 @@ impl Shedder {
         Err(Shed { in_flight: last_total, class, contention: true })
     }
 
-    /// Ends an admitted request: lowers the local count and publishes it (if that write loses
-    /// every race, the next heartbeat publishes it).
-    pub fn release<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, mut lease: Lease, now: UnixMillis) {
+    /// Ends an admitted request: lowers the local count, and publishes it when the VM holds
+    /// units it no longer uses (see [`Local::idle_surplus`]); if that write loses every race,
+    /// the next heartbeat publishes it.
+    pub fn release<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        mut lease: Lease,
+        now: UnixMillis,
+    ) {
         lease.end();
-        self.publish(store, vm, &lease.local, now);
+        if lease.local.idle_surplus() {
+            self.publish(store, vm, &lease.local, now);
+        }
     }
 
-    /// Refreshes this VM's entry (on every tick): publishes the local count if the record
-    /// disagrees with it or holds dead entries. Returns the proxy-wide in-flight count.
-    pub fn heartbeat<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis) -> u32 {
+    /// Refreshes this VM's entry (on every tick): gives back its reserve and publishes its count
+    /// if the record disagrees with it or holds dead entries. Returns the proxy-wide in-flight
+    /// count.
+    pub fn heartbeat<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        local: &LocalCount,
+        now: UnixMillis,
+    ) -> u32 {
         self.publish(store, vm, local, now)
     }
 
-    /// The proxy-wide in-flight count as this VM sees it.
-    pub fn in_flight<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis) -> u32 {
-        self.read(store)
-            .map_or(local.get(), |(_, record)| record.others(vm, now).saturating_add(local.get()))
+    /// The proxy-wide in-flight count as this VM sees it (other VMs' reserves included).
+    pub fn in_flight<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        local: &LocalCount,
+        now: UnixMillis,
+    ) -> u32 {
+        self.read(store).map_or(local.in_use(), |(_, record)| {
+            record.others(vm, now).saturating_add(local.in_use())
+        })
     }
 
     /// Whether a request of the default class would be shed now (the health endpoint's answer).
@@ -362,14 +525,25 @@ impl Shedder {
             .is_some_and(|c| in_flight >= c.threshold)
     }
 
-    /// Writes this VM's local count into the record when the record disagrees with it (or holds
-    /// dead entries); returns the proxy-wide count.
-    fn publish<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalCount, now: UnixMillis) -> u32 {
-        let mut total = local.get();
+    /// Writes this VM's count in use (giving back any reserve) into the record when the record
+    /// disagrees with it (or holds dead entries); returns the proxy-wide count.
+    fn publish<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        local: &LocalCount,
+        now: UnixMillis,
+    ) -> u32 {
+        let mut total = local.in_use();
         for _ in 0..MAX_ATTEMPTS {
-            let Ok((stored, mut record)) = self.read(store) else { break };
-            let mine = local.get();
-            total = record.others(vm, now).saturating_add(mine);
+            let Ok((stored, mut record)) = self.read(store) else {
+                break;
+            };
+            let mine = local.in_use();
+            let others = record.others(vm, now);
+            total = others.saturating_add(mine);
+            // Lowering is safe before the write lands: the record holds at least as much.
+            local.published(mine, others);
             if !record.needs_heartbeat(vm, mine, now) {
                 break;
             }
@@ -523,7 +697,7 @@ mod tests {
             shedder.release(&store, vm, lease, T0);
         }
         assert_eq!(shedder.in_flight(&store, 1, &a, T0), 0);
-        assert_eq!((a.get(), b.get()), (0, 0));
+        assert_eq!((a.in_use(), b.in_use()), (0, 0));
     }
 
     #[test]
@@ -533,8 +707,13 @@ mod tests {
         let local: LocalCount = Rc::default();
         let lease = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
         drop(lease);
-        assert_eq!(local.get(), 0);
-        assert_eq!(shedder.in_flight(&store, 2, &Rc::default(), T0), 1, "not yet published");
+        assert_eq!(local.in_use(), 0);
+        assert_eq!(
+            shedder.in_flight(&store, 2, &Rc::default(), T0),
+            local.held(),
+            "not yet published"
+        );
+        assert!(local.held() >= 1);
         shedder.heartbeat(&store, 1, &local, T0);
         assert_eq!(shedder.in_flight(&store, 2, &Rc::default(), T0), 0);
     }
@@ -547,7 +726,7 @@ mod tests {
         let first = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
         let _second = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
         shedder.release(&store, 1, first, T0);
-        assert_eq!(local.get(), 1);
+        assert_eq!(local.in_use(), 1);
     }
 
     #[test]
@@ -565,5 +744,125 @@ mod tests {
         assert_eq!(InFlight::decode(&bad), Err(DecodeError::Malformed));
         assert_eq!(InFlight::decode(&[]), Err(DecodeError::Malformed));
         assert_eq!(InFlight::decode(&[1, 0, 0, 0]), Ok(InFlight::default()));
+    }
+
+    #[test]
+    fn reserves_are_a_share_of_the_room_and_vanish_near_the_threshold() {
+        assert_eq!(
+            reserve(1, 0, 0, 50_000),
+            1 + RESERVE_MAX,
+            "far below: a full reserve"
+        );
+        assert_eq!(
+            reserve(1, 0, 1, 100),
+            1 + 12,
+            "99 units of room, 2 VMs: a quarter of half"
+        );
+        assert_eq!(reserve(5, 0, 0, 8), 5, "3 units of room: none");
+        assert_eq!(reserve(8, 0, 0, 8), 8, "at the threshold");
+        assert_eq!(
+            reserve(9, 0, 0, 8),
+            9,
+            "past it (a higher class): never less than in use"
+        );
+        assert_eq!(reserve(1, 90, 3, 100), 1, "others hold most of it");
+    }
+
+    /// A store that counts its operations.
+    #[derive(Default)]
+    struct Counting {
+        inner: crate::store::MemoryStore,
+        ops: Cell<u32>,
+    }
+
+    impl SharedStore for Counting {
+        fn get(&self, key: &str) -> Result<Option<crate::store::Stored>, StoreError> {
+            self.ops.set(self.ops.get() + 1);
+            self.inner.get(key)
+        }
+        fn set(
+            &self,
+            key: &str,
+            value: &[u8],
+            cas: Option<crate::store::Cas>,
+        ) -> Result<(), StoreError> {
+            self.ops.set(self.ops.get() + 1);
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    #[test]
+    fn far_below_the_limit_most_admissions_need_no_shared_data() {
+        let store = Counting::default();
+        let shedder = shedder(100_000);
+        let local: LocalCount = Rc::default();
+        let leases: Vec<Lease> = (0..170)
+            .map(|_| shedder.try_acquire(&store, 1, &local, 2, T0).unwrap())
+            .collect();
+        assert_eq!(local.in_use(), 170);
+        // One read and one write per RESERVE_MAX + 1 admissions (creating the record takes two more).
+        assert_eq!(
+            store.ops.get(),
+            2 * 10 + 2,
+            "{} store operations",
+            store.ops.get()
+        );
+        assert_eq!(
+            shedder.in_flight(&store, 2, &Rc::default(), T0),
+            170,
+            "the reserve counts for other VMs"
+        );
+        for lease in leases {
+            shedder.release(&store, 1, lease, T0);
+        }
+        assert_eq!(
+            shedder.in_flight(&store, 2, &Rc::default(), T0),
+            0,
+            "the last release gives everything back"
+        );
+    }
+
+    #[test]
+    fn reserves_never_let_two_vms_past_the_limit() {
+        // Two VMs alternate; whatever they reserve, the critical limit admits exactly max.
+        for max in [1, 7, 64, 100, 1_000] {
+            let store = crate::store::MemoryStore::new();
+            let shedder = shedder(max);
+            let (a, b): (LocalCount, LocalCount) = (Rc::default(), Rc::default());
+            let mut admitted = Vec::new();
+            for i in 0..(2 * max + 10) {
+                let (vm, local) = if i % 3 == 0 { (1, &a) } else { (2, &b) };
+                if let Ok(lease) = shedder.try_acquire(&store, vm, local, 0, T0) {
+                    admitted.push(lease);
+                }
+                let published =
+                    InFlight::decode(&store.get(shedder.record_key()).unwrap().unwrap().value)
+                        .unwrap();
+                assert!(
+                    published.total(T0) <= max,
+                    "max {max}: {} published",
+                    published.total(T0)
+                );
+            }
+            assert!(admitted.len() as u32 <= max);
+            assert!(
+                admitted.len() as u32 + 2 * RESERVE_MAX >= max,
+                "max {max}: only {} admitted",
+                admitted.len()
+            );
+        }
+    }
+
+    #[test]
+    fn the_heartbeat_gives_an_idle_reserve_back() {
+        let store = crate::store::MemoryStore::new();
+        let shedder = shedder(100_000);
+        let local: LocalCount = Rc::default();
+        let lease = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
+        assert_eq!(local.held(), 1 + RESERVE_MAX);
+        assert_eq!(shedder.heartbeat(&store, 1, &local, T0), 1);
+        assert_eq!(local.held(), 1);
+        assert_eq!(shedder.in_flight(&store, 2, &Rc::default(), T0), 1);
+        shedder.release(&store, 1, lease, T0);
     }
 }

@@ -600,18 +600,23 @@ pub fn inflight_record(data: &[u8]) {
     check_reply(&response::health(Some(&shedder), Some(seen)));
     match shedder.try_acquire(&store, vm, &local, class, now) {
         Ok(lease) => {
-            assert_eq!(local.get(), 1);
+            assert_eq!(local.in_use(), 1);
             if !with_faults && store.planted_cas {
                 let key = store.writes.borrow().last().cloned().expect("an admission is published");
                 let written = InFlight::decode(&store.value(&key).expect("written")).expect("a published record decodes");
                 let own: Vec<_> = written.entries.iter().filter(|e| e.vm == vm).collect();
                 assert_eq!(own.len(), 1, "one entry per VM");
-                assert_eq!((own[0].in_flight, own[0].heartbeat), (1, now));
+                assert_eq!(
+                    (own[0].in_flight, own[0].heartbeat),
+                    (local.held(), now),
+                    "the VM's units, its reserve included"
+                );
+                assert!((1..=1 + floodgate::shed::RESERVE_MAX).contains(&own[0].in_flight));
                 assert!(written.entries.len() <= MAX_VMS);
                 assert!(written.total(now) >= 1);
             }
             shedder.release(&store, vm, lease, now);
-            assert_eq!(local.get(), 0, "the release gives the unit back");
+            assert_eq!(local.in_use(), 0, "the release gives the unit back");
             if !with_faults && store.planted_cas {
                 let key = store.writes.borrow().last().cloned().expect("written");
                 let written = InFlight::decode(&store.value(&key).expect("written")).expect("decodes");
@@ -619,7 +624,7 @@ pub fn inflight_record(data: &[u8]) {
             }
         }
         Err(shed) => {
-            assert_eq!(local.get(), 0, "a shed request holds nothing");
+            assert_eq!(local.in_use(), 0, "a shed request holds nothing");
             assert_eq!(shed.class, class);
             let threshold = shedder.classes[class].threshold;
             if !with_faults && store.planted_cas {
@@ -633,7 +638,7 @@ pub fn inflight_record(data: &[u8]) {
     }
     let total = shedder.heartbeat(&store, vm, &local, now);
     check_reply(&response::health(Some(&shedder), Some(total)));
-    assert_eq!(local.get(), 0);
+    assert_eq!(local.in_use(), 0);
 }
 
 /// The record's operations on arbitrary (decoded) values.
@@ -726,18 +731,27 @@ pub fn cluster_record(data: &[u8]) {
     let mut rng = SplitMix64::new(seed);
     match selector.choose(&store, &mut state, now, &mut rng) {
         Ok(lease) => {
-            assert_eq!((lease.cluster, locals[0].get()), (0, 1));
+            assert_eq!((lease.cluster, locals[0].in_use()), (0, 1));
             let key = selector.record_key(0).expect("a key").to_owned();
             if !with_faults && store.planted_cas {
                 let written = ClusterRecord::decode(&store.value(&key).expect("written"), buckets)
                     .expect("a published record decodes");
                 let own: Vec<_> = written.in_flight.entries.iter().filter(|e| e.vm == vm).collect();
                 assert_eq!(own.len(), 1, "one entry per VM");
-                assert_eq!(own[0].in_flight, 1);
+                assert_eq!(
+                    own[0].in_flight,
+                    locals[0].held(),
+                    "the VM's units, its reserve included"
+                );
+                assert!((1..=1 + floodgate::shed::RESERVE_MAX).contains(&own[0].in_flight));
             }
             let outcome = selector.classify(&lease, Some(status), response_flags, now.plus_ms(status.into()));
             let finished = selector.finish(&store, &mut state, lease, outcome, now);
-            assert_eq!(locals[0].get(), 0, "the lease is released whatever happens");
+            assert_eq!(
+                locals[0].in_use(),
+                0,
+                "the lease is released whatever happens"
+            );
             if !with_faults && store.planted_cas {
                 assert!(finished.recorded, "the outcome is recorded");
                 let written = ClusterRecord::decode(&store.value(&key).expect("written"), buckets).expect("decodes");
@@ -747,7 +761,7 @@ pub fn cluster_record(data: &[u8]) {
             }
         }
         Err(exhausted) => {
-            assert_eq!(locals[0].get(), 0, "a refused request holds nothing");
+            assert_eq!(locals[0].in_use(), 0, "a refused request holds nothing");
             assert_eq!(exhausted.clusters.len(), 1);
             if !with_faults && store.planted_cas {
                 assert!(decoded.is_ok(), "a record that does not decode refused a lease: {exhausted:?}");
@@ -755,8 +769,12 @@ pub fn cluster_record(data: &[u8]) {
             check_reply(&response::no_capacity(&selector, &exhausted));
         }
     }
-    for cluster in selector.heartbeat(&store, &state, now).into_iter().flatten() {
+    for cluster in selector
+        .heartbeat(&store, &mut state, now)
+        .into_iter()
+        .flatten()
+    {
         assert!((0.0..=1.0).contains(&cluster.success_rate), "{cluster:?}");
     }
-    assert_eq!(locals[0].get(), 0);
+    assert_eq!(locals[0].in_use(), 0);
 }

@@ -150,7 +150,8 @@ impl RootContext for FilterRoot {
             stats::set(filter.stats.in_flight, u64::from(total));
         }
         if let Some(selector) = &filter.selector {
-            let states = selector.heartbeat(&EnvoyStore, &filter.selection_vm.borrow(), now());
+            let states =
+                selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now());
             for (index, state) in states.into_iter().enumerate() {
                 let (Some(state), ids) = (state, filter.stats.cluster(index)) else { continue };
                 // The rate is in [0, 1]: millionths fit.
@@ -343,8 +344,15 @@ impl FilterStream {
         let (Some(lease), Some(selector)) = (self.cluster_lease.take(), self.filter.selector.as_ref()) else {
             return;
         };
-        let status = property_u64(&["response", "code"]).and_then(|code| u16::try_from(code).ok()).filter(|c| *c > 0);
-        let flags = property_u64(&["response", "flags"]).unwrap_or(0);
+        let status = property_u64(&["response", "code"])
+            .and_then(|code| u16::try_from(code).ok())
+            .filter(|c| *c > 0);
+        // Flags change the outcome of a stream without a status or with a 5xx; a status below
+        // 500 already sent downstream stands (one host call saved on the common path).
+        let flags = match status {
+            Some(code) if code < 500 => 0,
+            _ => property_u64(&["response", "flags"]).unwrap_or(0),
+        };
         let outcome = selector.classify(&lease, status, flags, now);
         let finished = selector.finish(&EnvoyStore, &mut self.filter.selection_vm.borrow_mut(), lease, outcome, now);
         let ids = self.filter.stats.cluster(finished.cluster);

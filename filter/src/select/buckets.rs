@@ -95,11 +95,23 @@ impl Buckets {
 
     /// Counts one finished request in the newest bucket.
     pub fn record(&mut self, succeeded: bool) {
-        if let Some(newest) = self.recent.first_mut() {
-            newest.finished = newest.finished.saturating_add(1);
-            if succeeded {
-                newest.succeeded = newest.succeeded.saturating_add(1);
-            }
+        let tally = Tally {
+            finished: 1,
+            succeeded: u32::from(succeeded),
+        };
+        self.add(self.epoch, tally);
+    }
+
+    /// Adds requests that finished during bucket `epoch`: to that bucket while it is in the
+    /// window, to the newest for a later epoch (a clock step), nowhere once it aged out.
+    pub fn add(&mut self, epoch: u64, tally: Tally) {
+        let age = usize::try_from(self.epoch.saturating_sub(epoch)).unwrap_or(usize::MAX);
+        if let Some(bucket) = self.recent.get_mut(age) {
+            bucket.finished = bucket.finished.saturating_add(tally.finished);
+            bucket.succeeded = bucket
+                .succeeded
+                .saturating_add(tally.succeeded)
+                .min(bucket.finished);
         }
     }
 

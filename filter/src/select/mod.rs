@@ -16,14 +16,25 @@
 //! 4. walk the order and take a lease from the first cluster whose proxy-wide in-flight count is
 //!    below its limit (a compare-and-swap on its record, re-read and re-checked on a mismatch);
 //!    none has room: fail fast (the shell answers `503`);
-//! 5. when the stream ends, classify it ([`outcome`]) and, in one compare-and-swap, count it in
-//!    the newest bucket, move the limit (AIMD) and give the lease back.
+//! 5. when the stream ends, classify it ([`outcome`]), count it in its bucket, move the limit
+//!    (AIMD) and give the lease back.
 //!
 //! In-flight counts follow the load shedder's scheme ([`crate::shed`]): each VM counts its own
-//! leases locally and publishes the count in the record with a heartbeat, so a VM that dies
-//! stops counting after [`crate::shed::STALE_AFTER_MS`], and a release whose write loses every
-//! race is published by the next heartbeat. Stats and limit moves of such a release are lost
-//! (counted as contention); nothing else is.
+//! leases locally and publishes them in the record with a heartbeat, so a VM that dies stops
+//! counting after [`crate::shed::STALE_AFTER_MS`], and a release whose write loses every race is
+//! published by the next heartbeat. Far below a cluster's limit a VM publishes a small reserve
+//! of units ([`crate::shed::reserve`], sized on the room below the limit) and takes the next
+//! leases from it without touching shared data; the limit stays exact, since reserved units
+//! count as in flight.
+//!
+//! Outcomes are counted where the VM can afford it: a success goes into the VM's pending tally
+//! ([`Pending`], per bucket) and reaches the record with the VM's next write to it (its next
+//! lease that needs one, its last lease ending, or the heartbeat, every
+//! [`crate::shed::HEARTBEAT_MS`]: buckets are seconds wide, so the weights lag by at most one
+//! heartbeat). A failure, a timeout or a slow response is written at once, with whatever is
+//! pending, and the VM gives its reserve back: the cluster's weight and limit react within the
+//! request. A write that loses every race keeps its tally for the next one (only the limit move
+//! of a drop is then lost, counted as contention).
 
 pub mod buckets;
 pub mod limit;
@@ -35,11 +46,11 @@ pub mod shuffle;
 mod tests;
 
 use crate::config::{ClusterName, ClusterSelection, FloorOn, StatusMatch};
-use buckets::Basis;
-use crate::shed::{Lease, LocalCount};
+use crate::shed::{reserve, Lease, LocalCount};
 use crate::store::{write_back, SharedStore, StoreError, Stored};
 use crate::time::UnixMillis;
-use limit::Aimd;
+use buckets::{Basis, Tally};
+use limit::{Aimd, Sample};
 use outcome::{Ending, Outcome};
 use record::ClusterRecord;
 use shuffle::{weighted_shuffle, Random};
@@ -151,14 +162,60 @@ impl Sightings {
     }
 }
 
+/// Outcomes this VM counted for one cluster and has not yet written to its record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Pending {
+    /// Per bucket epoch, oldest first.
+    tallies: Vec<(u64, Tally)>,
+    /// Successes that each raise the limit by one (AIMD) when written.
+    grows: u32,
+    /// The cluster's limit as this VM last read it.
+    limit_seen: u32,
+}
+
+impl Pending {
+    fn count(&mut self, epoch: u64, succeeded: bool, buckets: usize) {
+        let tally = match self.tallies.last_mut() {
+            Some((last, tally)) if *last == epoch => tally,
+            _ => {
+                if self.tallies.len() >= buckets {
+                    self.tallies.remove(0);
+                }
+                self.tallies.push((epoch, Tally::default()));
+                match self.tallies.last_mut() {
+                    Some((_, tally)) => tally,
+                    None => return,
+                }
+            }
+        };
+        tally.finished = tally.finished.saturating_add(1);
+        tally.succeeded = tally.succeeded.saturating_add(u32::from(succeeded));
+    }
+
+    /// Whether there is anything to write.
+    pub fn is_empty(&self) -> bool {
+        self.tallies.is_empty() && self.grows == 0
+    }
+
+    /// Requests counted and not yet written.
+    pub fn finished(&self) -> u32 {
+        self.tallies
+            .iter()
+            .fold(0u32, |sum, (_, t)| sum.saturating_add(t.finished))
+    }
+}
+
 /// One VM's side of cluster selection: its id in the records, its lease count per cluster
-/// (configuration order; the truth that the records mirror) and its recent weights.
+/// (configuration order; the truth that the records mirror), its pending outcomes and its recent
+/// weights.
 #[derive(Clone, Debug)]
 pub struct VmState {
     /// The VM's random id.
     pub vm: u64,
     /// Leases held by this VM, per cluster.
     pub leases: Vec<LocalCount>,
+    /// Outcomes not yet written, per cluster.
+    pub pending: Vec<Pending>,
     /// Recent weights.
     pub seen: Sightings,
 }
@@ -166,7 +223,13 @@ pub struct VmState {
 impl VmState {
     /// The state of VM `vm` with the given lease counts.
     pub fn new(vm: u64, leases: Vec<LocalCount>) -> VmState {
-        VmState { vm, leases, seen: Sightings::default() }
+        let pending = vec![Pending::default(); leases.len()];
+        VmState {
+            vm,
+            leases,
+            pending,
+            seen: Sightings::default(),
+        }
     }
 }
 
@@ -257,6 +320,14 @@ impl Selector {
         }
     }
 
+    /// Writes `pending` into a record read for a write: tallies into their buckets, limit moves.
+    fn apply(&self, record: &mut ClusterRecord, pending: &Pending) {
+        for (epoch, tally) in &pending.tallies {
+            record.buckets.add(*epoch, *tally);
+        }
+        record.limit = self.limit.clamp(record.limit.saturating_add(pending.grows));
+    }
+
     /// Chooses the cluster of a request and takes a lease on it (module doc, steps 1 to 4).
     pub fn choose<S: SharedStore + ?Sized, R: Random + ?Sized>(
         &self,
@@ -265,7 +336,12 @@ impl Selector {
         now: UnixMillis,
         rng: &mut R,
     ) -> Result<ClusterLease, Exhausted> {
-        let VmState { vm, leases: locals, seen } = state;
+        let VmState {
+            vm,
+            leases: locals,
+            pending,
+            seen,
+        } = state;
         let vm = *vm;
         let mut views: Vec<Option<View>> = (0..self.clusters.len()).map(|_| None).collect();
         let mut weights = Vec::with_capacity(views.len());
@@ -275,6 +351,9 @@ impl Selector {
                 None => {
                     *slot = self.read(store, index, now).ok();
                     let weight = slot.as_ref().map_or(0.0, |v| self.record_weight(&v.record));
+                    if let (Some(view), Some(p)) = (slot.as_ref(), pending.get_mut(index)) {
+                        p.limit_seen = view.record.limit;
+                    }
                     seen.note(index, weight, now);
                     weight
                 }
@@ -285,11 +364,25 @@ impl Selector {
         weighted_shuffle(&weights, rng, &mut order);
         let mut contention = false;
         for index in order {
-            let (Some(slot), Some(local)) = (views.get_mut(index), locals.get(index)) else { continue };
+            let (Some(slot), Some(local), Some(p)) = (
+                views.get_mut(index),
+                locals.get(index),
+                pending.get_mut(index),
+            ) else {
+                continue;
+            };
+            if local.take_reserved() {
+                return Ok(ClusterLease {
+                    cluster: index,
+                    started: now,
+                    in_flight: local.others().saturating_add(local.in_use()),
+                    unit: Lease::taken(local),
+                });
+            }
             if slot.is_none() {
                 *slot = self.read(store, index, now).ok();
             }
-            let leased = self.try_lease(store, index, slot, vm, local, now);
+            let leased = self.try_lease(store, index, slot, vm, local, p, now);
             if let Some(view) = slot.as_ref() {
                 seen.note(index, self.record_weight(&view.record), now);
             }
@@ -303,15 +396,24 @@ impl Selector {
             .iter()
             .zip(locals.iter())
             .map(|(view, local)| {
-                view.as_ref()
-                    .map(|v| (v.record.in_flight.others(vm, now).saturating_add(local.get()), v.record.limit))
+                view.as_ref().map(|v| {
+                    (
+                        v.record
+                            .in_flight
+                            .others(vm, now)
+                            .saturating_add(local.in_use()),
+                        v.record.limit,
+                    )
+                })
             })
             .collect();
         Err(Exhausted { clusters, contention })
     }
 
-    /// Takes a lease on cluster `index` if it has room: `Ok(None)` when it is full, `Err` when
-    /// its record could not be updated.
+    /// Takes a lease on cluster `index` if it has room, writing the VM's pending outcomes and,
+    /// far below the limit, a reserve in the same compare-and-swap: `Ok(None)` when it is full,
+    /// `Err` when its record could not be updated.
+    #[allow(clippy::too_many_arguments)]
     fn try_lease<S: SharedStore + ?Sized>(
         &self,
         store: &S,
@@ -319,22 +421,32 @@ impl Selector {
         slot: &mut Option<View>,
         vm: u64,
         local: &LocalCount,
+        pending: &mut Pending,
         now: UnixMillis,
     ) -> Result<Option<ClusterLease>, ()> {
         let key = self.record_key(index).ok_or(())?;
         for _ in 0..MAX_ATTEMPTS {
             let view = slot.as_mut().ok_or(())?;
-            let mine = local.get();
-            let in_flight = view.record.in_flight.others(vm, now).saturating_add(mine);
+            self.apply(&mut view.record, pending);
+            pending.limit_seen = view.record.limit;
+            let mine = local.in_use();
+            let others = view.record.in_flight.others(vm, now);
+            let in_flight = others.saturating_add(mine);
             if in_flight >= view.record.limit {
                 return Ok(None);
             }
-            if !view.record.in_flight.publish(vm, mine.saturating_add(1), now) {
+            let other_vms = view.record.in_flight.other_vms(vm, now);
+            let wanted = reserve(mine.saturating_add(1), others, other_vms, view.record.limit);
+            if !view.record.in_flight.publish(vm, wanted, now) {
                 return Err(());
             }
             match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
                 Ok(()) => {
-                    local.set(mine.saturating_add(1));
+                    *pending = Pending {
+                        limit_seen: view.record.limit,
+                        ..Pending::default()
+                    };
+                    local.admitted(wanted, others);
                     return Ok(Some(ClusterLease {
                         cluster: index,
                         started: now,
@@ -360,7 +472,8 @@ impl Selector {
     }
 
     /// Ends a lease with its outcome (module doc, step 5): the lease is released whatever
-    /// happens; the stats and the limit move are written in the same compare-and-swap.
+    /// happens. A success is counted locally; a failure, a timeout or a slow response, or the
+    /// VM's last lease on the cluster ending, writes everything pending at once.
     pub fn finish<S: SharedStore + ?Sized>(
         &self,
         store: &S,
@@ -369,24 +482,62 @@ impl Selector {
         outcome: Outcome,
         now: UnixMillis,
     ) -> Finished {
-        let VmState { vm, leases: locals, seen } = state;
+        let VmState {
+            vm,
+            leases: locals,
+            pending,
+            seen,
+        } = state;
         let vm = *vm;
         lease.unit.end();
         let index = lease.cluster;
-        let mut finished = Finished { cluster: index, outcome, recorded: false };
-        let (Some(key), Some(local)) = (self.record_key(index), locals.get(index)) else {
+        let mut finished = Finished {
+            cluster: index,
+            outcome,
+            recorded: false,
+        };
+        let (Some(key), Some(local), Some(p)) = (
+            self.record_key(index),
+            locals.get(index),
+            pending.get_mut(index),
+        ) else {
             return finished;
         };
+        if let Some(succeeded) = outcome.tally() {
+            p.count(self.epoch(now), succeeded, self.bucket_count);
+        }
+        let sample = outcome.sample();
+        if sample == Sample::Success
+            && self.limit.update(p.limit_seen, lease.in_flight, sample) > p.limit_seen
+        {
+            p.grows = p.grows.saturating_add(1);
+        }
+        let urgent = outcome.tally() == Some(false) || sample == Sample::Dropped;
+        if !urgent && !local.idle_surplus() {
+            finished.recorded = true;
+            return finished;
+        }
         for _ in 0..MAX_ATTEMPTS {
-            let Ok(mut view) = self.read(store, index, now) else { break };
-            if let Some(succeeded) = outcome.tally() {
-                view.record.buckets.record(succeeded);
+            let Ok(mut view) = self.read(store, index, now) else {
+                break;
+            };
+            self.apply(&mut view.record, p);
+            if sample == Sample::Dropped {
+                view.record.limit = self
+                    .limit
+                    .update(view.record.limit, lease.in_flight, sample);
             }
-            view.record.limit = self.limit.update(view.record.limit, lease.in_flight, outcome.sample());
-            view.record.in_flight.publish(vm, local.get(), now);
+            let others = view.record.in_flight.others(vm, now);
+            // Lowering is safe before the write lands: the record holds at least as much.
+            local.published(local.in_use(), others);
+            view.record.in_flight.publish(vm, local.in_use(), now);
             match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
                 Ok(()) => {
                     finished.recorded = true;
+                    *p = Pending {
+                        limit_seen: view.record.limit,
+                        ..Pending::default()
+                    };
                     seen.note(index, self.record_weight(&view.record), now);
                     break;
                 }
@@ -397,34 +548,56 @@ impl Selector {
         finished
     }
 
-    /// Refreshes this VM's entries (on every tick) and returns each cluster's state for the
-    /// gauges (`None` for a record that could not be read).
+    /// Refreshes this VM's entries (on every tick): writes its pending outcomes, gives back its
+    /// reserves, and returns each cluster's state for the gauges (`None` for a record that could
+    /// not be read).
     pub fn heartbeat<S: SharedStore + ?Sized>(
         &self,
         store: &S,
-        state: &VmState,
+        state: &mut VmState,
         now: UnixMillis,
     ) -> Vec<Option<ClusterState>> {
-        let (vm, locals) = (state.vm, &state.leases);
+        let VmState {
+            vm,
+            leases: locals,
+            pending,
+            ..
+        } = state;
+        let vm = *vm;
         (0..self.clusters.len())
             .map(|index| {
-                let local = locals.get(index).map_or(0, |l| l.get());
+                let (local, p) = (locals.get(index)?, pending.get_mut(index)?);
                 let key = self.record_key(index)?;
                 let mut view = self.read(store, index, now).ok()?;
                 for _ in 0..MAX_ATTEMPTS {
-                    if !view.record.in_flight.needs_heartbeat(vm, local, now) || (view.stored.is_none() && local == 0) {
+                    let mine = local.in_use();
+                    local.published(mine, view.record.in_flight.others(vm, now));
+                    let stale = view.record.in_flight.needs_heartbeat(vm, mine, now);
+                    if (!stale && p.is_empty())
+                        || (view.stored.is_none() && mine == 0 && p.is_empty())
+                    {
                         break;
                     }
-                    view.record.in_flight.publish(vm, local, now);
+                    self.apply(&mut view.record, p);
+                    view.record.in_flight.publish(vm, mine, now);
                     match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
+                        Ok(()) => {
+                            *p = Pending::default();
+                            break;
+                        }
                         Err(StoreError::CasMismatch) => view = self.read(store, index, now).ok()?,
-                        _ => break,
+                        Err(StoreError::Host(_)) => break,
                     }
                 }
+                p.limit_seen = view.record.limit;
                 Some(ClusterState {
                     success_rate: self.success_rate(&view.record),
                     limit: view.record.limit,
-                    in_flight: view.record.in_flight.others(vm, now).saturating_add(local),
+                    in_flight: view
+                        .record
+                        .in_flight
+                        .others(vm, now)
+                        .saturating_add(local.in_use()),
                 })
             })
             .collect()

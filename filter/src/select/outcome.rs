@@ -1,6 +1,11 @@
 //! How a stream ended, from the proxy's point of view: the final status and Envoy's response
 //! flags (`response.code` and `response.flags` attributes, read in `on_log`), and how long the
 //! lease was held.
+//!
+//! The shell reads the flags only when there is no status or it is 5xx (each read is a host call
+//! that returns bytes): a stream whose status line went downstream below 500 counts by its
+//! status, even if the upstream then failed mid-body (a reset or a stream-duration limit after
+//! the headers).
 
 use super::limit::Sample;
 use crate::config::StatusMatch;

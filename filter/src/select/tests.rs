@@ -27,11 +27,10 @@ fn selector(json: &str) -> Selector {
 }
 
 fn locals(n: usize) -> Vec<LocalCount> {
-    (0..n).map(|_| Rc::new(Cell::new(0))).collect()
+    (0..n).map(|_| Rc::default()).collect()
 }
 
-/// VM `id` holding the lease counts `locals` (shared, so several calls see one VM's counts),
-/// with no recent weights.
+/// VM `id` holding the lease counts `locals`, with nothing pending and no recent weights.
 fn vm(id: u64, locals: &[LocalCount]) -> VmState {
     VmState::new(id, locals.to_vec())
 }
@@ -287,11 +286,11 @@ fn records_round_trip_and_refuse_anything_malformed() {
 fn the_cascade_takes_the_next_cluster_with_room_then_fails_fast() {
     let s = selector(r#"{"clusters":["a","b","c"],"concurrency_limit":{"initial_limit":2,"min_limit":1,"max_limit":5}}"#);
     let store = MemoryStore::new();
-    let mine = locals(3);
+    let mut mine = vm(1, &locals(3));
     let mut rng = SplitMix64::new(3);
     let mut leases = Vec::new();
     for _ in 0..6 {
-        leases.push(s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap());
+        leases.push(s.choose(&store, &mut mine, T0, &mut rng).unwrap());
     }
     let per_cluster: Vec<usize> = (0..3).map(|c| leases.iter().filter(|l| l.cluster == c).count()).collect();
     assert_eq!(per_cluster, vec![2, 2, 2], "each cluster up to its limit");
@@ -301,16 +300,16 @@ fn the_cascade_takes_the_next_cluster_with_room_then_fails_fast() {
     // One release makes room again, on that cluster only.
     let lease = leases.pop().unwrap();
     let freed = lease.cluster;
-    let done = s.finish(&store, &mut vm(1, &mine), lease, Outcome::Failure, T0);
+    let done = s.finish(&store, &mut mine, lease, Outcome::Failure, T0);
     assert!(done.recorded);
-    let again = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
+    let again = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     assert_eq!(again.cluster, freed);
     leases.push(again);
     for lease in leases {
-        s.finish(&store, &mut vm(1, &mine), lease, Outcome::Ignored, T0);
+        s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
     }
-    assert!(mine.iter().all(|l| l.get() == 0));
-    let states = s.heartbeat(&store, &vm(1, &mine), T0);
+    assert!(mine.leases.iter().all(|l| l.in_use() == 0));
+    let states = s.heartbeat(&store, &mut mine, T0);
     assert!(states.iter().all(|st| st.unwrap().in_flight == 0));
 }
 
@@ -318,39 +317,54 @@ fn the_cascade_takes_the_next_cluster_with_room_then_fails_fast() {
 fn leases_are_exact_across_vms_and_a_dead_vm_stops_counting() {
     let s = selector(r#"{"clusters":["only"],"concurrency_limit":{"initial_limit":3,"min_limit":3,"max_limit":3}}"#);
     let store = MemoryStore::new();
-    let (one, two) = (locals(1), locals(1));
+    let (mut one, mut two) = (vm(1, &locals(1)), vm(2, &locals(1)));
     let mut rng = SplitMix64::new(5);
-    let a = s.choose(&store, &mut vm(1, &one), T0, &mut rng).unwrap();
-    let b = s.choose(&store, &mut vm(2, &two), T0, &mut rng).unwrap();
-    let c = s.choose(&store, &mut vm(1, &one), T0, &mut rng).unwrap();
+    let a = s.choose(&store, &mut one, T0, &mut rng).unwrap();
+    let b = s.choose(&store, &mut two, T0, &mut rng).unwrap();
+    let c = s.choose(&store, &mut one, T0, &mut rng).unwrap();
     assert_eq!((a.in_flight, b.in_flight, c.in_flight), (1, 2, 3));
-    assert!(s.choose(&store, &mut vm(2, &two), T0, &mut rng).is_err(), "3 of 3 taken across two VMs");
+    assert!(
+        s.choose(&store, &mut two, T0, &mut rng).is_err(),
+        "3 of 3 taken across two VMs"
+    );
     // VM 1 dies holding two leases (never finished, never heartbeats again).
     std::mem::forget(a);
     std::mem::forget(c);
     let later = T0.plus_ms(STALE_AFTER_MS / 2);
-    s.heartbeat(&store, &vm(2, &two), later);
-    assert!(s.choose(&store, &mut vm(2, &two), later, &mut rng).is_err(), "still counted before it is stale");
+    s.heartbeat(&store, &mut two, later);
+    assert!(
+        s.choose(&store, &mut two, later, &mut rng).is_err(),
+        "still counted before it is stale"
+    );
     let stale = T0.plus_ms(STALE_AFTER_MS + 1);
-    let d = s.choose(&store, &mut vm(2, &two), stale, &mut rng).unwrap();
+    let d = s.choose(&store, &mut two, stale, &mut rng).unwrap();
     assert_eq!(d.in_flight, 2, "only VM 2's leases count");
-    s.finish(&store, &mut vm(2, &two), d, Outcome::Success, stale);
-    s.finish(&store, &mut vm(2, &two), b, Outcome::Success, stale);
-    assert_eq!(s.heartbeat(&store, &vm(2, &two), stale)[0].unwrap().in_flight, 0);
+    s.finish(&store, &mut two, d, Outcome::Success, stale);
+    s.finish(&store, &mut two, b, Outcome::Success, stale);
+    assert_eq!(
+        s.heartbeat(&store, &mut two, stale)[0].unwrap().in_flight,
+        0
+    );
 }
 
 #[test]
 fn a_dropped_lease_gives_its_unit_back_and_the_heartbeat_publishes_it() {
     let s = selector(r#"{"clusters":["only"],"concurrency_limit":{"initial_limit":1,"min_limit":1,"max_limit":1}}"#);
     let store = MemoryStore::new();
-    let mine = locals(1);
+    let mut mine = vm(1, &locals(1));
     let mut rng = SplitMix64::new(5);
-    let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
+    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     drop(lease);
-    assert_eq!(mine[0].get(), 0);
-    assert!(s.choose(&store, &mut vm(2, &locals(1)), T0, &mut rng).is_err(), "the record still says 1");
-    assert_eq!(s.heartbeat(&store, &vm(1, &mine), T0)[0].unwrap().in_flight, 0);
-    assert!(s.choose(&store, &mut vm(2, &locals(1)), T0, &mut rng).is_ok());
+    assert_eq!(mine.leases[0].in_use(), 0);
+    assert!(
+        s.choose(&store, &mut vm(2, &locals(1)), T0, &mut rng)
+            .is_err(),
+        "the record still says 1"
+    );
+    assert_eq!(s.heartbeat(&store, &mut mine, T0)[0].unwrap().in_flight, 0);
+    assert!(s
+        .choose(&store, &mut vm(2, &locals(1)), T0, &mut rng)
+        .is_ok());
 }
 
 #[test]
@@ -359,11 +373,11 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
         r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":10,"min_limit":1,"max_limit":20,"timeout":"1s"}}"#,
     );
     let store = MemoryStore::new();
-    let mine = locals(1);
+    let mut mine = vm(1, &locals(1));
     let mut rng = SplitMix64::new(5);
     let mut finish = |outcome: Outcome| {
-        let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
-        s.finish(&store, &mut vm(1, &mine), lease, outcome, T0)
+        let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+        s.finish(&store, &mut mine, lease, outcome, T0)
     };
     finish(Outcome::Timeout);
     finish(Outcome::Failure);
@@ -373,19 +387,37 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
     assert_eq!(view.record.buckets.recent[0], tally(3, 1), "ignored is not counted");
     assert_eq!(view.record.limit, 8, "10 → 9 (timeout) → 9 (failure) → ⌊8.1⌋ (slow) → 8 (ignored)");
     // Growth needs half the limit in use: hold 4 leases, then succeed.
-    let held: Vec<_> = (0..3).map(|_| s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap()).collect();
-    let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
+    let held: Vec<_> = (0..3)
+        .map(|_| s.choose(&store, &mut mine, T0, &mut rng).unwrap())
+        .collect();
+    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     assert_eq!(lease.in_flight, 4);
-    s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0);
-    assert_eq!(s.read(&store, 0, T0).unwrap().record.limit, 9, "4 × 2 ≥ 8: grows by one");
+    s.finish(&store, &mut mine, lease, Outcome::Success, T0);
+    assert_eq!(
+        s.read(&store, 0, T0).unwrap().record.limit,
+        8,
+        "a success waits in the VM's pending tally"
+    );
+    assert_eq!(mine.pending[0].finished(), 1);
+    s.heartbeat(&store, &mut mine, T0);
+    assert!(mine.pending[0].is_empty(), "the heartbeat writes it");
+    let view = s.read(&store, 0, T0).unwrap();
+    assert_eq!(view.record.limit, 9, "4 × 2 ≥ 8: grows by one");
+    assert_eq!(view.record.buckets.recent[0], tally(4, 2));
     for lease in held {
-        s.finish(&store, &mut vm(1, &mine), lease, Outcome::Ignored, T0);
+        s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
     }
-    let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
-    assert_eq!(s.classify(&lease, Some(200), 0, T0.plus_ms(1001)), Outcome::Slow);
-    assert_eq!(s.classify(&lease, Some(200), 0, T0.plus_ms(999)), Outcome::Success);
+    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+    assert_eq!(
+        s.classify(&lease, Some(200), 0, T0.plus_ms(1001)),
+        Outcome::Slow
+    );
+    assert_eq!(
+        s.classify(&lease, Some(200), 0, T0.plus_ms(999)),
+        Outcome::Success
+    );
     assert_eq!(s.classify(&lease, Some(502), 0, T0), Outcome::Failure);
-    s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0);
+    s.finish(&store, &mut mine, lease, Outcome::Success, T0);
 }
 
 /// Runs `requests` requests at `rate_per_sec` through the selector, each finishing at once with
@@ -462,40 +494,50 @@ fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
     );
     let store = MemoryStore::new();
     let mut rng = SplitMix64::new(13);
-    let mine = locals(2);
+    let mut mine = vm(1, &locals(2));
     for i in 0..500u64 {
         let now = T0.plus_ms(i);
-        let lease = s.choose(&store, &mut vm(1, &mine), now, &mut rng).unwrap();
-        let outcome = if lease.cluster == 1 { Outcome::Slow } else { Outcome::Success };
-        s.finish(&store, &mut vm(1, &mine), lease, outcome, now);
+        let lease = s.choose(&store, &mut mine, now, &mut rng).unwrap();
+        let outcome = if lease.cluster == 1 {
+            Outcome::Slow
+        } else {
+            Outcome::Success
+        };
+        s.finish(&store, &mut mine, lease, outcome, now);
     }
     assert_eq!(s.read(&store, 1, T0.plus_ms(500)).unwrap().record.limit, 1, "slow cluster at min_limit");
     // With one lease held on the slow cluster, every further request goes to `a`.
     let held = loop {
-        let lease = s.choose(&store, &mut vm(1, &mine), T0.plus_ms(600), &mut rng).unwrap();
+        let lease = s
+            .choose(&store, &mut mine, T0.plus_ms(600), &mut rng)
+            .unwrap();
         if lease.cluster == 1 {
             break lease;
         }
-        s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0.plus_ms(600));
+        s.finish(&store, &mut mine, lease, Outcome::Success, T0.plus_ms(600));
     };
     for _ in 0..100 {
-        let lease = s.choose(&store, &mut vm(1, &mine), T0.plus_ms(601), &mut rng).unwrap();
+        let lease = s
+            .choose(&store, &mut mine, T0.plus_ms(601), &mut rng)
+            .unwrap();
         assert_eq!(lease.cluster, 0);
-        s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0.plus_ms(601));
+        s.finish(&store, &mut mine, lease, Outcome::Success, T0.plus_ms(601));
     }
-    s.finish(&store, &mut vm(1, &mine), held, Outcome::Slow, T0.plus_ms(700));
+    s.finish(&store, &mut mine, held, Outcome::Slow, T0.plus_ms(700));
 }
 
 #[test]
 fn a_record_from_another_layout_or_corrupt_reads_as_fresh() {
     let s = selector(r#"{"clusters":["a"]}"#);
     let store = MemoryStore::new();
-    store.set(s.record_key(0).unwrap(), b"garbage", None).unwrap();
-    let mine = locals(1);
+    store
+        .set(s.record_key(0).unwrap(), b"garbage", None)
+        .unwrap();
+    let mut mine = vm(1, &locals(1));
     let mut rng = SplitMix64::new(1);
-    let lease = s.choose(&store, &mut vm(1, &mine), T0, &mut rng).unwrap();
+    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     assert_eq!(lease.in_flight, 1);
-    s.finish(&store, &mut vm(1, &mine), lease, Outcome::Success, T0);
+    s.finish(&store, &mut mine, lease, Outcome::Success, T0);
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(1, 1));
     assert_eq!(view.record.limit, 20);
@@ -530,8 +572,15 @@ fn recent_weights_spare_reading_every_record_on_every_request() {
     let second = s.choose(&store, &mut state, T0.plus_ms(WEIGHT_TTL_MS - 1), &mut rng).unwrap();
     assert!(store.gets.get() <= 2, "within the TTL only the chosen record is read ({} reads)", store.gets.get());
     store.gets.set(0);
-    let third = s.choose(&store, &mut state, T0.plus_ms(WEIGHT_TTL_MS), &mut rng).unwrap();
-    assert!(store.gets.get() >= 4, "stale weights are read again ({} reads)", store.gets.get());
+    let third = s
+        .choose(&store, &mut state, T0.plus_ms(WEIGHT_TTL_MS), &mut rng)
+        .unwrap();
+    // Every weight older than the TTL is read again (the second choice's own read refreshed one).
+    assert!(
+        store.gets.get() >= 3,
+        "stale weights are read again ({} reads)",
+        store.gets.get()
+    );
     for lease in [first, second, third] {
         s.finish(&store, &mut state, lease, Outcome::Success, T0);
     }
@@ -551,5 +600,141 @@ fn a_finish_on_this_vm_updates_its_weight_at_once() {
         let lease = s.choose(&store, &mut state, T0.plus_ms(i), &mut rng).unwrap();
         assert_ne!(lease.cluster, failed);
         s.finish(&store, &mut state, lease, Outcome::Success, T0.plus_ms(i));
+    }
+}
+
+// ---- reserves and pending outcomes ----
+
+#[test]
+fn far_below_the_limit_leases_come_from_a_reserve_and_successes_wait() {
+    let s = selector(
+        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":200,"min_limit":1,"max_limit":200}}"#,
+    );
+    let store = CountingStore {
+        inner: MemoryStore::new(),
+        gets: Cell::new(0),
+    };
+    let mut one = vm(1, &locals(1));
+    let mut rng = SplitMix64::new(4);
+    let held: Vec<_> = (0..50)
+        .map(|_| s.choose(&store, &mut one, T0, &mut rng).unwrap())
+        .collect();
+    assert!(
+        store.gets.get() <= 12,
+        "{} reads for 50 leases",
+        store.gets.get()
+    );
+    assert!(one.leases[0].held() >= 50);
+    store.gets.set(0);
+    let mut held = held.into_iter();
+    for lease in held.by_ref().take(49) {
+        s.finish(&store, &mut one, lease, Outcome::Success, T0);
+    }
+    // Successes are counted locally; the VM writes only to give back units it stopped using
+    // (once more than RESERVE_MAX of them are idle), with whatever is pending.
+    assert!(
+        store.gets.get() <= 3,
+        "{} reads for 49 successes",
+        store.gets.get()
+    );
+    let last = held.next().unwrap();
+    s.finish(&store, &mut one, last, Outcome::Success, T0);
+    assert!(
+        one.pending[0].is_empty(),
+        "the VM's last lease ending writes everything"
+    );
+    let view = s.read(&store.inner, 0, T0).unwrap();
+    assert_eq!(view.record.buckets.recent[0], tally(50, 50));
+    assert_eq!(
+        view.record.in_flight.total(T0),
+        0,
+        "and gives the reserve back"
+    );
+}
+
+#[test]
+fn a_failure_is_written_at_once_with_what_is_pending() {
+    let s = selector(
+        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":200,"min_limit":1,"max_limit":200}}"#,
+    );
+    let store = MemoryStore::new();
+    let mut one = vm(1, &locals(1));
+    let mut rng = SplitMix64::new(4);
+    let leases: Vec<_> = (0..4)
+        .map(|_| s.choose(&store, &mut one, T0, &mut rng).unwrap())
+        .collect();
+    let mut leases = leases.into_iter();
+    for lease in leases.by_ref().take(2) {
+        s.finish(&store, &mut one, lease, Outcome::Success, T0);
+    }
+    s.finish(
+        &store,
+        &mut one,
+        leases.next().unwrap(),
+        Outcome::Failure,
+        T0.plus_ms(1),
+    );
+    let view = s.read(&store, 0, T0).unwrap();
+    assert_eq!(view.record.buckets.recent[0], tally(3, 2));
+    assert_eq!(
+        view.record.in_flight.total(T0),
+        1,
+        "the reserve is given back: only the lease in use counts"
+    );
+    s.finish(
+        &store,
+        &mut one,
+        leases.next().unwrap(),
+        Outcome::Success,
+        T0,
+    );
+}
+
+#[test]
+fn pending_outcomes_land_in_the_bucket_they_happened_in() {
+    let s = selector(
+        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":200,"min_limit":1,"max_limit":200}}"#,
+    );
+    let store = MemoryStore::new();
+    let mut one = vm(1, &locals(1));
+    let mut rng = SplitMix64::new(4);
+    let keep = s.choose(&store, &mut one, T0, &mut rng).unwrap();
+    let early = s.choose(&store, &mut one, T0, &mut rng).unwrap();
+    s.finish(&store, &mut one, early, Outcome::Success, T0);
+    let later = T0.plus_ms(5_000);
+    let late = s.choose(&store, &mut one, later, &mut rng).unwrap();
+    s.finish(&store, &mut one, late, Outcome::Success, later);
+    s.heartbeat(&store, &mut one, later);
+    let view = s.read(&store, 0, later).unwrap();
+    assert_eq!(view.record.buckets.recent[0], tally(1, 1));
+    assert_eq!(view.record.buckets.recent[1], tally(1, 1));
+    s.finish(&store, &mut one, keep, Outcome::Success, later);
+}
+
+#[test]
+fn reserves_never_let_two_vms_past_a_cluster_limit() {
+    for limit in [1u32, 5, 40, 200] {
+        let s = selector(&format!(
+            r#"{{"clusters":["a"],"concurrency_limit":{{"initial_limit":{limit},"min_limit":{limit},"max_limit":{limit}}}}}"#
+        ));
+        let store = MemoryStore::new();
+        let (mut one, mut two) = (vm(1, &locals(1)), vm(2, &locals(1)));
+        let mut rng = SplitMix64::new(8);
+        let mut leases = 0u32;
+        let mut kept = Vec::new();
+        for i in 0..(3 * limit + 10) {
+            let state = if i % 3 == 0 { &mut one } else { &mut two };
+            if let Ok(lease) = s.choose(&store, state, T0, &mut rng) {
+                leases += 1;
+                kept.push(lease);
+            }
+            let published = s.read(&store, 0, T0).unwrap().record.in_flight.total(T0);
+            assert!(published <= limit, "limit {limit}: {published} published");
+        }
+        assert!(
+            leases <= limit && leases + 2 * crate::shed::RESERVE_MAX >= limit,
+            "limit {limit}: {leases} leases"
+        );
+        drop(kept);
     }
 }
