@@ -617,10 +617,11 @@ pub fn inflight_record(data: &[u8]) {
             }
             shedder.release(&store, vm, lease, now);
             assert_eq!(local.in_use(), 0, "the release gives the unit back");
+            shedder.heartbeat(&store, vm, &local, now);
             if !with_faults && store.planted_cas {
                 let key = store.writes.borrow().last().cloned().expect("written");
                 let written = InFlight::decode(&store.value(&key).expect("written")).expect("decodes");
-                assert!(written.entries.iter().all(|e| e.vm != vm), "an idle VM leaves no entry");
+                assert!(written.entries.iter().all(|e| e.vm != vm), "an idle VM leaves no entry after a heartbeat");
             }
         }
         Err(shed) => {
@@ -752,10 +753,11 @@ pub fn cluster_record(data: &[u8]) {
                 0,
                 "the lease is released whatever happens"
             );
+            selector.heartbeat(&store, &mut state, now);
             if !with_faults && store.planted_cas {
                 assert!(finished.recorded, "the outcome is recorded");
                 let written = ClusterRecord::decode(&store.value(&key).expect("written"), buckets).expect("decodes");
-                assert!(written.in_flight.entries.iter().all(|e| e.vm != vm), "an idle VM leaves no lease");
+                assert!(written.in_flight.entries.iter().all(|e| e.vm != vm), "an idle VM leaves no lease after a heartbeat");
                 let (limit, bounds) = (written.limit, selector.limit());
                 assert!((bounds.min..=bounds.max).contains(&limit), "limit {limit} within [{}, {}]", bounds.min, bounds.max);
             }

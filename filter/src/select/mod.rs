@@ -29,7 +29,7 @@
 //!
 //! Outcomes are counted where the VM can afford it: a success goes into the VM's pending tally
 //! ([`Pending`], per bucket) and reaches the record with the VM's next write to it (its next
-//! lease that needs one, its last lease ending, or the heartbeat, every
+//! lease that needs one, a release that gives units back, or the heartbeat, every
 //! [`crate::shed::HEARTBEAT_MS`]: buckets are seconds wide, so the weights lag by at most one
 //! heartbeat). A failure, a timeout or a slow response is written at once, with whatever is
 //! pending, and the VM gives its reserve back: the cluster's weight and limit react within the
@@ -472,8 +472,9 @@ impl Selector {
     }
 
     /// Ends a lease with its outcome (module doc, step 5): the lease is released whatever
-    /// happens. A success is counted locally; a failure, a timeout or a slow response, or the
-    /// VM's last lease on the cluster ending, writes everything pending at once.
+    /// happens. A success is counted locally; a failure, a timeout or a slow response, or a
+    /// release that gives units back (see [`crate::shed::Local::idle_surplus`]), writes
+    /// everything pending at once.
     pub fn finish<S: SharedStore + ?Sized>(
         &self,
         store: &S,

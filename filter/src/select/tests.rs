@@ -9,7 +9,7 @@ use super::record::ClusterRecord;
 use super::shuffle::{weighted_shuffle, Random, SplitMix64};
 use super::*;
 use crate::config::{Config, StatusMatch};
-use crate::shed::{DecodeError, STALE_AFTER_MS};
+use crate::shed::{DecodeError, HEARTBEAT_MS, STALE_AFTER_MS};
 use crate::store::{MemoryStore, SharedStore, StoreError, Stored};
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -421,7 +421,8 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
 }
 
 /// Runs `requests` requests at `rate_per_sec` through the selector, each finishing at once with
-/// the outcome `health(cluster, now)` gives; returns the requests per cluster.
+/// the outcome `health(cluster, now)` gives, with the VM's heartbeat every second as in Envoy;
+/// returns the requests per cluster.
 fn traffic(
     s: &Selector,
     store: &MemoryStore,
@@ -433,13 +434,19 @@ fn traffic(
 ) -> Vec<u64> {
     let mut state = vm(1, &locals(s.clusters.len()));
     let mut per_cluster = vec![0u64; s.clusters.len()];
+    let mut next_tick = start.plus_ms(HEARTBEAT_MS);
     for i in 0..requests {
         let now = start.plus_ms(i * 1000 / rate_per_sec);
+        if now >= next_tick {
+            s.heartbeat(store, &mut state, now);
+            next_tick = now.plus_ms(HEARTBEAT_MS);
+        }
         let lease = s.choose(store, &mut state, now, rng).unwrap();
         per_cluster[lease.cluster] += 1;
         let outcome = health(s.clusters[lease.cluster].name.as_str());
         s.finish(store, &mut state, lease, outcome, now);
     }
+    s.heartbeat(store, &mut state, start.plus_ms(requests * 1000 / rate_per_sec));
     per_cluster
 }
 
@@ -538,6 +545,7 @@ fn a_record_from_another_layout_or_corrupt_reads_as_fresh() {
     let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     assert_eq!(lease.in_flight, 1);
     s.finish(&store, &mut mine, lease, Outcome::Success, T0);
+    s.heartbeat(&store, &mut mine, T0);
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(1, 1));
     assert_eq!(view.record.limit, 20);
@@ -639,10 +647,8 @@ fn far_below_the_limit_leases_come_from_a_reserve_and_successes_wait() {
     );
     let last = held.next().unwrap();
     s.finish(&store, &mut one, last, Outcome::Success, T0);
-    assert!(
-        one.pending[0].is_empty(),
-        "the VM's last lease ending writes everything"
-    );
+    s.heartbeat(&store, &mut one, T0);
+    assert!(one.pending[0].is_empty(), "the heartbeat writes everything");
     let view = s.read(&store.inner, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(50, 50));
     assert_eq!(
