@@ -8,7 +8,7 @@ mod store;
 use crate::config::{Config, KeyPart, RateLimitHeaders};
 use crate::key::{self, KeyHasher, Source};
 use crate::ratelimit::{Cause, Limiter, Verdict};
-use crate::response::{self, Reply};
+use crate::response::{self, AdmittedFields, Reply};
 use crate::select::outcome::Outcome;
 use crate::select::shuffle::SplitMix64;
 use crate::select::{ClusterLease, Selector, VmState};
@@ -42,6 +42,8 @@ fn start() {
 struct Filter {
     config: Config,
     limiter: Limiter,
+    /// The `RateLimit` fields of admitted responses, formatted once per rule.
+    admitted_fields: AdmittedFields,
     hasher: KeyHasher,
     stats: Stats,
     shedder: Option<Shedder>,
@@ -133,6 +135,7 @@ impl RootContext for FilterRoot {
         self.filter = Some(Rc::new(Filter {
             stats: Stats::define(&config),
             hasher: KeyHasher::new(seed),
+            admitted_fields: AdmittedFields::new(&limiter),
             limiter,
             local: local_count(shedder.as_ref().map_or("", |s| s.record_key())),
             shedder,
@@ -211,7 +214,8 @@ fn shared_seed(store: &dyn SharedStore, namespace: &str) -> Result<[u8; 16], Str
 
 struct FilterStream {
     filter: Rc<Filter>,
-    ratelimit_fields: Option<(String, String)>,
+    /// For an admitted request: the tightest rule and its `ratelimit` value.
+    ratelimit_fields: Option<(usize, String)>,
     replied: bool,
     /// Held from admission to the end of the stream (released in `on_log`; `Drop` is the net).
     lease: Option<Lease>,
@@ -285,7 +289,7 @@ impl FilterStream {
                     increment(filter.stats.rule(*rule).evictions);
                 }
                 if filter.config.ratelimit_headers == RateLimitHeaders::Always {
-                    self.ratelimit_fields = response::admitted_fields(&filter.limiter, standings);
+                    self.ratelimit_fields = filter.admitted_fields.tightest(standings);
                 }
                 None
             }
@@ -419,9 +423,10 @@ impl HttpContext for FilterStream {
         if self.replied {
             return Action::Continue;
         }
-        if let Some((policy, ratelimit)) = self.ratelimit_fields.take() {
-            for (name, value) in [("ratelimit-policy", policy), ("ratelimit", ratelimit)] {
-                if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value) {
+        if let Some((rule, ratelimit)) = self.ratelimit_fields.take() {
+            let policy = self.filter.admitted_fields.policy(rule).unwrap_or_default();
+            for (name, value) in [("ratelimit-policy", policy), ("ratelimit", ratelimit.as_str())] {
+                if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value) {
                     log::debug!("floodgate: cannot add {name}: {status:?}");
                 }
             }
