@@ -99,16 +99,16 @@ impl KeyHasher {
 }
 
 /// The rules that apply to a request and its key hash for each, from the request's attributes.
-/// `fetch` is asked once per distinct attribute (host reads are not free); a rule whose key
-/// part is missing is skipped (its index is pushed to `skipped`) unless it shares one counter
-/// for all such requests (`missing_key: "shared"`).
-pub fn probes(
+/// `fetch` is asked once per distinct attribute (host reads are not free) and may return the
+/// bytes owned or borrowed; a rule whose key part is missing is skipped (its index is pushed to
+/// `skipped`) unless it shares one counter for all such requests (`missing_key: "shared"`).
+pub fn probes<V: AsRef<[u8]>>(
     config: &Config,
     hasher: &KeyHasher,
-    mut fetch: impl FnMut(Source<'_>) -> Option<Vec<u8>>,
+    mut fetch: impl FnMut(Source<'_>) -> Option<V>,
     skipped: &mut Vec<usize>,
 ) -> Vec<Probe> {
-    let mut fetched: Vec<(Source<'_>, Option<Vec<u8>>)> = Vec::new();
+    let mut fetched: Vec<(Source<'_>, Option<V>)> = Vec::new();
     let mut probes = Vec::with_capacity(config.rate_limits.len());
     for (rule_index, rule) in config.rate_limits.iter().enumerate() {
         for part in &rule.key {
@@ -119,7 +119,7 @@ pub fn probes(
         }
         let value_of = |part: &KeyPart| -> Option<&[u8]> {
             let source = part.source();
-            let raw = fetched.iter().find(|(s, _)| *s == source)?.1.as_deref()?;
+            let raw = fetched.iter().find(|(s, _)| *s == source)?.1.as_ref()?.as_ref();
             Some(part.normalize(raw))
         };
         let complete = rule.key.iter().all(|part| value_of(part).is_some());

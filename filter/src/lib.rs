@@ -4,12 +4,14 @@
 //!
 //! Layout: a pure core that imports nothing from proxy-wasm and takes `now` as an argument —
 //! [`config`] (parsed once, validated), [`ratelimit`] (window, bounded table, limiter),
-//! [`key`] (key parts and the keyed hash), [`store`] (shared data behind a trait, CAS
+//! [`key`] (key parts and the keyed hash), [`headers`] (which request headers to read and how,
+//! and the serialized header map), [`store`] (shared data behind a trait, CAS
 //! discipline), [`response`] (the 429 and the `RateLimit` fields), [`time`] — and `host`, the
 //! thin proxy-wasm shell, compiled for wasm only.
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 pub mod config;
+pub mod headers;
 pub mod key;
 pub mod ratelimit;
 pub mod response;

@@ -47,9 +47,70 @@ pub fn ratelimit_fields(table: &RuleTable, remaining: u64, reset_secs: u64) -> (
 
 /// For an admitted request: the fields of the rule with the least remaining quota.
 pub fn admitted_fields(limiter: &Limiter, standings: &[Standing]) -> Option<(String, String)> {
-    let tightest = standings.iter().min_by_key(|s| s.remaining)?;
-    let table = limiter.tables().get(tightest.rule)?;
-    Some(ratelimit_fields(table, tightest.remaining, tightest.reset_ms.div_ceil(1000)))
+    let fields = AdmittedFields::new(limiter);
+    let (rule, ratelimit) = fields.tightest(standings)?;
+    Some((fields.policy(rule)?.to_owned(), ratelimit))
+}
+
+/// The `RateLimit` fields of admitted responses, prepared once per configuration: each rule's
+/// `ratelimit-policy` value (it never changes) and the start of its `ratelimit` value, so a
+/// request only writes two integers (the same text as [`ratelimit_fields`], without `format!`).
+#[derive(Clone, Debug)]
+pub struct AdmittedFields {
+    /// Per rule, in configuration order: (`ratelimit-policy` value, `ratelimit` up to `r=`).
+    rules: Vec<(String, String)>,
+}
+
+impl AdmittedFields {
+    /// The fields of every rule of `limiter`.
+    pub fn new(limiter: &Limiter) -> AdmittedFields {
+        let rules = limiter
+            .tables()
+            .iter()
+            .map(|table| {
+                let (policy, _) = ratelimit_fields(table, 0, 0);
+                (policy, format!("\"{}\";r=", table.name))
+            })
+            .collect();
+        AdmittedFields { rules }
+    }
+
+    /// The `ratelimit-policy` value of rule `rule`.
+    pub fn policy(&self, rule: usize) -> Option<&str> {
+        self.rules.get(rule).map(|(policy, _)| policy.as_str())
+    }
+
+    /// For an admitted request: the rule with the least remaining quota (the first of equals)
+    /// and its `ratelimit` value.
+    pub fn tightest(&self, standings: &[Standing]) -> Option<(usize, String)> {
+        let tightest = standings.iter().min_by_key(|s| s.remaining)?;
+        let (_, prefix) = self.rules.get(tightest.rule)?;
+        // Two integers of at most 20 digits and ";t=".
+        let mut ratelimit = String::with_capacity(prefix.len().saturating_add(43));
+        ratelimit.push_str(prefix);
+        push_decimal(&mut ratelimit, tightest.remaining);
+        ratelimit.push_str(";t=");
+        push_decimal(&mut ratelimit, tightest.reset_ms.div_ceil(1000));
+        Some((tightest.rule, ratelimit))
+    }
+}
+
+/// Appends `value` in decimal.
+fn push_decimal(out: &mut String, value: u64) {
+    let mut digits = [b'0'; 20]; // u64::MAX has 20 digits
+    let mut rest = value;
+    let mut start = digits.len();
+    for (at, digit) in digits.iter_mut().enumerate().rev() {
+        *digit = b'0' | u8::try_from(rest % 10).unwrap_or(0);
+        rest /= 10;
+        start = at;
+        if rest == 0 {
+            break;
+        }
+    }
+    for digit in digits.get(start..).unwrap_or_default() {
+        out.push(char::from(*digit));
+    }
 }
 
 /// Milliseconds until `retry_at` and the `retry-after` seconds for it (at least 1). A rule that
@@ -327,5 +388,40 @@ mod tests {
         assert_eq!(policy, "\"per-api-key\";q=4;w=4");
         // One counted in the current bucket: the estimate is back to zero at the end of the next.
         assert_eq!(ratelimit, "\"per-api-key\";r=3;t=8");
+        let fields = AdmittedFields::new(&limiter);
+        assert_eq!(fields.tightest(&standings), Some((0, ratelimit)));
+        assert_eq!(fields.policy(1), Some("\"per-ip\";q=100;w=60"));
+        assert_eq!(fields.policy(2), None);
+        assert_eq!(fields.tightest(&[]), None);
+    }
+
+    #[test]
+    fn admitted_fields_are_the_text_of_ratelimit_fields() {
+        let limiter = limiter();
+        let fields = AdmittedFields::new(&limiter);
+        let standing = |rule: usize, remaining: u64, reset_ms: u64| Standing {
+            rule,
+            estimate: 0.0,
+            remaining,
+            reset_ms,
+            retry_at: None,
+        };
+        let mut values = vec![0, 1, 9, 10, 99, 100, 999, 1000, 1001, 12_345, u64::from(u32::MAX)];
+        values.extend([u64::MAX - 1, u64::MAX]);
+        values.extend((0..64).map(|shift| 1u64 << shift));
+        for rule in 0..2 {
+            let table = &limiter.tables()[rule];
+            for remaining in &values {
+                for reset_ms in &values {
+                    let (policy, ratelimit) = ratelimit_fields(table, *remaining, reset_ms.div_ceil(1000));
+                    let standings = [standing(rule, *remaining, *reset_ms)];
+                    assert_eq!(fields.tightest(&standings), Some((rule, ratelimit)));
+                    assert_eq!(fields.policy(rule), Some(policy.as_str()));
+                }
+            }
+        }
+        // The tightest rule, the first of equals.
+        let standings = [standing(1, 5, 0), standing(0, 3, 0), standing(1, 3, 0)];
+        assert_eq!(fields.tightest(&standings).unwrap().0, 0);
     }
 }

@@ -250,6 +250,42 @@ async fn keys_are_isolated_and_missing_key_is_skipped() {
     assert_eq!(rejected, Some(2));
 }
 
+/// A repeated key header counts for its first value, whether the filter reads each header on its
+/// own (one header name in the configuration) or the whole request header map at once (two or
+/// more): the value Envoy's single header read returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_key_headers_count_for_the_first_value_either_way_headers_are_read() {
+    clear_of_hour_boundary();
+    let one_read = json!({"rate_limits": [
+        {"name": "per-key", "key": [{"header": "x-api-key"}], "limit": 1, "window": "1h"}
+    ]});
+    let whole_map = json!({"rate_limits": [
+        {"name": "per-key", "key": [{"header": "X-Api-Key"}], "limit": 1, "window": "1h"},
+        {"name": "per-path", "key": ["path"], "limit": 1000, "window": "1h"}
+    ]});
+    for (how, config) in [("one read per header", one_read), ("whole map", whole_map)] {
+        let upstream = Upstream::start();
+        let envoy = Envoy::start(config, &upstream);
+        let requests: [&[(&[u8], &[u8])]; 4] = [
+            &[(b"x-api-key", b"first"), (b"x-api-key", b"second")],
+            &[(b"x-api-key", b"first")],
+            &[(b"x-api-key", b"second")],
+            &[],
+        ];
+        let mut statuses = Vec::new();
+        for headers in requests {
+            let r = raw_request(envoy.addr(), &raw_get_request(b"/", headers))
+                .await
+                .unwrap_or_else(|e| panic!("{how}: {e}"));
+            statuses.push(r.status);
+        }
+        println!("{how}: {statuses:?}");
+        assert_eq!(statuses, [200, 429, 200, 200], "{how}: first counted, second free, no key skipped");
+        let skipped = envoy.wait_for_stat(&rule_stat("per-key", "skipped"), 1, STAT_WAIT);
+        assert_eq!(skipped, Some(1), "{how}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_key_shared_counts_together() {
     clear_of_hour_boundary();

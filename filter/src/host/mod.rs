@@ -2,13 +2,15 @@
 //! plain values to the core, and turns the core's decisions into host calls. Nothing here
 //! decides anything.
 
+mod header_map;
 mod stats;
 mod store;
 
 use crate::config::{Config, KeyPart, RateLimitHeaders};
+use crate::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::key::{self, KeyHasher, Source};
 use crate::ratelimit::{Cause, Limiter, Verdict};
-use crate::response::{self, Reply};
+use crate::response::{self, AdmittedFields, Reply};
 use crate::select::outcome::Outcome;
 use crate::select::shuffle::SplitMix64;
 use crate::select::{ClusterLease, Selector, VmState};
@@ -19,6 +21,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use stats::{increment, Stats};
+use std::borrow::Cow;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -41,7 +44,11 @@ fn start() {
 /// Everything a stream needs, built once per configuration and shared by reference.
 struct Filter {
     config: Config,
+    /// The request headers the configuration reads, and whether to fetch the whole map.
+    headers: HeaderPlan,
     limiter: Limiter,
+    /// The `RateLimit` fields of admitted responses, formatted once per rule.
+    admitted_fields: AdmittedFields,
     hasher: KeyHasher,
     stats: Stats,
     shedder: Option<Shedder>,
@@ -133,6 +140,8 @@ impl RootContext for FilterRoot {
         self.filter = Some(Rc::new(Filter {
             stats: Stats::define(&config),
             hasher: KeyHasher::new(seed),
+            headers: HeaderPlan::new(&config),
+            admitted_fields: AdmittedFields::new(&limiter),
             limiter,
             local: local_count(shedder.as_ref().map_or("", |s| s.record_key())),
             shedder,
@@ -212,7 +221,8 @@ fn shared_seed(store: &dyn SharedStore, namespace: &str) -> Result<[u8; 16], Str
 
 struct FilterStream {
     filter: Rc<Filter>,
-    ratelimit_fields: Option<(String, String)>,
+    /// For an admitted request: the tightest rule and its `ratelimit` value.
+    ratelimit_fields: Option<(usize, String)>,
     replied: bool,
     /// Held from admission to the end of the stream (released in `on_log`; `Drop` is the net).
     lease: Option<Lease>,
@@ -232,9 +242,9 @@ impl FilterStream {
     }
 
     /// The health endpoint, if this request is for it.
-    fn health(&self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
+    fn health(&self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
         let health = filter.config.health.as_ref()?;
-        let path = fetch(Source::Header(":path"))?;
+        let path = headers.get(":path")?;
         if KeyPart::Path.normalize(&path) != health.path.as_bytes() {
             return None;
         }
@@ -246,9 +256,9 @@ impl FilterStream {
     }
 
     /// Load shedding: takes a lease, or returns the 503.
-    fn shed(&mut self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
+    fn shed(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
         let shedder = filter.shedder.as_ref()?;
-        let value = fetch(Source::Header(&shedder.priority_header));
+        let value = headers.get(&shedder.priority_header);
         let class = shedder.class_of(value.as_deref());
         match shedder.try_acquire(&EnvoyStore, vm_id(), &filter.local, class, now) {
             Ok(lease) => {
@@ -267,12 +277,12 @@ impl FilterStream {
     }
 
     /// Rate limiting: records the admission in every applicable rule, or returns the 429.
-    fn rate_limit(&mut self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
+    fn rate_limit(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
         if filter.config.rate_limits.is_empty() {
             return None;
         }
         let mut skipped = Vec::new();
-        let probes = key::probes(&filter.config, &filter.hasher, fetch, &mut skipped);
+        let probes = key::probes(&filter.config, &filter.hasher, |source| headers.fetch(source), &mut skipped);
         for rule in skipped {
             increment(filter.stats.rule(rule).skipped);
         }
@@ -286,7 +296,7 @@ impl FilterStream {
                     increment(filter.stats.rule(*rule).evictions);
                 }
                 if filter.config.ratelimit_headers == RateLimitHeaders::Always {
-                    self.ratelimit_fields = response::admitted_fields(&filter.limiter, standings);
+                    self.ratelimit_fields = filter.admitted_fields.tightest(standings);
                 }
                 None
             }
@@ -401,14 +411,54 @@ fn fetch(source: Source<'_>) -> Option<Vec<u8>> {
     }
 }
 
+/// The request headers of the stream being decided, read as the configuration's
+/// [`HeaderPlan`] says: from the whole map fetched once, or each on its own when asked (one
+/// name only, or the host's map could not be read).
+struct RequestHeaders<'p, 'm> {
+    view: Option<HeaderView<'p, 'm>>,
+}
+
+impl<'p, 'm> RequestHeaders<'p, 'm> {
+    /// Looks the plan's names up in `map` (the serialized request header map, if fetched).
+    fn new(plan: &'p HeaderPlan, map: Option<&'m [u8]>) -> RequestHeaders<'p, 'm> {
+        let view = map.and_then(|map| match HeaderView::parse(plan, map) {
+            Ok(view) => Some(view),
+            Err(malformed) => {
+                log::debug!("floodgate: request header map not understood ({malformed:?}); reading headers one by one");
+                None
+            }
+        });
+        RequestHeaders { view }
+    }
+
+    /// The value of request header `name` (the first, as `get_map_value` reads it).
+    fn get(&self, name: &str) -> Option<Cow<'m, [u8]>> {
+        match self.view.as_ref().map(|view| view.get(name)) {
+            Some(Lookup::Present(value)) => Some(Cow::Borrowed(value)),
+            Some(Lookup::Absent) => None,
+            Some(Lookup::NotLookedUp) | None => fetch(Source::Header(name)).map(Cow::Owned),
+        }
+    }
+
+    /// A key part's attribute: a header from [`RequestHeaders::get`], a property from the host.
+    fn fetch(&self, source: Source<'_>) -> Option<Cow<'m, [u8]>> {
+        match source {
+            Source::Header(name) => self.get(name),
+            Source::SourceAddress => fetch(source).map(Cow::Owned),
+        }
+    }
+}
+
 impl HttpContext for FilterStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         let filter = Rc::clone(&self.filter);
         let now = now();
+        let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
+        let headers = RequestHeaders::new(&filter.headers, map.as_deref());
         let reply = self
-            .health(&filter, now)
-            .or_else(|| self.shed(&filter, now))
-            .or_else(|| self.rate_limit(&filter, now))
+            .health(&filter, &headers, now)
+            .or_else(|| self.shed(&filter, &headers, now))
+            .or_else(|| self.rate_limit(&filter, &headers, now))
             .or_else(|| self.select(&filter, now));
         match reply {
             Some(reply) => self.reply(&reply),
@@ -427,9 +477,10 @@ impl HttpContext for FilterStream {
         if self.replied {
             return Action::Continue;
         }
-        if let Some((policy, ratelimit)) = self.ratelimit_fields.take() {
-            for (name, value) in [("ratelimit-policy", policy), ("ratelimit", ratelimit)] {
-                if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, &value) {
+        if let Some((rule, ratelimit)) = self.ratelimit_fields.take() {
+            let policy = self.filter.admitted_fields.policy(rule).unwrap_or_default();
+            for (name, value) in [("ratelimit-policy", policy), ("ratelimit", ratelimit.as_str())] {
+                if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value) {
                     log::debug!("floodgate: cannot add {name}: {status:?}");
                 }
             }

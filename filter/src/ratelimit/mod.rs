@@ -137,7 +137,8 @@ struct Read {
     key: String,
     stored: Option<Stored>,
     set: Set,
-    standing: Standing,
+    /// The key's counts in `set`, before this request.
+    counts: Counts,
     admits: bool,
 }
 
@@ -195,7 +196,7 @@ impl Limiter {
                 Ok(read) => {
                     if !read.admits {
                         violations.push(Violation {
-                            standing: read.standing,
+                            standing: self.standing_before(&read, now, cost),
                             cause: Cause::OverLimit,
                         });
                     }
@@ -261,15 +262,23 @@ impl Limiter {
         let set = decode_or_empty(stored.as_ref(), phase.bucket_index).rolled_to(phase.bucket_index);
         let counts = set.counts_of(fingerprint(probe.key_hash));
         let admits = table.window.admits(counts, phase.elapsed_ms, cost, table.limit);
-        let standing = standing(table, probe.rule, counts, now, cost);
         Ok(Read {
             probe,
             key,
             stored,
             set,
-            standing,
+            counts,
             admits,
         })
+    }
+
+    /// Where the key of `read` stood before this request. Only a refusal needs it: an admitted
+    /// request reports where it stands after counting (computed once, in [`Limiter::commit`]).
+    fn standing_before(&self, read: &Read, now: UnixMillis, cost: u32) -> Standing {
+        match self.table(read.probe.rule) {
+            Some(table) => standing(table, read.probe.rule, read.counts, now, cost),
+            None => self.blank_standing(read.probe, now),
+        }
     }
 
     /// Phase 2 for one rule: returns where the key stands after counting, whether a live
@@ -281,18 +290,18 @@ impl Limiter {
         now: UnixMillis,
         cost: u32,
     ) -> Result<(Standing, bool, u64), Violation> {
-        let contention = Violation {
-            standing: first.standing,
+        let contention = || Violation {
+            standing: self.standing_before(first, now, cost),
             cause: Cause::Contention,
         };
-        let table = self.table(first.probe.rule).ok_or(contention)?;
+        let table = self.table(first.probe.rule).ok_or_else(contention)?;
         let phase = table.window.phase(now);
         let fp = fingerprint(first.probe.key_hash);
         let mut stored = first.stored.clone();
         let mut set = first.set.clone();
         for attempt in 0..MAX_ATTEMPTS {
             if attempt > 0 {
-                stored = store.get(&first.key).map_err(|_| contention)?;
+                stored = store.get(&first.key).map_err(|_| contention())?;
                 set = decode_or_empty(stored.as_ref(), phase.bucket_index)
                     .rolled_to(phase.bucket_index);
                 let counts = set.counts_of(fp);
@@ -311,10 +320,10 @@ impl Limiter {
                     return Ok((standing, evicted, set.bucket_index));
                 }
                 Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => return Err(contention),
+                Err(StoreError::Host(_)) => return Err(contention()),
             }
         }
-        Err(contention)
+        Err(contention())
     }
 
     /// Takes back a committed unit (best effort: if it cannot, the key is over-counted, which
