@@ -13,6 +13,7 @@ use floodgate::config::Config;
 use floodgate::key::KeyHasher;
 use floodgate::ratelimit::window::{Counts, Window};
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
+use floodgate::select::shuffle::{Random, SplitMix64};
 use floodgate::store::MemoryStore;
 use floodgate::time::UnixMillis;
 use std::collections::VecDeque;
@@ -29,20 +30,13 @@ const T0: u64 = 1_700_000_012_345;
 /// partly covered (a start-up effect, not the steady-state error Cloudflare measured).
 const WARMUP_WINDOWS: u64 = 2;
 
-/// SplitMix64: small, fast, reproducible.
-struct Rng(u64);
+/// The traces' random source: the module's own SplitMix64 (small, fast, reproducible).
+struct Rng(SplitMix64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
     /// Uniform in (0, 1].
     fn unit(&mut self) -> f64 {
-        ((self.next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+        ((self.0.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
     }
     fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
         lo + (hi - lo) * self.unit()
@@ -77,7 +71,7 @@ fn poisson(rng: &mut Rng, key: u32, per_window: f64, end: u64, out: &mut Vec<(u6
 
 fn traces(windows: u64) -> Vec<Trace> {
     let end = windows * WINDOW_MS;
-    let mut rng = Rng(0x00f1_00d6_a7e5);
+    let mut rng = Rng(SplitMix64::new(0x00f1_00d6_a7e5));
     let mut out = Vec::new();
 
     // Steady: a population like a real site's: most keys well under their limit, a few abusers.
@@ -157,6 +151,23 @@ struct Score {
     evictions: u64,
 }
 
+impl Score {
+    /// Scores one decision at `t` ms into the trace (the warm-up windows are not scored).
+    fn count(&mut self, t: u64, ours: bool, exact: bool) {
+        if t < WARMUP_WINDOWS * WINDOW_MS {
+            return;
+        }
+        self.requests += 1;
+        self.exact_admitted += u64::from(exact);
+        self.floodgate_admitted += u64::from(ours);
+        match (ours, exact) {
+            (true, false) => self.wrongly_admitted += 1,
+            (false, true) => self.wrongly_refused += 1,
+            _ => {}
+        }
+    }
+}
+
 fn score(trace: &Trace) -> Score {
     let config = Config::parse(
         format!(
@@ -192,17 +203,7 @@ fn score(trace: &Trace) -> Score {
             }
             Verdict::Rejected { .. } => false,
         };
-        if t < WARMUP_WINDOWS * WINDOW_MS {
-            continue;
-        }
-        s.requests += 1;
-        s.exact_admitted += u64::from(exact);
-        s.floodgate_admitted += u64::from(ours);
-        match (ours, exact) {
-            (true, false) => s.wrongly_admitted += 1,
-            (false, true) => s.wrongly_refused += 1,
-            _ => {}
-        }
+        s.count(t, ours, exact);
     }
     s
 }
@@ -230,17 +231,7 @@ fn score_everything_counted(trace: &Trace) -> Score {
         let ours = window.admits(*counts, phase.elapsed_ms, 1, limit);
         log.push_back(now);
         *counts = counts.plus(1);
-        if t < WARMUP_WINDOWS * WINDOW_MS {
-            continue;
-        }
-        s.requests += 1;
-        s.exact_admitted += u64::from(exact);
-        s.floodgate_admitted += u64::from(ours);
-        match (ours, exact) {
-            (true, false) => s.wrongly_admitted += 1,
-            (false, true) => s.wrongly_refused += 1,
-            _ => {}
-        }
+        s.count(t, ours, exact);
     }
     s
 }

@@ -218,7 +218,7 @@ pub fn threshold(shed_at: f64, max_active_requests: u32) -> u32 {
 /// The units a VM publishes once it admits a request that brings its count in use to
 /// `in_use_after`: those, plus a reserve of `min(RESERVE_MAX, ⌊room / (RESERVE_SPREAD × live)⌋)`
 /// where `room = ceiling − (others + in_use_after)` and `live` counts the live VMs, this one
-/// included (module doc, "Reserves"). Never more than `max(ceiling, in_use_after)`.
+/// included (module doc, "Reserves"). Never more than `max(ceiling − others, in_use_after)`.
 pub fn reserve(in_use_after: u32, others: u32, other_vms: u32, ceiling: u32) -> u32 {
     let room = ceiling.saturating_sub(others.saturating_add(in_use_after));
     let live = other_vms.saturating_add(1);
@@ -452,15 +452,9 @@ impl Shedder {
                 Ok(total) => total,
                 Err(total) => return Err(Shed { in_flight: total, class, contention: false }),
             };
-            // The reserve is sized on the lowest threshold, and never takes the count past the
-            // requesting class's own.
-            let wanted = reserve(
-                mine.saturating_add(1),
-                others,
-                record.other_vms(vm, now),
-                self.lowest_threshold,
-            )
-            .min(threshold.saturating_sub(others).max(mine.saturating_add(1)));
+            // The reserve is sized on the lowest threshold (≤ this class's), so it never takes
+            // the count past any class's: `reserve` stays within `lowest − others`.
+            let wanted = reserve(mine.saturating_add(1), others, record.other_vms(vm, now), self.lowest_threshold);
             if !record.publish(vm, wanted, now) {
                 break;
             }
@@ -766,6 +760,10 @@ mod tests {
             "past it (a higher class): never less than in use"
         );
         assert_eq!(reserve(1, 90, 3, 100), 1, "others hold most of it");
+        for (in_use, others, vms, ceiling) in (1..40).flat_map(|u| (0..40).flat_map(move |o| (0..3).map(move |v| (u, o, v, 30)))) {
+            let held = reserve(in_use, others, vms, ceiling);
+            assert!(held >= in_use && held <= (ceiling.saturating_sub(others)).max(in_use), "{in_use} {others} {vms}");
+        }
     }
 
     /// A store that counts its operations.

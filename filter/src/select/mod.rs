@@ -175,21 +175,16 @@ pub struct Pending {
 
 impl Pending {
     fn count(&mut self, epoch: u64, succeeded: bool, buckets: usize) {
-        let tally = match self.tallies.last_mut() {
-            Some((last, tally)) if *last == epoch => tally,
-            _ => {
-                if self.tallies.len() >= buckets {
-                    self.tallies.remove(0);
-                }
-                self.tallies.push((epoch, Tally::default()));
-                match self.tallies.last_mut() {
-                    Some((_, tally)) => tally,
-                    None => return,
-                }
+        if self.tallies.last().map(|(last, _)| *last) != Some(epoch) {
+            if self.tallies.len() >= buckets {
+                self.tallies.remove(0);
             }
-        };
-        tally.finished = tally.finished.saturating_add(1);
-        tally.succeeded = tally.succeeded.saturating_add(u32::from(succeeded));
+            self.tallies.push((epoch, Tally::default()));
+        }
+        if let Some((_, tally)) = self.tallies.last_mut() {
+            tally.finished = tally.finished.saturating_add(1);
+            tally.succeeded = tally.succeeded.saturating_add(u32::from(succeeded));
+        }
     }
 
     /// Whether there is anything to write.
