@@ -12,7 +12,9 @@ use crate::{progress, Settings};
 use floodgate::config::Config;
 use floodgate::key::KeyHasher;
 use floodgate::ratelimit::window::{Counts, Window};
+use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
+use floodgate::shed::HEARTBEAT_MS;
 use floodgate::select::shuffle::{Random, SplitMix64};
 use floodgate::store::MemoryStore;
 use floodgate::time::UnixMillis;
@@ -183,9 +185,16 @@ fn score(trace: &Trace) -> Score {
     let hasher = KeyHasher::new(*b"floodgate-bench!");
     let hashes: Vec<u64> = (0..trace.keys).map(|k| hasher.hash([Some(format!("key-{k}").as_bytes())])).collect();
     let mut logs: Vec<VecDeque<u64>> = vec![VecDeque::new(); trace.keys as usize];
+    let mut reserves = Reserves::new();
+    let mut next_heartbeat = T0;
     let mut s = Score::default();
     for &(t, key) in &trace.events {
         let now = T0 + t;
+        // One VM, as deployed: quota reserves and their heartbeat.
+        if now >= next_heartbeat {
+            limiter.heartbeat(&store, &mut reserves, UnixMillis(now));
+            next_heartbeat = now + HEARTBEAT_MS;
+        }
         // The exact sliding log: admitted requests in (now − window, now].
         let log = &mut logs[key as usize];
         while log.front().is_some_and(|&at| at + WINDOW_MS <= now) {
@@ -196,7 +205,7 @@ fn score(trace: &Trace) -> Score {
             log.push_back(now);
         }
         let probe = Probe { rule: 0, key_hash: hashes[key as usize] };
-        let ours = match limiter.check(&store, &[probe], UnixMillis(now), 1) {
+        let ours = match limiter.check(&store, &mut reserves, &[probe], UnixMillis(now), 1) {
             Verdict::Admitted { evictions, .. } => {
                 s.evictions += evictions.len() as u64;
                 true

@@ -331,9 +331,9 @@ mod tests {
         // 300 ms into a 4 s bucket.
         let now = UnixMillis(1_700_000_000_000 + 300);
         for _ in 0..4 {
-            assert!(matches!(limiter.check(&store, &probes, now, 1), Verdict::Admitted { .. }));
+            assert!(matches!(limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1), Verdict::Admitted { .. }));
         }
-        let verdict = limiter.check(&store, &probes, now, 1);
+        let verdict = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1);
         let reply = rate_limited(&limiter, &verdict, now).unwrap();
         assert_eq!(reply.status, 429);
         let header = |name: &str| reply.headers.iter().find(|(n, _)| *n == name).unwrap().1.clone();
@@ -381,7 +381,7 @@ mod tests {
         let store = MemoryStore::new();
         let probes = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
         let now = UnixMillis(1_700_000_000_000 + 300);
-        let Verdict::Admitted { standings, .. } = limiter.check(&store, &probes, now, 1) else {
+        let Verdict::Admitted { standings, .. } = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1) else {
             panic!("admitted")
         };
         let (policy, ratelimit) = admitted_fields(&limiter, &standings).unwrap();

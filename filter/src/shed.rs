@@ -218,13 +218,17 @@ pub fn threshold(shed_at: f64, max_active_requests: u32) -> u32 {
 /// The units a VM publishes once it admits a request that brings its count in use to
 /// `in_use_after`: those, plus a reserve of `min(RESERVE_MAX, ⌊room / (RESERVE_SPREAD × live)⌋)`
 /// where `room = ceiling − (others + in_use_after)` and `live` counts the live VMs, this one
-/// included (module doc, "Reserves"). Never more than `max(ceiling − others, in_use_after)`.
+/// included (module doc, "Reserves"), and no reserve when that share is a single unit. Never
+/// more than `max(ceiling − others, in_use_after)`.
 pub fn reserve(in_use_after: u32, others: u32, other_vms: u32, ceiling: u32) -> u32 {
     let room = ceiling.saturating_sub(others.saturating_add(in_use_after));
     let live = other_vms.saturating_add(1);
     let spare = room
         .checked_div(live.saturating_mul(RESERVE_SPREAD))
         .unwrap_or(0);
+    // A single spare unit saves one write and could leave the last unit below a small threshold
+    // stranded in an idle VM: not worth it.
+    let spare = if spare < 2 { 0 } else { spare };
     in_use_after.saturating_add(spare.min(RESERVE_MAX))
 }
 

@@ -138,6 +138,67 @@ async fn exact_quota_under_concurrency() {
     assert_eq!(rejected, Some(TOTAL - LIMIT), "stat {}", rule_stat("exact", "rejected"));
 }
 
+/// A key that keeps coming back to one worker is served from a quota reserve (units counted
+/// ahead in shared data): the `reserved` gauge shows them, the heartbeat gives them back once
+/// idle, and the limit stays exact: the key gets exactly its quota over both workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quota_reserves_are_shown_given_back_and_keep_the_limit_exact() {
+    const LIMIT: u64 = 100;
+    let key = "reserved-key";
+    let reserved = rule_stat("exact", "reserved");
+    clear_of_hour_boundary();
+    let upstream = Upstream::counting_header("x-api-key");
+    let envoy = Envoy::start(
+        json!({"rate_limits": [
+            {"name": "exact", "key": [{"header": "x-api-key"}], "limit": LIMIT, "window": "1h"}
+        ]}),
+        &upstream,
+    );
+    assert_eq!(envoy.stat(&reserved), Some(0), "the gauge exists at 0 before traffic");
+    // One keep-alive connection: one worker. Its writes count 0, 1, 2, 4, 8 extra units, and
+    // the 21st request's write 9 more (an eighth of the 79 left), none used yet.
+    let mut kept = Client::connect(envoy.addr()).await.expect("connect");
+    let mut last = None;
+    for i in 0..21 {
+        let r = kept.get("/", &[("x-api-key", key)]).await.expect("request");
+        assert_eq!(r.status, 200, "request {i}: {}", r.text());
+        last = Some(r);
+    }
+    let (_, fields) = rl_header(&last.expect("a response"), "ratelimit");
+    assert_eq!(fields["r"], "79", "remaining counts used units only");
+    let shown = envoy.wait_for_stat(&reserved, 9, Duration::from_secs(3));
+    println!("reserved after 21 requests: {shown:?}");
+    assert_eq!(shown, Some(9), "the worker's unused units are shown after its heartbeat");
+    let returned = envoy.wait_for_stat(&reserved, 0, Duration::from_secs(4));
+    assert_eq!(returned, Some(0), "an idle reserve is given back within two heartbeats");
+    // New connections over both workers take exactly what is left; refusals may come early
+    // while a worker holds units, never late: rounds a heartbeat apart collect the rest.
+    let mut admitted = 21;
+    for round in 0..4 {
+        let mut refused_in_a_row = 0;
+        while refused_in_a_row < 4 {
+            let r = get(envoy.addr(), "/", &[("x-api-key", key)]).await;
+            match r.status {
+                200 => {
+                    admitted += 1;
+                    refused_in_a_row = 0;
+                }
+                429 => refused_in_a_row += 1,
+                s => panic!("unexpected {s}: {}", r.text()),
+            }
+            assert!(admitted <= LIMIT, "round {round}: {admitted} admitted, limit {LIMIT}");
+        }
+        if admitted == LIMIT {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2_200)).await;
+    }
+    println!("admitted {admitted}, upstream {}, workers {:?}", upstream.count_for(key), envoy.connections_per_worker());
+    assert_eq!(admitted, LIMIT, "exactly the limit, once every reserve is used or given back");
+    assert_eq!(upstream.count_for(key), LIMIT);
+    assert_eq!(envoy.wait_for_stat(&reserved, 0, Duration::from_secs(4)), Some(0));
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. Retry-After is tight: one second earlier is refused, at it is admitted
 // ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ mod store;
 use crate::config::{Config, KeyPart, RateLimitHeaders};
 use crate::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::key::{self, KeyHasher, Source};
+use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::{Cause, Limiter, Verdict};
 use crate::response::{self, AdmittedFields, Reply};
 use crate::select::outcome::Outcome;
@@ -47,6 +48,10 @@ struct Filter {
     /// The request headers the configuration reads, and whether to fetch the whole map.
     headers: HeaderPlan,
     limiter: Limiter,
+    /// This VM's reserves of keys' quotas under `limiter`.
+    reserves: RefCell<Reserves>,
+    /// The units per rule this VM last added to the `reserved` gauges.
+    reserved_reported: RefCell<Vec<u64>>,
     /// The `RateLimit` fields of admitted responses, formatted once per rule.
     admitted_fields: AdmittedFields,
     hasher: KeyHasher,
@@ -127,9 +132,17 @@ impl RootContext for FilterRoot {
         let cluster_leases = selector.as_ref().map_or_else(Vec::new, |s| {
             (0..s.clusters.len()).filter_map(|i| s.record_key(i)).map(local_count).collect()
         });
-        if shedder.is_some() || selector.is_some() {
-            if let Err(status) = hostcalls::set_tick_period(Duration::from_millis(HEARTBEAT_MS)) {
-                log::warn!("floodgate: no tick ({status:?}): in-flight heartbeats disabled");
+        if let Some(old) = &self.filter {
+            old.limiter.drain(&EnvoyStore, &mut old.reserves.borrow_mut());
+            old.report_reserved();
+        }
+        let mut ticking = false;
+        if shedder.is_some() || selector.is_some() || !config.rate_limits.is_empty() {
+            match hostcalls::set_tick_period(Duration::from_millis(HEARTBEAT_MS)) {
+                Ok(()) => ticking = true,
+                Err(status) => log::warn!(
+                    "floodgate: no tick ({status:?}): in-flight heartbeats and quota reserves disabled"
+                ),
             }
         }
         log::info!(
@@ -143,6 +156,9 @@ impl RootContext for FilterRoot {
             headers: HeaderPlan::new(&config),
             admitted_fields: AdmittedFields::new(&limiter),
             limiter,
+            // Reserves need the heartbeat to come back when unused.
+            reserves: RefCell::new(if ticking { Reserves::new() } else { Reserves::disabled() }),
+            reserved_reported: RefCell::new(vec![0; config.rate_limits.len()]),
             local: local_count(shedder.as_ref().map_or("", |s| s.record_key())),
             shedder,
             selector,
@@ -154,13 +170,16 @@ impl RootContext for FilterRoot {
 
     fn on_tick(&mut self) {
         let Some(filter) = &self.filter else { return };
+        let now = now();
+        filter.limiter.heartbeat(&EnvoyStore, &mut filter.reserves.borrow_mut(), now);
+        filter.report_reserved();
         if let Some(shedder) = &filter.shedder {
-            let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now());
+            let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now);
             stats::set(filter.stats.in_flight, u64::from(total));
         }
         if let Some(selector) = &filter.selector {
             let states =
-                selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now());
+                selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now);
             for (index, state) in states.into_iter().enumerate() {
                 let (Some(state), ids) = (state, filter.stats.cluster(index)) else { continue };
                 // The rate is in [0, 1]: millionths fit.
@@ -186,6 +205,19 @@ impl RootContext for FilterRoot {
             lease: None,
             cluster_lease: None,
         }))
+    }
+}
+
+impl Filter {
+    /// Moves the `reserved` gauges by what this VM's reserves changed since it last reported.
+    fn report_reserved(&self) {
+        let mut reported = self.reserved_reported.borrow_mut();
+        let held = self.reserves.borrow().held(reported.len());
+        for (rule, (units, before)) in held.into_iter().zip(reported.iter_mut()).enumerate() {
+            let delta = i64::try_from(units).unwrap_or(i64::MAX).saturating_sub(i64::try_from(*before).unwrap_or(i64::MAX));
+            stats::add(self.stats.rule(rule).reserved, delta);
+            *before = units;
+        }
     }
 }
 
@@ -286,7 +318,7 @@ impl FilterStream {
         for rule in skipped {
             increment(filter.stats.rule(rule).skipped);
         }
-        let verdict = filter.limiter.check(&EnvoyStore, &probes, now, 1);
+        let verdict = filter.limiter.check(&EnvoyStore, &mut filter.reserves.borrow_mut(), &probes, now, 1);
         match &verdict {
             Verdict::Admitted { standings, evictions } => {
                 for standing in standings {
@@ -467,6 +499,9 @@ impl HttpContext for FilterStream {
     }
 
     fn on_log(&mut self) {
+        if self.lease.is_none() && self.cluster_lease.is_none() {
+            return;
+        }
         // One clock read for both: the stream ended once.
         let now = now();
         self.release(now);

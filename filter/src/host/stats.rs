@@ -9,6 +9,7 @@
 //! | `<prefix>.rate_limit.<rule>.skipped` | counter | requests lacking a key part (`missing_key: skip`) |
 //! | `<prefix>.rate_limit.<rule>.contention` | counter | requests refused because the counters could not be updated (CAS attempts ran out) |
 //! | `<prefix>.rate_limit.<rule>.evictions` | counter | live keys evicted from a full table slot set |
+//! | `<prefix>.rate_limit.<rule>.reserved` | gauge | quota units workers counted ahead for their next requests and have not used yet, as of each worker's last heartbeat |
 //! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 |
 //! | `<prefix>.load_shedding.contention` | counter | requests shed because the in-flight count could not be updated |
 //! | `<prefix>.load_shedding.in_flight` | gauge | proxy-wide in-flight requests, refreshed every second |
@@ -44,6 +45,8 @@ pub struct RuleStats {
     pub contention: Option<u32>,
     /// Live entries evicted.
     pub evictions: Option<u32>,
+    /// Gauge: units held in reserves, summed over the VMs.
+    pub reserved: Option<u32>,
 }
 
 /// All metric ids, defined once per configuration.
@@ -131,6 +134,7 @@ impl Stats {
                     skipped: counter(&name("skipped")),
                     contention: counter(&name("contention")),
                     evictions: counter(&name("evictions")),
+                    reserved: gauge(&name("reserved")),
                 }
             })
             .collect();
@@ -190,6 +194,15 @@ pub fn increment(id: Option<u32>) {
     if let Some(id) = id {
         if let Err(status) = hostcalls::increment_metric(id, 1) {
             log::debug!("metric {id} not incremented: {status:?}");
+        }
+    }
+}
+
+/// Moves a gauge by `delta` (a gauge that several VMs feed, each with its own share).
+pub fn add(id: Option<u32>, delta: i64) {
+    if let (Some(id), false) = (id, delta == 0) {
+        if let Err(status) = hostcalls::increment_metric(id, delta) {
+            log::debug!("metric {id} not moved: {status:?}");
         }
     }
 }

@@ -13,13 +13,20 @@
 //!
 //! When the attempts run out (extreme contention on one set), the request is **rejected** and
 //! counted as `contention`: a quota is never looser than configured.
+//!
+//! Before both phases, a rule for which this VM holds a [`reserve`] of the key's quota (units
+//! already counted in shared data, in the current window bucket) admits from it without
+//! touching shared data; a write that finds room to spare counts a few units more for the next
+//! requests of the same key through this VM.
 
+pub mod reserve;
 pub mod table;
 pub mod window;
 
 use crate::config::{Config, Name};
 use crate::store::{write_back, SharedStore, Stored, StoreError};
 use crate::time::UnixMillis;
+use reserve::{Leftover, Reserves};
 use std::num::{NonZeroU32, NonZeroU64};
 use table::{fingerprint, Set, WAYS};
 use window::{Counts, Window};
@@ -137,9 +144,19 @@ struct Read {
     key: String,
     stored: Option<Stored>,
     set: Set,
-    /// The key's counts in `set`, before this request.
+    /// This VM's unused units of the key, given back by the commit.
+    leftover: Leftover,
+    /// The key's counts in `set` before this request, without `leftover`.
     counts: Counts,
     admits: bool,
+}
+
+/// A rule's commit: where the key stands, whether a live entry was evicted, and the bucket the
+/// request was counted in.
+struct Committed {
+    standing: Standing,
+    evicted: bool,
+    bucket_index: u64,
 }
 
 impl Limiter {
@@ -181,18 +198,47 @@ impl Limiter {
         &self.tables
     }
 
-    /// Checks a request of `cost` against the rules in `probes` and, if all admit, counts it.
+    /// Checks a request of `cost` against the rules in `probes` and, if all admit, counts it,
+    /// from this VM's `reserves` where it can.
     pub fn check<S: SharedStore + ?Sized>(
         &self,
         store: &S,
+        reserves: &mut Reserves,
         probes: &[Probe],
         now: UnixMillis,
         cost: u32,
     ) -> Verdict {
-        let mut reads = Vec::with_capacity(probes.len());
-        let mut violations = Vec::new();
+        let mut standings = Vec::with_capacity(probes.len());
+        let mut taken = Vec::new();
+        let mut pending = Vec::new();
         for probe in probes {
-            match self.read(store, *probe, now, cost) {
+            let Some(table) = self.table(probe.rule) else {
+                pending.push(*probe);
+                continue;
+            };
+            match reserves.take(*probe, table.window.phase(now).bucket_index, cost) {
+                Some(counts) => {
+                    standings.push(standing(table, probe.rule, counts, now, cost));
+                    taken.push(*probe);
+                }
+                None => pending.push(*probe),
+            }
+        }
+        if pending.is_empty() {
+            return Verdict::Admitted {
+                standings,
+                evictions: Vec::new(),
+            };
+        }
+        let untake = |reserves: &mut Reserves| {
+            for probe in &taken {
+                reserves.untake(*probe, cost);
+            }
+        };
+        let mut reads = Vec::with_capacity(pending.len());
+        let mut violations = Vec::new();
+        for probe in pending {
+            match self.read(store, reserves, probe, now, cost) {
                 Ok(read) => {
                     if !read.admits {
                         violations.push(Violation {
@@ -203,30 +249,33 @@ impl Limiter {
                     reads.push(read);
                 }
                 Err(_) => violations.push(Violation {
-                    standing: self.blank_standing(*probe, now),
+                    standing: self.blank_standing(probe, now),
                     cause: Cause::Contention,
                 }),
             }
         }
         if !violations.is_empty() {
+            untake(reserves);
             return Verdict::Rejected { violations };
         }
-        let mut standings = Vec::with_capacity(reads.len());
         let mut evictions = Vec::new();
         let mut committed: Vec<(&Read, u64)> = Vec::with_capacity(reads.len());
         for read in &reads {
-            match self.commit(store, read, now, cost) {
-                Ok((standing, evicted, bucket)) => {
-                    standings.push(standing);
-                    if evicted {
+            match self.commit(store, reserves, read, now, cost) {
+                Ok(done) => {
+                    standings.push(done.standing);
+                    if done.evicted {
                         evictions.push(read.probe.rule);
                     }
-                    committed.push((read, bucket));
+                    committed.push((read, done.bucket_index));
                 }
                 Err(violation) => {
+                    // Only this request's cost goes back: units granted to the reserves stay
+                    // counted and reserved.
                     for (done, bucket) in committed {
-                        self.take_back(store, done, bucket, cost);
+                        self.give_back(store, done.probe, Leftover { bucket_index: bucket, units: cost });
                     }
+                    untake(reserves);
                     return Verdict::Rejected {
                         violations: vec![violation],
                     };
@@ -236,6 +285,22 @@ impl Limiter {
         Verdict::Admitted {
             standings,
             evictions,
+        }
+    }
+
+    /// Gives back the reserves this VM left unused for a heartbeat period or whose window bucket
+    /// ended (called once per heartbeat).
+    pub fn heartbeat<S: SharedStore + ?Sized>(&self, store: &S, reserves: &mut Reserves, now: UnixMillis) {
+        let returns = reserves.heartbeat(|rule| self.table(rule).map(|t| t.window.phase(now).bucket_index));
+        for r in returns {
+            self.give_back(store, r.probe, r.leftover);
+        }
+    }
+
+    /// Gives back every reserve (the configuration is being replaced).
+    pub fn drain<S: SharedStore + ?Sized>(&self, store: &S, reserves: &mut Reserves) {
+        for r in reserves.drain() {
+            self.give_back(store, r.probe, r.leftover);
         }
     }
 
@@ -252,6 +317,7 @@ impl Limiter {
     fn read<S: SharedStore + ?Sized>(
         &self,
         store: &S,
+        reserves: &Reserves,
         probe: Probe,
         now: UnixMillis,
         cost: u32,
@@ -260,13 +326,15 @@ impl Limiter {
         let stored = store.get(&key)?;
         let phase = table.window.phase(now);
         let set = decode_or_empty(stored.as_ref(), phase.bucket_index).rolled_to(phase.bucket_index);
-        let counts = set.counts_of(fingerprint(probe.key_hash));
+        let leftover = reserves.leftover(probe, phase.bucket_index);
+        let counts = leftover.remove_from(set.counts_of(fingerprint(probe.key_hash)), phase.bucket_index);
         let admits = table.window.admits(counts, phase.elapsed_ms, cost, table.limit);
         Ok(Read {
             probe,
             key,
             stored,
             set,
+            leftover,
             counts,
             admits,
         })
@@ -281,15 +349,16 @@ impl Limiter {
         }
     }
 
-    /// Phase 2 for one rule: returns where the key stands after counting, whether a live
-    /// entry was evicted, and the window bucket the cost went into.
+    /// Phase 2 for one rule: counts the request, gives back the VM's leftover units of the key
+    /// and counts a new reserve for it when there is room to spare, in one write.
     fn commit<S: SharedStore + ?Sized>(
         &self,
         store: &S,
+        reserves: &mut Reserves,
         first: &Read,
         now: UnixMillis,
         cost: u32,
-    ) -> Result<(Standing, bool, u64), Violation> {
+    ) -> Result<Committed, Violation> {
         let contention = || Violation {
             standing: self.standing_before(first, now, cost),
             cause: Cause::Contention,
@@ -299,12 +368,13 @@ impl Limiter {
         let fp = fingerprint(first.probe.key_hash);
         let mut stored = first.stored.clone();
         let mut set = first.set.clone();
+        let mut counts = first.counts;
         for attempt in 0..MAX_ATTEMPTS {
             if attempt > 0 {
                 stored = store.get(&first.key).map_err(|_| contention())?;
                 set = decode_or_empty(stored.as_ref(), phase.bucket_index)
                     .rolled_to(phase.bucket_index);
-                let counts = set.counts_of(fp);
+                counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
                 if !table.window.admits(counts, phase.elapsed_ms, cost, table.limit) {
                     return Err(Violation {
                         standing: standing(table, first.probe.rule, counts, now, cost),
@@ -312,12 +382,19 @@ impl Limiter {
                     });
                 }
             }
-            let evicted = set.add(fp, cost, table.window, phase.elapsed_ms).is_some();
+            let after = counts.plus(cost);
+            let room = table.window.remaining(after, phase.elapsed_ms, table.limit);
+            let grant = reserves.grant(first.probe, room);
+            let evicted = set.add(fp, cost.saturating_add(grant), table.window, phase.elapsed_ms).is_some();
+            set.subtract(fp, first.leftover.units, first.leftover.bucket_index);
             match write_back(store, &first.key, stored.as_ref(), &set.encode()) {
                 Ok(()) => {
-                    let after = set.counts_of(fp);
-                    let standing = standing(table, first.probe.rule, after, now, cost);
-                    return Ok((standing, evicted, set.bucket_index));
+                    reserves.record(first.probe, phase.bucket_index, grant, set.counts_of(fp));
+                    return Ok(Committed {
+                        standing: standing(table, first.probe.rule, after, now, cost),
+                        evicted,
+                        bucket_index: set.bucket_index,
+                    });
                 }
                 Err(StoreError::CasMismatch) => continue,
                 Err(StoreError::Host(_)) => return Err(contention()),
@@ -326,17 +403,18 @@ impl Limiter {
         Err(contention())
     }
 
-    /// Takes back a committed unit (best effort: if it cannot, the key is over-counted, which
-    /// is the safe direction).
-    fn take_back<S: SharedStore + ?Sized>(&self, store: &S, read: &Read, bucket: u64, cost: u32) {
-        let fp = fingerprint(read.probe.key_hash);
+    /// Takes `leftover` units of `probe`'s key back out of its counters (best effort: if it
+    /// cannot, the key is over-counted, which is the safe direction).
+    fn give_back<S: SharedStore + ?Sized>(&self, store: &S, probe: Probe, leftover: Leftover) {
+        let Some((_, key)) = self.locate(probe) else { return };
+        let fp = fingerprint(probe.key_hash);
         for _ in 0..MAX_ATTEMPTS {
-            let Ok(stored) = store.get(&read.key) else { return };
+            let Ok(stored) = store.get(&key) else { return };
             let Some(current) = stored.as_ref() else { return };
             let Ok(set) = Set::decode(&current.value) else { return };
-            let mut set = set.rolled_to(bucket);
-            set.subtract(fp, cost, bucket);
-            match write_back(store, &read.key, stored.as_ref(), &set.encode()) {
+            let mut set = set.rolled_to(leftover.bucket_index);
+            set.subtract(fp, leftover.units, leftover.bucket_index);
+            match write_back(store, &key, stored.as_ref(), &set.encode()) {
                 Err(StoreError::CasMismatch) => continue,
                 _ => return,
             }

@@ -53,21 +53,93 @@ impl Reference {
 proptest! {
     /// With room for every key, the limiter decides exactly like the per-key reference, over
     /// random arrival sequences on two rules and several keys.
+    ///
+    /// In one VM, quota reserves change nothing: a reserve only ever admits what the counter
+    /// would have admitted (limits of 60 and 90 leave room for grants; 5 and 9 for none).
     #[test]
     fn decisions_match_the_exact_per_key_counter(
-        arrivals in proptest::collection::vec((0u64..6, 0u64..700, any::<bool>()), 1..300),
+        arrivals in proptest::collection::vec((0u64..3, prop_oneof![19 => 0u64..8, 1 => 0u64..1500], any::<bool>(), 0u8..20), 1..600),
+        (limit_a, limit_b) in prop_oneof![Just((5u32, 9u32)), Just((60, 90))],
+        with_reserves in any::<bool>(),
     ) {
-        let limiter = Limiter::new(&config(&[rule("a", 5, "1s", 4096), rule("b", 9, "3s", 4096)].join(",")), "t");
+        let rules = [rule("a", limit_a, "1s", 4096), rule("b", limit_b, "3s", 4096)].join(",");
+        let limiter = Limiter::new(&config(&rules), "t");
         let store = MemoryStore::new();
+        let mut reserves = if with_reserves { Reserves::new() } else { Reserves::disabled() };
         let mut reference = Reference::default();
         let mut now = 1_700_000_000_000u64;
-        for (key, gap_ms, both) in arrivals {
+        for (key, gap_ms, both, tick) in arrivals {
             now += gap_ms;
+            if tick == 0 {
+                limiter.heartbeat(&store, &mut reserves, UnixMillis(now));
+            }
             let mut probes = vec![Probe { rule: 0, key_hash: key * 7919 + 1 }];
             if both { probes.push(Probe { rule: 1, key_hash: key * 104_729 + 3 }); }
-            let ours = admitted(&limiter.check(&store, &probes, UnixMillis(now), 1));
+            let ours = admitted(&limiter.check(&store, &mut reserves, &probes, UnixMillis(now), 1));
             prop_assert_eq!(ours, reference.check(&limiter, &probes, UnixMillis(now)), "at {} key {}", now, key);
         }
+    }
+
+    /// Several VMs with reserves over one store, across window buckets: every request they
+    /// admit, the exact per-key counter admits too (reserves may refuse early, never late).
+    #[test]
+    fn reserves_in_several_vms_are_never_looser_than_the_exact_counter(
+        limit in 8u32..200,
+        picks in proptest::collection::vec(
+            (0usize..3, prop_oneof![19 => 0u64..6, 1 => 0u64..1500], 0u8..30),
+            0..1500,
+        ),
+    ) {
+        let limiter = Limiter::new(&config(&rule("a", limit, "1s", 64)), "t");
+        let store = MemoryStore::new();
+        let mut vms = [Reserves::new(), Reserves::new(), Reserves::new()];
+        let mut reference = Reference::default();
+        let probe = [Probe { rule: 0, key_hash: 77 }];
+        let mut now = 1_700_000_000_000u64;
+        for (vm, gap, tick) in picks {
+            now += gap;
+            if tick == 0 {
+                limiter.heartbeat(&store, &mut vms[vm], UnixMillis(now));
+            }
+            if admitted(&limiter.check(&store, &mut vms[vm], &probe, UnixMillis(now), 1)) {
+                prop_assert!(reference.check(&limiter, &probe, UnixMillis(now)), "admitted past the limit at {}", now);
+            }
+        }
+    }
+
+    /// Several VMs with reserves over one store, one bucket: together they never admit more
+    /// than the limit, and once the idle reserves are given back they admit exactly the limit.
+    #[test]
+    fn reserves_never_let_vms_past_the_limit_and_come_back(
+        limit in 1u32..400,
+        picks in proptest::collection::vec((0usize..3, 0u8..30), 0..1200),
+    ) {
+        let limiter = Limiter::new(&config(&rule("a", limit, "1h", 64)), "t");
+        let store = MemoryStore::new();
+        let mut vms = [Reserves::new(), Reserves::new(), Reserves::new()];
+        let now = UnixMillis(1_700_000_000_000);
+        let probe = [Probe { rule: 0, key_hash: 77 }];
+        let mut admitted_total = 0u32;
+        for (vm, tick) in picks {
+            if tick == 0 {
+                limiter.heartbeat(&store, &mut vms[vm], now);
+            }
+            if admitted(&limiter.check(&store, &mut vms[vm], &probe, now, 1)) {
+                admitted_total += 1;
+            }
+            prop_assert!(admitted_total <= limit, "{} admitted, limit {}", admitted_total, limit);
+        }
+        // Two idle heartbeats give every reserve back; then the VMs take what is left.
+        for _ in 0..2 {
+            for reserves in &mut vms { limiter.heartbeat(&store, reserves, now); }
+        }
+        for reserves in &mut vms {
+            while admitted(&limiter.check(&store, reserves, &probe, now, 1)) {
+                admitted_total += 1;
+                prop_assert!(admitted_total <= limit);
+            }
+        }
+        prop_assert_eq!(admitted_total, limit);
     }
 
     /// Retry-After is tight: at `retry_at − 1 ms` the same request is still refused, at
@@ -83,7 +155,7 @@ proptest! {
         let mut refusal = None;
         for _ in 0..limit + extra {
             now += gap;
-            if let v @ Verdict::Rejected { .. } = limiter.check(&store, &probes, UnixMillis(now), 1) {
+            if let v @ Verdict::Rejected { .. } = limiter.check(&store, &mut Reserves::disabled(), &probes, UnixMillis(now), 1) {
                 refusal = Some((now, v));
                 break;
             }
@@ -92,10 +164,110 @@ proptest! {
         let retry_at = verdict.retry_at().unwrap();
         prop_assert!(retry_at.0 > at);
         // A refused probe writes nothing, so the second probe sees the same state.
-        let probe_store = |t: u64| limiter.check(&store, &probes, UnixMillis(t), 1);
+        let probe_store = |t: u64| limiter.check(&store, &mut Reserves::disabled(), &probes, UnixMillis(t), 1);
         prop_assert!(!admitted(&probe_store(retry_at.0 - 1)));
         prop_assert!(admitted(&probe_store(retry_at.0)));
     }
+}
+
+fn stored_counts(store: &MemoryStore, limiter: &Limiter, probe: Probe, bucket: u64) -> Counts {
+    let (_, key) = limiter.locate(probe).unwrap();
+    let set = table::Set::decode(&store.get(&key).unwrap().unwrap().value).unwrap();
+    set.rolled_to(bucket).counts_of(fingerprint(probe.key_hash))
+}
+
+#[test]
+fn grants_start_at_nothing_double_and_vanish_near_the_limit() {
+    let limiter = Limiter::new(&config(&rule("a", 200, "1h", 64)), "t");
+    let store = MemoryStore::new();
+    let mut reserves = Reserves::new();
+    let probe = Probe { rule: 0, key_hash: 5 };
+    let now = UnixMillis(1_700_000_000_000);
+    let bucket = limiter.tables()[0].window.phase(now).bucket_index;
+    let mut writes = Vec::new();
+    let mut last = 0;
+    for n in 1..=200u32 {
+        match limiter.check(&store, &mut reserves, &[probe], now, 1) {
+            Verdict::Admitted { standings, .. } => {
+                assert_eq!(standings[0].remaining, u64::from(200 - n), "request {n}: r counts only used units");
+            }
+            other => panic!("request {n}: {other:?}"),
+        }
+        let stored = stored_counts(&store, &limiter, probe, bucket).current;
+        if stored != last {
+            writes.push(stored - n);
+            last = stored;
+        }
+    }
+    // Units granted at each write: none at first sight, then doubling to 16, then bounded by
+    // an eighth of the room, then none.
+    assert_eq!(&writes[..7], &[0, 1, 2, 4, 8, 16, 16]);
+    assert!(writes.windows(2).skip(6).all(|w| w[1] <= w[0]), "{writes:?}");
+    assert_eq!(*writes.last().unwrap(), 0, "no reserve at the limit: {writes:?}");
+    assert!(!admitted(&limiter.check(&store, &mut reserves, &[probe], now, 1)));
+    assert_eq!(stored_counts(&store, &limiter, probe, bucket).current, 200);
+}
+
+#[test]
+fn leftover_units_go_back_at_the_next_bucket_and_at_idle_heartbeats() {
+    let limiter = Limiter::new(&config(&rule("a", 1000, "1m", 64)), "t");
+    let store = MemoryStore::new();
+    let mut reserves = Reserves::new();
+    let probe = Probe { rule: 0, key_hash: 5 };
+    let start = UnixMillis(1_700_000_040_000); // a multiple of the window
+    let bucket = limiter.tables()[0].window.phase(start).bucket_index;
+    for _ in 0..10 {
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], start, 1)));
+    }
+    assert!(stored_counts(&store, &limiter, probe, bucket).current > 10, "a reserve is counted");
+    // The next bucket's first request gives the unused units back in its own write.
+    let next = UnixMillis(start.0 + 60_000);
+    assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], next, 1)));
+    assert_eq!(stored_counts(&store, &limiter, probe, bucket + 1).previous, 10);
+    // Idle for a heartbeat period: the reserve goes back.
+    for _ in 0..5 {
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], next, 1)));
+    }
+    limiter.heartbeat(&store, &mut reserves, next);
+    assert!(stored_counts(&store, &limiter, probe, bucket + 1).current > 6, "used since the last heartbeat: kept");
+    limiter.heartbeat(&store, &mut reserves, next);
+    assert_eq!(stored_counts(&store, &limiter, probe, bucket + 1).current, 6, "idle: given back");
+    // A replaced configuration gives back everything.
+    for _ in 0..10 {
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], next, 1)));
+    }
+    limiter.drain(&store, &mut reserves);
+    assert_eq!(stored_counts(&store, &limiter, probe, bucket + 1).current, 16);
+}
+
+#[test]
+fn a_refusal_by_another_rule_puts_reserved_units_back() {
+    let limiter = Limiter::new(&config(&[rule("wide", 1000, "1h", 64), rule("narrow", 1000, "1h", 64)].join(",")), "t");
+    let store = MemoryStore::new();
+    let mut reserves = Reserves::new();
+    let now = UnixMillis(1_700_000_000_000);
+    let wide = Probe { rule: 0, key_hash: 1 };
+    let narrow = Probe { rule: 1, key_hash: 2 };
+    // Writes grant 0, 1, 2 units: after 5 requests the VM holds 1 unit of 6 counted.
+    for _ in 0..5 {
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[wide], now, 1)));
+    }
+    let bucket = limiter.tables()[0].window.phase(now).bucket_index;
+    let before = stored_counts(&store, &limiter, wide, bucket);
+    // Another VM fills the narrow rule's key.
+    let mut other = Reserves::disabled();
+    for _ in 0..1000 {
+        assert!(admitted(&limiter.check(&store, &mut other, &[narrow], now, 1)));
+    }
+    match limiter.check(&store, &mut reserves, &[wide, narrow], now, 1) {
+        Verdict::Rejected { violations } => assert_eq!(violations[0].standing.rule, 1),
+        other => panic!("{other:?}"),
+    }
+    match limiter.check(&store, &mut reserves, &[wide], now, 1) {
+        Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 1000 - 6, "the refused request used nothing"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(stored_counts(&store, &limiter, wide, bucket), before, "served from the reserve");
 }
 
 #[test]
@@ -108,7 +280,7 @@ fn concurrent_workers_never_lose_an_update() {
             let (limiter, store) = (limiter.clone(), store.clone());
             std::thread::spawn(move || {
                 (0..250)
-                    .filter(|_| admitted(&limiter.check(&*store, &[Probe { rule: 0, key_hash: 9 }], now, 1)))
+                    .filter(|_| admitted(&limiter.check(&*store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: 9 }], now, 1)))
                     .count()
             })
         })
@@ -146,11 +318,11 @@ fn cas_mismatches_are_retried_and_nothing_is_lost() {
     let store = Interfering { inner: MemoryStore::new(), mismatches: Cell::new(0) };
     let probes = [Probe { rule: 0, key_hash: 5 }];
     let now = UnixMillis(1_700_000_000_000);
-    assert!(admitted(&limiter.check(&store, &probes, now, 1)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1)));
     store.mismatches.set(MAX_ATTEMPTS - 1);
-    assert!(admitted(&limiter.check(&store, &probes, now, 1)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1)));
     assert_eq!(store.mismatches.get(), 0);
-    match limiter.check(&store, &probes, now, 1) {
+    match limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 7),
         other => panic!("{other:?}"),
     }
@@ -162,13 +334,13 @@ fn exhausted_attempts_reject_as_contention_and_count_nothing() {
     let store = Interfering { inner: MemoryStore::new(), mismatches: Cell::new(0) };
     let probes = [Probe { rule: 0, key_hash: 5 }];
     let now = UnixMillis(1_700_000_000_000);
-    assert!(admitted(&limiter.check(&store, &probes, now, 1)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1)));
     store.mismatches.set(MAX_ATTEMPTS);
-    match limiter.check(&store, &probes, now, 1) {
+    match limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1) {
         Verdict::Rejected { violations } => assert_eq!(violations[0].cause, Cause::Contention),
         other => panic!("{other:?}"),
     }
-    match limiter.check(&store, &probes, now, 1) {
+    match limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 8, "the contended request was not counted"),
         other => panic!("{other:?}"),
     }
@@ -180,10 +352,10 @@ fn a_refused_request_consumes_no_quota_of_any_rule() {
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
     let both = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
-    assert!(admitted(&limiter.check(&store, &both, now, 1)));
-    assert!(admitted(&limiter.check(&store, &both, now, 1)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, now, 1)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, now, 1)));
     for _ in 0..5 {
-        match limiter.check(&store, &both, now, 1) {
+        match limiter.check(&store, &mut Reserves::disabled(), &both, now, 1) {
             Verdict::Rejected { violations } => {
                 assert_eq!(violations.len(), 1);
                 assert_eq!(violations[0].standing.rule, 1);
@@ -192,7 +364,7 @@ fn a_refused_request_consumes_no_quota_of_any_rule() {
             other => panic!("{other:?}"),
         }
     }
-    match limiter.check(&store, &both[..1], now, 1) {
+    match limiter.check(&store, &mut Reserves::disabled(), &both[..1], now, 1) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 97),
         other => panic!("{other:?}"),
     }
@@ -214,7 +386,7 @@ fn a_lost_race_on_a_later_rule_takes_back_the_earlier_ones() {
         fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
             if self.armed.replace(false) {
                 let other = [Probe { rule: 1, key_hash: 2 }];
-                assert!(admitted(&self.limiter.check(&self.inner, &other, UnixMillis(1_700_000_000_000), 1)));
+                assert!(admitted(&self.limiter.check(&self.inner, &mut Reserves::disabled(), &other, UnixMillis(1_700_000_000_000), 1)));
             }
             self.inner.set(key, value, cas)
         }
@@ -223,11 +395,11 @@ fn a_lost_race_on_a_later_rule_takes_back_the_earlier_ones() {
     let store = Racing { inner: MemoryStore::new(), limiter: &limiter, armed: Cell::new(true) };
     let now = UnixMillis(1_700_000_000_000);
     let both = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
-    match limiter.check(&store, &both, now, 1) {
+    match limiter.check(&store, &mut Reserves::disabled(), &both, now, 1) {
         Verdict::Rejected { violations } => assert_eq!(violations[0].standing.rule, 1),
         other => panic!("{other:?}"),
     }
-    match limiter.check(&store.inner, &both[..1], now, 1) {
+    match limiter.check(&store.inner, &mut Reserves::disabled(), &both[..1], now, 1) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 99, "rule 0 got its unit back"),
         other => panic!("{other:?}"),
     }
@@ -244,7 +416,7 @@ fn a_full_table_stays_bounded_and_never_loosens_a_quota() {
         for key in 0..10_000u64 {
             let hash = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ round;
             let hash = hash & !0xff | (key & 0xff); // keep keys distinct
-            if admitted(&limiter.check(&store, &[Probe { rule: 0, key_hash: hash }], now, 1)) {
+            if admitted(&limiter.check(&store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: hash }], now, 1)) {
                 *admitted_per_key.entry(hash).or_default() += 1;
             }
         }
@@ -264,16 +436,16 @@ fn a_steady_key_keeps_its_quota_under_a_flood_of_other_keys() {
     let steady = [Probe { rule: 0, key_hash: 1 }];
     let mut steady_admitted = 0;
     for i in 0..40u64 {
-        if admitted(&limiter.check(&store, &steady, now, 1)) {
+        if admitted(&limiter.check(&store, &mut Reserves::disabled(), &steady, now, 1)) {
             steady_admitted += 1;
         }
         for j in 0..20u64 {
             let flood_key = (i * 20 + j + 7).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            limiter.check(&store, &[Probe { rule: 0, key_hash: flood_key }], now, 1);
+            limiter.check(&store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: flood_key }], now, 1);
         }
     }
     assert_eq!(steady_admitted, 40);
-    match limiter.check(&store, &steady, now, 1) {
+    match limiter.check(&store, &mut Reserves::disabled(), &steady, now, 1) {
         Verdict::Admitted { standings, .. } => {
             let excess = standings[0].estimate - 41.0;
             assert!((0.0..=16.0).contains(&excess), "over-count {excess}");
@@ -290,9 +462,9 @@ fn the_over_count_of_a_flooded_set_is_bounded_by_the_flood_over_the_ways() {
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
     for key in 0..400u64 {
-        limiter.check(&store, &[Probe { rule: 0, key_hash: 10 + key }], now, 1);
+        limiter.check(&store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: 10 + key }], now, 1);
     }
-    match limiter.check(&store, &[Probe { rule: 0, key_hash: 5 }], now, 1) {
+    match limiter.check(&store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: 5 }], now, 1) {
         Verdict::Admitted { standings, .. } => {
             let excess = standings[0].estimate - 1.0;
             assert!((1.0..=100.0).contains(&excess), "over-count {excess}");
@@ -309,7 +481,7 @@ fn a_corrupt_record_is_not_trusted_and_gets_replaced() {
     store.set(&key, b"\x01garbage", None).unwrap();
     let probes = [Probe { rule: 0, key_hash: 8 }];
     let now = UnixMillis(1_700_000_000_000);
-    assert!(admitted(&limiter.check(&store, &probes, now, 1)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1)));
     assert!(table::Set::decode(&store.get(&key).unwrap().unwrap().value).is_ok());
 }
 
@@ -323,4 +495,78 @@ fn namespaces_and_rule_definitions_separate_counters() {
     assert_ne!(prefix(&a), prefix(&b));
     assert_ne!(prefix(&a), prefix(&c));
     assert_eq!(prefix(&a), prefix(&d), "a new limit applies to the existing counters");
+}
+
+/// Units a VM reserved and left unused when the bucket ended are not held against its own next
+/// request: it decides on the exact count.
+#[test]
+fn unused_units_of_the_last_bucket_do_not_count_against_their_owner() {
+    let limiter = Limiter::new(&config(&rule("a", 100, "1m", 64)), "t");
+    let store = MemoryStore::new();
+    let (mut a, mut b) = (Reserves::new(), Reserves::disabled());
+    let probe = [Probe { rule: 0, key_hash: 3 }];
+    let start = UnixMillis(1_700_000_040_000); // a multiple of the window
+    // Writes grant 0, 1, 2, 4 units: after 8 requests A holds 3 of the 11 counted.
+    for _ in 0..8 {
+        assert!(admitted(&limiter.check(&store, &mut a, &probe, start, 1)));
+    }
+    let mut by_b = 0;
+    while admitted(&limiter.check(&store, &mut b, &probe, start, 1)) {
+        by_b += 1;
+    }
+    assert_eq!(by_b, 89, "B sees A's 3 unused units counted");
+    // The next bucket begins: previous holds 97 requests, so exactly 3 more fit right now.
+    let next = UnixMillis(start.0 + 60_000);
+    assert!(!admitted(&limiter.check(&store, &mut b, &probe, next, 1)), "B still sees 100");
+    for n in 0..3 {
+        assert!(admitted(&limiter.check(&store, &mut a, &probe, next, 1)), "A's request {n}");
+    }
+    assert!(!admitted(&limiter.check(&store, &mut a, &probe, next, 1)));
+}
+
+#[test]
+fn a_vm_follows_a_bounded_number_of_keys_and_forgets_idle_ones() {
+    use reserve::MAX_KEYS;
+    let limiter = Limiter::new(&config(&rule("a", 1000, "1h", 64)), "t");
+    let store = MemoryStore::new();
+    let mut reserves = Reserves::new();
+    let now = UnixMillis(1_700_000_000_000);
+    for key in 0..MAX_KEYS as u64 + 100 {
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe { rule: 0, key_hash: key + 1 }], now, 1)));
+    }
+    assert_eq!(reserves.followed(), MAX_KEYS);
+    let hot = Probe { rule: 0, key_hash: 1 };
+    limiter.heartbeat(&store, &mut reserves, now);
+    assert!(admitted(&limiter.check(&store, &mut reserves, &[hot], now, 1)));
+    limiter.heartbeat(&store, &mut reserves, now);
+    assert_eq!(reserves.followed(), 1, "only the key used in the last period is still followed");
+}
+
+#[test]
+fn a_heartbeat_gives_back_a_bounded_number_of_reserves_and_the_next_one_the_rest() {
+    use reserve::MAX_RETURNS_PER_HEARTBEAT;
+    let limiter = Limiter::new(&config(&rule("a", 1000, "1h", 4096)), "t");
+    let store = MemoryStore::new();
+    let mut reserves = Reserves::new();
+    let now = UnixMillis(1_700_000_000_000);
+    let keys = MAX_RETURNS_PER_HEARTBEAT as u64 + 40;
+    // Four requests per key: writes grant 0, then 1 unit (which the third request uses), then
+    // 2 units, which stay unused.
+    for key in 1..=keys {
+        for _ in 0..4 {
+            assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe { rule: 0, key_hash: key }], now, 1)));
+        }
+    }
+    assert_eq!(reserves.held(1), vec![2 * keys]);
+    limiter.heartbeat(&store, &mut reserves, now); // used in this period: kept
+    assert_eq!(reserves.held(1), vec![2 * keys]);
+    limiter.heartbeat(&store, &mut reserves, now);
+    assert_eq!(reserves.held(1), vec![2 * 40], "at most {MAX_RETURNS_PER_HEARTBEAT} given back per heartbeat");
+    limiter.heartbeat(&store, &mut reserves, now);
+    assert_eq!(reserves.held(1), vec![0]);
+    assert_eq!(reserves.followed(), 0);
+    let bucket = limiter.tables()[0].window.phase(now).bucket_index;
+    for key in 1..=keys {
+        assert_eq!(stored_counts(&store, &limiter, Probe { rule: 0, key_hash: key }, bucket).current, 4, "key {key}");
+    }
 }

@@ -370,7 +370,7 @@ fn a_dropped_lease_gives_its_unit_back_and_the_heartbeat_publishes_it() {
 #[test]
 fn finishing_records_the_outcome_and_moves_the_limit() {
     let s = selector(
-        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":10,"min_limit":1,"max_limit":20,"timeout":"1s"}}"#,
+        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":20,"min_limit":1,"max_limit":40,"timeout":"1s"}}"#,
     );
     let store = MemoryStore::new();
     let mut mine = vm(1, &locals(1));
@@ -385,24 +385,24 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
     finish(Outcome::Ignored);
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(3, 1), "ignored is not counted");
-    assert_eq!(view.record.limit, 8, "10 → 9 (timeout) → 9 (failure) → ⌊8.1⌋ (slow) → 8 (ignored)");
-    // Growth needs half the limit in use: hold 4 leases, then succeed.
-    let held: Vec<_> = (0..3)
+    assert_eq!(view.record.limit, 16, "20 → 18 (timeout) → 18 (failure) → ⌊16.2⌋ (slow) → 16 (ignored)");
+    // Growth needs half the limit in use: hold 8 leases, then succeed.
+    let held: Vec<_> = (0..7)
         .map(|_| s.choose(&store, &mut mine, T0, &mut rng).unwrap())
         .collect();
     let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
-    assert_eq!(lease.in_flight, 4);
+    assert_eq!(lease.in_flight, 8);
     s.finish(&store, &mut mine, lease, Outcome::Success, T0);
     assert_eq!(
         s.read(&store, 0, T0).unwrap().record.limit,
-        8,
+        16,
         "a success waits in the VM's pending tally"
     );
     assert_eq!(mine.pending[0].finished(), 1);
     s.heartbeat(&store, &mut mine, T0);
     assert!(mine.pending[0].is_empty(), "the heartbeat writes it");
     let view = s.read(&store, 0, T0).unwrap();
-    assert_eq!(view.record.limit, 9, "4 × 2 ≥ 8: grows by one");
+    assert_eq!(view.record.limit, 17, "8 × 2 ≥ 16: grows by one");
     assert_eq!(view.record.buckets.recent[0], tally(4, 2));
     for lease in held {
         s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);

@@ -1,0 +1,255 @@
+//! Quota reserves: units of a key's current window bucket that this VM has already counted in
+//! shared data, and admits its next requests of that key from without reading shared data.
+//!
+//! Why this stays exact. Within one window bucket a key's sliding estimate only falls as time
+//! passes (`previous × (1 − elapsed / w) + current`, with `elapsed` growing and the counters
+//! fixed), so if `estimate + cost + units ≤ limit` held when the units were counted, each of
+//! those units is still admissible at any later instant of the same bucket, whatever the other
+//! workers did since: they saw the units counted and decided on top of them. A reserve is
+//! therefore only valid in the bucket it was counted in; once the bucket ends its unused units
+//! are given back (subtracted from the key's counters) at the key's next write or at the
+//! heartbeat.
+//!
+//! What it costs. Units counted but not used yet make other workers see the key a little closer
+//! to its limit than it is: they may refuse while this VM still holds units. Grants are kept
+//! small for that reason: a key gets nothing on its first request through a VM (one-off keys
+//! waste nothing), then 1, 2, 4, … up to [`RESERVE_MAX`] units on later writes, and never more
+//! than `1 / RESERVE_SPREAD` of the room left, so near the limit there is no reserve and every
+//! request is a compare-and-swap, as without reserves. A reserve left unused for a whole
+//! heartbeat period is given back.
+//!
+//! The same scheme serves in-flight counting ([`crate::shed`]); this one is per key and per
+//! window bucket.
+
+use super::window::Counts;
+use super::Probe;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+/// Most units one grant puts aside for one key.
+pub const RESERVE_MAX: u32 = 16;
+/// A grant is at most this fraction (1 / n) of the room left under the limit.
+pub const RESERVE_SPREAD: u64 = 8;
+/// Keys one VM follows per configuration; a key not used for a heartbeat period is forgotten.
+pub const MAX_KEYS: usize = 4096;
+/// Reserves one heartbeat gives back at most (each is a read and a write of shared data); the
+/// rest wait for the next heartbeat, so a worker never stalls on a tick.
+pub const MAX_RETURNS_PER_HEARTBEAT: usize = 256;
+
+/// One key's reserve in this VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Slot {
+    /// The window bucket the units were counted in.
+    bucket_index: u64,
+    /// Units counted in shared data and not used yet.
+    units: u32,
+    /// The key's counters as this VM last wrote them, including `units` (as of `bucket_index`).
+    counts: Counts,
+    /// The next grant for this key, before the room and [`RESERVE_MAX`] bound it.
+    next_grant: u32,
+    /// Whether a request used this slot since the last heartbeat.
+    used: bool,
+}
+
+/// Keys are already keyed hashes: the map mixes them instead of hashing them again.
+#[derive(Default)]
+struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.write_u64(u64::from(*byte));
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (self.0.rotate_left(23) ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fn write_usize(&mut self, value: usize) {
+        self.write_u64(value as u64);
+    }
+}
+
+type Slots = HashMap<(usize, u64), Slot, BuildHasherDefault<MixHasher>>;
+
+fn id(probe: Probe) -> (usize, u64) {
+    (probe.rule, probe.key_hash)
+}
+
+/// Units of a key this VM counted earlier and did not use, to give back at its next write.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Leftover {
+    /// The bucket they were counted in.
+    pub bucket_index: u64,
+    /// How many.
+    pub units: u32,
+}
+
+impl Leftover {
+    /// The counters as seen from bucket `bucket_index` without these units (never below zero).
+    pub fn remove_from(self, counts: Counts, bucket_index: u64) -> Counts {
+        if self.bucket_index == bucket_index {
+            Counts { current: counts.current.saturating_sub(self.units), ..counts }
+        } else if self.bucket_index.saturating_add(1) == bucket_index {
+            Counts { previous: counts.previous.saturating_sub(self.units), ..counts }
+        } else {
+            counts
+        }
+    }
+}
+
+/// A reserve to give back (see [`Reserves::heartbeat`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Return {
+    /// The key.
+    pub probe: Probe,
+    /// The units and the bucket they were counted in.
+    pub leftover: Leftover,
+}
+
+/// This VM's quota reserves for one configuration.
+#[derive(Clone, Debug)]
+pub struct Reserves {
+    slots: Slots,
+    /// Keys followed at most ([`MAX_KEYS`]; 0: no reserves).
+    max_keys: usize,
+}
+
+impl Default for Reserves {
+    fn default() -> Self {
+        Reserves::new()
+    }
+}
+
+impl Reserves {
+    /// Follows up to [`MAX_KEYS`] keys.
+    pub fn new() -> Reserves {
+        Reserves { slots: Slots::default(), max_keys: MAX_KEYS }
+    }
+
+    /// No reserves at all: every request reads and writes shared data.
+    pub fn disabled() -> Reserves {
+        Reserves { slots: Slots::default(), max_keys: 0 }
+    }
+
+    fn slot(&self, probe: Probe) -> Option<&Slot> {
+        self.slots.get(&id(probe))
+    }
+
+    fn slot_mut(&mut self, probe: Probe) -> Option<&mut Slot> {
+        self.slots.get_mut(&id(probe))
+    }
+
+    /// Admits a request of `cost` for `probe` from the reserve counted in `bucket_index`, if
+    /// there is one with enough units. Returns the key's counters including this request and
+    /// excluding the units still unused (what an exact count would say, as of this VM's last
+    /// write).
+    pub fn take(&mut self, probe: Probe, bucket_index: u64, cost: u32) -> Option<Counts> {
+        let slot = self.slot_mut(probe)?;
+        if slot.bucket_index != bucket_index {
+            return None;
+        }
+        slot.units = slot.units.checked_sub(cost)?;
+        slot.used = true;
+        let current = slot.counts.current.saturating_sub(slot.units);
+        Some(Counts { current, ..slot.counts })
+    }
+
+    /// Puts back what [`Reserves::take`] took for a request that another rule refused.
+    pub fn untake(&mut self, probe: Probe, cost: u32) {
+        if let Some(slot) = self.slot_mut(probe) {
+            slot.units = slot.units.saturating_add(cost);
+        }
+    }
+
+    /// The units this VM holds for `probe`, counted in this bucket or the one before, which the
+    /// key's next write gives back (they are not in use).
+    pub fn leftover(&self, probe: Probe, bucket_index: u64) -> Leftover {
+        match self.slot(probe) {
+            Some(slot) if slot.units > 0 && slot.bucket_index.saturating_add(1) >= bucket_index => {
+                Leftover { bucket_index: slot.bucket_index, units: slot.units }
+            }
+            _ => Leftover::default(),
+        }
+    }
+
+    /// The units to count for `probe` on top of its request, given `room` (requests of cost 1
+    /// the key would still admit after this one): nothing on a key's first write through this
+    /// VM (or once it follows [`MAX_KEYS`] keys), then a doubling grant bounded by
+    /// [`RESERVE_MAX`] and a [`RESERVE_SPREAD`]th of the room.
+    pub fn grant(&self, probe: Probe, room: u64) -> u32 {
+        let Some(slot) = self.slot(probe) else { return 0 };
+        let share = u32::try_from(room / RESERVE_SPREAD).unwrap_or(u32::MAX);
+        slot.next_grant.min(RESERVE_MAX).min(share)
+    }
+
+    /// Records a write for `probe` in `bucket_index` that left `units` unused in the key's
+    /// counters `counts` (any earlier leftover having been given back by the same write).
+    pub fn record(&mut self, probe: Probe, bucket_index: u64, units: u32, counts: Counts) {
+        let next_grant = match self.slots.get(&id(probe)) {
+            Some(slot) => slot.next_grant.saturating_mul(2).clamp(1, RESERVE_MAX),
+            // A new key, while there is room to follow it (it got no units: see `grant`).
+            None if self.slots.len() < self.max_keys => 1,
+            None => return,
+        };
+        self.slots.insert(id(probe), Slot { bucket_index, units, counts, next_grant, used: true });
+    }
+
+    /// Once per heartbeat: takes the reserves that no request used since the last heartbeat, or
+    /// that were counted in a bucket that has ended (`bucket_of(rule)` is the rule's current
+    /// bucket), and returns those still worth giving back, at most
+    /// [`MAX_RETURNS_PER_HEARTBEAT`]. Keys idle for a whole period are forgotten (their grants
+    /// start over) once nothing is left to give back.
+    pub fn heartbeat(&mut self, bucket_of: impl Fn(usize) -> Option<u64>) -> Vec<Return> {
+        let mut returns = Vec::new();
+        self.slots.retain(|&(rule, key_hash), slot| {
+            let current = bucket_of(rule);
+            let ended = current != Some(slot.bucket_index);
+            if slot.units > 0 && (ended || !slot.used) {
+                if returns.len() >= MAX_RETURNS_PER_HEARTBEAT {
+                    // The next heartbeat takes it (`take` no longer serves an ended bucket).
+                    slot.used = false;
+                    return true;
+                }
+                let leftover = Leftover { bucket_index: slot.bucket_index, units: slot.units };
+                if current.is_some_and(|b| slot.bucket_index.saturating_add(1) >= b) {
+                    returns.push(Return { probe: Probe { rule, key_hash }, leftover });
+                }
+                slot.units = 0;
+            }
+            std::mem::replace(&mut slot.used, false)
+        });
+        returns
+    }
+
+    /// How many keys this VM follows.
+    pub fn followed(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Units held per rule, for `rules` rules.
+    pub fn held(&self, rules: usize) -> Vec<u64> {
+        let mut held = vec![0u64; rules];
+        for (&(rule, _), slot) in &self.slots {
+            if let Some(sum) = held.get_mut(rule) {
+                *sum = sum.saturating_add(u64::from(slot.units));
+            }
+        }
+        held
+    }
+
+    /// Takes every reserve (a configuration is being replaced): all of them are worth giving
+    /// back.
+    pub fn drain(&mut self) -> Vec<Return> {
+        self.slots
+            .drain()
+            .filter(|(_, slot)| slot.units > 0)
+            .map(|((rule, key_hash), slot)| Return {
+                probe: Probe { rule, key_hash },
+                leftover: Leftover { bucket_index: slot.bucket_index, units: slot.units },
+            })
+            .collect()
+    }
+}
