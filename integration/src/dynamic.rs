@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::{http_get_blocking, rss_bytes_of, spawn_envoy, tail, wait_for_envoy, wasm_module, Error};
+use crate::{http_get_blocking, rss_bytes_of, spawn_envoy, tail, wait_for_envoy, wasm_module, Error, Routing};
 
 /// How long a delivered configuration may take to be taken or refused.
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -97,9 +97,7 @@ pub enum Delivery {
 /// Builds a [`DynamicEnvoy`].
 pub struct DynamicEnvoyBuilder {
     first: FilterVersion,
-    clusters: Vec<(String, Vec<SocketAddr>)>,
-    route_header: Option<String>,
-    route_timeout: Duration,
+    routing: Routing,
     concurrency: usize,
 }
 
@@ -108,9 +106,7 @@ impl DynamicEnvoyBuilder {
     pub fn new(first: FilterVersion) -> DynamicEnvoyBuilder {
         DynamicEnvoyBuilder {
             first,
-            clusters: Vec::new(),
-            route_header: None,
-            route_timeout: Duration::from_secs(30),
+            routing: Routing::default(),
             concurrency: 2,
         }
     }
@@ -118,19 +114,19 @@ impl DynamicEnvoyBuilder {
     /// Adds a cluster (STATIC, generous circuit breakers). Without [`Self::route_by_header`],
     /// every request goes to the cluster named `upstream`.
     pub fn cluster(mut self, name: &str, addrs: &[SocketAddr]) -> DynamicEnvoyBuilder {
-        self.clusters.push((name.to_string(), addrs.to_vec()));
+        self.routing.clusters.push((name.to_string(), addrs.to_vec()));
         self
     }
 
     /// Routes by the cluster named in request header `header` (`cluster_header`).
     pub fn route_by_header(mut self, header: &str) -> DynamicEnvoyBuilder {
-        self.route_header = Some(header.to_string());
+        self.routing.route_header = Some(header.to_string());
         self
     }
 
     /// The route's upstream timeout (default 30 s).
     pub fn route_timeout(mut self, timeout: Duration) -> DynamicEnvoyBuilder {
-        self.route_timeout = timeout;
+        self.routing.route_timeout = timeout;
         self
     }
 
@@ -141,35 +137,8 @@ impl DynamicEnvoyBuilder {
     }
 
     fn bootstrap(&self, filter_file: &Path) -> Value {
-        let timeout = format!("{}s", self.route_timeout.as_secs_f64());
-        let route = match &self.route_header {
-            Some(header) => json!({"cluster_header": header, "timeout": timeout}),
-            None => json!({"cluster": "upstream", "timeout": timeout}),
-        };
-        let clusters: Vec<Value> = self
-            .clusters
-            .iter()
-            .map(|(name, addrs)| {
-                let endpoints: Vec<Value> = addrs
-                    .iter()
-                    .map(|a| {
-                        json!({"endpoint": {"address": {"socket_address": {
-                            "address": a.ip().to_string(), "port_value": a.port()
-                        }}}})
-                    })
-                    .collect();
-                json!({
-                    "name": name,
-                    "type": "STATIC",
-                    "connect_timeout": "2s",
-                    "circuit_breakers": {"thresholds": [{
-                        "max_connections": 100000, "max_pending_requests": 100000,
-                        "max_requests": 100000, "max_retries": 100000
-                    }]},
-                    "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]}
-                })
-            })
-            .collect();
+        let route = self.routing.route();
+        let clusters: Vec<Value> = self.routing.clusters().collect();
         json!({
             "node": {"id": "floodgate-test", "cluster": "floodgate-test"},
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},

@@ -419,17 +419,49 @@ fn static_cluster(name: &str, endpoints: Vec<Value>) -> Value {
     })
 }
 
+/// The routes and extra clusters of a test Envoy, shared by [`EnvoyBuilder`] and
+/// [`dynamic::DynamicEnvoyBuilder`].
+#[derive(Clone, Debug)]
+pub(crate) struct Routing {
+    /// Clusters by name, each with its endpoints (besides `upstream` in [`EnvoyBuilder`]).
+    pub(crate) clusters: Vec<(String, Vec<SocketAddr>)>,
+    /// Route by this request header (`cluster_header`) instead of to the `upstream` cluster.
+    pub(crate) route_header: Option<String>,
+    /// The route's upstream timeout.
+    pub(crate) route_timeout: Duration,
+}
+
+impl Default for Routing {
+    fn default() -> Routing {
+        Routing { clusters: Vec::new(), route_header: None, route_timeout: Duration::from_secs(30) }
+    }
+}
+
+impl Routing {
+    /// The one route's action: to the cluster the route header names, or to `upstream`.
+    pub(crate) fn route(&self) -> Value {
+        let timeout = format!("{}s", self.route_timeout.as_secs_f64());
+        match &self.route_header {
+            Some(header) => json!({"cluster_header": header, "timeout": timeout}),
+            None => json!({"cluster": "upstream", "timeout": timeout}),
+        }
+    }
+
+    /// The clusters added by name.
+    pub(crate) fn clusters(&self) -> impl Iterator<Item = Value> + '_ {
+        self.clusters
+            .iter()
+            .map(|(name, addrs)| static_cluster(name, addrs.iter().map(|a| endpoint(*a)).collect()))
+    }
+}
+
 /// Builds and starts an [`Envoy`]: the floodgate filter (with the given JSON configuration) in
 /// front of the router, routing every request to a cluster of the given upstreams.
 pub struct EnvoyBuilder {
     filter_config: String,
     upstreams: Vec<SocketAddr>,
     concurrency: usize,
-    route_timeout: Duration,
-    /// Further clusters by name, each with its endpoints.
-    clusters: Vec<(String, Vec<SocketAddr>)>,
-    /// Route by this request header (`cluster_header`) instead of to the `upstream` cluster.
-    route_header: Option<String>,
+    routing: Routing,
 }
 
 impl EnvoyBuilder {
@@ -440,29 +472,27 @@ impl EnvoyBuilder {
             filter_config: filter_config.to_string(),
             upstreams: Vec::new(),
             concurrency: 2,
-            route_timeout: Duration::from_secs(30),
-            clusters: Vec::new(),
-            route_header: None,
+            routing: Routing::default(),
         }
     }
 
     /// Adds a cluster `name` whose endpoints are `addrs` (an address nothing listens on makes a
     /// cluster that is down: Envoy answers 503 with flag UF).
     pub fn cluster(mut self, name: &str, addrs: &[SocketAddr]) -> EnvoyBuilder {
-        self.clusters.push((name.to_string(), addrs.to_vec()));
+        self.routing.clusters.push((name.to_string(), addrs.to_vec()));
         self
     }
 
     /// Routes every request to the cluster named by request header `header` (the route's
     /// `cluster_header`), as cluster selection needs.
     pub fn route_by_header(mut self, header: &str) -> EnvoyBuilder {
-        self.route_header = Some(header.to_string());
+        self.routing.route_header = Some(header.to_string());
         self
     }
 
     /// The route's upstream timeout (default 30 s); past it Envoy answers `504` itself.
     pub fn route_timeout(mut self, timeout: Duration) -> EnvoyBuilder {
-        self.route_timeout = timeout;
+        self.routing.route_timeout = timeout;
         self
     }
 
@@ -486,15 +516,9 @@ impl EnvoyBuilder {
         } else {
             self.upstreams.iter().map(|a| endpoint(*a)).collect()
         };
-        let timeout = format!("{}s", self.route_timeout.as_secs_f64());
-        let route = match &self.route_header {
-            Some(header) => json!({"cluster_header": header, "timeout": timeout}),
-            None => json!({"cluster": "upstream", "timeout": timeout}),
-        };
+        let route = self.routing.route();
         let mut clusters = vec![static_cluster("upstream", endpoints)];
-        for (name, addrs) in &self.clusters {
-            clusters.push(static_cluster(name, addrs.iter().map(|a| endpoint(*a)).collect()));
-        }
+        clusters.extend(self.routing.clusters());
         json!({
             "admin": {
                 "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
