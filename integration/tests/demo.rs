@@ -2,7 +2,7 @@
 //! README's commands do: a 429 with its fields, a shed 503, the health endpoint, and cluster
 //! selection steering away from the flaky zone-c. Its fixed ports are swapped for free ones.
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,22 +23,17 @@ impl Drop for Demo {
     }
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
 /// Starts Envoy with the demo config, its ports (9901, 10000 to 10003) replaced by free ones
 /// and the module path made absolute.
 fn start_demo() -> Demo {
     let root = workspace_root();
     let mut text = std::fs::read_to_string(root.join("envoy/demo.yaml")).expect("read envoy/demo.yaml");
-    let mut ports = Vec::new();
-    for fixed in [9901u16, 10000, 10001, 10002, 10003] {
-        let port = free_port();
+    let fixed_ports = [9901u16, 10000, 10001, 10002, 10003];
+    let ports = free_ports(fixed_ports.len());
+    for (fixed, port) in fixed_ports.into_iter().zip(ports.iter().copied()) {
         let needle = format!("port_value: {fixed}");
         assert!(text.contains(&needle), "demo.yaml no longer uses {needle}");
         text = text.replace(&needle, &format!("port_value: {port}"));
-        ports.push(port);
     }
     let module = "target/wasm32-wasip1/release/floodgate.wasm";
     assert!(text.contains(module), "demo.yaml no longer loads {module}");

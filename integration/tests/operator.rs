@@ -844,27 +844,43 @@ fn every_envoy_configuration_passes_envoy_validate() {
 
 /// Gives every non-zero `port_value` a free port (the same old port, the same new one), so a
 /// configuration with fixed ports can run beside anything else on this machine.
-fn remap_ports(value: &mut Value, ports: &mut BTreeMap<u64, u16>) {
-    match value {
-        Value::Object(map) => {
-            for (key, child) in map.iter_mut() {
-                match (key.as_str(), child.as_u64()) {
-                    ("port_value", Some(port)) if port != 0 => {
-                        let new = *ports.entry(port).or_insert_with(|| {
-                            std::net::TcpListener::bind("127.0.0.1:0")
-                                .and_then(|l| l.local_addr())
-                                .map(|a| a.port())
-                                .expect("a free port")
-                        });
-                        *child = json!(new);
+fn remap_ports(value: &mut Value) {
+    fn collect(value: &Value, found: &mut Vec<u64>) {
+        match value {
+            Value::Object(map) => {
+                for (key, child) in map {
+                    match (key.as_str(), child.as_u64()) {
+                        ("port_value", Some(port)) if port != 0 => {
+                            if !found.contains(&port) {
+                                found.push(port);
+                            }
+                        }
+                        _ => collect(child, found),
                     }
-                    _ => remap_ports(child, ports),
                 }
             }
+            Value::Array(items) => items.iter().for_each(|v| collect(v, found)),
+            _ => {}
         }
-        Value::Array(items) => items.iter_mut().for_each(|v| remap_ports(v, ports)),
-        _ => {}
     }
+    fn replace(value: &mut Value, ports: &BTreeMap<u64, u16>) {
+        match value {
+            Value::Object(map) => {
+                for (key, child) in map.iter_mut() {
+                    match (key.as_str(), child.as_u64().and_then(|p| ports.get(&p))) {
+                        ("port_value", Some(new)) => *child = json!(new),
+                        _ => replace(child, ports),
+                    }
+                }
+            }
+            Value::Array(items) => items.iter_mut().for_each(|v| replace(v, ports)),
+            _ => {}
+        }
+    }
+    let mut found = Vec::new();
+    collect(value, &mut found);
+    let ports = found.iter().copied().zip(free_ports(found.len())).collect();
+    replace(value, &ports);
 }
 
 /// Every `socket_address.address` of a document.
@@ -940,7 +956,7 @@ async fn loopback_envoy_configurations_start_and_answer() {
         let config =
             Config::parse(found[0].bytes.as_ref().expect("configuration bytes")).expect("a valid configuration");
         use_module(&mut bootstrap, &module);
-        remap_ports(&mut bootstrap, &mut BTreeMap::new());
+        remap_ports(&mut bootstrap);
         let port_of = |v: &Value| v["address"]["socket_address"]["port_value"].as_u64().expect("port") as u16;
         let admin = std::net::SocketAddr::from(([127, 0, 0, 1], port_of(&bootstrap["admin"])));
         let front = bootstrap["static_resources"]["listeners"]
