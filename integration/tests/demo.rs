@@ -26,8 +26,13 @@ impl Drop for Demo {
 /// Starts Envoy with the demo config, its ports (9901, 10000 to 10003) replaced by free ones
 /// and the module path made absolute.
 fn start_demo() -> Demo {
+    start_demo_edited(|text| text)
+}
+
+/// [`start_demo`] with the demo config's text passed through `edit` first.
+fn start_demo_edited(edit: impl FnOnce(String) -> String) -> Demo {
     let root = workspace_root();
-    let mut text = std::fs::read_to_string(root.join("envoy/demo.yaml")).expect("read envoy/demo.yaml");
+    let mut text = edit(std::fs::read_to_string(root.join("envoy/demo.yaml")).expect("read envoy/demo.yaml"));
     let fixed_ports = [9901u16, 10000, 10001, 10002, 10003];
     let ports = free_ports(fixed_ports.len());
     for (fixed, port) in fixed_ports.into_iter().zip(ports.iter().copied()) {
@@ -137,4 +142,32 @@ async fn the_demo_shows_steering_a_429_a_shed_503_and_health() {
     ] {
         assert!(stats.contains(name), "{name} not in /stats");
     }
+}
+
+/// With the demo's connection manager settings, `source_ip` is the TCP peer's address: a client
+/// that writes its own `x-forwarded-for` gets no fresh per-IP quota (with Envoy's default
+/// `use_remote_address: false` it did: Envoy took the address from the header's last entry).
+/// The demo's per-ip limit is lowered to 3 so that a few requests reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spoofed_x_forwarded_for_gets_no_fresh_per_ip_quota() {
+    let per_ip = r#"{"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "1m"}"#;
+    let demo = start_demo_edited(|text| {
+        assert!(text.contains(per_ip), "envoy/demo.yaml no longer has {per_ip}");
+        text.replace(per_ip, &per_ip.replace("1000", "3"))
+    });
+    // Clear of the epoch-aligned minute boundary, so that the six requests share one window bucket.
+    wait_for_window_phase(Duration::from_secs(60), Duration::from_millis(200), Duration::from_secs(50));
+    let mut statuses = Vec::new();
+    let mut last = None;
+    for i in 1..=6 {
+        let spoofed = format!("203.0.113.{i}");
+        let response = get(demo.front, "/", &[("x-forwarded-for", spoofed.as_str())]).await;
+        statuses.push(response.status);
+        last = Some(response);
+    }
+    println!("six requests, each with another x-forwarded-for: {statuses:?}");
+    assert!(statuses[..3].iter().all(|s| *s != 429), "{statuses:?}");
+    assert_eq!(statuses[3..], [429, 429, 429], "a spoofed x-forwarded-for got fresh per-IP quota");
+    let last = last.expect("a response");
+    assert_eq!(last.json()["violated-policies"], json!(["per-ip"]));
 }
