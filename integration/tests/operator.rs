@@ -1196,7 +1196,7 @@ fn floodgate_validate_names_the_field_like_the_module_does() {
     let message = "cluster_selection.clusters: must list at least one cluster";
     assert_eq!(
         err,
-        format!("{envoy_file}: listener \"front\", Wasm filter \"floodgate\": {message}\n")
+        format!("{envoy_file}: listener \"front\", Wasm filter \"floodgate-clusters\": {message}\n")
     );
     let line = config_error_line(&Envoy::start_expecting_failure(
         r#"{"cluster_selection": {"clusters": []}}"#,
@@ -1228,16 +1228,32 @@ fn floodgate_validate_names_the_field_like_the_module_does() {
     let (code, out, err) = floodgate(&["validate", &warned_file], None);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains(": ok: "), "{out}");
-    let prefix = format!("{warned_file}: listener \"front\", Wasm filter \"floodgate\": warning: ");
-    let warnings: Vec<&str> = err.lines().map(|l| l.strip_prefix(&prefix).unwrap_or(l)).collect();
-    assert_eq!(warnings.len(), 3, "{err}");
-    assert!(warnings[0].starts_with("failure_policy is not set"), "{err}");
+    let at = |filter: &str| format!("{warned_file}: listener \"front\", Wasm filter \"{filter}\": warning: ");
+    let warnings: Vec<&str> = err.lines().collect();
+    assert_eq!(warnings.len(), 4, "{err}");
+    let expected = [
+        (at("floodgate"), "failure_policy is not set"),
+        (at("floodgate-clusters"), "failure_policy is not set"),
+        (at("floodgate-clusters"), "cluster_selection.route_header: no route in this file reads"),
+        (at("floodgate-clusters"), "cluster_selection.clusters[2]: \"zone-d\" is not one of"),
+    ];
+    for (warning, (prefix, start)) in warnings.iter().zip(&expected) {
+        assert!(
+            warning.strip_prefix(prefix.as_str()).is_some_and(|w| w.starts_with(start)),
+            "{warning:?} is not {prefix}{start}..."
+        );
+    }
+    // A rule keyed on source_ip in a connection manager without use_remote_address: true.
+    let spoofable = compose.replace("use_remote_address: true", "use_remote_address: false");
+    assert_ne!(spoofable, compose, "envoy/compose-envoy.yaml no longer sets use_remote_address: true");
+    let spoofable_file = write("spoofable.yaml", &spoofable);
+    let (code, _, err) = floodgate(&["validate", &spoofable_file], None);
+    assert_eq!(code, 0, "{err}");
     assert!(
-        warnings[1].starts_with("cluster_selection.route_header: no route in this file reads"),
-        "{err}"
-    );
-    assert!(
-        warnings[2].starts_with("cluster_selection.clusters[2]: \"zone-d\" is not one of"),
+        err.starts_with(&format!(
+            "{}rate_limits[1] (\"per-ip\"): keys on source_ip, but this listener's connection manager does not set use_remote_address: true",
+            at("floodgate").replace(&warned_file, &spoofable_file)
+        )) && err.lines().count() == 1,
         "{err}"
     );
 
