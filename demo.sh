@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Runs the floodgate demo: builds the Wasm module, installs Envoy into .venv/ if needed, then runs
-# Envoy in the foreground with envoy/demo.yaml (Ctrl-C to stop). Everything listens on 127.0.0.1.
+# Runs the floodgate demo: checks the machine's prerequisites (scripts/preflight.sh), builds the
+# Wasm module, installs Envoy into .venv/ if needed, then runs Envoy in the foreground with
+# envoy/demo.yaml (Ctrl-C to stop). Everything listens on 127.0.0.1.
 set -euo pipefail
 cd "$(dirname "$0")"
 
+scripts/preflight.sh demo
 ./wasm-build.sh
 envoy=$(scripts/envoy.sh | tail -n1)
 
