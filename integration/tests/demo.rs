@@ -203,6 +203,11 @@ fn the_readme_walkthrough_prints_what_the_readme_says() {
             .replace("localhost:10000", &demo.front.to_string())
             .replace("localhost:9901", &demo.admin.to_string());
         assert_ne!(command, step.command, "{}: no demo address to point at", step.command);
+        if step.command.contains("x-api-key: demo") && step.command.contains("$(seq 1 7)") {
+            // The rate-limit steps within one 10 s window bucket, so that the refusal's estimate
+            // is a whole 5 as in the README (across a boundary it would be a fraction).
+            wait_for_window_phase(Duration::from_secs(10), Duration::from_millis(300), Duration::from_secs(7));
+        }
         let out = Command::new("timeout")
             .args(["120", "bash", "-c", &command])
             .stdin(Stdio::null())
