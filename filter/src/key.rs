@@ -101,7 +101,8 @@ impl KeyHasher {
 /// The rules that apply to a request and its key hash for each, from the request's attributes.
 /// `fetch` is asked once per distinct attribute (host reads are not free) and may return the
 /// bytes owned or borrowed; a rule whose key part is missing is skipped (its index is pushed to
-/// `skipped`) unless it shares one counter for all such requests (`missing_key: "shared"`).
+/// `skipped`) unless it shares one counter for all such requests (`missing_key: "shared"`: one
+/// counter per rule, whichever parts are missing and whatever the present ones hold).
 pub fn probes<V: AsRef<[u8]>>(
     config: &Config,
     hasher: &KeyHasher,
@@ -123,13 +124,18 @@ pub fn probes<V: AsRef<[u8]>>(
             Some(part.normalize(raw))
         };
         let complete = rule.key.iter().all(|part| value_of(part).is_some());
-        if !complete && rule.missing_key == MissingKey::Skip {
+        let key_hash = if complete {
+            hasher.hash(rule.key.iter().map(value_of))
+        } else if rule.missing_key == MissingKey::Shared {
+            // One counter for every request lacking any part, whatever the other parts hold.
+            hasher.hash(rule.key.iter().map(|_| None))
+        } else {
             skipped.push(rule_index);
             continue;
-        }
+        };
         probes.push(Probe {
             rule: rule_index,
-            key_hash: hasher.hash(rule.key.iter().map(value_of)),
+            key_hash,
         });
     }
     probes
@@ -190,6 +196,34 @@ mod tests {
         assert_eq!(probes.iter().map(|p| p.rule).collect::<Vec<_>>(), vec![1, 2]);
         assert_eq!(probes[0].key_hash, hasher.hash([Some(&b"10.1.2.3"[..])]), "port stripped");
         assert_eq!(probes[1].key_hash, hasher.hash([None]));
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn a_shared_missing_key_is_one_counter_whatever_parts_are_present() {
+        let config = Config::parse(
+            br#"{"rate_limits":[{"name":"a","key":[{"header":"x-key"},"source_ip"],"limit":1,
+                 "window":"1s","missing_key":"shared"}]}"#,
+        )
+        .unwrap();
+        let hasher = KeyHasher::new([5; 16]);
+        let hash_of = |key: Option<&'static [u8]>, address: Option<&'static [u8]>| {
+            let mut skipped = Vec::new();
+            let found = probes(&config, &hasher, |source| match source {
+                Source::Header(_) => key,
+                Source::SourceAddress => address,
+            }, &mut skipped);
+            assert!(skipped.is_empty());
+            found.iter().map(|p| p.key_hash).collect::<Vec<_>>()
+        };
+        let shared = hash_of(None, Some(b"10.0.0.1:1"));
+        assert_eq!(shared.len(), 1);
+        // No header, from another address, or with the header but no address: the same counter.
+        assert_eq!(hash_of(None, Some(b"10.0.0.2:2")), shared);
+        assert_eq!(hash_of(Some(b"k"), None), shared);
+        assert_eq!(hash_of(None, None), shared);
+        // A complete key has its own counter.
+        assert_ne!(hash_of(Some(b"k"), Some(b"10.0.0.1:1")), shared);
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! The demo (`envoy/demo.yaml`, what `./demo.sh` runs) started for real and probed the way the
-//! README's commands do: a 429 with its fields, a shed 503, the health endpoint, and cluster
-//! selection steering away from the flaky zone-c. Its fixed ports are swapped for free ones.
+//! The demo (`envoy/demo.yaml`, what `./demo.sh` runs) started for real: the README's walkthrough
+//! replayed command by command (with `bash` and `curl`, as a reader runs it) against the outputs
+//! the README prints, and the client address that floodgate's `source_ip` sees. The demo's fixed
+//! ports are swapped for free ones.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -26,8 +27,13 @@ impl Drop for Demo {
 /// Starts Envoy with the demo config, its ports (9901, 10000 to 10003) replaced by free ones
 /// and the module path made absolute.
 fn start_demo() -> Demo {
+    start_demo_edited(|text| text)
+}
+
+/// [`start_demo`] with the demo config's text passed through `edit` first.
+fn start_demo_edited(edit: impl FnOnce(String) -> String) -> Demo {
     let root = workspace_root();
-    let mut text = std::fs::read_to_string(root.join("envoy/demo.yaml")).expect("read envoy/demo.yaml");
+    let mut text = edit(std::fs::read_to_string(root.join("envoy/demo.yaml")).expect("read envoy/demo.yaml"));
     let fixed_ports = [9901u16, 10000, 10001, 10002, 10003];
     let ports = free_ports(fixed_ports.len());
     for (fixed, port) in fixed_ports.into_iter().zip(ports.iter().copied()) {
@@ -69,72 +75,211 @@ fn log_of(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_demo_shows_steering_a_429_a_shed_503_and_health() {
+/// One command of the README's walkthrough and the output the README prints for it.
+#[derive(Debug)]
+struct Step {
+    command: String,
+    output: Vec<String>,
+}
+
+/// The walkthrough: every `$ ` line of the ```console blocks between "With the demo running"
+/// and the README's next section, each with the lines the README prints after it.
+fn readme_walkthrough() -> Vec<Step> {
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).expect("read README.md");
+    let start = readme.find("With the demo running").expect("README.md: no \"With the demo running\"");
+    let section = &readme[start..];
+    let section = &section[..section.find("\n## ").unwrap_or(section.len())];
+    let mut steps: Vec<Step> = Vec::new();
+    let mut in_console = false;
+    for line in section.lines() {
+        if line.starts_with("```") {
+            in_console = !in_console && line.trim() == "```console";
+            continue;
+        }
+        if !in_console {
+            continue;
+        }
+        if let Some(command) = line.strip_prefix("$ ") {
+            steps.push(Step { command: command.to_owned(), output: Vec::new() });
+        } else {
+            steps.last_mut().expect("README.md: output before any command").output.push(line.to_owned());
+        }
+    }
+    steps
+}
+
+/// How a step's output is checked against the README's.
+#[derive(Clone, Copy, Debug)]
+enum Check {
+    /// Line for line.
+    Exact,
+    /// `uniq -c` counts of 300 answers: zone-a and zone-b over 100 each, at most 5 zone-c
+    /// failures ("fault filter abort"); the README's example obeys the same bounds.
+    ClusterCounts,
+    /// The same metric names as the README; zone-c's `failure` and `selected` agree with the
+    /// previous step's counts.
+    ZoneCStats,
+    /// Line for line once every number is `#` and the `date` header's value `<date>` (the figures
+    /// of a refusal depend on the moment within the window).
+    Shape,
+}
+
+/// The README's commands in order: a piece of each command, and how its output is checked.
+const STEPS: &[(&str, Check)] = &[
+    ("$(seq 1 300)", Check::ClusterCounts),
+    ("grep 'floodgate.cluster.zone-c'", Check::ZoneCStats),
+    ("$(seq 1 7)", Check::Exact),
+    ("curl -i -H 'x-api-key: demo'", Check::Shape),
+    ("$(seq 1 12)", Check::Exact),
+    ("/floodgate/health", Check::Exact),
+    ("(allowed|rejected|shed):", Check::Exact),
+];
+
+/// Counts of `uniq -c` output, by label; panics on a label cluster selection cannot produce.
+fn cluster_counts(lines: &[String], origin: &str) -> std::collections::BTreeMap<String, u64> {
+    let mut counts = std::collections::BTreeMap::new();
+    for line in lines {
+        let (count, label) = line.trim().split_once(' ').unwrap_or_else(|| panic!("{origin}: {line:?}"));
+        let count: u64 = count.parse().unwrap_or_else(|_| panic!("{origin}: {line:?}"));
+        assert!(
+            ["zone-a", "zone-b", "zone-c", "fault filter abort"].contains(&label),
+            "{origin}: unexpected answer {label:?}"
+        );
+        counts.insert(label.to_owned(), count);
+    }
+    let count = |label: &str| counts.get(label).copied().unwrap_or(0);
+    assert_eq!(counts.values().sum::<u64>(), 300, "{origin}: {counts:?}");
+    assert!(count("zone-a") > 100 && count("zone-b") > 100, "{origin}: {counts:?}");
+    assert!(count("fault filter abort") <= 5, "{origin}: zone-c's failures are learned after a few: {counts:?}");
+    counts
+}
+
+fn stat_lines(lines: &[String]) -> std::collections::BTreeMap<String, u64> {
+    lines
+        .iter()
+        .filter_map(|l| l.split_once(": "))
+        .map(|(name, value)| (name.to_owned(), value.trim().parse().expect("a stat value")))
+        .collect()
+}
+
+fn shape(line: &str) -> String {
+    if line.to_ascii_lowercase().starts_with("date:") {
+        return "date: <date>".into();
+    }
+    let mut out = String::new();
+    for c in line.chars() {
+        if c.is_ascii_digit() {
+            if !out.ends_with('#') {
+                out.push('#');
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The README's walkthrough (the commands `./demo.sh` prints too), replayed with `bash` and
+/// `curl` against the demo in the README's order: each step prints what the README says it
+/// prints. Only the demo's ports are changed.
+#[test]
+fn the_readme_walkthrough_prints_what_the_readme_says() {
+    let steps = readme_walkthrough();
+    let commands: Vec<&str> = steps.iter().map(|s| s.command.as_str()).collect();
+    assert_eq!(steps.len(), STEPS.len(), "README.md's walkthrough changed: {commands:?}");
+    for (step, (piece, _)) in steps.iter().zip(STEPS) {
+        assert!(step.command.contains(piece), "README.md: expected a command with {piece:?}, found {:?}", step.command);
+    }
+    let demo_sh = std::fs::read_to_string(workspace_root().join("demo.sh")).expect("read demo.sh");
+    for command in &commands {
+        assert!(demo_sh.contains(command), "demo.sh does not print the README's command {command}");
+    }
+
     let demo = start_demo();
-    let addr = demo.front;
-
-    // Cluster selection: 300 requests one after another, as the README's loop sends them.
-    let mut bodies = std::collections::BTreeMap::<String, u64>::new();
-    let mut client = Client::connect(addr).await.unwrap();
-    for _ in 0..300 {
-        let r = client.get("/", &[]).await.unwrap();
-        *bodies.entry(format!("{} {}", r.status, r.text().trim())).or_default() += 1;
-    }
-    println!("300 requests: {bodies:?}");
-    let zone = |name: &str| bodies.get(&format!("200 {name}")).copied().unwrap_or(0);
-    let failed: u64 = bodies.iter().filter(|(k, _)| k.starts_with("503")).map(|(_, v)| v).sum();
-    assert!(zone("zone-a") > 100 && zone("zone-b") > 100, "{bodies:?}");
-    assert!(failed <= 5, "zone-c's failures are learned after a few: {bodies:?}");
-
-    // Rate limiting: five 200s, then a 429 with every field.
-    let statuses: Vec<u16> = {
-        let mut out = Vec::new();
-        for _ in 0..7 {
-            out.push(client.get("/", &[("x-api-key", "demo")]).await.unwrap().status);
+    let mut counts = std::collections::BTreeMap::new();
+    for (step, (_, check)) in steps.iter().zip(STEPS) {
+        let command = step
+            .command
+            .replace("localhost:10000", &demo.front.to_string())
+            .replace("localhost:9901", &demo.admin.to_string());
+        assert_ne!(command, step.command, "{}: no demo address to point at", step.command);
+        if step.command.contains("x-api-key: demo") && step.command.contains("$(seq 1 7)") {
+            // The rate-limit steps within one 10 s window bucket, so that the refusal's estimate
+            // is a whole 5 as in the README (across a boundary it would be a fraction).
+            wait_for_window_phase(Duration::from_secs(10), Duration::from_millis(300), Duration::from_secs(7));
         }
-        out
-    };
-    assert_eq!(statuses, [200, 200, 200, 200, 200, 429, 429]);
-    let refused = client.get("/", &[("x-api-key", "demo")]).await.unwrap();
-    assert_eq!(refused.status, 429);
-    for header in ["retry-after", "ratelimit-policy", "ratelimit"] {
-        assert!(refused.header(header).is_some(), "{header} missing: {:?}", refused.headers);
-    }
-    assert_eq!(refused.json()["violated-policies"], json!(["per-api-key"]));
-
-    // Load shedding: 12 slow concurrent requests, 10 in flight at most, normal class from 9.
-    let pending: Vec<_> = (0..12)
-        .map(|i| {
-            tokio::spawn(async move {
-                let key = format!("k{i}");
-                get(addr, "/", &[("x-api-key", key.as_str()), ("x-envoy-fault-delay-request", "2000")]).await.status
-            })
-        })
-        .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let health = get(addr, "/floodgate/health", &[]).await;
-    assert_eq!(health.status, 503, "{}", health.text());
-    let mut shed = (0, 0);
-    for p in pending {
-        match p.await.unwrap() {
-            200 => shed.0 += 1,
-            503 => shed.1 += 1,
-            other => panic!("unexpected {other}"),
+        let out = Command::new("timeout")
+            .args(["120", "bash", "-c", &command])
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run bash (and curl)");
+        assert!(out.status.success(), "{command}: {}", out.status);
+        let printed: Vec<String> =
+            String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim_end_matches('\r').to_owned()).collect();
+        println!("$ {}\n{}", step.command, printed.join("\n"));
+        let context = format!("$ {}\nREADME:\n{}\ndemo:\n{}", step.command, step.output.join("\n"), printed.join("\n"));
+        match check {
+            Check::Exact => assert_eq!(printed, step.output, "{context}"),
+            Check::Shape => {
+                let shaped = |lines: &[String]| lines.iter().map(|l| shape(l)).collect::<Vec<_>>();
+                assert_eq!(shaped(&printed), shaped(&step.output), "{context}");
+            }
+            Check::ClusterCounts => {
+                cluster_counts(&step.output, "README.md");
+                counts = cluster_counts(&printed, "the demo");
+            }
+            Check::ZoneCStats => {
+                for (origin, lines, counts) in [
+                    ("README.md", &step.output, cluster_counts(&steps[0].output, "README.md")),
+                    ("the demo", &printed, counts.clone()),
+                ] {
+                    let stats = stat_lines(lines);
+                    let failures = counts.get("fault filter abort").copied().unwrap_or(0);
+                    let successes = counts.get("zone-c").copied().unwrap_or(0);
+                    let stat = |name: &str| stats.get(&format!("wasmcustom.floodgate.cluster.zone-c.{name}")).copied();
+                    assert_eq!(stat("failure"), Some(failures), "{origin}: {context}");
+                    assert_eq!(stat("selected"), Some(failures + successes), "{origin}: {context}");
+                }
+                let names = |lines: &[String]| stat_lines(lines).into_keys().collect::<Vec<_>>();
+                assert_eq!(names(&printed), names(&step.output), "{context}");
+            }
         }
     }
-    assert_eq!(shed, (9, 3), "(200s, 503s) of 12 slow requests");
-    let health = get(addr, "/floodgate/health", &[]).await;
-    assert_eq!(health.status, 200, "{}", health.text());
+    // Only the cluster-selection loop met cluster selection: the /api/ steps never reach the
+    // flaky zone-c, whatever order a reader runs them in.
+    let stats = stats_of(demo.admin);
+    let selected: u64 = ["zone-a", "zone-b", "zone-c"]
+        .iter()
+        .map(|zone| stats.get(&format!("wasmcustom.floodgate.cluster.{zone}.selected")).copied().unwrap_or(0))
+        .sum();
+    assert_eq!(selected, 300, "requests that went through cluster selection");
+}
 
-    // The metrics the README points at.
-    let (status, stats) = http_get_blocking(demo.admin, "/stats").unwrap();
-    assert_eq!(status, 200);
-    for name in [
-        "wasmcustom.floodgate.rate_limit.per-api-key.rejected: 3",
-        "wasmcustom.floodgate.load_shedding.normal.shed: 3",
-        "wasmcustom.floodgate.cluster.zone-c.selected",
-    ] {
-        assert!(stats.contains(name), "{name} not in /stats");
+/// With the demo's connection manager settings, `source_ip` is the TCP peer's address: a client
+/// that writes its own `x-forwarded-for` gets no fresh per-IP quota (with Envoy's default
+/// `use_remote_address: false` it did: Envoy took the address from the header's last entry).
+/// The demo's per-ip limit is lowered to 3 so that a few requests reach it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spoofed_x_forwarded_for_gets_no_fresh_per_ip_quota() {
+    let per_ip = r#"{"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "1m"}"#;
+    let demo = start_demo_edited(|text| {
+        assert!(text.contains(per_ip), "envoy/demo.yaml no longer has {per_ip}");
+        text.replace(per_ip, &per_ip.replace("1000", "3"))
+    });
+    // Clear of the epoch-aligned minute boundary, so that the six requests share one window bucket.
+    wait_for_window_phase(Duration::from_secs(60), Duration::from_millis(200), Duration::from_secs(50));
+    let mut statuses = Vec::new();
+    let mut last = None;
+    for i in 1..=6 {
+        let spoofed = format!("203.0.113.{i}");
+        let response = get(demo.front, "/", &[("x-forwarded-for", spoofed.as_str())]).await;
+        statuses.push(response.status);
+        last = Some(response);
     }
+    println!("six requests, each with another x-forwarded-for: {statuses:?}");
+    assert!(statuses[..3].iter().all(|s| *s != 429), "{statuses:?}");
+    assert_eq!(statuses[3..], [429, 429, 429], "a spoofed x-forwarded-for got fresh per-IP quota");
+    let last = last.expect("a response");
+    assert_eq!(last.json()["violated-policies"], json!(["per-ip"]));
 }

@@ -13,7 +13,9 @@
 //! * the `floodgate validate` command on good and bad files, with the very message the module
 //!   logs in Envoy;
 //! * envoy/docker-compose.yaml for real (scripts/compose-test.sh) and the OCI image for Istio
-//!   (scripts/oci-image.sh), with the Docker engine: without one these tests fail, saying so.
+//!   (scripts/oci-image.sh), with the Docker engine: without one these tests fail, saying so;
+//! * the README's two commands check the machine first (scripts/preflight.sh), naming everything
+//!   missing at once as the README shows, before building anything.
 //!
 //! Conventions of the docs that these tests rely on: a ```json block in README.md or docs/*.md is
 //! a complete floodgate configuration; a ```yaml block holding an `envoy.filters.http.wasm` filter
@@ -1196,7 +1198,7 @@ fn floodgate_validate_names_the_field_like_the_module_does() {
     let message = "cluster_selection.clusters: must list at least one cluster";
     assert_eq!(
         err,
-        format!("{envoy_file}: listener \"front\", Wasm filter \"floodgate\": {message}\n")
+        format!("{envoy_file}: listener \"front\", Wasm filter \"floodgate-clusters\": {message}\n")
     );
     let line = config_error_line(&Envoy::start_expecting_failure(
         r#"{"cluster_selection": {"clusters": []}}"#,
@@ -1228,16 +1230,32 @@ fn floodgate_validate_names_the_field_like_the_module_does() {
     let (code, out, err) = floodgate(&["validate", &warned_file], None);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains(": ok: "), "{out}");
-    let prefix = format!("{warned_file}: listener \"front\", Wasm filter \"floodgate\": warning: ");
-    let warnings: Vec<&str> = err.lines().map(|l| l.strip_prefix(&prefix).unwrap_or(l)).collect();
-    assert_eq!(warnings.len(), 3, "{err}");
-    assert!(warnings[0].starts_with("failure_policy is not set"), "{err}");
+    let at = |filter: &str| format!("{warned_file}: listener \"front\", Wasm filter \"{filter}\": warning: ");
+    let warnings: Vec<&str> = err.lines().collect();
+    assert_eq!(warnings.len(), 4, "{err}");
+    let expected = [
+        (at("floodgate"), "failure_policy is not set"),
+        (at("floodgate-clusters"), "failure_policy is not set"),
+        (at("floodgate-clusters"), "cluster_selection.route_header: no route in this file reads"),
+        (at("floodgate-clusters"), "cluster_selection.clusters[2]: \"zone-d\" is not one of"),
+    ];
+    for (warning, (prefix, start)) in warnings.iter().zip(&expected) {
+        assert!(
+            warning.strip_prefix(prefix.as_str()).is_some_and(|w| w.starts_with(start)),
+            "{warning:?} is not {prefix}{start}..."
+        );
+    }
+    // A rule keyed on source_ip in a connection manager without use_remote_address: true.
+    let spoofable = compose.replace("use_remote_address: true", "use_remote_address: false");
+    assert_ne!(spoofable, compose, "envoy/compose-envoy.yaml no longer sets use_remote_address: true");
+    let spoofable_file = write("spoofable.yaml", &spoofable);
+    let (code, _, err) = floodgate(&["validate", &spoofable_file], None);
+    assert_eq!(code, 0, "{err}");
     assert!(
-        warnings[1].starts_with("cluster_selection.route_header: no route in this file reads"),
-        "{err}"
-    );
-    assert!(
-        warnings[2].starts_with("cluster_selection.clusters[2]: \"zone-d\" is not one of"),
+        err.starts_with(&format!(
+            "{}rate_limits[1] (\"per-ip\"): keys on source_ip, but this listener's connection manager does not set use_remote_address: true",
+            at("floodgate").replace(&warned_file, &spoofable_file)
+        )) && err.lines().count() == 1,
         "{err}"
     );
 
@@ -1377,4 +1395,101 @@ fn oci_image_for_istio_holds_plugin_wasm_in_one_layer() {
         "{tag}: one layer holding plugin.wasm ({} bytes), the module byte for byte",
         inside.len()
     );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prerequisites: scripts/preflight.sh
+// ---------------------------------------------------------------------------------------------
+
+/// A directory of links to every program on this machine's PATH but `hidden` (and, for each
+/// name in `fakes`, a script printing its text to standard error and failing instead), to run
+/// scripts/preflight.sh as on a machine that lacks them.
+fn path_without(hidden: &[&str], fakes: &[(&str, &str)]) -> tempfile::TempDir {
+    use std::os::unix::fs::{symlink, PermissionsExt};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = std::env::var_os("PATH").expect("PATH");
+    for entry in std::env::split_paths(&path).filter_map(|d| std::fs::read_dir(d).ok()).flatten().flatten() {
+        let name = entry.file_name();
+        let name_str = name.to_string_lossy().into_owned();
+        let link = dir.path().join(&name);
+        if hidden.contains(&name_str.as_str()) || fakes.iter().any(|(n, _)| *n == name_str) || link.exists() {
+            continue;
+        }
+        let _ = symlink(entry.path(), &link);
+    }
+    for (name, message) in fakes {
+        let fake = dir.path().join(name);
+        std::fs::write(&fake, format!("#!/bin/sh\necho '{message}' >&2\nexit 1\n")).expect("write fake");
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    }
+    dir
+}
+
+fn preflight(for_what: &str, path: &Path) -> (i32, String, String) {
+    let out = Command::new("bash")
+        .arg(workspace_root().join("scripts/preflight.sh"))
+        .arg(for_what)
+        .env("PATH", path)
+        .output()
+        .expect("run scripts/preflight.sh");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn the_readme_commands_check_the_machine_before_building_anything() {
+    for (script, check) in [("test.sh", "scripts/preflight.sh test"), ("demo.sh", "scripts/preflight.sh demo")] {
+        let text = std::fs::read_to_string(workspace_root().join(script)).expect("read");
+        let code: Vec<&str> = text.lines().filter(|l| !l.trim_start().starts_with('#')).collect();
+        let at = |needle: &str| code.iter().position(|l| l.contains(needle));
+        let preflight = at(check).unwrap_or_else(|| panic!("{script} does not run {check}"));
+        let build = at("./wasm-build.sh").unwrap_or_else(|| panic!("{script} does not build the module"));
+        assert!(preflight < build, "{script} builds before it runs {check}");
+    }
+}
+
+#[test]
+fn preflight_names_everything_missing_at_once_as_the_readme_shows() {
+    // This machine has everything (./test.sh got here).
+    let all = std::env::var_os("PATH").expect("PATH");
+    for for_what in ["demo", "test"] {
+        let (code, out, err) = preflight(for_what, Path::new(&all));
+        assert_eq!(code, 0, "{err}");
+        assert!(out.starts_with(&format!("preflight: ./{for_what}.sh has what it needs: rustc ")), "{out}");
+    }
+
+    // Without curl and Docker: the README's example, line for line, and nothing on stdout.
+    let bare = path_without(&["curl", "docker", "docker-compose"], &[]);
+    let (code, out, err) = preflight("test", bare.path());
+    assert_eq!((code, out.as_str()), (1, ""), "{err}");
+    let readme = std::fs::read_to_string(workspace_root().join("README.md")).expect("read README.md");
+    let first = "preflight: ./test.sh cannot run on this machine yet. Missing:";
+    let start = readme.find(first).expect("README.md shows no preflight output");
+    let last = "Nothing was built. Install what is missing, then run ./test.sh again.";
+    let end = start + readme[start..].find(last).expect("README.md: end of the preflight output") + last.len();
+    assert_eq!(err.trim_end(), &readme[start..end], "README.md's example differs from scripts/preflight.sh");
+    // ./demo.sh needs curl (for the walkthrough) but no Docker.
+    let (code, _, err) = preflight("demo", bare.path());
+    assert_eq!(code, 1);
+    assert_eq!(err.lines().filter(|l| l.starts_with("  - ")).count(), 1, "{err}");
+    assert!(err.contains("  - curl"), "{err}");
+
+    // A Docker engine this user may not use, and no C++ compiler nor Rust.
+    let denied = path_without(
+        &["c++", "rustup", "cargo", "rustc", "docker-compose"],
+        &[("docker", "permission denied while trying to connect to the Docker daemon socket")],
+    );
+    let (code, _, err) = preflight("test", denied.path());
+    assert_eq!(code, 1);
+    let missing: Vec<&str> = err.lines().filter(|l| l.starts_with("  - ")).collect();
+    assert_eq!(missing.len(), 4, "{err}");
+    assert!(missing[0].starts_with("  - Rust 1.85 or newer"), "{err}");
+    assert!(missing[1].starts_with("  - a C++ compiler"), "{err}");
+    assert!(missing[2].starts_with("  - a running Docker engine"), "{err}");
+    assert!(missing[3].starts_with("  - Docker Compose"), "{err}");
+    assert!(err.contains("add yourself to the docker group"), "{err}");
+    assert!(err.contains("https://rustup.rs"), "{err}");
 }

@@ -149,7 +149,7 @@ pub enum MissingKey {
     /// The rule does not apply to the request (the default).
     #[default]
     Skip,
-    /// All requests lacking a part share one counter (the missing part counts as empty).
+    /// All requests lacking any part share one counter per rule, whatever the present parts hold.
     Shared,
 }
 

@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Checks, before anything is built, that this machine has what `./demo.sh` or `./test.sh` needs
+# and no script of this repository can install; prints EVERY missing prerequisite at once with
+# how to get it, then exits 1. Prints one line of what it found and exits 0 otherwise.
+#
+#   scripts/preflight.sh demo     what ./demo.sh needs (and the README's walkthrough: curl)
+#   scripts/preflight.sh test     what ./test.sh needs (everything of demo, and more)
+#
+# Not checked, because a script installs them when missing: the wasm32-wasip1 target
+# (wasm-build.sh, with rustup), Envoy 1.40 (scripts/envoy.sh, from PyPI into .venv/), the nightly
+# toolchain and cargo-fuzz (fuzz/run.sh). What those installers need is checked instead (rustup,
+# python3 with venv, a C/C++ compiler), and they need the network (rustup, PyPI, crates.io).
+#
+# Adding a prerequisite: write a `have_*` check below and one `need` line in the list of the
+# command(s) that use it. A tool that a script installs itself (from Debian or PyPI) is not a
+# `need`; its installer's needs are (python3 with venv for PyPI; apt-get and root or sudo for
+# Debian packages).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+usage() { echo "usage: scripts/preflight.sh demo|test" >&2; exit 2; }
+[[ $# -eq 1 ]] || usage
+for_what=$1
+case "$for_what" in demo | test) ;; *) usage ;; esac
+
+RUST_MIN=1.85 # the workspace's rust-version (Cargo.toml)
+
+missing=()
+found=()
+how_instead= # a check may say better than HOW what to do (why the Docker engine failed, ...)
+# need WHAT HOW CHECK [ARGS...]: CHECK succeeds when WHAT is there (and may add to `found`).
+need() {
+  local what=$1 how=$2
+  shift 2
+  how_instead=
+  "$@" || missing+=("$what"$'\n'"    how: ${how_instead:-$how}")
+}
+
+have() { command -v "$1" >/dev/null 2>&1; }
+
+have_linux() { [[ "$(uname -s)" == Linux ]]; }
+
+have_rust() {
+  have rustup && have cargo && have rustc || return 1
+  local version
+  version=$(rustc --version 2>/dev/null | awk '{print $2}')
+  # sort -V puts the smaller first: the minimum must come first (or both be equal).
+  [[ "$(printf '%s\n%s\n' "$RUST_MIN" "${version%%-*}" | sort -V | head -n1)" == "$RUST_MIN" ]] || return 1
+  found+=("rustc $version")
+}
+
+have_cc() { have cc && found+=("cc"); }
+
+have_cxx() { have c++ && found+=("c++"); }
+
+have_python_venv() {
+  # scripts/envoy.sh needs python3 with venv and pip only until Envoy is in .venv/.
+  if compgen -G ".venv/lib/python3*/site-packages/envoy/_bin/envoy" >/dev/null; then
+    found+=("Envoy in .venv/")
+    return 0
+  fi
+  have python3 && python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 8))' 2>/dev/null || return 1
+  found+=("python3 $(python3 -c 'import platform; print(platform.python_version())') with venv")
+}
+
+have_curl() { have curl && found+=("curl"); }
+
+have_tools() {
+  local tool
+  for tool in timeout ldd tar; do have "$tool" || return 1; done
+}
+
+have_docker_cli() { have docker; }
+
+have_docker_engine() {
+  have docker || return 0 # reported by have_docker_cli
+  local out
+  if out=$(timeout 20 docker info --format '{{.ServerVersion}}' 2>&1); then
+    found+=("Docker $out")
+    return 0
+  fi
+  case "$out" in
+    *"permission denied"*) how_instead="you may not use it: add yourself to the docker group (sudo usermod -aG docker \"\$USER\", then log in again)" ;;
+  esac
+  return 1
+}
+
+have_compose() {
+  have docker || return 0 # reported by have_docker_cli
+  if docker compose version >/dev/null 2>&1; then
+    found+=("docker compose")
+  elif have docker-compose; then
+    found+=("docker-compose")
+  else
+    return 1
+  fi
+}
+
+# ---- what each command needs -------------------------------------------------------------------
+rust_how="curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh (https://rustup.rs), then open a new shell; a Rust that is only too old: rustup update stable"
+need "Rust $RUST_MIN or newer, installed with rustup (rustup, cargo, rustc)" "$rust_how" have_rust
+need "a C compiler and linker (cc), which Rust links build scripts and native code with" \
+  "Debian/Ubuntu: sudo apt-get install build-essential; Fedora: sudo dnf install gcc gcc-c++" have_cc
+need "Python 3.8 or newer with venv and pip (scripts/envoy.sh installs Envoy from PyPI into .venv/)" \
+  "Debian/Ubuntu: sudo apt-get install python3 python3-venv; elsewhere https://www.python.org/downloads/" have_python_venv
+need "curl (the README's walkthrough, and the tests, send requests with it)" \
+  "Debian/Ubuntu: sudo apt-get install curl" have_curl
+if [[ "$for_what" == test ]]; then
+  need "Linux (the tests build a FROM scratch Envoy image from the host's glibc)" \
+    "run ./test.sh on Linux (x86-64 is what CI runs)" have_linux
+  need "a C++ compiler (c++), for libFuzzer (fuzz/run.sh)" \
+    "Debian/Ubuntu: sudo apt-get install build-essential; Fedora: sudo dnf install gcc-c++" have_cxx
+  need "timeout, ldd and tar" "Debian/Ubuntu: sudo apt-get install coreutils libc-bin tar" have_tools
+  need "Docker (the docker command), to run the Compose demo and build the Istio OCI image" \
+    "Docker Engine with the Compose plugin, https://docs.docker.com/engine/install/ (Debian/Ubuntu: sudo apt-get install docker.io docker-compose also works)" \
+    have_docker_cli
+  need "a running Docker engine that you may use ('docker info' failed)" \
+    "start it (sudo systemctl start docker)" have_docker_engine
+  need "Docker Compose ('docker compose' or 'docker-compose')" \
+    "the Compose plugin (https://docs.docker.com/compose/install/linux/), or Debian/Ubuntu: sudo apt-get install docker-compose" have_compose
+fi
+
+if [[ ${#missing[@]} -gt 0 ]]; then
+  {
+    echo "preflight: ./$for_what.sh cannot run on this machine yet. Missing:"
+    printf '  - %s\n' "${missing[@]}"
+    echo "Nothing was built. Install what is missing, then run ./$for_what.sh again."
+  } >&2
+  exit 1
+fi
+echo "preflight: ./$for_what.sh has what it needs: $(printf '%s, ' "${found[@]}" | sed 's/, $//')"
