@@ -11,6 +11,7 @@ use crate::table::{count, Table};
 use crate::{progress, Settings};
 use floodgate::config::Config;
 use floodgate::key::KeyHasher;
+use floodgate::ratelimit::table::{fingerprint, Set, WAYS};
 use floodgate::ratelimit::window::{Counts, Window};
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
@@ -21,8 +22,11 @@ use floodgate::time::UnixMillis;
 use std::collections::VecDeque;
 use std::num::{NonZeroU32, NonZeroU64};
 
-/// Requests per window every key is allowed.
+/// Requests per window every key is allowed (the flood traces say otherwise).
 const LIMIT: u64 = 100;
+/// One-shot keys per window in the flood traces: a scanner's or a fuzzer's few thousand requests
+/// per second, each with a new random key (issue 13).
+const FLOOD_PER_WINDOW: u64 = 300_000;
 /// The window, ms.
 const WINDOW_MS: u64 = 60_000;
 /// Where the traces start: an arbitrary phase of the epoch-aligned windows.
@@ -52,12 +56,15 @@ impl Rng {
     }
 }
 
-/// A trace: requests `(ms since T0, key)` in time order.
+/// A trace: requests `(ms since T0, key)` in time order, plus, for the flood traces, one-shot
+/// keys spread evenly over time (never scored: the table is there to serve the other keys).
 struct Trace {
     name: &'static str,
     what: String,
     keys: u32,
     capacity: u32,
+    limit: u64,
+    flood_per_window: u64,
     events: Vec<(u64, u32)>,
 }
 
@@ -88,6 +95,8 @@ fn traces(windows: u64) -> Vec<Trace> {
         what: format!("{keys} keys, Poisson; 98% at 1–70% of the limit, 2% abusers at 1.5–5× (rates log-uniform)"),
         keys,
         capacity: 16_384,
+        limit: LIMIT,
+        flood_per_window: 0,
         events,
     });
 
@@ -114,6 +123,8 @@ fn traces(windows: u64) -> Vec<Trace> {
         what: format!("{keys} keys, on/off: bursts of 30–150% of the limit at 20× its rate, idle ~1.45 windows between"),
         keys,
         capacity: 16_384,
+        limit: LIMIT,
+        flood_per_window: 0,
         events,
     });
 
@@ -129,13 +140,57 @@ fn traces(windows: u64) -> Vec<Trace> {
             what: format!("{keys} keys, Poisson at 80–120% of the limit (uniform); table capacity {capacity}"),
             keys,
             capacity,
+            limit: LIMIT,
+            flood_per_window: 0,
             events,
         });
     }
+
+    // Floods: a steady population (at its own limit) with and without FLOOD_PER_WINDOW one-shot
+    // keys per window against the default capacity, scored on the population's keys only. At
+    // limit 100 the population is the steady trace's; at limit 5 it is drawn the same way.
+    let steady = out.iter().find(|t| t.name == "steady").map(|t| (t.keys, t.events.clone()));
+    if let Some((keys, events)) = steady {
+        out.push(flood_trace("flood", keys, LIMIT, events));
+    }
+    let keys = 5_000;
+    let mut events = Vec::new();
+    for key in 0..keys {
+        let share = if key % 50 == 0 { rng.log_uniform(1.5, 5.0) } else { rng.log_uniform(0.01, 0.7) };
+        poisson(&mut rng, key, share * 5.0, end, &mut events);
+    }
+    out.push(Trace {
+        name: "steady, limit 5",
+        what: format!("the steady trace's population drawn again at limit 5 ({keys} keys)"),
+        keys,
+        capacity: 16_384,
+        limit: 5,
+        flood_per_window: 0,
+        events: events.clone(),
+    });
+    out.push(flood_trace("flood, limit 5", keys, 5, events));
     for t in &mut out {
         t.events.sort_unstable();
     }
     out
+}
+
+/// `events` of `keys` keys at `limit`, plus the flood.
+fn flood_trace(name: &'static str, keys: u32, limit: u64, events: Vec<(u64, u32)>) -> Trace {
+    Trace {
+        name,
+        what: format!(
+            "the same keys and requests as the {} trace, plus {} one-shot keys per window (evenly spread, not \
+             scored); default capacity 16 384",
+            if limit == LIMIT { "steady" } else { "steady, limit 5" },
+            count(FLOOD_PER_WINDOW)
+        ),
+        keys,
+        capacity: 16_384,
+        limit,
+        flood_per_window: FLOOD_PER_WINDOW,
+        events,
+    }
 }
 
 fn rng_rate(rng: &mut Rng) -> f64 {
@@ -151,6 +206,8 @@ struct Score {
     wrongly_admitted: u64,
     wrongly_refused: u64,
     evictions: u64,
+    /// One-shot flood keys floodgate refused (the exact log admits every one).
+    flood_refused: u64,
 }
 
 impl Score {
@@ -173,7 +230,8 @@ impl Score {
 fn score(trace: &Trace) -> Score {
     let config = Config::parse(
         format!(
-            r#"{{"rate_limits": [{{"name": "r", "key": [{{"header": "x-api-key"}}], "limit": {LIMIT}, "window": "{}s", "capacity": {}}}]}}"#,
+            r#"{{"rate_limits": [{{"name": "r", "key": [{{"header": "x-api-key"}}], "limit": {}, "window": "{}s", "capacity": {}}}]}}"#,
+            trace.limit,
             WINDOW_MS / 1000,
             trace.capacity
         )
@@ -188,8 +246,21 @@ fn score(trace: &Trace) -> Score {
     let mut reserves = Reserves::new();
     let mut next_heartbeat = T0;
     let mut s = Score::default();
+    // The flood: one new key every `flood_gap` ms of trace time (fractions carried).
+    let flood_gap = WINDOW_MS as f64 / trace.flood_per_window.max(1) as f64;
+    let mut flood_sent = 0u64;
     for &(t, key) in &trace.events {
         let now = T0 + t;
+        while trace.flood_per_window > 0 && (flood_sent as f64 * flood_gap) as u64 <= t {
+            let at = T0 + (flood_sent as f64 * flood_gap) as u64;
+            let one_shot = hasher.hash([Some(&flood_sent.to_le_bytes()[..]), None]);
+            let probe = Probe { rule: 0, key_hash: one_shot };
+            match limiter.check(&store, &mut reserves, &[probe], UnixMillis(at), 1) {
+                Verdict::Admitted { evictions, .. } => s.evictions += evictions.len() as u64,
+                Verdict::Rejected { .. } => s.flood_refused += 1,
+            }
+            flood_sent += 1;
+        }
         // One VM, as deployed: quota reserves and their heartbeat.
         if now >= next_heartbeat {
             limiter.heartbeat(&store, &mut reserves, UnixMillis(now));
@@ -200,7 +271,7 @@ fn score(trace: &Trace) -> Score {
         while log.front().is_some_and(|&at| at + WINDOW_MS <= now) {
             log.pop_front();
         }
-        let exact = (log.len() as u64) < LIMIT;
+        let exact = (log.len() as u64) < trace.limit;
         if exact {
             log.push_back(now);
         }
@@ -222,7 +293,7 @@ fn score(trace: &Trace) -> Score {
 /// the same traffic whatever they decide.
 fn score_everything_counted(trace: &Trace) -> Score {
     let window = Window::new(NonZeroU64::new(WINDOW_MS).expect("window"));
-    let limit = NonZeroU32::new(LIMIT as u32).expect("limit");
+    let limit = NonZeroU32::new(trace.limit as u32).expect("limit");
     let mut logs: Vec<VecDeque<u64>> = vec![VecDeque::new(); trace.keys as usize];
     let mut counters: Vec<(u64, Counts)> = vec![(0, Counts::default()); trace.keys as usize];
     let mut s = Score::default();
@@ -232,7 +303,7 @@ fn score_everything_counted(trace: &Trace) -> Score {
         while log.front().is_some_and(|&at| at + WINDOW_MS <= now) {
             log.pop_front();
         }
-        let exact = (log.len() as u64) < LIMIT;
+        let exact = (log.len() as u64) < trace.limit;
         let phase = window.phase(UnixMillis(now));
         let (bucket, counts) = &mut counters[key as usize];
         *counts = counts.rolled(*bucket, phase.bucket_index);
@@ -282,6 +353,7 @@ pub fn run(s: &Settings) {
     let mut own = score_table();
     let mut everything = score_table();
     let mut notes = Vec::new();
+    let mut flood_notes = Vec::new();
     for trace in traces(windows) {
         let started = std::time::Instant::now();
         let sc = score(&trace);
@@ -289,6 +361,13 @@ pub fn run(s: &Settings) {
         score_row(&mut everything, trace.name, &score_everything_counted(&trace), false);
         progress!("{}: {} requests in {:.1} s", trace.name, sc.requests, started.elapsed().as_secs_f64());
         notes.push(format!("- **{}**: {}", trace.name, trace.what));
+        if trace.flood_per_window > 0 {
+            flood_notes.push(format!(
+                "- **{}**: {} of the one-shot keys refused by floodgate (the exact log admits every one)",
+                trace.name,
+                count(sc.flood_refused)
+            ));
+        }
     }
     println!("Traces:\n\n{}\n", notes.join("\n"));
     println!(
@@ -302,4 +381,77 @@ pub fn run(s: &Settings) {
          so compare the admitted totals too):\n\n{}\n",
         own.render()
     );
+    if !flood_notes.is_empty() {
+        println!("Flood traces, the one-shot keys themselves:\n\n{}\n", flood_notes.join("\n"));
+    }
+    println!("{}", flood_per_set(if s.quick { 2_000 } else { 10_000 }));
+}
+
+/// (c) What a flood of one-shot keys costs the other keys of a set, as a function of the
+/// flood's size per set and window (`one-shot keys per window / (capacity / 4)`): one set,
+/// floodgate's own table code, deterministic. A window bucket full of the flood, then part of
+/// the next (up to a uniformly random moment of it); an established key that sent 2 requests in
+/// the first bucket; then a brand-new key that sends 7 requests at once against a limit of 5.
+/// Reports how many of its 5 requests the new key lost to the over-count of its estimate, and
+/// how often the established key lost its entry (it is then counted by the overflow: never
+/// looser, over-counted by the sketch's noise).
+fn flood_per_set(trials: u64) -> String {
+    const NEW_KEY_LIMIT: u32 = 5;
+    let window = Window::new(NonZeroU64::new(WINDOW_MS).expect("window"));
+    let limit = NonZeroU32::new(NEW_KEY_LIMIT).expect("limit");
+    let mut rng = Rng(SplitMix64::new(0x05e7_50ff_100d));
+    let mut t = Table::new(&[
+        "one-shot keys per set and window",
+        "per window at capacity 16 384 (default)",
+        "new key gets 5 of 5",
+        "4 of 5",
+        "3 or fewer",
+        "established key lost its entry",
+    ]);
+    for per_set in [25u64, 50, 75, 100, 125, 150, 200, 300, 500] {
+        let (mut lost, mut evicted) = ([0u64; 3], 0u64);
+        for _ in 0..trials {
+            let mut set = Set::empty(0, 0);
+            let established = fingerprint(rng.0.next_u64());
+            set.add(established, 1, window, 0);
+            for n in 0..per_set {
+                set.add(fingerprint(rng.0.next_u64()), 1, window, n * WINDOW_MS / per_set);
+                if n == per_set / 2 {
+                    set.add(established, 1, window, n * WINDOW_MS / per_set);
+                }
+            }
+            let mut set = set.rolled_to(1);
+            let phase = rng.unit();
+            let elapsed_ms = (phase * WINDOW_MS as f64) as u64 % WINDOW_MS;
+            for n in 0..(phase * per_set as f64) as u64 {
+                set.add(fingerprint(rng.0.next_u64()), 1, window, n * WINDOW_MS / per_set);
+            }
+            evicted += u64::from(!set.is_resident(established));
+            let newcomer = fingerprint(rng.0.next_u64());
+            let mut admitted = 0u32;
+            for _ in 0..NEW_KEY_LIMIT + 2 {
+                if window.admits(set.counts_of(newcomer), elapsed_ms, 1, limit) {
+                    set.add(newcomer, 1, window, elapsed_ms);
+                    admitted += 1;
+                }
+            }
+            lost[(NEW_KEY_LIMIT.saturating_sub(admitted) as usize).min(2)] += 1;
+        }
+        let pct = |n: u64| format!("{:.2}%", 100.0 * n as f64 / trials as f64);
+        t.row(vec![
+            count(per_set),
+            count(per_set * 16_384 / WAYS as u64),
+            pct(lost[0]),
+            pct(lost[1]),
+            pct(lost[2]),
+            pct(evicted),
+        ]);
+    }
+    format!(
+        "**(c) Flood per set** ({} trials per row; the table code alone, one set: a full window bucket of flood, then \
+         part of the next, up to a random moment; an established key with 2 requests in the first bucket; then a \
+         brand-new key sends 7 requests at once against a limit of 5):\n\n{}\n",
+        count(trials),
+        t.render()
+    )
 }

@@ -47,6 +47,9 @@ pub struct Settings {
     pub cpus: usize,
     /// Only these variants (ids), if given (`cpu`, `instructions`).
     pub only: Option<Vec<String>>,
+    /// `memory`: floodgate's table capacity, and distinct keys up to 1.5 × it (default: the
+    /// default capacity, and keys up to 1 M).
+    pub capacity: Option<u32>,
 }
 
 /// Cluster selection in the "everything on" variant.
@@ -63,7 +66,7 @@ pub enum Selection {
 fn usage() -> ! {
     eprintln!(
         "usage: floodgate-bench [cpu|instructions|memory|accuracy|contention|all]... [--quick] [--rounds N] [--seconds S]\n\
-         \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id]\n\
+         \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N]\n\
          \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH]\n\
          Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM. Use bench/run.sh, which builds them."
     );
@@ -89,6 +92,7 @@ fn main() {
         selection: Selection::Auto,
         cpus,
         only: None,
+        capacity: None,
     };
     let mut diagnose: Option<bool> = None;
     while let Some(a) = args.next() {
@@ -101,6 +105,7 @@ fn main() {
             "--warmup" => s.warmup = value().parse().unwrap_or_else(|_| usage()),
             "--connections" => s.connections = value().parse().unwrap_or_else(|_| usage()),
             "--variants" => s.only = Some(value().split(',').map(str::to_string).collect()),
+            "--capacity" => s.capacity = Some(value().parse().ok().filter(|c| *c > 0).unwrap_or_else(|| usage())),
             "--diagnose" => diagnose = Some(true),
             "--no-diagnose" => diagnose = Some(false),
             "--selection" => {

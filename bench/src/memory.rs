@@ -5,25 +5,36 @@ use crate::envoy::{Filter, Route, Spec};
 use crate::load::{self, Load, Requests};
 use crate::table::{count, Table};
 use crate::{progress, Settings};
+use floodgate::config::DEFAULT_CAPACITY;
+use floodgate::ratelimit::table::{RECORD_LEN, WAYS};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Measurement 2.
 pub async fn run(s: &Settings) {
     println!("## 2. Memory against distinct keys\n");
-    let checkpoints: &[u64] = if s.quick { &[0, 1_000, 10_000, 100_000] } else { &[0, 1_000, 10_000, 100_000, 300_000, 1_000_000] };
+    let capacity = s.capacity.unwrap_or(DEFAULT_CAPACITY);
+    let checkpoints: Vec<u64> = match s.capacity {
+        Some(c) => [0, c / 2, c, c + c / 2].into_iter().map(u64::from).collect(),
+        None if s.quick => vec![0, 1_000, 10_000, 100_000],
+        None => vec![0, 1_000, 10_000, 100_000, 300_000, 1_000_000],
+    };
+    let checkpoints = checkpoints.as_slice();
+    let records = u64::from(capacity).div_ceil(WAYS as u64);
     let (a, _) = load::start_upstream().await;
     let clusters = [a, a, a];
     let designs = [
         (
-            "floodgate (1 rule, default capacity 16 384)",
+            format!("floodgate (1 rule, capacity {})", count(u64::from(capacity))),
             Filter::Wasm {
                 module: s.floodgate_wasm.clone(),
-                config: format!(r#"{{"rate_limits": [{}], "ratelimit_headers": "on_reject"}}"#, crate::cpu::rule("per-key")),
+                config: format!(
+                    r#"{{"rate_limits": [{{"name": "per-key", "key": [{{"header": "x-api-key"}}], "limit": 1000000000, "window": "1m", "capacity": {capacity}}}], "ratelimit_headers": "on_reject"}}"#
+                ),
             },
         ),
-        ("naive: one shared-data entry per key", Filter::Wasm { module: s.naive_wasm.clone(), config: "limit=1000000000,window_ms=60000".into() }),
-        ("no-op wasm filter (reference)", Filter::Wasm { module: s.noop_wasm.clone(), config: String::new() }),
+        ("naive: one shared-data entry per key".into(), Filter::Wasm { module: s.naive_wasm.clone(), config: "limit=1000000000,window_ms=60000".into() }),
+        ("no-op wasm filter (reference)".into(), Filter::Wasm { module: s.noop_wasm.clone(), config: String::new() }),
     ];
     // The no-op reference (what Envoy with a wasm filter does by itself with many distinct header
     // values) only with --diagnose: it costs as long as the others.
@@ -59,7 +70,7 @@ pub async fn run(s: &Settings) {
             progress!("{label}: {} keys → RSS {:.1} MiB", count(target), r as f64 / 1048576.0);
             rss.push(r);
         }
-        columns.push((label.to_string(), rss));
+        columns.push((label, rss));
     }
     let mut header = vec!["distinct keys".to_string()];
     header.extend(columns.iter().map(|(l, _)| format!("{l}: RSS MiB (Δ from 0 keys)")));
@@ -75,7 +86,8 @@ pub async fn run(s: &Settings) {
     }
     println!(
         "Envoy with 2 workers; each distinct `x-api-key` sent once (32 connections), RSS (`VmRSS`) read 1.5 s after each step. \
-         floodgate's table holds at most capacity/4 = 4 096 records per rule, whatever the number of keys.\n"
+         floodgate's table holds at most capacity/{WAYS} = {} records of {RECORD_LEN} bytes per rule, whatever the number of keys.\n",
+        count(records)
     );
     println!("{}\n", t.render());
     let last = checkpoints.len() - 1;
@@ -86,6 +98,16 @@ pub async fn run(s: &Settings) {
                 (rss[last] as f64 - rss[0] as f64) / checkpoints[last] as f64
             );
         }
+    }
+    if let (Some(c), Some((_, rss))) = (s.capacity, columns.first()) {
+        // The last checkpoint (1.5 × capacity) fills nearly every record.
+        println!(
+            "- floodgate: {:.0} bytes per tracked key (growth at {} keys / capacity {}), {:.0} bytes per record",
+            (rss[last] as f64 - rss[0] as f64) / f64::from(c),
+            count(checkpoints[last]),
+            count(u64::from(c)),
+            (rss[last] as f64 - rss[0] as f64) / records as f64
+        );
     }
     println!();
 }

@@ -22,7 +22,7 @@
 
 use floodgate::config::{Config, KeyPart, MissingKey};
 use floodgate::key::{self, KeyHasher, Source};
-use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN};
+use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN, RECORD_VERSION, SHAPE_OFFSET};
 use floodgate::ratelimit::window::Window;
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
@@ -415,8 +415,9 @@ const WINDOWS_MS: [u64; 6] = [1, 250, 1000, 60_000, 3_600_000, floodgate::config
 const LIMITS: [u32; 6] = [1, 2, 5, 100, 65_536, u32::MAX];
 
 /// Layout: `now` (u64 LE, ms since the epoch), the key hash (u64), a window selector, a limit
-/// selector, a flags byte (bit 0: the host gives no CAS token; bit 1: inject store faults), a
-/// fault mask (u64), then the record bytes (a valid record is [`RECORD_LEN`] bytes).
+/// selector, a flags byte (bit 0: the host gives no CAS token; bit 1: inject store faults; bit
+/// 2: stamp the record with the rule's shape, so that a well-formed one is trusted), a fault mask
+/// (u64), then the record bytes (a valid record is [`RECORD_LEN`] bytes).
 ///
 /// Checks: decoding never panics and refuses exactly what is truncated, padded or of another
 /// version; what it accepts re-encodes to the same bytes; the set's operations keep their
@@ -432,9 +433,24 @@ pub fn ratelimit_record(data: &[u8]) {
     let limit = LIMITS[usize::from(input.u8()) % LIMITS.len()];
     let flags = input.u8();
     let faults = input.u64();
-    let record = input.rest();
+    let mut record = input.rest().to_vec();
     let window = Window::new(NonZeroU64::new(window_ms).expect("non-zero"));
     let phase = window.phase(now);
+    let config = Config::parse(
+        format!(
+            r#"{{"rate_limits": [{{"name": "r", "key": ["path"], "limit": {limit}, "window": "{window_ms}ms", "capacity": 4}}]}}"#
+        )
+        .as_bytes(),
+    )
+    .expect("the record fuzz config is valid");
+    let limiter = Limiter::new(&config, "fuzz");
+    let shape = limiter.tables()[0].shape();
+    if flags & 4 != 0 {
+        if let Some(stamp) = record.get_mut(SHAPE_OFFSET..SHAPE_OFFSET + 8) {
+            stamp.copy_from_slice(&shape.to_le_bytes());
+        }
+    }
+    let record = record.as_slice();
 
     // 1. The decoder alone.
     let decoded = Set::decode(record);
@@ -456,19 +472,13 @@ pub fn ratelimit_record(data: &[u8]) {
         Err(table::DecodeError::Version(version, ways)) => {
             assert_eq!(record.len(), RECORD_LEN);
             assert_eq!((*version, *ways), (record[0], record[1]));
-            assert!(record[0] != 1 || usize::from(record[1]) != table::WAYS);
+            assert!(record[0] != RECORD_VERSION || usize::from(record[1]) != table::WAYS);
         }
     }
+    // A record of another rule definition is not trusted either.
+    let trusted = decoded.as_ref().is_ok_and(|set| set.shape == shape);
 
     // 2. Through the limiter, the record planted under the rule's only set.
-    let config = Config::parse(
-        format!(
-            r#"{{"rate_limits": [{{"name": "r", "key": ["path"], "limit": {limit}, "window": "{window_ms}ms", "capacity": 4}}]}}"#
-        )
-        .as_bytes(),
-    )
-    .expect("the record fuzz config is valid");
-    let limiter = Limiter::new(&config, "fuzz");
     let with_faults = flags & 2 != 0;
     let store = PlantedStore::new(record, flags & 1 == 0, if with_faults { faults } else { 0 });
     let probes = [Probe { rule: 0, key_hash }];
@@ -486,7 +496,8 @@ pub fn ratelimit_record(data: &[u8]) {
                 let written = store.value(&writes[0]).expect("written");
                 let set = Set::decode(&written).expect("what the limiter writes decodes");
                 assert!(set.counts_of(fingerprint(key_hash)).current >= 1, "the request is counted");
-                if decoded.is_err() {
+                assert_eq!(set.shape, shape, "what the limiter writes carries the rule's shape");
+                if !trusted {
                     assert_eq!(set.bucket_index, phase.bucket_index, "an untrusted record is replaced");
                     assert_eq!(set.counts_of(fingerprint(key_hash)).current, 1);
                 }
@@ -500,7 +511,7 @@ pub fn ratelimit_record(data: &[u8]) {
                 assert!(at >= now, "retry_at {at:?} before now {now:?}");
             }
             if !with_faults && store.planted_cas {
-                assert!(decoded.is_ok(), "a record that does not decode refused a request: {violations:?}");
+                assert!(trusted, "an untrusted record refused a request: {violations:?}");
                 assert!(store.writes.borrow().is_empty(), "a refusal writes nothing");
             }
         }
@@ -536,15 +547,25 @@ fn set_operations(set: Set, fp: u64, window: Window, now_bucket: u64, elapsed_ms
         }
     }
     let mut added = rolled.clone();
-    let evicted = added.add(fp, 1, window, elapsed_ms);
+    let result = added.add(fp, 1, window, elapsed_ms);
     let after = added.counts_of(fp);
-    assert!(after.current >= before.current, "adding never lowers a key's count");
+    // More than before, unless saturated (a cell of the overflow's sketch stops at u16::MAX).
+    assert!(after.current > before.current || after.current >= u32::from(u16::MAX), "adding counts the cost");
     assert!(after.current >= 1);
-    assert!(added.floor.previous >= rolled.floor.previous && added.floor.current >= rolled.floor.current);
-    if let Some(e) = evicted {
+    assert_eq!(result.resident, added.is_resident(fp));
+    // Never looser: no key's counts go down when another is added (an evicted key's counts
+    // go to the overflow), whatever the record held.
+    for other in rolled.entries.iter().map(|e| e.fingerprint).filter(|f| *f != 0).chain([fp ^ 1, fp.rotate_left(7)]) {
+        let (was, now) = (rolled.counts_of(other), added.counts_of(other));
+        assert!(now.current >= was.current && now.previous >= was.previous, "{other:#x}: {was:?} then {now:?}");
+    }
+    if let Some(e) = result.evicted {
         assert_ne!(e.fingerprint, 0);
         assert!(!e.counts.is_zero());
+        assert!(result.resident);
     }
+    let resident = added.is_resident(fp);
+    assert_eq!(added.add_to_entry(fp, 2), resident);
     added.subtract(fp, 1, added.bucket_index);
     let _ = Set::decode(&added.encode()).expect("an encoded set decodes");
 }

@@ -8,7 +8,7 @@
 //! | `<prefix>.rate_limit.<rule>.rejected` | counter | requests the rule refused with 429 |
 //! | `<prefix>.rate_limit.<rule>.skipped` | counter | requests lacking a key part (`missing_key: skip`) |
 //! | `<prefix>.rate_limit.<rule>.contention` | counter | requests refused because the counters could not be updated (CAS attempts ran out) |
-//! | `<prefix>.rate_limit.<rule>.evictions` | counter | live keys evicted from a full table slot set |
+//! | `<prefix>.rate_limit.<rule>.evictions` | counter | keys with live counts that lost their exact entry to a more frequent key (counts moved to the set's overflow) |
 //! | `<prefix>.rate_limit.<rule>.reserved` | gauge | quota units workers counted ahead for their next requests and have not used yet, as of each worker's last heartbeat |
 //! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 |
 //! | `<prefix>.load_shedding.contention` | counter | requests shed because the in-flight count could not be updated |

@@ -44,7 +44,12 @@ pub struct RuleTable {
     /// The window.
     pub window: Window,
     sets: NonZeroU64,
+    /// `floodgate/<namespace>/rl/<rule name>/`: one name, one set of records, whatever the
+    /// rule's definition (bounded memory across configuration changes).
     key_prefix: String,
+    /// A stamp of the rule's key, window and capacity, kept in its records: a record stamped
+    /// otherwise belongs to an earlier definition and reads as empty.
+    shape: u64,
 }
 
 impl RuleTable {
@@ -56,6 +61,11 @@ impl RuleTable {
     /// Number of shared-data records this rule can ever create.
     pub fn set_count(&self) -> u64 {
         self.sets.get()
+    }
+
+    /// The stamp of the rule's definition its records carry.
+    pub fn shape(&self) -> u64 {
+        self.shape
     }
 }
 
@@ -161,9 +171,11 @@ struct Committed {
 
 impl Limiter {
     /// Lays out one table per rule under `namespace` (the shared-data prefix of this filter
-    /// instance). A rule's table is identified by its name, key, window and capacity, so
-    /// changing any of them starts fresh counters, while a changed limit applies at once to the
-    /// counters already there.
+    /// instance). A rule's records are named after the rule: a changed definition reuses them
+    /// (so shared data stays bounded per rule name across any number of configuration changes).
+    /// Its counters are identified by its name, key, window and capacity: changing any of them
+    /// starts fresh counters (records stamped with another shape read as empty), while a changed
+    /// limit applies at once to the counters already there.
     pub fn new(config: &Config, namespace: &str) -> Limiter {
         let tables = config
             .rate_limits
@@ -182,11 +194,8 @@ impl Limiter {
                     limit: rule.limit.get(),
                     window: Window::new(rule.window.get()),
                     sets,
-                    key_prefix: format!(
-                        "floodgate/{namespace}/rl/{}/{:016x}/",
-                        rule.name,
-                        fnv1a(identity.as_bytes())
-                    ),
+                    key_prefix: format!("floodgate/{namespace}/rl/{}/", rule.name),
+                    shape: fnv1a(identity.as_bytes()),
                 }
             })
             .collect();
@@ -325,7 +334,7 @@ impl Limiter {
         let (table, key) = self.locate(probe).ok_or(StoreError::Host(0))?;
         let stored = store.get(&key)?;
         let phase = table.window.phase(now);
-        let set = decode_or_empty(stored.as_ref(), phase.bucket_index).rolled_to(phase.bucket_index);
+        let set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
         let leftover = reserves.leftover(probe, phase.bucket_index);
         let counts = leftover.remove_from(set.counts_of(fingerprint(probe.key_hash)), phase.bucket_index);
         let admits = table.window.admits(counts, phase.elapsed_ms, cost, table.limit);
@@ -372,7 +381,7 @@ impl Limiter {
         for attempt in 0..MAX_ATTEMPTS {
             if attempt > 0 {
                 stored = store.get(&first.key).map_err(|_| contention())?;
-                set = decode_or_empty(stored.as_ref(), phase.bucket_index)
+                set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index)
                     .rolled_to(phase.bucket_index);
                 counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
                 if !table.window.admits(counts, phase.elapsed_ms, cost, table.limit) {
@@ -383,16 +392,22 @@ impl Limiter {
                 }
             }
             let after = counts.plus(cost);
-            let room = table.window.remaining(after, phase.elapsed_ms, table.limit);
-            let grant = reserves.grant(first.probe, room);
-            let evicted = set.add(fp, cost.saturating_add(grant), table.window, phase.elapsed_ms).is_some();
+            let added = set.add(fp, cost, table.window, phase.elapsed_ms);
+            // Units are only reserved on an entry: they can be given back from there.
+            let grant = if added.resident {
+                let room = table.window.remaining(after, phase.elapsed_ms, table.limit);
+                reserves.grant(first.probe, room)
+            } else {
+                0
+            };
+            set.add_to_entry(fp, grant);
             set.subtract(fp, first.leftover.units, first.leftover.bucket_index);
             match write_back(store, &first.key, stored.as_ref(), &set.encode()) {
                 Ok(()) => {
                     reserves.record(first.probe, phase.bucket_index, grant, set.counts_of(fp));
                     return Ok(Committed {
                         standing: standing(table, first.probe.rule, after, now, cost),
-                        evicted,
+                        evicted: added.evicted.is_some(),
                         bucket_index: set.bucket_index,
                     });
                 }
@@ -406,12 +421,15 @@ impl Limiter {
     /// Takes `leftover` units of `probe`'s key back out of its counters (best effort: if it
     /// cannot, the key is over-counted, which is the safe direction).
     fn give_back<S: SharedStore + ?Sized>(&self, store: &S, probe: Probe, leftover: Leftover) {
-        let Some((_, key)) = self.locate(probe) else { return };
+        let Some((table, key)) = self.locate(probe) else { return };
         let fp = fingerprint(probe.key_hash);
         for _ in 0..MAX_ATTEMPTS {
             let Ok(stored) = store.get(&key) else { return };
             let Some(current) = stored.as_ref() else { return };
             let Ok(set) = Set::decode(&current.value) else { return };
+            if set.shape != table.shape {
+                return;
+            }
             let mut set = set.rolled_to(leftover.bucket_index);
             set.subtract(fp, leftover.units, leftover.bucket_index);
             match write_back(store, &key, stored.as_ref(), &set.encode()) {
@@ -444,11 +462,13 @@ fn standing(table: &RuleTable, rule: usize, counts: Counts, now: UnixMillis, cos
 }
 
 /// A record that cannot be decoded (corrupt, truncated, or from another version of the
-/// module) is not trusted: the set starts empty and the next write replaces it.
-fn decode_or_empty(stored: Option<&Stored>, bucket_index: u64) -> Set {
+/// module), or that belongs to another definition of the rule (`shape`), is not trusted: the
+/// set starts empty and the next write replaces it.
+fn decode_or_empty(stored: Option<&Stored>, shape: u64, bucket_index: u64) -> Set {
     stored
         .and_then(|s| Set::decode(&s.value).ok())
-        .unwrap_or_else(|| Set::empty(bucket_index))
+        .filter(|set| set.shape == shape)
+        .unwrap_or_else(|| Set::empty(shape, bucket_index))
 }
 
 /// FNV-1a, 64-bit: a stable, non-secret fingerprint of a rule's definition for key names.
