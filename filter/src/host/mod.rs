@@ -314,7 +314,7 @@ impl FilterStream {
             return None;
         }
         let mut skipped = Vec::new();
-        let probes = key::probes(&filter.config, &filter.hasher, |source| headers.fetch(source), &mut skipped);
+        let probes = key::probes(&filter.config, &filter.hasher, None, |source| headers.fetch(source), &mut skipped);
         for rule in skipped {
             increment(filter.stats.rule(rule).skipped);
         }
