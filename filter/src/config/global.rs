@@ -117,3 +117,52 @@ impl Global {
         )
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use crate::config::{Config, Scope};
+
+    fn error_of(json: &str) -> String {
+        Config::parse(json.as_bytes()).unwrap_err().to_string()
+    }
+
+    const RULE: &str = r#"{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"global"}"#;
+
+    #[test]
+    fn the_global_section_parses_with_defaults() {
+        let config = Config::parse(format!(r#"{{"rate_limits":[{RULE}],"global":{{"cluster":"floodgate-sync"}}}}"#).as_bytes()).unwrap();
+        assert_eq!(config.rate_limits[0].scope, Scope::Global);
+        let global = config.global.unwrap();
+        assert_eq!(global.authority(), "floodgate-sync");
+        assert_eq!(global.sync_interval.get().get(), 100);
+        assert_eq!(global.timeout.get().get(), 1000);
+        assert_eq!(global.max_keys.get().get(), 4096);
+        assert_eq!(global.key_secret, None);
+        let proxy = Config::parse(br#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m"}]}"#).unwrap();
+        assert_eq!(proxy.rate_limits[0].scope, Scope::Proxy);
+    }
+
+    #[test]
+    fn global_errors_are_named() {
+        let with = |global: &str| format!(r#"{{"rate_limits":[{RULE}],"global":{global}}}"#);
+        for (json, expected) in [
+            (format!(r#"{{"rate_limits":[{RULE}]}}"#), r#"rate_limits[0].scope: "global" needs the top-level "global" section"#),
+            (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"fleet"}]}"#.into(), "rate_limits[0].scope: unknown variant `fleet`"),
+            (with("{}"), "global: missing field `cluster`"),
+            (with(r#"{"cluster":""}"#), r#"global.cluster: "" is not a valid cluster name"#),
+            (with(r#"{"cluster":"s","sync_interval":"5ms"}"#), "global.sync_interval: must be between 10ms and 60s, got 5ms"),
+            (with(r#"{"cluster":"s","sync_interval":"2m"}"#), "global.sync_interval: must be between 10ms and 60s, got 2m"),
+            (with(r#"{"cluster":"s","timeout":"61s"}"#), "global.timeout: must be at most 60s, got 61s"),
+            (with(r#"{"cluster":"s","max_keys":0}"#), "global.max_keys: must be a positive integer"),
+            (with(r#"{"cluster":"s","max_keys":70000}"#), "global.max_keys: must be at most 65536, got 70000"),
+            (with(r#"{"cluster":"s","authority":"a b"}"#), r#"global.authority: "a b" is not a host"#),
+            (with(r#"{"cluster":"s","key_secret":"short"}"#), "global.key_secret: must be at least 16 characters"),
+            (with(r#"{"cluster":"s","interval":"1s"}"#), "global.interval: unknown field `interval`"),
+            (with(r#"["s"]"#), "global: must be a JSON object"),
+        ] {
+            let err = error_of(&json);
+            assert!(err.starts_with(expected), "{json}\n  got: {err}\n want: {expected}");
+        }
+    }
+}
