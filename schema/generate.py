@@ -93,7 +93,7 @@ schema = {
         "key": {"description": "The parts of the request that make the key, joined in order.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
         "limit": positive("Requests admitted per window and key."),
         "window": {"description": "The window length.", "$ref": "#/$defs/duration"},
-        "capacity": positive("How many distinct keys the rule tracks individually (memory: about 150 bytes per tracked key, see docs/configuration.md#sizing).", 16384, 16777216),
+        "capacity": positive("How many distinct keys the rule tracks individually (memory: about 170 bytes per tracked key, see docs/configuration.md#sizing).", 16384, 16777216),
         "missing_key": {
           "description": "A request lacking a key part: skip = the rule does not apply to it; shared = all such requests share one counter.",
           "enum": ["skip", "shared"], "default": "skip"

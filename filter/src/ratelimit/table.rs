@@ -12,8 +12,8 @@
 //! - an **overflow** per bucket for every other key: two *doorkeepers* (Bloom filters) that
 //!   absorb a key's first unit ([`DOOR_BITS`] bits, [`DOOR_HASHES`] per key) and its second
 //!   ([`SECOND_DOOR_BITS`] bits, [`SECOND_DOOR_HASHES`] per key), and a count-min *sketch* of
-//!   [`SKETCH_ROWS`] × [`SKETCH_COLUMNS`] saturating 16-bit cells with conservative update that
-//!   counts the rest. A non-resident key's count in a bucket is estimated as
+//!   [`SKETCH_ROWS`] × [`SKETCH_COLUMNS`] saturating 32-bit cells (as wide as an entry's counters,
+//!   so an evicted key's counts always fit) with conservative update that counts the rest. A non-resident key's count in a bucket is estimated as
 //!
 //!   ```text
 //!   0                              its first doorkeeper's bits are not all set
@@ -73,7 +73,7 @@
 //! as empty), bucket index `u64`, per entry fingerprint `u64` (0 = free), previous `u32`,
 //! current `u32`, then the previous bucket's overflow and the current one's, each the two
 //! doorkeepers' bits ([`DOOR_BITS`] / 8 and [`SECOND_DOOR_BITS`] / 8 bytes) and the sketch cells
-//! (`u16` each, row-major). Everything is kept rolled to the same window bucket.
+//! (`u32` each, row-major). Everything is kept rolled to the same window bucket.
 
 use super::window::{Counts, Window};
 
@@ -117,7 +117,7 @@ const HEADER_LEN: usize = 4 + 8 + 8;
 /// Where the shape stamp sits in a record (after version, ways and 2 zero bytes).
 pub const SHAPE_OFFSET: usize = 4;
 const ENTRY_LEN: usize = 16;
-const OVERFLOW_LEN: usize = DOOR_BYTES + SECOND_DOOR_BYTES + 2 * SKETCH_CELLS;
+const OVERFLOW_LEN: usize = DOOR_BYTES + SECOND_DOOR_BYTES + 4 * SKETCH_CELLS;
 /// Bytes of one encoded set.
 pub const RECORD_LEN: usize = HEADER_LEN + WAYS * ENTRY_LEN + 2 * OVERFLOW_LEN;
 
@@ -142,7 +142,7 @@ impl Entry {
 pub struct Overflow {
     door: [u8; DOOR_BYTES],
     second_door: [u8; SECOND_DOOR_BYTES],
-    cells: [u16; SKETCH_CELLS],
+    cells: [u32; SKETCH_CELLS],
 }
 
 impl Default for Overflow {
@@ -218,11 +218,11 @@ impl Spots {
 
 impl Overflow {
 
-    fn min_cell(&self, spots: &Spots) -> u16 {
+    fn min_cell(&self, spots: &Spots) -> u32 {
         spots
             .cells
             .iter()
-            .map(|&cell| self.cells.get(cell).copied().unwrap_or(u16::MAX))
+            .map(|&cell| self.cells.get(cell).copied().unwrap_or(u32::MAX))
             .min()
             .unwrap_or(0)
     }
@@ -234,7 +234,7 @@ impl Overflow {
         } else if !all_set(&self.second_door, &spots.second_bits) {
             1
         } else {
-            u32::from(self.min_cell(spots)).saturating_add(2)
+            self.min_cell(spots).saturating_add(2)
         }
     }
 
@@ -252,8 +252,7 @@ impl Overflow {
         if units == 0 {
             return;
         }
-        let raised = u32::from(self.min_cell(spots)).saturating_add(units);
-        let raised = u16::try_from(raised).unwrap_or(u16::MAX);
+        let raised = self.min_cell(spots).saturating_add(units);
         for &cell in &spots.cells {
             if let Some(value) = self.cells.get_mut(cell) {
                 *value = (*value).max(raised);
@@ -300,6 +299,9 @@ pub enum DecodeError {
     Length(usize),
     /// A version or layout this build does not know.
     Version(u8, u8),
+    /// Two entries own the same key (no writer of this module makes such a record: it is
+    /// corrupt, and evicting one copy would expose the other's counts).
+    Duplicate(u64),
 }
 
 /// The fingerprint stored for a key hash: never 0, which marks a free entry.
@@ -322,7 +324,8 @@ impl Set {
         }
     }
 
-    /// Reads a record, refusing anything truncated, padded or of another version.
+    /// Reads a record, refusing anything truncated, padded, of another version, or with a key
+    /// owning two entries.
     pub fn decode(bytes: &[u8]) -> Result<Set, DecodeError> {
         let record: &[u8; RECORD_LEN] = bytes
             .try_into()
@@ -343,6 +346,12 @@ impl Set {
         }
         let previous = reader.overflow();
         let current = reader.overflow();
+        for (i, entry) in entries.iter().enumerate() {
+            let later = entries.iter().skip(i.saturating_add(1));
+            if entry.fingerprint != 0 && later.clone().any(|e| e.fingerprint == entry.fingerprint) {
+                return Err(DecodeError::Duplicate(entry.fingerprint));
+            }
+        }
         Ok(Set {
             shape,
             bucket_index,
@@ -537,7 +546,7 @@ impl Reader<'_> {
             ..Overflow::default()
         };
         for cell in &mut overflow.cells {
-            *cell = u16::from_le_bytes(self.take());
+            *cell = u32::from_le_bytes(self.take());
         }
         overflow
     }
@@ -602,12 +611,16 @@ mod tests {
         let mut set = set;
         add(&mut set, key(200), 1);
         let bytes = set.encode();
-        assert_eq!(Set::decode(&bytes), Ok(set));
+        assert_eq!(Set::decode(&bytes), Ok(set.clone()));
         assert_eq!(Set::decode(&bytes[..RECORD_LEN - 1]), Err(DecodeError::Length(RECORD_LEN - 1)));
         assert_eq!(Set::decode(&[]), Err(DecodeError::Length(0)));
         let mut other_version = bytes;
         other_version[0] = 1;
         assert_eq!(Set::decode(&other_version), Err(DecodeError::Version(1, WAYS as u8)));
+        let mut duplicate = set;
+        duplicate.entries[3] = duplicate.entries[0];
+        let owner = duplicate.entries[0].fingerprint;
+        assert_eq!(Set::decode(&duplicate.encode()), Err(DecodeError::Duplicate(owner)));
     }
 
     #[test]
@@ -747,9 +760,9 @@ mod tests {
             add(&mut set, key(n), u32::MAX);
         }
         let outsider = key(99);
+        add(&mut set, outsider, u32::MAX - 5);
         add(&mut set, outsider, 70_000);
-        add(&mut set, outsider, 70_000);
-        assert_eq!(set.counts_of(outsider).current, u32::from(u16::MAX) + 2);
+        assert_eq!(set.counts_of(outsider).current, u32::MAX);
     }
 
     /// A brand-new key in a set that a flood of one-shot keys keeps full starts from 0, or from
