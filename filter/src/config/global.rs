@@ -119,7 +119,7 @@ impl Global {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use crate::config::{Config, Scope};
 
