@@ -82,7 +82,11 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     let text = text.trim();
     let (number, unit) = match text.find(|c: char| !(c.is_ascii_digit() || c == '.')) {
         Some(at) => text.split_at(at),
-        None => return Err(format!("{text:?}: give a unit (ms, s or m), e.g. 1s or 250ms")),
+        None => {
+            return Err(format!(
+                "{text:?}: give a unit (ms, s or m), e.g. 1s or 250ms"
+            ))
+        }
     };
     let number: f64 = number
         .parse()
@@ -101,7 +105,12 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
 
     use super::*;
 
@@ -147,7 +156,10 @@ mod tests {
         ])
         .unwrap();
         assert!(args.cluster);
-        assert_eq!(args.redis, vec!["redis://a:1", "redis://b:2", "redis://c:3"]);
+        assert_eq!(
+            args.redis,
+            vec!["redis://a:1", "redis://b:2", "redis://c:3"]
+        );
         assert_eq!(args.shards, 3);
         assert_eq!(args.redis_timeout, Duration::from_millis(200));
         for bad in [

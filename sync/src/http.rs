@@ -99,7 +99,10 @@ pub async fn handle(app: Arc<App>, request: Request<Incoming>) -> Result<Answer,
             Ok(()) => json(StatusCode::OK, b"{\"status\":\"ready\"}".to_vec()),
             Err(err) => {
                 let body = serde_json::json!({"status": "unavailable", "error": format!("store unavailable: {err}")});
-                json(StatusCode::SERVICE_UNAVAILABLE, body.to_string().into_bytes())
+                json(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    body.to_string().into_bytes(),
+                )
             }
         },
         "/metrics" => {
@@ -145,10 +148,14 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
         .get(CONTENT_LENGTH)
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.parse::<u64>().ok());
-    if declared.is_some_and(|length| length > u64::try_from(app.max_body_bytes).unwrap_or(u64::MAX)) {
+    if declared.is_some_and(|length| length > u64::try_from(app.max_body_bytes).unwrap_or(u64::MAX))
+    {
         return too_large();
     }
-    let body = match Limited::new(request.into_body(), app.max_body_bytes).collect().await {
+    let body = match Limited::new(request.into_body(), app.max_body_bytes)
+        .collect()
+        .await
+    {
         Ok(collected) => collected.to_bytes(),
         Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => return too_large(),
         Err(err) => {
@@ -179,14 +186,23 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
     let counters: Vec<Totals> = plan
         .index
         .iter()
-        .map(|&at| outcome.totals.get(at).copied().unwrap_or(Totals { previous: 0, current: 0 }))
+        .map(|&at| {
+            outcome.totals.get(at).copied().unwrap_or(Totals {
+                previous: 0,
+                current: 0,
+            })
+        })
         .collect();
     match serde_json::to_vec(&SyncResponse {
         version: VERSION,
         counters,
     }) {
         Ok(body) => json(StatusCode::OK, body),
-        Err(err) => error(app, ErrorKind::StoreError, format!("store unavailable: {err}")),
+        Err(err) => error(
+            app,
+            ErrorKind::StoreError,
+            format!("store unavailable: {err}"),
+        ),
     }
 }
 

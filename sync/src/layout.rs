@@ -83,8 +83,7 @@ pub fn expire_at_ms(window_ms: u64, bucket: u64) -> u64 {
 pub fn seen_ttl_ms(max_window_ms: u64) -> u64 {
     max_window_ms
         .saturating_mul(2)
-        .max(MIN_SEEN_TTL_MS)
-        .min(MAX_REDIS_MS)
+        .clamp(MIN_SEEN_TTL_MS, MAX_REDIS_MS)
 }
 
 /// One distinct counter of a shard's part of a batch.
@@ -204,7 +203,12 @@ pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
 
     use super::*;
     use crate::protocol::parse_batch;
@@ -225,7 +229,10 @@ mod tests {
             Layout::new("fg:", 7).shard(&key("00112233445566778899aabbccddeeff")),
             4
         );
-        assert_eq!(Layout::new("fg:", 1).shard(&key("ffffffffffffffffffffffffffffffff")), 0);
+        assert_eq!(
+            Layout::new("fg:", 1).shard(&key("ffffffffffffffffffffffffffffffff")),
+            0
+        );
         assert_eq!(Layout::new("fg:", 0).shards(), 1);
     }
 
@@ -263,10 +270,7 @@ mod tests {
         assert_eq!(seen_ttl_ms(1), 600_000);
         assert_eq!(seen_ttl_ms(300_000), 600_000);
         assert_eq!(seen_ttl_ms(3_600_000), 7_200_000);
-        assert_eq!(
-            seen_ttl_ms(crate::protocol::MAX_WINDOW_MS),
-            63_244_800_000
-        );
+        assert_eq!(seen_ttl_ms(crate::protocol::MAX_WINDOW_MS), 63_244_800_000);
     }
 
     #[test]
@@ -330,7 +334,10 @@ mod tests {
     #[test]
     fn an_empty_batch_has_no_groups() {
         let body = r#"{"version": 1, "proxy": "0123456789abcdef", "seq": 1, "counters": []}"#;
-        let plan = plan(&Layout::new("fg:", 16), &parse_batch(body.as_bytes(), 1).unwrap());
+        let plan = plan(
+            &Layout::new("fg:", 16),
+            &parse_batch(body.as_bytes(), 1).unwrap(),
+        );
         assert!(plan.groups.is_empty());
         assert!(plan.index.is_empty());
     }

@@ -62,7 +62,11 @@ pub async fn run(args: Args) -> Result<(), String> {
          (HTTP/1.1 and h2c); redis {} {}; shards {} prefix {:?}; max {} counters, {} bytes per \
          batch; redis timeout {:?}",
         env!("CARGO_PKG_VERSION"),
-        if args.cluster { "cluster, seeds" } else { "single node" },
+        if args.cluster {
+            "cluster, seeds"
+        } else {
+            "single node"
+        },
         redis.join(","),
         args.shards,
         args.prefix,

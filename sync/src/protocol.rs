@@ -59,7 +59,9 @@ impl TryFrom<String> for ProxyId {
         if is_lower_hex(&text, 16) {
             Ok(ProxyId(text))
         } else {
-            Err(format!("expected 16 lowercase hex characters, got {text:?}"))
+            Err(format!(
+                "expected 16 lowercase hex characters, got {text:?}"
+            ))
         }
     }
 }
@@ -71,7 +73,9 @@ impl TryFrom<String> for CounterKey {
         if is_lower_hex(&text, 32) {
             Ok(CounterKey(text))
         } else {
-            Err(format!("expected 32 lowercase hex characters, got {text:?}"))
+            Err(format!(
+                "expected 32 lowercase hex characters, got {text:?}"
+            ))
         }
     }
 }
@@ -120,11 +124,7 @@ pub struct Batch {
     pub counters: Vec<Counter>,
 }
 
-fn ranged<'de, D: Deserializer<'de>>(
-    deserializer: D,
-    min: u64,
-    max: u64,
-) -> Result<u64, D::Error> {
+fn ranged<'de, D: Deserializer<'de>>(deserializer: D, min: u64, max: u64) -> Result<u64, D::Error> {
     let value = u64::deserialize(deserializer)?;
     if (min..=max).contains(&value) {
         Ok(value)
@@ -209,7 +209,12 @@ pub struct ErrorBody {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
 
     use super::*;
 
@@ -256,11 +261,15 @@ mod tests {
         let max = format!("{MAX_DELTA}");
         let bucket = format!("{MAX_BUCKET}");
         let window = format!("{MAX_WINDOW_MS}");
-        for (w, b, d) in [("1", "0", "0"), (window.as_str(), bucket.as_str(), max.as_str())] {
+        for (w, b, d) in [
+            ("1", "0", "0"),
+            (window.as_str(), bucket.as_str(), max.as_str()),
+        ] {
             let batch = parse_batch(body(&counter(KEY, w, b, d)).as_bytes(), 10_000).unwrap();
             assert_eq!(batch.counters.len(), 1);
         }
-        let empty = r#"{"version":1,"proxy":"0123456789abcdef","seq":18446744073709551615,"counters":[]}"#;
+        let empty =
+            r#"{"version":1,"proxy":"0123456789abcdef","seq":18446744073709551615,"counters":[]}"#;
         assert_eq!(parse_batch(empty.as_bytes(), 10_000).unwrap().seq, u64::MAX);
     }
 
@@ -325,7 +334,10 @@ mod tests {
     fn answers_serialize_as_the_protocol_says() {
         let answer = SyncResponse {
             version: 1,
-            counters: vec![Totals { previous: 120, current: 37 }],
+            counters: vec![Totals {
+                previous: 120,
+                current: 37,
+            }],
         };
         assert_eq!(
             serde_json::to_string(&answer).unwrap(),

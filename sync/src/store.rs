@@ -105,7 +105,10 @@ struct ErrorLog {
 
 impl ErrorLog {
     fn log(&self, what: &str, err: &StoreError) {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
         let now = Instant::now();
         let due = state
             .0
@@ -115,7 +118,9 @@ impl ErrorLog {
             *state = (Some(now), 0);
             drop(state);
             if suppressed > 0 {
-                warn!("redis: {what}: {err} ({suppressed} more errors in the last second not logged)");
+                warn!(
+                    "redis: {what}: {err} ({suppressed} more errors in the last second not logged)"
+                );
             } else {
                 warn!("redis: {what}: {err}");
             }
@@ -161,7 +166,8 @@ impl Store {
                     config.urls.len()
                 ));
             };
-            let client = redis::Client::open(url.as_str()).map_err(|err| format!("--redis {}: {err}", redact(url)))?;
+            let client = redis::Client::open(url.as_str())
+                .map_err(|err| format!("--redis {}: {err}", redact(url)))?;
             let manager_config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(config.timeout))
                 .set_response_timeout(Some(config.timeout))
@@ -308,9 +314,13 @@ impl Store {
 /// The script's KEYS and ARGV for `groups` (see `apply.lua`).
 fn script_arguments(seq: u64, groups: &[Group]) -> (Vec<&str>, Vec<String>) {
     let counters: usize = groups.iter().map(|group| group.counters.len()).sum();
-    let mut keys: Vec<&str> = Vec::with_capacity(groups.len().saturating_add(counters.saturating_mul(2)));
-    let mut args: Vec<String> =
-        Vec::with_capacity(2usize.saturating_add(groups.len().saturating_mul(2)).saturating_add(counters.saturating_mul(3)));
+    let mut keys: Vec<&str> =
+        Vec::with_capacity(groups.len().saturating_add(counters.saturating_mul(2)));
+    let mut args: Vec<String> = Vec::with_capacity(
+        2usize
+            .saturating_add(groups.len().saturating_mul(2))
+            .saturating_add(counters.saturating_mul(3)),
+    );
     args.push(seq.to_string());
     args.push(groups.len().to_string());
     for group in groups {
@@ -336,7 +346,9 @@ fn script_arguments(seq: u64, groups: &[Group]) -> (Vec<&str>, Vec<String>) {
 /// `{applied_1 .. applied_g, current_1, previous_1, ...}` into an [`Outcome`].
 fn parse_reply(reply: Value, groups: &[Group]) -> Result<Outcome, StoreError> {
     let Value::Array(items) = reply else {
-        return Err(StoreError::Reply(format!("expected an array, got {reply:?}")));
+        return Err(StoreError::Reply(format!(
+            "expected an array, got {reply:?}"
+        )));
     };
     let counters: usize = groups.iter().map(|group| group.counters.len()).sum();
     let expected = groups.len().saturating_add(counters.saturating_mul(2));
@@ -438,7 +450,12 @@ pub fn redact(url: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic, clippy::indexing_slicing)]
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
 
     use super::*;
     use crate::layout::{plan, Layout};
@@ -449,7 +466,10 @@ mod tests {
             {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 1000, "bucket": 7, "delta": 3},
             {"key": "00000000bbbbbbbbbbbbbbbbbbbbbbbb", "window_ms": 1000, "bucket": 0, "delta": 0}
         ]}"#;
-        plan(&Layout::new("fg:", 16), &parse_batch(body.as_bytes(), 10).unwrap())
+        plan(
+            &Layout::new("fg:", 16),
+            &parse_batch(body.as_bytes(), 10).unwrap(),
+        )
     }
 
     #[test]
@@ -489,8 +509,14 @@ mod tests {
         assert_eq!(
             outcome.totals,
             vec![
-                Totals { current: 0, previous: 0 },
-                Totals { current: 12, previous: 40 }
+                Totals {
+                    current: 0,
+                    previous: 0
+                },
+                Totals {
+                    current: 12,
+                    previous: 40
+                }
             ]
         );
         let short = Value::Array(vec![Value::Int(1)]);
@@ -509,7 +535,10 @@ mod tests {
     #[test]
     fn urls_lose_their_password_in_logs() {
         assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
-        assert_eq!(redact("redis://user:secret@host:6379/0"), "redis://user:***@host:6379/0");
+        assert_eq!(
+            redact("redis://user:secret@host:6379/0"),
+            "redis://user:***@host:6379/0"
+        );
         assert_eq!(redact("redis://:secret@host"), "redis://:***@host");
         assert_eq!(redact("redis://token@host"), "redis://***@host");
     }

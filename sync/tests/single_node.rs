@@ -48,19 +48,37 @@ fn totals_come_in_request_order_and_sum_across_proxies() {
         &batch(
             P1,
             1,
-            &[(A, 1000, t + 10, 3), (B, 60000, m, 2), (A, 1000, t + 10, 4), (C, 1000, t + 10, 0), (D, 1000, 0, 0)],
+            &[
+                (A, 1000, t + 10, 3),
+                (B, 60000, m, 2),
+                (A, 1000, t + 10, 4),
+                (C, 1000, t + 10, 0),
+                (D, 1000, 0, 0),
+            ],
         ),
     );
     assert_eq!(first.content_type.as_deref(), Some("application/json"));
     assert_eq!(first.totals(), vec![(0, 7), (0, 2), (0, 7), (0, 0), (0, 0)]);
     // Proxy 2 adds to A's bucket t+10 and t+11, the later one first: A/t+11's previous is
     // A/t+10 after this batch.
-    let second = post(sync.port, &batch(P2, 1, &[(A, 1000, t + 11, 1), (A, 1000, t + 10, 5)]));
+    let second = post(
+        sync.port,
+        &batch(P2, 1, &[(A, 1000, t + 11, 1), (A, 1000, t + 10, 5)]),
+    );
     assert_eq!(second.totals(), vec![(12, 1), (0, 12)]);
     // Proxy 1 reads everything (delta 0, next seq).
     let read = post(
         sync.port,
-        &batch(P1, 2, &[(C, 1000, t + 10, 0), (B, 60000, m + 1, 0), (A, 1000, t + 11, 0), (A, 1000, t + 10, 0)]),
+        &batch(
+            P1,
+            2,
+            &[
+                (C, 1000, t + 10, 0),
+                (B, 60000, m + 1, 0),
+                (A, 1000, t + 11, 0),
+                (A, 1000, t + 10, 0),
+            ],
+        ),
     );
     assert_eq!(read.totals(), vec![(0, 0), (2, 0), (12, 1), (0, 12)]);
     // Only counters with a delta exist (C and D were never written), plus one dedup key per
@@ -95,7 +113,10 @@ fn a_retried_batch_counts_once_and_an_older_seq_only_reads() {
         assert_eq!(post(sync.port, &body).totals(), vec![(0, 10), (0, 1)]);
     }
     // An older seq only reads, whatever its deltas.
-    let older = post(sync.port, &batch(P1, 41, &[(A, 1000, t + 5, 100), (B, 1000, t + 6, 100)]));
+    let older = post(
+        sync.port,
+        &batch(P1, 41, &[(A, 1000, t + 5, 100), (B, 1000, t + 6, 100)]),
+    );
     assert_eq!(older.totals(), vec![(0, 10), (1, 0)]);
     assert_eq!(redis.get(&format!("fg:{{2}}:{B}:1000:{}", t + 6)), None);
     // Another proxy's seq 42 is its own.
@@ -111,7 +132,10 @@ fn a_retried_batch_counts_once_and_an_older_seq_only_reads() {
     let metrics = get(sync.port, "/metrics").body;
     assert_eq!(metric(&metrics, "floodgate_sync_batches_received_total"), 7);
     assert_eq!(metric(&metrics, "floodgate_sync_batches_applied_total"), 3);
-    assert_eq!(metric(&metrics, "floodgate_sync_batches_deduplicated_total"), 4);
+    assert_eq!(
+        metric(&metrics, "floodgate_sync_batches_deduplicated_total"),
+        4
+    );
 }
 
 #[test]
@@ -145,7 +169,11 @@ fn counters_and_dedup_keys_expire_as_specified() {
     let now = now_ms();
     let (w1, w2) = (60_000u64, 3_600_000u64);
     let (b1, b2) = (now / w1, now / w2);
-    post(sync.port, &batch(P1, 1, &[(A, w1, b1, 1), (A, w2, b2, 1), (B, w1, b1, 1)])).totals();
+    post(
+        sync.port,
+        &batch(P1, 1, &[(A, w1, b1, 1), (A, w2, b2, 1), (B, w1, b1, 1)]),
+    )
+    .totals();
     // PEXPIREAT (bucket + 2) * window_ms + 60000, exactly.
     let a1 = format!("fg:{{1}}:{A}:{w1}:{b1}");
     let a2 = format!("fg:{{1}}:{A}:{w2}:{b2}");
@@ -153,7 +181,10 @@ fn counters_and_dedup_keys_expire_as_specified() {
     assert_eq!(redis.pexpiretime(&a2), ((b2 + 2) * w2 + 60_000) as i64);
     // Dedup keys: PX max(2 * the longest window of the shard's counters, 600000).
     let seen1 = redis.pttl(&format!("fg:{{1}}:seen:{P1}"));
-    assert!((2 * w2 as i64 - 10_000..=2 * w2 as i64).contains(&seen1), "{seen1}");
+    assert!(
+        (2 * w2 as i64 - 10_000..=2 * w2 as i64).contains(&seen1),
+        "{seen1}"
+    );
     let seen2 = redis.pttl(&format!("fg:{{2}}:seen:{P1}"));
     assert!((590_000..=600_000).contains(&seen2), "{seen2}");
     // A read (delta 0) of an existing counter leaves its expiry alone; an increment sets it to
@@ -188,7 +219,16 @@ fn every_refusal_writes_nothing() {
         "2048",
     ]);
     let ok = |seq| batch(P1, seq, &[(A, 1000, t + 5, 1)]);
-    let four = batch(P1, 1, &[(A, 1000, t + 5, 1), (B, 1000, t + 5, 1), (C, 1000, t + 5, 1), (A, 1000, t + 6, 1)]);
+    let four = batch(
+        P1,
+        1,
+        &[
+            (A, 1000, t + 5, 1),
+            (B, 1000, t + 5, 1),
+            (C, 1000, t + 5, 1),
+            (A, 1000, t + 6, 1),
+        ],
+    );
     let mut unknown = ok(1);
     unknown["counters"][0]["weight"] = json!(2);
     let mut version = ok(1);
@@ -210,10 +250,16 @@ fn every_refusal_writes_nothing() {
     let json_cases = [
         (serde_json::to_vec(&four).unwrap(), "counters: at most 3"),
         (serde_json::to_vec(&unknown).unwrap(), "counters[0]"),
-        (serde_json::to_vec(&version).unwrap(), "version: unsupported version 2"),
+        (
+            serde_json::to_vec(&version).unwrap(),
+            "version: unsupported version 2",
+        ),
         (serde_json::to_vec(&hex).unwrap(), "counters[0].key"),
         (serde_json::to_vec(&proxy).unwrap(), "proxy"),
-        (serde_json::to_vec(&window).unwrap(), "counters[0].window_ms"),
+        (
+            serde_json::to_vec(&window).unwrap(),
+            "counters[0].window_ms",
+        ),
         (serde_json::to_vec(&delta).unwrap(), "counters[0].delta"),
         (serde_json::to_vec(&negative).unwrap(), "counters[0].delta"),
         (serde_json::to_vec(&bucket).unwrap(), "counters[0].bucket"),
@@ -223,8 +269,21 @@ fn every_refusal_writes_nothing() {
         (Vec::new(), "EOF"),
     ];
     for (body, field) in json_cases {
-        let answer = request(sync.port, "POST", "/v1/sync", Some("application/json"), body.clone(), false);
-        assert_eq!(answer.status, 400, "{}: {}", String::from_utf8_lossy(&body), answer.body);
+        let answer = request(
+            sync.port,
+            "POST",
+            "/v1/sync",
+            Some("application/json"),
+            body.clone(),
+            false,
+        );
+        assert_eq!(
+            answer.status,
+            400,
+            "{}: {}",
+            String::from_utf8_lossy(&body),
+            answer.body
+        );
         let error = answer.json()["error"].as_str().unwrap().to_string();
         assert!(error.contains(field), "{error} should name {field}");
         assert!(!error.contains('\n'));
@@ -242,10 +301,17 @@ fn every_refusal_writes_nothing() {
             http2,
         );
         assert_eq!(answer.status, 413, "{}", answer.body);
-        assert!(answer.json()["error"].as_str().unwrap().contains("2048 bytes"));
+        assert!(answer.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("2048 bytes"));
     }
     // 415: not JSON, or no content type at all.
-    for content_type in [Some("text/plain"), Some("application/x-www-form-urlencoded"), None] {
+    for content_type in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        None,
+    ] {
         let answer = request(
             sync.port,
             "POST",
@@ -258,17 +324,37 @@ fn every_refusal_writes_nothing() {
     }
     // 405 and 404.
     for method in ["GET", "PUT", "DELETE"] {
-        let answer = request(sync.port, method, "/v1/sync", Some("application/json"), serde_json::to_vec(&ok(1)).unwrap(), false);
+        let answer = request(
+            sync.port,
+            method,
+            "/v1/sync",
+            Some("application/json"),
+            serde_json::to_vec(&ok(1)).unwrap(),
+            false,
+        );
         assert_eq!(answer.status, 405, "{method}");
     }
-    assert_eq!(request(sync.port, "POST", "/healthz", None, "", false).status, 405);
+    assert_eq!(
+        request(sync.port, "POST", "/healthz", None, "", false).status,
+        405
+    );
     for path in ["/", "/v1/sync/", "/v2/sync", "/v1/syncs"] {
-        let answer = request(sync.port, "POST", path, Some("application/json"), serde_json::to_vec(&ok(1)).unwrap(), false);
+        let answer = request(
+            sync.port,
+            "POST",
+            path,
+            Some("application/json"),
+            serde_json::to_vec(&ok(1)).unwrap(),
+            false,
+        );
         assert_eq!(answer.status, 404, "{path}");
         assert!(answer.json()["error"].is_string());
     }
     assert_eq!(redis.dbsize(), 0, "{:?}", redis.keys());
-    assert_eq!(redis.command_calls("evalsha") + redis.command_calls("eval"), 0);
+    assert_eq!(
+        redis.command_calls("evalsha") + redis.command_calls("eval"),
+        0
+    );
     // Parameters of the media type are fine.
     let answer = request(
         sync.port,
@@ -280,11 +366,41 @@ fn every_refusal_writes_nothing() {
     );
     assert_eq!(answer.totals(), vec![(0, 1)]);
     let metrics = get(sync.port, "/metrics").body;
-    assert_eq!(metric(&metrics, "floodgate_sync_errors_total{status=\"400\",kind=\"bad_request\"}"), 13);
-    assert_eq!(metric(&metrics, "floodgate_sync_errors_total{status=\"413\",kind=\"payload_too_large\"}"), 2);
-    assert_eq!(metric(&metrics, "floodgate_sync_errors_total{status=\"415\",kind=\"unsupported_media_type\"}"), 3);
-    assert_eq!(metric(&metrics, "floodgate_sync_errors_total{status=\"405\",kind=\"method_not_allowed\"}"), 4);
-    assert_eq!(metric(&metrics, "floodgate_sync_errors_total{status=\"404\",kind=\"not_found\"}"), 4);
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"400\",kind=\"bad_request\"}"
+        ),
+        13
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"413\",kind=\"payload_too_large\"}"
+        ),
+        2
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"415\",kind=\"unsupported_media_type\"}"
+        ),
+        3
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"405\",kind=\"method_not_allowed\"}"
+        ),
+        4
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"404\",kind=\"not_found\"}"
+        ),
+        4
+    );
     // Nothing per request at info.
     assert_eq!(sync.log().lines().count(), 1, "{}", sync.log());
 }
@@ -303,7 +419,10 @@ fn redis_down_is_503_within_the_timeout_and_back_without_a_restart() {
         let took = start.elapsed();
         assert_eq!(answer.status, 503, "{}", answer.body);
         assert!(
-            answer.json()["error"].as_str().unwrap().starts_with("store unavailable: "),
+            answer.json()["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("store unavailable: "),
             "{}",
             answer.body
         );
@@ -323,12 +442,22 @@ fn redis_down_is_503_within_the_timeout_and_back_without_a_restart() {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert_eq!(answer.totals(), vec![(0, 1)], "the batch counts once after a restart");
+    assert_eq!(
+        answer.totals(),
+        vec![(0, 1)],
+        "the batch counts once after a restart"
+    );
     assert_eq!(get(sync.port, "/readyz").status, 200);
     let metrics = get(sync.port, "/metrics").body;
-    assert!(metric(&metrics, "floodgate_sync_errors_total{status=\"503\",kind=\"store_error\"}")
-        + metric(&metrics, "floodgate_sync_errors_total{status=\"503\",kind=\"store_timeout\"}")
-        >= 3);
+    assert!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"503\",kind=\"store_error\"}"
+        ) + metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"503\",kind=\"store_timeout\"}"
+        ) >= 3
+    );
     // One log line per Redis error at most once a second, not one per failed request.
     let errors = sync.log().lines().filter(|l| l.contains("redis:")).count();
     assert!((1..=6).contains(&errors), "{}", sync.log());
@@ -363,21 +492,50 @@ fn http1_and_http2_prior_knowledge_on_one_port() {
     let t = present();
     let (_redis, sync) = single();
     let body = |seq| serde_json::to_vec(&batch(P1, seq, &[(A, 1000, t + 5, 1)])).unwrap();
-    let h1 = request(sync.port, "POST", "/v1/sync", Some("application/json"), body(1), false);
+    let h1 = request(
+        sync.port,
+        "POST",
+        "/v1/sync",
+        Some("application/json"),
+        body(1),
+        false,
+    );
     assert_eq!(h1.totals(), vec![(0, 1)]);
-    let h2 = request(sync.port, "POST", "/v1/sync", Some("application/json"), body(2), true);
+    let h2 = request(
+        sync.port,
+        "POST",
+        "/v1/sync",
+        Some("application/json"),
+        body(2),
+        true,
+    );
     assert_eq!(h2.totals(), vec![(0, 2)]);
     for http2 in [false, true] {
         let health = request(sync.port, "GET", "/healthz", None, "", http2);
-        assert_eq!((health.status, health.body.as_str()), (200, "{\"status\":\"ok\"}"));
-        assert_eq!(request(sync.port, "GET", "/readyz", None, "", http2).status, 200);
+        assert_eq!(
+            (health.status, health.body.as_str()),
+            (200, "{\"status\":\"ok\"}")
+        );
+        assert_eq!(
+            request(sync.port, "GET", "/readyz", None, "", http2).status,
+            200
+        );
         let metrics = request(sync.port, "GET", "/metrics", None, "", http2);
         assert_eq!(metrics.status, 200);
-        assert!(metrics.content_type.unwrap().starts_with("text/plain; version=0.0.4"));
+        assert!(metrics
+            .content_type
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4"));
     }
     let metrics = get(sync.port, "/metrics").body;
-    assert_eq!(metric(&metrics, "floodgate_sync_request_duration_seconds_count"), 2);
-    assert_eq!(metric(&metrics, "floodgate_sync_counters_received_total"), 2);
+    assert_eq!(
+        metric(&metrics, "floodgate_sync_request_duration_seconds_count"),
+        2
+    );
+    assert_eq!(
+        metric(&metrics, "floodgate_sync_counters_received_total"),
+        2
+    );
 }
 
 #[test]
@@ -387,7 +545,9 @@ fn a_batch_costs_one_redis_command_on_a_single_node() {
     let keys: Vec<String> = (0..100).map(|n| key_in_shard(n % 16, n)).collect();
     let bucket = now_ms() / 60_000;
     let counters = |delta: u64| -> Vec<(&str, u64, u64, u64)> {
-        keys.iter().map(|k| (k.as_str(), 60_000, bucket, delta)).collect()
+        keys.iter()
+            .map(|k| (k.as_str(), 60_000, bucket, delta))
+            .collect()
     };
     // The first call loads the script (EVALSHA, NOSCRIPT, EVAL); count the steady state after.
     post(sync.port, &batch(P1, 1, &counters(1))).totals();
@@ -395,7 +555,11 @@ fn a_batch_costs_one_redis_command_on_a_single_node() {
     // this test), to subtract from total_commands_processed.
     let measure = || {
         let total = redis.total_commands();
-        (redis.command_calls("evalsha"), redis.command_calls("eval"), total)
+        (
+            redis.command_calls("evalsha"),
+            redis.command_calls("eval"),
+            total,
+        )
     };
     let (_, _, t0) = measure();
     let (evalsha, eval, total) = measure();
@@ -419,5 +583,8 @@ fn a_batch_costs_one_redis_command_on_a_single_node() {
     assert_eq!(per_batch_evalsha, 1.0);
     assert_eq!(per_batch_eval, 0.0);
     let metrics = get(sync.port, "/metrics").body;
-    assert_eq!(metric(&metrics, "floodgate_sync_redis_round_trips_total"), 2 + batches);
+    assert_eq!(
+        metric(&metrics, "floodgate_sync_redis_round_trips_total"),
+        2 + batches
+    );
 }

@@ -41,14 +41,20 @@ pub fn redis_cli_bin() -> PathBuf {
 }
 
 pub fn now_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
 }
 
 /// Waits until `check` is true, polling every 50 ms, at most `limit`; panics with `what` after.
 pub fn wait_until(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
     let start = Instant::now();
     while !check() {
-        assert!(start.elapsed() < limit, "timed out after {limit:?} waiting for {what}");
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -126,9 +132,15 @@ impl Redis {
             .expect("start redis-server (run scripts/redis.sh to install it)");
         self.child = Some(child);
         let port = self.port;
-        wait_until(&format!("redis-server on {port}"), Duration::from_secs(10), || {
-            self.cli(&["PING"]).map(|out| out == "PONG").unwrap_or(false)
-        });
+        wait_until(
+            &format!("redis-server on {port}"),
+            Duration::from_secs(10),
+            || {
+                self.cli(&["PING"])
+                    .map(|out| out == "PONG")
+                    .unwrap_or(false)
+            },
+        );
     }
 
     /// SIGKILL: the process dies at once, like a crashed node.
@@ -158,7 +170,10 @@ impl Redis {
             .output()
             .map_err(|err| err.to_string())?;
         let out = String::from_utf8_lossy(&output.stdout).trim().to_string();
-        if output.status.success() && !out.starts_with("ERR") && !out.starts_with("Could not connect") {
+        if output.status.success()
+            && !out.starts_with("ERR")
+            && !out.starts_with("Could not connect")
+        {
             Ok(out)
         } else {
             Err(format!("{out} {}", String::from_utf8_lossy(&output.stderr)))
@@ -188,7 +203,11 @@ impl Redis {
     }
 
     pub fn set(&self, key: &str, value: &str) {
-        let _: () = redis::cmd("SET").arg(key).arg(value).query(&mut self.conn()).unwrap();
+        let _: () = redis::cmd("SET")
+            .arg(key)
+            .arg(value)
+            .query(&mut self.conn())
+            .unwrap();
     }
 
     /// PTTL in ms (-2: no key, -1: no expiry).
@@ -198,12 +217,18 @@ impl Redis {
 
     /// PEXPIRETIME in ms since the epoch (Redis 7).
     pub fn pexpiretime(&self, key: &str) -> i64 {
-        redis::cmd("PEXPIRETIME").arg(key).query(&mut self.conn()).unwrap()
+        redis::cmd("PEXPIRETIME")
+            .arg(key)
+            .query(&mut self.conn())
+            .unwrap()
     }
 
     /// `INFO <section>` as key → value.
     pub fn info(&self, section: &str) -> std::collections::HashMap<String, String> {
-        let text: String = redis::cmd("INFO").arg(section).query(&mut self.conn()).unwrap();
+        let text: String = redis::cmd("INFO")
+            .arg(section)
+            .query(&mut self.conn())
+            .unwrap();
         text.lines()
             .filter_map(|line| line.split_once(':'))
             .map(|(k, v)| (k.to_string(), v.trim().to_string()))
@@ -221,7 +246,9 @@ impl Redis {
     }
 
     pub fn total_commands(&self) -> u64 {
-        self.info("stats")["total_commands_processed"].parse().unwrap()
+        self.info("stats")["total_commands_processed"]
+            .parse()
+            .unwrap()
     }
 
     pub fn log(&self) -> String {
@@ -248,7 +275,7 @@ impl Sync {
         let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate-sync"))
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
-            .env("RUST_LOG", "info")
+            .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -352,7 +379,12 @@ impl Answer {
             .as_array()
             .unwrap()
             .iter()
-            .map(|c| (c["previous"].as_u64().unwrap(), c["current"].as_u64().unwrap()))
+            .map(|c| {
+                (
+                    c["previous"].as_u64().unwrap(),
+                    c["current"].as_u64().unwrap(),
+                )
+            })
             .collect()
     }
 }
@@ -372,7 +404,9 @@ pub fn request(
         .build()
         .unwrap();
     runtime.block_on(async move {
-        let stream = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.unwrap();
+        let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .unwrap();
         let io = TokioIo::new(stream);
         let mut builder = Request::builder()
             .method(method)
@@ -384,11 +418,14 @@ pub fn request(
         let response = tokio::time::timeout(Duration::from_secs(30), async {
             if http2 {
                 let (mut sender, connection) =
-                    hyper::client::conn::http2::handshake(TokioExecutor::new(), io).await.unwrap();
+                    hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+                        .await
+                        .unwrap();
                 tokio::spawn(connection);
                 sender.send_request(request).await.unwrap()
             } else {
-                let (mut sender, connection) = hyper::client::conn::http1::handshake(io).await.unwrap();
+                let (mut sender, connection) =
+                    hyper::client::conn::http1::handshake(io).await.unwrap();
                 tokio::spawn(connection);
                 sender.send_request(request).await.unwrap()
             }
@@ -448,7 +485,10 @@ pub fn key_in_shard(shard: u32, n: u32) -> String {
 /// The value of one metric line (`name{labels} value`) in a /metrics text.
 pub fn metric(text: &str, series: &str) -> u64 {
     text.lines()
-        .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .find_map(|line| {
+            line.strip_prefix(series)
+                .and_then(|rest| rest.strip_prefix(' '))
+        })
         .unwrap_or_else(|| panic!("no {series} in\n{text}"))
         .parse()
         .unwrap()
