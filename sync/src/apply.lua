@@ -10,10 +10,11 @@
 --                     KEYS current key [, previous key when has_previous is 1]
 --
 -- A group is applied only when seq is newer than its dedup key (absent counts as older): then
--- the dedup key takes seq, and every counter with a delta > 0 gets INCRBY delta and
--- PEXPIREAT expire_at_ms. Otherwise the group's counters are only read. After every group,
--- each counter's current and previous totals are read, so a counter whose previous bucket is in
--- the same batch sees the batch's increments.
+-- the dedup key takes seq (SET PX seen_ttl_ms), and every counter with a delta > 0 gets
+-- INCRBY delta, and PEXPIREAT expire_at_ms when that INCRBY created it (a counter's expiry only
+-- depends on its bucket, so an existing counter has it already). Otherwise the group's counters
+-- are only read. After every group, each counter's current and previous totals are read (MGET),
+-- so a counter whose previous bucket is in the same batch sees the batch's increments.
 --
 -- Returns {applied_1 .. applied_groups, current_1, previous_1, current_2, previous_2, ...}:
 -- applied is 1 or 0; totals are the keys' values (bulk strings), or nil when absent.
@@ -31,7 +32,8 @@ end
 local groups = tonumber(ARGV[2])
 local k, a = 1, 3
 local out = {}
-local reads = {}
+local reads = {} -- the keys to read, in order
+local where = {} -- per total to return: its index in reads, or false (bucket 0 has no previous)
 for g = 1, groups do
   local seen_key = KEYS[k]
   k = k + 1
@@ -51,24 +53,40 @@ for g = 1, groups do
     k = k + 1
     local delta = ARGV[a]
     local expire_at_ms = ARGV[a + 1]
-    local previous = false
-    if ARGV[a + 2] == '1' then
-      previous = KEYS[k]
-      k = k + 1
-    end
+    local has_previous = ARGV[a + 2] == '1'
     a = a + 3
     if apply and delta ~= '0' then
-      redis.call('INCRBY', current, delta)
-      redis.call('PEXPIREAT', current, expire_at_ms)
+      if redis.call('INCRBY', current, delta) == tonumber(delta) then
+        redis.call('PEXPIREAT', current, expire_at_ms)
+      end
     end
     reads[#reads + 1] = current
-    reads[#reads + 1] = previous
+    where[#where + 1] = #reads
+    if has_previous then
+      reads[#reads + 1] = KEYS[k]
+      k = k + 1
+      where[#where + 1] = #reads
+    else
+      where[#where + 1] = false
+    end
   end
 end
-for i = 1, #reads do
-  local key = reads[i]
-  if key then
-    out[groups + i] = redis.call('GET', key)
+
+-- MGET in chunks: unpack() is limited to a few thousand values.
+local values = {}
+local from = 1
+while from <= #reads do
+  local to = math.min(from + 999, #reads)
+  local chunk = redis.call('MGET', unpack(reads, from, to))
+  for n = 1, to - from + 1 do
+    values[from + n - 1] = chunk[n]
+  end
+  from = to + 1
+end
+for i = 1, #where do
+  local at = where[i]
+  if at then
+    out[groups + i] = values[at]
   else
     out[groups + i] = false
   end

@@ -11,7 +11,8 @@ use clap::Parser;
 /// atomically (exactly once per proxy and batch number, even when a batch is retried) and answers
 /// with the fleet totals. It keeps no state: run as many instances as you like against the same
 /// Redis, with the same --shards and --prefix. Other routes: GET /healthz, /readyz, /metrics.
-/// Logs go to stderr; RUST_LOG sets the level (default info). See sync/README.md.
+/// Logs go to stderr, one line per event; RUST_LOG sets the filter (default
+/// "info,redis=error"). See sync/README.md.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "floodgate-sync", version, about, long_about)]
 pub struct Args {

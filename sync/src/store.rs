@@ -256,7 +256,10 @@ impl Store {
                 Backend::Single(manager) => {
                     let mut conn = manager.clone();
                     self.metrics.redis_round_trip();
-                    redis::cmd("PING").query_async::<Value>(&mut conn).await?;
+                    redis::cmd("PING")
+                        .query_async::<Value>(&mut conn)
+                        .await
+                        .map_err(|err| self.classify(err))?;
                 }
                 Backend::Cluster(receiver) => {
                     let mut conn = connected(receiver)?;
@@ -268,7 +271,8 @@ impl Store {
                             Some(ResponsePolicy::AllSucceeded),
                         )),
                     )
-                    .await?;
+                    .await
+                    .map_err(|err| self.classify(err))?;
                 }
             }
             Ok(())
@@ -276,6 +280,15 @@ impl Store {
         match tokio::time::timeout(self.timeout, work).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// The client's own timeouts (connection, response) are the service's: `--redis-timeout`.
+    fn classify(&self, err: RedisError) -> StoreError {
+        if err.is_timeout() {
+            StoreError::Timeout(self.timeout)
+        } else {
+            StoreError::from(err)
         }
     }
 
@@ -303,9 +316,11 @@ impl Store {
                     .arg(&keys)
                     .arg(&args);
                 self.metrics.redis_round_trip();
-                call.query_async::<Value>(conn).await?
+                call.query_async::<Value>(conn)
+                    .await
+                    .map_err(|err| self.classify(err))?
             }
-            other => other?,
+            other => other.map_err(|err| self.classify(err))?,
         };
         parse_reply(reply, groups)
     }

@@ -588,3 +588,140 @@ fn a_batch_costs_one_redis_command_on_a_single_node() {
         2 + batches
     );
 }
+
+#[test]
+fn it_starts_before_redis_and_serves_once_redis_is_up() {
+    let t = present();
+    let port = free_ports(1, false)[0];
+    let sync = Sync::start(&[
+        "--redis",
+        &format!("redis://127.0.0.1:{port}"),
+        "--redis-timeout",
+        "300ms",
+    ]);
+    assert_eq!(get(sync.port, "/healthz").status, 200);
+    assert_eq!(get(sync.port, "/readyz").status, 503);
+    let body = batch(P1, 1, &[(A, 1000, t + 5, 1)]);
+    assert_eq!(post(sync.port, &body).status, 503);
+    let _redis = Redis::start(port, false);
+    wait_until("/v1/sync to answer 200", Duration::from_secs(10), || {
+        post(sync.port, &body).status == 200
+    });
+    assert_eq!(post(sync.port, &body).totals(), vec![(0, 1)]);
+    assert_eq!(get(sync.port, "/readyz").status, 200);
+}
+
+#[test]
+fn flags_come_from_environment_variables_too() {
+    let t = present();
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start_with_env(
+        &[],
+        &[
+            ("FLOODGATE_SYNC_REDIS", &redis.url()),
+            ("FLOODGATE_SYNC_SHARDS", "4"),
+            ("FLOODGATE_SYNC_PREFIX", "team-a:"),
+            ("FLOODGATE_SYNC_MAX_COUNTERS", "1"),
+        ],
+    );
+    assert!(
+        sync.log().contains("shards 4 prefix \"team-a:\""),
+        "{}",
+        sync.log()
+    );
+    // 0x0000001f % 4 = 3.
+    assert_eq!(
+        post(sync.port, &batch(P1, 1, &[(C, 1000, t + 5, 2)])).totals(),
+        vec![(0, 2)]
+    );
+    assert_eq!(
+        redis.get(&format!("team-a:{{3}}:{C}:1000:{}", t + 5)),
+        Some(2)
+    );
+    assert_eq!(
+        post(
+            sync.port,
+            &batch(P1, 2, &[(C, 1000, t + 5, 2), (A, 1000, t + 5, 2)])
+        )
+        .status,
+        400
+    );
+}
+
+#[test]
+fn help_explains_every_flag_and_bad_flags_exit_non_zero() {
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate-sync"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    let text = String::from_utf8(help.stdout).unwrap();
+    for flag in [
+        "--listen",
+        "--redis ",
+        "--cluster",
+        "--shards",
+        "--prefix",
+        "--max-counters",
+        "--max-body-bytes",
+        "--redis-timeout",
+        "FLOODGATE_SYNC_REDIS_TIMEOUT",
+    ] {
+        assert!(
+            text.contains(flag),
+            "--help does not mention {flag}:\n{text}"
+        );
+    }
+    for bad in [
+        &["--shards", "0"][..],
+        &["--prefix", "a{b}"],
+        &["--redis", "redis://a:1,redis://b:2"],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate-sync"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(bad)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad:?}");
+        assert!(!out.stderr.is_empty(), "{bad:?}: says why");
+    }
+}
+
+#[test]
+fn a_hung_redis_is_503_after_the_timeout() {
+    let t = present();
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "300ms"]);
+    assert_eq!(
+        post(sync.port, &batch(P1, 1, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 1)]
+    );
+    redis.signal("-STOP");
+    let start = Instant::now();
+    let answer = post(sync.port, &batch(P1, 2, &[(A, 1000, t + 5, 1)]));
+    let took = start.elapsed();
+    redis.signal("-CONT");
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert!(answer.body.contains("within 300ms"), "{}", answer.body);
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1300),
+        "{took:?}"
+    );
+    // Once Redis wakes, it may or may not have applied seq 2 (it had the script call in its
+    // socket); the retry counts it exactly once either way.
+    wait_until("/v1/sync to answer 200", Duration::from_secs(10), || {
+        post(sync.port, &batch(P1, 2, &[(A, 1000, t + 5, 1)])).status == 200
+    });
+    assert_eq!(
+        post(sync.port, &batch(P1, 2, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 2)]
+    );
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"503\",kind=\"store_timeout\"}"
+        ),
+        1
+    );
+}

@@ -151,6 +151,16 @@ impl Redis {
         }
     }
 
+    /// SIGSTOP or SIGCONT: a node that hangs (accepts connections, answers nothing) and wakes.
+    pub fn signal(&self, signal: &str) {
+        let pid = self.child.as_ref().unwrap().id();
+        let status = Command::new("kill")
+            .args([signal, &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
     /// Starts it again on the same port (empty: nothing is persisted).
     pub fn restart(&mut self) {
         self.kill();
@@ -272,10 +282,16 @@ pub struct Sync {
 impl Sync {
     /// Starts the built binary on a free port with `args` and waits for its startup line.
     pub fn start(args: &[&str]) -> Sync {
+        Sync::start_with_env(args, &[])
+    }
+
+    /// Like [`Sync::start`], with environment variables.
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Sync {
         let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate-sync"))
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .env_remove("RUST_LOG")
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
