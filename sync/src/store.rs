@@ -28,6 +28,9 @@ use crate::protocol::Totals;
 
 const SCRIPT_SOURCE: &str = include_str!("apply.lua");
 
+/// The most counters one script call takes on a single node, unless one shard has more.
+const MAX_SCRIPT_COUNTERS: usize = 1000;
+
 /// How to reach Redis.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -199,43 +202,13 @@ impl Store {
         let work = async {
             match &self.backend {
                 Backend::Single(manager) => {
-                    let mut conn = manager.clone();
-                    self.run_groups(&mut conn, plan.seq, &plan.groups).await
+                    let calls = single_node_calls(&plan.groups, MAX_SCRIPT_COUNTERS);
+                    self.run_calls(manager, plan, calls).await
                 }
                 Backend::Cluster(receiver) => {
                     let conn = connected(receiver)?;
-                    let calls = plan.groups.iter().map(|group| {
-                        let mut conn = conn.clone();
-                        async move {
-                            self.run_groups(&mut conn, plan.seq, std::slice::from_ref(group))
-                                .await
-                        }
-                    });
-                    let mut outcome = Outcome {
-                        totals: Vec::with_capacity(plan.distinct()),
-                        applied: 0,
-                        deduplicated: 0,
-                    };
-                    // Every shard runs to its end (or the timeout): the ones that succeed are
-                    // applied whatever happens to the others, and a retry completes the rest.
-                    let mut first_error = None;
-                    for result in join_all(calls).await {
-                        match result {
-                            Ok(part) => {
-                                outcome.totals.extend(part.totals);
-                                outcome.applied = outcome.applied.saturating_add(part.applied);
-                                outcome.deduplicated =
-                                    outcome.deduplicated.saturating_add(part.deduplicated);
-                            }
-                            Err(err) => {
-                                first_error.get_or_insert(err);
-                            }
-                        }
-                    }
-                    match first_error {
-                        Some(err) => Err(err),
-                        None => Ok(outcome),
-                    }
+                    self.run_calls(&conn, plan, plan.groups.chunks(1).collect())
+                        .await
                 }
             }
         };
@@ -283,6 +256,43 @@ impl Store {
         }
     }
 
+    /// Runs the script calls of a plan at once and puts their answers together in the plan's
+    /// order. Every call runs to its end (or the timeout): the shards of the ones that succeed
+    /// are applied whatever happens to the others, and a retry completes the rest.
+    async fn run_calls<C: ConnectionLike + Clone>(
+        &self,
+        conn: &C,
+        plan: &Plan,
+        calls: Vec<&[Group]>,
+    ) -> Result<Outcome, StoreError> {
+        let calls = calls.into_iter().map(|groups| {
+            let mut conn = conn.clone();
+            async move { self.run_groups(&mut conn, plan.seq, groups).await }
+        });
+        let mut outcome = Outcome {
+            totals: Vec::with_capacity(plan.distinct()),
+            applied: 0,
+            deduplicated: 0,
+        };
+        let mut first_error = None;
+        for result in join_all(calls).await {
+            match result {
+                Ok(part) => {
+                    outcome.totals.extend(part.totals);
+                    outcome.applied = outcome.applied.saturating_add(part.applied);
+                    outcome.deduplicated = outcome.deduplicated.saturating_add(part.deduplicated);
+                }
+                Err(err) => {
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(outcome),
+        }
+    }
+
     /// The client's own timeouts (connection, response) are the service's: `--redis-timeout`.
     fn classify(&self, err: RedisError) -> StoreError {
         if err.is_timeout() {
@@ -324,6 +334,25 @@ impl Store {
         };
         parse_reply(reply, groups)
     }
+}
+
+/// On a single node, one script call takes whole shards of a batch up to `max` counters (a
+/// larger shard goes alone): a usual batch is one call, and the largest (10 000 counters) does
+/// not hold Redis for one long script.
+fn single_node_calls(groups: &[Group], max: usize) -> Vec<&[Group]> {
+    let mut calls = Vec::new();
+    let (mut start, mut counters) = (0usize, 0usize);
+    for (at, group) in groups.iter().enumerate() {
+        if at > start && counters.saturating_add(group.counters.len()) > max {
+            calls.extend(groups.get(start..at));
+            (start, counters) = (at, 0);
+        }
+        counters = counters.saturating_add(group.counters.len());
+    }
+    if start < groups.len() {
+        calls.extend(groups.get(start..));
+    }
+    calls
 }
 
 /// The script's KEYS and ARGV for `groups` (see `apply.lua`).
@@ -545,6 +574,44 @@ mod tests {
             Value::Nil,
         ]);
         assert!(parse_reply(garbage, &plan.groups).is_err());
+    }
+
+    #[test]
+    fn a_single_node_takes_whole_shards_per_call_up_to_the_limit() {
+        let group = |shard: u32, counters: usize| Group {
+            shard,
+            seen_key: String::new(),
+            seen_ttl_ms: 0,
+            counters: vec![
+                crate::layout::PlannedCounter {
+                    current_key: String::new(),
+                    previous_key: None,
+                    delta: 0,
+                    expire_at_ms: 0,
+                };
+                counters
+            ],
+        };
+        let sizes = |groups: &[Group], max| -> Vec<Vec<u32>> {
+            single_node_calls(groups, max)
+                .iter()
+                .map(|call| call.iter().map(|g| g.shard).collect())
+                .collect()
+        };
+        let groups = [
+            group(0, 3),
+            group(1, 4),
+            group(2, 10),
+            group(3, 1),
+            group(4, 2),
+        ];
+        assert_eq!(sizes(&groups, 1000), vec![vec![0, 1, 2, 3, 4]]);
+        assert_eq!(sizes(&groups, 7), vec![vec![0, 1], vec![2], vec![3, 4]]);
+        assert_eq!(
+            sizes(&groups, 1),
+            vec![vec![0], vec![1], vec![2], vec![3], vec![4]]
+        );
+        assert!(sizes(&[], 7).is_empty());
     }
 
     #[test]

@@ -725,3 +725,41 @@ fn a_hung_redis_is_503_after_the_timeout() {
         1
     );
 }
+
+#[test]
+fn the_largest_batch_goes_in_script_calls_of_whole_shards() {
+    // --max-counters (10 000) distinct counters over 16 shards (625 each): script calls of
+    // whole shards up to 1000 counters, so 16 calls here, all at once.
+    let t = present();
+    let (redis, sync) = single_long_timeout();
+    let keys: Vec<String> = (0..10_000).map(|n| key_in_shard(n % 16, n)).collect();
+    let counters: Vec<(&str, u64, u64, u64)> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.as_str(), 1000, t + 5, i as u64 % 7))
+        .collect();
+    let body = batch(P1, 1, &counters);
+    assert!(serde_json::to_vec(&body).unwrap().len() < 1 << 20);
+    let totals = post(sync.port, &body).totals();
+    assert_eq!(totals.len(), 10_000);
+    for (i, &(previous, current)) in totals.iter().enumerate() {
+        assert_eq!((previous, current), (0, i as u64 % 7));
+    }
+    // Counters with delta 0 were not written.
+    assert_eq!(
+        redis.dbsize(),
+        16 + (0..10_000u64).filter(|i| i % 7 != 0).count() as u64
+    );
+    // Each call met NOSCRIPT (a fresh Redis) and went again as EVAL.
+    assert_eq!(
+        (redis.command_calls("evalsha"), redis.command_calls("eval")),
+        (16, 16)
+    );
+}
+
+/// Like [`single`], with a Redis timeout that a slow debug build on a busy machine cannot miss.
+fn single_long_timeout() -> (Redis, Sync) {
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "10s"]);
+    (redis, sync)
+}

@@ -305,13 +305,15 @@ impl Sync {
             std::thread::spawn(move || {
                 for line in BufReader::new(stderr).lines() {
                     let Ok(line) = line else { break };
+                    {
+                        let mut log = log.lock().unwrap();
+                        log.push_str(&line);
+                        log.push('\n');
+                    }
                     if let Some(rest) = line.split("on http://127.0.0.1:").nth(1) {
                         let port: String = rest.chars().take_while(char::is_ascii_digit).collect();
                         let _ = port_tx.send(port.parse::<u16>().unwrap());
                     }
-                    let mut log = log.lock().unwrap();
-                    log.push_str(&line);
-                    log.push('\n');
                 }
             });
         }
