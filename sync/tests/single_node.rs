@@ -1,0 +1,765 @@
+//! floodgate-sync against one real `redis-server` (single-node mode): totals, exactly-once
+//! batches, TTLs, refusals that write nothing, Redis and floodgate-sync restarts, the HTTP
+//! versions, and the Redis commands a batch costs.
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use serde_json::json;
+
+const P1: &str = "0123456789abcdef";
+const P2: &str = "fedcba9876543210";
+const A: &str = "00000001aaaaaaaaaaaaaaaaaaaaaaaa"; // shard 1 of 16
+const B: &str = "00000002bbbbbbbbbbbbbbbbbbbbbbbb"; // shard 2
+const C: &str = "0000001fcccccccccccccccccccccccc"; // shard 15
+const D: &str = "ffffff13dddddddddddddddddddddddd"; // shard 3
+
+/// The current bucket of 1 s windows: counters of buckets long past expire at once
+/// (PEXPIREAT (bucket + 2) * window_ms + 60000), so the tests count in the present.
+fn present() -> u64 {
+    now_ms() / 1000
+}
+
+fn single() -> (Redis, Sync) {
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "500ms"]);
+    (redis, sync)
+}
+
+#[test]
+fn totals_come_in_request_order_and_sum_across_proxies() {
+    let t = present();
+    let m = now_ms() / 60_000;
+    let (redis, sync) = single();
+    // Proxy 1: A twice in one bucket (summed), B in 60 s windows, C read only, D in bucket 0
+    // (which has no previous bucket).
+    let first = post(
+        sync.port,
+        &batch(
+            P1,
+            1,
+            &[
+                (A, 1000, t + 10, 3),
+                (B, 60000, m, 2),
+                (A, 1000, t + 10, 4),
+                (C, 1000, t + 10, 0),
+                (D, 1000, 0, 0),
+            ],
+        ),
+    );
+    assert_eq!(first.content_type.as_deref(), Some("application/json"));
+    assert_eq!(first.totals(), vec![(0, 7), (0, 2), (0, 7), (0, 0), (0, 0)]);
+    // Proxy 2 adds to A's bucket t+10 and t+11, the later one first: A/t+11's previous is
+    // A/t+10 after this batch.
+    let second = post(
+        sync.port,
+        &batch(P2, 1, &[(A, 1000, t + 11, 1), (A, 1000, t + 10, 5)]),
+    );
+    assert_eq!(second.totals(), vec![(12, 1), (0, 12)]);
+    // Proxy 1 reads everything (delta 0, next seq).
+    let read = post(
+        sync.port,
+        &batch(
+            P1,
+            2,
+            &[
+                (C, 1000, t + 10, 0),
+                (B, 60000, m + 1, 0),
+                (A, 1000, t + 11, 0),
+                (A, 1000, t + 10, 0),
+            ],
+        ),
+    );
+    assert_eq!(read.totals(), vec![(0, 0), (2, 0), (12, 1), (0, 12)]);
+    // Only counters with a delta exist (C and D were never written), plus one dedup key per
+    // proxy and shard.
+    let mut expected = vec![
+        format!("fg:{{1}}:{A}:1000:{}", t + 10),
+        format!("fg:{{1}}:{A}:1000:{}", t + 11),
+        format!("fg:{{1}}:seen:{P1}"),
+        format!("fg:{{1}}:seen:{P2}"),
+        format!("fg:{{15}}:seen:{P1}"),
+        format!("fg:{{2}}:{B}:60000:{m}"),
+        format!("fg:{{2}}:seen:{P1}"),
+        format!("fg:{{3}}:seen:{P1}"),
+    ];
+    expected.sort();
+    assert_eq!(redis.keys(), expected);
+    assert_eq!(redis.get(&format!("fg:{{1}}:seen:{P1}")), Some(2));
+    // An empty batch is fine and touches nothing.
+    let empty = post(sync.port, &batch(P1, 3, &[]));
+    assert_eq!(empty.totals(), vec![]);
+    assert_eq!(redis.get(&format!("fg:{{1}}:seen:{P1}")), Some(2));
+}
+
+#[test]
+fn a_retried_batch_counts_once_and_an_older_seq_only_reads() {
+    let t = present();
+    let (redis, sync) = single();
+    let body = batch(P1, 42, &[(A, 1000, t + 5, 10), (B, 1000, t + 5, 1)]);
+    assert_eq!(post(sync.port, &body).totals(), vec![(0, 10), (0, 1)]);
+    // The same (proxy, seq) again, e.g. after a lost answer: nothing is added.
+    for _ in 0..3 {
+        assert_eq!(post(sync.port, &body).totals(), vec![(0, 10), (0, 1)]);
+    }
+    // An older seq only reads, whatever its deltas.
+    let older = post(
+        sync.port,
+        &batch(P1, 41, &[(A, 1000, t + 5, 100), (B, 1000, t + 6, 100)]),
+    );
+    assert_eq!(older.totals(), vec![(0, 10), (1, 0)]);
+    assert_eq!(redis.get(&format!("fg:{{2}}:{B}:1000:{}", t + 6)), None);
+    // Another proxy's seq 42 is its own.
+    assert_eq!(
+        post(sync.port, &batch(P2, 42, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 11)]
+    );
+    // A newer seq of proxy 1 counts again.
+    assert_eq!(
+        post(sync.port, &batch(P1, 43, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 12)]
+    );
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(metric(&metrics, "floodgate_sync_batches_received_total"), 7);
+    assert_eq!(metric(&metrics, "floodgate_sync_batches_applied_total"), 3);
+    assert_eq!(
+        metric(&metrics, "floodgate_sync_batches_deduplicated_total"),
+        4
+    );
+}
+
+#[test]
+fn a_batch_applied_in_some_shards_completes_in_the_others_only() {
+    let t = present();
+    // What a cluster does when one shard's node fails mid-batch: shard 1 took seq 7, shard 2
+    // did not. The retry must add shard 2's deltas only.
+    let (redis, sync) = single();
+    redis.set(&format!("fg:{{1}}:{A}:1000:{}", t + 5), "10");
+    redis.set(&format!("fg:{{1}}:seen:{P1}"), "7");
+    let retry = batch(P1, 7, &[(A, 1000, t + 5, 10), (B, 1000, t + 5, 20)]);
+    assert_eq!(post(sync.port, &retry).totals(), vec![(0, 10), (0, 20)]);
+    assert_eq!(post(sync.port, &retry).totals(), vec![(0, 10), (0, 20)]);
+    // seq comparisons are exact for every u64, not as doubles: 2^64-1 > 2^64-2.
+    let big = u64::MAX;
+    redis.set(&format!("fg:{{1}}:seen:{P1}"), &(big - 1).to_string());
+    assert_eq!(
+        post(sync.port, &batch(P1, big, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 11)]
+    );
+    assert_eq!(
+        post(sync.port, &batch(P1, big, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 11)]
+    );
+    assert_eq!(redis.get(&format!("fg:{{1}}:seen:{P1}")), Some(big));
+}
+
+#[test]
+fn counters_and_dedup_keys_expire_as_specified() {
+    let (redis, sync) = single();
+    let now = now_ms();
+    let (w1, w2) = (60_000u64, 3_600_000u64);
+    let (b1, b2) = (now / w1, now / w2);
+    post(
+        sync.port,
+        &batch(P1, 1, &[(A, w1, b1, 1), (A, w2, b2, 1), (B, w1, b1, 1)]),
+    )
+    .totals();
+    // PEXPIREAT (bucket + 2) * window_ms + 60000, exactly.
+    let a1 = format!("fg:{{1}}:{A}:{w1}:{b1}");
+    let a2 = format!("fg:{{1}}:{A}:{w2}:{b2}");
+    assert_eq!(redis.pexpiretime(&a1), ((b1 + 2) * w1 + 60_000) as i64);
+    assert_eq!(redis.pexpiretime(&a2), ((b2 + 2) * w2 + 60_000) as i64);
+    // Dedup keys: PX max(2 * the longest window of the shard's counters, 600000).
+    let seen1 = redis.pttl(&format!("fg:{{1}}:seen:{P1}"));
+    assert!(
+        (2 * w2 as i64 - 10_000..=2 * w2 as i64).contains(&seen1),
+        "{seen1}"
+    );
+    let seen2 = redis.pttl(&format!("fg:{{2}}:seen:{P1}"));
+    assert!((590_000..=600_000).contains(&seen2), "{seen2}");
+    // A read (delta 0) of an existing counter leaves its expiry alone; an increment sets it to
+    // the same instant again.
+    post(sync.port, &batch(P1, 2, &[(A, w1, b1, 0), (A, w1, b1, 2)])).totals();
+    assert_eq!(redis.pexpiretime(&a1), ((b1 + 2) * w1 + 60_000) as i64);
+    assert_eq!(redis.get(&a1), Some(3));
+    // A bucket long past expires at once: the increment is not kept.
+    let stale = post(sync.port, &batch(P1, 3, &[(C, 1000, 5, 1)]));
+    assert_eq!(stale.totals(), vec![(0, 0)]);
+    assert_eq!(redis.get(&format!("fg:{{15}}:{C}:1000:5")), None);
+    // The largest values of the protocol are safe: the expiry saturates at what Redis takes.
+    let extreme = post(
+        sync.port,
+        &batch(P1, 4, &[(C, 31_622_400_000, 1 << 53, 2_147_483_647)]),
+    );
+    assert_eq!(extreme.totals(), vec![(0, 2_147_483_647)]);
+    let key = format!("fg:{{15}}:{C}:31622400000:{}", 1u64 << 53);
+    assert_eq!(redis.pexpiretime(&key), i64::MAX);
+}
+
+#[test]
+fn every_refusal_writes_nothing() {
+    let t = present();
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&[
+        "--redis",
+        &redis.url(),
+        "--max-counters",
+        "3",
+        "--max-body-bytes",
+        "2048",
+    ]);
+    let ok = |seq| batch(P1, seq, &[(A, 1000, t + 5, 1)]);
+    let four = batch(
+        P1,
+        1,
+        &[
+            (A, 1000, t + 5, 1),
+            (B, 1000, t + 5, 1),
+            (C, 1000, t + 5, 1),
+            (A, 1000, t + 6, 1),
+        ],
+    );
+    let mut unknown = ok(1);
+    unknown["counters"][0]["weight"] = json!(2);
+    let mut version = ok(1);
+    version["version"] = json!(2);
+    let mut hex = ok(1);
+    hex["counters"][0]["key"] = json!(A.to_uppercase());
+    let mut proxy = ok(1);
+    proxy["proxy"] = json!("0123456789abcdeg");
+    let mut window = ok(1);
+    window["counters"][0]["window_ms"] = json!(0);
+    let mut delta = ok(1);
+    delta["counters"][0]["delta"] = json!(2_147_483_648u64);
+    let mut negative = ok(1);
+    negative["counters"][0]["delta"] = json!(-1);
+    let mut bucket = ok(1);
+    bucket["counters"][0]["bucket"] = json!((1u64 << 53) + 1);
+    let mut seq = ok(1);
+    seq["seq"] = json!("1");
+    let json_cases = [
+        (serde_json::to_vec(&four).unwrap(), "counters: at most 3"),
+        (serde_json::to_vec(&unknown).unwrap(), "counters[0]"),
+        (
+            serde_json::to_vec(&version).unwrap(),
+            "version: unsupported version 2",
+        ),
+        (serde_json::to_vec(&hex).unwrap(), "counters[0].key"),
+        (serde_json::to_vec(&proxy).unwrap(), "proxy"),
+        (
+            serde_json::to_vec(&window).unwrap(),
+            "counters[0].window_ms",
+        ),
+        (serde_json::to_vec(&delta).unwrap(), "counters[0].delta"),
+        (serde_json::to_vec(&negative).unwrap(), "counters[0].delta"),
+        (serde_json::to_vec(&bucket).unwrap(), "counters[0].bucket"),
+        (serde_json::to_vec(&seq).unwrap(), "seq"),
+        (b"{\"version\": 1, \"proxy\": ".to_vec(), "EOF"),
+        (b"not json".to_vec(), "expected"),
+        (Vec::new(), "EOF"),
+    ];
+    for (body, field) in json_cases {
+        let answer = request(
+            sync.port,
+            "POST",
+            "/v1/sync",
+            Some("application/json"),
+            body.clone(),
+            false,
+        );
+        assert_eq!(
+            answer.status,
+            400,
+            "{}: {}",
+            String::from_utf8_lossy(&body),
+            answer.body
+        );
+        let error = answer.json()["error"].as_str().unwrap().to_string();
+        assert!(error.contains(field), "{error} should name {field}");
+        assert!(!error.contains('\n'));
+    }
+    // 413: larger than --max-body-bytes, over HTTP/1.1 and HTTP/2.
+    let mut big = ok(1);
+    big["padding"] = json!("x".repeat(4096));
+    for http2 in [false, true] {
+        let answer = request(
+            sync.port,
+            "POST",
+            "/v1/sync",
+            Some("application/json"),
+            serde_json::to_vec(&big).unwrap(),
+            http2,
+        );
+        assert_eq!(answer.status, 413, "{}", answer.body);
+        assert!(answer.json()["error"]
+            .as_str()
+            .unwrap()
+            .contains("2048 bytes"));
+    }
+    // 415: not JSON, or no content type at all.
+    for content_type in [
+        Some("text/plain"),
+        Some("application/x-www-form-urlencoded"),
+        None,
+    ] {
+        let answer = request(
+            sync.port,
+            "POST",
+            "/v1/sync",
+            content_type,
+            serde_json::to_vec(&ok(1)).unwrap(),
+            false,
+        );
+        assert_eq!(answer.status, 415, "{content_type:?}");
+    }
+    // 405 and 404.
+    for method in ["GET", "PUT", "DELETE"] {
+        let answer = request(
+            sync.port,
+            method,
+            "/v1/sync",
+            Some("application/json"),
+            serde_json::to_vec(&ok(1)).unwrap(),
+            false,
+        );
+        assert_eq!(answer.status, 405, "{method}");
+    }
+    assert_eq!(
+        request(sync.port, "POST", "/healthz", None, "", false).status,
+        405
+    );
+    for path in ["/", "/v1/sync/", "/v2/sync", "/v1/syncs"] {
+        let answer = request(
+            sync.port,
+            "POST",
+            path,
+            Some("application/json"),
+            serde_json::to_vec(&ok(1)).unwrap(),
+            false,
+        );
+        assert_eq!(answer.status, 404, "{path}");
+        assert!(answer.json()["error"].is_string());
+    }
+    assert_eq!(redis.dbsize(), 0, "{:?}", redis.keys());
+    assert_eq!(
+        redis.command_calls("evalsha") + redis.command_calls("eval"),
+        0
+    );
+    // Parameters of the media type are fine.
+    let answer = request(
+        sync.port,
+        "POST",
+        "/v1/sync",
+        Some("Application/JSON; charset=utf-8"),
+        serde_json::to_vec(&ok(1)).unwrap(),
+        false,
+    );
+    assert_eq!(answer.totals(), vec![(0, 1)]);
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"400\",kind=\"bad_request\"}"
+        ),
+        13
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"413\",kind=\"payload_too_large\"}"
+        ),
+        2
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"415\",kind=\"unsupported_media_type\"}"
+        ),
+        3
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"405\",kind=\"method_not_allowed\"}"
+        ),
+        4
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"404\",kind=\"not_found\"}"
+        ),
+        4
+    );
+    // Nothing per request at info.
+    assert_eq!(sync.log().lines().count(), 1, "{}", sync.log());
+}
+
+#[test]
+fn redis_down_is_503_within_the_timeout_and_back_without_a_restart() {
+    let t = present();
+    let (mut redis, sync) = single();
+    let body = |seq| batch(P1, seq, &[(A, 1000, t + 5, 1)]);
+    assert_eq!(post(sync.port, &body(1)).totals(), vec![(0, 1)]);
+    assert_eq!(get(sync.port, "/readyz").status, 200);
+    redis.kill();
+    for seq in 2..5 {
+        let start = Instant::now();
+        let answer = post(sync.port, &body(seq));
+        let took = start.elapsed();
+        assert_eq!(answer.status, 503, "{}", answer.body);
+        assert!(
+            answer.json()["error"]
+                .as_str()
+                .unwrap()
+                .starts_with("store unavailable: "),
+            "{}",
+            answer.body
+        );
+        // --redis-timeout is 500ms.
+        assert!(took < Duration::from_millis(1500), "{took:?}");
+    }
+    let ready = get(sync.port, "/readyz");
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    assert_eq!(get(sync.port, "/healthz").status, 200);
+    // Back: an empty Redis (nothing is persisted in this test), the same floodgate-sync.
+    redis.restart();
+    let start = Instant::now();
+    let answer = loop {
+        let answer = post(sync.port, &body(5));
+        if answer.status == 200 || start.elapsed() > Duration::from_secs(10) {
+            break answer;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(
+        answer.totals(),
+        vec![(0, 1)],
+        "the batch counts once after a restart"
+    );
+    assert_eq!(get(sync.port, "/readyz").status, 200);
+    let metrics = get(sync.port, "/metrics").body;
+    assert!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"503\",kind=\"store_error\"}"
+        ) + metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"503\",kind=\"store_timeout\"}"
+        ) >= 3
+    );
+    // One log line per Redis error at most once a second, not one per failed request.
+    let errors = sync.log().lines().filter(|l| l.contains("redis:")).count();
+    assert!((1..=6).contains(&errors), "{}", sync.log());
+}
+
+#[test]
+fn state_survives_a_restart_of_floodgate_sync() {
+    let t = present();
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let mut sync = Sync::start(&["--redis", &redis.url()]);
+    let body = batch(P1, 9, &[(A, 1000, t + 5, 4), (B, 1000, t + 5, 6)]);
+    assert_eq!(post(sync.port, &body).totals(), vec![(0, 4), (0, 6)]);
+    assert!(sync.terminate(), "graceful exit on SIGTERM");
+    assert!(sync.log().contains("SIGTERM"), "{}", sync.log());
+    let sync = Sync::start(&["--redis", &redis.url()]);
+    // The retry of seq 9 through the new instance still counts nothing twice.
+    assert_eq!(post(sync.port, &body).totals(), vec![(0, 4), (0, 6)]);
+    assert_eq!(
+        post(sync.port, &batch(P1, 10, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 5)]
+    );
+    // Two instances at once serve the same fleet.
+    let other = Sync::start(&["--redis", &redis.url()]);
+    assert_eq!(
+        post(other.port, &batch(P2, 1, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 6)]
+    );
+}
+
+#[test]
+fn http1_and_http2_prior_knowledge_on_one_port() {
+    let t = present();
+    let (_redis, sync) = single();
+    let body = |seq| serde_json::to_vec(&batch(P1, seq, &[(A, 1000, t + 5, 1)])).unwrap();
+    let h1 = request(
+        sync.port,
+        "POST",
+        "/v1/sync",
+        Some("application/json"),
+        body(1),
+        false,
+    );
+    assert_eq!(h1.totals(), vec![(0, 1)]);
+    let h2 = request(
+        sync.port,
+        "POST",
+        "/v1/sync",
+        Some("application/json"),
+        body(2),
+        true,
+    );
+    assert_eq!(h2.totals(), vec![(0, 2)]);
+    for http2 in [false, true] {
+        let health = request(sync.port, "GET", "/healthz", None, "", http2);
+        assert_eq!(
+            (health.status, health.body.as_str()),
+            (200, "{\"status\":\"ok\"}")
+        );
+        assert_eq!(
+            request(sync.port, "GET", "/readyz", None, "", http2).status,
+            200
+        );
+        let metrics = request(sync.port, "GET", "/metrics", None, "", http2);
+        assert_eq!(metrics.status, 200);
+        assert!(metrics
+            .content_type
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4"));
+    }
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(
+        metric(&metrics, "floodgate_sync_request_duration_seconds_count"),
+        2
+    );
+    assert_eq!(
+        metric(&metrics, "floodgate_sync_counters_received_total"),
+        2
+    );
+}
+
+#[test]
+fn a_batch_costs_one_redis_command_on_a_single_node() {
+    let (redis, sync) = single();
+    // 100 keys over all 16 shards, as one proxy's batch every sync interval.
+    let keys: Vec<String> = (0..100).map(|n| key_in_shard(n % 16, n)).collect();
+    let bucket = now_ms() / 60_000;
+    let counters = |delta: u64| -> Vec<(&str, u64, u64, u64)> {
+        keys.iter()
+            .map(|k| (k.as_str(), 60_000, bucket, delta))
+            .collect()
+    };
+    // The first call loads the script (EVALSHA, NOSCRIPT, EVAL); count the steady state after.
+    post(sync.port, &batch(P1, 1, &counters(1))).totals();
+    // What measuring costs in commands (INFO, and the CLIENT SETINFO of each new connection of
+    // this test), to subtract from total_commands_processed.
+    let measure = || {
+        let total = redis.total_commands();
+        (
+            redis.command_calls("evalsha"),
+            redis.command_calls("eval"),
+            total,
+        )
+    };
+    let (_, _, t0) = measure();
+    let (evalsha, eval, total) = measure();
+    let overhead = total - t0;
+    assert_eq!((evalsha, eval), (1, 1), "NOSCRIPT once, then EVAL");
+    let batches = 20u64;
+    for seq in 2..2 + batches {
+        let totals = post(sync.port, &batch(P1, seq, &counters(1))).totals();
+        assert!(totals.iter().all(|&(_, current)| current == seq));
+    }
+    let (evalsha_after, eval_after, total_after) = measure();
+    let per_batch_evalsha = (evalsha_after - evalsha) as f64 / batches as f64;
+    let per_batch_eval = (eval_after - eval) as f64 / batches as f64;
+    let per_batch_total = (total_after - total - overhead) as f64 / batches as f64;
+    let incrby = redis.command_calls("incrby");
+    eprintln!(
+        "single node, 100 keys over 16 shards: {per_batch_evalsha} EVALSHA + {per_batch_eval} EVAL \
+         per batch (client round trips); total_commands_processed {per_batch_total:.1} per batch \
+         (script calls included); INCRBY calls so far {incrby}"
+    );
+    assert_eq!(per_batch_evalsha, 1.0);
+    assert_eq!(per_batch_eval, 0.0);
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(
+        metric(&metrics, "floodgate_sync_redis_round_trips_total"),
+        2 + batches
+    );
+}
+
+#[test]
+fn it_starts_before_redis_and_serves_once_redis_is_up() {
+    let t = present();
+    let port = free_ports(1, false)[0];
+    let sync = Sync::start(&[
+        "--redis",
+        &format!("redis://127.0.0.1:{port}"),
+        "--redis-timeout",
+        "300ms",
+    ]);
+    assert_eq!(get(sync.port, "/healthz").status, 200);
+    assert_eq!(get(sync.port, "/readyz").status, 503);
+    let body = batch(P1, 1, &[(A, 1000, t + 5, 1)]);
+    assert_eq!(post(sync.port, &body).status, 503);
+    let _redis = Redis::start(port, false);
+    wait_until("/v1/sync to answer 200", Duration::from_secs(10), || {
+        post(sync.port, &body).status == 200
+    });
+    assert_eq!(post(sync.port, &body).totals(), vec![(0, 1)]);
+    assert_eq!(get(sync.port, "/readyz").status, 200);
+}
+
+#[test]
+fn flags_come_from_environment_variables_too() {
+    let t = present();
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start_with_env(
+        &[],
+        &[
+            ("FLOODGATE_SYNC_REDIS", &redis.url()),
+            ("FLOODGATE_SYNC_SHARDS", "4"),
+            ("FLOODGATE_SYNC_PREFIX", "team-a:"),
+            ("FLOODGATE_SYNC_MAX_COUNTERS", "1"),
+        ],
+    );
+    assert!(
+        sync.log().contains("shards 4 prefix \"team-a:\""),
+        "{}",
+        sync.log()
+    );
+    // 0x0000001f % 4 = 3.
+    assert_eq!(
+        post(sync.port, &batch(P1, 1, &[(C, 1000, t + 5, 2)])).totals(),
+        vec![(0, 2)]
+    );
+    assert_eq!(
+        redis.get(&format!("team-a:{{3}}:{C}:1000:{}", t + 5)),
+        Some(2)
+    );
+    assert_eq!(
+        post(
+            sync.port,
+            &batch(P1, 2, &[(C, 1000, t + 5, 2), (A, 1000, t + 5, 2)])
+        )
+        .status,
+        400
+    );
+}
+
+#[test]
+fn help_explains_every_flag_and_bad_flags_exit_non_zero() {
+    let help = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate-sync"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(help.status.success());
+    let text = String::from_utf8(help.stdout).unwrap();
+    for flag in [
+        "--listen",
+        "--redis ",
+        "--cluster",
+        "--shards",
+        "--prefix",
+        "--max-counters",
+        "--max-body-bytes",
+        "--redis-timeout",
+        "FLOODGATE_SYNC_REDIS_TIMEOUT",
+    ] {
+        assert!(
+            text.contains(flag),
+            "--help does not mention {flag}:\n{text}"
+        );
+    }
+    for bad in [
+        &["--shards", "0"][..],
+        &["--prefix", "a{b}"],
+        &["--redis", "redis://a:1,redis://b:2"],
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate-sync"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(bad)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad:?}");
+        assert!(!out.stderr.is_empty(), "{bad:?}: says why");
+    }
+}
+
+#[test]
+fn a_hung_redis_is_503_after_the_timeout() {
+    let t = present();
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "300ms"]);
+    assert_eq!(
+        post(sync.port, &batch(P1, 1, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 1)]
+    );
+    redis.signal("-STOP");
+    let start = Instant::now();
+    let answer = post(sync.port, &batch(P1, 2, &[(A, 1000, t + 5, 1)]));
+    let took = start.elapsed();
+    redis.signal("-CONT");
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert!(answer.body.contains("within 300ms"), "{}", answer.body);
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1300),
+        "{took:?}"
+    );
+    // Once Redis wakes, it may or may not have applied seq 2 (it had the script call in its
+    // socket); the retry counts it exactly once either way.
+    wait_until("/v1/sync to answer 200", Duration::from_secs(10), || {
+        post(sync.port, &batch(P1, 2, &[(A, 1000, t + 5, 1)])).status == 200
+    });
+    assert_eq!(
+        post(sync.port, &batch(P1, 2, &[(A, 1000, t + 5, 1)])).totals(),
+        vec![(0, 2)]
+    );
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(
+        metric(
+            &metrics,
+            "floodgate_sync_errors_total{status=\"503\",kind=\"store_timeout\"}"
+        ),
+        1
+    );
+}
+
+#[test]
+fn the_largest_batch_goes_in_script_calls_of_whole_shards() {
+    // --max-counters (10 000) distinct counters over 16 shards (625 each): script calls of
+    // whole shards up to 1000 counters, so 16 calls here, all at once.
+    let t = present();
+    let (redis, sync) = single_long_timeout();
+    let keys: Vec<String> = (0..10_000).map(|n| key_in_shard(n % 16, n)).collect();
+    let counters: Vec<(&str, u64, u64, u64)> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| (k.as_str(), 1000, t + 5, i as u64 % 7))
+        .collect();
+    let body = batch(P1, 1, &counters);
+    assert!(serde_json::to_vec(&body).unwrap().len() < 1 << 20);
+    let totals = post(sync.port, &body).totals();
+    assert_eq!(totals.len(), 10_000);
+    for (i, &(previous, current)) in totals.iter().enumerate() {
+        assert_eq!((previous, current), (0, i as u64 % 7));
+    }
+    // Counters with delta 0 were not written.
+    assert_eq!(
+        redis.dbsize(),
+        16 + (0..10_000u64).filter(|i| i % 7 != 0).count() as u64
+    );
+    // Each call met NOSCRIPT (a fresh Redis) and went again as EVAL.
+    assert_eq!(
+        (redis.command_calls("evalsha"), redis.command_calls("eval")),
+        (16, 16)
+    );
+}
+
+/// Like [`single`], with a Redis timeout that a slow debug build on a busy machine cannot miss.
+fn single_long_timeout() -> (Redis, Sync) {
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "10s"]);
+    (redis, sync)
+}
