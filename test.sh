@@ -64,8 +64,13 @@ cargo test -p floodgate-cli 2>&1 | tee -a "$results"
 step "sync tests: floodgate-sync against real redis-server processes (cargo test -p floodgate-sync)"
 REDIS_SERVER="$redis" cargo test -p floodgate-sync 2>&1 | tee -a "$results"
 
+step "build floodgate-sync for the global-scope tests (cargo build -p floodgate-sync)"
+cargo build -p floodgate-sync
+sync_bin="$PWD/target/debug/floodgate-sync"
+
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
-FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"
+FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
+  cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"
 
 # One closing line over every test binary (pipefail has already stopped us on a failure).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }

@@ -50,9 +50,11 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
+  "if": {"required": ["rate_limits"], "properties": {"rate_limits": {"type": "array", "contains": {"type": "object", "required": ["scope"], "properties": {"scope": {"const": "global"}}}}}},
+  "then": {"required": ["global"], "properties": {"global": {"$ref": "#/$defs/global"}}},
   "properties": {
     "rate_limits": {
       "description": "Rate-limit rules; every rule that applies to a request must admit it. Rule names must be unique.",
@@ -65,7 +67,8 @@ schema = {
     },
     "load_shedding": {"description": "The proxy-wide in-flight limit and its priority classes (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
     "cluster_selection": {"description": "Chooses the upstream cluster of each request (null: none).", "anyOf": [{"$ref": "#/$defs/clusterSelection"}, {"type": "null"}]},
-    "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]}
+    "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]},
+    "global": {"description": "How rules with scope global reach the fleet-wide store through floodgate-sync (null: none).", "anyOf": [{"$ref": "#/$defs/global"}, {"type": "null"}]}
   },
   "$defs": {
     "name": {
@@ -94,6 +97,10 @@ schema = {
         "missing_key": {
           "description": "A request lacking a key part: skip = the rule does not apply to it; shared = all such requests share one counter.",
           "enum": ["skip", "shared"], "default": "skip"
+        },
+        "scope": {
+          "description": "proxy: the quota holds across the workers of one Envoy; global: across every proxy of the fleet, through the store named in the top-level global section (which it requires).",
+          "enum": ["proxy", "global"], "default": "proxy"
         }
       }
     },
@@ -131,6 +138,18 @@ schema = {
       "required": ["path"],
       "properties": {
         "path": {"description": "The path the filter answers (matched without the query).", "type": "string", "pattern": "^/[^?#]*$"}
+      }
+    },
+    "global": {
+      "type": "object", "additionalProperties": False,
+      "required": ["cluster"],
+      "properties": {
+        "cluster": {"description": "The Envoy cluster of floodgate-sync (in Istio: outbound|PORT||HOST).", "$ref": "#/$defs/clusterName"},
+        "authority": {"description": "The :authority of the batch calls (null: the cluster name).", "anyOf": [{"type": "string", "pattern": "^[A-Za-z0-9._~:%\\[\\]-]{1,255}$"}, {"type": "null"}], "default": None},
+        "sync_interval": {"description": "Each proxy sends at most one batch per interval; between 10ms and 60s.", "$ref": "#/$defs/duration", "default": "100ms"},
+        "timeout": {"description": "How long a batch call may take before it counts as failed and is sent again; at most 60s.", "$ref": "#/$defs/duration", "default": "1s"},
+        "max_keys": positive("Keys per global rule whose fleet-wide counts a proxy keeps.", 4096, 65536),
+        "key_secret": {"description": "A secret mixed into the fleet-wide key hashes, the same on every proxy of the fleet (at least 16 characters), so the store's key names do not reveal client keys (null: none).", "anyOf": [{"type": "string", "minLength": 16}, {"type": "null"}], "default": None}
       }
     },
     "clusterName": {

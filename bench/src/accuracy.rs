@@ -254,7 +254,7 @@ fn score(trace: &Trace) -> Score {
         while trace.flood_per_window > 0 && (flood_sent as f64 * flood_gap) as u64 <= t {
             let at = T0 + (flood_sent as f64 * flood_gap) as u64;
             let one_shot = hasher.hash([Some(&flood_sent.to_le_bytes()[..]), None]);
-            let probe = Probe { rule: 0, key_hash: one_shot };
+            let probe = Probe::new(0, one_shot);
             match limiter.check(&store, &mut reserves, &[probe], UnixMillis(at), 1) {
                 Verdict::Admitted { evictions, .. } => s.evictions += evictions.len() as u64,
                 Verdict::Rejected { .. } => s.flood_refused += 1,
@@ -275,7 +275,7 @@ fn score(trace: &Trace) -> Score {
         if exact {
             log.push_back(now);
         }
-        let probe = Probe { rule: 0, key_hash: hashes[key as usize] };
+        let probe = Probe::new(0, hashes[key as usize]);
         let ours = match limiter.check(&store, &mut reserves, &[probe], UnixMillis(now), 1) {
             Verdict::Admitted { evictions, .. } => {
                 s.evictions += evictions.len() as u64;

@@ -5,7 +5,8 @@
 //! with somebody else's. Parts are length-prefixed, so `("ab", "c")` and `("a", "bc")` differ,
 //! and a missing part hashes differently from an empty one.
 
-use crate::config::{Config, KeyPart, MissingKey};
+use crate::config::{Config, KeyPart, MissingKey, Scope};
+use crate::global::FleetHasher;
 use crate::ratelimit::Probe;
 use siphasher::sip::SipHasher13;
 use std::hash::Hasher;
@@ -102,10 +103,12 @@ impl KeyHasher {
 /// `fetch` is asked once per distinct attribute (host reads are not free) and may return the
 /// bytes owned or borrowed; a rule whose key part is missing is skipped (its index is pushed to
 /// `skipped`) unless it shares one counter for all such requests (`missing_key: "shared"`: one
-/// counter per rule, whichever parts are missing and whatever the present ones hold).
+/// counter per rule, whichever parts are missing and whatever the present ones hold). Rules in
+/// global scope also get the key's fleet-wide id from `fleet` (the same parts, the same framing).
 pub fn probes<V: AsRef<[u8]>>(
     config: &Config,
     hasher: &KeyHasher,
+    fleet: Option<&FleetHasher>,
     mut fetch: impl FnMut(Source<'_>) -> Option<V>,
     skipped: &mut Vec<usize>,
 ) -> Vec<Probe> {
@@ -124,19 +127,17 @@ pub fn probes<V: AsRef<[u8]>>(
             Some(part.normalize(raw))
         };
         let complete = rule.key.iter().all(|part| value_of(part).is_some());
-        let key_hash = if complete {
-            hasher.hash(rule.key.iter().map(value_of))
-        } else if rule.missing_key == MissingKey::Shared {
-            // One counter for every request lacking any part, whatever the other parts hold.
-            hasher.hash(rule.key.iter().map(|_| None))
-        } else {
+        if !complete && rule.missing_key == MissingKey::Skip {
             skipped.push(rule_index);
             continue;
-        };
-        probes.push(Probe {
-            rule: rule_index,
-            key_hash,
-        });
+        }
+        // One counter for every request lacking any part, whatever the other parts hold.
+        let parts = || rule.key.iter().map(|part| if complete { value_of(part) } else { None });
+        let mut probe = Probe::new(rule_index, hasher.hash(parts()));
+        if let (Scope::Global, Some(fleet)) = (rule.scope, fleet) {
+            probe.fleet = Some(fleet.hash(rule.name.as_str(), parts()));
+        }
+        probes.push(probe);
     }
     probes
 }
@@ -184,7 +185,7 @@ mod tests {
         let hasher = KeyHasher::new([3; 16]);
         let mut asked = Vec::new();
         let mut skipped = Vec::new();
-        let probes = probes(&config, &hasher, |source| {
+        let probes = probes(&config, &hasher, None, |source| {
             asked.push(format!("{source:?}"));
             match source {
                 Source::SourceAddress => Some(b"10.1.2.3:5555".to_vec()),
@@ -209,7 +210,7 @@ mod tests {
         let hasher = KeyHasher::new([5; 16]);
         let hash_of = |key: Option<&'static [u8]>, address: Option<&'static [u8]>| {
             let mut skipped = Vec::new();
-            let found = probes(&config, &hasher, |source| match source {
+            let found = probes(&config, &hasher, None, |source| match source {
                 Source::Header(_) => key,
                 Source::SourceAddress => address,
             }, &mut skipped);

@@ -11,6 +11,7 @@
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 pub mod config;
+pub mod global;
 pub mod headers;
 pub mod key;
 pub mod ratelimit;

@@ -327,7 +327,7 @@ mod tests {
     fn the_429_carries_every_field() {
         let limiter = limiter();
         let store = MemoryStore::new();
-        let probes = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
+        let probes = [Probe::new(0, 1), Probe::new(1, 2)];
         // 300 ms into a 4 s bucket.
         let now = UnixMillis(1_700_000_000_000 + 300);
         for _ in 0..4 {
@@ -379,7 +379,7 @@ mod tests {
     fn admitted_fields_name_the_tightest_rule() {
         let limiter = limiter();
         let store = MemoryStore::new();
-        let probes = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
+        let probes = [Probe::new(0, 1), Probe::new(1, 2)];
         let now = UnixMillis(1_700_000_000_000 + 300);
         let Verdict::Admitted { standings, .. } = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1) else {
             panic!("admitted")

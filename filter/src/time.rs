@@ -5,7 +5,7 @@
 //! (governor's `Reference` contract).
 
 /// Milliseconds since the Unix epoch, as the proxy's wall clock reported them.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct UnixMillis(pub u64);
 
 impl UnixMillis {

@@ -21,6 +21,7 @@
 )]
 
 use floodgate::config::{Config, KeyPart, MissingKey};
+use floodgate::global::FleetHasher;
 use floodgate::key::{self, KeyHasher, Source};
 use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN, RECORD_VERSION, SHAPE_OFFSET};
 use floodgate::ratelimit::window::Window;
@@ -265,7 +266,7 @@ fn accepted_config(config: &Config) {
     let store = floodgate::store::MemoryStore::new();
     let hasher = KeyHasher::new([0x5a; 16]);
     let mut skipped = Vec::new();
-    let probes = key::probes(config, &hasher, |_| Some(b"10.0.0.1:1234".to_vec()), &mut skipped);
+    let probes = key::probes(config, &hasher, Some(&FleetHasher::new(None)), |_| Some(b"10.0.0.1:1234".to_vec()), &mut skipped);
     assert!(skipped.is_empty(), "every part is present");
     assert_eq!(probes.len(), config.rate_limits.len());
     let now = UnixMillis(1_700_000_000_123);
@@ -344,9 +345,11 @@ pub fn key(data: &[u8]) {
     let hasher = KeyHasher::new([0x42; 16]);
     let mut asked = Vec::new();
     let mut skipped = Vec::new();
+    let fleet = FleetHasher::new(Some("fuzzing-fleet-secret"));
     let probes = key::probes(
         config,
         &hasher,
+        Some(&fleet),
         |source| {
             asked.push(format!("{source:?}"));
             value_of(source)
@@ -389,7 +392,7 @@ pub fn key(data: &[u8]) {
         }
     }
     let mut again = Vec::new();
-    assert_eq!(key::probes(config, &hasher, value_of, &mut again), probes, "deterministic");
+    assert_eq!(key::probes(config, &hasher, Some(&fleet), value_of, &mut again), probes, "deterministic");
 
     let shedder = Shedder::new(config.load_shedding.as_ref().expect("shedding"), "fuzz");
     let priority = values[5].as_deref();
@@ -492,7 +495,7 @@ pub fn ratelimit_record(data: &[u8]) {
     // 2. Through the limiter, the record planted under the rule's only set.
     let with_faults = flags & 2 != 0;
     let store = PlantedStore::new(record, flags & 1 == 0, if with_faults { faults } else { 0 });
-    let probes = [Probe { rule: 0, key_hash }];
+    let probes = [Probe::new(0, key_hash)];
     let mut reserves = Reserves::new();
     let verdict = limiter.check(&store, &mut reserves, &probes, now, 1);
     match &verdict {

@@ -41,6 +41,7 @@ pub use serde_json::{json, Value};
 
 pub mod dynamic;
 pub mod faults;
+pub mod store;
 
 /// The health endpoint the shedding tests configure.
 pub const HEALTH_PATH: &str = "/floodgate/health";
@@ -446,11 +447,13 @@ pub(crate) struct Routing {
     pub(crate) route_header: Option<String>,
     /// The route's upstream timeout.
     pub(crate) route_timeout: Duration,
+    /// Names of the clusters that speak HTTP/2 (cleartext, prior knowledge) to their endpoints.
+    pub(crate) http2: Vec<String>,
 }
 
 impl Default for Routing {
     fn default() -> Routing {
-        Routing { clusters: Vec::new(), route_header: None, route_timeout: Duration::from_secs(30) }
+        Routing { clusters: Vec::new(), route_header: None, route_timeout: Duration::from_secs(30), http2: Vec::new() }
     }
 }
 
@@ -466,9 +469,18 @@ impl Routing {
 
     /// The clusters added by name.
     pub(crate) fn clusters(&self) -> impl Iterator<Item = Value> + '_ {
-        self.clusters
-            .iter()
-            .map(|(name, addrs)| static_cluster(name, addrs.iter().map(|a| endpoint(*a)).collect()))
+        self.clusters.iter().map(|(name, addrs)| {
+            let mut cluster = static_cluster(name, addrs.iter().map(|a| endpoint(*a)).collect());
+            if self.http2.contains(name) {
+                cluster["typed_extension_protocol_options"] = json!({
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}}
+                    }
+                });
+            }
+            cluster
+        })
     }
 }
 
@@ -497,6 +509,14 @@ impl EnvoyBuilder {
     /// cluster that is down: Envoy answers 503 with flag UF).
     pub fn cluster(mut self, name: &str, addrs: &[SocketAddr]) -> EnvoyBuilder {
         self.routing.clusters.push((name.to_string(), addrs.to_vec()));
+        self
+    }
+
+    /// Adds a cluster `name` whose endpoints speak HTTP/2 without TLS (as `floodgate-sync`
+    /// does): the filter's own calls, not a route's.
+    pub fn http2_cluster(mut self, name: &str, addrs: &[SocketAddr]) -> EnvoyBuilder {
+        self.routing.clusters.push((name.to_string(), addrs.to_vec()));
+        self.routing.http2.push(name.to_string());
         self
     }
 

@@ -40,6 +40,8 @@ const KNOWN_GAPS: &[&str] = &[
     "is not one of the classes",
     "is above max_limit",
     "is outside [min_limit, max_limit]",
+    "must be between 10ms and 60s",
+    "global.timeout: must be at most 60s",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -259,6 +261,7 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         r#"{"load_shedding": {"max_active_requests": 5, "classes": [{"name": "normal", "shed_at": 1}]}}"#,
     ),
     ("/health", "health", r#"{"health": {"path": "/h"}}"#),
+    ("/global", "global", r#"{"global": {"cluster": "floodgate-sync"}}"#),
     (
         "/cluster_selection",
         "clusterSelection",
@@ -364,7 +367,7 @@ fn everything() -> Value {
     json!({
         "rate_limits": [
             {"name": "per-key", "key": [{"header": "x-api-key"}, "source_ip", "path", "method", "authority"],
-             "limit": 100, "window": "1m", "capacity": 1024, "missing_key": "shared"},
+             "limit": 100, "window": "1m", "capacity": 1024, "missing_key": "shared", "scope": "global"},
             {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s"}
         ],
         "stat_prefix": "edge",
@@ -382,7 +385,10 @@ fn everything() -> Value {
                                   "backoff_ratio": 0.8, "timeout": "2s"},
             "retry_after": "3s"
         },
-        "health": {"path": "/healthz"}
+        "health": {"path": "/healthz"},
+        "global": {"cluster": "outbound|9090||floodgate-sync.floodgate.svc.cluster.local",
+                   "authority": "floodgate-sync.floodgate.svc.cluster.local", "sync_interval": "250ms",
+                   "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours"}
     })
 }
 

@@ -6,9 +6,11 @@
 //! types, zero or negative numbers, bad durations, empty key lists and duplicate rule names are
 //! all refused: nothing half-configured ever serves traffic.
 
+mod global;
 mod selection;
 mod values;
 
+pub use global::{Global, MAX_GLOBAL_KEYS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
 pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
     MAX_BUCKETS, MAX_CLUSTERS,
@@ -48,6 +50,9 @@ pub struct Config {
     /// The health endpoint.
     #[serde(default)]
     pub health: Option<Health>,
+    /// How rules with `"scope": "global"` reach the fleet-wide store.
+    #[serde(default)]
+    pub global: Option<Global>,
 }
 
 /// `load_shedding`: refuse new requests fast when the proxy already has this many in flight.
@@ -136,6 +141,20 @@ pub struct RateLimitRule {
     /// What the rule does with a request that lacks a key part.
     #[serde(default)]
     pub missing_key: MissingKey,
+    /// Whether the quota holds across the workers of this proxy or across the whole fleet.
+    #[serde(default)]
+    pub scope: Scope,
+}
+
+/// Where a rule's quota holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    /// Across the workers of one proxy (the default).
+    #[default]
+    Proxy,
+    /// Across every proxy of the fleet, through the store named in the `global` section.
+    Global,
 }
 
 fn default_capacity() -> Positive {
@@ -317,6 +336,12 @@ impl Config {
                     problem: format!("must be at most {MAX_CAPACITY}, got {}", rule.capacity.get()),
                 });
             }
+            if rule.scope == Scope::Global && self.global.is_none() {
+                return Err(ConfigError {
+                    path: at("scope"),
+                    problem: "\"global\" needs the top-level \"global\" section (the Envoy cluster of floodgate-sync)".into(),
+                });
+            }
             if let Some(first) = earlier_duplicate(&self.rate_limits, index, |r| &r.name) {
                 return Err(ConfigError {
                     path: at("name"),
@@ -332,6 +357,9 @@ impl Config {
         }
         if let Some(selection) = &self.cluster_selection {
             selection.validate()?;
+        }
+        if let Some(global) = &self.global {
+            global.validate()?;
         }
         if let Some(health) = &self.health {
             let odd = |c: char| c.is_control() || c.is_whitespace() || c == '?' || c == '#';
@@ -395,6 +423,9 @@ impl Config {
         if let Some(health) = &self.health {
             parts.push(format!("health endpoint {}", health.path));
         }
+        if let Some(global) = &self.global {
+            parts.push(global.summary());
+        }
         parts.join("; ")
     }
 
@@ -408,12 +439,13 @@ impl Config {
             .map(|r| {
                 let key: Vec<String> = r.key.iter().map(ToString::to_string).collect();
                 format!(
-                    "{} = {} per {} by [{}] ({} keys)",
+                    "{} = {} per {} by [{}] ({} keys{})",
                     r.name,
                     r.limit.get(),
                     r.window,
                     key.join(", "),
-                    r.capacity.get()
+                    r.capacity.get(),
+                    if r.scope == Scope::Global { ", global" } else { "" }
                 )
             })
             .collect();
@@ -439,6 +471,7 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
     let sections = [
         ("load_shedding", top.get("load_shedding")),
         ("health", top.get("health")),
+        ("global", top.get("global")),
         ("cluster_selection", selection),
         ("cluster_selection.concurrency_limit", selection.and_then(|s| s.get("concurrency_limit"))),
     ];

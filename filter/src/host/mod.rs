@@ -2,11 +2,13 @@
 //! plain values to the core, and turns the core's decisions into host calls. Nothing here
 //! decides anything.
 
+mod global;
 mod header_map;
 mod stats;
 mod store;
 
 use crate::config::{Config, KeyPart, RateLimitHeaders};
+use crate::global::{GlobalScope, VmNode};
 use crate::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::key::{self, KeyHasher, Source};
 use crate::ratelimit::reserve::Reserves;
@@ -62,6 +64,10 @@ struct Filter {
     selector: Option<Selector>,
     /// This VM's side of cluster selection (lease counts, recent weights).
     selection_vm: RefCell<VmState>,
+    /// Rules in global scope: how they reach the fleet's store.
+    global: Option<GlobalScope>,
+    /// This VM's side of the global scope (it outlives configurations).
+    global_node: Option<Rc<RefCell<VmNode>>>,
 }
 
 thread_local! {
@@ -98,9 +104,18 @@ fn local_count(record_key: &str) -> LocalCount {
 #[derive(Default)]
 struct FilterRoot {
     filter: Option<Rc<Filter>>,
+    /// When the per-second heartbeat last ran (the tick is faster with a global scope).
+    last_heartbeat: Option<UnixMillis>,
 }
 
-impl Context for FilterRoot {}
+impl Context for FilterRoot {
+    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+        let Some(filter) = &self.filter else { return };
+        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+            global::answered(scope, node, &filter.stats.global, token_id, num_headers, body_size, now());
+        }
+    }
+}
 
 impl RootContext for FilterRoot {
     fn on_configure(&mut self, _plugin_configuration_size: usize) -> bool {
@@ -136,9 +151,13 @@ impl RootContext for FilterRoot {
             old.limiter.drain(&EnvoyStore, &mut old.reserves.borrow_mut());
             old.report_reserved();
         }
+        let global = GlobalScope::new(&config, &namespace);
+        let global_node = global.as_ref().map(|_| global::node(&namespace, vm_id()));
+        // The heartbeat is every second; a global scope ticks every sync_interval (faster).
+        let tick_ms = global.as_ref().map_or(HEARTBEAT_MS, |g| g.interval_ms.min(HEARTBEAT_MS));
         let mut ticking = false;
         if shedder.is_some() || selector.is_some() || !config.rate_limits.is_empty() {
-            match hostcalls::set_tick_period(Duration::from_millis(HEARTBEAT_MS)) {
+            match hostcalls::set_tick_period(Duration::from_millis(tick_ms)) {
                 Ok(()) => ticking = true,
                 Err(status) => log::warn!(
                     "floodgate: no tick ({status:?}): in-flight heartbeats and quota reserves disabled"
@@ -163,6 +182,8 @@ impl RootContext for FilterRoot {
             shedder,
             selector,
             selection_vm: RefCell::new(VmState::new(vm_id(), cluster_leases)),
+            global,
+            global_node,
             config,
         }));
         true
@@ -171,6 +192,16 @@ impl RootContext for FilterRoot {
     fn on_tick(&mut self) {
         let Some(filter) = &self.filter else { return };
         let now = now();
+        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+            global::tick(scope, node, &filter.stats.global, vm_id(), now);
+        }
+        let due = self
+            .last_heartbeat
+            .is_none_or(|last| now.saturating_since(last) >= HEARTBEAT_MS || last > now);
+        if !due {
+            return;
+        }
+        self.last_heartbeat = Some(now);
         filter.limiter.heartbeat(&EnvoyStore, &mut filter.reserves.borrow_mut(), now);
         filter.report_reserved();
         if let Some(shedder) = &filter.shedder {
@@ -314,11 +345,21 @@ impl FilterStream {
             return None;
         }
         let mut skipped = Vec::new();
-        let probes = key::probes(&filter.config, &filter.hasher, |source| headers.fetch(source), &mut skipped);
+        let fleet = filter.global.as_ref().map(|g| &g.hasher);
+        let mut probes = key::probes(&filter.config, &filter.hasher, fleet, |source| headers.fetch(source), &mut skipped);
+        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+            scope.annotate(&node.borrow(), &mut probes, now);
+        }
         for rule in skipped {
             increment(filter.stats.rule(rule).skipped);
         }
         let verdict = filter.limiter.check(&EnvoyStore, &mut filter.reserves.borrow_mut(), &probes, now, 1);
+        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+            // An admission counts fleet-wide; a refusal asks for the key's fleet-wide count.
+            let cost = u32::from(matches!(verdict, Verdict::Admitted { .. }));
+            let dropped = scope.count(&mut node.borrow_mut(), &probes, now, cost);
+            stats::add_count(filter.stats.global.dropped, dropped);
+        }
         match &verdict {
             Verdict::Admitted { standings, evictions } => {
                 for standing in standings {

@@ -24,11 +24,19 @@
 //! | `<prefix>.cluster.<cluster>.in_flight` | gauge | leases held on the cluster, proxy-wide, refreshed every second |
 //! | `<prefix>.cluster_selection.exhausted` | counter | requests refused with 503: no cluster had room |
 //! | `<prefix>.cluster_selection.contention` | counter | lease or outcome writes that ran out of CAS attempts |
+//! | `<prefix>.global.batches` | counter | batches sent to `floodgate-sync` (retries included) |
+//! | `<prefix>.global.confirmed` | counter | batches the store confirmed |
+//! | `<prefix>.global.failures` | counter | batches that failed (a non-`200`, no answer, an unreadable answer), to be sent again |
+//! | `<prefix>.global.counters` | counter | counters sent in batches |
+//! | `<prefix>.global.dropped` | counter | admitted requests never sent to the store: their bucket ended first, or the VM's buffer was full |
+//! | `<prefix>.global.errors` | counter | shared-data errors met by the global machinery |
+//! | `<prefix>.global.staleness_ms` | gauge | how long ago the proxy's last batch was confirmed (its view of the fleet's counts is that old), refreshed every `sync_interval` |
+//! | `<prefix>.global.view_keys` | gauge | keys whose fleet-wide counts the proxy knows |
 //!
 //! A cluster name's characters other than letters, digits, `-`, `_` and `.` appear as `_` in
 //! metric names (`outbound|80||a.b` → `outbound_80__a.b`).
 
-use crate::config::Config;
+use crate::config::{Config, Scope};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
@@ -66,6 +74,29 @@ pub struct Stats {
     pub exhausted: Option<u32>,
     /// Cluster-record writes that ran out of attempts.
     pub selection_contention: Option<u32>,
+    /// The global scope's, when a rule is in it.
+    pub global: GlobalStats,
+}
+
+/// Metric ids of the global scope.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GlobalStats {
+    /// Batches sent.
+    pub batches: Option<u32>,
+    /// Batches confirmed.
+    pub confirmed: Option<u32>,
+    /// Batches failed.
+    pub failures: Option<u32>,
+    /// Counters sent.
+    pub counters: Option<u32>,
+    /// Admissions never sent.
+    pub dropped: Option<u32>,
+    /// Shared-data errors.
+    pub errors: Option<u32>,
+    /// Gauge: age of the last confirmed batch.
+    pub staleness_ms: Option<u32>,
+    /// Gauge: keys in the view.
+    pub view_keys: Option<u32>,
 }
 
 /// Metric ids of one cluster.
@@ -167,7 +198,23 @@ impl Stats {
                 })
                 .collect()
         });
+        let global = if config.global.is_some() && config.rate_limits.iter().any(|r| r.scope == Scope::Global) {
+            let name = |what: &str| format!("{prefix}.global.{what}");
+            GlobalStats {
+                batches: counter(&name("batches")),
+                confirmed: counter(&name("confirmed")),
+                failures: counter(&name("failures")),
+                counters: counter(&name("counters")),
+                dropped: counter(&name("dropped")),
+                errors: counter(&name("errors")),
+                staleness_ms: gauge(&name("staleness_ms")),
+                view_keys: gauge(&name("view_keys")),
+            }
+        } else {
+            GlobalStats::default()
+        };
         Stats {
+            global,
             rules,
             shed,
             shed_contention,
@@ -186,6 +233,15 @@ impl Stats {
     /// The ids of rule `index` (all absent for an unknown index).
     pub fn rule(&self, index: usize) -> RuleStats {
         self.rules.get(index).copied().unwrap_or_default()
+    }
+}
+
+/// Adds `n` to a counter (nothing for 0).
+pub fn add_count(id: Option<u32>, n: u64) {
+    if let (Some(id), Ok(n @ 1..)) = (id, i64::try_from(n)) {
+        if let Err(status) = hostcalls::increment_metric(id, n) {
+            log::debug!("metric {id} not incremented: {status:?}");
+        }
     }
 }
 

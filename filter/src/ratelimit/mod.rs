@@ -24,6 +24,7 @@ pub mod table;
 pub mod window;
 
 use crate::config::{Config, Name};
+use crate::global::FleetKey;
 use crate::store::{write_back, SharedStore, Stored, StoreError};
 use crate::time::UnixMillis;
 use reserve::{Leftover, Reserves};
@@ -76,6 +77,18 @@ pub struct Probe {
     pub rule: usize,
     /// The keyed hash of the request's key.
     pub key_hash: u64,
+    /// For a rule in global scope: the key's fleet-wide id.
+    pub fleet: Option<FleetKey>,
+    /// For a rule in global scope: what the other proxies of the fleet admitted for the key, as
+    /// last synced ([`crate::global`]); added to this proxy's counts in every decision.
+    pub remote: Counts,
+}
+
+impl Probe {
+    /// A probe of a rule in proxy scope.
+    pub fn new(rule: usize, key_hash: u64) -> Probe {
+        Probe { rule, key_hash, fleet: None, remote: Counts::default() }
+    }
 }
 
 /// Where a key stands against one rule.
@@ -225,10 +238,17 @@ impl Limiter {
                 pending.push(*probe);
                 continue;
             };
-            match reserves.take(*probe, table.window.phase(now).bucket_index, cost) {
-                Some(counts) => {
-                    standings.push(standing(table, probe.rule, counts, now, cost));
+            let phase = table.window.phase(now);
+            match reserves.take(*probe, phase.bucket_index, cost) {
+                // Other proxies' counts grow between syncs: a reserve counted before them is
+                // only used while the whole estimate still fits.
+                Some(counts) if probe.remote.is_zero() || table.window.fits(counts.sum(probe.remote), phase.elapsed_ms, table.limit) => {
+                    standings.push(standing(table, probe.rule, counts.sum(probe.remote), now, cost));
                     taken.push(*probe);
+                }
+                Some(_) => {
+                    reserves.untake(*probe, cost);
+                    pending.push(*probe);
                 }
                 None => pending.push(*probe),
             }
@@ -337,7 +357,7 @@ impl Limiter {
         let set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
         let leftover = reserves.leftover(probe, phase.bucket_index);
         let counts = leftover.remove_from(set.counts_of(fingerprint(probe.key_hash)), phase.bucket_index);
-        let admits = table.window.admits(counts, phase.elapsed_ms, cost, table.limit);
+        let admits = table.window.admits(counts.sum(probe.remote), phase.elapsed_ms, cost, table.limit);
         Ok(Read {
             probe,
             key,
@@ -353,7 +373,7 @@ impl Limiter {
     /// request reports where it stands after counting (computed once, in [`Limiter::commit`]).
     fn standing_before(&self, read: &Read, now: UnixMillis, cost: u32) -> Standing {
         match self.table(read.probe.rule) {
-            Some(table) => standing(table, read.probe.rule, read.counts, now, cost),
+            Some(table) => standing(table, read.probe.rule, read.counts.sum(read.probe.remote), now, cost),
             None => self.blank_standing(read.probe, now),
         }
     }
@@ -384,14 +404,14 @@ impl Limiter {
                 set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index)
                     .rolled_to(phase.bucket_index);
                 counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
-                if !table.window.admits(counts, phase.elapsed_ms, cost, table.limit) {
+                if !table.window.admits(counts.sum(first.probe.remote), phase.elapsed_ms, cost, table.limit) {
                     return Err(Violation {
-                        standing: standing(table, first.probe.rule, counts, now, cost),
+                        standing: standing(table, first.probe.rule, counts.sum(first.probe.remote), now, cost),
                         cause: Cause::OverLimit,
                     });
                 }
             }
-            let after = counts.plus(cost);
+            let after = counts.plus(cost).sum(first.probe.remote);
             let added = set.add(fp, cost, table.window, phase.elapsed_ms);
             // Units are only reserved on an entry: they can be given back from there.
             let grant = if added.resident {

@@ -215,7 +215,7 @@ impl Reserves {
                 }
                 let leftover = Leftover { bucket_index: slot.bucket_index, units: slot.units };
                 if current.is_some_and(|b| slot.bucket_index.saturating_add(1) >= b) {
-                    returns.push(Return { probe: Probe { rule, key_hash }, leftover });
+                    returns.push(Return { probe: Probe::new(rule, key_hash), leftover });
                 }
                 slot.units = 0;
             }
@@ -247,7 +247,7 @@ impl Reserves {
             .drain()
             .filter(|(_, slot)| slot.units > 0)
             .map(|((rule, key_hash), slot)| Return {
-                probe: Probe { rule, key_hash },
+                probe: Probe::new(rule, key_hash),
                 leftover: Leftover { bucket_index: slot.bucket_index, units: slot.units },
             })
             .collect()

@@ -73,8 +73,8 @@ proptest! {
             if tick == 0 {
                 limiter.heartbeat(&store, &mut reserves, UnixMillis(now));
             }
-            let mut probes = vec![Probe { rule: 0, key_hash: key * 7919 + 1 }];
-            if both { probes.push(Probe { rule: 1, key_hash: key * 104_729 + 3 }); }
+            let mut probes = vec![Probe::new(0, key * 7919 + 1)];
+            if both { probes.push(Probe::new(1, key * 104_729 + 3)); }
             let ours = admitted(&limiter.check(&store, &mut reserves, &probes, UnixMillis(now), 1));
             prop_assert_eq!(ours, reference.check(&limiter, &probes, UnixMillis(now)), "at {} key {}", now, key);
         }
@@ -94,7 +94,7 @@ proptest! {
         let store = MemoryStore::new();
         let mut vms = [Reserves::new(), Reserves::new(), Reserves::new()];
         let mut reference = Reference::default();
-        let probe = [Probe { rule: 0, key_hash: 77 }];
+        let probe = [Probe::new(0, 77)];
         let mut now = 1_700_000_000_000u64;
         for (vm, gap, tick) in picks {
             now += gap;
@@ -118,7 +118,7 @@ proptest! {
         let store = MemoryStore::new();
         let mut vms = [Reserves::new(), Reserves::new(), Reserves::new()];
         let now = UnixMillis(1_700_000_000_000);
-        let probe = [Probe { rule: 0, key_hash: 77 }];
+        let probe = [Probe::new(0, 77)];
         let mut admitted_total = 0u32;
         for (vm, tick) in picks {
             if tick == 0 {
@@ -150,7 +150,7 @@ proptest! {
     ) {
         let limiter = Limiter::new(&config(&rule("a", limit, "2s", 64)), "t");
         let store = MemoryStore::new();
-        let probes = [Probe { rule: 0, key_hash: 42 }];
+        let probes = [Probe::new(0, 42)];
         let mut now = 1_700_000_000_000 + start;
         let mut refusal = None;
         for _ in 0..limit + extra {
@@ -181,7 +181,7 @@ fn grants_start_at_nothing_double_and_vanish_near_the_limit() {
     let limiter = Limiter::new(&config(&rule("a", 200, "1h", 64)), "t");
     let store = MemoryStore::new();
     let mut reserves = Reserves::new();
-    let probe = Probe { rule: 0, key_hash: 5 };
+    let probe = Probe::new(0, 5);
     let now = UnixMillis(1_700_000_000_000);
     let bucket = limiter.tables()[0].window.phase(now).bucket_index;
     let mut writes = Vec::new();
@@ -213,7 +213,7 @@ fn leftover_units_go_back_at_the_next_bucket_and_at_idle_heartbeats() {
     let limiter = Limiter::new(&config(&rule("a", 1000, "1m", 64)), "t");
     let store = MemoryStore::new();
     let mut reserves = Reserves::new();
-    let probe = Probe { rule: 0, key_hash: 5 };
+    let probe = Probe::new(0, 5);
     let start = UnixMillis(1_700_000_040_000); // a multiple of the window
     let bucket = limiter.tables()[0].window.phase(start).bucket_index;
     for _ in 0..10 {
@@ -246,8 +246,8 @@ fn a_refusal_by_another_rule_puts_reserved_units_back() {
     let store = MemoryStore::new();
     let mut reserves = Reserves::new();
     let now = UnixMillis(1_700_000_000_000);
-    let wide = Probe { rule: 0, key_hash: 1 };
-    let narrow = Probe { rule: 1, key_hash: 2 };
+    let wide = Probe::new(0, 1);
+    let narrow = Probe::new(1, 2);
     // Writes grant 0, 1, 2 units: after 5 requests the VM holds 1 unit of 6 counted.
     for _ in 0..5 {
         assert!(admitted(&limiter.check(&store, &mut reserves, &[wide], now, 1)));
@@ -280,7 +280,7 @@ fn concurrent_workers_never_lose_an_update() {
             let (limiter, store) = (limiter.clone(), store.clone());
             std::thread::spawn(move || {
                 (0..250)
-                    .filter(|_| admitted(&limiter.check(&*store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: 9 }], now, 1)))
+                    .filter(|_| admitted(&limiter.check(&*store, &mut Reserves::disabled(), &[Probe::new(0, 9)], now, 1)))
                     .count()
             })
         })
@@ -316,7 +316,7 @@ impl SharedStore for Interfering {
 fn cas_mismatches_are_retried_and_nothing_is_lost() {
     let limiter = Limiter::new(&config(&rule("a", 10, "1m", 64)), "t");
     let store = Interfering { inner: MemoryStore::new(), mismatches: Cell::new(0) };
-    let probes = [Probe { rule: 0, key_hash: 5 }];
+    let probes = [Probe::new(0, 5)];
     let now = UnixMillis(1_700_000_000_000);
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1)));
     store.mismatches.set(MAX_ATTEMPTS - 1);
@@ -332,7 +332,7 @@ fn cas_mismatches_are_retried_and_nothing_is_lost() {
 fn exhausted_attempts_reject_as_contention_and_count_nothing() {
     let limiter = Limiter::new(&config(&rule("a", 10, "1m", 64)), "t");
     let store = Interfering { inner: MemoryStore::new(), mismatches: Cell::new(0) };
-    let probes = [Probe { rule: 0, key_hash: 5 }];
+    let probes = [Probe::new(0, 5)];
     let now = UnixMillis(1_700_000_000_000);
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1)));
     store.mismatches.set(MAX_ATTEMPTS);
@@ -351,7 +351,7 @@ fn a_refused_request_consumes_no_quota_of_any_rule() {
     let limiter = Limiter::new(&config(&[rule("wide", 100, "1m", 64), rule("narrow", 2, "1m", 64)].join(",")), "t");
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
-    let both = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
+    let both = [Probe::new(0, 1), Probe::new(1, 2)];
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, now, 1)));
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, now, 1)));
     for _ in 0..5 {
@@ -385,7 +385,7 @@ fn a_lost_race_on_a_later_rule_takes_back_the_earlier_ones() {
         }
         fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
             if self.armed.replace(false) {
-                let other = [Probe { rule: 1, key_hash: 2 }];
+                let other = [Probe::new(1, 2)];
                 assert!(admitted(&self.limiter.check(&self.inner, &mut Reserves::disabled(), &other, UnixMillis(1_700_000_000_000), 1)));
             }
             self.inner.set(key, value, cas)
@@ -394,7 +394,7 @@ fn a_lost_race_on_a_later_rule_takes_back_the_earlier_ones() {
     let limiter = Limiter::new(&config(&[rule("wide", 100, "1m", 64), rule("narrow", 1, "1m", 64)].join(",")), "t");
     let store = Racing { inner: MemoryStore::new(), limiter: &limiter, armed: Cell::new(true) };
     let now = UnixMillis(1_700_000_000_000);
-    let both = [Probe { rule: 0, key_hash: 1 }, Probe { rule: 1, key_hash: 2 }];
+    let both = [Probe::new(0, 1), Probe::new(1, 2)];
     match limiter.check(&store, &mut Reserves::disabled(), &both, now, 1) {
         Verdict::Rejected { violations } => assert_eq!(violations[0].standing.rule, 1),
         other => panic!("{other:?}"),
@@ -416,7 +416,7 @@ fn a_full_table_stays_bounded_and_never_loosens_a_quota() {
         for key in 0..10_000u64 {
             let hash = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ round;
             let hash = hash & !0xff | (key & 0xff); // keep keys distinct
-            if admitted(&limiter.check(&store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: hash }], now, 1)) {
+            if admitted(&limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, hash)], now, 1)) {
                 *admitted_per_key.entry(hash).or_default() += 1;
             }
         }
@@ -433,7 +433,7 @@ fn a_steady_key_keeps_its_quota_under_a_flood_of_other_keys() {
     let limiter = Limiter::new(&config(&rule("a", 50, "1h", 64)), "t");
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
-    let steady = [Probe { rule: 0, key_hash: 1 }];
+    let steady = [Probe::new(0, 1)];
     let mut steady_admitted = 0;
     for i in 0..40u64 {
         if admitted(&limiter.check(&store, &mut Reserves::disabled(), &steady, now, 1)) {
@@ -441,7 +441,7 @@ fn a_steady_key_keeps_its_quota_under_a_flood_of_other_keys() {
         }
         for j in 0..20u64 {
             let flood_key = (i * 20 + j + 7).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            limiter.check(&store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: flood_key }], now, 1);
+            limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, flood_key)], now, 1);
         }
     }
     assert_eq!(steady_admitted, 40);
@@ -464,7 +464,7 @@ fn a_flood_of_one_shot_keys_locks_no_well_behaved_key_out() {
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
     let mut reserves = Reserves::new();
-    let mut check = |hash: u64| admitted(&limiter.check(&store, &mut reserves, &[Probe { rule: 0, key_hash: hash }], now, 1));
+    let mut check = |hash: u64| admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, hash)], now, 1));
     let mix = |n: u64| n.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(23);
     let established = mix(1);
     let mut established_admitted = 0;
@@ -495,7 +495,7 @@ fn a_corrupt_record_is_not_trusted_and_gets_replaced() {
     let store = MemoryStore::new();
     let key = format!("{}0", limiter.tables()[0].key_prefix);
     store.set(&key, b"\x01garbage", None).unwrap();
-    let probes = [Probe { rule: 0, key_hash: 8 }];
+    let probes = [Probe::new(0, 8)];
     let now = UnixMillis(1_700_000_000_000);
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1)));
     assert!(table::Set::decode(&store.get(&key).unwrap().unwrap().value).is_ok());
@@ -513,7 +513,7 @@ fn namespaces_and_rule_definitions_separate_counters() {
     assert_eq!(prefix(&a), prefix(&d));
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
-    let probes = [Probe { rule: 0, key_hash: 9 }];
+    let probes = [Probe::new(0, 9)];
     let check = |l: &Limiter| admitted(&l.check(&store, &mut Reserves::disabled(), &probes, now, 1));
     assert!(check(&a) && check(&a) && !check(&a), "a's limit of 2");
     assert!(check(&d), "a new limit applies to the existing counters");
@@ -532,7 +532,7 @@ fn changing_a_rule_any_number_of_times_reuses_its_records() {
         let limiter = Limiter::new(&config(&rule("a", 100, window, capacity)), "t");
         for key in 0..2_000u64 {
             let hash = key.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            limiter.check(&store, &mut Reserves::disabled(), &[Probe { rule: 0, key_hash: hash }], now, 1);
+            limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, hash)], now, 1);
         }
     }
     assert_eq!(store.len(), 64 / 4 + 1, "the largest capacity's records and the token key");
@@ -545,7 +545,7 @@ fn unused_units_of_the_last_bucket_do_not_count_against_their_owner() {
     let limiter = Limiter::new(&config(&rule("a", 100, "1m", 64)), "t");
     let store = MemoryStore::new();
     let (mut a, mut b) = (Reserves::new(), Reserves::disabled());
-    let probe = [Probe { rule: 0, key_hash: 3 }];
+    let probe = [Probe::new(0, 3)];
     let start = UnixMillis(1_700_000_040_000); // a multiple of the window
     // Writes grant 0, 1, 2, 4 units: after 8 requests A holds 3 of the 11 counted.
     for _ in 0..8 {
@@ -573,10 +573,10 @@ fn a_vm_follows_a_bounded_number_of_keys_and_forgets_idle_ones() {
     let mut reserves = Reserves::new();
     let now = UnixMillis(1_700_000_000_000);
     for key in 0..MAX_KEYS as u64 + 100 {
-        assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe { rule: 0, key_hash: key + 1 }], now, 1)));
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, key + 1)], now, 1)));
     }
     assert_eq!(reserves.followed(), MAX_KEYS);
-    let hot = Probe { rule: 0, key_hash: 1 };
+    let hot = Probe::new(0, 1);
     limiter.heartbeat(&store, &mut reserves, now);
     assert!(admitted(&limiter.check(&store, &mut reserves, &[hot], now, 1)));
     limiter.heartbeat(&store, &mut reserves, now);
@@ -595,7 +595,7 @@ fn a_heartbeat_gives_back_a_bounded_number_of_reserves_and_the_next_one_the_rest
     // 2 units, which stay unused.
     for key in 1..=keys {
         for _ in 0..4 {
-            assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe { rule: 0, key_hash: key }], now, 1)));
+            assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, key)], now, 1)));
         }
     }
     assert_eq!(reserves.held(1), vec![2 * keys]);
@@ -608,6 +608,6 @@ fn a_heartbeat_gives_back_a_bounded_number_of_reserves_and_the_next_one_the_rest
     assert_eq!(reserves.followed(), 0);
     let bucket = limiter.tables()[0].window.phase(now).bucket_index;
     for key in 1..=keys {
-        assert_eq!(stored_counts(&store, &limiter, Probe { rule: 0, key_hash: key }, bucket).current, 4, "key {key}");
+        assert_eq!(stored_counts(&store, &limiter, Probe::new(0, key), bucket).current, 4, "key {key}");
     }
 }

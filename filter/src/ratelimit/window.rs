@@ -61,6 +61,14 @@ impl Counts {
     pub fn is_zero(self) -> bool {
         self.previous == 0 && self.current == 0
     }
+
+    /// Componentwise sum, saturating.
+    pub fn sum(self, other: Counts) -> Counts {
+        Counts {
+            previous: self.previous.saturating_add(other.previous),
+            current: self.current.saturating_add(other.current),
+        }
+    }
 }
 
 /// A window length and the arithmetic of the sliding estimate over it.
@@ -119,6 +127,12 @@ impl Window {
         let w = u128::from(self.length_ms.get());
         let with_cost = self.scaled_estimate(counts.plus(cost), elapsed_ms);
         with_cost <= u128::from(limit.get()).saturating_mul(w)
+    }
+
+    /// Whether `counts` (a request already counted in them) are within the limit.
+    pub fn fits(self, counts: Counts, elapsed_ms: u64, limit: NonZeroU32) -> bool {
+        let w = u128::from(self.length_ms.get());
+        self.scaled_estimate(counts, elapsed_ms) <= u128::from(limit.get()).saturating_mul(w)
     }
 
     /// How many more requests of cost 1 would be admitted now (the `r` of `RateLimit`).

@@ -1,0 +1,168 @@
+//! `global`: how the rules with `"scope": "global"` reach the fleet-wide store, through the
+//! `floodgate-sync` ambassador (an Envoy cluster the filter calls over HTTP).
+
+use super::selection::ClusterName;
+use super::values::{DurationMs, Positive};
+use super::ConfigError;
+use serde::Deserialize;
+
+/// The shortest accepted `sync_interval`.
+pub const MIN_SYNC_INTERVAL_MS: u64 = 10;
+/// The longest accepted `sync_interval`.
+pub const MAX_SYNC_INTERVAL_MS: u64 = 60_000;
+/// The most keys per rule a proxy may keep fleet-wide counts of.
+pub const MAX_GLOBAL_KEYS: u32 = 65_536;
+/// The path of `floodgate-sync`'s batch endpoint.
+pub const SYNC_PATH: &str = "/v1/sync";
+
+/// `global`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Global {
+    /// The Envoy cluster of `floodgate-sync` (in Istio, `outbound|PORT||HOST`).
+    pub cluster: ClusterName,
+    /// The `:authority` of the calls (default: the cluster name).
+    #[serde(default)]
+    pub authority: Option<String>,
+    /// Each proxy sends at most one batch per interval (default 100 ms).
+    #[serde(default = "default_sync_interval")]
+    pub sync_interval: DurationMs,
+    /// How long a batch call may take before it counts as failed and is sent again (default 1 s).
+    #[serde(default = "default_timeout")]
+    pub timeout: DurationMs,
+    /// Keys per global rule whose fleet-wide counts a proxy keeps (default 4096).
+    #[serde(default = "default_max_keys")]
+    pub max_keys: Positive,
+    /// A secret mixed into the fleet-wide key hashes, the same on every proxy of the fleet, so
+    /// that the store's key names do not reveal client keys to whoever can read the store.
+    #[serde(default)]
+    pub key_secret: Option<String>,
+}
+
+fn default_sync_interval() -> DurationMs {
+    DurationMs::from_ms(100).unwrap_or(DurationMs::MIN)
+}
+
+fn default_timeout() -> DurationMs {
+    DurationMs::from_ms(1000).unwrap_or(DurationMs::MIN)
+}
+
+fn default_max_keys() -> Positive {
+    Positive::new(4096).unwrap_or(Positive::ONE)
+}
+
+impl Global {
+    /// The `:authority` of the batch calls.
+    pub fn authority(&self) -> &str {
+        self.authority.as_deref().unwrap_or(self.cluster.as_str())
+    }
+
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        let error = |field: &str, problem: String| ConfigError {
+            path: format!("global.{field}"),
+            problem,
+        };
+        let interval = self.sync_interval.get().get();
+        if !(MIN_SYNC_INTERVAL_MS..=MAX_SYNC_INTERVAL_MS).contains(&interval) {
+            return Err(error(
+                "sync_interval",
+                format!(
+                    "must be between {MIN_SYNC_INTERVAL_MS}ms and {}s, got {}",
+                    MAX_SYNC_INTERVAL_MS / 1000,
+                    self.sync_interval
+                ),
+            ));
+        }
+        if self.timeout.get().get() > MAX_SYNC_INTERVAL_MS {
+            return Err(error(
+                "timeout",
+                format!("must be at most {}s, got {}", MAX_SYNC_INTERVAL_MS / 1000, self.timeout),
+            ));
+        }
+        if self.max_keys.get().get() > MAX_GLOBAL_KEYS {
+            return Err(error(
+                "max_keys",
+                format!("must be at most {MAX_GLOBAL_KEYS}, got {}", self.max_keys.get()),
+            ));
+        }
+        if let Some(authority) = &self.authority {
+            let host_char = |c: char| c.is_ascii_alphanumeric() || "-._~:[]%".contains(c);
+            if authority.is_empty() || authority.len() > 255 || !authority.chars().all(host_char) {
+                return Err(error(
+                    "authority",
+                    format!("{authority:?} is not a host (letters, digits, '-', '.', '_', '~', ':', '[', ']')"),
+                ));
+            }
+        }
+        if let Some(secret) = &self.key_secret {
+            if secret.len() < 16 {
+                return Err(error(
+                    "key_secret",
+                    "must be at least 16 characters (it keeps key values private from the store's readers)".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A one-line summary for the configure-time log.
+    pub fn summary(&self) -> String {
+        format!(
+            "global store via cluster {} every {} (timeout {}, {} keys per rule{})",
+            self.cluster,
+            self.sync_interval,
+            self.timeout,
+            self.max_keys.get(),
+            if self.key_secret.is_some() { ", keyed" } else { "" }
+        )
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use crate::config::{Config, Scope};
+
+    fn error_of(json: &str) -> String {
+        Config::parse(json.as_bytes()).unwrap_err().to_string()
+    }
+
+    const RULE: &str = r#"{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"global"}"#;
+
+    #[test]
+    fn the_global_section_parses_with_defaults() {
+        let config = Config::parse(format!(r#"{{"rate_limits":[{RULE}],"global":{{"cluster":"floodgate-sync"}}}}"#).as_bytes()).unwrap();
+        assert_eq!(config.rate_limits[0].scope, Scope::Global);
+        let global = config.global.unwrap();
+        assert_eq!(global.authority(), "floodgate-sync");
+        assert_eq!(global.sync_interval.get().get(), 100);
+        assert_eq!(global.timeout.get().get(), 1000);
+        assert_eq!(global.max_keys.get().get(), 4096);
+        assert_eq!(global.key_secret, None);
+        let proxy = Config::parse(br#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m"}]}"#).unwrap();
+        assert_eq!(proxy.rate_limits[0].scope, Scope::Proxy);
+    }
+
+    #[test]
+    fn global_errors_are_named() {
+        let with = |global: &str| format!(r#"{{"rate_limits":[{RULE}],"global":{global}}}"#);
+        for (json, expected) in [
+            (format!(r#"{{"rate_limits":[{RULE}]}}"#), r#"rate_limits[0].scope: "global" needs the top-level "global" section"#),
+            (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"fleet"}]}"#.into(), "rate_limits[0].scope: unknown variant `fleet`"),
+            (with("{}"), "global: missing field `cluster`"),
+            (with(r#"{"cluster":""}"#), r#"global.cluster: "" is not a valid cluster name"#),
+            (with(r#"{"cluster":"s","sync_interval":"5ms"}"#), "global.sync_interval: must be between 10ms and 60s, got 5ms"),
+            (with(r#"{"cluster":"s","sync_interval":"2m"}"#), "global.sync_interval: must be between 10ms and 60s, got 2m"),
+            (with(r#"{"cluster":"s","timeout":"61s"}"#), "global.timeout: must be at most 60s, got 61s"),
+            (with(r#"{"cluster":"s","max_keys":0}"#), "global.max_keys: must be a positive integer"),
+            (with(r#"{"cluster":"s","max_keys":70000}"#), "global.max_keys: must be at most 65536, got 70000"),
+            (with(r#"{"cluster":"s","authority":"a b"}"#), r#"global.authority: "a b" is not a host"#),
+            (with(r#"{"cluster":"s","key_secret":"short"}"#), "global.key_secret: must be at least 16 characters"),
+            (with(r#"{"cluster":"s","interval":"1s"}"#), "global.interval: unknown field `interval`"),
+            (with(r#"["s"]"#), "global: must be a JSON object"),
+        ] {
+            let err = error_of(&json);
+            assert!(err.starts_with(expected), "{json}\n  got: {err}\n want: {expected}");
+        }
+    }
+}

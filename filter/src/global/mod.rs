@@ -1,0 +1,472 @@
+//! Global scope: one quota across every proxy of the fleet (seed `000_60c4a26782fd3f17.txt`
+//! §17.3.2, "Distributed implementation"): the counts live in Redis, reached through the
+//! `floodgate-sync` ambassador; updates are batched in memory and flushed asynchronously; when the
+//! store is unreachable, decisions go on on the last state read from it.
+//!
+//! Decisions stay local and exact within the proxy: a rule in global scope counts this proxy's
+//! admissions in its table as a rule in proxy scope does, and adds what the other proxies
+//! admitted, as last synced ([`view`]):
+//!
+//! ```text
+//! estimate(key) = local counts (this proxy, exact across its workers)
+//!               + remote counts (the fleet's total less this proxy's confirmed part, last sync)
+//! ```
+//!
+//! The flow, once per `sync_interval`: every worker moves its admissions ([`outbox::Deltas`],
+//! merged per key and bucket) into a shared-data outbox; the proxy's one flusher
+//! ([`flusher`], elected through shared data) takes the outboxes, sends one batch to
+//! `floodgate-sync` (`POST /v1/sync`, [`protocol`]), and writes the totals it gets back into the
+//! view, which every worker copies on its next tick. No request waits on the store.
+//!
+//! **Overshoot.** A proxy learns of the other proxies' admissions one sync later: an outbox
+//! move (≤ 1 interval), the flusher's next send (≤ 1 interval), the call, and the workers' next
+//! view refresh (≤ 1 interval). With `D` that delay (about 3 intervals plus the call's round
+//! trip) and `R` the key's fleet-wide rate, spread over `P` proxies, the fleet admits at most about
+//! `limit + R·D·(P − 1)/P` per window: each proxy can admit what the others admitted during the
+//! last `D` before the limit was reached. Quota reserves (a worker's units counted ahead) add at
+//! most 16 units per worker. `docs/global.md` gives the measured figures.
+//!
+//! **Store down.** Batches fail and are sent again unchanged (exactly once: [`flusher`]); new
+//! admissions wait in the outboxes, merged per key, and decisions use the last view. When the
+//! store is back, everything pending is applied once and the views catch up.
+
+pub mod flusher;
+pub mod outbox;
+pub mod protocol;
+pub mod view;
+
+use crate::config::{Config, Scope};
+use crate::ratelimit::Probe;
+use crate::store::{write_back, SharedStore, StoreError};
+use crate::time::UnixMillis;
+use flusher::{Answer, Failure, Flusher};
+use outbox::{Delta, Deltas, OUTBOXES, OUTBOX_CAPACITY};
+use siphasher::sip128::{Hasher128, SipHasher13};
+use std::hash::Hasher;
+use view::{record_of, ViewCache, ViewIndex, ViewRecord, REFRESH_AFTER_INTERVALS, REFRESH_PER_BATCH, VIEW_RECORDS};
+
+/// Deltas a worker keeps in memory at most while its outbox is full.
+pub const MAX_VM_DELTAS: usize = 4096;
+/// A batch with nothing but refreshes goes out at most this often (ms).
+pub const REFRESH_ONLY_EVERY_MS: u64 = 1000;
+/// Compare-and-swap attempts on one record.
+const MAX_ATTEMPTS: u32 = 16;
+
+/// A key's fleet-wide id: a 128-bit SipHash-1-3 of the rule name and the key's parts, under
+/// the fleet's `key_secret` (the same on every proxy, unlike each proxy's own key seed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FleetKey(pub u128);
+
+/// The keys of fleet-wide key hashes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FleetHasher {
+    k0: u64,
+    k1: u64,
+}
+
+impl FleetHasher {
+    /// The hasher of a fleet with `secret` (or of every fleet without one).
+    pub fn new(secret: Option<&str>) -> FleetHasher {
+        let derive = |salt: u64| {
+            let mut h = SipHasher13::new_with_keys(salt, !salt);
+            h.write(secret.unwrap_or("").as_bytes());
+            h.finish()
+        };
+        FleetHasher {
+            k0: derive(0x666c_6f6f_6467_6174),
+            k1: derive(0x6669_656c_645f_6b65),
+        }
+    }
+
+    /// The fleet-wide id of a key of rule `rule` (its name) with these parts (`None`: missing),
+    /// framed as [`crate::key::KeyHasher::hash`] frames them.
+    pub fn hash<'a>(&self, rule: &str, parts: impl IntoIterator<Item = Option<&'a [u8]>>) -> FleetKey {
+        let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
+        h.write_u64(rule.len() as u64);
+        h.write(rule.as_bytes());
+        for part in parts {
+            match part {
+                Some(bytes) => {
+                    h.write_u64(bytes.len() as u64);
+                    h.write(bytes);
+                }
+                None => h.write_u64(u64::MAX),
+            }
+        }
+        FleetKey(h.finish128().as_u128())
+    }
+}
+
+/// A rule in global scope, as the global machinery needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GlobalRule {
+    /// A stable id: a hash of the rule's name (indices change with configurations).
+    pub id: u64,
+    /// The window.
+    pub window_ms: u64,
+}
+
+/// The global scope of one configuration, shared by reference.
+#[derive(Clone, Debug)]
+pub struct GlobalScope {
+    /// Per rule, in configuration order: `Some` for rules in global scope.
+    pub rules: Vec<Option<GlobalRule>>,
+    /// The fleet-wide key hasher.
+    pub hasher: FleetHasher,
+    /// The Envoy cluster of floodgate-sync.
+    pub cluster: String,
+    /// The calls' `:authority`.
+    pub authority: String,
+    /// The interval between syncs, ms.
+    pub interval_ms: u64,
+    /// A call's timeout, ms.
+    pub timeout_ms: u64,
+    /// View entries per record at most.
+    view_capacity: usize,
+    lease_key: String,
+    outbox_keys: Vec<String>,
+    index_key: String,
+    view_keys: Vec<String>,
+}
+
+/// One worker VM's side of the global scope: its admissions not yet moved to an outbox, its
+/// copy of the view, and its flusher. It lives as long as the VM, across configurations.
+#[derive(Clone, Debug)]
+pub struct VmNode {
+    /// Admissions not yet in an outbox.
+    pub deltas: Deltas,
+    /// The view as last read.
+    pub cache: ViewCache,
+    /// The sending side (used while this VM leads, and until its last batch is confirmed).
+    pub flusher: Flusher,
+    /// Whether this VM held the lease at its last tick.
+    pub leading: bool,
+    /// When this VM last sent a new batch.
+    pub last_batch: UnixMillis,
+}
+
+impl VmNode {
+    /// The node of VM `vm` (its id is also its batches' source).
+    pub fn new(vm: u64) -> VmNode {
+        VmNode {
+            deltas: Deltas::new(MAX_VM_DELTAS),
+            cache: ViewCache::new(),
+            flusher: Flusher::new(vm),
+            leading: false,
+            last_batch: UnixMillis::default(),
+        }
+    }
+}
+
+/// What a tick did, for the metrics and the host.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tick {
+    /// A batch to send now: its request body (the host dispatches it and reports the token).
+    pub send: Option<String>,
+    /// Whether this VM leads.
+    pub leading: bool,
+    /// Requests dropped because their bucket ended before they could be sent.
+    pub expired: u64,
+    /// Requests dropped because the outboxes and the VM's buffer were full.
+    pub dropped: u64,
+    /// How long ago the last batch was confirmed (`None`: never).
+    pub staleness_ms: Option<u64>,
+    /// Counters in the batch sent.
+    pub counters: usize,
+    /// Host errors met (the tick went on).
+    pub errors: u32,
+}
+
+impl GlobalScope {
+    /// The global scope of `config` under `namespace`, if it has rules in global scope.
+    pub fn new(config: &Config, namespace: &str) -> Option<GlobalScope> {
+        let global = config.global.as_ref()?;
+        let rules: Vec<Option<GlobalRule>> = config
+            .rate_limits
+            .iter()
+            .map(|r| {
+                (r.scope == Scope::Global).then(|| GlobalRule {
+                    id: rule_id(r.name.as_str()),
+                    window_ms: r.window.get().get(),
+                })
+            })
+            .collect();
+        let count = rules.iter().flatten().count();
+        if count == 0 {
+            return None;
+        }
+        let max_keys = usize::try_from(global.max_keys.get().get()).unwrap_or(usize::MAX);
+        let base = format!("floodgate/{namespace}/global");
+        Some(GlobalScope {
+            rules,
+            hasher: FleetHasher::new(global.key_secret.as_deref()),
+            cluster: global.cluster.as_str().to_owned(),
+            authority: global.authority().to_owned(),
+            interval_ms: global.sync_interval.get().get(),
+            timeout_ms: global.timeout.get().get(),
+            view_capacity: max_keys.saturating_mul(count).div_ceil(VIEW_RECORDS).max(1),
+            lease_key: format!("{base}/flusher"),
+            outbox_keys: (0..OUTBOXES).map(|i| format!("{base}/outbox/{i}")).collect(),
+            index_key: format!("{base}/view"),
+            view_keys: (0..VIEW_RECORDS).map(|i| format!("{base}/view/{i}")).collect(),
+        })
+    }
+
+    /// Rule `rule`'s global side, if it is in global scope.
+    pub fn rule(&self, rule: usize) -> Option<GlobalRule> {
+        self.rules.get(rule).copied().flatten()
+    }
+
+    /// Fills in the remote counts of the probes of global rules from the VM's view.
+    pub fn annotate(&self, node: &VmNode, probes: &mut [Probe], now: UnixMillis) {
+        for probe in probes {
+            if let Some(rule) = self.rule(probe.rule) {
+                probe.remote = node.cache.remote(rule.id, probe.key_hash, bucket_of(now, rule.window_ms));
+            }
+        }
+    }
+
+    /// Counts an admitted request of `cost` for the fleet: one delta per global probe. A
+    /// refused request (`cost` 0) asks for the key's fleet-wide count all the same.
+    pub fn count(&self, node: &mut VmNode, probes: &[Probe], now: UnixMillis, cost: u32) -> u64 {
+        let mut dropped = 0u64;
+        for probe in probes {
+            let (Some(rule), Some(key)) = (self.rule(probe.rule), probe.fleet) else { continue };
+            let delta = Delta {
+                rule: rule.id,
+                fingerprint: probe.key_hash,
+                key,
+                window_ms: rule.window_ms,
+                bucket: bucket_of(now, rule.window_ms),
+                delta: cost,
+            };
+            if !node.deltas.add(delta) {
+                dropped = dropped.saturating_add(u64::from(cost));
+            }
+        }
+        dropped
+    }
+
+    /// Once per `sync_interval` on every worker: moves the VM's deltas to its outbox, refreshes
+    /// its view, and, on the leader, takes the outboxes into a batch to send (or sends the
+    /// unconfirmed batch again).
+    pub fn tick<S: SharedStore + ?Sized>(&self, store: &S, node: &mut VmNode, vm: u64, now: UnixMillis) -> Tick {
+        let mut tick = Tick { expired: node.deltas.drop_expired(|w| bucket_of(now, w)), ..Tick::default() };
+        let outbox = self.outbox_keys.get(usize::try_from(vm % OUTBOXES).unwrap_or(0));
+        if let Some(key) = outbox {
+            if !node.deltas.is_empty() {
+                match self.move_to_outbox(store, key, &mut node.deltas) {
+                    Ok(()) => {}
+                    Err(_) => tick.errors = tick.errors.saturating_add(1),
+                }
+            }
+        }
+        match self.refresh(store, &mut node.cache) {
+            Ok(()) => {}
+            Err(_) => tick.errors = tick.errors.saturating_add(1),
+        }
+        tick.staleness_ms = node.cache.index.last_success.map(|t| now.saturating_since(t));
+        node.leading = flusher::lead(store, &self.lease_key, vm, now, self.interval_ms).unwrap_or(false);
+        tick.leading = node.leading;
+        // A VM that lost the lease still finishes its unconfirmed batch (module doc).
+        if (node.leading || node.flusher.pending().is_some()) && !node.flusher.busy(now, self.timeout_ms) {
+            let leading = node.leading;
+            let source = node.flusher.source;
+            let refresh_cache = &node.cache;
+            let last_batch = node.last_batch;
+            let mut fresh = false;
+            let mut take_errors = 0u32;
+            let batch = node.flusher.next_batch(|| {
+                if !leading {
+                    return Vec::new();
+                }
+                let (deltas, errors) = self.take_outboxes(store);
+                take_errors = errors;
+                let mut merged = Deltas::new(usize::MAX);
+                merged.absorb(deltas);
+                merged.drop_expired(|w| bucket_of(now, w));
+                // A batch of refreshes alone goes out at most once a second.
+                if merged.is_empty() && now.saturating_since(last_batch) < REFRESH_ONLY_EVERY_MS {
+                    return Vec::new();
+                }
+                fresh = true;
+                let older = UnixMillis(now.0.saturating_sub(self.interval_ms.saturating_mul(REFRESH_AFTER_INTERVALS)));
+                merged.absorb(refresh_cache.refreshes(now, older, REFRESH_PER_BATCH));
+                merged.take()
+            });
+            tick.errors = tick.errors.saturating_add(take_errors);
+            if fresh && batch.is_some() {
+                node.last_batch = now;
+            }
+            if let Some(batch) = batch {
+                tick.counters = batch.deltas.len();
+                tick.send = Some(batch.body(source));
+            }
+        }
+        tick
+    }
+
+    /// Takes the answer to a batch call: on success, writes the totals into the view and returns
+    /// how many counters were confirmed.
+    pub fn answered<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        node: &mut VmNode,
+        token: u32,
+        answer: Answer,
+        now: UnixMillis,
+    ) -> Result<usize, Failure> {
+        let (batch, totals) = node.flusher.answered(token, answer)?;
+        let mut by_record: Vec<Vec<(Delta, protocol::Totals)>> = vec![Vec::new(); VIEW_RECORDS];
+        let mut pairs: Vec<(Delta, protocol::Totals)> = batch.deltas.iter().copied().zip(totals).collect();
+        pairs.sort_by_key(|(d, _)| d.bucket);
+        for (delta, totals) in pairs {
+            if let Some(list) = by_record.get_mut(record_of(delta.fingerprint)) {
+                list.push((delta, totals));
+            }
+        }
+        let mut written = Vec::new();
+        for (i, list) in by_record.iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            let Some(key) = self.view_keys.get(i) else { continue };
+            if self.update_record(store, key, list, now).is_ok() {
+                written.push(i);
+            }
+        }
+        self.bump_index(store, &written, now);
+        Ok(batch.deltas.len())
+    }
+
+    fn move_to_outbox<S: SharedStore + ?Sized>(&self, store: &S, key: &str, deltas: &mut Deltas) -> Result<(), StoreError> {
+        for _ in 0..MAX_ATTEMPTS {
+            let stored = store.get(key)?;
+            let mut outbox = stored
+                .as_ref()
+                .and_then(|s| Deltas::decode(&s.value, OUTBOX_CAPACITY).ok())
+                .unwrap_or_else(|| Deltas::new(OUTBOX_CAPACITY));
+            let pending = deltas.take();
+            let left = outbox.absorb(pending.iter().copied());
+            match write_back(store, key, stored.as_ref(), &outbox.encode()) {
+                Ok(()) => {
+                    deltas.absorb(left);
+                    return Ok(());
+                }
+                Err(StoreError::CasMismatch) => {
+                    deltas.absorb(pending);
+                }
+                Err(e) => {
+                    deltas.absorb(pending);
+                    return Err(e);
+                }
+            }
+        }
+        Err(StoreError::CasMismatch)
+    }
+
+    /// Takes every outbox's deltas, leaving them empty; returns them and the host errors met.
+    fn take_outboxes<S: SharedStore + ?Sized>(&self, store: &S) -> (Vec<Delta>, u32) {
+        let mut taken = Vec::new();
+        let mut errors = 0u32;
+        for key in &self.outbox_keys {
+            for _ in 0..MAX_ATTEMPTS {
+                let Ok(stored) = store.get(key) else {
+                    errors = errors.saturating_add(1);
+                    break;
+                };
+                let Some(current) = stored.as_ref().filter(|s| !s.value.is_empty()) else { break };
+                // An unreadable outbox is emptied all the same (nothing in it can be trusted).
+                let outbox = Deltas::decode(&current.value, OUTBOX_CAPACITY).unwrap_or_default();
+                match write_back(store, key, stored.as_ref(), &[]) {
+                    Ok(()) => {
+                        taken.extend(outbox.iter().copied());
+                        break;
+                    }
+                    Err(StoreError::CasMismatch) => continue,
+                    Err(_) => {
+                        errors = errors.saturating_add(1);
+                        break;
+                    }
+                }
+            }
+        }
+        (taken, errors)
+    }
+
+    fn refresh<S: SharedStore + ?Sized>(&self, store: &S, cache: &mut ViewCache) -> Result<(), StoreError> {
+        let index = store
+            .get(&self.index_key)?
+            .and_then(|s| ViewIndex::decode(&s.value).ok())
+            .unwrap_or_default();
+        for i in cache.stale(&index) {
+            let Some(key) = self.view_keys.get(i) else { continue };
+            let record = store
+                .get(key)?
+                .and_then(|s| ViewRecord::decode(&s.value).ok())
+                .unwrap_or_default();
+            cache.store(i, record);
+        }
+        cache.adopt(index);
+        Ok(())
+    }
+
+    fn update_record<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        key: &str,
+        list: &[(Delta, protocol::Totals)],
+        now: UnixMillis,
+    ) -> Result<(), StoreError> {
+        for _ in 0..MAX_ATTEMPTS {
+            let stored = store.get(key)?;
+            let mut record = stored
+                .as_ref()
+                .and_then(|s| ViewRecord::decode(&s.value).ok())
+                .unwrap_or_default();
+            for (delta, totals) in list {
+                record.apply(delta, *totals, now, self.view_capacity);
+            }
+            match write_back(store, key, stored.as_ref(), &record.encode()) {
+                Err(StoreError::CasMismatch) => continue,
+                other => return other,
+            }
+        }
+        Err(StoreError::CasMismatch)
+    }
+
+    fn bump_index<S: SharedStore + ?Sized>(&self, store: &S, written: &[usize], now: UnixMillis) {
+        for _ in 0..MAX_ATTEMPTS {
+            let Ok(stored) = store.get(&self.index_key) else { return };
+            let mut index = stored
+                .as_ref()
+                .and_then(|s| ViewIndex::decode(&s.value).ok())
+                .unwrap_or_default();
+            for &i in written {
+                if let Some(v) = index.versions.get_mut(i) {
+                    *v = v.wrapping_add(1);
+                }
+            }
+            index.last_success = Some(now);
+            match write_back(store, &self.index_key, stored.as_ref(), &index.encode()) {
+                Err(StoreError::CasMismatch) => continue,
+                _ => return,
+            }
+        }
+    }
+}
+
+/// The window bucket of `now` for a window of `window_ms`.
+pub fn bucket_of(now: UnixMillis, window_ms: u64) -> u64 {
+    now.0.checked_div(window_ms).unwrap_or(0)
+}
+
+/// A rule's stable id: FNV-1a of its name.
+pub fn rule_id(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
+        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,234 @@
+//! Deltas: requests a proxy admitted under global rules and has not sent to the store yet, merged
+//! per key and window bucket, so that their size follows the number of active keys, not the
+//! request rate.
+//!
+//! Each worker VM adds its admissions to its own [`Deltas`] (no host call). Once per
+//! `sync_interval` it moves them into one of [`OUTBOXES`] shared-data records (chosen by its VM
+//! id, so workers rarely contend), with a compare-and-swap; the proxy's flusher takes every
+//! outbox (a compare-and-swap that leaves it empty) and sends one batch. A delta is thus always in
+//! exactly one place: a VM's memory, an outbox, or the flusher's batch.
+//!
+//! Record layout (little-endian): version `u8`, 3 zero bytes, count `u32`, then per delta the
+//! rule id `u64`, the local fingerprint `u64`, the fleet key `u128`, the window `u64` (ms), the
+//! bucket `u64`, the delta `u32`.
+
+use super::FleetKey;
+use std::collections::HashMap;
+
+/// Outbox records per proxy.
+pub const OUTBOXES: u64 = 4;
+/// Deltas one outbox record holds at most (about 53 KiB).
+pub const OUTBOX_CAPACITY: usize = 1024;
+const RECORD_VERSION: u8 = 1;
+const HEADER_LEN: usize = 8;
+const DELTA_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4;
+
+/// A counter to send, as the proxy knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Delta {
+    /// The rule's id (a hash of its name: stable across configuration changes).
+    pub rule: u64,
+    /// The key's local fingerprint (its hash under this proxy's seed): where the view keeps it.
+    pub fingerprint: u64,
+    /// The key's fleet-wide id.
+    pub key: FleetKey,
+    /// The rule's window.
+    pub window_ms: u64,
+    /// The window bucket.
+    pub bucket: u64,
+    /// Requests admitted (0: a key refused here, whose fleet-wide count is wanted anyway).
+    pub delta: u32,
+}
+
+impl Delta {
+    fn slot(&self) -> (u64, u64, u64) {
+        (self.rule, self.fingerprint, self.bucket)
+    }
+}
+
+/// Why a record could not be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Truncated, padded, another version, or more deltas than allowed.
+    Malformed,
+}
+
+/// Deltas merged by rule, key and bucket, at most `max` of them, in arrival order.
+#[derive(Clone, Debug, Default)]
+pub struct Deltas {
+    entries: Vec<Delta>,
+    index: HashMap<(u64, u64, u64), usize>,
+    max: usize,
+}
+
+impl Deltas {
+    /// Empty, holding at most `max` deltas.
+    pub fn new(max: usize) -> Deltas {
+        Deltas { entries: Vec::new(), index: HashMap::new(), max }
+    }
+
+    /// How many.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The deltas, in arrival order.
+    pub fn iter(&self) -> impl Iterator<Item = &Delta> {
+        self.entries.iter()
+    }
+
+    /// Adds `delta`, merged with the same key's delta of the same bucket. False when it would be
+    /// a new entry and there is no room (nothing is added).
+    pub fn add(&mut self, delta: Delta) -> bool {
+        if let Some(&at) = self.index.get(&delta.slot()) {
+            if let Some(entry) = self.entries.get_mut(at) {
+                entry.delta = entry.delta.saturating_add(delta.delta);
+                return true;
+            }
+        }
+        if self.entries.len() >= self.max {
+            return false;
+        }
+        self.index.insert(delta.slot(), self.entries.len());
+        self.entries.push(delta);
+        true
+    }
+
+    /// Adds every delta of `others` that fits; returns those that did not.
+    pub fn absorb(&mut self, others: impl IntoIterator<Item = Delta>) -> Vec<Delta> {
+        others.into_iter().filter(|d| !self.add(*d)).collect()
+    }
+
+    /// Takes every delta out.
+    pub fn take(&mut self) -> Vec<Delta> {
+        self.index.clear();
+        std::mem::take(&mut self.entries)
+    }
+
+    /// Drops the deltas of buckets that ended more than a bucket ago (`now_bucket(window_ms)`
+    /// gives the current bucket of a window): the store no longer weighs them. Returns how many
+    /// requests they held.
+    pub fn drop_expired(&mut self, now_bucket: impl Fn(u64) -> u64) -> u64 {
+        let before: u64 = self.entries.iter().map(|d| u64::from(d.delta)).sum();
+        let kept: Vec<Delta> = self
+            .take()
+            .into_iter()
+            .filter(|d| d.bucket.saturating_add(1) >= now_bucket(d.window_ms))
+            .collect();
+        self.absorb(kept);
+        let after: u64 = self.entries.iter().map(|d| u64::from(d.delta)).sum();
+        before.saturating_sub(after)
+    }
+
+    /// The outbox record of these deltas.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(self.entries.len().saturating_mul(DELTA_LEN)));
+        out.extend_from_slice(&[RECORD_VERSION, 0, 0, 0]);
+        out.extend_from_slice(&u32::try_from(self.entries.len()).unwrap_or(u32::MAX).to_le_bytes());
+        for d in &self.entries {
+            out.extend_from_slice(&d.rule.to_le_bytes());
+            out.extend_from_slice(&d.fingerprint.to_le_bytes());
+            out.extend_from_slice(&d.key.0.to_le_bytes());
+            out.extend_from_slice(&d.window_ms.to_le_bytes());
+            out.extend_from_slice(&d.bucket.to_le_bytes());
+            out.extend_from_slice(&d.delta.to_le_bytes());
+        }
+        out
+    }
+
+    /// Reads an outbox record holding at most `max` deltas (an empty value is an empty outbox).
+    pub fn decode(bytes: &[u8], max: usize) -> Result<Deltas, DecodeError> {
+        let mut deltas = Deltas::new(max);
+        if bytes.is_empty() {
+            return Ok(deltas);
+        }
+        let (header, body) = bytes.split_at_checked(HEADER_LEN).ok_or(DecodeError::Malformed)?;
+        let count = header
+            .get(4..8)
+            .and_then(|b| <[u8; 4]>::try_from(b).ok())
+            .map(u32::from_le_bytes)
+            .and_then(|c| usize::try_from(c).ok())
+            .ok_or(DecodeError::Malformed)?;
+        if header.first() != Some(&RECORD_VERSION) || count > max || body.len() != count.saturating_mul(DELTA_LEN) {
+            return Err(DecodeError::Malformed);
+        }
+        for chunk in body.chunks_exact(DELTA_LEN) {
+            let mut at = 0usize;
+            let mut field = |n: usize| {
+                let slice = chunk.get(at..at.saturating_add(n)).unwrap_or_default();
+                at = at.saturating_add(n);
+                slice
+            };
+            let u64_of = |b: &[u8]| <[u8; 8]>::try_from(b).map(u64::from_le_bytes).unwrap_or(0);
+            let rule = u64_of(field(8));
+            let fingerprint = u64_of(field(8));
+            let key = FleetKey(<[u8; 16]>::try_from(field(16)).map(u128::from_le_bytes).unwrap_or(0));
+            let window_ms = u64_of(field(8));
+            let bucket = u64_of(field(8));
+            let delta = <[u8; 4]>::try_from(field(4)).map(u32::from_le_bytes).unwrap_or(0);
+            if window_ms == 0 {
+                return Err(DecodeError::Malformed);
+            }
+            deltas.add(Delta { rule, fingerprint, key, window_ms, bucket, delta });
+        }
+        Ok(deltas)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    fn delta(key: u64, bucket: u64, n: u32) -> Delta {
+        Delta { rule: 7, fingerprint: key, key: FleetKey(u128::from(key) << 64 | 1), window_ms: 1000, bucket, delta: n }
+    }
+
+    #[test]
+    fn deltas_merge_per_key_and_bucket_and_stay_bounded() {
+        let mut d = Deltas::new(2);
+        assert!(d.add(delta(1, 5, 1)));
+        assert!(d.add(delta(1, 5, 2)));
+        assert!(d.add(delta(1, 6, 1)), "another bucket is another delta");
+        assert!(!d.add(delta(2, 5, 1)), "full");
+        assert!(d.add(delta(1, 6, 4)), "merging needs no room");
+        assert_eq!(d.iter().map(|x| (x.bucket, x.delta)).collect::<Vec<_>>(), vec![(5, 3), (6, 5)]);
+        let rejected = Deltas::new(1).absorb(d.take());
+        assert_eq!(rejected.len(), 1);
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn records_round_trip_and_refuse_corruption() {
+        let mut d = Deltas::new(10);
+        for k in 0..4 {
+            d.add(delta(k, 9, k as u32));
+        }
+        let bytes = d.encode();
+        let back = Deltas::decode(&bytes, 10).unwrap();
+        assert_eq!(back.iter().copied().collect::<Vec<_>>(), d.iter().copied().collect::<Vec<_>>());
+        assert!(Deltas::decode(&[], 10).unwrap().is_empty());
+        for cut in 1..bytes.len() {
+            assert!(Deltas::decode(&bytes[..cut], 10).is_err(), "cut at {cut}");
+        }
+        assert!(Deltas::decode(&bytes, 3).is_err(), "more than allowed");
+        let mut other = bytes.clone();
+        other[0] = 9;
+        assert!(Deltas::decode(&other, 10).is_err());
+    }
+
+    #[test]
+    fn deltas_of_buckets_the_store_no_longer_weighs_are_dropped() {
+        let mut d = Deltas::new(10);
+        d.add(delta(1, 3, 2));
+        d.add(delta(2, 4, 1));
+        d.add(delta(3, 5, 1));
+        assert_eq!(d.drop_expired(|_| 5), 2);
+        assert_eq!(d.iter().map(|x| x.bucket).collect::<Vec<_>>(), vec![4, 5]);
+    }
+}

@@ -1,0 +1,361 @@
+//! The global scope over several proxies, each with its own shared data (`MemoryStore`, Envoy's
+//! semantics), against an in-memory model of `floodgate-sync`'s contract: counters per (key,
+//! window, bucket), each (source, seq) batch applied once. Deterministic time. The real
+//! ambassador and Redis are tested in `sync/tests/`, and all of it together in a real Envoy in
+//! `integration/tests/global.rs`.
+#![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
+
+use super::*;
+use crate::config::Config;
+use crate::ratelimit::reserve::Reserves;
+use crate::ratelimit::{Limiter, Verdict};
+use crate::store::MemoryStore;
+use std::collections::HashMap;
+
+const T0: u64 = 1_700_000_000_000;
+
+/// `floodgate-sync` and Redis, as their contract says.
+#[derive(Default)]
+struct FakeSync {
+    counters: HashMap<(u128, u64, u64), u64>,
+    seen: HashMap<String, u64>,
+    batches_applied: u32,
+    /// When set, every call fails (the store is down).
+    down: bool,
+    /// When set, the next batch is applied but its answer is lost.
+    lose_next_answer: bool,
+}
+
+impl FakeSync {
+    fn call(&mut self, body: &str) -> Answer {
+        if self.down {
+            return Answer::Failed(Some(503));
+        }
+        let request: serde_json::Value = serde_json::from_str(body).unwrap();
+        let proxy = request["proxy"].as_str().unwrap().to_owned();
+        let seq = request["seq"].as_u64().unwrap();
+        let apply = self.seen.get(&proxy).is_none_or(|&last| seq > last);
+        let mut out = Vec::new();
+        for c in request["counters"].as_array().unwrap() {
+            let key = u128::from_str_radix(c["key"].as_str().unwrap(), 16).unwrap();
+            let (window, bucket, delta) = (c["window_ms"].as_u64().unwrap(), c["bucket"].as_u64().unwrap(), c["delta"].as_u64().unwrap());
+            if apply {
+                *self.counters.entry((key, window, bucket)).or_default() += delta;
+            }
+            let total = |b: u64| self.counters.get(&(key, window, b)).copied().unwrap_or(0);
+            out.push(serde_json::json!({"previous": total(bucket.wrapping_sub(1)), "current": total(bucket)}));
+        }
+        if apply {
+            self.seen.insert(proxy, seq);
+            self.batches_applied += 1;
+        }
+        if std::mem::take(&mut self.lose_next_answer) {
+            return Answer::Failed(None);
+        }
+        Answer::Ok(serde_json::json!({"version": 1, "counters": out}).to_string().into_bytes())
+    }
+
+    fn total(&self, key: FleetKey, window_ms: u64, bucket: u64) -> u64 {
+        self.counters.get(&(key.0, window_ms, bucket)).copied().unwrap_or(0)
+    }
+}
+
+fn config(limit: u32, window: &str) -> Config {
+    Config::parse(
+        format!(
+            r#"{{"rate_limits": [{{"name": "per-key", "key": [{{"header": "x-api-key"}}], "limit": {limit}, "window": "{window}", "scope": "global"}}],
+                "global": {{"cluster": "floodgate-sync", "sync_interval": "100ms"}}}}"#
+        )
+        .as_bytes(),
+    )
+    .unwrap()
+}
+
+/// One proxy: its shared data, its limiter and its worker VMs.
+struct Proxy {
+    store: MemoryStore,
+    limiter: Limiter,
+    scope: GlobalScope,
+    vms: Vec<(u64, VmNode, Reserves)>,
+    next_token: u32,
+    /// Calls in flight: token → (vm index, body).
+    calls: Vec<(u32, usize, String)>,
+}
+
+impl Proxy {
+    fn new(config: &Config, vms: usize, seed: u64) -> Proxy {
+        Proxy {
+            store: MemoryStore::new(),
+            limiter: Limiter::new(config, "t"),
+            scope: GlobalScope::new(config, "t").unwrap(),
+            vms: (0..vms as u64).map(|i| (seed * 100 + i + 1, VmNode::new(seed * 100 + i + 1), Reserves::disabled())).collect(),
+            next_token: 1,
+            calls: Vec::new(),
+        }
+    }
+
+    /// One request of `key` on VM `vm`: admitted or not.
+    fn request(&mut self, vm: usize, key: &str, now: UnixMillis) -> bool {
+        let (_, node, reserves) = &mut self.vms[vm];
+        let local_hash = crate::key::KeyHasher::new([9; 16]).hash([Some(key.as_bytes())]);
+        let mut probes = vec![Probe::new(0, local_hash)];
+        probes[0].fleet = Some(self.scope.hasher.hash("per-key", [Some(key.as_bytes())]));
+        self.scope.annotate(node, &mut probes, now);
+        let verdict = self.limiter.check(&self.store, reserves, &probes, now, 1);
+        let admitted = matches!(verdict, Verdict::Admitted { .. });
+        self.scope.count(node, &probes, now, u32::from(admitted));
+        admitted
+    }
+
+    /// Every VM ticks; calls go out (answered later by `deliver`).
+    fn tick(&mut self, now: UnixMillis) -> Vec<Tick> {
+        let mut ticks = Vec::new();
+        for i in 0..self.vms.len() {
+            let (vm, node, _) = &mut self.vms[i];
+            let tick = self.scope.tick(&self.store, node, *vm, now);
+            if let Some(body) = &tick.send {
+                let token = self.next_token;
+                self.next_token += 1;
+                node.flusher.sent(token, now);
+                self.calls.push((token, i, body.clone()));
+            }
+            ticks.push(tick);
+        }
+        ticks
+    }
+
+    /// Answers the calls in flight from `sync`.
+    fn deliver(&mut self, sync: &mut FakeSync, now: UnixMillis) {
+        for (token, i, body) in std::mem::take(&mut self.calls) {
+            let answer = sync.call(&body);
+            let (_, node, _) = &mut self.vms[i];
+            let _ = self.scope.answered(&self.store, node, token, answer, now);
+        }
+    }
+
+    fn sync(&mut self, sync: &mut FakeSync, now: UnixMillis) {
+        self.tick(now);
+        self.deliver(sync, now);
+    }
+}
+
+#[test]
+fn two_proxies_share_one_quota() {
+    let config = config(100, "1h");
+    let (mut a, mut b) = (Proxy::new(&config, 1, 1), Proxy::new(&config, 1, 2));
+    let mut sync = FakeSync::default();
+    let mut now = UnixMillis(T0);
+    let admitted_a = (0..60).filter(|_| a.request(0, "k", now)).count();
+    assert_eq!(admitted_a, 60);
+    a.sync(&mut sync, now);
+    // A proxy learns a key's fleet-wide count through its own batches: B's first request of
+    // the key is decided on B's counts alone, then B's batch brings A's 60 back.
+    now = now.plus_ms(100);
+    assert!(b.request(0, "k", now));
+    b.sync(&mut sync, now);
+    now = now.plus_ms(100);
+    b.sync(&mut sync, now); // B's workers read the view
+    let admitted_b = (0..60).filter(|_| b.request(0, "k", now)).count();
+    assert_eq!(admitted_b, 39, "B sees A's 60 and its own 1");
+    b.sync(&mut sync, now);
+    // A, idle on the key, still re-reads it within about a second (a batch of refreshes).
+    now = now.plus_ms(1_000);
+    a.sync(&mut sync, now);
+    now = now.plus_ms(100);
+    a.sync(&mut sync, now);
+    assert!(!a.request(0, "k", now), "A sees B's 40 in turn");
+    let key = a.scope.hasher.hash("per-key", [Some(&b"k"[..])]);
+    assert_eq!(sync.total(key, 3_600_000, now.0 / 3_600_000), 100);
+}
+
+#[test]
+fn an_answer_lost_after_the_store_applied_it_is_sent_again_and_counted_once() {
+    let config = config(1000, "1h");
+    let mut a = Proxy::new(&config, 1, 1);
+    let mut sync = FakeSync { lose_next_answer: true, ..FakeSync::default() };
+    let now = UnixMillis(T0);
+    for _ in 0..10 {
+        a.request(0, "k", now);
+    }
+    a.sync(&mut sync, now);
+    assert_eq!(sync.batches_applied, 1);
+    assert!(a.vms[0].1.flusher.pending().is_some(), "unconfirmed");
+    for _ in 0..5 {
+        a.request(0, "k", now);
+    }
+    // The next tick sends the same batch again (the new 5 wait), then the one after the 5.
+    a.sync(&mut sync, now.plus_ms(100));
+    assert_eq!(sync.batches_applied, 1, "the same (source, seq): not applied twice");
+    a.sync(&mut sync, now.plus_ms(200));
+    let key = a.scope.hasher.hash("per-key", [Some(&b"k"[..])]);
+    assert_eq!(sync.total(key, 3_600_000, now.0 / 3_600_000), 15);
+}
+
+#[test]
+fn with_the_store_down_decisions_go_on_and_counts_converge_once_it_is_back() {
+    let config = config(1000, "1h");
+    let (mut a, mut b) = (Proxy::new(&config, 2, 1), Proxy::new(&config, 2, 2));
+    let mut sync = FakeSync::default();
+    let mut now = UnixMillis(T0);
+    let mut admitted = 0;
+    for step in 0..40u64 {
+        sync.down = (10..25).contains(&step);
+        for vm in 0..2 {
+            admitted += usize::from(a.request(vm, &format!("k{}", step % 3), now));
+            admitted += usize::from(b.request(vm, &format!("k{}", step % 3), now));
+        }
+        a.sync(&mut sync, now);
+        b.sync(&mut sync, now);
+        now = now.plus_ms(100);
+    }
+    for _ in 0..3 {
+        a.sync(&mut sync, now);
+        b.sync(&mut sync, now);
+        now = now.plus_ms(100);
+    }
+    assert_eq!(admitted, 160, "nothing was refused: the store being down refuses nothing");
+    let total: u64 = (0..3)
+        .map(|k| sync.total(a.scope.hasher.hash("per-key", [Some(format!("k{k}").as_bytes())]), 3_600_000, now.0 / 3_600_000))
+        .sum();
+    assert_eq!(total, 160, "every admission counted once fleet-wide");
+    let remote = b.vms[0].1.cache.remote(a.scope.rules[0].unwrap().id, crate::key::KeyHasher::new([9; 16]).hash([Some(&b"k0"[..])]), now.0 / 3_600_000);
+    let k0_by_a = (0..40).filter(|s| s % 3 == 0).count() as u32 * 2;
+    assert_eq!(remote.current, k0_by_a, "B's view of k0 is A's share exactly");
+}
+
+#[test]
+fn one_flusher_per_proxy_and_a_silent_one_is_replaced() {
+    let config = config(1000, "1h");
+    let mut p = Proxy::new(&config, 3, 1);
+    let mut sync = FakeSync::default();
+    let mut now = UnixMillis(T0);
+    for step in 0..20 {
+        for vm in 0..3 {
+            p.request(vm, "k", now);
+        }
+        let ticks = p.tick(now);
+        assert_eq!(ticks.iter().filter(|t| t.leading).count(), 1, "step {step}: {ticks:?}");
+        assert!(ticks.iter().filter(|t| t.send.is_some()).count() <= 1, "one batch per proxy");
+        p.deliver(&mut sync, now);
+        now = now.plus_ms(100);
+    }
+    let leader = p.vms.iter().position(|(_, n, _)| n.leading).unwrap();
+    // The leader's VM goes silent (it stops ticking); another takes over within a second and
+    // sends what is left.
+    let mut ticks_until_new_leader = None;
+    for tick in 1..=30 {
+        now = now.plus_ms(100);
+        for i in (0..3).filter(|&i| i != leader) {
+            let (vm, node, _) = &mut p.vms[i];
+            let t = p.scope.tick(&p.store, node, *vm, now);
+            if t.leading && ticks_until_new_leader.is_none() {
+                ticks_until_new_leader = Some(tick);
+            }
+            if let Some(body) = t.send {
+                node.flusher.sent(1000 + tick, now);
+                let answer = sync.call(&body);
+                p.scope.answered(&p.store, node, 1000 + tick, answer, now).unwrap();
+            }
+        }
+    }
+    let ticks = ticks_until_new_leader.unwrap();
+    assert!(ticks * 100 <= 1100, "taken over after {ticks} ticks");
+    let key = p.scope.hasher.hash("per-key", [Some(&b"k"[..])]);
+    assert_eq!(sync.total(key, 3_600_000, T0 / 3_600_000), 60, "every request, once");
+}
+
+#[test]
+fn a_vm_that_lost_the_lease_still_finishes_its_batch() {
+    let config = config(1000, "1h");
+    let mut p = Proxy::new(&config, 2, 1);
+    let mut sync = FakeSync { down: true, ..FakeSync::default() };
+    let now = UnixMillis(T0);
+    p.request(0, "k", now);
+    p.request(1, "k", now);
+    p.sync(&mut sync, now); // the leader's batch fails
+    let leader = p.vms.iter().position(|(_, n, _)| n.leading).unwrap();
+    let other = 1 - leader;
+    assert!(p.vms[leader].1.flusher.pending().is_some());
+    // The leader is silent long enough to lose the lease; the store comes back.
+    sync.down = false;
+    let later = now.plus_ms(2_000);
+    {
+        let (vm, node, _) = &mut p.vms[other];
+        assert!(p.scope.tick(&p.store, node, *vm, later).leading);
+    }
+    let (vm, node, _) = &mut p.vms[leader];
+    let tick = p.scope.tick(&p.store, node, *vm, later);
+    assert!(!tick.leading);
+    let Some(body) = tick.send else { panic!("the old batch goes out again") };
+    node.flusher.sent(99, later);
+    let answer = sync.call(&body);
+    assert_eq!(p.scope.answered(&p.store, node, 99, answer, later), Ok(1));
+    // The new leader sends the rest.
+    let (vm, node, _) = &mut p.vms[other];
+    if let Some(body) = p.scope.tick(&p.store, node, *vm, later.plus_ms(100)).send {
+        node.flusher.sent(100, later);
+        let answer = sync.call(&body);
+        p.scope.answered(&p.store, node, 100, answer, later).unwrap();
+    }
+    let key = p.scope.hasher.hash("per-key", [Some(&b"k"[..])]);
+    assert_eq!(sync.total(key, 3_600_000, T0 / 3_600_000), 2, "both requests, once");
+}
+
+#[test]
+fn the_window_bucket_rolls_and_the_previous_totals_weigh_in() {
+    // A 10 s window: 50 admitted by A late in one bucket count for B early in the next.
+    let config = config(100, "10s");
+    let (mut a, mut b) = (Proxy::new(&config, 1, 1), Proxy::new(&config, 1, 2));
+    let mut sync = FakeSync::default();
+    let start = UnixMillis((T0 / 10_000 + 1) * 10_000 - 500); // 0.5 s before a boundary
+    for _ in 0..50 {
+        assert!(a.request(0, "k", start));
+    }
+    a.sync(&mut sync, start);
+    let next = start.plus_ms(1_500); // 1 s into the next bucket: 90% of the previous weighs
+    assert!(b.request(0, "k", next), "B's first request of the key");
+    b.sync(&mut sync, next);
+    b.sync(&mut sync, next);
+    let admitted = (0..100).filter(|_| b.request(0, "k", next)).count();
+    assert_eq!(admitted, 54, "100 − 50 × 0.9 − 1");
+}
+
+/// Three proxies, two VMs each, one key at a steady fleet-wide rate, syncing every interval:
+/// the fleet admits at most `limit + R·D·(P−1)/P` per window (module doc), with `D` three
+/// intervals.
+#[test]
+fn the_overshoot_stays_within_its_bound() {
+    let limit = 2_000u32;
+    let config = config(limit, "1m");
+    let mut proxies: Vec<Proxy> = (0..3).map(|i| Proxy::new(&config, 2, i + 1)).collect();
+    let mut sync = FakeSync::default();
+    let bucket_start = (T0 / 60_000 + 1) * 60_000;
+    let mut now = UnixMillis(bucket_start);
+    let rate_per_ms = 1; // 1 000 requests/s over the fleet
+    let mut admitted = 0u32;
+    let mut turn = 0usize;
+    while now.0 < bucket_start + 30_000 {
+        for _ in 0..rate_per_ms {
+            let p = turn % 3;
+            let vm = (turn / 3) % 2;
+            turn += 1;
+            admitted += u32::from(proxies[p].request(vm, "hot", now));
+        }
+        if (now.0 - bucket_start) % 100 == 0 {
+            for p in &mut proxies {
+                p.tick(now);
+            }
+        }
+        if (now.0 - bucket_start) % 100 == 10 {
+            for p in &mut proxies {
+                p.deliver(&mut sync, now);
+            }
+        }
+        now = now.plus_ms(1);
+    }
+    let d_ms = 3 * 100;
+    let bound = f64::from(limit) + 1000.0 * (d_ms as f64 / 1000.0) * 2.0 / 3.0;
+    assert!(f64::from(admitted) <= bound, "admitted {admitted}, bound {bound}");
+    assert!(admitted >= limit, "admitted {admitted}: the quota is used");
+    println!("admitted {admitted} of {limit} (bound {bound:.0})");
+}

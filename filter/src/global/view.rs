@@ -1,0 +1,387 @@
+//! The view: what a proxy last learned of its keys' fleet-wide counts, and how much of them is
+//! its own.
+//!
+//! For each key the flusher synced, a [`ViewEntry`] keeps the fleet totals of the key's bucket
+//! and of the one before (as the store answered), and this proxy's own part of them (the deltas
+//! the store confirmed). What the *other* proxies admitted is the difference:
+//!
+//! ```text
+//! remote = total − applied                      (per bucket, never below zero)
+//! a key's estimate = local counts (this proxy, exact) + remote
+//! ```
+//!
+//! Entries live in [`VIEW_RECORDS`] shared-data records (by fingerprint), written only by the
+//! proxy's flusher, plus an index record with a version per record and the time of the last
+//! successful sync. Every worker keeps a copy ([`ViewCache`]): on its tick it reads the index and
+//! then only the records whose version moved, so a request finds its key's remote counts without
+//! a host call.
+//!
+//! A key the proxy stops sending deltas for is still refreshed: each batch also reads the
+//! fleet totals of up to [`REFRESH_PER_BATCH`] of the view's keys synced longest ago (and not
+//! for [`REFRESH_AFTER_INTERVALS`] intervals), so a key whose traffic moves from proxy to proxy
+//! is decided on a view at most about a second old.
+//!
+//! Record layout (little-endian): version `u8`, 1 zero byte, count `u16`, then per entry the rule
+//! id `u64`, the fingerprint `u64`, the fleet key `u128`, the window (ms) `u64`, the bucket
+//! `u64`, total previous and current `u32`, applied previous and current `u32`, and when it was
+//! last synced (ms) `u64`. Index: version `u8`, 7 zero
+//! bytes, last success (ms, 0 for never) `u64`, then [`VIEW_RECORDS`] versions `u64`.
+
+use super::outbox::Delta;
+use super::FleetKey;
+use super::protocol::Totals;
+use crate::ratelimit::window::Counts;
+use crate::time::UnixMillis;
+use std::collections::HashMap;
+
+/// Records the view is spread over.
+pub const VIEW_RECORDS: usize = 16;
+/// Keys a batch re-reads at most besides its deltas.
+pub const REFRESH_PER_BATCH: usize = 128;
+/// A key is re-read once it was not synced for this many intervals.
+pub const REFRESH_AFTER_INTERVALS: u64 = 5;
+const RECORD_VERSION: u8 = 2;
+const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8;
+const INDEX_LEN: usize = 16 + 8 * VIEW_RECORDS;
+
+/// What the proxy knows of one key's fleet-wide counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ViewEntry {
+    /// The rule's id.
+    pub rule: u64,
+    /// The key's local fingerprint.
+    pub fingerprint: u64,
+    /// The key's fleet-wide id.
+    pub key: FleetKey,
+    /// The rule's window.
+    pub window_ms: u64,
+    /// The bucket `total.current` and `applied.current` are of.
+    pub bucket: u64,
+    /// Fleet totals of the bucket before and of `bucket`.
+    pub total: Counts,
+    /// This proxy's confirmed part of them.
+    pub applied: Counts,
+    /// When the flusher last synced the key.
+    pub synced: UnixMillis,
+}
+
+fn clamp(value: u64) -> u32 {
+    u32::try_from(value).unwrap_or(u32::MAX)
+}
+
+impl ViewEntry {
+    /// What the other proxies admitted, as seen from window bucket `bucket`.
+    pub fn remote_at(&self, bucket: u64) -> Counts {
+        let remote = Counts {
+            previous: self.total.previous.saturating_sub(self.applied.previous),
+            current: self.total.current.saturating_sub(self.applied.current),
+        };
+        remote.rolled(self.bucket, bucket)
+    }
+
+    /// Takes in a confirmed delta and the store's totals after it.
+    fn update(&mut self, delta: &Delta, totals: Totals, now: UnixMillis) {
+        let (previous, current) = (clamp(totals.previous), clamp(totals.current));
+        match delta.bucket.checked_sub(self.bucket) {
+            Some(0) => {
+                self.applied.current = self.applied.current.saturating_add(delta.delta);
+                self.total.previous = self.total.previous.max(previous);
+                self.total.current = self.total.current.max(current);
+            }
+            Some(1) => {
+                self.applied = Counts { previous: self.applied.current, current: delta.delta };
+                self.total = Counts { previous: self.total.current.max(previous), current };
+                self.bucket = delta.bucket;
+            }
+            Some(_) => {
+                // Two buckets or more later: nothing older counts any more.
+                self.applied = Counts { previous: 0, current: delta.delta };
+                self.total = Counts { previous, current };
+                self.bucket = delta.bucket;
+            }
+            None if delta.bucket.saturating_add(1) == self.bucket => {
+                // A delta of the bucket before this entry's (sent just before it rolled).
+                self.applied.previous = self.applied.previous.saturating_add(delta.delta);
+                self.total.previous = self.total.previous.max(current);
+            }
+            None => {}
+        }
+        self.synced = now;
+    }
+}
+
+/// Which record keeps a fingerprint.
+pub fn record_of(fingerprint: u64) -> usize {
+    usize::try_from(fingerprint.checked_rem(VIEW_RECORDS as u64).unwrap_or(0)).unwrap_or(0)
+}
+
+/// Why a record could not be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Truncated, padded, or another version.
+    Malformed,
+}
+
+/// One view record's entries.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ViewRecord {
+    /// By (rule id, fingerprint).
+    pub entries: HashMap<(u64, u64), ViewEntry>,
+}
+
+impl ViewRecord {
+    /// Reads a record (an absent one is empty).
+    pub fn decode(bytes: &[u8]) -> Result<ViewRecord, DecodeError> {
+        let mut record = ViewRecord::default();
+        if bytes.is_empty() {
+            return Ok(record);
+        }
+        let (header, body) = bytes.split_at_checked(4).ok_or(DecodeError::Malformed)?;
+        let count = header.get(2..4).and_then(|b| <[u8; 2]>::try_from(b).ok()).map(u16::from_le_bytes);
+        let count = usize::from(count.ok_or(DecodeError::Malformed)?);
+        if header.first() != Some(&RECORD_VERSION) || body.len() != count.saturating_mul(ENTRY_LEN) {
+            return Err(DecodeError::Malformed);
+        }
+        for chunk in body.chunks_exact(ENTRY_LEN) {
+            let u64_at = |at: usize| chunk.get(at..at.saturating_add(8)).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes);
+            let u32_at = |at: usize| chunk.get(at..at.saturating_add(4)).and_then(|b| <[u8; 4]>::try_from(b).ok()).map_or(0, u32::from_le_bytes);
+            let key = chunk.get(16..32).and_then(|b| <[u8; 16]>::try_from(b).ok()).map_or(0, u128::from_le_bytes);
+            let entry = ViewEntry {
+                rule: u64_at(0),
+                fingerprint: u64_at(8),
+                key: FleetKey(key),
+                window_ms: u64_at(32),
+                bucket: u64_at(40),
+                total: Counts { previous: u32_at(48), current: u32_at(52) },
+                applied: Counts { previous: u32_at(56), current: u32_at(60) },
+                synced: UnixMillis(u64_at(64)),
+            };
+            if entry.window_ms == 0 {
+                return Err(DecodeError::Malformed);
+            }
+            record.entries.insert((entry.rule, entry.fingerprint), entry);
+        }
+        Ok(record)
+    }
+
+    /// Writes the record.
+    pub fn encode(&self) -> Vec<u8> {
+        let count = self.entries.len().min(usize::from(u16::MAX));
+        let mut out = Vec::with_capacity(4usize.saturating_add(count.saturating_mul(ENTRY_LEN)));
+        out.extend_from_slice(&[RECORD_VERSION, 0]);
+        out.extend_from_slice(&u16::try_from(count).unwrap_or(u16::MAX).to_le_bytes());
+        for e in self.entries.values().take(count) {
+            out.extend_from_slice(&e.rule.to_le_bytes());
+            out.extend_from_slice(&e.fingerprint.to_le_bytes());
+            out.extend_from_slice(&e.key.0.to_le_bytes());
+            out.extend_from_slice(&e.window_ms.to_le_bytes());
+            out.extend_from_slice(&e.bucket.to_le_bytes());
+            for value in [e.total.previous, e.total.current, e.applied.previous, e.applied.current] {
+                out.extend_from_slice(&value.to_le_bytes());
+            }
+            out.extend_from_slice(&e.synced.0.to_le_bytes());
+        }
+        out
+    }
+
+    /// Takes in a confirmed delta and its totals, keeping at most `capacity` entries (the key
+    /// synced longest ago goes first).
+    pub fn apply(&mut self, delta: &Delta, totals: Totals, now: UnixMillis, capacity: usize) {
+        let id = (delta.rule, delta.fingerprint);
+        if !self.entries.contains_key(&id) && self.entries.len() >= capacity {
+            let oldest = self.entries.iter().min_by_key(|(_, e)| e.synced).map(|(k, _)| *k);
+            if let Some(oldest) = oldest {
+                self.entries.remove(&oldest);
+            }
+        }
+        if self.entries.len() >= capacity.max(1) && !self.entries.contains_key(&id) {
+            return;
+        }
+        let entry = self.entries.entry(id).or_insert(ViewEntry {
+            rule: delta.rule,
+            fingerprint: delta.fingerprint,
+            key: delta.key,
+            window_ms: delta.window_ms,
+            bucket: delta.bucket,
+            ..ViewEntry::default()
+        });
+        entry.update(delta, totals, now);
+    }
+}
+
+/// The index record: each view record's version, and when the last sync succeeded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ViewIndex {
+    /// When the last batch was confirmed (`None`: never).
+    pub last_success: Option<UnixMillis>,
+    /// Per record, bumped at every write.
+    pub versions: [u64; VIEW_RECORDS],
+}
+
+impl ViewIndex {
+    /// Reads the index (an absent one is all zeros).
+    pub fn decode(bytes: &[u8]) -> Result<ViewIndex, DecodeError> {
+        if bytes.is_empty() {
+            return Ok(ViewIndex::default());
+        }
+        if bytes.len() != INDEX_LEN || bytes.first() != Some(&RECORD_VERSION) {
+            return Err(DecodeError::Malformed);
+        }
+        let u64_at = |at: usize| bytes.get(at..at.saturating_add(8)).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes);
+        let mut versions = [0u64; VIEW_RECORDS];
+        for (i, v) in versions.iter_mut().enumerate() {
+            *v = u64_at(16usize.saturating_add(i.saturating_mul(8)));
+        }
+        let last = u64_at(8);
+        Ok(ViewIndex { last_success: (last > 0).then_some(UnixMillis(last)), versions })
+    }
+
+    /// Writes the index.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(INDEX_LEN);
+        out.extend_from_slice(&[RECORD_VERSION, 0, 0, 0, 0, 0, 0, 0]);
+        out.extend_from_slice(&self.last_success.map_or(0, |t| t.0).to_le_bytes());
+        for v in &self.versions {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        out
+    }
+}
+
+/// A worker's copy of the view.
+#[derive(Clone, Debug, Default)]
+pub struct ViewCache {
+    /// The index as last read.
+    pub index: ViewIndex,
+    records: Vec<ViewRecord>,
+}
+
+impl ViewCache {
+    /// An empty cache.
+    pub fn new() -> ViewCache {
+        ViewCache { index: ViewIndex::default(), records: vec![ViewRecord::default(); VIEW_RECORDS] }
+    }
+
+    /// Which records to read again, given the index just read.
+    pub fn stale(&self, index: &ViewIndex) -> Vec<usize> {
+        (0..VIEW_RECORDS)
+            .filter(|&i| index.versions.get(i) != self.index.versions.get(i) || self.records.get(i).is_none())
+            .collect()
+    }
+
+    /// Replaces record `i` (read after `index`).
+    pub fn store(&mut self, i: usize, record: ViewRecord) {
+        if self.records.len() < VIEW_RECORDS {
+            self.records.resize(VIEW_RECORDS, ViewRecord::default());
+        }
+        if let Some(slot) = self.records.get_mut(i) {
+            *slot = record;
+        }
+    }
+
+    /// Adopts the index whose stale records were stored.
+    pub fn adopt(&mut self, index: ViewIndex) {
+        self.index = index;
+    }
+
+    /// The other proxies' counts of a key, as seen from `bucket` (zero for a key never synced).
+    pub fn remote(&self, rule: u64, fingerprint: u64, bucket: u64) -> Counts {
+        self.records
+            .get(record_of(fingerprint))
+            .and_then(|r| r.entries.get(&(rule, fingerprint)))
+            .map_or_else(Counts::default, |e| e.remote_at(bucket))
+    }
+
+    /// Keys in the view.
+    pub fn keys(&self) -> usize {
+        self.records.iter().map(|r| r.entries.len()).sum()
+    }
+
+    /// Reads (0-delta deltas) of up to `max` keys to refresh, the longest unsynced first: those
+    /// not synced since `older_than` whose bucket is still weighed at `now`.
+    pub fn refreshes(&self, now: UnixMillis, older_than: UnixMillis, max: usize) -> Vec<Delta> {
+        let mut due: Vec<&ViewEntry> = self
+            .records
+            .iter()
+            .flat_map(|r| r.entries.values())
+            .filter(|e| e.synced < older_than)
+            .filter(|e| e.bucket.saturating_add(1) >= now.0.checked_div(e.window_ms).unwrap_or(0))
+            .collect();
+        due.sort_by_key(|e| e.synced);
+        due.into_iter()
+            .take(max)
+            .map(|e| Delta {
+                rule: e.rule,
+                fingerprint: e.fingerprint,
+                key: e.key,
+                window_ms: e.window_ms,
+                bucket: now.0.checked_div(e.window_ms).unwrap_or(e.bucket),
+                delta: 0,
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use crate::global::FleetKey;
+
+    fn delta(bucket: u64, n: u32) -> Delta {
+        Delta { rule: 1, fingerprint: 33, key: FleetKey(5), window_ms: 1000, bucket, delta: n }
+    }
+
+    #[test]
+    fn remote_is_the_total_less_this_proxys_part_and_rolls() {
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 3), Totals { previous: 4, current: 10 }, UnixMillis(1), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!(e.remote_at(10), Counts { previous: 4, current: 7 });
+        assert_eq!(e.remote_at(11), Counts { previous: 7, current: 0 });
+        assert_eq!(e.remote_at(12), Counts::default());
+        // The next batch in the same bucket: this proxy's part grows.
+        r.apply(&delta(10, 2), Totals { previous: 4, current: 20 }, UnixMillis(2), 8);
+        assert_eq!(r.entries[&(1, 33)].remote_at(10), Counts { previous: 4, current: 15 });
+        // A batch in the next bucket: this proxy's part of the old bucket becomes "previous".
+        r.apply(&delta(11, 1), Totals { previous: 21, current: 6 }, UnixMillis(3), 8);
+        assert_eq!(r.entries[&(1, 33)].remote_at(11), Counts { previous: 16, current: 5 });
+        // A late delta of the bucket before.
+        r.apply(&delta(10, 1), Totals { previous: 0, current: 22 }, UnixMillis(4), 8);
+        assert_eq!(r.entries[&(1, 33)].remote_at(11), Counts { previous: 16, current: 5 });
+    }
+
+    #[test]
+    fn records_and_index_round_trip_and_stay_bounded() {
+        let mut r = ViewRecord::default();
+        for k in 0..5u64 {
+            let d = Delta { fingerprint: k, ..delta(3, 1) };
+            r.apply(&d, Totals { previous: 0, current: 2 }, UnixMillis(k), 3);
+        }
+        assert_eq!(r.entries.len(), 3, "the oldest synced went");
+        assert!(r.entries.contains_key(&(1, 4)) && !r.entries.contains_key(&(1, 0)));
+        assert_eq!(ViewRecord::decode(&r.encode()).unwrap(), r);
+        assert!(ViewRecord::decode(&r.encode()[..5]).is_err());
+        let index = ViewIndex { last_success: Some(UnixMillis(77)), versions: [3; VIEW_RECORDS] };
+        assert_eq!(ViewIndex::decode(&index.encode()).unwrap(), index);
+        assert_eq!(ViewIndex::decode(&[]).unwrap(), ViewIndex::default());
+        assert!(ViewIndex::decode(&[1, 2, 3]).is_err());
+    }
+
+    #[test]
+    fn the_cache_reads_only_records_whose_version_moved() {
+        let mut cache = ViewCache::new();
+        let mut index = ViewIndex::default();
+        assert!(cache.stale(&index).is_empty());
+        index.versions[record_of(33)] = 1;
+        assert_eq!(cache.stale(&index), vec![record_of(33)]);
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 3), Totals { previous: 0, current: 9 }, UnixMillis(1), 8);
+        cache.store(record_of(33), r);
+        cache.adopt(index);
+        assert!(cache.stale(&index).is_empty());
+        assert_eq!(cache.remote(1, 33, 10), Counts { previous: 0, current: 6 });
+        assert_eq!(cache.remote(2, 33, 10), Counts::default());
+        assert_eq!(cache.keys(), 1);
+    }
+}

@@ -1,0 +1,110 @@
+//! The global scope's host side: the batch call to `floodgate-sync` and its answer, on the root
+//! context, and the VM's node, which outlives configurations ([`crate::global`] decides
+//! everything).
+
+use super::stats::{self, GlobalStats};
+use super::store::EnvoyStore;
+use crate::config::SYNC_PATH;
+use crate::global::flusher::{Answer, Failure};
+use crate::global::{GlobalScope, VmNode};
+use crate::time::UnixMillis;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::{BufferType, MapType};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::time::Duration;
+
+thread_local! {
+    /// This VM's node per filter namespace: its deltas, view and flusher survive a
+    /// configuration change (a new root context in the same VM).
+    static NODES: RefCell<HashMap<String, Rc<RefCell<VmNode>>>> = RefCell::new(HashMap::new());
+}
+
+/// This VM's node for `namespace`.
+pub fn node(namespace: &str, vm: u64) -> Rc<RefCell<VmNode>> {
+    NODES.with(|nodes| {
+        Rc::clone(
+            nodes
+                .borrow_mut()
+                .entry(namespace.to_owned())
+                .or_insert_with(|| Rc::new(RefCell::new(VmNode::new(vm)))),
+        )
+    })
+}
+
+/// One tick of the global scope: moves this VM's deltas, refreshes its view, and, on the
+/// proxy's flusher, sends the batch.
+pub fn tick(scope: &GlobalScope, node: &RefCell<VmNode>, ids: &GlobalStats, vm: u64, now: UnixMillis) {
+    let mut node = node.borrow_mut();
+    let tick = scope.tick(&EnvoyStore, &mut node, vm, now);
+    stats::add_count(ids.dropped, tick.expired.saturating_add(tick.dropped));
+    stats::add_count(ids.errors, u64::from(tick.errors));
+    stats::set(ids.view_keys, u64::try_from(node.cache.keys()).unwrap_or(u64::MAX));
+    if let Some(staleness) = tick.staleness_ms {
+        stats::set(ids.staleness_ms, staleness);
+    }
+    let Some(body) = tick.send else { return };
+    let headers = vec![
+        (":method", "POST"),
+        (":path", SYNC_PATH),
+        (":authority", scope.authority.as_str()),
+        ("content-type", "application/json"),
+    ];
+    let timeout = Duration::from_millis(scope.timeout_ms);
+    match hostcalls::dispatch_http_call(&scope.cluster, headers, Some(body.as_bytes()), vec![], timeout) {
+        Ok(token) => {
+            node.flusher.sent(token, now);
+            stats::increment(ids.batches);
+            stats::add_count(ids.counters, u64::try_from(tick.counters).unwrap_or(u64::MAX));
+        }
+        Err(status) => {
+            // No such cluster, or the host refused: the batch stays for the next tick.
+            stats::increment(ids.failures);
+            log::warn!("floodgate: global sync to cluster {:?} not sent: {status:?}", scope.cluster);
+        }
+    }
+}
+
+/// The answer to a batch call.
+pub fn answered(
+    scope: &GlobalScope,
+    node: &RefCell<VmNode>,
+    ids: &GlobalStats,
+    token: u32,
+    num_headers: usize,
+    body_size: usize,
+    now: UnixMillis,
+) {
+    let mut node = node.borrow_mut();
+    if !node.flusher.owns(token) {
+        return;
+    }
+    // The bytes getter: the `String` ones panic on a value that is not UTF-8.
+    let status = (num_headers > 0)
+        .then(|| hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status").ok().flatten())
+        .flatten()
+        .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
+    let answer = match status {
+        Some(200) => Answer::Ok(
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
+        ),
+        other => Answer::Failed(other),
+    };
+    match scope.answered(&EnvoyStore, &mut node, token, answer, now) {
+        Ok(counters) => {
+            stats::increment(ids.confirmed);
+            log::debug!("floodgate: global batch of {counters} counters confirmed");
+        }
+        Err(failure) => {
+            stats::increment(ids.failures);
+            match failure {
+                Failure::Status(status) => log::debug!("floodgate: global batch failed ({status:?}); sent again next tick"),
+                Failure::Protocol(e) => log::warn!("floodgate: global batch answer not understood: {e}"),
+            }
+        }
+    }
+}

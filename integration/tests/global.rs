@@ -1,0 +1,275 @@
+//! Global quotas, end to end: three real Envoys (two workers each) with the built module, one
+//! `floodgate-sync` and a real Redis (one node, then a 3-master Redis Cluster with replicas),
+//! all on 127.0.0.1. A key's traffic is spread evenly over the three proxies at a steady pace;
+//! the fleet must admit about the limit once (not three times), decide every request without a
+//! 5xx whatever happens to the store, and leave in Redis exactly what it admitted.
+//!
+//! Run through `./test.sh` (it installs Redis with scripts/redis.sh and builds floodgate-sync).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use floodgate_integration::store::{Redis, RedisCluster, SyncService};
+use floodgate_integration::*;
+
+const WINDOW: Duration = Duration::from_secs(3600);
+const SYNC_INTERVAL_MS: u64 = 100;
+
+fn config(limit: u64) -> Value {
+    json!({
+        "rate_limits": [
+            {"name": "fleet", "key": [{"header": "x-fleet-key"}], "limit": limit, "window": "1h", "scope": "global"},
+            {"name": "local", "key": [{"header": "x-local-key"}], "limit": limit, "window": "1h"}
+        ],
+        "global": {"cluster": "floodgate-sync", "sync_interval": format!("{SYNC_INTERVAL_MS}ms"), "timeout": "500ms"}
+    })
+}
+
+fn proxies(limit: u64, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
+    (0..3)
+        .map(|_| {
+            Envoy::builder(config(limit))
+                .upstream(upstream)
+                .http2_cluster("floodgate-sync", &[sync])
+                .concurrency(2)
+                .start()
+        })
+        .collect()
+}
+
+/// Statuses of a steady load: `rate` requests per second in all, spread round-robin over the
+/// proxies, each with header `(name, value)`, for `duration`, over a few keep-alive connections
+/// per proxy. `during(elapsed)` is called about every 100 ms (to break things on cue).
+async fn steady_load(
+    proxies: &[SocketAddr],
+    header: (&str, &str),
+    rate: u64,
+    duration: Duration,
+    mut during: impl FnMut(Duration),
+) -> BTreeMap<u16, u64> {
+    let mut clients = Vec::new();
+    for addr in proxies {
+        let mut per_proxy = Vec::new();
+        for _ in 0..4 {
+            per_proxy.push(Client::connect(*addr).await.expect("connect"));
+        }
+        clients.push(per_proxy);
+    }
+    let mut statuses = BTreeMap::new();
+    let started = Instant::now();
+    let gap = Duration::from_nanos(1_000_000_000 / rate);
+    let mut next_call = Duration::ZERO;
+    let mut sent = 0u64;
+    let mut pending = tokio::task::JoinSet::new();
+    let (name, value) = (header.0.to_owned(), header.1.to_owned());
+    let mut pools: Vec<std::sync::Arc<tokio::sync::Mutex<Vec<Client>>>> =
+        clients.into_iter().map(|c| std::sync::Arc::new(tokio::sync::Mutex::new(c))).collect();
+    while started.elapsed() < duration {
+        let due = gap * u32::try_from(sent).expect("requests");
+        if let Some(wait) = due.checked_sub(started.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        if started.elapsed() >= next_call {
+            during(started.elapsed());
+            next_call += Duration::from_millis(100);
+        }
+        let pool = std::sync::Arc::clone(&pools[(sent % 3) as usize]);
+        let addr = proxies[(sent % 3) as usize];
+        let (name, value) = (name.clone(), value.clone());
+        pending.spawn(async move {
+            let client = pool.lock().await.pop();
+            let mut client = match client {
+                Some(c) => c,
+                None => Client::connect(addr).await.expect("connect"),
+            };
+            let status = client.get("/", &[(name.as_str(), value.as_str())]).await.map(|r| r.status).unwrap_or(0);
+            pool.lock().await.push(client);
+            status
+        });
+        sent += 1;
+        while let Some(done) = pending.try_join_next() {
+            *statuses.entry(done.expect("request task")).or_insert(0) += 1;
+        }
+    }
+    while let Some(done) = pending.join_next().await {
+        *statuses.entry(done.expect("request task")).or_insert(0) += 1;
+    }
+    pools.clear();
+    statuses
+}
+
+/// Sum of every counter `floodgate-sync` keeps in Redis for bucket `bucket` of the 1 h window
+/// (the `seen` markers left out), over `nodes` (every master of a cluster).
+fn redis_total(nodes: &[&Redis], bucket: u64) -> u64 {
+    let suffix = format!(":{}:{bucket}", WINDOW.as_millis());
+    let mut total = 0;
+    for node in nodes {
+        for key in node.cli(&["--scan", "--pattern", "fg:*"]).lines() {
+            if key.ends_with(&suffix) {
+                total += node.cli(&["GET", key]).trim().parse::<u64>().unwrap_or(0);
+            }
+        }
+    }
+    total
+}
+
+fn hour_bucket() -> u64 {
+    (since_epoch().as_millis() / WINDOW.as_millis()) as u64
+}
+
+fn stat_sum(envoys: &[Envoy], name: &str) -> u64 {
+    envoys.iter().map(|e| e.stat(name).unwrap_or(0)).sum()
+}
+
+fn global_stat(what: &str) -> String {
+    format!("{WASM_CUSTOM_NAMESPACE}floodgate.global.{what}")
+}
+
+/// The overshoot bound of docs/global.md: `limit + R·D·(P − 1)/P` with `D` three sync intervals
+/// plus a call, and the quota reserves' 16 units per worker.
+fn bound(limit: u64, rate: u64) -> u64 {
+    let d = Duration::from_millis(3 * SYNC_INTERVAL_MS + 100);
+    limit + (rate as f64 * d.as_secs_f64() * 2.0 / 3.0).ceil() as u64 + 3 * 2 * 16
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_proxies_keep_one_quota_through_redis_where_proxy_scope_gives_three() {
+    const LIMIT: u64 = 600;
+    const RATE: u64 = 300;
+    let phase = wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
+    let redis = Redis::start();
+    let sync = SyncService::single(&redis.url());
+    let upstream = Upstream::counting_header("x-fleet-key");
+    let envoys = proxies(LIMIT, sync.addr, &upstream);
+    let addrs: Vec<SocketAddr> = envoys.iter().map(Envoy::addr).collect();
+    println!("{:.0} s into the hour", phase.as_secs_f64());
+    let key = format!("tenant-{}", std::process::id());
+
+    let global = steady_load(&addrs, ("x-fleet-key", &key), RATE, Duration::from_secs(6), |_| {}).await;
+    let local = steady_load(&addrs, ("x-local-key", &key), RATE, Duration::from_secs(8), |_| {}).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await; // the last batches
+    let in_redis = redis_total(&[&redis], hour_bucket());
+    println!("global scope: {global:?}; proxy scope: {local:?}; Redis holds {in_redis}");
+    for e in &envoys {
+        println!("{}", e.stats_matching("floodgate.global"));
+    }
+    let admitted = global.get(&200).copied().unwrap_or(0);
+    assert_eq!(global.keys().filter(|s| **s != 200 && **s != 429).count(), 0, "only 200 and 429: {global:?}");
+    assert!(admitted >= LIMIT && admitted <= bound(LIMIT, RATE), "global: {admitted} admitted, limit {LIMIT}, bound {}", bound(LIMIT, RATE));
+    assert_eq!(in_redis, admitted, "Redis holds every admission once");
+    assert_eq!(upstream.count_for(&key), admitted);
+    // Proxy scope, for contrast: each proxy its own quota (less, at most, the units the other
+    // worker of a proxy holds in reserve near the limit: 16 per worker).
+    let local_admitted = local.get(&200).copied().unwrap_or(0);
+    assert!(
+        local_admitted <= 3 * LIMIT && local_admitted + 3 * 2 * 16 >= 3 * LIMIT,
+        "proxy scope: {local_admitted} admitted, about 3 × {LIMIT} expected"
+    );
+    assert!(stat_sum(&envoys, &global_stat("confirmed")) > 0);
+    assert_eq!(stat_sum(&envoys, &global_stat("dropped")), 0);
+    // One flusher per proxy: at most one batch per interval per proxy (and retries: none here).
+    let batches = stat_sum(&envoys, &global_stat("batches"));
+    let intervals = (6 + 8 + 1) * 1000 / SYNC_INTERVAL_MS;
+    assert!(batches <= 3 * (intervals + 5), "{batches} batches for {intervals} intervals × 3 proxies");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_converges_exactly() {
+    const LIMIT: u64 = 100_000;
+    const RATE: u64 = 300;
+    wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
+    let redis = Redis::start();
+    let mut sync = SyncService::single(&redis.url());
+    let upstream = Upstream::start();
+    let envoys = proxies(LIMIT, sync.addr, &upstream);
+    let addrs: Vec<SocketAddr> = envoys.iter().map(Envoy::addr).collect();
+    let key = format!("tenant-{}", std::process::id());
+    let mut staleness_seen = 0u64;
+    let mut failures_while_paused = 0u64;
+    let statuses = steady_load(&addrs, ("x-fleet-key", &key), RATE, Duration::from_secs(9), |elapsed| {
+        let t = elapsed.as_millis();
+        if (2000..2100).contains(&t) {
+            redis.pause();
+        }
+        if (4900..5000).contains(&t) {
+            staleness_seen = envoys.iter().filter_map(|e| e.stat(&global_stat("staleness_ms"))).max().unwrap_or(0);
+            failures_while_paused = stat_sum(&envoys, &global_stat("failures"));
+            redis.resume();
+        }
+        if (6000..6100).contains(&t) {
+            sync.restart(); // stateless: nothing is lost
+        }
+    })
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let admitted = statuses.get(&200).copied().unwrap_or(0);
+    let mut in_redis = 0;
+    while Instant::now() < deadline {
+        in_redis = redis_total(&[&redis], hour_bucket());
+        if in_redis == admitted {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "statuses {statuses:?}; staleness seen while paused {staleness_seen} ms; failures by then {failures_while_paused}; Redis {in_redis}"
+    );
+    assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), vec![200], "every request admitted, none failed");
+    assert!(staleness_seen >= 1500, "the staleness gauge shows the outage: {staleness_seen} ms");
+    assert!(failures_while_paused > 0, "sync failures are counted");
+    assert_eq!(in_redis, admitted, "after the outage Redis holds every admission exactly once");
+    assert_eq!(stat_sum(&envoys, &global_stat("dropped")), 0);
+    let staleness_after: Vec<u64> = envoys.iter().filter_map(|e| e.stat(&global_stat("staleness_ms"))).collect();
+    assert!(staleness_after.iter().all(|&s| s < 2000), "fresh again: {staleness_after:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_keeps_one_quota_and_survives_a_master_failing_over() {
+    const LIMIT: u64 = 600;
+    const RATE: u64 = 300;
+    wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
+    let mut cluster = RedisCluster::start(3, 1);
+    let sync = SyncService::cluster(&cluster.urls());
+    let upstream = Upstream::start();
+    let envoys = proxies(LIMIT, sync.addr, &upstream);
+    let addrs: Vec<SocketAddr> = envoys.iter().map(Envoy::addr).collect();
+    let run = std::process::id();
+    // One quota over the cluster first.
+    let quota = steady_load(&addrs, ("x-fleet-key", &format!("quota-{run}")), RATE, Duration::from_secs(5), |_| {}).await;
+    let admitted = quota.get(&200).copied().unwrap_or(0);
+    println!("cluster, one quota: {quota:?}");
+    assert!(admitted >= LIMIT && admitted <= bound(LIMIT, RATE), "{admitted} admitted, bound {}", bound(LIMIT, RATE));
+    // Many keys (spread over the masters) while a master is killed and its replica takes over.
+    let victim = cluster.masters()[0];
+    let mut killed = false;
+    let mut statuses = BTreeMap::new();
+    for round in 0..8 {
+        let key = format!("spread-{run}-{round}");
+        let s = steady_load(&addrs, ("x-fleet-key", &key), RATE, Duration::from_millis(800), |elapsed| {
+            if round == 2 && !killed && elapsed >= Duration::from_millis(300) {
+                killed = true;
+                cluster.nodes[victim].kill();
+            }
+        })
+        .await;
+        for (k, v) in s {
+            *statuses.entry(k).or_insert(0) += v;
+        }
+    }
+    cluster.wait_ok(Duration::from_secs(20));
+    let masters: Vec<&Redis> = cluster.masters().into_iter().map(|i| &cluster.nodes[i]).collect();
+    let sent: u64 = statuses.values().sum();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut in_redis = 0;
+    while Instant::now() < deadline {
+        in_redis = redis_total(&masters, hour_bucket()).saturating_sub(admitted);
+        if in_redis == sent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    println!("failover rounds: {statuses:?}; Redis holds {in_redis} of them; {}", sync.log().lines().rev().take(5).collect::<Vec<_>>().join(" | "));
+    assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), vec![200], "every request decided, none failed");
+    assert_eq!(in_redis, sent, "after the failover every admission is in Redis exactly once");
+}
