@@ -61,6 +61,10 @@ impl HeaderPlan {
                 }
             }
         }
+        if config.cluster_selection.is_some() {
+            // Whether a request with a cluster lease is gRPC (crate::grpc).
+            want("content-type", false);
+        }
         let present = wanted.iter().filter(|(_, present)| *present).count();
         HeaderPlan {
             whole_map: present >= 2,
@@ -306,6 +310,10 @@ mod tests {
                 "rate_limits":[{"name":"a","key":[{"header":"x-tier"}],"limit":1,"window":"1s"}]}"#,
         );
         assert!(keyed.whole_map());
+        // Cluster selection reads content-type (is the request gRPC?), usually absent.
+        let selection = plan(r#"{"health":{"path":"/h"},"cluster_selection":{"clusters":["a"]}}"#);
+        assert_eq!(selection.names(), names(&[":path", "content-type"]).as_slice());
+        assert!(!selection.whole_map());
         assert!(!plan("{}").whole_map());
         assert!(plan("{}").names().is_empty());
     }

@@ -6,12 +6,14 @@
 //! [`config`] (parsed once, validated), [`ratelimit`] (window, bounded table, limiter),
 //! [`key`] (key parts and the keyed hash), [`headers`] (which request headers to read and how,
 //! and the serialized header map), [`store`] (shared data behind a trait, CAS
-//! discipline), [`response`] (the 429 and the `RateLimit` fields), [`time`] — and `host`, the
+//! discipline), [`response`] (the 429 and the `RateLimit` fields), [`grpc`] (the gRPC form of
+//! refusals, the outcome of gRPC calls), [`time`] — and `host`, the
 //! thin proxy-wasm shell, compiled for wasm only.
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 pub mod config;
 pub mod global;
+pub mod grpc;
 pub mod headers;
 pub mod key;
 pub mod ratelimit;

@@ -30,6 +30,32 @@ pub struct Reply {
     pub headers: Vec<(&'static str, String)>,
     /// Response body.
     pub body: String,
+    /// What it refuses and for how long, for the gRPC form of a refusal ([`crate::grpc`]);
+    /// `None` for an answer that refuses nothing (the health endpoint's).
+    pub refusal: Option<Refusal>,
+}
+
+/// What a refusal says, in the words a gRPC status carries: which kind, one line, and the wait.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// Which feature refused.
+    pub kind: RefusalKind,
+    /// The problem document's `detail`: one line naming the quota or the limit, and the wait.
+    pub detail: String,
+    /// The wait before the same request could be admitted, in milliseconds: exact for a quota,
+    /// the configured `retry_after` (in whole seconds, as `retry-after`) otherwise.
+    pub retry_after_ms: u64,
+}
+
+/// Which feature refused a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RefusalKind {
+    /// A rate limit (`429`).
+    RateLimited,
+    /// Load shedding (`503`).
+    Shed,
+    /// Cluster selection found no cluster with room (`503`).
+    NoCapacity,
 }
 
 /// The `ratelimit-policy` and `ratelimit` field values for one rule.
@@ -171,7 +197,7 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         "type": QUOTA_EXCEEDED,
         "title": "Too Many Requests",
         "status": 429,
-        "detail": detail,
+        "detail": detail.as_str(),
         "violated-policies": names,
         "policy": table.name.as_str(),
         "limit": table.limit.get(),
@@ -191,6 +217,7 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
             ("ratelimit", ratelimit),
         ],
         body: body.to_string(),
+        refusal: Some(Refusal { kind: RefusalKind::RateLimited, detail, retry_after_ms }),
     })
 }
 
@@ -211,7 +238,7 @@ pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
         "type": TEMPORARY_REDUCED_CAPACITY,
         "title": "Service Unavailable",
         "status": 503,
-        "detail": detail,
+        "detail": detail.as_str(),
         "in_flight": shed.in_flight,
         "max_active_requests": shedder.max_active_requests,
         "class": class_name,
@@ -225,6 +252,11 @@ pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
             ("retry-after", shedder.retry_after_secs.to_string()),
         ],
         body: body.to_string(),
+        refusal: Some(Refusal {
+            kind: RefusalKind::Shed,
+            detail,
+            retry_after_ms: shedder.retry_after_secs.saturating_mul(1000),
+        }),
     }
 }
 
@@ -254,7 +286,7 @@ pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
         "type": TEMPORARY_REDUCED_CAPACITY,
         "title": "Service Unavailable",
         "status": 503,
-        "detail": detail,
+        "detail": detail.as_str(),
         "clusters": clusters,
         "retry_after": selector.retry_after_secs,
     });
@@ -265,6 +297,11 @@ pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
             ("retry-after", selector.retry_after_secs.to_string()),
         ],
         body: body.to_string(),
+        refusal: Some(Refusal {
+            kind: RefusalKind::NoCapacity,
+            detail,
+            retry_after_ms: selector.retry_after_secs.saturating_mul(1000),
+        }),
     }
 }
 
@@ -294,6 +331,7 @@ pub fn health(shedder: Option<&Shedder>, in_flight: Option<u32>) -> Reply {
             ("cache-control", "no-store".into()),
         ],
         body: body.to_string(),
+        refusal: None,
     }
 }
 

@@ -7,10 +7,12 @@
 //! all refused: nothing half-configured ever serves traffic.
 
 mod global;
+mod grpc;
 mod selection;
 mod values;
 
 pub use global::{Global, MAX_GLOBAL_KEYS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
+pub use grpc::{default_failure_grpc_statuses, Grpc, GrpcStatus};
 pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
     MAX_BUCKETS, MAX_CLUSTERS,
@@ -53,6 +55,9 @@ pub struct Config {
     /// How rules with `"scope": "global"` reach the fleet-wide store.
     #[serde(default)]
     pub global: Option<Global>,
+    /// The gRPC status codes of refusals of gRPC requests.
+    #[serde(default)]
+    pub grpc: Grpc,
 }
 
 /// `load_shedding`: refuse new requests fast when the proxy already has this many in flight.
@@ -426,6 +431,9 @@ impl Config {
         if let Some(global) = &self.global {
             parts.push(global.summary());
         }
+        if self.grpc != Grpc::default() {
+            parts.push(self.grpc.summary());
+        }
         parts.join("; ")
     }
 
@@ -472,6 +480,7 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
         ("load_shedding", top.get("load_shedding")),
         ("health", top.get("health")),
         ("global", top.get("global")),
+        ("grpc", top.get("grpc")),
         ("cluster_selection", selection),
         ("cluster_selection.concurrency_limit", selection.and_then(|s| s.get("concurrency_limit"))),
     ];

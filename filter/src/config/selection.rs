@@ -1,6 +1,7 @@
 //! `cluster_selection`: the clusters the filter chooses among, and the tuning of the seed's
 //! algorithm (`seeds/001_29fb53a81823e255.txt`) with the seed's values as defaults.
 
+use super::grpc::{default_failure_grpc_statuses, GrpcStatus};
 use super::values::{DurationMs, Positive};
 use super::{header_name, ConfigError};
 use serde::de::{self, Deserializer, Visitor};
@@ -49,6 +50,9 @@ pub struct ClusterSelection {
     /// Upstream statuses that count as failures: codes (`503`) or classes (`"5xx"`).
     #[serde(default = "default_failure_statuses")]
     pub failure_statuses: Vec<StatusMatch>,
+    /// The gRPC statuses of gRPC calls that count as failures (see [`crate::grpc`]).
+    #[serde(default = "default_failure_grpc_statuses")]
+    pub failure_grpc_statuses: Vec<GrpcStatus>,
     /// The concurrency limit of each cluster.
     #[serde(default)]
     pub concurrency_limit: ConcurrencyLimit,
@@ -355,10 +359,11 @@ impl ClusterSelection {
     pub fn summary(&self) -> String {
         let clusters: Vec<&str> = self.clusters.iter().map(ClusterName::as_str).collect();
         let failures: Vec<String> = self.failure_statuses.iter().map(ToString::to_string).collect();
+        let grpc_failures: Vec<&str> = self.failure_grpc_statuses.iter().map(|s| s.name()).collect();
         let limit = &self.concurrency_limit;
         format!(
             "cluster selection by {} over [{}]: {} buckets of {}, decay {}, weight rate^{}, \
-             failures [{}], AIMD limit {} in [{}, {}] (backoff {}, timeout {})",
+             failures [{}] (gRPC [{}]), AIMD limit {} in [{}, {}] (backoff {}, timeout {})",
             self.route_header,
             clusters.join(", "),
             self.buckets.get(),
@@ -366,6 +371,7 @@ impl ClusterSelection {
             self.decay_factor,
             self.weight_exponent,
             failures.join(", "),
+            grpc_failures.join(", "),
             limit.initial_limit.get(),
             limit.min_limit.get(),
             limit.max_limit.get(),
@@ -378,7 +384,7 @@ impl ClusterSelection {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
-    use crate::config::{Config, FloorOn, LimitAlgorithm, StatusMatch};
+    use crate::config::{Config, FloorOn, GrpcStatus, LimitAlgorithm, StatusMatch};
 
     fn error_of(json: &str) -> String {
         Config::parse(json.as_bytes()).unwrap_err().to_string()
@@ -400,6 +406,10 @@ mod tests {
         assert_eq!(selection.no_data_floor, 0.0001);
         assert_eq!(selection.no_data_floor_on, FloorOn::Weight);
         assert_eq!(selection.failure_statuses, vec![StatusMatch::Class(5)]);
+        assert_eq!(
+            selection.failure_grpc_statuses,
+            vec![GrpcStatus::UNAVAILABLE, GrpcStatus::INTERNAL, GrpcStatus::UNKNOWN, GrpcStatus::DATA_LOSS]
+        );
         let limit = &selection.concurrency_limit;
         assert_eq!(limit.algorithm, LimitAlgorithm::Aimd);
         assert_eq!(
@@ -417,6 +427,7 @@ mod tests {
         let config = Config::parse(
             br#"{"cluster_selection":{"route_header":"x-c","clusters":["a"],"bucket_width":"1s","buckets":10,
                 "decay_factor":2,"weight_exponent":2.5,"no_data_floor":0,"no_data_floor_on":"rate","failure_statuses":["5xx",429,"404"],
+                "failure_grpc_statuses":["INTERNAL",4,"RESOURCE_EXHAUSTED"],
                 "concurrency_limit":{"algorithm":"aimd","initial_limit":5,"min_limit":5,"max_limit":5,
                                      "backoff_ratio":0.5,"timeout":"250ms"},"retry_after":"3s"}}"#,
         )
@@ -427,6 +438,13 @@ mod tests {
             vec![StatusMatch::Class(5), StatusMatch::Code(429), StatusMatch::Code(404)]
         );
         assert!(StatusMatch::Class(5).matches(503) && !StatusMatch::Class(5).matches(429));
+        assert_eq!(
+            selection.failure_grpc_statuses,
+            vec![GrpcStatus::INTERNAL, GrpcStatus::DEADLINE_EXCEEDED, GrpcStatus::RESOURCE_EXHAUSTED]
+        );
+        assert!(selection.summary().contains("failures [5xx, 429, 404] (gRPC [INTERNAL, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED])"));
+        let none = Config::parse(br#"{"cluster_selection":{"clusters":["a"],"failure_grpc_statuses":[]}}"#).unwrap();
+        assert!(none.cluster_selection.unwrap().failure_grpc_statuses.is_empty());
         assert_eq!(selection.concurrency_limit.timeout.get().get(), 250);
         assert_eq!(selection.decay_factor, 2.0);
         assert_eq!(selection.no_data_floor_on, FloorOn::Rate);
@@ -453,6 +471,9 @@ mod tests {
             (r#"{"cluster_selection":{"clusters":["a"],"failure_statuses":[]}}"#, "cluster_selection.failure_statuses: must list at least one"),
             (r#"{"cluster_selection":{"clusters":["a"],"failure_statuses":["6xx"]}}"#, r#"cluster_selection.failure_statuses[0]: "6xx" is not a status code or class"#),
             (r#"{"cluster_selection":{"clusters":["a"],"failure_statuses":[99]}}"#, "cluster_selection.failure_statuses[0]: 99 is not a status code (100 to 599)"),
+            (r#"{"cluster_selection":{"clusters":["a"],"failure_grpc_statuses":["UNAVAILABLE","OK"]}}"#, "cluster_selection.failure_grpc_statuses[1]: OK is not a refusal or a failure"),
+            (r#"{"cluster_selection":{"clusters":["a"],"failure_grpc_statuses":[503]}}"#, "cluster_selection.failure_grpc_statuses[0]: 503 is not a gRPC status code (1 to 16)"),
+            (r#"{"cluster_selection":{"clusters":["a"],"failure_grpc_statuses":"UNAVAILABLE"}}"#, "cluster_selection.failure_grpc_statuses: invalid type: string"),
             (r#"{"cluster_selection":{"clusters":["a"],"concurrency_limit":{"algorithm":"vegas"}}}"#, "cluster_selection.concurrency_limit.algorithm: unknown variant `vegas`"),
             (r#"{"cluster_selection":{"clusters":["a"],"concurrency_limit":{"min_limit":10,"max_limit":5,"initial_limit":5}}}"#, "cluster_selection.concurrency_limit.min_limit: 10 is above max_limit 5"),
             (r#"{"cluster_selection":{"clusters":["a"],"concurrency_limit":{"initial_limit":500}}}"#, "cluster_selection.concurrency_limit.initial_limit: 500 is outside [min_limit, max_limit] = [1, 200]"),

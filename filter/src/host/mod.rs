@@ -3,6 +3,7 @@
 //! decides anything.
 
 mod global;
+mod grpc;
 mod header_map;
 mod stats;
 mod store;
@@ -235,6 +236,7 @@ impl RootContext for FilterRoot {
             replied: false,
             lease: None,
             cluster_lease: None,
+            grpc: grpc::Call::default(),
         }))
     }
 }
@@ -291,11 +293,18 @@ struct FilterStream {
     lease: Option<Lease>,
     /// The chosen cluster's lease, likewise.
     cluster_lease: Option<ClusterLease>,
+    /// Whether the request is gRPC, and the status its response ended with.
+    grpc: grpc::Call,
 }
 
 impl FilterStream {
-    /// Sends a local reply; the filter then stops the request.
+    /// Sends a local reply (its gRPC form to a gRPC request); the filter then stops the request.
     fn reply(&mut self, reply: &Reply) -> Action {
+        if let Some(grpc) = crate::grpc::reply(reply, &self.filter.config.grpc).filter(|_| self.grpc.request) {
+            self.replied = true;
+            grpc::send(&grpc);
+            return Action::Pause;
+        }
         let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
         self.replied = true;
         if let Err(status) = hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
@@ -431,12 +440,18 @@ impl FilterStream {
             .and_then(|code| u16::try_from(code).ok())
             .filter(|c| *c > 0);
         // Flags change the outcome of a stream without a status or with a 5xx; a status below
-        // 500 already sent downstream stands (one host call saved on the common path).
+        // 500 already sent downstream stands (one host call saved on the common path), unless
+        // a gRPC call's status needs them.
+        let failures = self.filter.config.cluster_selection.as_ref().map_or(&[][..], |s| &s.failure_grpc_statuses);
+        let grpc = self.grpc.request.then_some(self.grpc.status);
         let flags = match status {
-            Some(code) if code < 500 => 0,
+            Some(code) if code < 500 && grpc.is_none_or(|s| !crate::grpc::needs_flags(s, failures)) => 0,
             _ => property_u64(&["response", "flags"]).unwrap_or(0),
         };
-        let outcome = selector.classify(&lease, status, flags, now);
+        let mut outcome = selector.classify(&lease, status, flags, now);
+        if let Some(grpc) = grpc {
+            outcome = crate::grpc::outcome(outcome, crate::grpc::effective_status(grpc, status, flags), failures);
+        }
         let finished = selector.finish(&EnvoyStore, &mut self.filter.selection_vm.borrow_mut(), lease, outcome, now);
         let ids = self.filter.stats.cluster(finished.cluster);
         increment(match outcome {
@@ -449,7 +464,7 @@ impl FilterStream {
         if !finished.recorded {
             increment(self.filter.stats.selection_contention);
         }
-        log::debug!("floodgate: {outcome:?} (status {status:?}, flags {flags:#x}) on cluster {}", finished.cluster);
+        log::debug!("floodgate: {outcome:?} (status {status:?}, gRPC {grpc:?}, flags {flags:#x}) on cluster {}", finished.cluster);
     }
 
     fn release(&mut self, now: UnixMillis) {
@@ -533,6 +548,9 @@ impl HttpContext for FilterStream {
             .or_else(|| self.shed(&filter, &headers, now))
             .or_else(|| self.rate_limit(&filter, &headers, now))
             .or_else(|| self.select(&filter, now));
+        if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_lease.is_some() {
+            self.grpc.request = crate::grpc::is_grpc(headers.get("content-type").as_deref());
+        }
         match reply {
             Some(reply) => self.reply(&reply),
             None => Action::Continue,
@@ -549,9 +567,12 @@ impl HttpContext for FilterStream {
         self.finish_cluster(now);
     }
 
-    fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         if self.replied {
             return Action::Continue;
+        }
+        if self.cluster_lease.is_some() {
+            self.grpc.headers(end_of_stream);
         }
         if let Some((rule, ratelimit)) = self.ratelimit_fields.take() {
             let policy = self.filter.admitted_fields.policy(rule).unwrap_or_default();
@@ -560,6 +581,13 @@ impl HttpContext for FilterStream {
                     log::debug!("floodgate: cannot add {name}: {status:?}");
                 }
             }
+        }
+        Action::Continue
+    }
+
+    fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.cluster_lease.is_some() {
+            self.grpc.trailers();
         }
         Action::Continue
     }
