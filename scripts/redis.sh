@@ -10,16 +10,8 @@ set -euo pipefail
 
 REDIS_MIN=7.0 # the oldest Redis the sync service supports (Debian bookworm ships 7.0)
 
-as_root() {
-  if [[ $(id -u) -eq 0 ]]; then
-    "$@"
-  elif command -v sudo >/dev/null 2>&1; then
-    sudo "$@"
-  else
-    echo "scripts/redis.sh: need root or sudo to run: $*" >&2
-    return 1
-  fi
-}
+# shellcheck source=scripts/apt.sh
+source "$(dirname "$0")/apt.sh"
 
 stop_service() {
   # Only the package's own service, through the service manager, and only if it runs.
@@ -40,13 +32,7 @@ if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/nul
       "install Redis $REDIS_MIN or newer (redis-server and redis-cli on the PATH)" >&2
     exit 1
   fi
-  echo "scripts/redis.sh: installing redis-server with apt-get" >&2
-  export DEBIAN_FRONTEND=noninteractive
-  if ! as_root apt-get install -y -q --no-install-recommends redis-server >&2; then
-    # A fresh machine (or container) may not have the package lists yet.
-    as_root apt-get update -q >&2
-    as_root apt-get install -y -q --no-install-recommends redis-server >&2
-  fi
+  apt_install scripts/redis.sh redis-server
   stop_service
 fi
 

@@ -52,6 +52,7 @@ const FIELDS: &[&str] = &[
     "load_shedding",
     "cluster_selection",
     "health",
+    "grpc",
 ];
 
 /// How to find configurations.
@@ -889,7 +890,7 @@ spec:
         let error = find_configurations("compose.yaml", b"services:\n  envoy: {}\n", Options::default()).unwrap_err();
         assert!(error.starts_with("no floodgate configuration found"), "{error}");
         let found = find("c.yaml", "health:\n  path: /h\nrate_limit: []\n");
-        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `load_shedding`, `cluster_selection`, `health`, `global`");
+        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `load_shedding`, `cluster_selection`, `health`, `global`, `grpc`");
     }
 
     #[test]

@@ -41,6 +41,7 @@ pub use serde_json::{json, Value};
 
 pub mod dynamic;
 pub mod faults;
+pub mod grpc;
 pub mod store;
 
 /// The health endpoint the shedding tests configure.
@@ -445,6 +446,8 @@ pub(crate) struct Routing {
     pub(crate) clusters: Vec<(String, Vec<SocketAddr>)>,
     /// Route by this request header (`cluster_header`) instead of to the `upstream` cluster.
     pub(crate) route_header: Option<String>,
+    /// Without a route header: the cluster every request goes to (default `upstream`).
+    pub(crate) route_cluster: Option<String>,
     /// The route's upstream timeout.
     pub(crate) route_timeout: Duration,
     /// Names of the clusters that speak HTTP/2 (cleartext, prior knowledge) to their endpoints.
@@ -453,17 +456,24 @@ pub(crate) struct Routing {
 
 impl Default for Routing {
     fn default() -> Routing {
-        Routing { clusters: Vec::new(), route_header: None, route_timeout: Duration::from_secs(30), http2: Vec::new() }
+        Routing {
+            clusters: Vec::new(),
+            route_header: None,
+            route_cluster: None,
+            route_timeout: Duration::from_secs(30),
+            http2: Vec::new(),
+        }
     }
 }
 
 impl Routing {
-    /// The one route's action: to the cluster the route header names, or to `upstream`.
+    /// The one route's action: to the cluster the route header names, or to one cluster
+    /// (`upstream` unless [`EnvoyBuilder::route_to`] says another).
     pub(crate) fn route(&self) -> Value {
         let timeout = format!("{}s", self.route_timeout.as_secs_f64());
         match &self.route_header {
             Some(header) => json!({"cluster_header": header, "timeout": timeout}),
-            None => json!({"cluster": "upstream", "timeout": timeout}),
+            None => json!({"cluster": self.route_cluster.as_deref().unwrap_or("upstream"), "timeout": timeout}),
         }
     }
 
@@ -512,8 +522,8 @@ impl EnvoyBuilder {
         self
     }
 
-    /// Adds a cluster `name` whose endpoints speak HTTP/2 without TLS (as `floodgate-sync`
-    /// does): the filter's own calls, not a route's.
+    /// Adds a cluster `name` whose endpoints speak HTTP/2 without TLS (prior knowledge), as
+    /// `floodgate-sync` and gRPC servers do.
     pub fn http2_cluster(mut self, name: &str, addrs: &[SocketAddr]) -> EnvoyBuilder {
         self.routing.clusters.push((name.to_string(), addrs.to_vec()));
         self.routing.http2.push(name.to_string());
@@ -524,6 +534,13 @@ impl EnvoyBuilder {
     /// `cluster_header`), as cluster selection needs.
     pub fn route_by_header(mut self, header: &str) -> EnvoyBuilder {
         self.routing.route_header = Some(header.to_string());
+        self
+    }
+
+    /// Routes every request to cluster `name` (added with [`EnvoyBuilder::cluster`] or
+    /// [`EnvoyBuilder::http2_cluster`]) instead of `upstream`.
+    pub fn route_to(mut self, name: &str) -> EnvoyBuilder {
+        self.routing.route_cluster = Some(name.to_string());
         self
     }
 

@@ -44,7 +44,8 @@ pub fn sync_binary() -> PathBuf {
     p
 }
 
-fn which(name: &str) -> Option<PathBuf> {
+/// `name` on the PATH.
+pub(crate) fn which(name: &str) -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths).map(|dir| dir.join(name)).find(|p| p.is_file())
     })

@@ -272,6 +272,7 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         "concurrencyLimit",
         r#"{"cluster_selection": {"clusters": ["a"], "concurrency_limit": {}}}"#,
     ),
+    ("/grpc", "grpc", r#"{"grpc": {}}"#),
 ];
 
 /// The field names serde lists in its "unknown field" message for the object at `pointer`.
@@ -332,8 +333,8 @@ fn the_schema_and_the_reference_know_every_field_and_default_of_the_parser() {
                 problems.push(format!("{def}.{name}: no description in the schema"));
             }
             let Some(default) = property.get("default") else {
-                let section =
-                    property.get("anyOf").is_some() || property.get("$ref") == Some(&json!("#/$defs/concurrencyLimit"));
+                let section = property.get("anyOf").is_some()
+                    || ["#/$defs/concurrencyLimit", "#/$defs/grpc"].iter().any(|def| property.get("$ref") == Some(&json!(def)));
                 if !required.contains(name.as_str()) && !section {
                     problems.push(format!("{def}.{name}: optional but the schema gives no default"));
                 }
@@ -380,7 +381,7 @@ fn everything() -> Value {
         "cluster_selection": {
             "route_header": "x-cluster", "clusters": ["zone-a", "zone-b"], "bucket_width": "2s", "buckets": 10,
             "decay_factor": 2, "weight_exponent": 2.5, "no_data_floor": 0.001, "no_data_floor_on": "rate",
-            "failure_statuses": ["5xx", 429],
+            "failure_statuses": ["5xx", 429], "failure_grpc_statuses": ["UNAVAILABLE", 13, "RESOURCE_EXHAUSTED"],
             "concurrency_limit": {"algorithm": "aimd", "initial_limit": 10, "min_limit": 2, "max_limit": 100,
                                   "backoff_ratio": 0.8, "timeout": "2s"},
             "retry_after": "3s"
@@ -388,7 +389,8 @@ fn everything() -> Value {
         "health": {"path": "/healthz"},
         "global": {"cluster": "outbound|9090||floodgate-sync.floodgate.svc.cluster.local",
                    "authority": "floodgate-sync.floodgate.svc.cluster.local", "sync_interval": "250ms",
-                   "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours"}
+                   "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours"},
+        "grpc": {"rate_limited_status": "UNAVAILABLE", "shed_status": 8, "no_capacity_status": "ABORTED"}
     })
 }
 
@@ -641,6 +643,22 @@ fn edge_cases() -> Vec<(Value, bool, bool)> {
         (selection("failure_statuses", json!([503.0])), gap),
         (selection("failure_statuses", json!([])), bad),
         (selection("retry_after", json!("2s")), ok),
+        // gRPC status codes
+        (selection("failure_grpc_statuses", json!([])), ok),
+        (selection("failure_grpc_statuses", json!(["CANCELLED", "UNAUTHENTICATED", 1, 16])), ok),
+        (selection("failure_grpc_statuses", json!(["OK"])), bad),
+        (selection("failure_grpc_statuses", json!([0])), bad),
+        (selection("failure_grpc_statuses", json!([17])), bad),
+        (selection("failure_grpc_statuses", json!(["unavailable"])), bad),
+        (selection("failure_grpc_statuses", json!(["14"])), bad),
+        (selection("failure_grpc_statuses", json!([14.0])), gap),
+        (json!({"grpc": {"rate_limited_status": "UNAVAILABLE"}}), ok),
+        (json!({"grpc": {"shed_status": 16, "no_capacity_status": "DATA_LOSS"}}), ok),
+        (json!({"grpc": {"rate_limited_status": "OK"}}), bad),
+        (json!({"grpc": {"rate_limited_status": null}}), bad),
+        (json!({"grpc": {"rate_limited_as_resource_exhausted": false}}), bad),
+        (json!({"grpc": null}), bad),
+        (json!({"grpc": {}}), ok),
         (limit("algorithm", json!("aimd")), ok),
         (limit("algorithm", json!("vegas")), bad),
         (limit("backoff_ratio", json!(0.5)), ok),
