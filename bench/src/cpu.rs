@@ -116,9 +116,104 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
     v
 }
 
-/// Every variant, main and diagnostic.
+/// The gRPC variants: unary gRPC calls over HTTP/2 (downstream and upstream, every call
+/// answered with a message and `grpc-status: 0` in the trailers) instead of HTTP/1.1 `GET`s.
+fn grpc_variants(s: &Settings) -> Vec<Variant> {
+    vec![
+        Variant { id: "grpc-none", label: "gRPC calls, no filter (router only)".into(), filter: Filter::None, route: Route::Fixed },
+        Variant { id: "grpc-noop", label: "gRPC calls, no-op proxy-wasm filter".into(), filter: wasm(&s.noop_wasm, ""), route: Route::Fixed },
+        Variant {
+            id: "grpc-fg-all",
+            label: "gRPC calls, floodgate: everything on".into(),
+            filter: wasm(&s.floodgate_wasm, everything_config(true)),
+            route: Route::ClusterHeader(ROUTE_HEADER.into()),
+        },
+    ]
+}
+
+/// Whether a variant's traffic is gRPC calls.
+pub fn is_grpc(variant: &Variant) -> bool {
+    variant.id.starts_with("grpc-")
+}
+
+/// The variant every variant's ratio is taken against: the router only, with the same traffic.
+pub fn base_of(variant: &Variant) -> &'static str {
+    if is_grpc(variant) { "grpc-none" } else { "none" }
+}
+
+/// The no-op module with the same traffic.
+pub fn noop_of(variant: &Variant) -> &'static str {
+    if is_grpc(variant) { "grpc-noop" } else { "noop" }
+}
+
+/// Every variant: main, diagnostic and gRPC.
 pub fn all_variants(s: &Settings) -> Vec<Variant> {
-    main_variants(s).into_iter().chain(diagnostic_variants(s)).collect()
+    main_variants(s).into_iter().chain(diagnostic_variants(s)).chain(grpc_variants(s)).collect()
+}
+
+/// The upstreams of clusters `a`, `b`, `c`: HTTP/1.1 ones and gRPC ones.
+#[derive(Clone, Copy, Debug)]
+pub struct Upstreams {
+    /// HTTP/1.1.
+    pub http: [SocketAddr; 3],
+    /// gRPC (HTTP/2).
+    pub grpc: [SocketAddr; 3],
+}
+
+impl Upstreams {
+    /// Starts three of each.
+    pub async fn start() -> Upstreams {
+        let mut http = Vec::new();
+        let mut grpc = Vec::new();
+        for _ in 0..3 {
+            http.push(load::start_upstream().await.0);
+            grpc.push(load::start_grpc_upstream().await.0);
+        }
+        Upstreams {
+            http: [http[0], http[1], http[2]],
+            grpc: [grpc[0], grpc[1], grpc[2]],
+        }
+    }
+
+    /// The Envoy of `variant`: its filter and route, these upstreams for its traffic.
+    pub fn spec(&self, variant: &Variant, cpus: String, wrapper: Vec<String>) -> Spec {
+        Spec {
+            filter: variant.filter.clone(),
+            route: variant.route.clone(),
+            clusters: if is_grpc(variant) { self.grpc } else { self.http },
+            http2: is_grpc(variant),
+            concurrency: 1,
+            cpus,
+            wrapper,
+        }
+    }
+}
+
+/// What a variant's clients send: `x-api-key` cycling over [`KEYS`] values (HTTP/1.1 `GET /`,
+/// or unary gRPC calls).
+#[derive(Clone)]
+pub struct Traffic {
+    http: Arc<Vec<Vec<u8>>>,
+    grpc: Arc<Vec<String>>,
+}
+
+impl Traffic {
+    /// `keys` distinct keys, `<prefix><i>`.
+    pub fn new(prefix: &str, keys: usize) -> Traffic {
+        Traffic {
+            http: key_requests(prefix, keys),
+            grpc: Arc::new((0..keys).map(|i| format!("{prefix}{i}")).collect()),
+        }
+    }
+
+    /// The requests of `variant`.
+    pub fn requests(&self, variant: &Variant) -> Requests {
+        if is_grpc(variant) {
+            Requests::Grpc(Arc::clone(&self.grpc))
+        } else {
+            Requests::Cycle(Arc::clone(&self.http))
+        }
+    }
 }
 
 /// `variants` less those `--variants` leaves out.
@@ -203,9 +298,9 @@ pub async fn measure(envoy: &Envoy, load: &Load, s: &Settings) -> Run {
     }
 }
 
-/// Sends a few requests; `Ok` if all got 200.
-pub async fn sanity(envoy: &Envoy, requests: &Arc<Vec<Vec<u8>>>) -> Result<(), String> {
-    let load = Load { target: envoy.addr(), connections: 2, requests: Requests::Cycle(Arc::clone(requests)), max_requests: None };
+/// Sends a few requests; `Ok` if all got 200 (gRPC: and `grpc-status: 0`).
+pub async fn sanity(envoy: &Envoy, requests: Requests) -> Result<(), String> {
+    let load = Load { target: envoy.addr(), connections: 2, requests, max_requests: None };
     let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_millis(300), || ()).await;
     if out.completed == 0 || out.status(200) != out.completed {
         return Err(format!("{} responses, statuses {:?}, {} errors", out.completed, out.statuses, out.errors));
@@ -221,24 +316,17 @@ struct Started {
     ratios: Vec<f64>,
 }
 
-async fn start_all(variants: Vec<Variant>, s: &Settings, clusters: [SocketAddr; 3], requests: &Arc<Vec<Vec<u8>>>) -> Vec<Started> {
+async fn start_all(variants: Vec<Variant>, s: &Settings, upstreams: Upstreams, traffic: &Traffic) -> Vec<Started> {
     let mut started = Vec::new();
     for mut variant in variants {
-        let spec = |v: &Variant| Spec {
-            filter: v.filter.clone(),
-            route: v.route.clone(),
-            clusters,
-            concurrency: 1,
-            cpus: "0".into(),
-            wrapper: Vec::new(),
-        };
+        let spec = |v: &Variant| upstreams.spec(v, "0".into(), Vec::new());
         let mut result = spec(&variant).start(&s.envoy);
         if let Ok(envoy) = &result {
-            if let Err(e) = sanity(envoy, requests).await {
+            if let Err(e) = sanity(envoy, traffic.requests(&variant)).await {
                 result = Err(format!("requests fail: {e}; end of its log:\n{}", envoy.log_tail(10)));
             }
         }
-        if variant.id == "fg-all" && s.selection != Selection::On {
+        if variant.id.ends_with("fg-all") && s.selection != Selection::On {
             let fallback = match (&result, s.selection) {
                 (_, Selection::Off) => Some("cluster selection off (--selection off)"),
                 (Err(e), _) => {
@@ -267,14 +355,14 @@ async fn start_all(variants: Vec<Variant>, s: &Settings, clusters: [SocketAddr; 
     started
 }
 
-async fn rounds(group: &mut [Started], rounds: usize, load_for: impl Fn(&Envoy) -> Load, s: &Settings) {
+async fn rounds(group: &mut [Started], rounds: usize, load_for: impl Fn(&Started) -> Load, s: &Settings) {
     let n = group.len();
     for round in 0..rounds {
         let mut this_round = vec![None; n];
         // Alternate, and rotate the order from round to round so drift spreads evenly.
         for k in 0..n {
             let i = (k + round) % n;
-            let load = load_for(&group[i].envoy);
+            let load = load_for(&group[i]);
             wait_for_quiet(Duration::from_secs(if s.quick { 3 } else { 6 })).await;
             let run = measure(&group[i].envoy, &load, s).await;
             progress!(
@@ -293,11 +381,11 @@ async fn rounds(group: &mut [Started], rounds: usize, load_for: impl Fn(&Envoy) 
             this_round[i] = Some(run.cpu_ns_per_req);
             group[i].runs.push(run);
         }
-        if let Some(base) = group.iter().position(|g| g.variant.id == "none").and_then(|b| this_round[b]) {
-            for (g, cpu) in group.iter_mut().zip(&this_round) {
-                if let Some(cpu) = cpu {
-                    g.ratios.push(cpu / base);
-                }
+        let of = |id: &str| group.iter().position(|g| g.variant.id == id).and_then(|b| this_round[b]);
+        let bases: Vec<Option<f64>> = group.iter().map(|g| of(base_of(&g.variant))).collect();
+        for ((g, cpu), base) in group.iter_mut().zip(&this_round).zip(bases) {
+            if let (Some(cpu), Some(base)) = (cpu, base) {
+                g.ratios.push(cpu / base);
             }
         }
     }
@@ -331,18 +419,15 @@ pub async fn run(s: &Settings) {
     if s.cpus < 2 {
         println!("(only one CPU: Envoy and the load generator share it; figures are rougher)\n");
     }
-    let (a, _) = load::start_upstream().await;
-    let (b, _) = load::start_upstream().await;
-    let (c, _) = load::start_upstream().await;
-    let clusters = [a, b, c];
-    let requests = key_requests("k", KEYS);
-    let load_for = |envoy: &Envoy| Load {
-        target: envoy.addr(),
+    let upstreams = Upstreams::start().await;
+    let traffic = Traffic::new("k", KEYS);
+    let load_for = |started: &Started| Load {
+        target: started.envoy.addr(),
         connections: s.connections,
-        requests: Requests::Cycle(Arc::clone(&requests)),
+        requests: traffic.requests(&started.variant),
         max_requests: None,
     };
-    let mut group = start_all(selected(s, main_variants(s)), s, clusters, &requests).await;
+    let mut group = start_all(selected(s, main_variants(s)), s, upstreams, &traffic).await;
     rounds(&mut group, s.rounds, load_for, s).await;
     println!(
         "{} connections, {} distinct x-api-key values, every request admitted; {} rounds of {:.0} s (after {:.0} s warm-up) per variant, alternated. \
@@ -351,15 +436,26 @@ pub async fn run(s: &Settings) {
         s.connections, KEYS, s.rounds, s.seconds, s.warmup
     );
     println!("{}\n", table(&group).render());
+    drop(group);
+    let mut group = start_all(selected(s, grpc_variants(s)), s, upstreams, &traffic).await;
+    if !group.is_empty() {
+        rounds(&mut group, s.rounds, load_for, s).await;
+        println!(
+            "### gRPC calls\n\nThe same, with unary gRPC calls over HTTP/2 (one at a time per connection, {} connections; HTTP/2 \
+             upstreams answering a message and grpc-status 0 in the trailers). Ratio: over \"gRPC calls, no filter\" in the same round.\n\n{}\n",
+            s.connections,
+            table(&group).render()
+        );
+    }
+    drop(group);
     if !s.diagnose {
         return;
     }
-    drop(group);
     println!("### Where the time goes: diagnostic variants\n");
     let base = main_variants(s).into_iter().filter(|v| v.id == "none" || v.id == "noop" || v.id == "fg-rl");
     let variants: Vec<Variant> = base.chain(diagnostic_variants(s)).collect();
     let diag_rounds = s.rounds.div_ceil(2).clamp(2, 3);
-    let mut group = start_all(selected(s, variants), s, clusters, &requests).await;
+    let mut group = start_all(selected(s, variants), s, upstreams, &traffic).await;
     rounds(&mut group, diag_rounds, load_for, s).await;
     println!("{diag_rounds} rounds, same method.\n");
     println!("{}\n", table(&group).render());

@@ -39,6 +39,8 @@ pub struct Spec {
     pub route: Route,
     /// Upstream of each cluster `a`, `b`, `c`.
     pub clusters: [SocketAddr; 3],
+    /// The clusters speak HTTP/2 without TLS (gRPC upstreams) instead of HTTP/1.1.
+    pub http2: bool,
     /// Worker threads.
     pub concurrency: usize,
     /// CPUs the process may run on (`taskset -c` list).
@@ -93,10 +95,19 @@ impl Spec {
             .iter()
             .zip(self.clusters)
             .map(|(name, addr)| {
+                let protocol = if self.http2 {
+                    json!({"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}}
+                    }})
+                } else {
+                    json!({})
+                };
                 json!({
                     "name": name,
                     "type": "STATIC",
                     "connect_timeout": "2s",
+                    "typed_extension_protocol_options": protocol,
                     "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000, "max_retries": 100000}]},
                     "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": addr.ip().to_string(), "port_value": addr.port()}}}}]}]}
                 })

@@ -6,12 +6,11 @@
 //! the same for every variant: the ratios are therefore larger than the CPU-time ratios.
 
 use crate::cpu::{self, Variant, CALLS};
-use crate::envoy::{Envoy, Spec};
-use crate::load::{self, Load, Requests};
+use crate::envoy::Envoy;
+use crate::load::{self, Load};
 use crate::table::{count, Table};
 use crate::{progress, Settings};
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Distinct `x-api-key` values. Under valgrind Envoy serves about 50 times fewer requests per
@@ -54,11 +53,11 @@ pub async fn run(s: &Settings) {
         return;
     }
     let wanted: &[&str] = if s.quick && !s.diagnose {
-        &["none", "noop", "fg-rl", "fg-all"]
+        &["none", "noop", "fg-rl", "fg-all", "grpc-none", "grpc-fg-all"]
     } else if !s.diagnose {
-        &["none", "native", "noop", "fg-empty", "fg-rl", "fg-all"]
+        &["none", "native", "noop", "fg-empty", "fg-rl", "fg-all", "grpc-none", "grpc-noop", "grpc-fg-all"]
     } else {
-        &["none", "native", "noop", "fg-empty", "fg-rl", "fg-rl-onreject", "fg-rl2", "fg-shed", "fg-rl-shed", "fg-all", "call-time", "call-header", "call-absent", "call-pairs", "call-prop", "call-get", "call-set", "call-incr", "call-resp"]
+        &["none", "native", "noop", "fg-empty", "fg-rl", "fg-rl-onreject", "fg-rl2", "fg-shed", "fg-rl-shed", "fg-all", "grpc-none", "grpc-noop", "grpc-fg-all", "call-time", "call-header", "call-absent", "call-pairs", "call-prop", "call-get", "call-set", "call-incr", "call-resp"]
     };
     let wanted: Vec<&str> = match &s.only {
         Some(only) => only.iter().map(String::as_str).collect(),
@@ -66,23 +65,13 @@ pub async fn run(s: &Settings) {
     };
     let all = cpu::all_variants(s);
     let variants: Vec<Variant> = wanted.iter().filter_map(|id| all.iter().find(|v| v.id == *id).cloned()).collect();
-    let (a, _) = load::start_upstream().await;
-    let (b, _) = load::start_upstream().await;
-    let (c, _) = load::start_upstream().await;
-    let requests = cpu::key_requests("k", KEYS);
+    let upstreams = cpu::Upstreams::start().await;
+    let traffic = cpu::Traffic::new("k", KEYS);
     // Start them all at once: each takes a minute or more to compile the module under valgrind.
     let mut pending = Vec::new();
     for v in &variants {
-        let spec = Spec {
-            filter: v.filter.clone(),
-            route: v.route.clone(),
-            clusters: [a, b, c],
-            concurrency: 1,
-            cpus: format!("0-{}", s.cpus.saturating_sub(1)),
-            wrapper: ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"]
-                .map(String::from)
-                .to_vec(),
-        };
+        let wrapper = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"];
+        let spec = upstreams.spec(v, format!("0-{}", s.cpus.saturating_sub(1)), wrapper.map(String::from).to_vec());
         pending.push((v.clone(), spec.spawn(&s.envoy)));
     }
     let per_variant: u64 = if s.quick { 1_000 } else { 2_000 };
@@ -97,7 +86,7 @@ pub async fn run(s: &Settings) {
         };
         // Warm up to the steady state of the CPU runs, where every key comes back many times.
         let warm_requests = (WARM_VISITS_PER_KEY * KEYS as u64).max(300);
-        let warm = Load { target: envoy.addr(), connections: 4, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(warm_requests) };
+        let warm = Load { target: envoy.addr(), connections: 4, requests: traffic.requests(&v), max_requests: Some(warm_requests) };
         let (out, _, _) = load::run(&warm, Duration::ZERO, Duration::from_secs(900), || ()).await;
         if out.status(200) != out.completed || out.completed == 0 {
             println!("**{}**: warm-up requests failed ({:?}); skipped\n", v.id, out.statuses);
@@ -107,7 +96,7 @@ pub async fn run(s: &Settings) {
             println!("**{}**: callgrind_control -z failed; skipped\n", v.id);
             continue;
         }
-        let load = Load { target: envoy.addr(), connections: 8, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(per_variant) };
+        let load = Load { target: envoy.addr(), connections: 8, requests: traffic.requests(&v), max_requests: Some(per_variant) };
         let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_secs(600), || ()).await;
         if !callgrind_control(envoy.pid(), "-d") {
             println!("**{}**: callgrind_control -d failed; skipped\n", v.id);
@@ -122,16 +111,16 @@ pub async fn run(s: &Settings) {
         progress!("{}: {} requests at {:.0}/s, {:.0} instructions/request", v.id, out.completed, out.throughput(), per);
         results.push((v, per));
     }
-    let base = results.iter().find(|(v, _)| v.id == "none").map(|r| r.1);
-    let noop = results.iter().find(|(v, _)| v.id == "noop").map(|r| r.1);
+    let of = |id: &str| results.iter().find(|(v, _)| v.id == id).map(|r| r.1);
+    let noop = of("noop");
     let mut t = Table::new(&["variant", "what", "instructions/request", "× no filter", "Δ over no-op"]);
     for (v, per) in results.iter().filter(|(v, _)| !v.id.starts_with("call-")) {
         t.row(vec![
             format!("`{}`", v.id),
             v.label.clone(),
             count(*per as u64),
-            base.map_or("–".into(), |b| format!("{:.3}", per / b)),
-            noop.map_or("–".into(), |n| format!("{:+}", (per - n) as i64)),
+            of(cpu::base_of(v)).map_or("–".into(), |b| format!("{:.3}", per / b)),
+            of(cpu::noop_of(v)).map_or("–".into(), |n| format!("{:+}", (per - n) as i64)),
         ]);
     }
     let warm = count((WARM_VISITS_PER_KEY * KEYS as u64).max(300));

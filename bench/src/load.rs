@@ -1,8 +1,10 @@
-//! The upstreams and the load generator: minimal HTTP/1.1 over tokio, so that what they cost
-//! stays small next to Envoy's share (they run on the other core). Loopback only.
+//! The upstreams and the load generator: minimal HTTP/1.1 over tokio, and gRPC over HTTP/2 (the
+//! `h2` crate), so that what they cost stays small next to Envoy's share (they run on the other
+//! core). Loopback only.
 //!
 //! The load generator is closed-loop: a fixed number of keep-alive connections, each sending
-//! its next request as soon as the previous response is complete.
+//! its next request as soon as the previous response is complete (for gRPC: one unary call at a
+//! time per HTTP/2 connection, as in the HTTP/1.1 runs).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -16,6 +18,11 @@ use tokio::net::{TcpListener, TcpStream};
 const UPSTREAM_RESPONSE: &[u8] =
     b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: 12\r\n\r\nupstream ok\n";
 
+/// The path of the benchmark's unary gRPC calls.
+pub const GRPC_PATH: &str = "/floodgate.bench.Echo/Unary";
+/// A gRPC message frame: not compressed, 2 bytes (`"ok"`). Requests and answers carry it.
+const GRPC_FRAME: &[u8] = b"\0\0\0\0\x02ok";
+
 /// Per-upstream count of requests answered.
 #[derive(Default)]
 pub struct UpstreamCount(pub AtomicU64);
@@ -23,6 +30,16 @@ pub struct UpstreamCount(pub AtomicU64);
 /// Starts an upstream on `127.0.0.1:<ephemeral>` in the current runtime; it runs until the
 /// runtime stops.
 pub async fn start_upstream() -> (SocketAddr, Arc<UpstreamCount>) {
+    serve_on_loopback(serve_upstream).await
+}
+
+/// Listens on `127.0.0.1:<ephemeral>` and hands each connection to `serve` with the count of
+/// requests answered, until the runtime stops.
+async fn serve_on_loopback<F, Fut>(serve: F) -> (SocketAddr, Arc<UpstreamCount>)
+where
+    F: Fn(TcpStream, Arc<UpstreamCount>) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind an upstream on 127.0.0.1");
     let addr = listener.local_addr().expect("upstream address");
     let count = Arc::new(UpstreamCount::default());
@@ -31,8 +48,7 @@ pub async fn start_upstream() -> (SocketAddr, Arc<UpstreamCount>) {
         loop {
             let Ok((stream, _)) = listener.accept().await else { continue };
             let _ = stream.set_nodelay(true);
-            let served = Arc::clone(&served);
-            tokio::spawn(serve_upstream(stream, served));
+            tokio::spawn(serve(stream, Arc::clone(&served)));
         }
     });
     (addr, count)
@@ -67,6 +83,43 @@ async fn serve_upstream(mut stream: TcpStream, served: Arc<UpstreamCount>) {
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
     }
+}
+
+/// Starts a gRPC upstream (HTTP/2 without TLS) on `127.0.0.1:<ephemeral>`: every call is
+/// answered `200`, `content-type: application/grpc`, one message frame, then the trailers with
+/// `grpc-status: 0`. It runs until the runtime stops.
+pub async fn start_grpc_upstream() -> (SocketAddr, Arc<UpstreamCount>) {
+    serve_on_loopback(serve_grpc).await
+}
+
+async fn serve_grpc(stream: TcpStream, served: Arc<UpstreamCount>) {
+    let Ok(mut conn) = h2::server::handshake(stream).await else { return };
+    while let Some(Ok((request, respond))) = conn.accept().await {
+        tokio::spawn(answer_grpc(request, respond, Arc::clone(&served)));
+    }
+}
+
+async fn answer_grpc(
+    request: http::Request<h2::RecvStream>,
+    mut respond: h2::server::SendResponse<bytes::Bytes>,
+    served: Arc<UpstreamCount>,
+) -> Result<(), h2::Error> {
+    let mut body = request.into_body();
+    while let Some(chunk) = body.data().await {
+        let _ = body.flow_control().release_capacity(chunk?.len());
+    }
+    let response = http::Response::builder()
+        .status(200)
+        .header("content-type", "application/grpc")
+        .body(())
+        .expect("a response head");
+    let mut send = respond.send_response(response, false)?;
+    send.send_data(bytes::Bytes::from_static(GRPC_FRAME), false)?;
+    let mut trailers = http::HeaderMap::new();
+    trailers.insert("grpc-status", http::HeaderValue::from_static("0"));
+    send.send_trailers(trailers)?;
+    served.0.fetch_add(1, Ordering::Relaxed);
+    Ok(())
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
@@ -105,6 +158,10 @@ pub enum Requests {
     Cycle(Arc<Vec<Vec<u8>>>),
     /// Request number `i` (over all connections, each number used once) is `make(i)`.
     Numbered(Arc<dyn Fn(u64) -> Vec<u8> + Send + Sync>),
+    /// Unary gRPC calls over HTTP/2 to [`GRPC_PATH`]; connection `c`'s `n`-th call carries
+    /// `x-api-key: keys[(c * 7919 + n) % len]`. A call counts as status 200 when it ends with
+    /// `grpc-status: 0`, as 0 otherwise.
+    Grpc(Arc<Vec<String>>),
 }
 
 /// One run of the load generator.
@@ -219,6 +276,9 @@ pub async fn run<P: Clone>(
 }
 
 async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
+    if let Requests::Grpc(keys) = &load.requests {
+        return grpc_connection(load.clone(), Arc::clone(keys), index, shared).await;
+    }
     let mut n: u64 = 0;
     let mut local_lat: Vec<u32> = Vec::with_capacity(1 << 16);
     let mut local_status: BTreeMap<u16, u64> = BTreeMap::new();
@@ -252,6 +312,7 @@ async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
                     let i = (index as u64).wrapping_mul(7919).wrapping_add(n) as usize % list.len();
                     std::borrow::Cow::Borrowed(list[i].as_slice())
                 }
+                Requests::Grpc(_) => unreachable!("gRPC calls go through grpc_connection"),
                 Requests::Numbered(make) => {
                     let i = shared.next_number.fetch_add(1, Ordering::Relaxed);
                     if load.max_requests.is_some_and(|max| i >= max) {
@@ -302,4 +363,84 @@ async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
         }
     }
     flush(&mut local_lat, &mut local_status);
+}
+
+/// One call: its HTTP status if it ended with `grpc-status: 0` (in the trailers, or in the
+/// headers of a trailers-only answer), 0 otherwise.
+async fn grpc_call(
+    client: h2::client::SendRequest<bytes::Bytes>,
+    key: &str,
+) -> Result<(h2::client::SendRequest<bytes::Bytes>, u16), h2::Error> {
+    let mut client = client.ready().await?;
+    let request = http::Request::builder()
+        .method("POST")
+        .uri(format!("http://bench.floodgate{GRPC_PATH}"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("x-api-key", key)
+        .body(())
+        .expect("a request head");
+    let (response, mut send) = client.send_request(request, false)?;
+    send.send_data(bytes::Bytes::from_static(GRPC_FRAME), true)?;
+    let response = response.await?;
+    let status = response.status().as_u16();
+    let mut grpc_status = response.headers().get("grpc-status").cloned();
+    let mut body = response.into_body();
+    while let Some(chunk) = body.data().await {
+        let _ = body.flow_control().release_capacity(chunk?.len());
+    }
+    if let Some(trailers) = body.trailers().await? {
+        grpc_status = trailers.get("grpc-status").cloned().or(grpc_status);
+    }
+    let ok = grpc_status.is_some_and(|s| s.as_bytes() == b"0");
+    Ok((client, if ok { status } else { 0 }))
+}
+
+async fn grpc_connection(load: Load, keys: Arc<Vec<String>>, index: usize, shared: Arc<Shared>) {
+    let mut n: u64 = 0;
+    let mut local_lat: Vec<u32> = Vec::with_capacity(1 << 16);
+    let mut local_status: BTreeMap<u16, u64> = BTreeMap::new();
+    'reconnect: while !shared.stop.load(Ordering::Relaxed) {
+        let connected = tokio::time::timeout(Duration::from_secs(5), async {
+            let stream = TcpStream::connect(load.target).await.ok()?;
+            let _ = stream.set_nodelay(true);
+            h2::client::handshake(stream).await.ok()
+        });
+        let Ok(Some((mut client, conn))) = connected.await else {
+            shared.errors.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        };
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        while !shared.stop.load(Ordering::Relaxed) {
+            if load.max_requests.is_some_and(|max| shared.next_number.fetch_add(1, Ordering::Relaxed) >= max) {
+                break 'reconnect;
+            }
+            let key = &keys[(index as u64).wrapping_mul(7919).wrapping_add(n) as usize % keys.len()];
+            n += 1;
+            let sent = Instant::now();
+            let status = match grpc_call(client, key).await {
+                Ok((ready, status)) => {
+                    client = ready;
+                    status
+                }
+                Err(_) => {
+                    shared.errors.fetch_add(1, Ordering::Relaxed);
+                    continue 'reconnect;
+                }
+            };
+            if shared.measuring.load(Ordering::Relaxed) {
+                shared.completed.fetch_add(1, Ordering::Relaxed);
+                local_lat.push(u32::try_from(sent.elapsed().as_micros()).unwrap_or(u32::MAX));
+                *local_status.entry(status).or_insert(0) += 1;
+            }
+        }
+    }
+    let mut samples = shared.samples.lock().expect("samples");
+    samples.0.append(&mut local_lat);
+    for (k, v) in local_status {
+        *samples.1.entry(k).or_insert(0) += v;
+    }
 }
