@@ -329,6 +329,16 @@ mod tests {
         assert_eq!(outcome(Outcome::Success, Some(GrpcStatus::DEADLINE_EXCEEDED), &[]), Outcome::Timeout);
     }
 
+    proptest::proptest! {
+        /// Whatever a client or an upstream sends, reading it never panics, and a status read
+        /// is one of the 17.
+        #[test]
+        fn arbitrary_header_values(value in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..24)) {
+            let _ = is_grpc(Some(&value));
+            proptest::prop_assert!(parse_status(&value).code() <= 16);
+        }
+    }
+
     #[test]
     fn flags_only_when_they_can_change_the_outcome() {
         let failures = default_failure_grpc_statuses();

@@ -88,6 +88,18 @@ impl<'a> Input<'a> {
 
 /// Checks a reply the filter would send: a status it can send, header values that cannot split
 /// a header (no CR, LF or NUL), and a JSON body.
+/// The gRPC form of a refusal: a status other than OK, one line, a pushback of the wait.
+fn check_grpc_reply(reply: &Reply, config: &Config) {
+    let grpc = floodgate::grpc::reply(reply, &config.grpc).expect("a refusal has a gRPC form");
+    assert_ne!(grpc.status, floodgate::config::GrpcStatus::OK);
+    assert!(!grpc.message.contains(['\r', '\n']), "{:?}", grpc.message);
+    let pushback: u64 = grpc.metadata.first().expect("pushback first").1.parse().expect("pushback is an integer");
+    assert!(pushback >= 1, "pushback {pushback}");
+    for (name, value) in &grpc.metadata {
+        assert!(!value.bytes().any(|b| b == b'\r' || b == b'\n' || b == 0), "metadata {name}: {value:?}");
+    }
+}
+
 fn check_reply(reply: &Reply) {
     assert!(matches!(reply.status, 200 | 429 | 503), "status {}", reply.status);
     for (name, value) in &reply.headers {
@@ -255,6 +267,9 @@ fn accepted_config(config: &Config) {
         let full = response::health(Some(&shedder), Some(max));
         assert_eq!(full.status, 503, "a full proxy is overloaded");
         check_reply(&full);
+        let shed = response::shed(&shedder, &floodgate::shed::Shed { in_flight: max, class: shedder.default_class, contention: false });
+        check_reply(&shed);
+        check_grpc_reply(&shed, config);
     } else {
         check_reply(&response::health(None, None));
     }
