@@ -268,6 +268,12 @@ pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
     }
 }
 
+/// Whether a request method is one the health endpoint answers: `GET` and `HEAD` (exactly, as
+/// HTTP methods are case-sensitive). Any other method on the health path is an ordinary request.
+pub fn is_health_method(method: &[u8]) -> bool {
+    method == b"GET" || method == b"HEAD"
+}
+
 /// The health endpoint's answer: `200` when the proxy takes default-class work, `503` when it
 /// would shed it. `in_flight` is `None` when load shedding is not configured.
 pub fn health(shedder: Option<&Shedder>, in_flight: Option<u32>) -> Reply {
@@ -321,6 +327,15 @@ mod tests {
         )
         .unwrap();
         Limiter::new(&config, "t")
+    }
+
+    #[test]
+    fn the_health_endpoint_answers_get_and_head_only() {
+        assert!(is_health_method(b"GET"));
+        assert!(is_health_method(b"HEAD"));
+        for other in [&b"POST"[..], b"PUT", b"DELETE", b"OPTIONS", b"get", b"", b"GET "] {
+            assert!(!is_health_method(other), "{:?}", String::from_utf8_lossy(other));
+        }
     }
 
     #[test]

@@ -28,9 +28,10 @@ use floodgate::ratelimit::window::Window;
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
 use floodgate::response::{self, Reply};
-use floodgate::shed::{self, InFlight, LocalCount, Shedder, MAX_VMS, STALE_AFTER_MS};
+use floodgate::reserve::LocalCount;
+use floodgate::shed::{self, InFlight, Shedder, MAX_VMS, STALE_AFTER_MS};
 use floodgate::store::{Cas, SharedStore, StoreError, Stored, TOKEN_KEY};
-use floodgate::time::UnixMillis;
+use floodgate::time::{MonoMillis, UnixMillis};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::num::{NonZeroU32, NonZeroU64};
@@ -603,7 +604,7 @@ const MAX_ACTIVE: [u32; 5] = [1, 2, 10, 500, u32::MAX];
 /// back at zero after the release are required.
 pub fn inflight_record(data: &[u8]) {
     let mut input = Input { data };
-    let now = UnixMillis(input.u64());
+    let now = MonoMillis(input.u64());
     let vm = input.u64();
     let max = MAX_ACTIVE[usize::from(input.u8()) % MAX_ACTIVE.len()];
     let class_pick = input.u8();
@@ -658,7 +659,7 @@ pub fn inflight_record(data: &[u8]) {
                     (local.held(), now),
                     "the VM's units, its reserve included"
                 );
-                assert!((1..=1 + floodgate::shed::RESERVE_MAX).contains(&own[0].in_flight));
+                assert!((1..=1 + floodgate::reserve::RESERVE_MAX).contains(&own[0].in_flight));
                 assert!(written.entries.len() <= MAX_VMS);
                 assert!(written.total(now) >= 1);
             }
@@ -690,7 +691,7 @@ pub fn inflight_record(data: &[u8]) {
 }
 
 /// The record's operations on arbitrary (decoded) values.
-fn record_operations(mut record: InFlight, vm: u64, now: UnixMillis) {
+fn record_operations(mut record: InFlight, vm: u64, now: MonoMillis) {
     let total = record.total(now);
     let others = record.others(vm, now);
     assert!(others <= total);
@@ -725,10 +726,10 @@ fn record_operations(mut record: InFlight, vm: u64, now: UnixMillis) {
 pub fn cluster_record(data: &[u8]) {
     use floodgate::select::record::ClusterRecord;
     use floodgate::select::shuffle::SplitMix64;
-    use floodgate::select::{Selector, VmState};
+    use floodgate::select::{Selector, Timing, VmState};
 
     let mut input = Input { data };
-    let now = UnixMillis(input.u64());
+    let now = MonoMillis(input.u64());
     let vm = input.u64();
     let buckets = usize::from(input.u8() % 8) + 1;
     let flags = input.u8();
@@ -791,9 +792,10 @@ pub fn cluster_record(data: &[u8]) {
                     locals[0].held(),
                     "the VM's units, its reserve included"
                 );
-                assert!((1..=1 + floodgate::shed::RESERVE_MAX).contains(&own[0].in_flight));
+                assert!((1..=1 + floodgate::reserve::RESERVE_MAX).contains(&own[0].in_flight));
             }
-            let outcome = selector.classify(&lease, Some(status), response_flags, now.plus_ms(status.into()));
+            let timing = Timing { request_end: Some(now), response_headers: Some(now.plus_ms(status.into())) };
+            let outcome = selector.classify(&lease, Some(status), response_flags, timing);
             let finished = selector.finish(&store, &mut state, lease, outcome, now);
             assert_eq!(
                 locals[0].in_use(),

@@ -14,6 +14,8 @@
 //!   requests.
 //! * [`wait_for_window_phase`] to keep a timing-sensitive test clear of an epoch-aligned window
 //!   boundary.
+//! * [`slow_clients`]: slow uploads and downloads, and an HTTP/2 client that grants no window.
+//! * [`wallclock`]: a wall clock of Envoy's own that a test can step.
 //!
 //! Every wait in here is bounded; every server binds 127.0.0.1.
 
@@ -41,7 +43,9 @@ pub use serde_json::{json, Value};
 
 pub mod dynamic;
 pub mod faults;
+pub mod slow_clients;
 pub mod store;
+pub mod wallclock;
 
 /// The health endpoint the shedding tests configure.
 pub const HEALTH_PATH: &str = "/floodgate/health";
@@ -248,6 +252,8 @@ pub struct UpstreamOptions {
     pub count_header: Option<String>,
     /// Wait this long before answering each request.
     pub delay: Option<Duration>,
+    /// Answer with a body of this many bytes instead of [`UPSTREAM_BODY`] (a big download).
+    pub body_bytes: Option<usize>,
 }
 
 struct UpstreamState {
@@ -255,6 +261,8 @@ struct UpstreamState {
     count_header: Option<HeaderName>,
     by_value: Mutex<HashMap<Vec<u8>, u64>>,
     delay: Option<Duration>,
+    /// The body every request is answered with.
+    body: Bytes,
     /// The status every request is answered with (200 unless changed at run time).
     status: std::sync::atomic::AtomicU16,
 }
@@ -295,6 +303,9 @@ impl Upstream {
             }),
             by_value: Mutex::new(HashMap::new()),
             delay: options.delay,
+            body: options
+                .body_bytes
+                .map_or_else(|| Bytes::from_static(UPSTREAM_BODY.as_bytes()), |n| Bytes::from(vec![b'x'; n])),
             status: std::sync::atomic::AtomicU16::new(200),
         });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind upstream");
@@ -399,7 +410,7 @@ async fn handle_upstream(
     Ok(HyperResponse::builder()
         .status(state.status.load(Ordering::SeqCst))
         .header("content-type", "text/plain")
-        .body(Full::new(Bytes::from_static(UPSTREAM_BODY.as_bytes())))
+        .body(Full::new(state.body.clone()))
         .expect("upstream response"))
 }
 
@@ -491,6 +502,8 @@ pub struct EnvoyBuilder {
     upstreams: Vec<SocketAddr>,
     concurrency: usize,
     routing: Routing,
+    /// Extra environment of the Envoy process.
+    env: Vec<(String, String)>,
 }
 
 impl EnvoyBuilder {
@@ -502,7 +515,14 @@ impl EnvoyBuilder {
             upstreams: Vec::new(),
             concurrency: 2,
             routing: Routing::default(),
+            env: Vec::new(),
         }
+    }
+
+    /// Adds `vars` to the Envoy process's environment (e.g. [`wallclock::SteppedWallClock::env`]).
+    pub fn env(mut self, vars: Vec<(String, String)>) -> EnvoyBuilder {
+        self.env.extend(vars);
+        self
     }
 
     /// Adds a cluster `name` whose endpoints are `addrs` (an address nothing listens on makes a
@@ -625,7 +645,7 @@ impl EnvoyBuilder {
             .prefix("floodgate-envoy-")
             .tempdir()
             .expect("tempdir");
-        let child = spawn_envoy(dir.path(), &self.bootstrap(), self.concurrency);
+        let child = spawn_envoy(dir.path(), &self.bootstrap(), self.concurrency, &self.env);
         (child, dir)
     }
 
@@ -687,7 +707,7 @@ fn endpoint(addr: SocketAddr) -> Value {
 
 /// Starts Envoy with `bootstrap`, written into `dir`, which also receives its log (`envoy.log`,
 /// line by line: `--log-path` would buffer for up to 10 s) and its admin address.
-pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize) -> Child {
+pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize, env: &[(String, String)]) -> Child {
     let path = dir.join("bootstrap.json");
     std::fs::write(&path, serde_json::to_string_pretty(bootstrap).expect("bootstrap json")).expect("write bootstrap");
     let log = std::fs::File::create(dir.join("envoy.log")).expect("log file");
@@ -702,6 +722,7 @@ pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize) -> 
         .arg("--admin-address-path")
         .arg(dir.join("admin-address"))
         .current_dir(dir)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::from(log))

@@ -215,6 +215,110 @@ async fn the_health_endpoint_never_reaches_the_upstream_nor_counts() {
     assert_eq!(upstream.total(), 1);
 }
 
+/// Issue 15.8: the health endpoint answers `GET` and `HEAD` of its path; any other method on
+/// that path is an ordinary request, which reaches the upstream (before, `POST
+/// /floodgate/health` was answered by the filter and never reached it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_endpoint_answers_get_and_head_only() {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start(shedding_config(4), &upstream);
+    let request = |method: &str| {
+        format!("{method} {HEALTH} HTTP/1.1\r\nhost: floodgate.test\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+    };
+    let head = raw_request(envoy.addr(), request("HEAD").as_bytes()).await.expect("HEAD");
+    assert_eq!(head.status, 200, "{}", head.head);
+    assert!(head.head.contains("content-type: application/json"), "{}", head.head);
+    assert!(head.body.is_empty(), "no body for HEAD");
+    let get = raw_request(envoy.addr(), request("GET").as_bytes()).await.expect("GET");
+    assert_eq!(get.status, 200);
+    assert!(String::from_utf8_lossy(&get.body).contains("\"in_flight\":0"), "{:?}", get.body);
+    assert_eq!(upstream.total(), 0, "GET and HEAD are the filter's");
+    for (i, method) in ["POST", "PUT", "DELETE", "OPTIONS"].into_iter().enumerate() {
+        let r = raw_request(envoy.addr(), request(method).as_bytes()).await.expect(method);
+        assert_eq!(r.status, 200, "{method}: {}", r.head);
+        assert_eq!(String::from_utf8_lossy(&r.body), UPSTREAM_BODY, "{method} is answered by the upstream");
+        assert_eq!(upstream.total(), i as u64 + 1);
+    }
+}
+
+/// Issue 15.10: a request the filter refuses gives its in-flight unit back at once, not when
+/// the client has read the refusal. HTTP/2 clients that grant no flow-control window
+/// (`SETTINGS_INITIAL_WINDOW_SIZE` 0) receive a refusal's headers but never its body, so the
+/// stream stays open; before, each such refused stream kept its unit of `max_active_requests`
+/// until the client went away, and honest requests were shed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_hold_no_in_flight_unit_while_the_client_reads_slowly() {
+    const MAX: u32 = 2;
+    let upstream = Upstream::start();
+    let mut config = shedding_config(MAX);
+    config["rate_limits"] = json!([{"name": "per-key", "key": [{"header": "x-key"}], "limit": 1, "window": "1h"}]);
+    let envoy = Envoy::start(config, &upstream);
+    let critical = ("x-floodgate-priority", "critical");
+    assert_eq!(get(envoy.addr(), "/work", &[critical, ("x-key", "spent")]).await.status, 200);
+
+    let stalled = slow_clients::StalledH2::connect(envoy.addr()).await;
+    for _ in 0..MAX {
+        let status = stalled.request("/work", &[critical, ("x-key", "spent")]).await;
+        assert_eq!(status, 429, "refused by the rate limit, after the shedding stage admitted it");
+    }
+    // The refused streams are still open in Envoy: their bodies wait for flow-control credit.
+    let active = envoy.stat("http.front.downstream_rq_active");
+    println!("streams still open in Envoy: {active:?}");
+    assert_eq!(active, Some(u64::from(MAX)), "the refusals' streams cannot finish");
+    let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(2)).await;
+    assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "refused requests hold no unit: {body}");
+    for key in ["a", "b"] {
+        let r = get(envoy.addr(), "/work", &[critical, ("x-key", key)]).await;
+        assert_eq!(r.status, 200, "an honest request is admitted: {}", r.text());
+    }
+    drop(stalled);
+    let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(3)).await;
+    assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "{body}");
+}
+
+/// Issue 15.9: a step of the wall clock does not let the limit be exceeded. In-flight entries
+/// carried wall-clock heartbeats: a step of more than 10 s forward made every other worker's
+/// entries look dead until their next heartbeat, and the limit was exceeded (20 in flight at a
+/// limit of 10). Heartbeats are now on the monotonic clock. The step is real for Envoy alone:
+/// `wallclock` (a preloaded library) moves its wall clock 20 s forward mid-run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wall_clock_step_does_not_let_the_limit_be_exceeded() {
+    const MAX: usize = 10;
+    let clock = wallclock::SteppedWallClock::new();
+    let upstream = Upstream::with_options(UpstreamOptions {
+        delay: Some(Duration::from_secs(6)),
+        ..UpstreamOptions::default()
+    });
+    let envoy = Envoy::builder(shedding_config(MAX as u32)).upstream(&upstream).env(clock.env()).start();
+    let held = send(envoy.addr(), "critical", MAX);
+    let (_, body) = wait_in_flight(&envoy, MAX as u64, Duration::from_secs(3)).await;
+    assert_eq!(body["in_flight"], MAX as u64, "{body}");
+    println!("connections per worker: {:?}", envoy.connections_per_worker());
+    let stepped = Instant::now();
+    clock.step(Duration::from_secs(20));
+    // For the next 2.5 s (the step reaches Envoy within a second, the heartbeats come every
+    // second), requests keep arriving on new connections, over both workers: none fits.
+    let mut admitted = 0;
+    let mut refused = 0;
+    while stepped.elapsed() < Duration::from_millis(2_500) {
+        let r = get(envoy.addr(), "/work", &[("x-floodgate-priority", "critical")]).await;
+        match r.status {
+            503 => refused += 1,
+            200 => admitted += 1,
+            other => panic!("unexpected {other}: {}", r.text()),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let date = get(envoy.addr(), HEALTH, &[]).await.header("date").map(str::to_owned);
+    println!("after the step: {refused} refused, {admitted} admitted; Envoy's date header: {date:?}");
+    assert_eq!(admitted, 0, "a request was admitted past the limit of {MAX} after the wall clock stepped");
+    assert!(refused > 50, "requests kept coming: {refused}");
+    let (ok, _) = outcome(held, "critical").await;
+    assert_eq!(ok, MAX);
+    let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(3)).await;
+    assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "{body}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_timeouts_and_later_refusals_give_the_limit_back() {
     const MAX: usize = 4;

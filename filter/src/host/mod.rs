@@ -1,7 +1,26 @@
 //! The proxy-wasm shell: reads the host (clock, headers, shared data) once per callback, hands
 //! plain values to the core, and turns the core's decisions into host calls. Nothing here
 //! decides anything.
+//!
+//! **Lifecycle, as Envoy drives it** (proxy-wasm-cpp-host; `shared/notes/proxy-wasm-envoy.md`):
+//! - one VM per worker thread and one for the main thread, plus a throw-away VM that validates
+//!   each new configuration; statics (`thread_local!` here) are per VM;
+//! - a configuration gets a root context ([`FilterRoot`]) in every VM: `on_configure` builds its
+//!   [`Filter`], `on_tick` runs its heartbeat (every second, or every `sync_interval` with a
+//!   global scope);
+//! - a stream ([`FilterStream`]) holds the `Filter` of the root context that created it, to its
+//!   end (`on_log`), even if the configuration changes meanwhile;
+//! - a changed plugin configuration gets a **new root context in the same VM**, and the old one
+//!   is retired with `on_done` (also when the filter is removed or the VM shuts down); a root
+//!   context configured a second time replaces its `Filter`. Either way the old `Filter` is
+//!   retired ([`Filter::retire`]): what it held ahead of use goes back, what it counted
+//!   locally is written;
+//! - a new VM (new code or `vm_config`) starts empty; shared data (same `vm_id`) survives it.
+//!
+//! **Pipeline** of a request's headers: `health → shed → rate_limit → select`; the first stage
+//! that answers sends the local reply, after giving back the in-flight unit the request held.
 
+mod clock;
 mod global;
 mod header_map;
 mod stats;
@@ -16,19 +35,20 @@ use crate::ratelimit::{Cause, Limiter, Verdict};
 use crate::response::{self, AdmittedFields, Reply};
 use crate::select::outcome::Outcome;
 use crate::select::shuffle::SplitMix64;
-use crate::select::{ClusterLease, Selector, VmState};
-use crate::shed::{LocalCount, Lease, Shedder, HEARTBEAT_MS};
+use crate::select::{ClusterLease, Selector, Timing, VmState};
+use crate::reserve::{Lease, LocalCount};
+use crate::shed::{Shedder, HEARTBEAT_MS};
 use crate::store::{write_back, SharedStore, StoreError};
-use crate::time::UnixMillis;
+use crate::time::{MonoMillis, Now};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use stats::{increment, Stats};
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 use store::EnvoyStore;
 
 proxy_wasm::main! {{
@@ -68,6 +88,9 @@ struct Filter {
     global: Option<GlobalScope>,
     /// This VM's side of the global scope (it outlives configurations).
     global_node: Option<Rc<RefCell<VmNode>>>,
+    /// The configuration was replaced or its root context retired ([`Filter::retire`]): streams
+    /// that still finish under it write their outcomes at once.
+    retired: Cell<bool>,
 }
 
 thread_local! {
@@ -76,7 +99,7 @@ thread_local! {
         let mut bytes = [0u8; 8];
         if getrandom::fill(&mut bytes).is_err() {
             log::warn!("floodgate: getrandom failed; the VM id falls back to the clock");
-            bytes = now().0.to_le_bytes();
+            bytes = clock::wall().0.to_le_bytes();
         }
         u64::from_le_bytes(bytes)
     };
@@ -87,7 +110,7 @@ thread_local! {
     static RNG: RefCell<SplitMix64> = RefCell::new(SplitMix64::new({
         let mut bytes = [0u8; 8];
         if getrandom::fill(&mut bytes).is_err() {
-            bytes = now().0.to_le_bytes();
+            bytes = clock::mono().0.to_le_bytes();
         }
         u64::from_le_bytes(bytes)
     }));
@@ -105,14 +128,26 @@ fn local_count(record_key: &str) -> LocalCount {
 struct FilterRoot {
     filter: Option<Rc<Filter>>,
     /// When the per-second heartbeat last ran (the tick is faster with a global scope).
-    last_heartbeat: Option<UnixMillis>,
+    last_heartbeat: Option<MonoMillis>,
 }
 
 impl Context for FilterRoot {
+    /// The host retires this root context: its configuration was replaced by another (which
+    /// Envoy gives a new root context, in the same VM for a plugin-configuration change), or
+    /// the filter was removed, or the VM shuts down. What the configuration holds for itself
+    /// goes back now ([`Filter::retire`]); no later tick of this root context will.
+    fn on_done(&mut self) -> bool {
+        if let Some(filter) = self.filter.take() {
+            filter.retire(clock::now());
+            log::debug!("floodgate: root context retired; its reserves were given back");
+        }
+        true
+    }
+
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let Some(filter) = &self.filter else { return };
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-            global::answered(scope, node, &filter.stats.global, token_id, num_headers, body_size, now());
+            global::answered(scope, node, &filter.stats.global, token_id, num_headers, body_size, clock::now().wall);
         }
     }
 }
@@ -148,8 +183,7 @@ impl RootContext for FilterRoot {
             (0..s.clusters.len()).filter_map(|i| s.record_key(i)).map(local_count).collect()
         });
         if let Some(old) = &self.filter {
-            old.limiter.drain(&EnvoyStore, &mut old.reserves.borrow_mut());
-            old.report_reserved();
+            old.retire(clock::now());
         }
         let global = GlobalScope::new(&config, &namespace);
         let global_node = global.as_ref().map(|_| global::node(&namespace, vm_id()));
@@ -185,32 +219,33 @@ impl RootContext for FilterRoot {
             global,
             global_node,
             config,
+            retired: Cell::new(false),
         }));
         true
     }
 
     fn on_tick(&mut self) {
         let Some(filter) = &self.filter else { return };
-        let now = now();
+        let now = clock::now();
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-            global::tick(scope, node, &filter.stats.global, vm_id(), now);
+            global::tick(scope, node, &filter.stats.global, vm_id(), now.wall);
         }
         let due = self
             .last_heartbeat
-            .is_none_or(|last| now.saturating_since(last) >= HEARTBEAT_MS || last > now);
+            .is_none_or(|last| now.mono.saturating_since(last) >= HEARTBEAT_MS || last > now.mono);
         if !due {
             return;
         }
-        self.last_heartbeat = Some(now);
-        filter.limiter.heartbeat(&EnvoyStore, &mut filter.reserves.borrow_mut(), now);
+        self.last_heartbeat = Some(now.mono);
+        filter.limiter.heartbeat(&EnvoyStore, &mut filter.reserves.borrow_mut(), now.wall);
         filter.report_reserved();
         if let Some(shedder) = &filter.shedder {
-            let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now);
+            let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now.mono);
             stats::set(filter.stats.in_flight, u64::from(total));
         }
         if let Some(selector) = &filter.selector {
             let states =
-                selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now);
+                selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now.mono);
             for (index, state) in states.into_iter().enumerate() {
                 let (Some(state), ids) = (state, filter.stats.cluster(index)) else { continue };
                 // The rate is in [0, 1]: millionths fit.
@@ -235,11 +270,35 @@ impl RootContext for FilterRoot {
             replied: false,
             lease: None,
             cluster_lease: None,
+            timing: Timing::default(),
         }))
     }
 }
 
 impl Filter {
+    /// Ends this configuration's claims on shared data, once it takes no new requests (its
+    /// root context was re-configured or retired): gives back its quota reserves (their units
+    /// were counted ahead in the keys' counters), the in-flight and cluster reserves, and
+    /// writes the cluster outcomes it counted locally (successes and AIMD growth). Without
+    /// this, a configuration change would leave those units counted for up to two windows,
+    /// and drop the pending outcomes. Streams still running under it write their outcomes at
+    /// once from now on.
+    fn retire(&self, now: Now) {
+        self.retired.set(true);
+        {
+            let mut reserves = self.reserves.borrow_mut();
+            self.limiter.drain(&EnvoyStore, &mut reserves);
+            *reserves = Reserves::disabled();
+        }
+        self.report_reserved();
+        if let Some(shedder) = &self.shedder {
+            shedder.heartbeat(&EnvoyStore, vm_id(), &self.local, now.mono);
+        }
+        if let Some(selector) = &self.selector {
+            selector.heartbeat(&EnvoyStore, &mut self.selection_vm.borrow_mut(), now.mono);
+        }
+    }
+
     /// Moves the `reserved` gauges by what this VM's reserves changed since it last reported.
     fn report_reserved(&self) {
         let mut reported = self.reserved_reported.borrow_mut();
@@ -291,11 +350,18 @@ struct FilterStream {
     lease: Option<Lease>,
     /// The chosen cluster's lease, likewise.
     cluster_lease: Option<ClusterLease>,
+    /// When the request ended and the response headers came (only with a cluster lease): the
+    /// upstream's latency, which decides "slow".
+    timing: Timing,
 }
 
 impl FilterStream {
-    /// Sends a local reply; the filter then stops the request.
-    fn reply(&mut self, reply: &Reply) -> Action {
+    /// Sends a local reply; the filter then stops the request. A refused request gives its
+    /// in-flight unit back at once: it never reaches an upstream, and a client that reads its
+    /// refusal slowly (an HTTP/2 client withholding flow-control credit) must not hold a unit
+    /// of the proxy's capacity meanwhile.
+    fn reply(&mut self, reply: &Reply, now: Now) -> Action {
+        self.release(now.mono);
         let headers: Vec<(&str, &str)> = reply.headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
         self.replied = true;
         if let Err(status) = hostcalls::send_http_response(reply.status, headers, Some(reply.body.as_bytes())) {
@@ -304,11 +370,18 @@ impl FilterStream {
         Action::Pause
     }
 
-    /// The health endpoint, if this request is for it.
-    fn health(&self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
+    /// The health endpoint, if this request is for it: a `GET` or `HEAD` of its path. Other
+    /// methods on that path are ordinary requests (they go on to the upstream, through the
+    /// other stages).
+    fn health(&self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
         let health = filter.config.health.as_ref()?;
         let path = headers.get(":path")?;
         if KeyPart::Path.normalize(&path) != health.path.as_bytes() {
+            return None;
+        }
+        // Read only for the health path (one host call there, none on the common path).
+        let method = headers.get(":method")?;
+        if !response::is_health_method(&method) {
             return None;
         }
         let in_flight = filter
@@ -319,7 +392,7 @@ impl FilterStream {
     }
 
     /// Load shedding: takes a lease, or returns the 503.
-    fn shed(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
+    fn shed(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
         let shedder = filter.shedder.as_ref()?;
         let value = headers.get(&shedder.priority_header);
         let class = shedder.class_of(value.as_deref());
@@ -340,7 +413,7 @@ impl FilterStream {
     }
 
     /// Rate limiting: records the admission in every applicable rule, or returns the 429.
-    fn rate_limit(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
+    fn rate_limit(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: crate::time::UnixMillis) -> Option<Reply> {
         if filter.config.rate_limits.is_empty() {
             return None;
         }
@@ -390,7 +463,7 @@ impl FilterStream {
 
     /// Cluster selection: takes a lease on a cluster and routes the request to it (overwriting
     /// whatever the client sent in the route header), or returns the 503 when none has room.
-    fn select(&mut self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
+    fn select(&mut self, filter: &Filter, now: MonoMillis) -> Option<Reply> {
         let selector = filter.selector.as_ref()?;
         let chosen = RNG.with(|rng| {
             let mut rng = rng.borrow_mut();
@@ -423,7 +496,7 @@ impl FilterStream {
     }
 
     /// Ends the chosen cluster's lease with the stream's outcome.
-    fn finish_cluster(&mut self, now: UnixMillis) {
+    fn finish_cluster(&mut self, now: MonoMillis) {
         let (Some(lease), Some(selector)) = (self.cluster_lease.take(), self.filter.selector.as_ref()) else {
             return;
         };
@@ -436,13 +509,17 @@ impl FilterStream {
             Some(code) if code < 500 => 0,
             _ => property_u64(&["response", "flags"]).unwrap_or(0),
         };
-        let outcome = selector.classify(&lease, status, flags, now);
+        let outcome = selector.classify(&lease, status, flags, self.timing);
         let finished = selector.finish(&EnvoyStore, &mut self.filter.selection_vm.borrow_mut(), lease, outcome, now);
+        if self.filter.retired.get() {
+            // Its configuration is gone: no heartbeat of it will write what is pending.
+            selector.heartbeat(&EnvoyStore, &mut self.filter.selection_vm.borrow_mut(), now);
+        }
         let ids = self.filter.stats.cluster(finished.cluster);
         increment(match outcome {
             Outcome::Success => ids.success,
             Outcome::Slow => ids.slow,
-            Outcome::Failure => ids.failure,
+            Outcome::Failure | Outcome::Overflow => ids.failure,
             Outcome::Timeout => ids.timeout,
             Outcome::Ignored => ids.ignored,
         });
@@ -452,7 +529,7 @@ impl FilterStream {
         log::debug!("floodgate: {outcome:?} (status {status:?}, flags {flags:#x}) on cluster {}", finished.cluster);
     }
 
-    fn release(&mut self, now: UnixMillis) {
+    fn release(&mut self, now: MonoMillis) {
         if let (Some(lease), Some(shedder)) = (self.lease.take(), self.filter.shedder.as_ref()) {
             shedder.release(&EnvoyStore, vm_id(), lease, now);
         }
@@ -460,14 +537,6 @@ impl FilterStream {
 }
 
 impl Context for FilterStream {}
-
-fn now() -> UnixMillis {
-    let ms = hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    UnixMillis(ms)
-}
 
 /// An integer attribute (Envoy encodes them as 8 little-endian bytes).
 fn property_u64(path: &[&str]) -> Option<u64> {
@@ -523,20 +592,39 @@ impl<'p, 'm> RequestHeaders<'p, 'm> {
 }
 
 impl HttpContext for FilterStream {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let filter = Rc::clone(&self.filter);
-        let now = now();
+        let now = clock::now();
         let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
         let headers = RequestHeaders::new(&filter.headers, map.as_deref());
         let reply = self
-            .health(&filter, &headers, now)
-            .or_else(|| self.shed(&filter, &headers, now))
-            .or_else(|| self.rate_limit(&filter, &headers, now))
-            .or_else(|| self.select(&filter, now));
+            .health(&filter, &headers, now.mono)
+            .or_else(|| self.shed(&filter, &headers, now.mono))
+            .or_else(|| self.rate_limit(&filter, &headers, now.wall))
+            .or_else(|| self.select(&filter, now.mono));
         match reply {
-            Some(reply) => self.reply(&reply),
-            None => Action::Continue,
+            Some(reply) => self.reply(&reply, now),
+            None => {
+                if end_of_stream && self.cluster_lease.is_some() {
+                    self.timing.request_end = Some(now.mono);
+                }
+                Action::Continue
+            }
         }
+    }
+
+    fn on_http_request_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+        if end_of_stream && self.cluster_lease.is_some() && self.timing.request_end.is_none() {
+            self.timing.request_end = Some(clock::mono());
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.cluster_lease.is_some() && self.timing.request_end.is_none() {
+            self.timing.request_end = Some(clock::mono());
+        }
+        Action::Continue
     }
 
     fn on_log(&mut self) {
@@ -544,7 +632,7 @@ impl HttpContext for FilterStream {
             return;
         }
         // One clock read for both: the stream ended once.
-        let now = now();
+        let now = clock::mono();
         self.release(now);
         self.finish_cluster(now);
     }
@@ -552,6 +640,9 @@ impl HttpContext for FilterStream {
     fn on_http_response_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
         if self.replied {
             return Action::Continue;
+        }
+        if self.cluster_lease.is_some() && self.timing.response_headers.is_none() {
+            self.timing.response_headers = Some(clock::mono());
         }
         if let Some((rule, ratelimit)) = self.ratelimit_fields.take() {
             let policy = self.filter.admitted_fields.policy(rule).unwrap_or_default();
