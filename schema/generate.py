@@ -65,7 +65,7 @@ schema = {
       "description": "always: admitted responses also carry ratelimit / ratelimit-policy for the rule with the least remaining quota; on_reject: only 429s do.",
       "enum": ["always", "on_reject"], "default": "always"
     },
-    "load_shedding": {"description": "The proxy-wide in-flight limit and its priority classes (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
+    "load_shedding": {"description": "Shedding on the proxy-wide in-flight count, on each worker's event-loop lag, or both, by priority class (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
     "cluster_selection": {"description": "Chooses the upstream cluster of each request (null: none).", "anyOf": [{"$ref": "#/$defs/clusterSelection"}, {"type": "null"}]},
     "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]},
     "global": {"description": "How rules with scope global reach the fleet-wide store through floodgate-sync (null: none).", "anyOf": [{"$ref": "#/$defs/global"}, {"type": "null"}]}
@@ -112,12 +112,17 @@ schema = {
     },
     "loadShedding": {
       "type": "object", "additionalProperties": False,
-      "required": ["max_active_requests"],
+      "anyOf": [
+        {"required": ["max_active_requests"], "properties": {"max_active_requests": {"not": {"type": "null"}}}},
+        {"required": ["max_loop_lag"], "properties": {"max_loop_lag": {"not": {"type": "null"}}}}
+      ],
       "properties": {
-        "max_active_requests": positive("Proxy-wide (all workers) limit of requests in flight."),
+        "max_active_requests": {"description": "Proxy-wide (all workers) limit of requests in flight (null: none; at least one of max_active_requests and max_loop_lag).", "anyOf": [positive(""), {"type": "null"}], "default": None},
+        "max_loop_lag": {"description": "Shed on a worker while its event loop runs timers this late: class c from shed_at(c) * max_loop_lag (null: none; at least one of max_active_requests and max_loop_lag).", "anyOf": [{"$ref": "#/$defs/duration"}, {"type": "null"}], "default": None},
+        "lag_probe_interval": {"description": "How often each worker probes its event loop's lag, from 10ms to 1s (with max_loop_lag).", "$ref": "#/$defs/duration", "default": "100ms"},
         "priority_header": {"description": "The request header whose value names the priority class.", "$ref": "#/$defs/headerName", "default": "x-floodgate-priority"},
         "classes": {
-          "description": "Priority classes (unique names); a class is shed once the in-flight count reaches max(1, floor(shed_at * max_active_requests)).",
+          "description": "Priority classes (unique names); a class is shed once the in-flight count reaches max(1, floor(shed_at * max_active_requests)), or the loop lag shed_at * max_loop_lag.",
           "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/priorityClass"},
           "default": [{"name": "critical", "shed_at": 1.0}, {"name": "normal", "shed_at": 0.9}, {"name": "low", "shed_at": 0.5}]
         },
@@ -130,14 +135,16 @@ schema = {
       "required": ["name", "shed_at"],
       "properties": {
         "name": {"description": "The priority header value that selects the class.", "$ref": "#/$defs/name"},
-        "shed_at": {"description": "Fraction of max_active_requests from which the class is shed, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1}
+        "shed_at": {"description": "Fraction of max_active_requests (and of max_loop_lag) from which the class is shed, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1}
       }
     },
     "health": {
       "type": "object", "additionalProperties": False,
       "required": ["path"],
       "properties": {
-        "path": {"description": "The path the filter answers (matched without the query).", "type": "string", "pattern": "^/[^?#]*$"}
+        "path": {"description": "The path the filter answers for GET and HEAD (matched without the query).", "type": "string", "pattern": "^/[^?#]*$"},
+        "dependencies": {"description": "off: the proxy's own load only; report: also the clusters' success rates and limits (needs cluster_selection); fail: as report, and 503 while every cluster's success rate is below min_success_rate.", "enum": ["off", "report", "fail"], "default": "off"},
+        "min_success_rate": {"description": "With dependencies fail: a cluster below this success rate counts as failing, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.5}
       }
     },
     "global": {

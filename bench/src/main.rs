@@ -9,6 +9,7 @@ mod accuracy;
 mod contention;
 mod cpu;
 mod envoy;
+mod idle;
 mod instructions;
 mod load;
 mod memory;
@@ -65,7 +66,7 @@ pub enum Selection {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: floodgate-bench [cpu|instructions|memory|accuracy|contention|all]... [--quick] [--rounds N] [--seconds S]\n\
+        "usage: floodgate-bench [cpu|instructions|memory|accuracy|contention|idle|all]... [--quick] [--rounds N] [--seconds S]\n\
          \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N]\n\
          \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH]\n\
          Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM. Use bench/run.sh, which builds them."
@@ -98,7 +99,7 @@ fn main() {
     while let Some(a) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| usage());
         match a.as_str() {
-            "cpu" | "instructions" | "memory" | "accuracy" | "contention" | "all" => what.push(a),
+            "cpu" | "instructions" | "memory" | "accuracy" | "contention" | "idle" | "all" => what.push(a),
             "--quick" => s.quick = true,
             "--rounds" => s.rounds = value().parse().unwrap_or_else(|_| usage()),
             "--seconds" => s.seconds = value().parse().unwrap_or_else(|_| usage()),
@@ -180,6 +181,7 @@ fn main() {
             "instructions" => rt.block_on(instructions::run(&s)),
             "contention" => rt.block_on(contention::run(&s)),
             "memory" => rt.block_on(memory::run(&s)),
+            "idle" => rt.block_on(idle::run(&s)),
             _ => unreachable!(),
         }
         eprintln!("[{w} took {:.0} s]", t.elapsed().as_secs_f64());

@@ -14,6 +14,7 @@ pub mod config;
 pub mod global;
 pub mod headers;
 pub mod key;
+pub mod lag;
 pub mod ratelimit;
 pub mod reserve;
 pub mod response;

@@ -10,7 +10,8 @@
 
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
 use crate::select::{Exhausted, Selector};
-use crate::shed::{Shed, Shedder};
+use crate::lag::{LagMonitor, LagShed};
+use crate::shed::{Classes, Shed, Shedder};
 use crate::time::UnixMillis;
 use serde_json::json;
 
@@ -274,30 +275,132 @@ pub fn is_health_method(method: &[u8]) -> bool {
     method == b"GET" || method == b"HEAD"
 }
 
+/// The proxy's own load, as one worker sees it: what the health endpoint reports.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LocalLoad<'a> {
+    /// The in-flight shedder and the proxy-wide in-flight count (with `max_active_requests`).
+    pub in_flight: Option<(&'a Shedder, u32)>,
+    /// This worker's loop lag (with `max_loop_lag`).
+    pub lag: Option<LagStatus>,
+}
+
+/// A worker's loop lag, for the health endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LagStatus {
+    /// The lag the worker's loop has had at least over its recent probes, in milliseconds.
+    pub lag_ms: u64,
+    /// `max_loop_lag`, in milliseconds.
+    pub max_loop_lag_ms: u64,
+    /// Whether the worker sheds the default class for lag now.
+    pub sheds_default_class: bool,
+    /// Whether it sheds any class for lag now.
+    pub shedding: bool,
+}
+
+/// One upstream cluster, as the health endpoint's dependency view shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterHealth {
+    /// The cluster's name.
+    pub name: String,
+    /// Its success rate, in [0, 1].
+    pub success_rate: f64,
+    /// Its concurrency limit.
+    pub limit: u32,
+    /// Leases held on it, proxy-wide.
+    pub in_flight: u32,
+}
+
+/// The dependency view of the health endpoint (`health.dependencies`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DependencyView {
+    /// Whether failing dependencies turn the answer red.
+    pub fail: bool,
+    /// The success rate below which a cluster counts as failing.
+    pub min_success_rate: f64,
+    /// The clusters (those whose record could be read).
+    pub clusters: Vec<ClusterHealth>,
+}
+
 /// The health endpoint's answer: `200` when the proxy takes default-class work, `503` when it
-/// would shed it. `in_flight` is `None` when load shedding is not configured.
-pub fn health(shedder: Option<&Shedder>, in_flight: Option<u32>) -> Reply {
-    let (status, body) = match (shedder, in_flight) {
-        (Some(shedder), Some(in_flight)) => {
-            let overloaded = shedder.overloaded(in_flight);
-            let threshold = shedder.classes.get(shedder.default_class).map_or(0, |c| c.threshold);
-            (
-                if overloaded { 503 } else { 200 },
-                json!({
-                    "status": if overloaded { "overloaded" } else { "ok" },
-                    "in_flight": in_flight,
-                    "max_active_requests": shedder.max_active_requests,
-                    "default_class_threshold": threshold,
-                }),
-            )
-        }
-        _ => (200, json!({"status": "ok"})),
+/// would shed it (its in-flight count at the default class's threshold, or this worker's loop
+/// lagging past the default class's share of `max_loop_lag`), and, only with
+/// `dependencies: "fail"`, `503` while every cluster fails.
+pub fn health(load: &LocalLoad<'_>, dependencies: Option<&DependencyView>) -> Reply {
+    let mut body = serde_json::Map::new();
+    let mut overloaded = false;
+    if let Some((shedder, in_flight)) = load.in_flight {
+        overloaded |= shedder.overloaded(in_flight);
+        let threshold = shedder.classes.get(shedder.default_class).map_or(0, |c| c.threshold);
+        body.insert("in_flight".into(), json!(in_flight));
+        body.insert("max_active_requests".into(), json!(shedder.max_active_requests));
+        body.insert("default_class_threshold".into(), json!(threshold));
+    }
+    if let Some(lag) = load.lag {
+        overloaded |= lag.sheds_default_class;
+        body.insert("loop_lag_ms".into(), json!(lag.lag_ms));
+        body.insert("max_loop_lag_ms".into(), json!(lag.max_loop_lag_ms));
+    }
+    if load.in_flight.is_some() || load.lag.is_some() {
+        let shedding = overloaded || load.lag.is_some_and(|l| l.shedding);
+        body.insert("shedding".into(), json!(shedding));
+    }
+    let mut failing = false;
+    if let Some(view) = dependencies {
+        let clusters: Vec<serde_json::Value> = view
+            .clusters
+            .iter()
+            .map(|c| {
+                json!({"name": c.name, "success_rate": (c.success_rate * 1e4).round() / 1e4, "limit": c.limit, "in_flight": c.in_flight})
+            })
+            .collect();
+        let all_failing = !view.clusters.is_empty() && view.clusters.iter().all(|c| c.success_rate < view.min_success_rate);
+        failing = view.fail && all_failing;
+        body.insert("clusters".into(), json!(clusters));
+        body.insert("dependencies".into(), json!(if all_failing { "failing" } else { "ok" }));
+    }
+    let status = if overloaded {
+        "overloaded"
+    } else if failing {
+        "dependencies_failing"
+    } else {
+        "ok"
     };
+    body.insert("status".into(), json!(status));
     Reply {
-        status,
+        status: if overloaded || failing { 503 } else { 200 },
         headers: vec![
             ("content-type", "application/json".into()),
             ("cache-control", "no-store".into()),
+        ],
+        body: serde_json::Value::Object(body).to_string(),
+    }
+}
+
+/// The `503` when a worker's event loop lags (see [`crate::lag`]).
+pub fn shed_by_lag(classes: &Classes, monitor: &LagMonitor, shed: &LagShed, retry_after_secs: u64) -> Reply {
+    let class_name = classes.name(shed.class);
+    let detail = format!(
+        "this proxy's event loop is {} ms late; class \"{class_name}\" is shed from {} ms (max_loop_lag {} ms); retry in {retry_after_secs} s",
+        shed.lag_ms,
+        shed.threshold_ms,
+        monitor.max_loop_lag_ms()
+    );
+    let body = json!({
+        "type": TEMPORARY_REDUCED_CAPACITY,
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": detail,
+        "loop_lag_ms": shed.lag_ms,
+        "max_loop_lag_ms": monitor.max_loop_lag_ms(),
+        "class": class_name,
+        "class_lag_threshold_ms": shed.threshold_ms,
+        "retry_after": retry_after_secs,
+    });
+    Reply {
+        status: 503,
+        headers: vec![
+            ("content-type", "application/problem+json".into()),
+            ("retry-after", retry_after_secs.to_string()),
         ],
         body: body.to_string(),
     }
@@ -373,7 +476,7 @@ mod tests {
     #[test]
     fn the_503_and_the_health_answer() {
         let config = Config::parse(br#"{"load_shedding":{"max_active_requests":10,"retry_after":"2s"}}"#).unwrap();
-        let shedder = Shedder::new(config.load_shedding.as_ref().unwrap(), "t");
+        let shedder = Shedder::new(config.load_shedding.as_ref().unwrap(), "t").unwrap();
         let reply = shed(&shedder, &Shed { in_flight: 9, class: 1, contention: false });
         assert_eq!(reply.status, 503);
         assert!(reply.headers.contains(&("retry-after", "2".into())));
@@ -383,11 +486,42 @@ mod tests {
         assert_eq!(body["class"], "normal");
         assert_eq!(body["in_flight"], 9);
         assert_eq!(body["class_threshold"], 9);
-        assert_eq!(health(Some(&shedder), Some(8)).status, 200);
-        let busy = health(Some(&shedder), Some(9));
+        let with = |in_flight| LocalLoad { in_flight: Some((&shedder, in_flight)), lag: None };
+        assert_eq!(health(&with(8), None).status, 200);
+        let busy = health(&with(9), None);
         assert_eq!(busy.status, 503);
-        assert!(busy.body.contains("\"overloaded\""));
-        assert_eq!(health(None, None).status, 200);
+        let body: serde_json::Value = serde_json::from_str(&busy.body).unwrap();
+        assert_eq!(body, serde_json::json!({"status": "overloaded", "shedding": true, "in_flight": 9, "max_active_requests": 10, "default_class_threshold": 9}));
+        assert_eq!(health(&LocalLoad::default(), None).body, r#"{"status":"ok"}"#);
+    }
+
+    #[test]
+    fn the_health_answer_reports_the_loop_lag_and_the_dependencies() {
+        let lag = |lag_ms, sheds_default_class, shedding| LocalLoad {
+            in_flight: None,
+            lag: Some(LagStatus { lag_ms, max_loop_lag_ms: 50, sheds_default_class, shedding }),
+        };
+        let body = |r: &Reply| serde_json::from_str::<serde_json::Value>(&r.body).unwrap();
+        let calm = health(&lag(3, false, false), None);
+        assert_eq!(calm.status, 200);
+        assert_eq!(body(&calm), serde_json::json!({"status": "ok", "shedding": false, "loop_lag_ms": 3, "max_loop_lag_ms": 50}));
+        let low_only = health(&lag(30, false, true), None);
+        assert_eq!((low_only.status, body(&low_only)["shedding"].clone()), (200, serde_json::json!(true)), "only a lower class is shed");
+        assert_eq!(health(&lag(48, true, true), None).status, 503);
+        let cluster = |name: &str, success_rate| ClusterHealth { name: name.into(), success_rate, limit: 20, in_flight: 1 };
+        let view = |fail, rates: &[f64]| DependencyView {
+            fail,
+            min_success_rate: 0.5,
+            clusters: rates.iter().enumerate().map(|(i, r)| cluster(&format!("c{i}"), *r)).collect(),
+        };
+        let report = health(&LocalLoad::default(), Some(&view(false, &[0.1, 0.2])));
+        assert_eq!(report.status, 200, "reported, not failed");
+        assert_eq!(body(&report)["dependencies"], "failing");
+        assert_eq!(body(&report)["clusters"][1], serde_json::json!({"name": "c1", "success_rate": 0.2, "limit": 20, "in_flight": 1}));
+        let failing = health(&LocalLoad::default(), Some(&view(true, &[0.1, 0.2])));
+        assert_eq!((failing.status, body(&failing)["status"].clone()), (503, serde_json::json!("dependencies_failing")));
+        assert_eq!(health(&LocalLoad::default(), Some(&view(true, &[0.1, 0.9]))).status, 200, "one cluster still serves");
+        assert_eq!(health(&LocalLoad::default(), Some(&view(true, &[]))).status, 200, "no data: not failing");
     }
 
     #[test]

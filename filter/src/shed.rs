@@ -250,10 +250,47 @@ pub struct Shedder {
     lowest_threshold: u32,
 }
 
+/// The priority classes of a configuration, and how a request names its class: what both
+/// shedding signals (the in-flight count here, the loop lag in [`crate::lag`]) share.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Classes {
+    /// The class names, in configuration order.
+    pub names: Vec<Name>,
+    /// Index of the class of requests without (or with an unknown) priority header value.
+    pub default_class: usize,
+    /// The request header naming the class.
+    pub priority_header: String,
+}
+
+impl Classes {
+    /// The classes of `config`.
+    pub fn new(config: &LoadShedding) -> Classes {
+        let names: Vec<Name> = config.classes.iter().map(|c| c.name.clone()).collect();
+        Classes {
+            default_class: names.iter().position(|n| *n == config.default_class).unwrap_or(0),
+            names,
+            priority_header: config.priority_header.clone(),
+        }
+    }
+
+    /// The class a priority header value names (the default class for `None` or unknown).
+    pub fn class_of(&self, value: Option<&[u8]>) -> usize {
+        value
+            .and_then(|v| self.names.iter().position(|n| n.as_str().as_bytes() == v))
+            .unwrap_or(self.default_class)
+    }
+
+    /// The name of class `index` (empty for an unknown index).
+    pub fn name(&self, index: usize) -> &str {
+        self.names.get(index).map_or("", Name::as_str)
+    }
+}
+
 impl Shedder {
-    /// The shedder of `config`, its record under `namespace`.
-    pub fn new(config: &LoadShedding, namespace: &str) -> Shedder {
-        let max = config.max_active_requests.get().get();
+    /// The in-flight shedder of `config` (`None` without `max_active_requests`: shedding on the
+    /// loop lag only), its record under `namespace`.
+    pub fn new(config: &LoadShedding, namespace: &str) -> Option<Shedder> {
+        let max = config.max_active_requests?.get().get();
         let classes: Vec<Class> = config
             .classes
             .iter()
@@ -266,7 +303,7 @@ impl Shedder {
             .iter()
             .position(|c| c.name == config.default_class)
             .unwrap_or(0);
-        Shedder {
+        Some(Shedder {
             lowest_threshold: classes.iter().map(|c| c.threshold).min().unwrap_or(max),
             key: format!("floodgate/{namespace}/in-flight"),
             max_active_requests: max,
@@ -274,7 +311,7 @@ impl Shedder {
             default_class,
             priority_header: config.priority_header.clone(),
             retry_after_secs: config.retry_after.ceil_secs().max(1),
-        }
+        })
     }
 
     /// The shared-data key of the in-flight record.
@@ -531,7 +568,7 @@ mod tests {
             format!(r#"{{"load_shedding":{{"max_active_requests":{max}}}}}"#).as_bytes(),
         )
         .unwrap();
-        Shedder::new(config.load_shedding.as_ref().unwrap(), "t")
+        Shedder::new(config.load_shedding.as_ref().unwrap(), "t").unwrap()
     }
 
     #[test]

@@ -236,9 +236,20 @@ fn accepted_config(config: &Config) {
     }
 
     if let Some(shedding) = &config.load_shedding {
-        let shedder = Shedder::new(shedding, "fuzz");
+        let classes = floodgate::shed::Classes::new(shedding);
+        assert_eq!(classes.class_of(None), classes.default_class);
+        assert_eq!(classes.name(classes.default_class), shedding.default_class.as_str());
+        let lag = floodgate::lag::LagMonitor::new(shedding);
+        assert_eq!(lag.is_some(), shedding.max_loop_lag.is_some());
+        if let Some(lag) = lag {
+            for class in 0..shedding.classes.len() {
+                let threshold = lag.threshold_ms(class).expect("a threshold per class");
+                assert!(threshold >= 1 && threshold <= lag.max_loop_lag_ms(), "lag threshold {threshold}");
+            }
+        }
+        if let Some(shedder) = Shedder::new(shedding, "fuzz") {
         let max = shedder.max_active_requests;
-        assert_eq!(max, shedding.max_active_requests.get().get());
+        assert_eq!(Some(max), shedding.max_active_requests.map(|m| m.get().get()));
         assert_eq!(shedder.classes.len(), shedding.classes.len());
         for class in &shedder.classes {
             assert!(class.threshold >= 1 && class.threshold <= max, "threshold {} of {max}", class.threshold);
@@ -250,14 +261,17 @@ fn accepted_config(config: &Config) {
             assert_eq!(shedder.class_of(Some(class.name.as_str().as_bytes())), index);
         }
         assert!(shedder.retry_after_secs >= 1);
-        let idle = response::health(Some(&shedder), Some(0));
+        let idle = health_of(&shedder, 0);
         assert_eq!(idle.status, 200, "an idle proxy is healthy");
         check_reply(&idle);
-        let full = response::health(Some(&shedder), Some(max));
+        let full = health_of(&shedder, max);
         assert_eq!(full.status, 503, "a full proxy is overloaded");
         check_reply(&full);
+        } else {
+            assert!(shedding.max_active_requests.is_none(), "an in-flight limit makes a shedder");
+        }
     } else {
-        check_reply(&response::health(None, None));
+        check_reply(&response::health(&response::LocalLoad::default(), None));
     }
     if let Some(health) = &config.health {
         assert!(health.path.starts_with('/') && !health.path.contains(['?', '#']));
@@ -395,9 +409,9 @@ pub fn key(data: &[u8]) {
     let mut again = Vec::new();
     assert_eq!(key::probes(config, &hasher, Some(&fleet), value_of, &mut again), probes, "deterministic");
 
-    let shedder = Shedder::new(config.load_shedding.as_ref().expect("shedding"), "fuzz");
+    let classes = floodgate::shed::Classes::new(config.load_shedding.as_ref().expect("shedding"));
     let priority = values[5].as_deref();
-    assert!(shedder.class_of(priority) < shedder.classes.len());
+    assert!(classes.class_of(priority) < classes.names.len());
 
     let limiter = Limiter::new(config, "fuzz");
     let store = floodgate::store::MemoryStore::new();
@@ -639,13 +653,13 @@ pub fn inflight_record(data: &[u8]) {
     // 2. Through the shedder, the record planted in shared data.
     let config = Config::parse(format!(r#"{{"load_shedding": {{"max_active_requests": {max}}}}}"#).as_bytes())
         .expect("the shedding fuzz config is valid");
-    let shedder = Shedder::new(config.load_shedding.as_ref().expect("shedding"), "fuzz");
+    let shedder = Shedder::new(config.load_shedding.as_ref().expect("shedding"), "fuzz").expect("an in-flight limit");
     let class = usize::from(class_pick) % shedder.classes.len();
     let with_faults = flags & 2 != 0;
     let store = PlantedStore::new(record, flags & 1 == 0, if with_faults { faults } else { 0 });
     let local: LocalCount = Rc::default();
     let seen = shedder.in_flight(&store, vm, &local, now);
-    check_reply(&response::health(Some(&shedder), Some(seen)));
+    check_reply(&health_of(&shedder, seen));
     match shedder.try_acquire(&store, vm, &local, class, now) {
         Ok(lease) => {
             assert_eq!(local.in_use(), 1);
@@ -686,7 +700,7 @@ pub fn inflight_record(data: &[u8]) {
         }
     }
     let total = shedder.heartbeat(&store, vm, &local, now);
-    check_reply(&response::health(Some(&shedder), Some(total)));
+    check_reply(&health_of(&shedder, total));
     assert_eq!(local.in_use(), 0);
 }
 
@@ -828,4 +842,9 @@ pub fn cluster_record(data: &[u8]) {
         assert!((0.0..=1.0).contains(&cluster.success_rate), "{cluster:?}");
     }
     assert_eq!(locals[0].in_use(), 0);
+}
+
+/// The health endpoint's answer for an in-flight count alone.
+fn health_of(shedder: &Shedder, in_flight: u32) -> response::Reply {
+    response::health(&response::LocalLoad { in_flight: Some((shedder, in_flight)), lag: None }, None)
 }

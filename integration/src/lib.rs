@@ -504,6 +504,8 @@ pub struct EnvoyBuilder {
     routing: Routing,
     /// Extra environment of the Envoy process.
     env: Vec<(String, String)>,
+    /// HTTP filters between floodgate and the router.
+    filters_after: Vec<Value>,
 }
 
 impl EnvoyBuilder {
@@ -516,7 +518,21 @@ impl EnvoyBuilder {
             concurrency: 2,
             routing: Routing::default(),
             env: Vec::new(),
+            filters_after: Vec::new(),
         }
+    }
+
+    /// Adds an Envoy Lua filter with `code` after floodgate (before the router): e.g. one that
+    /// burns CPU on the worker to make its event loop lag.
+    pub fn lua_after(mut self, code: &str) -> EnvoyBuilder {
+        self.filters_after.push(json!({
+            "name": "envoy.filters.http.lua",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": code}
+            }
+        }));
+        self
     }
 
     /// Adds `vars` to the Envoy process's environment (e.g. [`wallclock::SteppedWallClock::env`]).
@@ -576,6 +592,31 @@ impl EnvoyBuilder {
         let route = self.routing.route();
         let mut clusters = vec![static_cluster("upstream", endpoints)];
         clusters.extend(self.routing.clusters());
+        let mut http_filters = vec![json!({
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "floodgate",
+                    "root_id": "floodgate",
+                    "failure_policy": "FAIL_CLOSED",
+                    "configuration": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": self.filter_config
+                    },
+                    "vm_config": {
+                        "vm_id": "floodgate",
+                        "runtime": "envoy.wasm.runtime.v8",
+                        "code": {"local": {"filename": wasm_module().display().to_string()}}
+                    }
+                }
+            }
+        })];
+        http_filters.extend(self.filters_after.iter().cloned());
+        http_filters.push(json!({
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+        }));
         json!({
             "admin": {
                 "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
@@ -603,34 +644,7 @@ impl EnvoyBuilder {
                                         }]
                                     }]
                                 },
-                                "http_filters": [
-                                    {
-                                        "name": "envoy.filters.http.wasm",
-                                        "typed_config": {
-                                            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                                            "config": {
-                                                "name": "floodgate",
-                                                "root_id": "floodgate",
-                                                "failure_policy": "FAIL_CLOSED",
-                                                "configuration": {
-                                                    "@type": "type.googleapis.com/google.protobuf.StringValue",
-                                                    "value": self.filter_config
-                                                },
-                                                "vm_config": {
-                                                    "vm_id": "floodgate",
-                                                    "runtime": "envoy.wasm.runtime.v8",
-                                                    "code": {"local": {"filename": wasm_module().display().to_string()}}
-                                                }
-                                            }
-                                        }
-                                    },
-                                    {
-                                        "name": "envoy.filters.http.router",
-                                        "typed_config": {
-                                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                                        }
-                                    }
-                                ]
+                                "http_filters": http_filters
                             }
                         }]
                     }]

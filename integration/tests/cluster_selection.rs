@@ -334,3 +334,60 @@ async fn a_client_sent_route_header_cannot_steer() {
     assert_eq!(a.count_for("a"), a.total(), "the value upstream sees is the filter's choice");
     assert_eq!(b.count_for("b"), b.total());
 }
+
+/// Issue 22: the health endpoint's dependency view. With `dependencies: "report"` the answer
+/// lists the clusters' success rates and limits but stays the proxy's own (200: every proxy of
+/// a fleet sees the same failing clusters, and would leave rotation at once); with `"fail"` it
+/// turns 503 while every cluster fails, and back to 200 when one recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_endpoint_reports_dependencies_and_fails_on_them_only_when_asked() {
+    let (a, b) = (counted(), counted());
+    let start = |dependencies: &str| {
+        let config = json!({
+            "cluster_selection": {"clusters": ["a", "b"], "bucket_width": "1s"},
+            "health": {"path": HEALTH_PATH, "dependencies": dependencies}
+        });
+        Envoy::builder(config)
+            .cluster("a", &[a.addr()])
+            .cluster("b", &[b.addr()])
+            .route_by_header(ROUTE_HEADER)
+            .start()
+    };
+    let (reporting, failing) = (start("report"), start("fail"));
+    a.set_status(503);
+    b.set_status(503);
+    for envoy in [&reporting, &failing] {
+        for _ in 0..40 {
+            assert_eq!(get(envoy.addr(), "/work", &[]).await.status, 503);
+        }
+    }
+    let health = |envoy: &Envoy| {
+        let addr = envoy.addr();
+        async move {
+            let r = get(addr, HEALTH_PATH, &[]).await;
+            (r.status, r.json())
+        }
+    };
+    let (status, body) = health(&reporting).await;
+    println!("report, every cluster failing: {status} {body}");
+    assert_eq!((status, &body["status"], &body["dependencies"]), (200, &json!("ok"), &json!("failing")), "{body}");
+    assert_eq!(body["clusters"].as_array().map(Vec::len), Some(2), "{body}");
+    assert!(body["clusters"][0]["success_rate"].as_f64().is_some_and(|r| r < 0.5), "{body}");
+    let (status, body) = health(&failing).await;
+    println!("fail, every cluster failing: {status} {body}");
+    assert_eq!((status, &body["status"]), (503, &json!("dependencies_failing")), "{body}");
+    // One cluster recovers: once its bucket holds successes, the answer is green again.
+    a.set_status(200);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (status, body) = loop {
+        let _ = get(failing.addr(), "/work", &[]).await;
+        let (status, body) = health(&failing).await;
+        if status == 200 || Instant::now() > deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!("fail, cluster a recovered: {status} {body}");
+    assert_eq!((status, &body["dependencies"]), (200, &json!("ok")), "{body}");
+}
+

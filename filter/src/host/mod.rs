@@ -26,7 +26,7 @@ mod header_map;
 mod stats;
 mod store;
 
-use crate::config::{Config, KeyPart, RateLimitHeaders};
+use crate::config::{Config, Dependencies, KeyPart, RateLimitHeaders};
 use crate::global::{GlobalScope, VmNode};
 use crate::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::key::{self, KeyHasher, Source};
@@ -37,7 +37,8 @@ use crate::select::outcome::Outcome;
 use crate::select::shuffle::SplitMix64;
 use crate::select::{ClusterLease, Selector, Timing, VmState};
 use crate::reserve::{Lease, LocalCount};
-use crate::shed::{Shedder, HEARTBEAT_MS};
+use crate::lag::LagMonitor;
+use crate::shed::{Classes, Shedder, HEARTBEAT_MS};
 use crate::store::{write_back, SharedStore, StoreError};
 use crate::time::{MonoMillis, Now};
 use proxy_wasm::hostcalls;
@@ -78,7 +79,12 @@ struct Filter {
     admitted_fields: AdmittedFields,
     hasher: KeyHasher,
     stats: Stats,
+    /// The in-flight limit (`max_active_requests`).
     shedder: Option<Shedder>,
+    /// The priority classes, for both shedding signals.
+    classes: Option<Classes>,
+    /// This VM's loop-lag probe (`max_loop_lag`).
+    lag: Option<RefCell<LagMonitor>>,
     /// This VM's in-flight count for the filter's namespace.
     local: LocalCount,
     selector: Option<Selector>,
@@ -127,8 +133,11 @@ fn local_count(record_key: &str) -> LocalCount {
 #[derive(Default)]
 struct FilterRoot {
     filter: Option<Rc<Filter>>,
-    /// When the per-second heartbeat last ran (the tick is faster with a global scope).
+    /// When the per-second heartbeat last ran (the tick is faster with a global scope or a lag
+    /// probe).
     last_heartbeat: Option<MonoMillis>,
+    /// When the global scope's tick last ran (every `sync_interval`).
+    last_sync: Option<MonoMillis>,
 }
 
 impl Context for FilterRoot {
@@ -177,7 +186,9 @@ impl RootContext for FilterRoot {
             }
         };
         let limiter = Limiter::new(&config, &namespace);
-        let shedder = config.load_shedding.as_ref().map(|s| Shedder::new(s, &namespace));
+        let shedder = config.load_shedding.as_ref().and_then(|s| Shedder::new(s, &namespace));
+        let classes = config.load_shedding.as_ref().map(Classes::new);
+        let lag = config.load_shedding.as_ref().and_then(LagMonitor::new);
         let selector = config.cluster_selection.as_ref().map(|s| Selector::new(s, &namespace));
         let cluster_leases = selector.as_ref().map_or_else(Vec::new, |s| {
             (0..s.clusters.len()).filter_map(|i| s.record_key(i)).map(local_count).collect()
@@ -187,10 +198,14 @@ impl RootContext for FilterRoot {
         }
         let global = GlobalScope::new(&config, &namespace);
         let global_node = global.as_ref().map(|_| global::node(&namespace, vm_id()));
-        // The heartbeat is every second; a global scope ticks every sync_interval (faster).
-        let tick_ms = global.as_ref().map_or(HEARTBEAT_MS, |g| g.interval_ms.min(HEARTBEAT_MS));
+        // The heartbeat is every second; a global scope ticks every sync_interval, a lag probe
+        // every lag_probe_interval (both faster).
+        let tick_ms = [global.as_ref().map(|g| g.interval_ms), lag.as_ref().map(LagMonitor::probe_ms)]
+            .into_iter()
+            .flatten()
+            .fold(HEARTBEAT_MS, u64::min);
         let mut ticking = false;
-        if shedder.is_some() || selector.is_some() || !config.rate_limits.is_empty() {
+        if shedder.is_some() || lag.is_some() || selector.is_some() || !config.rate_limits.is_empty() {
             match hostcalls::set_tick_period(Duration::from_millis(tick_ms)) {
                 Ok(()) => ticking = true,
                 Err(status) => log::warn!(
@@ -214,6 +229,8 @@ impl RootContext for FilterRoot {
             reserved_reported: RefCell::new(vec![0; config.rate_limits.len()]),
             local: local_count(shedder.as_ref().map_or("", |s| s.record_key())),
             shedder,
+            classes,
+            lag: lag.map(RefCell::new),
             selector,
             selection_vm: RefCell::new(VmState::new(vm_id(), cluster_leases)),
             global,
@@ -227,13 +244,21 @@ impl RootContext for FilterRoot {
     fn on_tick(&mut self) {
         let Some(filter) = &self.filter else { return };
         let now = clock::now();
-        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-            global::tick(scope, node, &filter.stats.global, vm_id(), now.wall);
+        if let Some(lag) = &filter.lag {
+            let lag_ms = lag.borrow_mut().probe(now.mono);
+            stats::record(filter.stats.loop_lag_ms, lag_ms);
         }
-        let due = self
-            .last_heartbeat
-            .is_none_or(|last| now.mono.saturating_since(last) >= HEARTBEAT_MS || last > now.mono);
-        if !due {
+        let due = |last: Option<MonoMillis>, every_ms: u64| {
+            // A tick a few milliseconds early still counts: the timer's period is the interval.
+            last.is_none_or(|last| now.mono.saturating_since(last).saturating_add(5) >= every_ms || last > now.mono)
+        };
+        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+            if due(self.last_sync, scope.interval_ms) {
+                self.last_sync = Some(now.mono);
+                global::tick(scope, node, &filter.stats.global, vm_id(), now.wall);
+            }
+        }
+        if !due(self.last_heartbeat, HEARTBEAT_MS) {
             return;
         }
         self.last_heartbeat = Some(now.mono);
@@ -372,7 +397,8 @@ impl FilterStream {
 
     /// The health endpoint, if this request is for it: a `GET` or `HEAD` of its path. Other
     /// methods on that path are ordinary requests (they go on to the upstream, through the
-    /// other stages).
+    /// other stages). It reports the proxy-wide in-flight count and this worker's loop lag, and,
+    /// when configured, the clusters.
     fn health(&self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
         let health = filter.config.health.as_ref()?;
         let path = headers.get(":path")?;
@@ -387,15 +413,62 @@ impl FilterStream {
         let in_flight = filter
             .shedder
             .as_ref()
-            .map(|s| s.in_flight(&EnvoyStore, vm_id(), &filter.local, now));
-        Some(response::health(filter.shedder.as_ref(), in_flight))
+            .map(|s| (s, s.in_flight(&EnvoyStore, vm_id(), &filter.local, now)));
+        let lag = filter.lag.as_ref().map(|lag| {
+            let lag = lag.borrow();
+            let default_class = filter.classes.as_ref().map_or(0, |c| c.default_class);
+            response::LagStatus {
+                lag_ms: lag.lag_ms(),
+                max_loop_lag_ms: lag.max_loop_lag_ms(),
+                sheds_default_class: lag.sheds(default_class).is_some(),
+                shedding: lag.is_shedding(),
+            }
+        });
+        let dependencies = match (health.dependencies, filter.selector.as_ref()) {
+            (Dependencies::Off, _) | (_, None) => None,
+            (mode, Some(selector)) => {
+                let states = selector.states(&EnvoyStore, &filter.selection_vm.borrow(), now);
+                let clusters = selector
+                    .clusters
+                    .iter()
+                    .zip(states)
+                    .filter_map(|(cluster, state)| {
+                        let state = state?;
+                        Some(response::ClusterHealth {
+                            name: cluster.name.as_str().to_owned(),
+                            success_rate: state.success_rate,
+                            limit: state.limit,
+                            in_flight: state.in_flight,
+                        })
+                    })
+                    .collect();
+                Some(response::DependencyView {
+                    fail: mode == Dependencies::Fail,
+                    min_success_rate: health.min_success_rate.get(),
+                    clusters,
+                })
+            }
+        };
+        Some(response::health(&response::LocalLoad { in_flight, lag }, dependencies.as_ref()))
     }
 
-    /// Load shedding: takes a lease, or returns the 503.
+    /// Load shedding: on this worker's loop lag, then on the proxy-wide in-flight count (taking
+    /// a lease); returns the 503 of either.
     fn shed(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
+        let classes = filter.classes.as_ref()?;
+        let value = headers.get(&classes.priority_header);
+        let class = classes.class_of(value.as_deref());
+        if let Some(lag) = &filter.lag {
+            let lag = lag.borrow();
+            if let Some(shed) = lag.sheds(class) {
+                increment(filter.stats.shed.get(class).copied().flatten());
+                increment(filter.stats.shed_by_lag.get(class).copied().flatten());
+                log::debug!("floodgate: shed for the loop lag {shed:?}");
+                let retry_after = filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
+                return Some(response::shed_by_lag(classes, &lag, &shed, retry_after));
+            }
+        }
         let shedder = filter.shedder.as_ref()?;
-        let value = headers.get(&shedder.priority_header);
-        let class = shedder.class_of(value.as_deref());
         match shedder.try_acquire(&EnvoyStore, vm_id(), &filter.local, class, now) {
             Ok(lease) => {
                 self.lease = Some(lease);

@@ -571,6 +571,22 @@ impl Selector {
         finished
     }
 
+    /// Each cluster's state as this VM sees it now, read without writing anything (the health
+    /// endpoint's dependency view); `None` for a record that could not be read.
+    pub fn states<S: SharedStore + ?Sized>(&self, store: &S, state: &VmState, now: MonoMillis) -> Vec<Option<ClusterState>> {
+        (0..self.clusters.len())
+            .map(|index| {
+                let view = self.read(store, index, now).ok()?;
+                let local = state.leases.get(index)?;
+                Some(ClusterState {
+                    success_rate: self.success_rate(&view.record),
+                    limit: view.record.limit,
+                    in_flight: view.record.in_flight.others(state.vm, now).saturating_add(local.in_use()),
+                })
+            })
+            .collect()
+    }
+
     /// Refreshes this VM's entries (on every tick): writes its pending outcomes, gives back its
     /// reserves, and returns each cluster's state for the gauges (`None` for a record that could
     /// not be read).
