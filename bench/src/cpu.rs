@@ -94,6 +94,14 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
             route: Route::Fixed,
         },
         Variant { id: "fg-rl-shed", label: "floodgate: rate limiting + shedding + health".into(), filter: fg(everything_config(false)), route: Route::Fixed },
+        // The host calls one admitted request of `fg-rl` makes, and nothing else: fg-rl minus
+        // this is floodgate's own code (and the allocations the calls cause).
+        Variant {
+            id: "calls-rl",
+            label: "no-op making fg-rl's host calls (clock, key header, counter, 2 response headers)".into(),
+            filter: wasm(&s.noop_wasm, "time=1,header=1,incr=1,resp=2"),
+            route: Route::Fixed,
+        },
     ];
     for (kind, what) in [
         ("time", "get_current_time"),

@@ -69,7 +69,8 @@ pub async fn run(s: &Settings) {
     let (a, _) = load::start_upstream().await;
     let (b, _) = load::start_upstream().await;
     let (c, _) = load::start_upstream().await;
-    let requests = cpu::key_requests("k", KEYS);
+    let keys = s.keys.unwrap_or(KEYS);
+    let requests = cpu::key_requests("k", keys);
     // Start them all at once: each takes a minute or more to compile the module under valgrind.
     let mut pending = Vec::new();
     for v in &variants {
@@ -96,7 +97,7 @@ pub async fn run(s: &Settings) {
             }
         };
         // Warm up to the steady state of the CPU runs, where every key comes back many times.
-        let warm_requests = (WARM_VISITS_PER_KEY * KEYS as u64).max(300);
+        let warm_requests = (WARM_VISITS_PER_KEY * keys as u64).max(300);
         let warm = Load { target: envoy.addr(), connections: 4, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(warm_requests) };
         let (out, _, _) = load::run(&warm, Duration::ZERO, Duration::from_secs(900), || ()).await;
         if out.status(200) != out.completed || out.completed == 0 {
@@ -134,9 +135,9 @@ pub async fn run(s: &Settings) {
             noop.map_or("–".into(), |n| format!("{:+}", (per - n) as i64)),
         ]);
     }
-    let warm = count((WARM_VISITS_PER_KEY * KEYS as u64).max(300));
+    let warm = count((WARM_VISITS_PER_KEY * keys as u64).max(300));
     println!(
-        "Envoy 1 worker under callgrind, {per_variant} keep-alive requests over 8 connections, {KEYS} distinct x-api-key values, after {warm} of warm-up; \
+        "Envoy 1 worker under callgrind, {per_variant} keep-alive requests over 8 connections, {keys} distinct x-api-key values, after {warm} of warm-up; \
          all user-space instructions of the process (Envoy, V8, the module) divided by requests.\n\n{}\n",
         t.render()
     );

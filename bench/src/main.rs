@@ -51,6 +51,9 @@ pub struct Settings {
     /// `memory`: floodgate's table capacity, and distinct keys up to 1.5 × it (default: the
     /// default capacity, and keys up to 1 M).
     pub capacity: Option<u32>,
+    /// `cpu`, `instructions`: distinct `x-api-key` values of the main comparison, instead of
+    /// each measurement's default (1: every request on one hot key).
+    pub keys: Option<usize>,
 }
 
 /// Cluster selection in the "everything on" variant.
@@ -67,7 +70,7 @@ pub enum Selection {
 fn usage() -> ! {
     eprintln!(
         "usage: floodgate-bench [cpu|instructions|memory|accuracy|contention|idle|all]... [--quick] [--rounds N] [--seconds S]\n\
-         \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N]\n\
+         \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N] [--keys N]\n\
          \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH]\n\
          Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM. Use bench/run.sh, which builds them."
     );
@@ -94,6 +97,7 @@ fn main() {
         cpus,
         only: None,
         capacity: None,
+        keys: None,
     };
     let mut diagnose: Option<bool> = None;
     while let Some(a) = args.next() {
@@ -107,6 +111,7 @@ fn main() {
             "--connections" => s.connections = value().parse().unwrap_or_else(|_| usage()),
             "--variants" => s.only = Some(value().split(',').map(str::to_string).collect()),
             "--capacity" => s.capacity = Some(value().parse().ok().filter(|c| *c > 0).unwrap_or_else(|| usage())),
+            "--keys" => s.keys = Some(value().parse().ok().filter(|k| *k > 0).unwrap_or_else(|| usage())),
             "--diagnose" => diagnose = Some(true),
             "--no-diagnose" => diagnose = Some(false),
             "--selection" => {
