@@ -223,7 +223,7 @@ async fn the_istio_plugin_config_syncs_through_the_cluster_istio_names() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_converges_exactly() {
+async fn with_the_store_paused_the_ambassador_partitioned_or_restarted_every_request_is_decided_and_redis_converges_exactly() {
     const LIMIT: u64 = 100_000;
     const RATE: u64 = 300;
     wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
@@ -235,6 +235,7 @@ async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_c
     let key = format!("tenant-{}", std::process::id());
     let mut staleness_seen = 0u64;
     let mut failures_while_paused = 0u64;
+    let mut failures_while_partitioned = 0u64;
     let statuses = steady_load(&addrs, ("x-fleet-key", &key), RATE, Duration::from_secs(9), |elapsed| {
         let t = elapsed.as_millis();
         if (2000..2100).contains(&t) {
@@ -245,7 +246,14 @@ async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_c
             failures_while_paused = stat_sum(&envoys, &global_stat("failures"));
             redis.resume();
         }
-        if (6000..6100).contains(&t) {
+        if (5600..5700).contains(&t) {
+            sync.pause(); // partitioned from the proxies: their calls time out
+        }
+        if (7000..7100).contains(&t) {
+            failures_while_partitioned = stat_sum(&envoys, &global_stat("failures")) - failures_while_paused;
+            sync.resume(); // the calls it held are answered late, then dropped as retries
+        }
+        if (7600..7700).contains(&t) {
             sync.restart(); // stateless: nothing is lost
         }
     })
@@ -261,11 +269,12 @@ async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_c
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     println!(
-        "statuses {statuses:?}; staleness seen while paused {staleness_seen} ms; failures by then {failures_while_paused}; Redis {in_redis}"
+        "statuses {statuses:?}; staleness seen while paused {staleness_seen} ms; failures by then {failures_while_paused}, while floodgate-sync was partitioned {failures_while_partitioned}; Redis {in_redis}"
     );
     assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), vec![200], "every request admitted, none failed");
     assert!(staleness_seen >= 1500, "the staleness gauge shows the outage: {staleness_seen} ms");
     assert!(failures_while_paused > 0, "sync failures are counted");
+    assert!(failures_while_partitioned > 0, "calls to a partitioned floodgate-sync fail (time out) and are counted");
     assert_eq!(in_redis, admitted, "after the outage Redis holds every admission exactly once");
     assert_eq!(stat_sum(&envoys, &global_stat("dropped")), 0);
     let staleness_after: Vec<u64> = envoys.iter().filter_map(|e| e.stat(&global_stat("staleness_ms"))).collect();
