@@ -280,8 +280,18 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
         s.cpus.saturating_sub(1)
     );
     let mut redis = redis;
-    quotas_and_outages(s, &mut redis, &sync, upstream).await?;
-    cpu_and_commands(s, &redis, &sync, upstream).await
+    if part(s, "quota") || part(s, "outage") {
+        quotas_and_outages(s, &mut redis, &sync, upstream).await?;
+    }
+    if part(s, "cpu") {
+        cpu_and_commands(s, &redis, &sync, upstream).await?;
+    }
+    Ok(())
+}
+
+/// Whether `--variants` leaves part `name` in (`quota`: (a), `outage`: (b), `cpu`: (c) and (d)).
+fn part(s: &Settings, name: &str) -> bool {
+    s.only.as_ref().is_none_or(|only| only.iter().any(|o| o == name))
 }
 
 /// Parts (a) and (b): quota cases and outages, on one fleet with a rule per case.
@@ -318,7 +328,7 @@ async fn quotas_and_outages(s: &Settings, redis: &mut Redis, sync: &Sync, upstre
 
     // (a) One quota over three proxies.
     let mut t = Table::new(&["scope", "limit L", "rate (req/s)", "sent", "admitted", "admitted ÷ L", "over L", "bound (docs/global.md)", "p99 lateness"]);
-    for (i, case) in cases.iter().enumerate() {
+    for (i, case) in cases.iter().enumerate().filter(|_| part(s, "quota")) {
         fit_in_window(case.duration()).await;
         let key = format!("{id}-q{i}");
         let header = format!("x-q{i}");
@@ -338,7 +348,8 @@ async fn quotas_and_outages(s: &Settings, redis: &mut Redis, sync: &Sync, upstre
             format!("{:.1} ms", lateness_p99_ms(&sent)),
         ]);
     }
-    println!("### (a) One key's traffic spread evenly over the {PROXIES} proxies\n");
+    if part(s, "quota") {
+        println!("### (a) One key's traffic spread evenly over the {PROXIES} proxies\n");
     println!(
         "Paced (open-loop) requests, round-robin over the proxies ({PACED_CONNECTIONS} keep-alive connections each), for as long as the fleet should admit \
          (`L` in global scope, `3 × L` in proxy scope) plus 3 s of refusals. \"over L\": admitted minus what the scope should admit (`L`, or `3 × L` in proxy scope). \
@@ -346,6 +357,10 @@ async fn quotas_and_outages(s: &Settings, redis: &mut Redis, sync: &Sync, upstre
          \"p99 lateness\": how long after its due time the 99th-percentile response came (the generator kept the pace if small).\n"
     );
     println!("{}\n", t.render());
+    }
+    if !part(s, "outage") {
+        return Ok(());
+    }
 
     // (b) The store down for `down` seconds.
     let mut t = Table::new(&[
@@ -437,6 +452,9 @@ enum Pace {
     Closed,
     /// Open loop at this many requests per second.
     Paced(f64),
+    /// Both fleets at once, closed loop, the connections shared between them: whatever else the
+    /// machine does meanwhile weighs on both alike.
+    Together,
 }
 
 impl Pace {
@@ -444,6 +462,7 @@ impl Pace {
         match self {
             Pace::Closed => format!("closed loop, {} connections", s.connections),
             Pace::Paced(rate) => format!("paced at {rate:.0} req/s"),
+            Pace::Together => format!("both fleets at once, closed loop, {} connections each", s.connections / 2),
         }
     }
 }
@@ -502,7 +521,8 @@ async fn cpu_run(s: &Settings, fleet: &Fleet, pace: Pace, requests: &Arc<Vec<Vec
     let warmup = Duration::from_secs_f64(s.warmup);
     let seconds = Duration::from_secs_f64(s.seconds);
     let (completed, ok, errors, elapsed, before, after) = match pace {
-        Pace::Closed => {
+        // (Together is measured by together_run; alone it is the closed loop.)
+        Pace::Closed | Pace::Together => {
             let load = Load { targets: fleet.addrs(), connections: s.connections, requests: Requests::Cycle(Arc::clone(requests)), max_requests: None };
             let (out, before, after) = load::run(&load, warmup, seconds, || Probe::take(&pids, redis, sync)).await;
             (out.completed, out.status(200), out.errors, out.elapsed, before, after)
@@ -539,6 +559,39 @@ async fn cpu_run(s: &Settings, fleet: &Fleet, pace: Pace, requests: &Arc<Vec<Vec
     }
 }
 
+/// One run of both fleets at once ([`Pace::Together`]): each fleet's CPU per response, its
+/// responses counted by its Envoys (`http.front.downstream_rq_completed`).
+async fn together_run(s: &Settings, fleets: &[(Scope, Fleet); 2], requests: &Arc<Vec<Vec<u8>>>) -> [CpuRun; 2] {
+    let addrs = [fleets[0].1.addrs(), fleets[1].1.addrs()];
+    // Interleaved, so that connection c alternates between the fleets.
+    let targets: Vec<SocketAddr> = (0..PROXIES).flat_map(|k| [addrs[0][k], addrs[1][k]]).collect();
+    let load = Load { targets, connections: s.connections, requests: Requests::Cycle(Arc::clone(requests)), max_requests: None };
+    let take = || {
+        let per_fleet = fleets.each_ref().map(|(_, fleet)| {
+            let cpu: u64 = fleet.pids().iter().map(|&p| cpu_ns_of(p)).sum();
+            let done: u64 = fleet.envoys.iter().filter_map(|e| e.stat("http.front.downstream_rq_completed")).sum();
+            (cpu, done)
+        });
+        (per_fleet, cpu_ns_of(std::process::id()), crate::envoy::machine_busy_ns())
+    };
+    let (out, before, after) = load::run(&load, Duration::from_secs_f64(s.warmup), Duration::from_secs_f64(s.seconds), take).await;
+    let secs = out.elapsed.as_secs_f64().max(1e-9);
+    let envoys: Vec<f64> = (0..2).map(|i| after.0[i].0.saturating_sub(before.0[i].0) as f64).collect();
+    let others = after.2.saturating_sub(before.2) as f64 - envoys.iter().sum::<f64>() - after.1.saturating_sub(before.1) as f64;
+    [0, 1].map(|i| {
+        let completed = after.0[i].1.saturating_sub(before.0[i].1);
+        CpuRun {
+            envoy_ns: envoys[i] / completed.max(1) as f64,
+            store_ns: 0.0,
+            redis: RedisCounts::default(),
+            completed,
+            seconds: secs,
+            bad: (out.completed - out.status(200) + out.errors) / 2,
+            others_busy: (others / 1e9 / secs).max(0.0),
+        }
+    })
+}
+
 /// Part (c) and (d): CPU per request and Redis commands per request, global scope against
 /// proxy scope, closed loop and paced.
 async fn cpu_and_commands(s: &Settings, redis: &Redis, sync: &Sync, upstream: SocketAddr) -> Result<(), String> {
@@ -561,18 +614,30 @@ async fn cpu_and_commands(s: &Settings, redis: &Redis, sync: &Sync, upstream: So
             return Err(format!("{} scope fleet: requests fail: statuses {:?}, {} errors", scope.name(), out.statuses, out.errors));
         }
     }
-    let paces = [Pace::Closed, Pace::Paced(1000.0)];
+    let paces = [Pace::Closed, Pace::Paced(1000.0), Pace::Together];
     // runs[pace][fleet], ratios[pace]: global over proxy within a round.
     let mut runs: Vec<[Vec<CpuRun>; 2]> = paces.iter().map(|_| [Vec::new(), Vec::new()]).collect();
     let mut ratios: Vec<Vec<f64>> = paces.iter().map(|_| Vec::new()).collect();
     for round in 0..s.rounds {
         for (p, &pace) in paces.iter().enumerate() {
             let mut this = [0.0f64; 2];
+            let together = match pace {
+                Pace::Together => {
+                    crate::cpu::wait_for_quiet(Duration::from_secs(if s.quick { 3 } else { 6 })).await;
+                    Some(together_run(s, &fleets, &requests).await)
+                }
+                _ => None,
+            };
             for k in 0..2 {
                 let i = (k + round) % 2;
                 let (scope, fleet) = &fleets[i];
-                crate::cpu::wait_for_quiet(Duration::from_secs(if s.quick { 3 } else { 6 })).await;
-                let run = cpu_run(s, fleet, pace, &requests, redis, sync).await;
+                let run = match &together {
+                    Some(pair) => pair[i].clone(),
+                    None => {
+                        crate::cpu::wait_for_quiet(Duration::from_secs(if s.quick { 3 } else { 6 })).await;
+                        cpu_run(s, fleet, pace, &requests, redis, sync).await
+                    }
+                };
                 progress!(
                     "round {}/{} {} {:<6} scope: Envoy {:>6.1} µs/req, sync+Redis {:>5.2} µs/req, {:>6.0} req/s, {} scripts, others busy {:.0}%",
                     round + 1,
@@ -623,24 +688,29 @@ async fn cpu_and_commands(s: &Settings, redis: &Redis, sync: &Sync, upstream: So
     println!(
         "Two fleets of {PROXIES} Envoys ({WORKERS} workers each, core 0): one rule keyed on `x-api-key` with a limit no run reaches (every request admitted, the common path), \
          `\"scope\": \"global\"` in one fleet and `\"scope\": \"proxy\"` in the other; {KEYS} keys. Each round runs both fleets closed-loop ({} connections spread over \
-         the proxies: the highest rate the machine reaches) and paced at 1 000 req/s; {} rounds of {:.0} s (after {:.0} s warm-up) per fleet and load, alternated. \
+         the proxies: the highest rate the machine reaches) and paced at 1 000 req/s, one fleet after the other, and then both fleets at once (the connections shared \
+         between them, so that the rest of the machine weighs on both alike; responses counted by the Envoys); {} rounds of {:.0} s (after {:.0} s warm-up) per fleet and load, alternated. \
          Envoy CPU: every thread of the three processes, from /proc. Ratio: global over proxy within a round, median over rounds (range). \
          floodgate-sync and redis-server run on the other core: their CPU is the global scope's cost outside the proxies.\n",
         s.connections, s.rounds, s.seconds, s.warmup
     );
     println!("{}\n", t.render());
-    // The global scope's fixed work (ticks, batches, views) does not follow the request rate:
-    // at the paced rate it shows as CPU per second.
-    if let Some(p) = paces.iter().position(|p| matches!(p, Pace::Paced(_))) {
-        let extra_ns = med(&runs[p][0], &|r| r.envoy_ns) - med(&runs[p][1], &|r| r.envoy_ns);
-        let rate = med(&runs[p][0], &|r| r.rps());
-        let per_second_ms = extra_ns * rate / 1e6;
-        println!(
-            "At {rate:.0} req/s the global fleet's Envoys used {per_second_ms:.0} ms of CPU per second more than the proxy fleet's ({:.1} % of a core; {:.0} ms per proxy):              the ticks, batches and views, which do not grow with the request rate, so they weigh less per request as the rate grows.\n",
-            per_second_ms / 10.0,
-            per_second_ms / PROXIES as f64
-        );
-    }
+    // Where the difference goes: the extra CPU per second at each load. Equal at both rates,
+    // it is work per interval (ticks, batches, views), not per request.
+    let extra: Vec<String> = paces
+        .iter()
+        .enumerate()
+        .map(|(p, pace)| {
+            let rate = med(&runs[p][0], &|r| r.rps());
+            let per_second_ms = (med(&runs[p][0], &|r| r.envoy_ns) - med(&runs[p][1], &|r| r.envoy_ns)) * rate / 1e6;
+            format!("{per_second_ms:.0} ms per second ({:.0} per proxy) {} ({rate:.0} req/s)", per_second_ms / PROXIES as f64, pace.label(s))
+        })
+        .collect();
+    println!(
+        "The global fleet's Envoys used, beyond the proxy fleet's: {}. Where the two agree, the difference is work per interval \
+         (ticks, batches, views), not per request: per request it is that figure over the rate.\n",
+        extra.join("; ")
+    );
 
     let global = &runs[0][0];
     let scripts: u64 = global.iter().map(|r| r.redis.scripts).sum();
