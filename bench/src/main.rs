@@ -47,7 +47,8 @@ pub struct Settings {
     pub selection: Selection,
     /// Number of CPUs.
     pub cpus: usize,
-    /// Only these variants (ids), if given (`cpu`, `instructions`).
+    /// Only these variants (ids), if given (`cpu`, `instructions`), or parts of `global`
+    /// (`quota`, `outage`, `cpu`).
     pub only: Option<Vec<String>>,
     /// `memory`: floodgate's table capacity, and distinct keys up to 1.5 × it (default: the
     /// default capacity, and keys up to 1 M).
