@@ -2,7 +2,9 @@
 # Runs every test of floodgate: lints, the filter's and the CLI's unit tests, floodgate-sync's
 # tests against real redis-server processes (a single node and a local Redis Cluster), and the
 # integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), including
-# the docker-compose demo (a local FROM scratch Envoy image; needs a Docker engine with Compose).
+# the docker-compose demo and the two-Envoy global-quota compose setup (local FROM scratch images of
+# Envoy, redis-server and floodgate-sync; needs a Docker engine with Compose; scripts/sync-image.sh
+# adds the x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build).
 # First, scripts/preflight.sh names everything this machine lacks that no script installs (Rust
 # with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose, apt-get with root
 # or sudo unless Redis is installed) and stops before building anything. Then wasm-build.sh

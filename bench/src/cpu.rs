@@ -213,7 +213,7 @@ pub async fn measure(envoy: &Envoy, load: &Load, s: &Settings) -> Run {
 
 /// Sends a few requests; `Ok` if all got 200.
 pub async fn sanity(envoy: &Envoy, requests: &Arc<Vec<Vec<u8>>>) -> Result<(), String> {
-    let load = Load { target: envoy.addr(), connections: 2, requests: Requests::Cycle(Arc::clone(requests)), max_requests: None };
+    let load = Load { targets: vec![envoy.addr()], connections: 2, requests: Requests::Cycle(Arc::clone(requests)), max_requests: None };
     let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_millis(300), || ()).await;
     if out.completed == 0 || out.status(200) != out.completed {
         return Err(format!("{} responses, statuses {:?}, {} errors", out.completed, out.statuses, out.errors));
@@ -239,6 +239,7 @@ async fn start_all(variants: Vec<Variant>, s: &Settings, clusters: [SocketAddr; 
             concurrency: 1,
             cpus: "0".into(),
             wrapper: Vec::new(),
+            sync: None,
         };
         let mut result = spec(&variant).start(&s.envoy);
         if let Ok(envoy) = &result {
@@ -345,7 +346,7 @@ pub async fn run(s: &Settings) {
     let clusters = [a, b, c];
     let requests = key_requests("k", KEYS);
     let load_for = |envoy: &Envoy| Load {
-        target: envoy.addr(),
+        targets: vec![envoy.addr()],
         connections: s.connections,
         requests: Requests::Cycle(Arc::clone(&requests)),
         max_requests: None,

@@ -83,6 +83,7 @@ pub async fn run(s: &Settings) {
             wrapper: ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"]
                 .map(String::from)
                 .to_vec(),
+            sync: None,
         };
         pending.push((v.clone(), spec.spawn(&s.envoy)));
     }
@@ -98,7 +99,7 @@ pub async fn run(s: &Settings) {
         };
         // Warm up to the steady state of the CPU runs, where every key comes back many times.
         let warm_requests = (WARM_VISITS_PER_KEY * keys as u64).max(300);
-        let warm = Load { target: envoy.addr(), connections: 4, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(warm_requests) };
+        let warm = Load { targets: vec![envoy.addr()], connections: 4, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(warm_requests) };
         let (out, _, _) = load::run(&warm, Duration::ZERO, Duration::from_secs(900), || ()).await;
         if out.status(200) != out.completed || out.completed == 0 {
             println!("**{}**: warm-up requests failed ({:?}); skipped\n", v.id, out.statuses);
@@ -108,7 +109,7 @@ pub async fn run(s: &Settings) {
             println!("**{}**: callgrind_control -z failed; skipped\n", v.id);
             continue;
         }
-        let load = Load { target: envoy.addr(), connections: 8, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(per_variant) };
+        let load = Load { targets: vec![envoy.addr()], connections: 8, requests: Requests::Cycle(Arc::clone(&requests)), max_requests: Some(per_variant) };
         let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_secs(600), || ()).await;
         if !callgrind_control(envoy.pid(), "-d") {
             println!("**{}**: callgrind_control -d failed; skipped\n", v.id);

@@ -2,7 +2,8 @@
 //! stays small next to Envoy's share (they run on the other core). Loopback only.
 //!
 //! The load generator is closed-loop: a fixed number of keep-alive connections, each sending
-//! its next request as soon as the previous response is complete.
+//! its next request as soon as the previous response is complete. [`Conn`] is one such
+//! connection, for generators that pace their requests instead (`global.rs`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -110,8 +111,8 @@ pub enum Requests {
 /// One run of the load generator.
 #[derive(Clone)]
 pub struct Load {
-    /// Envoy's listener.
-    pub target: SocketAddr,
+    /// Envoy listeners: connection `c` goes to `targets[c % len]` (one Envoy, or a fleet).
+    pub targets: Vec<SocketAddr>,
     /// Concurrent keep-alive connections.
     pub connections: usize,
     /// What to send.
@@ -229,18 +230,13 @@ async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
             *s.1.entry(k).or_insert(0) += v;
         }
     };
+    let target = load.targets[index % load.targets.len()];
     'reconnect: while !shared.stop.load(Ordering::Relaxed) {
-        let mut stream = match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(load.target)).await {
-            Ok(Ok(s)) => s,
-            _ => {
-                shared.errors.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
+        let Some(mut conn) = Conn::connect(target).await else {
+            shared.errors.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
         };
-        let _ = stream.set_nodelay(true);
-        let mut buf: Vec<u8> = Vec::with_capacity(16384);
-        let mut chunk = vec![0u8; 16384];
         while !shared.stop.load(Ordering::Relaxed) {
             if let (Requests::Cycle(_), Some(max)) = (&load.requests, load.max_requests) {
                 if shared.next_number.fetch_add(1, Ordering::Relaxed) >= max {
@@ -262,34 +258,9 @@ async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
             };
             n += 1;
             let sent = Instant::now();
-            if stream.write_all(&req).await.is_err() {
+            let Some(status) = conn.exchange(&req).await else {
                 shared.errors.fetch_add(1, Ordering::Relaxed);
                 continue 'reconnect;
-            }
-            // Read one response: head, then content-length bytes.
-            let status = loop {
-                if let Some(end) = find(&buf, b"\r\n\r\n") {
-                    let head = &buf[..end];
-                    let status: u16 = std::str::from_utf8(head.get(9..12).unwrap_or(b"000"))
-                        .ok()
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(0);
-                    let Some(len) = content_length(head) else {
-                        shared.errors.fetch_add(1, Ordering::Relaxed);
-                        continue 'reconnect;
-                    };
-                    if buf.len() >= end + 4 + len {
-                        buf.drain(..end + 4 + len);
-                        break status;
-                    }
-                }
-                match stream.read(&mut chunk).await {
-                    Ok(0) | Err(_) => {
-                        shared.errors.fetch_add(1, Ordering::Relaxed);
-                        continue 'reconnect;
-                    }
-                    Ok(k) => buf.extend_from_slice(&chunk[..k]),
-                }
             };
             if shared.measuring.load(Ordering::Relaxed) {
                 shared.completed.fetch_add(1, Ordering::Relaxed);
@@ -302,4 +273,42 @@ async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
         }
     }
     flush(&mut local_lat, &mut local_status);
+}
+
+/// One keep-alive HTTP/1.1 connection to Envoy: a request out, its response in.
+pub struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    chunk: Vec<u8>,
+}
+
+impl Conn {
+    /// Connects (at most 5 s); `None` if that fails.
+    pub async fn connect(target: SocketAddr) -> Option<Conn> {
+        let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(target)).await.ok()?.ok()?;
+        let _ = stream.set_nodelay(true);
+        Some(Conn { stream, buf: Vec::with_capacity(16384), chunk: vec![0u8; 16384] })
+    }
+
+    /// Sends `request` and reads one response (head, then `content-length` bytes); its status,
+    /// or `None` if the connection failed or the response could not be read (connect again).
+    pub async fn exchange(&mut self, request: &[u8]) -> Option<u16> {
+        self.stream.write_all(request).await.ok()?;
+        loop {
+            if let Some(end) = find(&self.buf, b"\r\n\r\n") {
+                let head = &self.buf[..end];
+                let status: u16 =
+                    std::str::from_utf8(head.get(9..12).unwrap_or(b"000")).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+                let len = content_length(head)?;
+                if self.buf.len() >= end + 4 + len {
+                    self.buf.drain(..end + 4 + len);
+                    return Some(status);
+                }
+            }
+            match self.stream.read(&mut self.chunk).await {
+                Ok(0) | Err(_) => return None,
+                Ok(k) => self.buf.extend_from_slice(&self.chunk[..k]),
+            }
+        }
+    }
 }
