@@ -94,6 +94,22 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
             route: Route::Fixed,
         },
         Variant { id: "fg-rl-shed", label: "floodgate: rate limiting + shedding + health".into(), filter: fg(everything_config(false)), route: Route::Fixed },
+        // Issue 18: ten rules whose condition never matches, next to fg-rl's rule: what
+        // conditions cost a request they do not apply to.
+        Variant {
+            id: "fg-rl-10-unmatched",
+            label: "floodgate: 1 rule + 10 rules whose match fails (path, method)".into(),
+            filter: fg(format!(
+                r#"{{"rate_limits": [{}{}]}}"#,
+                rule("per-key"),
+                (0..10)
+                    .map(|i| format!(
+                        r#", {{"name": "never-{i}", "key": ["source_ip"], "limit": 5, "window": "1m", "match": {{"path": {{"prefix": "/never/{i}/"}}, "methods": ["POST"]}}}}"#
+                    ))
+                    .collect::<String>()
+            )),
+            route: Route::Fixed,
+        },
         // The host calls one admitted request of `fg-rl` makes, and nothing else: fg-rl minus
         // this is floodgate's own code (and the allocations the calls cause).
         Variant {

@@ -14,6 +14,8 @@ use crate::lag::{LagMonitor, LagShed};
 use crate::shed::{Classes, Shed, Shedder};
 use crate::time::UnixMillis;
 use serde_json::json;
+use std::borrow::Cow;
+use std::num::NonZeroU32;
 
 /// Problem type of a shed request.
 pub const TEMPORARY_REDUCED_CAPACITY: &str =
@@ -33,24 +35,21 @@ pub struct Reply {
     pub body: String,
 }
 
-/// The `ratelimit-policy` and `ratelimit` field values for one rule.
-pub fn ratelimit_fields(table: &RuleTable, remaining: u64, reset_secs: u64) -> (String, String) {
-    (
-        format!(
-            "\"{}\";q={};w={}",
-            table.name,
-            table.limit,
-            table.window.length_ms().div_ceil(1000)
-        ),
-        format!("\"{}\";r={remaining};t={reset_secs}", table.name),
-    )
+/// The `ratelimit-policy` value of one rule for a key of limit `limit` (in the rule's units).
+pub fn policy_field(table: &RuleTable, limit: NonZeroU32) -> String {
+    format!("\"{}\";q={limit};w={}", table.name, table.window.length_ms().div_ceil(1000))
+}
+
+/// The `ratelimit-policy` and `ratelimit` field values for one rule and a key of limit `limit`.
+pub fn ratelimit_fields(table: &RuleTable, limit: NonZeroU32, remaining: u64, reset_secs: u64) -> (String, String) {
+    (policy_field(table, limit), format!("\"{}\";r={remaining};t={reset_secs}", table.name))
 }
 
 /// For an admitted request: the fields of the rule with the least remaining quota.
 pub fn admitted_fields(limiter: &Limiter, standings: &[Standing]) -> Option<(String, String)> {
     let fields = AdmittedFields::new(limiter);
-    let (rule, ratelimit) = fields.tightest(standings)?;
-    Some((fields.policy(rule)?.to_owned(), ratelimit))
+    let tightest = fields.tightest(standings)?;
+    Some((fields.policy(&tightest)?.into_owned(), tightest.ratelimit))
 }
 
 /// The `RateLimit` fields of admitted responses, prepared once per configuration: each rule's
@@ -60,6 +59,19 @@ pub fn admitted_fields(limiter: &Limiter, standings: &[Standing]) -> Option<(Str
 pub struct AdmittedFields {
     /// Per rule, in configuration order: (`ratelimit-policy` value, `ratelimit` up to `r=`).
     rules: Vec<(String, String)>,
+    /// Per rule: its limit and window (for a key whose limit is another: a tier, an override).
+    tables: Vec<RuleTable>,
+}
+
+/// The fields of an admitted request's tightest rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tightest {
+    /// Index of the rule.
+    pub rule: usize,
+    /// The key's limit.
+    pub limit: NonZeroU32,
+    /// The `ratelimit` value.
+    pub ratelimit: String,
 }
 
 impl AdmittedFields {
@@ -68,22 +80,25 @@ impl AdmittedFields {
         let rules = limiter
             .tables()
             .iter()
-            .map(|table| {
-                let (policy, _) = ratelimit_fields(table, 0, 0);
-                (policy, format!("\"{}\";r=", table.name))
-            })
+            .map(|table| (policy_field(table, table.limit), format!("\"{}\";r=", table.name)))
             .collect();
-        AdmittedFields { rules }
+        AdmittedFields { rules, tables: limiter.tables().to_vec() }
     }
 
-    /// The `ratelimit-policy` value of rule `rule`.
-    pub fn policy(&self, rule: usize) -> Option<&str> {
-        self.rules.get(rule).map(|(policy, _)| policy.as_str())
+    /// The `ratelimit-policy` value of `tightest`'s rule: prepared once, unless the key's limit is
+    /// not the rule's (a tier, an override).
+    pub fn policy(&self, tightest: &Tightest) -> Option<Cow<'_, str>> {
+        let table = self.tables.get(tightest.rule)?;
+        if tightest.limit == table.limit {
+            self.rules.get(tightest.rule).map(|(policy, _)| Cow::Borrowed(policy.as_str()))
+        } else {
+            Some(Cow::Owned(policy_field(table, tightest.limit)))
+        }
     }
 
     /// For an admitted request: the rule with the least remaining quota (the first of equals)
     /// and its `ratelimit` value.
-    pub fn tightest(&self, standings: &[Standing]) -> Option<(usize, String)> {
+    pub fn tightest(&self, standings: &[Standing]) -> Option<Tightest> {
         let tightest = standings.iter().min_by_key(|s| s.remaining)?;
         let (_, prefix) = self.rules.get(tightest.rule)?;
         // Two integers of at most 20 digits and ";t=".
@@ -92,7 +107,7 @@ impl AdmittedFields {
         push_decimal(&mut ratelimit, tightest.remaining);
         ratelimit.push_str(";t=");
         push_decimal(&mut ratelimit, tightest.reset_ms.div_ceil(1000));
-        Some((tightest.rule, ratelimit))
+        Some(Tightest { rule: tightest.rule, limit: tightest.limit, ratelimit })
     }
 }
 
@@ -137,13 +152,14 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         .max_by_key(|(_, (_, ms))| *ms)?;
     let (violation, (table, _)) = binding;
     let (retry_after_ms, retry_after_secs) = retry_after(verdict.retry_at(), now, table.window.length_ms());
-    let (policy, ratelimit) = ratelimit_fields(table, violation.standing.remaining, retry_after_secs);
+    let limit = violation.standing.limit;
+    let (policy, ratelimit) = ratelimit_fields(table, limit, violation.standing.remaining, retry_after_secs);
     let estimate = round3(violation.standing.estimate);
     let detail = match violation.cause {
         Cause::OverLimit => format!(
-            "quota \"{}\" of {} requests per {} is exhausted (current estimate {estimate}); retry in {retry_after_secs} s",
+            "quota \"{}\" of {limit} {} per {} is exhausted (current estimate {estimate}); retry in {retry_after_secs} s",
             table.name,
-            table.limit,
+            table.unit,
             window_text(table)
         ),
         Cause::Contention => format!(
@@ -157,7 +173,8 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
             let (table, ms) = describe(v)?;
             Some(json!({
                 "policy": table.name.as_str(),
-                "limit": table.limit.get(),
+                "limit": v.standing.limit.get(),
+                "unit": table.unit,
                 "window_ms": table.window.length_ms(),
                 "estimate": round3(v.standing.estimate),
                 "retry_after_ms": ms,
@@ -175,7 +192,8 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         "detail": detail,
         "violated-policies": names,
         "policy": table.name.as_str(),
-        "limit": table.limit.get(),
+        "limit": limit.get(),
+        "unit": table.unit,
         "window": window_text(table),
         "window_ms": table.window.length_ms(),
         "estimate": estimate,
@@ -449,9 +467,9 @@ mod tests {
         // 300 ms into a 4 s bucket.
         let now = UnixMillis(1_700_000_000_000 + 300);
         for _ in 0..4 {
-            assert!(matches!(limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1), Verdict::Admitted { .. }));
+            assert!(matches!(limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now), Verdict::Admitted { .. }));
         }
-        let verdict = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1);
+        let verdict = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now);
         let reply = rate_limited(&limiter, &verdict, now).unwrap();
         assert_eq!(reply.status, 429);
         let header = |name: &str| reply.headers.iter().find(|(n, _)| *n == name).unwrap().1.clone();
@@ -530,7 +548,7 @@ mod tests {
         let store = MemoryStore::new();
         let probes = [Probe::new(0, 1), Probe::new(1, 2)];
         let now = UnixMillis(1_700_000_000_000 + 300);
-        let Verdict::Admitted { standings, .. } = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1) else {
+        let Verdict::Admitted { standings, .. } = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now) else {
             panic!("admitted")
         };
         let (policy, ratelimit) = admitted_fields(&limiter, &standings).unwrap();
@@ -538,9 +556,14 @@ mod tests {
         // One counted in the current bucket: the estimate is back to zero at the end of the next.
         assert_eq!(ratelimit, "\"per-api-key\";r=3;t=8");
         let fields = AdmittedFields::new(&limiter);
-        assert_eq!(fields.tightest(&standings), Some((0, ratelimit)));
-        assert_eq!(fields.policy(1), Some("\"per-ip\";q=100;w=60"));
-        assert_eq!(fields.policy(2), None);
+        let tightest = fields.tightest(&standings).unwrap();
+        assert_eq!((tightest.rule, &tightest.ratelimit), (0, &ratelimit));
+        let limit = |n| NonZeroU32::new(n).unwrap();
+        let per_ip = Tightest { rule: 1, limit: limit(100), ratelimit: String::new() };
+        assert_eq!(fields.policy(&per_ip).as_deref(), Some("\"per-ip\";q=100;w=60"));
+        let tier = Tightest { limit: limit(7), ..per_ip.clone() };
+        assert_eq!(fields.policy(&tier).as_deref(), Some("\"per-ip\";q=7;w=60"), "a tier's limit");
+        assert_eq!(fields.policy(&Tightest { rule: 2, ..per_ip }), None);
         assert_eq!(fields.tightest(&[]), None);
     }
 
@@ -554,6 +577,7 @@ mod tests {
             remaining,
             reset_ms,
             retry_at: None,
+            limit: limiter.tables()[rule].limit,
         };
         let mut values = vec![0, 1, 9, 10, 99, 100, 999, 1000, 1001, 12_345, u64::from(u32::MAX)];
         values.extend([u64::MAX - 1, u64::MAX]);
@@ -562,15 +586,16 @@ mod tests {
             let table = &limiter.tables()[rule];
             for remaining in &values {
                 for reset_ms in &values {
-                    let (policy, ratelimit) = ratelimit_fields(table, *remaining, reset_ms.div_ceil(1000));
+                    let (policy, ratelimit) = ratelimit_fields(table, table.limit, *remaining, reset_ms.div_ceil(1000));
                     let standings = [standing(rule, *remaining, *reset_ms)];
-                    assert_eq!(fields.tightest(&standings), Some((rule, ratelimit)));
-                    assert_eq!(fields.policy(rule), Some(policy.as_str()));
+                    let tightest = fields.tightest(&standings).unwrap();
+                    assert_eq!((tightest.rule, &tightest.ratelimit), (rule, &ratelimit));
+                    assert_eq!(fields.policy(&tightest).as_deref(), Some(policy.as_str()));
                 }
             }
         }
         // The tightest rule, the first of equals.
         let standings = [standing(1, 5, 0), standing(0, 3, 0), standing(1, 3, 0)];
-        assert_eq!(fields.tightest(&standings).unwrap().0, 0);
+        assert_eq!(fields.tightest(&standings).unwrap().rule, 0);
     }
 }

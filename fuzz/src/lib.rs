@@ -285,7 +285,7 @@ fn accepted_config(config: &Config) {
     assert!(skipped.is_empty(), "every part is present");
     assert_eq!(probes.len(), config.rate_limits.len());
     let now = UnixMillis(1_700_000_000_123);
-    match limiter.check(&store, &mut Reserves::new(), &probes, now, 1) {
+    match limiter.check(&store, &mut Reserves::new(), &probes, now) {
         Verdict::Admitted { standings, evictions } => {
             assert_eq!(standings.len(), probes.len());
             assert!(evictions.is_empty());
@@ -416,11 +416,11 @@ pub fn key(data: &[u8]) {
     let limiter = Limiter::new(config, "fuzz");
     let store = floodgate::store::MemoryStore::new();
     let now = UnixMillis(1_700_000_000_500);
-    match limiter.check(&store, &mut Reserves::new(), &probes, now, 1) {
+    match limiter.check(&store, &mut Reserves::new(), &probes, now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings.len(), probes.len()),
         rejected @ Verdict::Rejected { .. } => panic!("first request refused: {rejected:?}"),
     }
-    let second = limiter.check(&store, &mut Reserves::new(), &probes, now, 1);
+    let second = limiter.check(&store, &mut Reserves::new(), &probes, now);
     match &second {
         Verdict::Rejected { violations } => {
             assert_eq!(violations.len(), probes.len(), "limit 1: every rule refuses the second");
@@ -512,7 +512,7 @@ pub fn ratelimit_record(data: &[u8]) {
     let store = PlantedStore::new(record, flags & 1 == 0, if with_faults { faults } else { 0 });
     let probes = [Probe::new(0, key_hash)];
     let mut reserves = Reserves::new();
-    let verdict = limiter.check(&store, &mut reserves, &probes, now, 1);
+    let verdict = limiter.check(&store, &mut reserves, &probes, now);
     match &verdict {
         Verdict::Admitted { standings, .. } => {
             assert_eq!(standings.len(), 1);
@@ -548,7 +548,7 @@ pub fn ratelimit_record(data: &[u8]) {
     // The reserve paths over the same record: later requests, heartbeats, a drain.
     for step in 0..6u64 {
         let later = UnixMillis(now.0.saturating_add(step.saturating_mul(700)));
-        let _ = limiter.check(&store, &mut reserves, &probes, later, 1);
+        let _ = limiter.check(&store, &mut reserves, &probes, later);
         if step % 2 == 1 {
             limiter.heartbeat(&store, &mut reserves, later);
         }

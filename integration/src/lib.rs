@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Full};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderName};
 use hyper::service::service_fn;
@@ -254,6 +254,9 @@ pub struct UpstreamOptions {
     pub delay: Option<Duration>,
     /// Answer with a body of this many bytes instead of [`UPSTREAM_BODY`] (a big download).
     pub body_bytes: Option<usize>,
+    /// `(request header, response header)`: answer with the request header's value in the
+    /// response header (an upstream reporting what a request cost, as the test asks).
+    pub echo: Option<(String, String)>,
 }
 
 struct UpstreamState {
@@ -263,6 +266,7 @@ struct UpstreamState {
     delay: Option<Duration>,
     /// The body every request is answered with.
     body: Bytes,
+    echo: Option<(HeaderName, HeaderName)>,
     /// The status every request is answered with (200 unless changed at run time).
     status: std::sync::atomic::AtomicU16,
 }
@@ -307,6 +311,12 @@ impl Upstream {
                 .body_bytes
                 .map_or_else(|| Bytes::from_static(UPSTREAM_BODY.as_bytes()), |n| Bytes::from(vec![b'x'; n])),
             status: std::sync::atomic::AtomicU16::new(200),
+            echo: options.echo.as_ref().map(|(from, to)| {
+                (
+                    HeaderName::from_bytes(from.as_bytes()).expect("a header name"),
+                    HeaderName::from_bytes(to.as_bytes()).expect("a header name"),
+                )
+            }),
         });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind upstream");
         listener.set_nonblocking(true).expect("nonblocking listener");
@@ -402,16 +412,19 @@ async fn handle_upstream(
         }
     }
     state.total.fetch_add(1, Ordering::SeqCst);
-    // Drain the request body (none is expected; this keeps the connection reusable).
+    let echoed = state.echo.as_ref().and_then(|(from, to)| Some((to.clone(), req.headers().get(from)?.clone())));
+    // Drain the request body (this keeps the connection reusable).
     let _ = req.into_body().collect().await;
     if let Some(d) = state.delay {
         tokio::time::sleep(d).await;
     }
-    Ok(HyperResponse::builder()
+    let mut response = HyperResponse::builder()
         .status(state.status.load(Ordering::SeqCst))
-        .header("content-type", "text/plain")
-        .body(Full::new(state.body.clone()))
-        .expect("upstream response"))
+        .header("content-type", "text/plain");
+    if let Some((name, value)) = echoed {
+        response = response.header(name, value);
+    }
+    Ok(response.body(Full::new(state.body.clone())).expect("upstream response"))
 }
 
 impl Drop for Upstream {
@@ -1045,7 +1058,7 @@ impl Response {
 /// An HTTP/1.1 client on one keep-alive connection (hyper). Requests on one `Client` are sent one
 /// after another; open several clients for concurrency.
 pub struct Client {
-    sender: hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
 }
 
 impl Client {
@@ -1063,14 +1076,20 @@ impl Client {
     /// Sends `GET path` with the given headers (plus `host: floodgate.test`) and reads the whole
     /// response.
     pub async fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> Result<Response, Error> {
+        self.send("GET", path, headers, Bytes::new()).await
+    }
+
+    /// Sends `method path` with `headers` and `body` (with its `content-length`; none for an
+    /// empty `GET`) and reads the whole response.
+    pub async fn send(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: Bytes) -> Result<Response, Error> {
         let mut req = Request::builder()
-            .method("GET")
+            .method(method)
             .uri(path)
             .header("host", "floodgate.test");
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let req = req.body(Empty::<Bytes>::new())?;
+        let req = req.body(Full::new(body))?;
         let fut = async {
             self.sender.ready().await?;
             let resp = self.sender.send_request(req).await?;

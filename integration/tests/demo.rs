@@ -130,6 +130,8 @@ const STEPS: &[(&str, Check)] = &[
     ("grep 'floodgate.cluster.zone-c'", Check::ZoneCStats),
     ("$(seq 1 7)", Check::Exact),
     ("curl -i -H 'x-api-key: demo'", Check::Shape),
+    ("-H 'x-plan: gold'", Check::Exact),
+    ("-X POST localhost:10000/api/login", Check::Exact),
     ("$(seq 1 12)", Check::Exact),
     ("/floodgate/health", Check::Exact),
     ("(allowed|rejected|shed):", Check::Exact),
@@ -207,6 +209,14 @@ fn the_readme_walkthrough_prints_what_the_readme_says() {
             // The rate-limit steps within one 10 s window bucket, so that the refusal's estimate
             // is a whole 5 as in the README (across a boundary it would be a fraction).
             wait_for_window_phase(Duration::from_secs(10), Duration::from_millis(300), Duration::from_secs(7));
+        }
+        if step.command.contains("x-plan: gold") {
+            // The gold key's 12 requests within one 10 s bucket: exactly 10 admitted.
+            wait_for_window_phase(Duration::from_secs(10), Duration::from_millis(300), Duration::from_secs(7));
+        }
+        if step.command.contains("/api/login") {
+            // The logins within one minute bucket: exactly 3 admitted.
+            wait_for_window_phase(Duration::from_secs(60), Duration::from_millis(300), Duration::from_secs(50));
         }
         let out = Command::new("timeout")
             .args(["120", "bash", "-c", &command])

@@ -47,6 +47,13 @@ const KNOWN_GAPS: &[&str] = &[
     "must be between 10ms and 60s",
     "global.timeout: must be at most 60s",
     "lag_probe_interval: must be from 10ms to 1000ms",
+    "must give exactly one of",
+    "must give at least one condition",
+    "must give one value per key part",
+    "the same key as",
+    "is required when the cost comes from a header",
+    "has no meaning with \"from\": \"request_body\"",
+    "a '*' must be a whole segment",
     "reports the clusters of cluster_selection, which is not configured",
 ];
 
@@ -269,6 +276,36 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         r#"{"load_shedding": {"max_active_requests": 5, "classes": [{"name": "normal", "shed_at": 1}]}}"#,
     ),
     ("/health", "health", r#"{"health": {"path": "/h"}}"#),
+    (
+        "/rate_limits/0/match",
+        "match",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"methods": ["GET"]}}]}"#,
+    ),
+    (
+        "/rate_limits/0/match/path",
+        "pathMatch",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"path": {"exact": "/a"}}}]}"#,
+    ),
+    (
+        "/rate_limits/0/match/headers/0",
+        "headerCondition",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"headers": [{"name": "x", "present": true}]}}]}"#,
+    ),
+    (
+        "/rate_limits/0/tiers",
+        "tiers",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "tiers": {"header": "x-plan", "limits": {"gold": 9}}}]}"#,
+    ),
+    (
+        "/rate_limits/0/overrides/0",
+        "override",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "overrides": [{"key": ["/a"], "limit": 9}]}]}"#,
+    ),
+    (
+        "/rate_limits/0/cost",
+        "cost",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "cost": {"from": "request_body"}}]}"#,
+    ),
     ("/global", "global", r#"{"global": {"cluster": "floodgate-sync"}}"#),
     (
         "/cluster_selection",
@@ -379,7 +416,12 @@ fn everything() -> Value {
     json!({
         "rate_limits": [
             {"name": "per-key", "key": [{"header": "x-api-key"}, "source_ip", "path", "method", "authority"],
-             "limit": 100, "window": "1m", "capacity": 1024, "missing_key": "shared", "scope": "global"},
+             "limit": 100, "window": "1m", "capacity": 1024, "missing_key": "shared", "scope": "global",
+             "match": {"path": {"template": "/users/*/orders"}, "methods": ["POST"],
+                       "headers": [{"name": "x-env", "equals": "prod"}], "authority": "api.example.com"},
+             "tiers": {"header": "x-plan", "limits": {"gold": 1000}},
+             "overrides": [{"key": ["vip", "10.0.0.1", "/users/1/orders", "POST", "api.example.com"], "limit": 5000}],
+             "cost": {"from": "response_header", "header": "x-tokens-used", "default": 1}},
             {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s"}
         ],
         "stat_prefix": "edge",

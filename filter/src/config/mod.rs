@@ -7,6 +7,7 @@
 //! all refused: nothing half-configured ever serves traffic.
 
 mod global;
+mod rules;
 mod selection;
 mod values;
 
@@ -15,6 +16,7 @@ pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
     MAX_BUCKETS, MAX_CLUSTERS,
 };
+pub use rules::{Cost, CostSource, HeaderCondition, Match, Override, PathMatch, Tiers};
 pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -188,6 +190,18 @@ pub struct RateLimitRule {
     /// Whether the quota holds across the workers of this proxy or across the whole fleet.
     #[serde(default)]
     pub scope: Scope,
+    /// When the rule applies (`match`; absent: to every request).
+    #[serde(default, rename = "match")]
+    pub condition: Option<Match>,
+    /// Limits by tier, a request header naming the tier.
+    #[serde(default)]
+    pub tiers: Option<Tiers>,
+    /// Keys with a limit of their own.
+    #[serde(default)]
+    pub overrides: Vec<Override>,
+    /// What a request costs (absent: 1).
+    #[serde(default)]
+    pub cost: Option<Cost>,
 }
 
 /// Where a rule's quota holds.
@@ -361,6 +375,10 @@ impl Config {
                 problem: without_position(&err.inner().to_string()),
             }
         })?;
+        let mut config = config;
+        for (index, rule) in config.rate_limits.iter_mut().enumerate() {
+            rules::validate_rule(rule, &format!("rate_limits[{index}]"))?;
+        }
         config.validate()?;
         Ok(config)
     }

@@ -32,7 +32,8 @@ use crate::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::key::{self, KeyHasher, Source};
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::{Cause, Limiter, Verdict};
-use crate::response::{self, AdmittedFields, Reply};
+use crate::response::{self, AdmittedFields, Reply, Tightest};
+use crate::rules::{self, Attributes, Charges, Later, Rules};
 use crate::select::outcome::Outcome;
 use crate::select::shuffle::SplitMix64;
 use crate::select::{ClusterLease, Selector, Timing, VmState};
@@ -78,6 +79,8 @@ struct Filter {
     /// The `RateLimit` fields of admitted responses, formatted once per rule.
     admitted_fields: AdmittedFields,
     hasher: KeyHasher,
+    /// The rules' conditions, limits by key and costs.
+    rules: Rules,
     stats: Stats,
     /// The in-flight limit (`max_active_requests`).
     shedder: Option<Shedder>,
@@ -220,6 +223,7 @@ impl RootContext for FilterRoot {
         );
         self.filter = Some(Rc::new(Filter {
             stats: Stats::define(&config),
+            rules: Rules::new(&config, &KeyHasher::new(seed)),
             hasher: KeyHasher::new(seed),
             headers: HeaderPlan::new(&config),
             admitted_fields: AdmittedFields::new(&limiter),
@@ -292,6 +296,7 @@ impl RootContext for FilterRoot {
         Some(Box::new(FilterStream {
             filter,
             ratelimit_fields: None,
+            charges: Charges::default(),
             replied: false,
             lease: None,
             cluster_lease: None,
@@ -369,7 +374,9 @@ fn shared_seed(store: &dyn SharedStore, namespace: &str) -> Result<[u8; 16], Str
 struct FilterStream {
     filter: Rc<Filter>,
     /// For an admitted request: the tightest rule and its `ratelimit` value.
-    ratelimit_fields: Option<(usize, String)>,
+    ratelimit_fields: Option<Tightest>,
+    /// Costs the admitted request still owes its rules (a streamed body, a reported count).
+    charges: Charges,
     replied: bool,
     /// Held from admission to the end of the stream (released in `on_log`; `Drop` is the net).
     lease: Option<Lease>,
@@ -492,22 +499,51 @@ impl FilterStream {
         }
         let mut skipped = Vec::new();
         let fleet = filter.global.as_ref().map(|g| &g.hasher);
-        let mut probes = key::probes(&filter.config, &filter.hasher, fleet, |source| headers.fetch(source), &mut skipped);
+        let rules = &filter.rules;
+        let mut probes = key::probes_where(
+            &filter.config,
+            &filter.hasher,
+            fleet,
+            |source| headers.fetch(source),
+            &mut skipped,
+            |rule| rules.applies(rule, headers),
+        );
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             scope.annotate(&node.borrow(), &mut probes, now);
         }
         for rule in skipped {
             increment(filter.stats.rule(rule).skipped);
         }
-        let verdict = filter.limiter.check(&EnvoyStore, &mut filter.reserves.borrow_mut(), &probes, now, 1);
+        // Each rule's limit for the key and the request's cost against it (crate::rules).
+        let mut later = Vec::new();
+        for probe in &mut probes {
+            probe.limit = rules.limit(probe.rule, probe.key_hash, headers);
+            let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit));
+            let admission = rules.admission(probe.rule, headers);
+            if admission.invalid {
+                increment(filter.stats.rule(probe.rule).invalid_cost);
+            }
+            probe.cost = limit.map_or(admission.now, |limit| rules::capped(admission.now, limit));
+            if let (Later::BodyBytes | Later::ResponseHeader, Some(limit)) = (admission.later, limit) {
+                later.push((*probe, admission.later, limit));
+            }
+        }
+        let verdict = filter.limiter.check(&EnvoyStore, &mut filter.reserves.borrow_mut(), &probes, now);
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             // An admission counts fleet-wide; a refusal asks for the key's fleet-wide count.
-            let cost = u32::from(matches!(verdict, Verdict::Admitted { .. }));
-            let dropped = scope.count(&mut node.borrow_mut(), &probes, now, cost);
-            stats::add_count(filter.stats.global.dropped, dropped);
+            let admitted = matches!(verdict, Verdict::Admitted { .. });
+            let mut node = node.borrow_mut();
+            for probe in &probes {
+                let cost = if admitted { probe.cost } else { 0 };
+                let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, cost);
+                stats::add_count(filter.stats.global.dropped, dropped);
+            }
         }
         match &verdict {
             Verdict::Admitted { standings, evictions } => {
+                for (probe, when, limit) in later {
+                    self.charges.owe(probe, when, limit);
+                }
                 for standing in standings {
                     increment(filter.stats.rule(standing.rule).allowed);
                 }
@@ -602,6 +638,46 @@ impl FilterStream {
         log::debug!("floodgate: {outcome:?} (status {status:?}, flags {flags:#x}) on cluster {}", finished.cluster);
     }
 
+    /// Charges costs the admitted request owes its rules, known after admission (see
+    /// [`crate::rules`]): into the keys' counters, and fleet-wide for rules in global scope.
+    fn charge(&self, owed: Vec<(crate::ratelimit::Probe, u32)>) {
+        if owed.iter().all(|(_, units)| *units == 0) {
+            return;
+        }
+        let filter = &self.filter;
+        let now = clock::now().wall;
+        for (probe, units) in owed {
+            let ids = filter.stats.rule(probe.rule);
+            if filter.limiter.charge(&EnvoyStore, probe, units, now) {
+                stats::add_count(ids.charged, u64::from(units));
+            } else {
+                increment(ids.contention);
+            }
+            if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+                let dropped = scope.count(&mut node.borrow_mut(), std::slice::from_ref(&probe), now, units);
+                stats::add_count(filter.stats.global.dropped, dropped);
+            }
+        }
+    }
+
+    /// The response headers came: charges the units the upstream reports (or the rules'
+    /// defaults without a valid report).
+    fn charge_response(&mut self) {
+        let filter = Rc::clone(&self.filter);
+        let rules = &filter.rules;
+        let owed = self.charges.response(|rule| {
+            let raw = rules
+                .response_header(rule)
+                .and_then(|name| hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name).ok().flatten());
+            let (units, invalid) = rules.response_units(rule, raw.as_deref());
+            if invalid {
+                increment(filter.stats.rule(rule).invalid_cost);
+            }
+            units
+        });
+        self.charge(owed);
+    }
+
     fn release(&mut self, now: MonoMillis) {
         if let (Some(lease), Some(shedder)) = (self.lease.take(), self.filter.shedder.as_ref()) {
             shedder.release(&EnvoyStore, vm_id(), lease, now);
@@ -664,6 +740,12 @@ impl<'p, 'm> RequestHeaders<'p, 'm> {
     }
 }
 
+impl Attributes for RequestHeaders<'_, '_> {
+    fn get(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+        RequestHeaders::get(self, name)
+    }
+}
+
 impl HttpContext for FilterStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let filter = Rc::clone(&self.filter);
@@ -681,14 +763,25 @@ impl HttpContext for FilterStream {
                 if end_of_stream && self.cluster_lease.is_some() {
                     self.timing.request_end = Some(now.mono);
                 }
+                if end_of_stream && self.charges.counts_body() {
+                    // No body: nothing to count.
+                    let _ = self.charges.body_done();
+                }
                 Action::Continue
             }
         }
     }
 
-    fn on_http_request_body(&mut self, _body_size: usize, end_of_stream: bool) -> Action {
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
         if end_of_stream && self.cluster_lease.is_some() && self.timing.request_end.is_none() {
             self.timing.request_end = Some(clock::mono());
+        }
+        if self.charges.counts_body() {
+            self.charges.body(body_size);
+            if end_of_stream {
+                let owed = self.charges.body_done();
+                self.charge(owed);
+            }
         }
         Action::Continue
     }
@@ -697,10 +790,21 @@ impl HttpContext for FilterStream {
         if self.cluster_lease.is_some() && self.timing.request_end.is_none() {
             self.timing.request_end = Some(clock::mono());
         }
+        if self.charges.counts_body() {
+            let owed = self.charges.body_done();
+            self.charge(owed);
+        }
         Action::Continue
     }
 
     fn on_log(&mut self) {
+        if !self.charges.is_empty() {
+            // A body cut short, a response that never came: charged what is known, or the
+            // rule's default.
+            let rules = &self.filter.rules;
+            let owed = self.charges.end(|rule| rules.response_units(rule, None).0);
+            self.charge(owed);
+        }
         if self.lease.is_none() && self.cluster_lease.is_none() {
             return;
         }
@@ -717,9 +821,12 @@ impl HttpContext for FilterStream {
         if self.cluster_lease.is_some() && self.timing.response_headers.is_none() {
             self.timing.response_headers = Some(clock::mono());
         }
-        if let Some((rule, ratelimit)) = self.ratelimit_fields.take() {
-            let policy = self.filter.admitted_fields.policy(rule).unwrap_or_default();
-            for (name, value) in [("ratelimit-policy", policy), ("ratelimit", ratelimit.as_str())] {
+        if self.charges.awaits_response() {
+            self.charge_response();
+        }
+        if let Some(tightest) = self.ratelimit_fields.take() {
+            let policy = self.filter.admitted_fields.policy(&tightest).unwrap_or_default();
+            for (name, value) in [("ratelimit-policy", policy.as_ref()), ("ratelimit", tightest.ratelimit.as_str())] {
                 if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value) {
                     log::debug!("floodgate: cannot add {name}: {status:?}");
                 }

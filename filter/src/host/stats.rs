@@ -9,6 +9,8 @@
 //! | `<prefix>.rate_limit.<rule>.skipped` | counter | requests lacking a key part (`missing_key: skip`) |
 //! | `<prefix>.rate_limit.<rule>.contention` | counter | requests refused because the counters could not be updated (CAS attempts ran out) |
 //! | `<prefix>.rate_limit.<rule>.evictions` | counter | keys with live counts that lost their exact entry to a more frequent key (counts moved to the set's overflow) |
+//! | `<prefix>.rate_limit.<rule>.invalid_cost` | counter | requests (or responses) whose cost header held no valid count: the rule's `cost.default` was charged |
+//! | `<prefix>.rate_limit.<rule>.charged` | counter | units charged after admission (a streamed request body, a count the upstream reported) |
 //! | `<prefix>.rate_limit.<rule>.reserved` | gauge | quota units workers counted ahead for their next requests and have not used yet, as of each worker's last heartbeat |
 //! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 (for the in-flight count or the loop lag) |
 //! | `<prefix>.load_shedding.<class>.shed_by_lag` | counter | of those, refused because this worker's event loop lagged (`max_loop_lag`) |
@@ -57,6 +59,10 @@ pub struct RuleStats {
     pub evictions: Option<u32>,
     /// Gauge: units held in reserves, summed over the VMs.
     pub reserved: Option<u32>,
+    /// Requests whose cost header held no valid count.
+    pub invalid_cost: Option<u32>,
+    /// Units charged after admission.
+    pub charged: Option<u32>,
 }
 
 /// All metric ids, defined once per configuration.
@@ -174,6 +180,8 @@ impl Stats {
                     contention: counter(&name("contention")),
                     evictions: counter(&name("evictions")),
                     reserved: gauge(&name("reserved")),
+                    invalid_cost: counter(&name("invalid_cost")),
+                    charged: counter(&name("charged")),
                 }
             })
             .collect();
