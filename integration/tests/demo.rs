@@ -32,18 +32,7 @@ fn start_demo() -> Demo {
 
 /// [`start_demo`] with the demo config's text passed through `edit` first.
 fn start_demo_edited(edit: impl FnOnce(String) -> String) -> Demo {
-    let root = workspace_root();
-    let mut text = edit(std::fs::read_to_string(root.join("envoy/demo.yaml")).expect("read envoy/demo.yaml"));
-    let fixed_ports = [9901u16, 10000, 10001, 10002, 10003];
-    let ports = free_ports(fixed_ports.len());
-    for (fixed, port) in fixed_ports.into_iter().zip(ports.iter().copied()) {
-        let needle = format!("port_value: {fixed}");
-        assert!(text.contains(&needle), "demo.yaml no longer uses {needle}");
-        text = text.replace(&needle, &format!("port_value: {port}"));
-    }
-    let module = "target/wasm32-wasip1/release/floodgate.wasm";
-    assert!(text.contains(module), "demo.yaml no longer loads {module}");
-    text = text.replace(module, &wasm_module().display().to_string());
+    let (text, admin, front) = demo_config(edit);
     let dir = tempfile::tempdir().expect("tempdir");
     let config = dir.path().join("demo.yaml");
     std::fs::write(&config, text).expect("write config");
@@ -57,8 +46,7 @@ fn start_demo_edited(edit: impl FnOnce(String) -> String) -> Demo {
         .stderr(Stdio::from(log))
         .spawn()
         .expect("start envoy");
-    let at = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
-    let demo = Demo { child, dir, front: at(ports[1]), admin: at(ports[0]) };
+    let demo = Demo { child, dir, front, admin };
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok((200, body)) = http_get_blocking(demo.admin, "/ready") {
