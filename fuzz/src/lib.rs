@@ -227,6 +227,34 @@ fn accepted_config(config: &Config) {
 
     let limiter = Limiter::new(config, "fuzz");
     assert_eq!(limiter.tables().len(), config.rate_limits.len());
+    // The rules' conditions, limits and costs compile, and answer for a request with every
+    // attribute a rule can read, and for one with none.
+    let rules = floodgate::rules::Rules::new(config, &KeyHasher::new([0x5a; 16]));
+    struct Everything;
+    impl floodgate::rules::Attributes for Everything {
+        fn get(&self, name: &str) -> Option<std::borrow::Cow<'_, [u8]>> {
+            Some(std::borrow::Cow::Owned(match name {
+                ":path" => b"/users/1/orders?x=1".to_vec(),
+                ":method" => b"POST".to_vec(),
+                ":authority" => b"api.example.com:443".to_vec(),
+                _ => b"4096".to_vec(),
+            }))
+        }
+    }
+    struct Nothing;
+    impl floodgate::rules::Attributes for Nothing {
+        fn get(&self, _: &str) -> Option<std::borrow::Cow<'_, [u8]>> {
+            None
+        }
+    }
+    for rule in 0..config.rate_limits.len() {
+        for request in [&Everything as &dyn floodgate::rules::Attributes, &Nothing] {
+            let _ = rules.applies(rule, request);
+            let _ = rules.limit(rule, 42, request);
+            let _ = rules.admission(rule, request);
+        }
+        let _ = rules.response_units(rule, Some(b"12"));
+    }
     for (table, rule) in limiter.tables().iter().zip(&config.rate_limits) {
         let capacity = u64::from(rule.capacity.get().get());
         assert!(table.set_count() >= 1 && table.set_count() <= capacity.div_ceil(table::WAYS as u64));

@@ -245,3 +245,63 @@ fn validate_match(condition: &mut Match, at: &str) -> Result<(), ConfigError> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use crate::config::Config;
+
+    fn error_of(rule_extra: &str) -> String {
+        let json = format!(r#"{{"rate_limits":[{{"name":"r","key":[{{"header":"x-k"}}],"limit":5,"window":"1m"{rule_extra}}}]}}"#);
+        Config::parse(json.as_bytes()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn rule_extras_parse_and_lower_case_their_header_names() {
+        let config = Config::parse(
+            br#"{"rate_limits":[{"name":"r","key":[{"header":"x-k"}],"limit":5,"window":"1m",
+                "match":{"path":{"template":"/a/*/b"},"methods":["POST"],"headers":[{"name":"X-Env","equals":"prod"}],"authority":"API.example.com"},
+                "tiers":{"header":"X-Plan","limits":{"gold":50}},
+                "overrides":[{"key":["vip"],"limit":500}],
+                "cost":{"from":"request_header","header":"X-Cost"}}]}"#,
+        )
+        .unwrap();
+        let rule = &config.rate_limits[0];
+        let condition = rule.condition.as_ref().unwrap();
+        assert_eq!(condition.headers[0].name, "x-env");
+        assert_eq!(condition.authority.as_deref(), Some("api.example.com"));
+        assert_eq!(rule.tiers.as_ref().unwrap().header, "x-plan");
+        assert_eq!(rule.cost.as_ref().unwrap().header.as_deref(), Some("x-cost"));
+        assert_eq!(rule.cost.as_ref().unwrap().default_units(), 1);
+    }
+
+    #[test]
+    fn rule_extra_errors_are_named() {
+        for (extra, expected) in [
+            (r#","match":{}"#, "rate_limits[0].match: must give at least one condition"),
+            (r#","match":{"path":{}}"#, "rate_limits[0].match.path: must give exactly one of"),
+            (r#","match":{"path":{"exact":"/a","prefix":"/b"}}"#, "rate_limits[0].match.path: must give exactly one of"),
+            (r#","match":{"path":{"prefix":"a"}}"#, "rate_limits[0].match.path.prefix: \"a\" must be a path"),
+            (r#","match":{"path":{"template":"/a/b*"}}"#, "rate_limits[0].match.path.template: a '*' must be a whole segment"),
+            (r#","match":{"path":{"regex":".*"}}"#, "rate_limits[0].match.path.regex: unknown field"),
+            (r#","match":{"methods":[]}"#, "rate_limits[0].match.methods: must list 1 to 32 methods"),
+            (r#","match":{"methods":["post"]}"#, "rate_limits[0].match.methods[0]: \"post\" is not a method"),
+            (r#","match":{"headers":[{"name":"x"}]}"#, "rate_limits[0].match.headers[0]: must give exactly one of \"present\" and \"equals\""),
+            (r#","match":{"headers":[{"name":"x y","present":true}]}"#, "rate_limits[0].match.headers[0].name: \"x y\" is not a valid header name"),
+            (r#","match":{"authority":"a.com:80"}"#, "rate_limits[0].match.authority: \"a.com:80\" must be a host name without port"),
+            (r#","tiers":{"header":"x-plan","limits":{}}"#, "rate_limits[0].tiers.limits: must name 1 to 1024 tiers"),
+            (r#","tiers":{"header":"x-plan","limits":{"gold":0}}"#, "rate_limits[0].tiers.limits.gold: must be a positive integer"),
+            (r#","overrides":[{"key":["a","b"],"limit":5}]"#, "rate_limits[0].overrides[0].key: must give one value per key part (1 for this rule's key), got 2"),
+            (r#","overrides":[{"key":["a"],"limit":5},{"key":["a"],"limit":6}]"#, "rate_limits[0].overrides[1].key: the same key as rate_limits[0].overrides[0].key"),
+            (r#","cost":{"from":"request_header"}"#, "rate_limits[0].cost.header: is required when the cost comes from a header"),
+            (r#","cost":{"from":"request_body","header":"x"}"#, "rate_limits[0].cost.header: has no meaning"),
+            (r#","cost":{"from":"request_body","default":3}"#, "rate_limits[0].cost.default: has no meaning"),
+            (r#","cost":{"from":"response_header","header":"x","default":-1}"#, "rate_limits[0].cost.default: invalid value"),
+            (r#","cost":{"from":"bytes"}"#, "rate_limits[0].cost.from: unknown variant `bytes`"),
+        ] {
+            let err = error_of(extra);
+            assert!(err.starts_with(expected), "{extra}\n  got: {err}\n want: {expected}");
+        }
+    }
+}
+

@@ -13,8 +13,8 @@
 //! | `<prefix>.rate_limit.<rule>.charged` | counter | units charged after admission (a streamed request body, a count the upstream reported) |
 //! | `<prefix>.rate_limit.<rule>.reserved` | gauge | quota units workers counted ahead for their next requests and have not used yet, as of each worker's last heartbeat |
 //! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 (for the in-flight count or the loop lag) |
-//! | `<prefix>.load_shedding.<class>.shed_by_lag` | counter | of those, refused because this worker's event loop lagged (`max_loop_lag`) |
-//! | `<prefix>.load_shedding.loop_lag_ms` | histogram | how late each worker's lag probe ran, in milliseconds, one sample per probe (`max_loop_lag`) |
+//! | `<prefix>.load_shedding.<class>.shed_by_lag` | counter | of those, refused because this worker's event loop lagged (`max_loop_lag`; 0 without it) |
+//! | `<prefix>.load_shedding.loop_lag_ms` | histogram | how late each worker's lag probe ran, in milliseconds, one sample per probe (`max_loop_lag`; no samples without it) |
 //! | `<prefix>.load_shedding.contention` | counter | requests shed because the in-flight count could not be updated |
 //! | `<prefix>.load_shedding.in_flight` | gauge | proxy-wide in-flight requests, refreshed every second (`max_active_requests`) |
 //! | `<prefix>.cluster.<cluster>.selected` | counter | requests routed to the cluster |
@@ -192,7 +192,9 @@ impl Stats {
                 .map(|c| counter(&format!("{prefix}.load_shedding.{}.shed", c.name)))
                 .collect()
         });
-        let by_lag = shedding.filter(|s| s.max_loop_lag.is_some());
+        // Defined whenever shedding is: a dashboard's series exist (at 0) before lag shedding is
+        // turned on.
+        let by_lag = shedding;
         let shed_by_lag = by_lag.map_or_else(Vec::new, |s| {
             s.classes
                 .iter()
