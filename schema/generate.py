@@ -71,7 +71,7 @@ schema = {
       "description": "always: admitted responses also carry ratelimit / ratelimit-policy for the rule with the least remaining quota; on_reject: only 429s do.",
       "enum": ["always", "on_reject"], "default": "always"
     },
-    "load_shedding": {"description": "The proxy-wide in-flight limit and its priority classes (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
+    "load_shedding": {"description": "Shedding on the proxy-wide in-flight count, on each worker's event-loop lag, or both, by priority class (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
     "cluster_selection": {"description": "Chooses the upstream cluster of each request (null: none).", "anyOf": [{"$ref": "#/$defs/clusterSelection"}, {"type": "null"}]},
     "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]},
     "global": {"description": "How rules with scope global reach the fleet-wide store through floodgate-sync (null: none).", "anyOf": [{"$ref": "#/$defs/global"}, {"type": "null"}]},
@@ -98,7 +98,7 @@ schema = {
       "properties": {
         "name": {"description": "Unique among the rules; used in metrics, shared-data keys and responses.", "$ref": "#/$defs/name"},
         "key": {"description": "The parts of the request that make the key, joined in order.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
-        "limit": positive("Requests admitted per window and key."),
+        "limit": positive("Units (requests, unless the rule has a cost) admitted per window and key, unless a tier or an override says otherwise."),
         "window": {"description": "The window length.", "$ref": "#/$defs/duration"},
         "capacity": positive("How many distinct keys the rule tracks individually (memory: about 170 bytes per tracked key, see docs/configuration.md#sizing).", 16384, 16777216),
         "missing_key": {
@@ -108,7 +108,60 @@ schema = {
         "scope": {
           "description": "proxy: the quota holds across the workers of one Envoy; global: across every proxy of the fleet, through the store named in the top-level global section (which it requires).",
           "enum": ["proxy", "global"], "default": "proxy"
-        }
+        },
+        "match": {"description": "The rule applies only to requests that meet every condition given (null: to every request).", "anyOf": [{"$ref": "#/$defs/match"}, {"type": "null"}], "default": None},
+        "tiers": {"description": "A request header names the key's tier, and each tier its own limit (null: none).", "anyOf": [{"$ref": "#/$defs/tiers"}, {"type": "null"}], "default": None},
+        "overrides": {"description": "Keys with a limit of their own (before any tier).", "type": "array", "maxItems": 1024, "items": {"$ref": "#/$defs/override"}, "default": []},
+        "cost": {"description": "What a request costs against the rule (null: 1).", "anyOf": [{"$ref": "#/$defs/cost"}, {"type": "null"}], "default": None}
+      }
+    },
+    "match": {
+      "type": "object", "additionalProperties": False,
+      "properties": {
+        "path": {"description": "The request path without its query (null: any).", "anyOf": [{"$ref": "#/$defs/pathMatch"}, {"type": "null"}], "default": None},
+        "methods": {"description": "The request method is one of these, exactly (upper case) (null: any).", "anyOf": [{"type": "array", "minItems": 1, "maxItems": 32, "items": {"type": "string", "pattern": "^[A-Z_-]+$"}}, {"type": "null"}], "default": None},
+        "headers": {"description": "Conditions on request headers, all of which must hold.", "type": "array", "maxItems": 1024, "items": {"$ref": "#/$defs/headerCondition"}, "default": []},
+        "authority": {"description": "The :authority without its port, compared case-insensitively (null: any).", "anyOf": [{"type": "string", "pattern": "^[^/ :]{1,1024}$"}, {"type": "null"}], "default": None}
+      }
+    },
+    "pathMatch": {
+      "description": "Exactly one of exact, prefix and template (the others absent or null).",
+      "type": "object", "additionalProperties": False,
+      "properties": {
+        "exact": {"description": "The whole path.", "anyOf": [{"type": "string", "pattern": "^/[^?#]*$"}, {"type": "null"}], "default": None},
+        "prefix": {"description": "The path starts with this.", "anyOf": [{"type": "string", "pattern": "^/[^?#]*$"}, {"type": "null"}], "default": None},
+        "template": {"description": "Segment by segment: '*' matches any one non-empty segment (\"/users/*/orders\").", "anyOf": [{"type": "string", "pattern": "^/[^?#]*$"}, {"type": "null"}], "default": None}
+      }
+    },
+    "headerCondition": {
+      "description": "A request header and exactly one of present and equals (the other absent or null).",
+      "type": "object", "additionalProperties": False, "required": ["name"],
+      "properties": {
+        "name": {"description": "The header (any case).", "$ref": "#/$defs/headerName"},
+        "present": {"description": "true: the request has the header; false: it does not.", "anyOf": [{"type": "boolean"}, {"type": "null"}], "default": None},
+        "equals": {"description": "The header's (first) value is exactly this.", "anyOf": [{"type": "string", "minLength": 1, "maxLength": 1024}, {"type": "null"}], "default": None}
+      }
+    },
+    "tiers": {
+      "type": "object", "additionalProperties": False, "required": ["header", "limits"],
+      "properties": {
+        "header": {"description": "The request header naming the tier; absent, or naming no listed tier: the rule's limit.", "$ref": "#/$defs/headerName"},
+        "limits": {"description": "Tier name (the header's exact value) to its limit per window.", "type": "object", "minProperties": 1, "maxProperties": 1024, "additionalProperties": positive("The tier's limit per window.")}
+      }
+    },
+    "override": {
+      "type": "object", "additionalProperties": False, "required": ["key", "limit"],
+      "properties": {
+        "key": {"description": "The key's part values, one per part of the rule's key, in order (a header's value; source_ip without port; path without query).", "type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1, "maxLength": 1024}},
+        "limit": positive("The key's limit per window.")
+      }
+    },
+    "cost": {
+      "type": "object", "additionalProperties": False, "required": ["from"],
+      "properties": {
+        "from": {"description": "request_header: a count in a request header, charged at admission; request_body: the body's bytes (content-length, or counted as it streams and charged when it ends); response_header: a count the upstream reports, charged when the response arrives.", "enum": ["request_header", "request_body", "response_header"]},
+        "header": {"description": "The header, for request_header and response_header (null with request_body).", "anyOf": [{"$ref": "#/$defs/headerName"}, {"type": "null"}], "default": None},
+        "default": {"description": "The cost when the header is absent or holds no valid count (null: 1 for request_header, 0 for response_header; none with request_body).", "anyOf": [{"type": "integer", "minimum": 0, "maximum": 4294967295}, {"type": "null"}], "default": None}
       }
     },
     "keyPart": {
@@ -119,12 +172,17 @@ schema = {
     },
     "loadShedding": {
       "type": "object", "additionalProperties": False,
-      "required": ["max_active_requests"],
+      "anyOf": [
+        {"required": ["max_active_requests"], "properties": {"max_active_requests": {"not": {"type": "null"}}}},
+        {"required": ["max_loop_lag"], "properties": {"max_loop_lag": {"not": {"type": "null"}}}}
+      ],
       "properties": {
-        "max_active_requests": positive("Proxy-wide (all workers) limit of requests in flight."),
+        "max_active_requests": {"description": "Proxy-wide (all workers) limit of requests in flight (null: none; at least one of max_active_requests and max_loop_lag).", "anyOf": [positive(""), {"type": "null"}], "default": None},
+        "max_loop_lag": {"description": "Shed on a worker while its event loop runs timers this late: class c from shed_at(c) * max_loop_lag (null: none; at least one of max_active_requests and max_loop_lag).", "anyOf": [{"$ref": "#/$defs/duration"}, {"type": "null"}], "default": None},
+        "lag_probe_interval": {"description": "How often each worker probes its event loop's lag, from 10ms to 1s (with max_loop_lag).", "$ref": "#/$defs/duration", "default": "100ms"},
         "priority_header": {"description": "The request header whose value names the priority class.", "$ref": "#/$defs/headerName", "default": "x-floodgate-priority"},
         "classes": {
-          "description": "Priority classes (unique names); a class is shed once the in-flight count reaches max(1, floor(shed_at * max_active_requests)).",
+          "description": "Priority classes (unique names); a class is shed once the in-flight count reaches max(1, floor(shed_at * max_active_requests)), or the loop lag shed_at * max_loop_lag.",
           "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/priorityClass"},
           "default": [{"name": "critical", "shed_at": 1.0}, {"name": "normal", "shed_at": 0.9}, {"name": "low", "shed_at": 0.5}]
         },
@@ -137,14 +195,16 @@ schema = {
       "required": ["name", "shed_at"],
       "properties": {
         "name": {"description": "The priority header value that selects the class.", "$ref": "#/$defs/name"},
-        "shed_at": {"description": "Fraction of max_active_requests from which the class is shed, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1}
+        "shed_at": {"description": "Fraction of max_active_requests (and of max_loop_lag) from which the class is shed, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1}
       }
     },
     "health": {
       "type": "object", "additionalProperties": False,
       "required": ["path"],
       "properties": {
-        "path": {"description": "The path the filter answers (matched without the query).", "type": "string", "pattern": "^/[^?#]*$"}
+        "path": {"description": "The path the filter answers for GET and HEAD (matched without the query).", "type": "string", "pattern": "^/[^?#]*$"},
+        "dependencies": {"description": "off: the proxy's own load only; report: also the clusters' success rates and limits (needs cluster_selection); fail: as report, and 503 while every cluster's success rate is below min_success_rate.", "enum": ["off", "report", "fail"], "default": "off"},
+        "min_success_rate": {"description": "With dependencies fail: a cluster below this success rate counts as failing, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.5}
       }
     },
     "global": {

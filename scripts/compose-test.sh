@@ -11,50 +11,24 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-die() { echo "compose-test: $*" >&2; exit 1; }
-command -v docker >/dev/null || die "docker is not installed: this test needs a Docker engine with Compose"
-command -v curl >/dev/null || die "curl is not installed"
-command -v python3 >/dev/null || die "python3 is not installed"
-docker info >/dev/null 2>&1 || die "the Docker engine does not answer ('docker info' failed): start it"
-if docker compose version >/dev/null 2>&1; then
-  compose=(docker compose)
-elif command -v docker-compose >/dev/null; then
-  compose=(docker-compose)
-else
-  die "neither 'docker compose' nor 'docker-compose' is installed"
-fi
+me=compose-test
+# shellcheck source=scripts/compose-lib.sh
+source scripts/compose-lib.sh
 
 wasm=${FLOODGATE_WASM:-$(./wasm-build.sh | tail -n1)}
 [[ -f "$wasm" ]] || die "no module at $wasm"
 image=${FLOODGATE_ENVOY_IMAGE:-$(scripts/envoy-image.sh | tail -n1)}
-free_port() { python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 port=$(free_port)
-admin=$(free_port)
-while [[ "$admin" == "$port" ]]; do admin=$(free_port); done
+admin=$(free_port "$port")
 project="floodgate-compose-test-$$"
 export FLOODGATE_ENVOY_IMAGE="$image" FLOODGATE_WASM="$wasm" FLOODGATE_PORT="$port" FLOODGATE_ADMIN_PORT="$admin"
 dc() { "${compose[@]}" -p "$project" -f envoy/docker-compose.yaml "$@"; }
 
 work=$(mktemp -d)
-cleanup() {
-  local status=$?
-  if [[ $status -ne 0 ]]; then
-    echo "---- docker compose logs (last lines) ----" >&2
-    dc logs --no-color --tail 30 >&2 2>/dev/null || true
-  fi
-  dc down --volumes --remove-orphans --timeout 2 >/dev/null 2>&1 || true
-  rm -rf "$work"
-  exit "$status"
-}
 trap cleanup EXIT
 
 echo "compose-test: ${compose[*]} with image $image, module $wasm, ports 127.0.0.1:$port (front) and :$admin (admin)"
 dc up --detach
-
-passed=0
-failed=0
-pass() { passed=$((passed + 1)); echo "ok    $*"; }
-fail() { failed=$((failed + 1)); echo "FAIL  $*"; }
 
 # GET on the front listener: writes headers and body to $work/<name>.{h,b}, prints the status.
 get() {
@@ -137,7 +111,8 @@ if [[ $shed -eq 3 && $ok -eq 9 ]]; then pass "of 12 concurrent slow requests, 9 
 status=$(get health "http://127.0.0.1:$port/floodgate/health")
 if [[ "$status" == 200 ]] && grep -q '"status":"ok"' "$work/health.b"; then pass "health: $(cat "$work/health.b")"; else fail "health: $status $(cat "$work/health.b")"; fi
 
-# 6. Metrics: Envoy's /stats (wasmcustom.<name>) and /stats/prometheus (<name>, '.' and '-' as '_').
+# 6. Metrics: Envoy's /stats (wasmcustom.<name>) and /stats/prometheus (<name>, '.' and '-' as '_',
+# the rule as a label through the stats_tags of compose-envoy.yaml; docs/observability.md).
 stats=$(curl -s --max-time 10 "http://127.0.0.1:$admin/stats?filter=^wasmcustom%5C.floodgate%5C.")
 stat() { awk -v name="wasmcustom.floodgate.$1:" '$1 == name { print $2 }' <<<"$stats"; }
 rejected=$(stat rate_limit.per-api-key.rejected)
@@ -155,11 +130,11 @@ for zone in zone-a zone-b zone-c; do
 done
 if [[ $selected -ge 1 ]]; then pass "/stats: cluster selection chose a zone $selected times"; else fail "/stats: no wasmcustom.floodgate.cluster.<zone>.selected above 0"; fi
 prometheus=$(curl -s --max-time 10 "http://127.0.0.1:$admin/stats/prometheus")
-if grep -Eq '^floodgate_rate_limit_per_api_key_rejected(\{\})? [1-9]' <<<"$prometheus" \
+if grep -Eq '^floodgate_rate_limit_rejected\{rule="per-api-key"\} [1-9]' <<<"$prometheus" \
    && grep -Eq '^# TYPE floodgate_load_shedding_in_flight gauge' <<<"$prometheus"; then
-  pass "/stats/prometheus: $(grep -E '^floodgate_rate_limit_per_api_key_rejected' <<<"$prometheus")"
+  pass "/stats/prometheus: $(grep -E '^floodgate_rate_limit_rejected\{rule="per-api-key"\}' <<<"$prometheus")"
 else
-  fail "/stats/prometheus has no floodgate_rate_limit_per_api_key_rejected above 0"
+  fail "/stats/prometheus has no floodgate_rate_limit_rejected{rule=\"per-api-key\"} above 0"
 fi
 
 echo "compose: $passed passed, $failed failed"

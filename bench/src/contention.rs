@@ -18,7 +18,7 @@ fn workers(s: &Settings) -> usize {
 }
 
 fn spec(s: &Settings, filter: Filter, clusters: [std::net::SocketAddr; 3]) -> Spec {
-    Spec { filter, route: Route::Fixed, clusters, http2: false, concurrency: workers(s), cpus: format!("0-{}", s.cpus.saturating_sub(1)), wrapper: Vec::new() }
+    Spec { filter, route: Route::Fixed, clusters, http2: false, concurrency: workers(s), cpus: format!("0-{}", s.cpus.saturating_sub(1)), wrapper: Vec::new(), sync: None }
 }
 
 /// Worker connection counts, from the listener's per-worker stats.
@@ -54,7 +54,7 @@ pub async fn run(s: &Settings) {
     let connections = 32;
     for round in 0..rounds {
         for (i, (label, envoy, requests)) in cases.iter().enumerate() {
-            let load = Load { target: envoy.addr(), connections, requests: Requests::Cycle(Arc::clone(requests)), max_requests: None };
+            let load = Load { targets: vec![envoy.addr()], connections, requests: Requests::Cycle(Arc::clone(requests)), max_requests: None };
             crate::cpu::wait_for_quiet(Duration::from_secs(if s.quick { 3 } else { 6 })).await;
             let r = measure(envoy, &load, s).await;
             progress!("round {}/{rounds} {label}: {:.1} µs/req, {:.0} req/s", round + 1, r.cpu_ns_per_req / 1000.0, r.rps);
@@ -95,7 +95,7 @@ pub async fn run(s: &Settings) {
     }
     let before = upstream.0.load(Ordering::SeqCst);
     let load = Load {
-        target: exact.addr(),
+        targets: vec![exact.addr()],
         connections,
         requests: Requests::Numbered(Arc::new(|_| load::request("/", &[("x-api-key", "hot".to_string())]))),
         max_requests: Some(sent),

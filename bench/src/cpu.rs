@@ -94,6 +94,30 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
             route: Route::Fixed,
         },
         Variant { id: "fg-rl-shed", label: "floodgate: rate limiting + shedding + health".into(), filter: fg(everything_config(false)), route: Route::Fixed },
+        // Issue 18: ten rules whose condition never matches, next to fg-rl's rule: what
+        // conditions cost a request they do not apply to.
+        Variant {
+            id: "fg-rl-10-unmatched",
+            label: "floodgate: 1 rule + 10 rules whose match fails (path, method)".into(),
+            filter: fg(format!(
+                r#"{{"rate_limits": [{}{}]}}"#,
+                rule("per-key"),
+                (0..10)
+                    .map(|i| format!(
+                        r#", {{"name": "never-{i}", "key": ["source_ip"], "limit": 5, "window": "1m", "match": {{"path": {{"prefix": "/never/{i}/"}}, "methods": ["POST"]}}}}"#
+                    ))
+                    .collect::<String>()
+            )),
+            route: Route::Fixed,
+        },
+        // The host calls one admitted request of `fg-rl` makes, and nothing else: fg-rl minus
+        // this is floodgate's own code (and the allocations the calls cause).
+        Variant {
+            id: "calls-rl",
+            label: "no-op making fg-rl's host calls (clock, key header, counter, 2 response headers)".into(),
+            filter: wasm(&s.noop_wasm, "time=1,header=1,incr=1,resp=2"),
+            route: Route::Fixed,
+        },
     ];
     for (kind, what) in [
         ("time", "get_current_time"),
@@ -185,6 +209,7 @@ impl Upstreams {
             concurrency: 1,
             cpus,
             wrapper,
+            sync: None,
         }
     }
 }
@@ -300,7 +325,7 @@ pub async fn measure(envoy: &Envoy, load: &Load, s: &Settings) -> Run {
 
 /// Sends a few requests; `Ok` if all got 200 (gRPC: and `grpc-status: 0`).
 pub async fn sanity(envoy: &Envoy, requests: Requests) -> Result<(), String> {
-    let load = Load { target: envoy.addr(), connections: 2, requests, max_requests: None };
+    let load = Load { targets: vec![envoy.addr()], connections: 2, requests, max_requests: None };
     let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_millis(300), || ()).await;
     if out.completed == 0 || out.status(200) != out.completed {
         return Err(format!("{} responses, statuses {:?}, {} errors", out.completed, out.statuses, out.errors));
@@ -422,7 +447,7 @@ pub async fn run(s: &Settings) {
     let upstreams = Upstreams::start().await;
     let traffic = Traffic::new("k", KEYS);
     let load_for = |started: &Started| Load {
-        target: started.envoy.addr(),
+        targets: vec![started.envoy.addr()],
         connections: s.connections,
         requests: traffic.requests(&started.variant),
         max_requests: None,

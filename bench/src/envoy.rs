@@ -21,6 +21,9 @@ pub enum Filter {
     Wasm { module: PathBuf, config: String },
 }
 
+/// The Envoy cluster of `floodgate-sync` (see [`Spec::sync`]).
+pub const SYNC_CLUSTER: &str = "floodgate-sync";
+
 /// How the route picks its cluster.
 #[derive(Clone, Debug)]
 pub enum Route {
@@ -47,6 +50,9 @@ pub struct Spec {
     pub cpus: String,
     /// A command Envoy runs under (e.g. valgrind and its options); empty for none.
     pub wrapper: Vec<String>,
+    /// `floodgate-sync`'s address, if any: adds the HTTP/2 cluster `floodgate-sync` that a
+    /// configuration's `global.cluster` names.
+    pub sync: Option<SocketAddr>,
 }
 
 impl Spec {
@@ -91,7 +97,7 @@ impl Spec {
             Route::Fixed => json!({"cluster": "a", "timeout": "30s"}),
             Route::ClusterHeader(header) => json!({"cluster_header": header, "timeout": "30s"}),
         };
-        let clusters: Vec<Value> = ["a", "b", "c"]
+        let mut clusters: Vec<Value> = ["a", "b", "c"]
             .iter()
             .zip(self.clusters)
             .map(|(name, addr)| {
@@ -113,6 +119,18 @@ impl Spec {
                 })
             })
             .collect();
+        if let Some(sync) = self.sync {
+            clusters.push(json!({
+                "name": SYNC_CLUSTER,
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "load_assignment": {"cluster_name": SYNC_CLUSTER, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": sync.ip().to_string(), "port_value": sync.port()}}}}]}]},
+                "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}
+                }}
+            }));
+        }
         json!({
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
             "static_resources": {

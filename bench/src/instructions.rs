@@ -66,7 +66,8 @@ pub async fn run(s: &Settings) {
     let all = cpu::all_variants(s);
     let variants: Vec<Variant> = wanted.iter().filter_map(|id| all.iter().find(|v| v.id == *id).cloned()).collect();
     let upstreams = cpu::Upstreams::start().await;
-    let traffic = cpu::Traffic::new("k", KEYS);
+    let keys = s.keys.unwrap_or(KEYS);
+    let traffic = cpu::Traffic::new("k", keys);
     // Start them all at once: each takes a minute or more to compile the module under valgrind.
     let mut pending = Vec::new();
     for v in &variants {
@@ -85,8 +86,8 @@ pub async fn run(s: &Settings) {
             }
         };
         // Warm up to the steady state of the CPU runs, where every key comes back many times.
-        let warm_requests = (WARM_VISITS_PER_KEY * KEYS as u64).max(300);
-        let warm = Load { target: envoy.addr(), connections: 4, requests: traffic.requests(&v), max_requests: Some(warm_requests) };
+        let warm_requests = (WARM_VISITS_PER_KEY * keys as u64).max(300);
+        let warm = Load { targets: vec![envoy.addr()], connections: 4, requests: traffic.requests(&v), max_requests: Some(warm_requests) };
         let (out, _, _) = load::run(&warm, Duration::ZERO, Duration::from_secs(900), || ()).await;
         if out.status(200) != out.completed || out.completed == 0 {
             println!("**{}**: warm-up requests failed ({:?}); skipped\n", v.id, out.statuses);
@@ -96,7 +97,7 @@ pub async fn run(s: &Settings) {
             println!("**{}**: callgrind_control -z failed; skipped\n", v.id);
             continue;
         }
-        let load = Load { target: envoy.addr(), connections: 8, requests: traffic.requests(&v), max_requests: Some(per_variant) };
+        let load = Load { targets: vec![envoy.addr()], connections: 8, requests: traffic.requests(&v), max_requests: Some(per_variant) };
         let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_secs(600), || ()).await;
         if !callgrind_control(envoy.pid(), "-d") {
             println!("**{}**: callgrind_control -d failed; skipped\n", v.id);
@@ -123,9 +124,9 @@ pub async fn run(s: &Settings) {
             of(cpu::noop_of(v)).map_or("–".into(), |n| format!("{:+}", (per - n) as i64)),
         ]);
     }
-    let warm = count((WARM_VISITS_PER_KEY * KEYS as u64).max(300));
+    let warm = count((WARM_VISITS_PER_KEY * keys as u64).max(300));
     println!(
-        "Envoy 1 worker under callgrind, {per_variant} keep-alive requests over 8 connections, {KEYS} distinct x-api-key values, after {warm} of warm-up; \
+        "Envoy 1 worker under callgrind, {per_variant} keep-alive requests over 8 connections, {keys} distinct x-api-key values, after {warm} of warm-up; \
          all user-space instructions of the process (Envoy, V8, the module) divided by requests.\n\n{}\n",
         t.render()
     );

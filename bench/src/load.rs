@@ -4,7 +4,8 @@
 //!
 //! The load generator is closed-loop: a fixed number of keep-alive connections, each sending
 //! its next request as soon as the previous response is complete (for gRPC: one unary call at a
-//! time per HTTP/2 connection, as in the HTTP/1.1 runs).
+//! time per HTTP/2 connection, as in the HTTP/1.1 runs). [`Conn`] is one HTTP/1.1 connection,
+//! for generators that pace their requests instead (`global.rs`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -167,8 +168,8 @@ pub enum Requests {
 /// One run of the load generator.
 #[derive(Clone)]
 pub struct Load {
-    /// Envoy's listener.
-    pub target: SocketAddr,
+    /// Envoy listeners: connection `c` goes to `targets[c % len]` (one Envoy, or a fleet).
+    pub targets: Vec<SocketAddr>,
     /// Concurrent keep-alive connections.
     pub connections: usize,
     /// What to send.
@@ -289,18 +290,13 @@ async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
             *s.1.entry(k).or_insert(0) += v;
         }
     };
+    let target = load.targets[index % load.targets.len()];
     'reconnect: while !shared.stop.load(Ordering::Relaxed) {
-        let mut stream = match tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(load.target)).await {
-            Ok(Ok(s)) => s,
-            _ => {
-                shared.errors.fetch_add(1, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
+        let Some(mut conn) = Conn::connect(target).await else {
+            shared.errors.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
         };
-        let _ = stream.set_nodelay(true);
-        let mut buf: Vec<u8> = Vec::with_capacity(16384);
-        let mut chunk = vec![0u8; 16384];
         while !shared.stop.load(Ordering::Relaxed) {
             if let (Requests::Cycle(_), Some(max)) = (&load.requests, load.max_requests) {
                 if shared.next_number.fetch_add(1, Ordering::Relaxed) >= max {
@@ -323,34 +319,9 @@ async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
             };
             n += 1;
             let sent = Instant::now();
-            if stream.write_all(&req).await.is_err() {
+            let Some(status) = conn.exchange(&req).await else {
                 shared.errors.fetch_add(1, Ordering::Relaxed);
                 continue 'reconnect;
-            }
-            // Read one response: head, then content-length bytes.
-            let status = loop {
-                if let Some(end) = find(&buf, b"\r\n\r\n") {
-                    let head = &buf[..end];
-                    let status: u16 = std::str::from_utf8(head.get(9..12).unwrap_or(b"000"))
-                        .ok()
-                        .and_then(|s| s.parse().ok())
-                        .unwrap_or(0);
-                    let Some(len) = content_length(head) else {
-                        shared.errors.fetch_add(1, Ordering::Relaxed);
-                        continue 'reconnect;
-                    };
-                    if buf.len() >= end + 4 + len {
-                        buf.drain(..end + 4 + len);
-                        break status;
-                    }
-                }
-                match stream.read(&mut chunk).await {
-                    Ok(0) | Err(_) => {
-                        shared.errors.fetch_add(1, Ordering::Relaxed);
-                        continue 'reconnect;
-                    }
-                    Ok(k) => buf.extend_from_slice(&chunk[..k]),
-                }
             };
             if shared.measuring.load(Ordering::Relaxed) {
                 shared.completed.fetch_add(1, Ordering::Relaxed);
@@ -402,7 +373,8 @@ async fn grpc_connection(load: Load, keys: Arc<Vec<String>>, index: usize, share
     let mut local_status: BTreeMap<u16, u64> = BTreeMap::new();
     'reconnect: while !shared.stop.load(Ordering::Relaxed) {
         let connected = tokio::time::timeout(Duration::from_secs(5), async {
-            let stream = TcpStream::connect(load.target).await.ok()?;
+            let target = load.targets.get(index % load.targets.len().max(1)).copied()?;
+            let stream = TcpStream::connect(target).await.ok()?;
             let _ = stream.set_nodelay(true);
             h2::client::handshake(stream).await.ok()
         });
@@ -442,5 +414,43 @@ async fn grpc_connection(load: Load, keys: Arc<Vec<String>>, index: usize, share
     samples.0.append(&mut local_lat);
     for (k, v) in local_status {
         *samples.1.entry(k).or_insert(0) += v;
+    }
+}
+
+/// One keep-alive HTTP/1.1 connection to Envoy: a request out, its response in.
+pub struct Conn {
+    stream: TcpStream,
+    buf: Vec<u8>,
+    chunk: Vec<u8>,
+}
+
+impl Conn {
+    /// Connects (at most 5 s); `None` if that fails.
+    pub async fn connect(target: SocketAddr) -> Option<Conn> {
+        let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(target)).await.ok()?.ok()?;
+        let _ = stream.set_nodelay(true);
+        Some(Conn { stream, buf: Vec::with_capacity(16384), chunk: vec![0u8; 16384] })
+    }
+
+    /// Sends `request` and reads one response (head, then `content-length` bytes); its status,
+    /// or `None` if the connection failed or the response could not be read (connect again).
+    pub async fn exchange(&mut self, request: &[u8]) -> Option<u16> {
+        self.stream.write_all(request).await.ok()?;
+        loop {
+            if let Some(end) = find(&self.buf, b"\r\n\r\n") {
+                let head = &self.buf[..end];
+                let status: u16 =
+                    std::str::from_utf8(head.get(9..12).unwrap_or(b"000")).ok().and_then(|s| s.parse().ok()).unwrap_or(0);
+                let len = content_length(head)?;
+                if self.buf.len() >= end + 4 + len {
+                    self.buf.drain(..end + 4 + len);
+                    return Some(status);
+                }
+            }
+            match self.stream.read(&mut self.chunk).await {
+                Ok(0) | Err(_) => return None,
+                Ok(k) => self.buf.extend_from_slice(&self.chunk[..k]),
+            }
+        }
     }
 }

@@ -2,16 +2,19 @@
 //! about time. Run it through `bench/run.sh`, which builds the modules and Envoy first.
 //!
 //! ```text
-//! floodgate-bench [cpu|instructions|memory|accuracy|contention|all] [--quick] [options]
+//! floodgate-bench [cpu|instructions|memory|accuracy|contention|idle|global|all] [--quick] [options]
 //! ```
 
 mod accuracy;
 mod contention;
 mod cpu;
 mod envoy;
+mod global;
+mod idle;
 mod instructions;
 mod load;
 mod memory;
+mod services;
 mod table;
 
 use std::path::PathBuf;
@@ -45,11 +48,19 @@ pub struct Settings {
     pub selection: Selection,
     /// Number of CPUs.
     pub cpus: usize,
-    /// Only these variants (ids), if given (`cpu`, `instructions`).
+    /// Only these variants (ids), if given (`cpu`, `instructions`), or parts of `global`
+    /// (`quota`, `outage`, `cpu`).
     pub only: Option<Vec<String>>,
     /// `memory`: floodgate's table capacity, and distinct keys up to 1.5 × it (default: the
     /// default capacity, and keys up to 1 M).
     pub capacity: Option<u32>,
+    /// `cpu`, `instructions`: distinct `x-api-key` values of the main comparison, instead of
+    /// each measurement's default (1: every request on one hot key).
+    pub keys: Option<usize>,
+    /// `global`: the `redis-server` binary.
+    pub redis_server: PathBuf,
+    /// `global`: the `floodgate-sync` binary.
+    pub sync_bin: PathBuf,
 }
 
 /// Cluster selection in the "everything on" variant.
@@ -65,10 +76,10 @@ pub enum Selection {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: floodgate-bench [cpu|instructions|memory|accuracy|contention|all]... [--quick] [--rounds N] [--seconds S]\n\
-         \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N]\n\
-         \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH]\n\
-         Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM. Use bench/run.sh, which builds them."
+        "usage: floodgate-bench [cpu|instructions|memory|accuracy|contention|idle|global|all]... [--quick] [--rounds N] [--seconds S]\n\
+         \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N] [--keys N]\n\
+         \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
+         Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM, $REDIS_SERVER, $FLOODGATE_SYNC_BIN. Use bench/run.sh, which builds them."
     );
     std::process::exit(2)
 }
@@ -93,12 +104,15 @@ fn main() {
         cpus,
         only: None,
         capacity: None,
+        keys: None,
+        redis_server: env_path("REDIS_SERVER"),
+        sync_bin: env_path("FLOODGATE_SYNC_BIN"),
     };
     let mut diagnose: Option<bool> = None;
     while let Some(a) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| usage());
         match a.as_str() {
-            "cpu" | "instructions" | "memory" | "accuracy" | "contention" | "all" => what.push(a),
+            "cpu" | "instructions" | "memory" | "accuracy" | "contention" | "idle" | "global" | "all" => what.push(a),
             "--quick" => s.quick = true,
             "--rounds" => s.rounds = value().parse().unwrap_or_else(|_| usage()),
             "--seconds" => s.seconds = value().parse().unwrap_or_else(|_| usage()),
@@ -106,6 +120,7 @@ fn main() {
             "--connections" => s.connections = value().parse().unwrap_or_else(|_| usage()),
             "--variants" => s.only = Some(value().split(',').map(str::to_string).collect()),
             "--capacity" => s.capacity = Some(value().parse().ok().filter(|c| *c > 0).unwrap_or_else(|| usage())),
+            "--keys" => s.keys = Some(value().parse().ok().filter(|k| *k > 0).unwrap_or_else(|| usage())),
             "--diagnose" => diagnose = Some(true),
             "--no-diagnose" => diagnose = Some(false),
             "--selection" => {
@@ -120,11 +135,13 @@ fn main() {
             "--wasm" => s.floodgate_wasm = value().into(),
             "--noop-wasm" => s.noop_wasm = value().into(),
             "--naive-wasm" => s.naive_wasm = value().into(),
+            "--redis-server" => s.redis_server = value().into(),
+            "--sync" => s.sync_bin = value().into(),
             _ => usage(),
         }
     }
     if what.is_empty() || what.iter().any(|w| w == "all") {
-        what = ["accuracy", "cpu", "instructions", "contention", "memory"].map(String::from).to_vec();
+        what = ["accuracy", "cpu", "instructions", "contention", "memory", "idle", "global"].map(String::from).to_vec();
     }
     if s.rounds == 0 {
         s.rounds = if s.quick { 3 } else { 7 };
@@ -136,7 +153,9 @@ fn main() {
         s.warmup = 1.0;
     }
     s.diagnose = diagnose.unwrap_or(false);
-    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.noop_wasm, &mut s.naive_wasm] {
+    // Not redis-server: Debian's is a link to redis-check-rdb, which picks its mode from the name
+    // it was started as.
+    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.noop_wasm, &mut s.naive_wasm, &mut s.sync_bin] {
         if let Ok(abs) = std::fs::canonicalize(&*p) {
             *p = abs;
         }
@@ -147,6 +166,14 @@ fn main() {
             if !p.is_file() {
                 eprintln!("floodgate-bench: {name} not found at {:?}; run bench/run.sh, which builds everything", p);
                 std::process::exit(2);
+            }
+        }
+        if what.iter().any(|w| w == "global") {
+            for (name, p) in [("redis-server", &s.redis_server), ("floodgate-sync", &s.sync_bin)] {
+                if !p.is_file() {
+                    eprintln!("floodgate-bench: {name} not found at {:?}; run bench/run.sh, which installs and builds it", p);
+                    std::process::exit(2);
+                }
             }
         }
         if std::process::Command::new("taskset").arg("-V").output().is_err() {
@@ -180,6 +207,8 @@ fn main() {
             "instructions" => rt.block_on(instructions::run(&s)),
             "contention" => rt.block_on(contention::run(&s)),
             "memory" => rt.block_on(memory::run(&s)),
+            "idle" => rt.block_on(idle::run(&s)),
+            "global" => rt.block_on(global::run(&s)),
             _ => unreachable!(),
         }
         eprintln!("[{w} took {:.0} s]", t.elapsed().as_secs_f64());

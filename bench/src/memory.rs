@@ -41,7 +41,7 @@ pub async fn run(s: &Settings) {
     let designs: Vec<_> = if s.diagnose { designs.into_iter().collect() } else { designs.into_iter().take(2).collect() };
     let mut columns: Vec<(String, Vec<u64>)> = Vec::new();
     for (label, filter) in designs {
-        let spec = Spec { filter, route: Route::Fixed, clusters, http2: false, concurrency: 2, cpus: format!("0-{}", s.cpus.saturating_sub(1)), wrapper: Vec::new() };
+        let spec = Spec { filter, route: Route::Fixed, clusters, http2: false, concurrency: 2, cpus: format!("0-{}", s.cpus.saturating_sub(1)), wrapper: Vec::new(), sync: None };
         let envoy = match spec.start(&s.envoy) {
             Ok(e) => e,
             Err(e) => {
@@ -50,7 +50,7 @@ pub async fn run(s: &Settings) {
             }
         };
         // Warm up on one key, so "0 keys" is a warmed-up proxy.
-        let warm = Load { target: envoy.addr(), connections: 16, requests: Requests::Cycle(crate::cpu::key_requests("warm", 1)), max_requests: None };
+        let warm = Load { targets: vec![envoy.addr()], connections: 16, requests: Requests::Cycle(crate::cpu::key_requests("warm", 1)), max_requests: None };
         let _ = load::run(&warm, Duration::ZERO, Duration::from_secs(2), || ()).await;
         let mut rss = Vec::new();
         let mut sent = 0u64;
@@ -58,7 +58,7 @@ pub async fn run(s: &Settings) {
             if target > sent {
                 let offset = sent;
                 let make = Arc::new(move |i: u64| load::request("/", &[("x-api-key", format!("m{}", offset + i))]));
-                let load = Load { target: envoy.addr(), connections: 32, requests: Requests::Numbered(make), max_requests: Some(target - sent) };
+                let load = Load { targets: vec![envoy.addr()], connections: 32, requests: Requests::Numbered(make), max_requests: Some(target - sent) };
                 let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_secs(600), || ()).await;
                 if out.completed != target - sent || out.status(200) != out.completed {
                     progress!("{label}: {} of {} answered, statuses {:?}", out.completed, target - sent, out.statuses);

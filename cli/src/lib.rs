@@ -217,6 +217,17 @@ pub fn check(found: &Found) -> Result<Checked, String> {
             }
         }
     }
+    if let (Some(global), Some(clusters)) =
+        (&config.global, found.envoy.as_ref().and_then(|envoy| envoy.static_clusters.as_ref()))
+    {
+        if !clusters.iter().any(|c| c == global.cluster.as_str()) {
+            warnings.push(format!(
+                "global.cluster: \"{}\" is not one of this file's static_resources.clusters (every batch to \
+                 floodgate-sync would fail, and the global rules would hold per proxy only)",
+                global.cluster
+            ));
+        }
+    }
     if let Some(manager) = &found.connection_manager {
         if !manager.use_remote_address && !manager.detection_extensions {
             for (index, rule) in config.rate_limits.iter().enumerate() {
@@ -835,6 +846,21 @@ static_resources:
             "http_filters:\n- typed_config:\n    \"@type\": {WASM_FILTER_TYPE}\n    config: {{name: floodgate, failure_policy: FAIL_CLOSED, configuration: {{\"@type\": type.googleapis.com/google.protobuf.StringValue, value: '{per_ip}'}}}}\n"
         );
         assert!(check(&find("s.yaml", &snippet)[0]).unwrap().warnings.is_empty());
+    }
+
+    #[test]
+    fn a_global_cluster_the_file_does_not_define_is_reported() {
+        let config = r#"{"rate_limits": [{"name": "t", "key": [{"header": "t"}], "limit": 5, "window": "1s", "scope": "global"}], "global": {"cluster": "floodgate-sync"}}"#;
+        let listener = edge_listener("use_remote_address: true", config);
+        let warnings = |yaml: &str| check(&find("g.yaml", yaml)[0]).unwrap().warnings;
+        assert_eq!(
+            warnings(&format!("{listener}  clusters:\n  - name: upstream\n")),
+            ["global.cluster: \"floodgate-sync\" is not one of this file's static_resources.clusters (every batch to \
+              floodgate-sync would fail, and the global rules would hold per proxy only)"]
+        );
+        assert!(warnings(&format!("{listener}  clusters:\n  - name: upstream\n  - name: floodgate-sync\n")).is_empty());
+        // Without static clusters (they may come from CDS) there is nothing to compare with.
+        assert!(warnings(&listener).is_empty());
     }
 
     #[test]

@@ -144,7 +144,7 @@ pub fn needs_flags(grpc_status: Option<GrpcStatus>, failures: &[GrpcStatus]) -> 
 /// HTTP outcome (a success, or a slow one).
 pub fn outcome(http: Outcome, status: Option<GrpcStatus>, failures: &[GrpcStatus]) -> Outcome {
     match (http, status) {
-        (Outcome::Timeout | Outcome::Failure, _) => http,
+        (Outcome::Timeout | Outcome::Overflow | Outcome::Failure, _) => http,
         (_, None) => Outcome::Ignored,
         (_, Some(GrpcStatus::DEADLINE_EXCEEDED)) => Outcome::Timeout,
         (_, Some(status)) if failures.contains(&status) => Outcome::Failure,
@@ -195,9 +195,9 @@ mod tests {
         let probes = [Probe::new(0, 7)];
         // 2.5 s into a 10 s bucket: the third request waits for the next bucket's room.
         let now = UnixMillis(1_700_000_000_000 + 2_500);
-        let mut verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1);
+        let mut verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, now);
         while matches!(verdict, Verdict::Admitted { .. }) {
-            verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, now, 1);
+            verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, now);
         }
         response::rate_limited(&limiter, &verdict, now).unwrap()
     }
@@ -236,7 +236,7 @@ mod tests {
         assert_eq!(reply(&http, &config.grpc).unwrap().status, GrpcStatus::UNAVAILABLE);
 
         let shedding = Config::parse(br#"{"load_shedding":{"max_active_requests":4,"retry_after":"2500ms"}}"#).unwrap();
-        let shedder = Shedder::new(shedding.load_shedding.as_ref().unwrap(), "t");
+        let shedder = Shedder::new(shedding.load_shedding.as_ref().unwrap(), "t").unwrap();
         let shed = response::shed(&shedder, &Shed { in_flight: 4, class: 1, contention: false });
         let default = reply(&shed, &Grpc::default()).unwrap();
         assert_eq!(default.status, GrpcStatus::UNAVAILABLE);
@@ -256,7 +256,7 @@ mod tests {
         assert_eq!(reply(&none, &config.grpc).unwrap().status.code(), 10);
 
         // The health endpoint's answer refuses nothing.
-        assert_eq!(reply(&response::health(None, None), &Grpc::default()), None);
+        assert_eq!(reply(&response::health(&response::LocalLoad::default(), None), &Grpc::default()), None);
     }
 
     #[test]

@@ -36,8 +36,9 @@ pub struct HeaderPlan {
 }
 
 impl HeaderPlan {
-    /// The plan for `config`: the health endpoint's `:path`, the shedder's priority header and
-    /// every header a rate-limit key reads.
+    /// The plan for `config`: the health endpoint's `:path`, the shedder's priority header,
+    /// every header a rate-limit key reads, and those the rules' conditions, tiers and costs
+    /// read.
     pub fn new(config: &Config) -> HeaderPlan {
         // (name, usually present)
         let mut wanted: Vec<(String, bool)> = Vec::new();
@@ -64,6 +65,10 @@ impl HeaderPlan {
         if config.cluster_selection.is_some() {
             // Whether a request with a cluster lease is gRPC (crate::grpc).
             want("content-type", false);
+        }
+        // The rules' conditions, tier headers and request cost headers.
+        for (name, usually_present) in crate::rules::Rules::request_headers(config) {
+            want(&name, usually_present);
         }
         let present = wanted.iter().filter(|(_, present)| *present).count();
         HeaderPlan {

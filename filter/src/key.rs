@@ -109,12 +109,28 @@ pub fn probes<V: AsRef<[u8]>>(
     config: &Config,
     hasher: &KeyHasher,
     fleet: Option<&FleetHasher>,
+    fetch: impl FnMut(Source<'_>) -> Option<V>,
+    skipped: &mut Vec<usize>,
+) -> Vec<Probe> {
+    probes_where(config, hasher, fleet, fetch, skipped, |_| true)
+}
+
+/// [`probes`] of the rules that `applies` (by index) says apply to the request: the others are
+/// passed over before any of their key parts is read.
+pub fn probes_where<V: AsRef<[u8]>>(
+    config: &Config,
+    hasher: &KeyHasher,
+    fleet: Option<&FleetHasher>,
     mut fetch: impl FnMut(Source<'_>) -> Option<V>,
     skipped: &mut Vec<usize>,
+    mut applies: impl FnMut(usize) -> bool,
 ) -> Vec<Probe> {
     let mut fetched: Vec<(Source<'_>, Option<V>)> = Vec::new();
     let mut probes = Vec::with_capacity(config.rate_limits.len());
     for (rule_index, rule) in config.rate_limits.iter().enumerate() {
+        if !applies(rule_index) {
+            continue;
+        }
         for part in &rule.key {
             let source = part.source();
             if !fetched.iter().any(|(s, _)| *s == source) {

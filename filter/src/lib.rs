@@ -4,7 +4,7 @@
 //!
 //! Layout: a pure core that imports nothing from proxy-wasm and takes `now` as an argument —
 //! [`config`] (parsed once, validated), [`ratelimit`] (window, bounded table, limiter),
-//! [`key`] (key parts and the keyed hash), [`headers`] (which request headers to read and how,
+//! [`key`] (key parts and the keyed hash), [`rules`] (conditions, tiers and costs of rules), [`reserve`] (units counted ahead of use), [`headers`] (which request headers to read and how,
 //! and the serialized header map), [`store`] (shared data behind a trait, CAS
 //! discipline), [`response`] (the 429 and the `RateLimit` fields), [`grpc`] (the gRPC form of
 //! refusals, the outcome of gRPC calls), [`time`] — and `host`, the
@@ -16,8 +16,11 @@ pub mod global;
 pub mod grpc;
 pub mod headers;
 pub mod key;
+pub mod lag;
 pub mod ratelimit;
+pub mod reserve;
 pub mod response;
+pub mod rules;
 pub mod select;
 pub mod shed;
 pub mod store;

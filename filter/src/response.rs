@@ -10,9 +10,12 @@
 
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
 use crate::select::{Exhausted, Selector};
-use crate::shed::{Shed, Shedder};
+use crate::lag::{LagMonitor, LagShed};
+use crate::shed::{Classes, Shed, Shedder};
 use crate::time::UnixMillis;
 use serde_json::json;
+use std::borrow::Cow;
+use std::num::NonZeroU32;
 
 /// Problem type of a shed request.
 pub const TEMPORARY_REDUCED_CAPACITY: &str =
@@ -58,24 +61,21 @@ pub enum RefusalKind {
     NoCapacity,
 }
 
-/// The `ratelimit-policy` and `ratelimit` field values for one rule.
-pub fn ratelimit_fields(table: &RuleTable, remaining: u64, reset_secs: u64) -> (String, String) {
-    (
-        format!(
-            "\"{}\";q={};w={}",
-            table.name,
-            table.limit,
-            table.window.length_ms().div_ceil(1000)
-        ),
-        format!("\"{}\";r={remaining};t={reset_secs}", table.name),
-    )
+/// The `ratelimit-policy` value of one rule for a key of limit `limit` (in the rule's units).
+pub fn policy_field(table: &RuleTable, limit: NonZeroU32) -> String {
+    format!("\"{}\";q={limit};w={}", table.name, table.window.length_ms().div_ceil(1000))
+}
+
+/// The `ratelimit-policy` and `ratelimit` field values for one rule and a key of limit `limit`.
+pub fn ratelimit_fields(table: &RuleTable, limit: NonZeroU32, remaining: u64, reset_secs: u64) -> (String, String) {
+    (policy_field(table, limit), format!("\"{}\";r={remaining};t={reset_secs}", table.name))
 }
 
 /// For an admitted request: the fields of the rule with the least remaining quota.
 pub fn admitted_fields(limiter: &Limiter, standings: &[Standing]) -> Option<(String, String)> {
     let fields = AdmittedFields::new(limiter);
-    let (rule, ratelimit) = fields.tightest(standings)?;
-    Some((fields.policy(rule)?.to_owned(), ratelimit))
+    let tightest = fields.tightest(standings)?;
+    Some((fields.policy(&tightest)?.into_owned(), tightest.ratelimit))
 }
 
 /// The `RateLimit` fields of admitted responses, prepared once per configuration: each rule's
@@ -85,6 +85,19 @@ pub fn admitted_fields(limiter: &Limiter, standings: &[Standing]) -> Option<(Str
 pub struct AdmittedFields {
     /// Per rule, in configuration order: (`ratelimit-policy` value, `ratelimit` up to `r=`).
     rules: Vec<(String, String)>,
+    /// Per rule: its limit and window (for a key whose limit is another: a tier, an override).
+    tables: Vec<RuleTable>,
+}
+
+/// The fields of an admitted request's tightest rule.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tightest {
+    /// Index of the rule.
+    pub rule: usize,
+    /// The key's limit.
+    pub limit: NonZeroU32,
+    /// The `ratelimit` value.
+    pub ratelimit: String,
 }
 
 impl AdmittedFields {
@@ -93,22 +106,25 @@ impl AdmittedFields {
         let rules = limiter
             .tables()
             .iter()
-            .map(|table| {
-                let (policy, _) = ratelimit_fields(table, 0, 0);
-                (policy, format!("\"{}\";r=", table.name))
-            })
+            .map(|table| (policy_field(table, table.limit), format!("\"{}\";r=", table.name)))
             .collect();
-        AdmittedFields { rules }
+        AdmittedFields { rules, tables: limiter.tables().to_vec() }
     }
 
-    /// The `ratelimit-policy` value of rule `rule`.
-    pub fn policy(&self, rule: usize) -> Option<&str> {
-        self.rules.get(rule).map(|(policy, _)| policy.as_str())
+    /// The `ratelimit-policy` value of `tightest`'s rule: prepared once, unless the key's limit is
+    /// not the rule's (a tier, an override).
+    pub fn policy(&self, tightest: &Tightest) -> Option<Cow<'_, str>> {
+        let table = self.tables.get(tightest.rule)?;
+        if tightest.limit == table.limit {
+            self.rules.get(tightest.rule).map(|(policy, _)| Cow::Borrowed(policy.as_str()))
+        } else {
+            Some(Cow::Owned(policy_field(table, tightest.limit)))
+        }
     }
 
     /// For an admitted request: the rule with the least remaining quota (the first of equals)
     /// and its `ratelimit` value.
-    pub fn tightest(&self, standings: &[Standing]) -> Option<(usize, String)> {
+    pub fn tightest(&self, standings: &[Standing]) -> Option<Tightest> {
         let tightest = standings.iter().min_by_key(|s| s.remaining)?;
         let (_, prefix) = self.rules.get(tightest.rule)?;
         // Two integers of at most 20 digits and ";t=".
@@ -117,7 +133,7 @@ impl AdmittedFields {
         push_decimal(&mut ratelimit, tightest.remaining);
         ratelimit.push_str(";t=");
         push_decimal(&mut ratelimit, tightest.reset_ms.div_ceil(1000));
-        Some((tightest.rule, ratelimit))
+        Some(Tightest { rule: tightest.rule, limit: tightest.limit, ratelimit })
     }
 }
 
@@ -162,13 +178,14 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         .max_by_key(|(_, (_, ms))| *ms)?;
     let (violation, (table, _)) = binding;
     let (retry_after_ms, retry_after_secs) = retry_after(verdict.retry_at(), now, table.window.length_ms());
-    let (policy, ratelimit) = ratelimit_fields(table, violation.standing.remaining, retry_after_secs);
+    let limit = violation.standing.limit;
+    let (policy, ratelimit) = ratelimit_fields(table, limit, violation.standing.remaining, retry_after_secs);
     let estimate = round3(violation.standing.estimate);
     let detail = match violation.cause {
         Cause::OverLimit => format!(
-            "quota \"{}\" of {} requests per {} is exhausted (current estimate {estimate}); retry in {retry_after_secs} s",
+            "quota \"{}\" of {limit} {} per {} is exhausted (current estimate {estimate}); retry in {retry_after_secs} s",
             table.name,
-            table.limit,
+            table.unit,
             window_text(table)
         ),
         Cause::Contention => format!(
@@ -182,7 +199,8 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
             let (table, ms) = describe(v)?;
             Some(json!({
                 "policy": table.name.as_str(),
-                "limit": table.limit.get(),
+                "limit": v.standing.limit.get(),
+                "unit": table.unit,
                 "window_ms": table.window.length_ms(),
                 "estimate": round3(v.standing.estimate),
                 "retry_after_ms": ms,
@@ -200,7 +218,8 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         "detail": detail.as_str(),
         "violated-policies": names,
         "policy": table.name.as_str(),
-        "limit": table.limit.get(),
+        "limit": limit.get(),
+        "unit": table.unit,
         "window": window_text(table),
         "window_ms": table.window.length_ms(),
         "estimate": estimate,
@@ -305,33 +324,142 @@ pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
     }
 }
 
+/// Whether a request method is one the health endpoint answers: `GET` and `HEAD` (exactly, as
+/// HTTP methods are case-sensitive). Any other method on the health path is an ordinary request.
+pub fn is_health_method(method: &[u8]) -> bool {
+    method == b"GET" || method == b"HEAD"
+}
+
+/// The proxy's own load, as one worker sees it: what the health endpoint reports.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LocalLoad<'a> {
+    /// The in-flight shedder and the proxy-wide in-flight count (with `max_active_requests`).
+    pub in_flight: Option<(&'a Shedder, u32)>,
+    /// This worker's loop lag (with `max_loop_lag`).
+    pub lag: Option<LagStatus>,
+}
+
+/// A worker's loop lag, for the health endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LagStatus {
+    /// The lag the worker's loop has had at least over its recent probes, in milliseconds.
+    pub lag_ms: u64,
+    /// `max_loop_lag`, in milliseconds.
+    pub max_loop_lag_ms: u64,
+    /// Whether the worker sheds the default class for lag now.
+    pub sheds_default_class: bool,
+    /// Whether it sheds any class for lag now.
+    pub shedding: bool,
+}
+
+/// One upstream cluster, as the health endpoint's dependency view shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterHealth {
+    /// The cluster's name.
+    pub name: String,
+    /// Its success rate, in [0, 1].
+    pub success_rate: f64,
+    /// Its concurrency limit.
+    pub limit: u32,
+    /// Leases held on it, proxy-wide.
+    pub in_flight: u32,
+}
+
+/// The dependency view of the health endpoint (`health.dependencies`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DependencyView {
+    /// Whether failing dependencies turn the answer red.
+    pub fail: bool,
+    /// The success rate below which a cluster counts as failing.
+    pub min_success_rate: f64,
+    /// The clusters (those whose record could be read).
+    pub clusters: Vec<ClusterHealth>,
+}
+
 /// The health endpoint's answer: `200` when the proxy takes default-class work, `503` when it
-/// would shed it. `in_flight` is `None` when load shedding is not configured.
-pub fn health(shedder: Option<&Shedder>, in_flight: Option<u32>) -> Reply {
-    let (status, body) = match (shedder, in_flight) {
-        (Some(shedder), Some(in_flight)) => {
-            let overloaded = shedder.overloaded(in_flight);
-            let threshold = shedder.classes.get(shedder.default_class).map_or(0, |c| c.threshold);
-            (
-                if overloaded { 503 } else { 200 },
-                json!({
-                    "status": if overloaded { "overloaded" } else { "ok" },
-                    "in_flight": in_flight,
-                    "max_active_requests": shedder.max_active_requests,
-                    "default_class_threshold": threshold,
-                }),
-            )
-        }
-        _ => (200, json!({"status": "ok"})),
+/// would shed it (its in-flight count at the default class's threshold, or this worker's loop
+/// lagging past the default class's share of `max_loop_lag`), and, only with
+/// `dependencies: "fail"`, `503` while every cluster fails.
+pub fn health(load: &LocalLoad<'_>, dependencies: Option<&DependencyView>) -> Reply {
+    let mut body = serde_json::Map::new();
+    let mut overloaded = false;
+    if let Some((shedder, in_flight)) = load.in_flight {
+        overloaded |= shedder.overloaded(in_flight);
+        let threshold = shedder.classes.get(shedder.default_class).map_or(0, |c| c.threshold);
+        body.insert("in_flight".into(), json!(in_flight));
+        body.insert("max_active_requests".into(), json!(shedder.max_active_requests));
+        body.insert("default_class_threshold".into(), json!(threshold));
+    }
+    if let Some(lag) = load.lag {
+        overloaded |= lag.sheds_default_class;
+        body.insert("loop_lag_ms".into(), json!(lag.lag_ms));
+        body.insert("max_loop_lag_ms".into(), json!(lag.max_loop_lag_ms));
+    }
+    if load.in_flight.is_some() || load.lag.is_some() {
+        let shedding = overloaded || load.lag.is_some_and(|l| l.shedding);
+        body.insert("shedding".into(), json!(shedding));
+    }
+    let mut failing = false;
+    if let Some(view) = dependencies {
+        let clusters: Vec<serde_json::Value> = view
+            .clusters
+            .iter()
+            .map(|c| {
+                json!({"name": c.name, "success_rate": (c.success_rate * 1e4).round() / 1e4, "limit": c.limit, "in_flight": c.in_flight})
+            })
+            .collect();
+        let all_failing = !view.clusters.is_empty() && view.clusters.iter().all(|c| c.success_rate < view.min_success_rate);
+        failing = view.fail && all_failing;
+        body.insert("clusters".into(), json!(clusters));
+        body.insert("dependencies".into(), json!(if all_failing { "failing" } else { "ok" }));
+    }
+    let status = if overloaded {
+        "overloaded"
+    } else if failing {
+        "dependencies_failing"
+    } else {
+        "ok"
     };
+    body.insert("status".into(), json!(status));
     Reply {
-        status,
+        status: if overloaded || failing { 503 } else { 200 },
         headers: vec![
             ("content-type", "application/json".into()),
             ("cache-control", "no-store".into()),
         ],
-        body: body.to_string(),
+        body: serde_json::Value::Object(body).to_string(),
         refusal: None,
+    }
+}
+
+/// The `503` when a worker's event loop lags (see [`crate::lag`]).
+pub fn shed_by_lag(classes: &Classes, monitor: &LagMonitor, shed: &LagShed, retry_after_secs: u64) -> Reply {
+    let class_name = classes.name(shed.class);
+    let detail = format!(
+        "this proxy's event loop is {} ms late; class \"{class_name}\" is shed from {} ms (max_loop_lag {} ms); retry in {retry_after_secs} s",
+        shed.lag_ms,
+        shed.threshold_ms,
+        monitor.max_loop_lag_ms()
+    );
+    let body = json!({
+        "type": TEMPORARY_REDUCED_CAPACITY,
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": detail.clone(),
+        "loop_lag_ms": shed.lag_ms,
+        "max_loop_lag_ms": monitor.max_loop_lag_ms(),
+        "class": class_name,
+        "class_lag_threshold_ms": shed.threshold_ms,
+        "retry_after": retry_after_secs,
+    });
+    Reply {
+        status: 503,
+        headers: vec![
+            ("content-type", "application/problem+json".into()),
+            ("retry-after", retry_after_secs.to_string()),
+        ],
+        body: body.to_string(),
+        refusal: Some(Refusal { kind: RefusalKind::Shed, detail, retry_after_ms: retry_after_secs.saturating_mul(1000) }),
     }
 }
 
@@ -362,6 +490,15 @@ mod tests {
     }
 
     #[test]
+    fn the_health_endpoint_answers_get_and_head_only() {
+        assert!(is_health_method(b"GET"));
+        assert!(is_health_method(b"HEAD"));
+        for other in [&b"POST"[..], b"PUT", b"DELETE", b"OPTIONS", b"get", b"", b"GET "] {
+            assert!(!is_health_method(other), "{:?}", String::from_utf8_lossy(other));
+        }
+    }
+
+    #[test]
     fn the_429_carries_every_field() {
         let limiter = limiter();
         let store = MemoryStore::new();
@@ -369,9 +506,9 @@ mod tests {
         // 300 ms into a 4 s bucket.
         let now = UnixMillis(1_700_000_000_000 + 300);
         for _ in 0..4 {
-            assert!(matches!(limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1), Verdict::Admitted { .. }));
+            assert!(matches!(limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now), Verdict::Admitted { .. }));
         }
-        let verdict = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1);
+        let verdict = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now);
         let reply = rate_limited(&limiter, &verdict, now).unwrap();
         assert_eq!(reply.status, 429);
         let header = |name: &str| reply.headers.iter().find(|(n, _)| *n == name).unwrap().1.clone();
@@ -396,7 +533,7 @@ mod tests {
     #[test]
     fn the_503_and_the_health_answer() {
         let config = Config::parse(br#"{"load_shedding":{"max_active_requests":10,"retry_after":"2s"}}"#).unwrap();
-        let shedder = Shedder::new(config.load_shedding.as_ref().unwrap(), "t");
+        let shedder = Shedder::new(config.load_shedding.as_ref().unwrap(), "t").unwrap();
         let reply = shed(&shedder, &Shed { in_flight: 9, class: 1, contention: false });
         assert_eq!(reply.status, 503);
         assert!(reply.headers.contains(&("retry-after", "2".into())));
@@ -406,11 +543,42 @@ mod tests {
         assert_eq!(body["class"], "normal");
         assert_eq!(body["in_flight"], 9);
         assert_eq!(body["class_threshold"], 9);
-        assert_eq!(health(Some(&shedder), Some(8)).status, 200);
-        let busy = health(Some(&shedder), Some(9));
+        let with = |in_flight| LocalLoad { in_flight: Some((&shedder, in_flight)), lag: None };
+        assert_eq!(health(&with(8), None).status, 200);
+        let busy = health(&with(9), None);
         assert_eq!(busy.status, 503);
-        assert!(busy.body.contains("\"overloaded\""));
-        assert_eq!(health(None, None).status, 200);
+        let body: serde_json::Value = serde_json::from_str(&busy.body).unwrap();
+        assert_eq!(body, serde_json::json!({"status": "overloaded", "shedding": true, "in_flight": 9, "max_active_requests": 10, "default_class_threshold": 9}));
+        assert_eq!(health(&LocalLoad::default(), None).body, r#"{"status":"ok"}"#);
+    }
+
+    #[test]
+    fn the_health_answer_reports_the_loop_lag_and_the_dependencies() {
+        let lag = |lag_ms, sheds_default_class, shedding| LocalLoad {
+            in_flight: None,
+            lag: Some(LagStatus { lag_ms, max_loop_lag_ms: 50, sheds_default_class, shedding }),
+        };
+        let body = |r: &Reply| serde_json::from_str::<serde_json::Value>(&r.body).unwrap();
+        let calm = health(&lag(3, false, false), None);
+        assert_eq!(calm.status, 200);
+        assert_eq!(body(&calm), serde_json::json!({"status": "ok", "shedding": false, "loop_lag_ms": 3, "max_loop_lag_ms": 50}));
+        let low_only = health(&lag(30, false, true), None);
+        assert_eq!((low_only.status, body(&low_only)["shedding"].clone()), (200, serde_json::json!(true)), "only a lower class is shed");
+        assert_eq!(health(&lag(48, true, true), None).status, 503);
+        let cluster = |name: &str, success_rate| ClusterHealth { name: name.into(), success_rate, limit: 20, in_flight: 1 };
+        let view = |fail, rates: &[f64]| DependencyView {
+            fail,
+            min_success_rate: 0.5,
+            clusters: rates.iter().enumerate().map(|(i, r)| cluster(&format!("c{i}"), *r)).collect(),
+        };
+        let report = health(&LocalLoad::default(), Some(&view(false, &[0.1, 0.2])));
+        assert_eq!(report.status, 200, "reported, not failed");
+        assert_eq!(body(&report)["dependencies"], "failing");
+        assert_eq!(body(&report)["clusters"][1], serde_json::json!({"name": "c1", "success_rate": 0.2, "limit": 20, "in_flight": 1}));
+        let failing = health(&LocalLoad::default(), Some(&view(true, &[0.1, 0.2])));
+        assert_eq!((failing.status, body(&failing)["status"].clone()), (503, serde_json::json!("dependencies_failing")));
+        assert_eq!(health(&LocalLoad::default(), Some(&view(true, &[0.1, 0.9]))).status, 200, "one cluster still serves");
+        assert_eq!(health(&LocalLoad::default(), Some(&view(true, &[]))).status, 200, "no data: not failing");
     }
 
     #[test]
@@ -419,7 +587,7 @@ mod tests {
         let store = MemoryStore::new();
         let probes = [Probe::new(0, 1), Probe::new(1, 2)];
         let now = UnixMillis(1_700_000_000_000 + 300);
-        let Verdict::Admitted { standings, .. } = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now, 1) else {
+        let Verdict::Admitted { standings, .. } = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now) else {
             panic!("admitted")
         };
         let (policy, ratelimit) = admitted_fields(&limiter, &standings).unwrap();
@@ -427,9 +595,14 @@ mod tests {
         // One counted in the current bucket: the estimate is back to zero at the end of the next.
         assert_eq!(ratelimit, "\"per-api-key\";r=3;t=8");
         let fields = AdmittedFields::new(&limiter);
-        assert_eq!(fields.tightest(&standings), Some((0, ratelimit)));
-        assert_eq!(fields.policy(1), Some("\"per-ip\";q=100;w=60"));
-        assert_eq!(fields.policy(2), None);
+        let tightest = fields.tightest(&standings).unwrap();
+        assert_eq!((tightest.rule, &tightest.ratelimit), (0, &ratelimit));
+        let limit = |n| NonZeroU32::new(n).unwrap();
+        let per_ip = Tightest { rule: 1, limit: limit(100), ratelimit: String::new() };
+        assert_eq!(fields.policy(&per_ip).as_deref(), Some("\"per-ip\";q=100;w=60"));
+        let tier = Tightest { limit: limit(7), ..per_ip.clone() };
+        assert_eq!(fields.policy(&tier).as_deref(), Some("\"per-ip\";q=7;w=60"), "a tier's limit");
+        assert_eq!(fields.policy(&Tightest { rule: 2, ..per_ip }), None);
         assert_eq!(fields.tightest(&[]), None);
     }
 
@@ -443,6 +616,7 @@ mod tests {
             remaining,
             reset_ms,
             retry_at: None,
+            limit: limiter.tables()[rule].limit,
         };
         let mut values = vec![0, 1, 9, 10, 99, 100, 999, 1000, 1001, 12_345, u64::from(u32::MAX)];
         values.extend([u64::MAX - 1, u64::MAX]);
@@ -451,15 +625,16 @@ mod tests {
             let table = &limiter.tables()[rule];
             for remaining in &values {
                 for reset_ms in &values {
-                    let (policy, ratelimit) = ratelimit_fields(table, *remaining, reset_ms.div_ceil(1000));
+                    let (policy, ratelimit) = ratelimit_fields(table, table.limit, *remaining, reset_ms.div_ceil(1000));
                     let standings = [standing(rule, *remaining, *reset_ms)];
-                    assert_eq!(fields.tightest(&standings), Some((rule, ratelimit)));
-                    assert_eq!(fields.policy(rule), Some(policy.as_str()));
+                    let tightest = fields.tightest(&standings).unwrap();
+                    assert_eq!((tightest.rule, &tightest.ratelimit), (rule, &ratelimit));
+                    assert_eq!(fields.policy(&tightest).as_deref(), Some(policy.as_str()));
                 }
             }
         }
         // The tightest rule, the first of equals.
         let standings = [standing(1, 5, 0), standing(0, 3, 0), standing(1, 3, 0)];
-        assert_eq!(fields.tightest(&standings).unwrap().0, 0);
+        assert_eq!(fields.tightest(&standings).unwrap().rule, 0);
     }
 }

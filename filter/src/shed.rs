@@ -25,35 +25,33 @@
 //! heartbeating, and after [`STALE_AFTER_MS`] its entry is ignored and then dropped, so its
 //! streams, which can no longer end, stop counting.
 //!
-//! **Reserves.** Reading and writing the record for every request costs two host calls that
-//! return bytes at admission and two more at the end (about 3 µs per request under V8). So a VM
-//! far below the limit publishes a few units more than it uses, and admits the next requests
-//! from that reserve without touching shared data (see [`reserve`]):
+//! **Reserves** ([`crate::reserve`], whose invariants apply here): far below the lowest class
+//! threshold a VM publishes a few units more than it uses and admits its next requests from
+//! them without touching shared data:
 //!
 //! ```text
-//! held = in_use + min(RESERVE_MAX, ⌊room / (RESERVE_SPREAD × live VMs)⌋)
+//! held = in_use + min(RESERVE_MAX, ⌊room / (IN_FLIGHT_SPREAD × live VMs)⌋)
 //! room = lowest class threshold − (other VMs' units + in_use)
 //! ```
 //!
-//! Reserved units count as in flight for everybody, so the limit stays exact: the published units
-//! of all VMs never exceed the threshold of the class that wrote them, and no request runs
-//! without a published unit. Near the lowest threshold `room` is small and the reserve is 0:
-//! every admission is a compare-and-swap, as without reserves. The price is bounded: a VM's idle
-//! reserve (at most [`RESERVE_MAX`] units, and only while the count is far below every
-//! threshold) can make another VM shed early by that much, and a surge from far below the lowest
-//! threshold to above it can admit up to `RESERVE_MAX` lower-class requests per VM from reserves
-//! taken before it. Releases far below the threshold stay in the VM's reserve (a later request
-//! takes the unit again); a VM gives its reserve back on every heartbeat, when the reserve
-//! outgrows `RESERVE_MAX`, and, near the threshold, at every release.
+//! Reserved units count as in flight for everybody, so the published units of all VMs never
+//! exceed the threshold of the class that wrote them. The price is bounded: a VM's idle reserve
+//! can make another VM shed early by that much, and a surge from far below the lowest threshold
+//! to above it can admit up to `RESERVE_MAX` lower-class requests per VM from reserves taken
+//! before it. Releases far below the threshold stay in the VM's reserve; a VM gives its reserve
+//! back on every heartbeat, when the reserve outgrows `RESERVE_MAX`, and, near the threshold, at
+//! every release.
+//!
+//! Heartbeats are monotonic-clock readings ([`MonoMillis`]): a step of the wall clock cannot make
+//! a live VM's entry look dead, nor a dead one's look alive.
 //!
 //! Record layout (little-endian): version `u8`, entry count `u8`, 2 zero bytes, then per entry VM
-//! id `u64`, in-flight `u32`, last heartbeat (ms since epoch) `u64`.
+//! id `u64`, in-flight `u32`, last heartbeat (monotonic ms) `u64`.
 
 use crate::config::{LoadShedding, Name};
+use crate::reserve::{in_flight_units, Lease, LocalCount};
 use crate::store::{write_back, SharedStore, StoreError};
-use crate::time::UnixMillis;
-use std::cell::Cell;
-use std::rc::Rc;
+use crate::time::MonoMillis;
 
 /// A VM whose heartbeat is older than this is considered gone.
 pub const STALE_AFTER_MS: u64 = 10_000;
@@ -61,10 +59,6 @@ pub const STALE_AFTER_MS: u64 = 10_000;
 pub const HEARTBEAT_MS: u64 = 1_000;
 /// Entries a record holds at most (workers plus replaced VMs not yet expired).
 pub const MAX_VMS: usize = 128;
-/// Units a VM may hold beyond the requests it has in flight (module doc, "Reserves").
-pub const RESERVE_MAX: u32 = 16;
-/// A VM reserves at most `1 / (RESERVE_SPREAD × live VMs)` of the room left below the threshold.
-pub const RESERVE_SPREAD: u32 = 4;
 
 const RECORD_VERSION: u8 = 1;
 const HEADER_LEN: usize = 4;
@@ -78,7 +72,7 @@ pub struct VmEntry {
     /// Requests this VM admitted that have not ended.
     pub in_flight: u32,
     /// When the VM last proved it is alive.
-    pub heartbeat: UnixMillis,
+    pub heartbeat: MonoMillis,
 }
 
 /// The proxy-wide in-flight record.
@@ -111,7 +105,7 @@ impl InFlight {
                 VmEntry {
                     vm: u64::from_le_bytes(vm.try_into().unwrap_or_default()),
                     in_flight: u32::from_le_bytes(in_flight.try_into().unwrap_or_default()),
-                    heartbeat: UnixMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
+                    heartbeat: MonoMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
                 }
             })
             .collect();
@@ -132,17 +126,17 @@ impl InFlight {
     }
 
     /// Requests in flight across every live VM.
-    pub fn total(&self, now: UnixMillis) -> u32 {
+    pub fn total(&self, now: MonoMillis) -> u32 {
         self.live_sum(now, None)
     }
 
     /// Requests in flight on live VMs other than `vm`.
-    pub fn others(&self, vm: u64, now: UnixMillis) -> u32 {
+    pub fn others(&self, vm: u64, now: MonoMillis) -> u32 {
         self.live_sum(now, Some(vm))
     }
 
     /// Live VMs other than `vm` that hold units.
-    pub fn other_vms(&self, vm: u64, now: UnixMillis) -> u32 {
+    pub fn other_vms(&self, vm: u64, now: MonoMillis) -> u32 {
         let count = self
             .entries
             .iter()
@@ -151,7 +145,7 @@ impl InFlight {
         u32::try_from(count).unwrap_or(u32::MAX)
     }
 
-    fn live_sum(&self, now: UnixMillis, except: Option<u64>) -> u32 {
+    fn live_sum(&self, now: MonoMillis, except: Option<u64>) -> u32 {
         self.entries
             .iter()
             .filter(|e| Some(e.vm) != except && is_live(e, now))
@@ -160,7 +154,7 @@ impl InFlight {
 
     /// Publishes `vm`'s count as of `now`: drops dead and idle entries of other VMs, then sets
     /// (or, when zero, removes) `vm`'s entry. Returns false if there was no room for it.
-    pub fn publish(&mut self, vm: u64, in_flight: u32, now: UnixMillis) -> bool {
+    pub fn publish(&mut self, vm: u64, in_flight: u32, now: MonoMillis) -> bool {
         self.entries
             .retain(|e| e.vm != vm && is_live(e, now) && e.in_flight > 0);
         if in_flight == 0 {
@@ -179,7 +173,7 @@ impl InFlight {
 
     /// Whether a heartbeat of `vm` with local count `in_flight` would change anything worth a
     /// write: its own entry is missing, stale-bound or wrong, or there are dead entries to drop.
-    pub fn needs_heartbeat(&self, vm: u64, in_flight: u32, now: UnixMillis) -> bool {
+    pub fn needs_heartbeat(&self, vm: u64, in_flight: u32, now: MonoMillis) -> bool {
         let own = self.entries.iter().find(|e| e.vm == vm);
         let own_current = match own {
             Some(e) => e.in_flight == in_flight && now.saturating_since(e.heartbeat) < HEARTBEAT_MS,
@@ -190,7 +184,7 @@ impl InFlight {
 }
 
 /// The decision for one request, given the published record and this VM's local count.
-pub fn admits(record: &InFlight, vm: u64, local: u32, threshold: u32, now: UnixMillis) -> Result<u32, u32> {
+pub fn admits(record: &InFlight, vm: u64, local: u32, threshold: u32, now: MonoMillis) -> Result<u32, u32> {
     let total = record.others(vm, now).saturating_add(local);
     if total < threshold {
         Ok(total)
@@ -202,7 +196,7 @@ pub fn admits(record: &InFlight, vm: u64, local: u32, threshold: u32, now: UnixM
 /// A VM's entry counts while its heartbeat is recent: less than [`STALE_AFTER_MS`] old, and not
 /// more than that ahead of `now` either (a corrupt record, or a dead VM's entry after the wall
 /// clock stepped back, must not count forever; a live VM rewrites its entry within a heartbeat).
-fn is_live(entry: &VmEntry, now: UnixMillis) -> bool {
+fn is_live(entry: &VmEntry, now: MonoMillis) -> bool {
     now.saturating_since(entry.heartbeat) < STALE_AFTER_MS && entry.heartbeat.saturating_since(now) < STALE_AFTER_MS
 }
 
@@ -213,132 +207,6 @@ pub fn threshold(shed_at: f64, max_active_requests: u32) -> u32 {
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let value = scaled.clamp(1.0, f64::from(max_active_requests)) as u32;
     value
-}
-
-/// The units a VM publishes once it admits a request that brings its count in use to
-/// `in_use_after`: those, plus a reserve of `min(RESERVE_MAX, ⌊room / (RESERVE_SPREAD × live)⌋)`
-/// where `room = ceiling − (others + in_use_after)` and `live` counts the live VMs, this one
-/// included (module doc, "Reserves"), and no reserve when that share is a single unit. Never
-/// more than `max(ceiling − others, in_use_after)`.
-pub fn reserve(in_use_after: u32, others: u32, other_vms: u32, ceiling: u32) -> u32 {
-    let room = ceiling.saturating_sub(others.saturating_add(in_use_after));
-    let live = other_vms.saturating_add(1);
-    let spare = room
-        .checked_div(live.saturating_mul(RESERVE_SPREAD))
-        .unwrap_or(0);
-    // A single spare unit saves one write and could leave the last unit below a small threshold
-    // stranded in an idle VM: not worth it.
-    let spare = if spare < 2 { 0 } else { spare };
-    in_use_after.saturating_add(spare.min(RESERVE_MAX))
-}
-
-/// This VM's side of one shared in-flight count (the shedder's, or one cluster's): the truth for
-/// this VM, which the shared record only mirrors. One per VM and record, shared by the
-/// configurations that use the record.
-#[derive(Debug, Default)]
-pub struct Local {
-    /// Requests admitted that have not ended.
-    in_use: Cell<u32>,
-    /// Units this VM's entry in the record holds, as last written (at least `in_use`; more when
-    /// the VM holds a reserve). Raised only once a write succeeded, so it never claims more
-    /// than the record grants.
-    held: Cell<u32>,
-    /// Other live VMs' units when the record was last read.
-    others: Cell<u32>,
-    /// The last admission that wrote the record was granted no reserve: the count is near its
-    /// threshold, so every release is published at once.
-    near: Cell<bool>,
-}
-
-impl Local {
-    /// Requests admitted on this VM that have not ended.
-    pub fn in_use(&self) -> u32 {
-        self.in_use.get()
-    }
-
-    /// Units this VM holds in the record (its requests plus its reserve), as last written.
-    pub fn held(&self) -> u32 {
-        self.held.get()
-    }
-
-    /// Other VMs' units as last read.
-    pub fn others(&self) -> u32 {
-        self.others.get()
-    }
-
-    /// Takes one unit from the reserve, if there is one: the admission needs no shared data.
-    pub fn take_reserved(&self) -> bool {
-        let in_use = self.in_use.get();
-        if in_use < self.held.get() {
-            self.in_use.set(in_use.saturating_add(1));
-            true
-        } else {
-            false
-        }
-    }
-
-    /// Records a successful write of `held` units with one more request in use.
-    pub(crate) fn admitted(&self, held: u32, others: u32) {
-        let in_use = self.in_use.get().saturating_add(1);
-        self.in_use.set(in_use);
-        self.held.set(held.max(in_use));
-        self.others.set(others);
-        self.near.set(held <= in_use);
-    }
-
-    /// Records that the record now holds `held` units for this VM (after a write that lowered
-    /// them, or one that failed: lowering is always safe).
-    pub(crate) fn published(&self, held: u32, others: u32) {
-        self.held.set(held.max(self.in_use.get()));
-        self.others.set(others);
-    }
-
-    /// Whether the VM holds units it does not use and should give them back now: its reserve
-    /// outgrew [`RESERVE_MAX`] (the load fell), or the count is near its threshold, where every
-    /// unit may be another VM's next admission. (Otherwise the next heartbeat gives it back: a
-    /// worker whose requests come and go would else write at every idle moment.)
-    pub fn idle_surplus(&self) -> bool {
-        let (in_use, held) = (self.in_use.get(), self.held.get());
-        held > in_use && (held.saturating_sub(in_use) > RESERVE_MAX || self.near.get())
-    }
-
-    fn end_one(&self) {
-        self.in_use.set(self.in_use.get().saturating_sub(1));
-    }
-}
-
-/// A VM's [`Local`] count, shared by the configurations and leases that use it.
-pub type LocalCount = Rc<Local>;
-
-/// A request's hold on one unit of the in-flight count, released exactly once: by
-/// [`Shedder::release`] when the stream ends, or, should the stream vanish without that, by
-/// `Drop`, which lowers the local count (the next heartbeat publishes it).
-#[derive(Debug)]
-#[must_use = "an admitted request must release its lease when its stream ends"]
-pub struct Lease {
-    local: LocalCount,
-    released: bool,
-}
-
-impl Lease {
-    /// A lease on one unit of `local`, whose count in use the caller has just raised.
-    pub(crate) fn taken(local: &LocalCount) -> Lease {
-        Lease { local: Rc::clone(local), released: false }
-    }
-
-    /// Gives the unit back (once; later calls do nothing).
-    pub(crate) fn end(&mut self) {
-        if !self.released {
-            self.released = true;
-            self.local.end_one();
-        }
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        self.end();
-    }
 }
 
 /// A priority class and the in-flight count at which it is shed.
@@ -382,10 +250,47 @@ pub struct Shedder {
     lowest_threshold: u32,
 }
 
+/// The priority classes of a configuration, and how a request names its class: what both
+/// shedding signals (the in-flight count here, the loop lag in [`crate::lag`]) share.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Classes {
+    /// The class names, in configuration order.
+    pub names: Vec<Name>,
+    /// Index of the class of requests without (or with an unknown) priority header value.
+    pub default_class: usize,
+    /// The request header naming the class.
+    pub priority_header: String,
+}
+
+impl Classes {
+    /// The classes of `config`.
+    pub fn new(config: &LoadShedding) -> Classes {
+        let names: Vec<Name> = config.classes.iter().map(|c| c.name.clone()).collect();
+        Classes {
+            default_class: names.iter().position(|n| *n == config.default_class).unwrap_or(0),
+            names,
+            priority_header: config.priority_header.clone(),
+        }
+    }
+
+    /// The class a priority header value names (the default class for `None` or unknown).
+    pub fn class_of(&self, value: Option<&[u8]>) -> usize {
+        value
+            .and_then(|v| self.names.iter().position(|n| n.as_str().as_bytes() == v))
+            .unwrap_or(self.default_class)
+    }
+
+    /// The name of class `index` (empty for an unknown index).
+    pub fn name(&self, index: usize) -> &str {
+        self.names.get(index).map_or("", Name::as_str)
+    }
+}
+
 impl Shedder {
-    /// The shedder of `config`, its record under `namespace`.
-    pub fn new(config: &LoadShedding, namespace: &str) -> Shedder {
-        let max = config.max_active_requests.get().get();
+    /// The in-flight shedder of `config` (`None` without `max_active_requests`: shedding on the
+    /// loop lag only), its record under `namespace`.
+    pub fn new(config: &LoadShedding, namespace: &str) -> Option<Shedder> {
+        let max = config.max_active_requests?.get().get();
         let classes: Vec<Class> = config
             .classes
             .iter()
@@ -398,7 +303,7 @@ impl Shedder {
             .iter()
             .position(|c| c.name == config.default_class)
             .unwrap_or(0);
-        Shedder {
+        Some(Shedder {
             lowest_threshold: classes.iter().map(|c| c.threshold).min().unwrap_or(max),
             key: format!("floodgate/{namespace}/in-flight"),
             max_active_requests: max,
@@ -406,7 +311,7 @@ impl Shedder {
             default_class,
             priority_header: config.priority_header.clone(),
             retry_after_secs: config.retry_after.ceil_secs().max(1),
-        }
+        })
     }
 
     /// The shared-data key of the in-flight record.
@@ -439,12 +344,12 @@ impl Shedder {
         vm: u64,
         local: &LocalCount,
         class: usize,
-        now: UnixMillis,
+        now: MonoMillis,
     ) -> Result<Lease, Shed> {
-        if local.take_reserved() {
+        let threshold = self.classes.get(class).map_or(0, |c| c.threshold);
+        if local.take_reserved(threshold) {
             return Ok(Lease::taken(local));
         }
-        let threshold = self.classes.get(class).map_or(0, |c| c.threshold);
         let mut last_total = local.in_use();
         for _ in 0..MAX_ATTEMPTS {
             let Ok((stored, mut record)) = self.read(store) else {
@@ -457,8 +362,8 @@ impl Shedder {
                 Err(total) => return Err(Shed { in_flight: total, class, contention: false }),
             };
             // The reserve is sized on the lowest threshold (≤ this class's), so it never takes
-            // the count past any class's: `reserve` stays within `lowest − others`.
-            let wanted = reserve(mine.saturating_add(1), others, record.other_vms(vm, now), self.lowest_threshold);
+            // the count past any class's: `in_flight_units` stays within `lowest − others`.
+            let wanted = in_flight_units(mine.saturating_add(1), others, record.other_vms(vm, now), self.lowest_threshold);
             if !record.publish(vm, wanted, now) {
                 break;
             }
@@ -475,14 +380,14 @@ impl Shedder {
     }
 
     /// Ends an admitted request: lowers the local count, and publishes it when the VM holds
-    /// units it no longer uses (see [`Local::idle_surplus`]); if that write loses every race,
+    /// units it no longer uses (see [`crate::reserve::Local::idle_surplus`]); if that write loses every race,
     /// the next heartbeat publishes it.
     pub fn release<S: SharedStore + ?Sized>(
         &self,
         store: &S,
         vm: u64,
         mut lease: Lease,
-        now: UnixMillis,
+        now: MonoMillis,
     ) {
         lease.end();
         if lease.local.idle_surplus() {
@@ -498,7 +403,7 @@ impl Shedder {
         store: &S,
         vm: u64,
         local: &LocalCount,
-        now: UnixMillis,
+        now: MonoMillis,
     ) -> u32 {
         self.publish(store, vm, local, now)
     }
@@ -509,7 +414,7 @@ impl Shedder {
         store: &S,
         vm: u64,
         local: &LocalCount,
-        now: UnixMillis,
+        now: MonoMillis,
     ) -> u32 {
         self.read(store).map_or(local.in_use(), |(_, record)| {
             record.others(vm, now).saturating_add(local.in_use())
@@ -530,7 +435,7 @@ impl Shedder {
         store: &S,
         vm: u64,
         local: &LocalCount,
-        now: UnixMillis,
+        now: MonoMillis,
     ) -> u32 {
         let mut total = local.in_use();
         for _ in 0..MAX_ATTEMPTS {
@@ -562,8 +467,11 @@ impl Shedder {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
+    use crate::reserve::RESERVE_MAX;
+    use std::cell::Cell;
+    use std::rc::Rc;
 
-    const T0: UnixMillis = UnixMillis(1_700_000_000_000);
+    const T0: MonoMillis = MonoMillis(1_700_000_000_000);
 
     #[test]
     fn thresholds_per_class() {
@@ -574,7 +482,7 @@ mod tests {
     }
 
     /// One VM admitting into a record, as the store layer does it.
-    fn admit(record: &mut InFlight, vm: u64, local: &mut u32, threshold: u32, now: UnixMillis) -> Result<u32, u32> {
+    fn admit(record: &mut InFlight, vm: u64, local: &mut u32, threshold: u32, now: MonoMillis) -> Result<u32, u32> {
         let total = admits(record, vm, *local, threshold, now)?;
         *local += 1;
         assert!(record.publish(vm, *local, now));
@@ -660,7 +568,7 @@ mod tests {
             format!(r#"{{"load_shedding":{{"max_active_requests":{max}}}}}"#).as_bytes(),
         )
         .unwrap();
-        Shedder::new(config.load_shedding.as_ref().unwrap(), "t")
+        Shedder::new(config.load_shedding.as_ref().unwrap(), "t").unwrap()
     }
 
     #[test]
@@ -742,32 +650,6 @@ mod tests {
         assert_eq!(InFlight::decode(&bad), Err(DecodeError::Malformed));
         assert_eq!(InFlight::decode(&[]), Err(DecodeError::Malformed));
         assert_eq!(InFlight::decode(&[1, 0, 0, 0]), Ok(InFlight::default()));
-    }
-
-    #[test]
-    fn reserves_are_a_share_of_the_room_and_vanish_near_the_threshold() {
-        assert_eq!(
-            reserve(1, 0, 0, 50_000),
-            1 + RESERVE_MAX,
-            "far below: a full reserve"
-        );
-        assert_eq!(
-            reserve(1, 0, 1, 100),
-            1 + 12,
-            "99 units of room, 2 VMs: a quarter of half"
-        );
-        assert_eq!(reserve(5, 0, 0, 8), 5, "3 units of room: none");
-        assert_eq!(reserve(8, 0, 0, 8), 8, "at the threshold");
-        assert_eq!(
-            reserve(9, 0, 0, 8),
-            9,
-            "past it (a higher class): never less than in use"
-        );
-        assert_eq!(reserve(1, 90, 3, 100), 1, "others hold most of it");
-        for (in_use, others, vms, ceiling) in (1..40).flat_map(|u| (0..40).flat_map(move |o| (0..3).map(move |v| (u, o, v, 30)))) {
-            let held = reserve(in_use, others, vms, ceiling);
-            assert!(held >= in_use && held <= (ceiling.saturating_sub(others)).max(in_use), "{in_use} {others} {vms}");
-        }
     }
 
     /// A store that counts its operations.
@@ -865,5 +747,49 @@ mod tests {
         assert_eq!(local.held(), 1);
         assert_eq!(shedder.in_flight(&store, 2, &Rc::default(), T0), 1);
         shedder.release(&store, 1, lease, T0);
+    }
+
+    /// Issue 15.6: a reload lowering `max_active_requests` from 1 000 to 16 while this VM holds
+    /// a reserve sized on the old limit let it admit 17 from the reserve. The new threshold is
+    /// checked before a reserved unit is used.
+    #[test]
+    fn a_reserve_is_not_spent_past_a_lowered_limit() {
+        let store = crate::store::MemoryStore::new();
+        let local: LocalCount = Rc::default();
+        let before = shedder(1_000);
+        let mut leases = vec![before.try_acquire(&store, 1, &local, 0, T0).unwrap()];
+        assert_eq!(local.held(), 1 + RESERVE_MAX, "a full reserve far below the old limit");
+        let after = shedder(16);
+        while let Ok(lease) = after.try_acquire(&store, 1, &local, 0, T0) {
+            leases.push(lease);
+        }
+        assert_eq!(leases.len(), 16, "the new limit holds");
+        for lease in leases {
+            after.release(&store, 1, lease, T0);
+        }
+        after.heartbeat(&store, 1, &local, T0);
+        assert_eq!(after.in_flight(&store, 2, &Rc::default(), T0), 0);
+    }
+
+    /// Issue 15.9: heartbeats are monotonic-clock readings, so a step of the wall clock (which
+    /// the shedder never sees) cannot make a live VM's entry look dead. Both VMs below read the
+    /// same monotonic clock, 1 ms apart, whatever the wall clock did meanwhile; the entry of
+    /// VM 1 counts for VM 2 until VM 1 has missed heartbeats for `STALE_AFTER_MS`.
+    #[test]
+    fn entries_expire_on_the_monotonic_clock_only() {
+        let store = crate::store::MemoryStore::new();
+        let shedder = shedder(10);
+        let (a, b): (LocalCount, LocalCount) = (Rc::default(), Rc::default());
+        let leases: Vec<Lease> = (0..10).map(|_| shedder.try_acquire(&store, 1, &a, 0, T0).unwrap()).collect();
+        let soon = T0.plus_ms(1);
+        assert!(shedder.try_acquire(&store, 2, &b, 0, soon).is_err(), "VM 1 holds all 10");
+        let just_live = T0.plus_ms(STALE_AFTER_MS - 1);
+        assert!(shedder.try_acquire(&store, 2, &b, 0, just_live).is_err(), "still live");
+        shedder.heartbeat(&store, 1, &a, just_live);
+        let later = just_live.plus_ms(STALE_AFTER_MS - 1);
+        assert!(shedder.try_acquire(&store, 2, &b, 0, later).is_err(), "its heartbeat keeps it live");
+        for lease in leases {
+            shedder.release(&store, 1, lease, later);
+        }
     }
 }

@@ -99,10 +99,10 @@ fn every_entry_point_is_a_fuzz_target() {
 #[test]
 fn an_in_flight_entry_from_the_future_does_not_count_forever() {
     use floodgate::shed::{InFlight, VmEntry, STALE_AFTER_MS};
-    use floodgate::time::UnixMillis;
-    let now = UnixMillis(1_700_000_000_000);
+    use floodgate::time::MonoMillis;
+    let now = MonoMillis(1_700_000_000_000);
     let record = InFlight {
-        entries: vec![VmEntry { vm: 9, in_flight: 1_000, heartbeat: UnixMillis(u64::MAX) }],
+        entries: vec![VmEntry { vm: 9, in_flight: 1_000, heartbeat: MonoMillis(u64::MAX) }],
     };
     let an_hour_later = now.plus_ms(3_600_000);
     assert_eq!(
@@ -114,5 +114,5 @@ fn an_in_flight_entry_from_the_future_does_not_count_forever() {
     let skewed = InFlight {
         entries: vec![VmEntry { vm: 9, in_flight: 1_000, heartbeat: now.plus_ms(10 * STALE_AFTER_MS) }],
     };
-    assert_eq!(skewed.total(now.plus_ms(2 * STALE_AFTER_MS)), 0, "a clock step back keeps a dead VM's count alive");
+    assert_eq!(skewed.total(now.plus_ms(2 * STALE_AFTER_MS)), 0, "an entry far ahead of the clock keeps counting");
 }

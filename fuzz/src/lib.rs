@@ -28,9 +28,10 @@ use floodgate::ratelimit::window::Window;
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
 use floodgate::response::{self, Reply};
-use floodgate::shed::{self, InFlight, LocalCount, Shedder, MAX_VMS, STALE_AFTER_MS};
+use floodgate::reserve::LocalCount;
+use floodgate::shed::{self, InFlight, Shedder, MAX_VMS, STALE_AFTER_MS};
 use floodgate::store::{Cas, SharedStore, StoreError, Stored, TOKEN_KEY};
-use floodgate::time::UnixMillis;
+use floodgate::time::{MonoMillis, UnixMillis};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::num::{NonZeroU32, NonZeroU64};
@@ -238,6 +239,34 @@ fn accepted_config(config: &Config) {
 
     let limiter = Limiter::new(config, "fuzz");
     assert_eq!(limiter.tables().len(), config.rate_limits.len());
+    // The rules' conditions, limits and costs compile, and answer for a request with every
+    // attribute a rule can read, and for one with none.
+    let rules = floodgate::rules::Rules::new(config, &KeyHasher::new([0x5a; 16]));
+    struct Everything;
+    impl floodgate::rules::Attributes for Everything {
+        fn get(&self, name: &str) -> Option<std::borrow::Cow<'_, [u8]>> {
+            Some(std::borrow::Cow::Owned(match name {
+                ":path" => b"/users/1/orders?x=1".to_vec(),
+                ":method" => b"POST".to_vec(),
+                ":authority" => b"api.example.com:443".to_vec(),
+                _ => b"4096".to_vec(),
+            }))
+        }
+    }
+    struct Nothing;
+    impl floodgate::rules::Attributes for Nothing {
+        fn get(&self, _: &str) -> Option<std::borrow::Cow<'_, [u8]>> {
+            None
+        }
+    }
+    for rule in 0..config.rate_limits.len() {
+        for request in [&Everything as &dyn floodgate::rules::Attributes, &Nothing] {
+            let _ = rules.applies(rule, request);
+            let _ = rules.limit(rule, 42, request);
+            let _ = rules.admission(rule, request);
+        }
+        let _ = rules.response_units(rule, Some(b"12"));
+    }
     for (table, rule) in limiter.tables().iter().zip(&config.rate_limits) {
         let capacity = u64::from(rule.capacity.get().get());
         assert!(table.set_count() >= 1 && table.set_count() <= capacity.div_ceil(table::WAYS as u64));
@@ -247,9 +276,20 @@ fn accepted_config(config: &Config) {
     }
 
     if let Some(shedding) = &config.load_shedding {
-        let shedder = Shedder::new(shedding, "fuzz");
+        let classes = floodgate::shed::Classes::new(shedding);
+        assert_eq!(classes.class_of(None), classes.default_class);
+        assert_eq!(classes.name(classes.default_class), shedding.default_class.as_str());
+        let lag = floodgate::lag::LagMonitor::new(shedding);
+        assert_eq!(lag.is_some(), shedding.max_loop_lag.is_some());
+        if let Some(lag) = lag {
+            for class in 0..shedding.classes.len() {
+                let threshold = lag.threshold_ms(class).expect("a threshold per class");
+                assert!(threshold >= 1 && threshold <= lag.max_loop_lag_ms(), "lag threshold {threshold}");
+            }
+        }
+        if let Some(shedder) = Shedder::new(shedding, "fuzz") {
         let max = shedder.max_active_requests;
-        assert_eq!(max, shedding.max_active_requests.get().get());
+        assert_eq!(Some(max), shedding.max_active_requests.map(|m| m.get().get()));
         assert_eq!(shedder.classes.len(), shedding.classes.len());
         for class in &shedder.classes {
             assert!(class.threshold >= 1 && class.threshold <= max, "threshold {} of {max}", class.threshold);
@@ -261,17 +301,20 @@ fn accepted_config(config: &Config) {
             assert_eq!(shedder.class_of(Some(class.name.as_str().as_bytes())), index);
         }
         assert!(shedder.retry_after_secs >= 1);
-        let idle = response::health(Some(&shedder), Some(0));
+        let idle = health_of(&shedder, 0);
         assert_eq!(idle.status, 200, "an idle proxy is healthy");
         check_reply(&idle);
-        let full = response::health(Some(&shedder), Some(max));
+        let full = health_of(&shedder, max);
         assert_eq!(full.status, 503, "a full proxy is overloaded");
         check_reply(&full);
         let shed = response::shed(&shedder, &floodgate::shed::Shed { in_flight: max, class: shedder.default_class, contention: false });
         check_reply(&shed);
         check_grpc_reply(&shed, config);
+        } else {
+            assert!(shedding.max_active_requests.is_none(), "an in-flight limit makes a shedder");
+        }
     } else {
-        check_reply(&response::health(None, None));
+        check_reply(&response::health(&response::LocalLoad::default(), None));
     }
     if let Some(health) = &config.health {
         assert!(health.path.starts_with('/') && !health.path.contains(['?', '#']));
@@ -285,7 +328,7 @@ fn accepted_config(config: &Config) {
     assert!(skipped.is_empty(), "every part is present");
     assert_eq!(probes.len(), config.rate_limits.len());
     let now = UnixMillis(1_700_000_000_123);
-    match limiter.check(&store, &mut Reserves::new(), &probes, now, 1) {
+    match limiter.check(&store, &mut Reserves::new(), &probes, now) {
         Verdict::Admitted { standings, evictions } => {
             assert_eq!(standings.len(), probes.len());
             assert!(evictions.is_empty());
@@ -409,18 +452,18 @@ pub fn key(data: &[u8]) {
     let mut again = Vec::new();
     assert_eq!(key::probes(config, &hasher, Some(&fleet), value_of, &mut again), probes, "deterministic");
 
-    let shedder = Shedder::new(config.load_shedding.as_ref().expect("shedding"), "fuzz");
+    let classes = floodgate::shed::Classes::new(config.load_shedding.as_ref().expect("shedding"));
     let priority = values[5].as_deref();
-    assert!(shedder.class_of(priority) < shedder.classes.len());
+    assert!(classes.class_of(priority) < classes.names.len());
 
     let limiter = Limiter::new(config, "fuzz");
     let store = floodgate::store::MemoryStore::new();
     let now = UnixMillis(1_700_000_000_500);
-    match limiter.check(&store, &mut Reserves::new(), &probes, now, 1) {
+    match limiter.check(&store, &mut Reserves::new(), &probes, now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings.len(), probes.len()),
         rejected @ Verdict::Rejected { .. } => panic!("first request refused: {rejected:?}"),
     }
-    let second = limiter.check(&store, &mut Reserves::new(), &probes, now, 1);
+    let second = limiter.check(&store, &mut Reserves::new(), &probes, now);
     match &second {
         Verdict::Rejected { violations } => {
             assert_eq!(violations.len(), probes.len(), "limit 1: every rule refuses the second");
@@ -512,7 +555,7 @@ pub fn ratelimit_record(data: &[u8]) {
     let store = PlantedStore::new(record, flags & 1 == 0, if with_faults { faults } else { 0 });
     let probes = [Probe::new(0, key_hash)];
     let mut reserves = Reserves::new();
-    let verdict = limiter.check(&store, &mut reserves, &probes, now, 1);
+    let verdict = limiter.check(&store, &mut reserves, &probes, now);
     match &verdict {
         Verdict::Admitted { standings, .. } => {
             assert_eq!(standings.len(), 1);
@@ -548,7 +591,7 @@ pub fn ratelimit_record(data: &[u8]) {
     // The reserve paths over the same record: later requests, heartbeats, a drain.
     for step in 0..6u64 {
         let later = UnixMillis(now.0.saturating_add(step.saturating_mul(700)));
-        let _ = limiter.check(&store, &mut reserves, &probes, later, 1);
+        let _ = limiter.check(&store, &mut reserves, &probes, later);
         if step % 2 == 1 {
             limiter.heartbeat(&store, &mut reserves, later);
         }
@@ -618,7 +661,7 @@ const MAX_ACTIVE: [u32; 5] = [1, 2, 10, 500, u32::MAX];
 /// back at zero after the release are required.
 pub fn inflight_record(data: &[u8]) {
     let mut input = Input { data };
-    let now = UnixMillis(input.u64());
+    let now = MonoMillis(input.u64());
     let vm = input.u64();
     let max = MAX_ACTIVE[usize::from(input.u8()) % MAX_ACTIVE.len()];
     let class_pick = input.u8();
@@ -653,13 +696,13 @@ pub fn inflight_record(data: &[u8]) {
     // 2. Through the shedder, the record planted in shared data.
     let config = Config::parse(format!(r#"{{"load_shedding": {{"max_active_requests": {max}}}}}"#).as_bytes())
         .expect("the shedding fuzz config is valid");
-    let shedder = Shedder::new(config.load_shedding.as_ref().expect("shedding"), "fuzz");
+    let shedder = Shedder::new(config.load_shedding.as_ref().expect("shedding"), "fuzz").expect("an in-flight limit");
     let class = usize::from(class_pick) % shedder.classes.len();
     let with_faults = flags & 2 != 0;
     let store = PlantedStore::new(record, flags & 1 == 0, if with_faults { faults } else { 0 });
     let local: LocalCount = Rc::default();
     let seen = shedder.in_flight(&store, vm, &local, now);
-    check_reply(&response::health(Some(&shedder), Some(seen)));
+    check_reply(&health_of(&shedder, seen));
     match shedder.try_acquire(&store, vm, &local, class, now) {
         Ok(lease) => {
             assert_eq!(local.in_use(), 1);
@@ -673,7 +716,7 @@ pub fn inflight_record(data: &[u8]) {
                     (local.held(), now),
                     "the VM's units, its reserve included"
                 );
-                assert!((1..=1 + floodgate::shed::RESERVE_MAX).contains(&own[0].in_flight));
+                assert!((1..=1 + floodgate::reserve::RESERVE_MAX).contains(&own[0].in_flight));
                 assert!(written.entries.len() <= MAX_VMS);
                 assert!(written.total(now) >= 1);
             }
@@ -700,12 +743,12 @@ pub fn inflight_record(data: &[u8]) {
         }
     }
     let total = shedder.heartbeat(&store, vm, &local, now);
-    check_reply(&response::health(Some(&shedder), Some(total)));
+    check_reply(&health_of(&shedder, total));
     assert_eq!(local.in_use(), 0);
 }
 
 /// The record's operations on arbitrary (decoded) values.
-fn record_operations(mut record: InFlight, vm: u64, now: UnixMillis) {
+fn record_operations(mut record: InFlight, vm: u64, now: MonoMillis) {
     let total = record.total(now);
     let others = record.others(vm, now);
     assert!(others <= total);
@@ -740,10 +783,10 @@ fn record_operations(mut record: InFlight, vm: u64, now: UnixMillis) {
 pub fn cluster_record(data: &[u8]) {
     use floodgate::select::record::ClusterRecord;
     use floodgate::select::shuffle::SplitMix64;
-    use floodgate::select::{Selector, VmState};
+    use floodgate::select::{Selector, Timing, VmState};
 
     let mut input = Input { data };
-    let now = UnixMillis(input.u64());
+    let now = MonoMillis(input.u64());
     let vm = input.u64();
     let buckets = usize::from(input.u8() % 8) + 1;
     let flags = input.u8();
@@ -806,9 +849,10 @@ pub fn cluster_record(data: &[u8]) {
                     locals[0].held(),
                     "the VM's units, its reserve included"
                 );
-                assert!((1..=1 + floodgate::shed::RESERVE_MAX).contains(&own[0].in_flight));
+                assert!((1..=1 + floodgate::reserve::RESERVE_MAX).contains(&own[0].in_flight));
             }
-            let outcome = selector.classify(&lease, Some(status), response_flags, now.plus_ms(status.into()));
+            let timing = Timing { request_end: Some(now), response_headers: Some(now.plus_ms(status.into())) };
+            let outcome = selector.classify(&lease, Some(status), response_flags, timing);
             let finished = selector.finish(&store, &mut state, lease, outcome, now);
             assert_eq!(
                 locals[0].in_use(),
@@ -841,4 +885,9 @@ pub fn cluster_record(data: &[u8]) {
         assert!((0.0..=1.0).contains(&cluster.success_rate), "{cluster:?}");
     }
     assert_eq!(locals[0].in_use(), 0);
+}
+
+/// The health endpoint's answer for an in-flight count alone.
+fn health_of(shedder: &Shedder, in_flight: u32) -> response::Reply {
+    response::health(&response::LocalLoad { in_flight: Some((shedder, in_flight)), lag: None }, None)
 }

@@ -189,7 +189,7 @@ impl DynamicEnvoyBuilder {
             .expect("tempdir");
         let filter_file = dir.path().join("floodgate-filter.json");
         write_atomically(&filter_file, &discovery_response(&self.first, 1));
-        let child = spawn_envoy(dir.path(), &self.bootstrap(&filter_file), self.concurrency);
+        let child = spawn_envoy(dir.path(), &self.bootstrap(&filter_file), self.concurrency, &[]);
         let mut envoy = DynamicEnvoy {
             child,
             dir,

@@ -14,6 +14,8 @@
 //!   requests.
 //! * [`wait_for_window_phase`] to keep a timing-sensitive test clear of an epoch-aligned window
 //!   boundary.
+//! * [`slow_clients`]: slow uploads and downloads, and an HTTP/2 client that grants no window.
+//! * [`wallclock`]: a wall clock of Envoy's own that a test can step.
 //!
 //! Every wait in here is bounded; every server binds 127.0.0.1.
 
@@ -28,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Empty, Full};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderName};
 use hyper::service::service_fn;
@@ -42,7 +44,9 @@ pub use serde_json::{json, Value};
 pub mod dynamic;
 pub mod faults;
 pub mod grpc;
+pub mod slow_clients;
 pub mod store;
+pub mod wallclock;
 
 /// The health endpoint the shedding tests configure.
 pub const HEALTH_PATH: &str = "/floodgate/health";
@@ -238,6 +242,26 @@ pub fn free_ports(n: usize) -> Vec<u16> {
         .collect()
 }
 
+/// `envoy/demo.yaml` (what `./demo.sh` runs) passed through `edit`, then with its fixed ports
+/// (admin 9901, front 10000, zones 10001 to 10003) replaced by free ones and its module path made
+/// absolute: the text, the admin address and the front listener's address.
+pub fn demo_config(edit: impl FnOnce(String) -> String) -> (String, SocketAddr, SocketAddr) {
+    let path = workspace_root().join("envoy/demo.yaml");
+    let mut text = edit(std::fs::read_to_string(&path).expect("read envoy/demo.yaml"));
+    let fixed_ports = [9901u16, 10000, 10001, 10002, 10003];
+    let ports = free_ports(fixed_ports.len());
+    for (fixed, port) in fixed_ports.into_iter().zip(ports.iter().copied()) {
+        let needle = format!("port_value: {fixed}");
+        assert!(text.contains(&needle), "demo.yaml no longer uses {needle}");
+        text = text.replace(&needle, &format!("port_value: {port}"));
+    }
+    let module = "target/wasm32-wasip1/release/floodgate.wasm";
+    assert!(text.contains(module), "demo.yaml no longer loads {module}");
+    text = text.replace(module, &wasm_module().display().to_string());
+    let at = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+    (text, at(ports[0]), at(ports[1]))
+}
+
 // ---------------------------------------------------------------------------------------------
 // Upstream
 // ---------------------------------------------------------------------------------------------
@@ -249,6 +273,11 @@ pub struct UpstreamOptions {
     pub count_header: Option<String>,
     /// Wait this long before answering each request.
     pub delay: Option<Duration>,
+    /// Answer with a body of this many bytes instead of [`UPSTREAM_BODY`] (a big download).
+    pub body_bytes: Option<usize>,
+    /// `(request header, response header)`: answer with the request header's value in the
+    /// response header (an upstream reporting what a request cost, as the test asks).
+    pub echo: Option<(String, String)>,
 }
 
 struct UpstreamState {
@@ -256,6 +285,9 @@ struct UpstreamState {
     count_header: Option<HeaderName>,
     by_value: Mutex<HashMap<Vec<u8>, u64>>,
     delay: Option<Duration>,
+    /// The body every request is answered with.
+    body: Bytes,
+    echo: Option<(HeaderName, HeaderName)>,
     /// The status every request is answered with (200 unless changed at run time).
     status: std::sync::atomic::AtomicU16,
 }
@@ -296,7 +328,16 @@ impl Upstream {
             }),
             by_value: Mutex::new(HashMap::new()),
             delay: options.delay,
+            body: options
+                .body_bytes
+                .map_or_else(|| Bytes::from_static(UPSTREAM_BODY.as_bytes()), |n| Bytes::from(vec![b'x'; n])),
             status: std::sync::atomic::AtomicU16::new(200),
+            echo: options.echo.as_ref().map(|(from, to)| {
+                (
+                    HeaderName::from_bytes(from.as_bytes()).expect("a header name"),
+                    HeaderName::from_bytes(to.as_bytes()).expect("a header name"),
+                )
+            }),
         });
         let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind upstream");
         listener.set_nonblocking(true).expect("nonblocking listener");
@@ -392,16 +433,19 @@ async fn handle_upstream(
         }
     }
     state.total.fetch_add(1, Ordering::SeqCst);
-    // Drain the request body (none is expected; this keeps the connection reusable).
+    let echoed = state.echo.as_ref().and_then(|(from, to)| Some((to.clone(), req.headers().get(from)?.clone())));
+    // Drain the request body (this keeps the connection reusable).
     let _ = req.into_body().collect().await;
     if let Some(d) = state.delay {
         tokio::time::sleep(d).await;
     }
-    Ok(HyperResponse::builder()
+    let mut response = HyperResponse::builder()
         .status(state.status.load(Ordering::SeqCst))
-        .header("content-type", "text/plain")
-        .body(Full::new(Bytes::from_static(UPSTREAM_BODY.as_bytes())))
-        .expect("upstream response"))
+        .header("content-type", "text/plain");
+    if let Some((name, value)) = echoed {
+        response = response.header(name, value);
+    }
+    Ok(response.body(Full::new(state.body.clone())).expect("upstream response"))
 }
 
 impl Drop for Upstream {
@@ -501,6 +545,10 @@ pub struct EnvoyBuilder {
     upstreams: Vec<SocketAddr>,
     concurrency: usize,
     routing: Routing,
+    /// Extra environment of the Envoy process.
+    env: Vec<(String, String)>,
+    /// HTTP filters between floodgate and the router.
+    filters_after: Vec<Value>,
 }
 
 impl EnvoyBuilder {
@@ -512,7 +560,28 @@ impl EnvoyBuilder {
             upstreams: Vec::new(),
             concurrency: 2,
             routing: Routing::default(),
+            env: Vec::new(),
+            filters_after: Vec::new(),
         }
+    }
+
+    /// Adds an Envoy Lua filter with `code` after floodgate (before the router): e.g. one that
+    /// burns CPU on the worker to make its event loop lag.
+    pub fn lua_after(mut self, code: &str) -> EnvoyBuilder {
+        self.filters_after.push(json!({
+            "name": "envoy.filters.http.lua",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": code}
+            }
+        }));
+        self
+    }
+
+    /// Adds `vars` to the Envoy process's environment (e.g. [`wallclock::SteppedWallClock::env`]).
+    pub fn env(mut self, vars: Vec<(String, String)>) -> EnvoyBuilder {
+        self.env.extend(vars);
+        self
     }
 
     /// Adds a cluster `name` whose endpoints are `addrs` (an address nothing listens on makes a
@@ -573,6 +642,31 @@ impl EnvoyBuilder {
         let route = self.routing.route();
         let mut clusters = vec![static_cluster("upstream", endpoints)];
         clusters.extend(self.routing.clusters());
+        let mut http_filters = vec![json!({
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "floodgate",
+                    "root_id": "floodgate",
+                    "failure_policy": "FAIL_CLOSED",
+                    "configuration": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": self.filter_config
+                    },
+                    "vm_config": {
+                        "vm_id": "floodgate",
+                        "runtime": "envoy.wasm.runtime.v8",
+                        "code": {"local": {"filename": wasm_module().display().to_string()}}
+                    }
+                }
+            }
+        })];
+        http_filters.extend(self.filters_after.iter().cloned());
+        http_filters.push(json!({
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+        }));
         json!({
             "admin": {
                 "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
@@ -600,34 +694,7 @@ impl EnvoyBuilder {
                                         }]
                                     }]
                                 },
-                                "http_filters": [
-                                    {
-                                        "name": "envoy.filters.http.wasm",
-                                        "typed_config": {
-                                            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                                            "config": {
-                                                "name": "floodgate",
-                                                "root_id": "floodgate",
-                                                "failure_policy": "FAIL_CLOSED",
-                                                "configuration": {
-                                                    "@type": "type.googleapis.com/google.protobuf.StringValue",
-                                                    "value": self.filter_config
-                                                },
-                                                "vm_config": {
-                                                    "vm_id": "floodgate",
-                                                    "runtime": "envoy.wasm.runtime.v8",
-                                                    "code": {"local": {"filename": wasm_module().display().to_string()}}
-                                                }
-                                            }
-                                        }
-                                    },
-                                    {
-                                        "name": "envoy.filters.http.router",
-                                        "typed_config": {
-                                            "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"
-                                        }
-                                    }
-                                ]
+                                "http_filters": http_filters
                             }
                         }]
                     }]
@@ -642,7 +709,7 @@ impl EnvoyBuilder {
             .prefix("floodgate-envoy-")
             .tempdir()
             .expect("tempdir");
-        let child = spawn_envoy(dir.path(), &self.bootstrap(), self.concurrency);
+        let child = spawn_envoy(dir.path(), &self.bootstrap(), self.concurrency, &self.env);
         (child, dir)
     }
 
@@ -704,7 +771,7 @@ fn endpoint(addr: SocketAddr) -> Value {
 
 /// Starts Envoy with `bootstrap`, written into `dir`, which also receives its log (`envoy.log`,
 /// line by line: `--log-path` would buffer for up to 10 s) and its admin address.
-pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize) -> Child {
+pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize, env: &[(String, String)]) -> Child {
     let path = dir.join("bootstrap.json");
     std::fs::write(&path, serde_json::to_string_pretty(bootstrap).expect("bootstrap json")).expect("write bootstrap");
     let log = std::fs::File::create(dir.join("envoy.log")).expect("log file");
@@ -719,6 +786,7 @@ pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize) -> 
         .arg("--admin-address-path")
         .arg(dir.join("admin-address"))
         .current_dir(dir)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::from(log))
@@ -1027,7 +1095,7 @@ impl Response {
 /// An HTTP/1.1 client on one keep-alive connection (hyper). Requests on one `Client` are sent one
 /// after another; open several clients for concurrency.
 pub struct Client {
-    sender: hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
 }
 
 impl Client {
@@ -1045,14 +1113,20 @@ impl Client {
     /// Sends `GET path` with the given headers (plus `host: floodgate.test`) and reads the whole
     /// response.
     pub async fn get(&mut self, path: &str, headers: &[(&str, &str)]) -> Result<Response, Error> {
+        self.send("GET", path, headers, Bytes::new()).await
+    }
+
+    /// Sends `method path` with `headers` and `body` (with its `content-length`; none for an
+    /// empty `GET`) and reads the whole response.
+    pub async fn send(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: Bytes) -> Result<Response, Error> {
         let mut req = Request::builder()
-            .method("GET")
+            .method(method)
             .uri(path)
             .header("host", "floodgate.test");
         for (k, v) in headers {
             req = req.header(*k, *v);
         }
-        let req = req.body(Empty::<Bytes>::new())?;
+        let req = req.body(Full::new(body))?;
         let fut = async {
             self.sender.ready().await?;
             let resp = self.sender.send_request(req).await?;

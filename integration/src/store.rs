@@ -121,10 +121,7 @@ impl Redis {
     }
 
     fn signal(&self, name: &str) {
-        if let Some(child) = &self.child {
-            let status = Command::new("kill").args([format!("-{name}"), child.id().to_string()]).status().expect("kill");
-            assert!(status.success(), "kill -{name}");
-        }
+        signal(self.child.as_ref(), name);
     }
 
     /// Kills it (SIGKILL) and waits.
@@ -151,6 +148,14 @@ impl Drop for Redis {
     fn drop(&mut self) {
         self.resume();
         self.kill();
+    }
+}
+
+/// Sends signal `name` (`STOP`, `CONT`) to `child`, if it runs.
+fn signal(child: Option<&Child>, name: &str) {
+    if let Some(child) = child {
+        let status = Command::new("kill").args([format!("-{name}"), child.id().to_string()]).status().expect("kill");
+        assert!(status.success(), "kill -{name}");
     }
 }
 
@@ -275,6 +280,17 @@ impl SyncService {
         }
     }
 
+    /// Stops the process (SIGSTOP): a partition as the proxies see it, connections open and
+    /// nothing answered.
+    pub fn pause(&self) {
+        signal(self.child.as_ref(), "STOP");
+    }
+
+    /// Resumes it (SIGCONT): what it received meanwhile is answered, late.
+    pub fn resume(&self) {
+        signal(self.child.as_ref(), "CONT");
+    }
+
     /// Starts it again on the same address.
     pub fn restart(&mut self) {
         self.kill();
@@ -294,6 +310,7 @@ impl SyncService {
 
 impl Drop for SyncService {
     fn drop(&mut self) {
+        self.resume();
         self.kill();
     }
 }

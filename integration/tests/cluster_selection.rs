@@ -180,6 +180,7 @@ async fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
     let slow = Upstream::with_options(UpstreamOptions {
         delay: Some(Duration::from_millis(800)),
         count_header: Some(ROUTE_HEADER.into()),
+        ..UpstreamOptions::default()
     });
     let config = json!({"cluster_selection": {
         "clusters": ["a", "b", "slow"],
@@ -210,13 +211,62 @@ async fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
     assert!(slow_count >= 1, "slow answers are counted as `slow`");
 }
 
+/// Issue 15.3: "slow" is the upstream's latency, not the stream's. Clients that take seconds to
+/// upload their request or to read their response (a big download through a small receive
+/// window) say nothing about the upstream, which answers at once: before, each of them was a
+/// "slow" success that cut the cluster's limit by ×0.9 (20 such requests cut 200 to 21), so a
+/// client could shrink a healthy cluster on purpose. Now they are successes, and the limit
+/// stays. An upstream that is slow to answer still is slow (see the test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_do_not_shrink_a_healthy_cluster() {
+    const LIMIT: u64 = 200;
+    const BIG: usize = 16 << 20;
+    let upstream = Upstream::with_options(UpstreamOptions { body_bytes: Some(BIG), ..UpstreamOptions::default() });
+    let config = json!({"cluster_selection": {
+        "clusters": ["a"],
+        "concurrency_limit": {"initial_limit": LIMIT, "min_limit": 1, "max_limit": LIMIT, "timeout": "1s"}
+    }});
+    let envoy = Envoy::builder(config)
+        .cluster("a", &[upstream.addr()])
+        .route_by_header(ROUTE_HEADER)
+        .start();
+    let addr = envoy.addr();
+    let uploads: Vec<_> = (0..10)
+        .map(|_| tokio::spawn(async move { slow_clients::slow_upload(addr, "/work", &[], 10, Duration::from_millis(300)).await }))
+        .collect();
+    let downloads: Vec<_> = (0..10)
+        .map(|_| tokio::spawn(async move { slow_clients::slow_download(addr, "/work", &[], 256 << 10, Duration::from_millis(100)).await }))
+        .collect();
+    let mut slowest = Duration::ZERO;
+    for upload in uploads {
+        let (status, took) = upload.await.expect("upload task").expect("slow upload");
+        assert_eq!(status, 200);
+        slowest = slowest.max(took);
+    }
+    for download in downloads {
+        let (status, read, took) = download.await.expect("download task").expect("slow download");
+        assert_eq!(status, 200);
+        assert!(read >= BIG, "the whole body was read ({read} bytes)");
+        slowest = slowest.max(took);
+    }
+    println!("20 slow clients, the slowest took {:.1} s", slowest.as_secs_f64());
+    assert!(slowest > Duration::from_secs(2), "the clients were slow: {slowest:?}");
+    // The gauges follow at the next heartbeat.
+    tokio::time::sleep(Duration::from_millis(2_200)).await;
+    let stats = envoy.stats_matching(&format!("{STAT_PREFIX}.cluster.a."));
+    println!("{stats}");
+    assert_eq!(envoy.stat(&cluster_stat("a", "slow")), Some(0), "no slow answer");
+    assert_eq!(envoy.stat(&cluster_stat("a", "success")), Some(20));
+    assert_eq!(envoy.stat(&cluster_stat("a", "concurrency_limit")), Some(LIMIT), "the limit stays");
+}
+
 /// With every cluster at its (fixed) limit, further requests fail fast with the 503 that says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_every_cluster_at_its_limit_requests_fail_fast() {
     let slow = || {
         Upstream::with_options(UpstreamOptions {
             delay: Some(Duration::from_millis(1500)),
-            count_header: None,
+            ..UpstreamOptions::default()
         })
     };
     let (a, b) = (slow(), slow());
@@ -284,3 +334,60 @@ async fn a_client_sent_route_header_cannot_steer() {
     assert_eq!(a.count_for("a"), a.total(), "the value upstream sees is the filter's choice");
     assert_eq!(b.count_for("b"), b.total());
 }
+
+/// Issue 22: the health endpoint's dependency view. With `dependencies: "report"` the answer
+/// lists the clusters' success rates and limits but stays the proxy's own (200: every proxy of
+/// a fleet sees the same failing clusters, and would leave rotation at once); with `"fail"` it
+/// turns 503 while every cluster fails, and back to 200 when one recovers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_endpoint_reports_dependencies_and_fails_on_them_only_when_asked() {
+    let (a, b) = (counted(), counted());
+    let start = |dependencies: &str| {
+        let config = json!({
+            "cluster_selection": {"clusters": ["a", "b"], "bucket_width": "1s"},
+            "health": {"path": HEALTH_PATH, "dependencies": dependencies}
+        });
+        Envoy::builder(config)
+            .cluster("a", &[a.addr()])
+            .cluster("b", &[b.addr()])
+            .route_by_header(ROUTE_HEADER)
+            .start()
+    };
+    let (reporting, failing) = (start("report"), start("fail"));
+    a.set_status(503);
+    b.set_status(503);
+    for envoy in [&reporting, &failing] {
+        for _ in 0..40 {
+            assert_eq!(get(envoy.addr(), "/work", &[]).await.status, 503);
+        }
+    }
+    let health = |envoy: &Envoy| {
+        let addr = envoy.addr();
+        async move {
+            let r = get(addr, HEALTH_PATH, &[]).await;
+            (r.status, r.json())
+        }
+    };
+    let (status, body) = health(&reporting).await;
+    println!("report, every cluster failing: {status} {body}");
+    assert_eq!((status, &body["status"], &body["dependencies"]), (200, &json!("ok"), &json!("failing")), "{body}");
+    assert_eq!(body["clusters"].as_array().map(Vec::len), Some(2), "{body}");
+    assert!(body["clusters"][0]["success_rate"].as_f64().is_some_and(|r| r < 0.5), "{body}");
+    let (status, body) = health(&failing).await;
+    println!("fail, every cluster failing: {status} {body}");
+    assert_eq!((status, &body["status"]), (503, &json!("dependencies_failing")), "{body}");
+    // One cluster recovers: once its bucket holds successes, the answer is green again.
+    a.set_status(200);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (status, body) = loop {
+        let _ = get(failing.addr(), "/work", &[]).await;
+        let (status, body) = health(&failing).await;
+        if status == 200 || Instant::now() > deadline {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!("fail, cluster a recovered: {status} {body}");
+    assert_eq!((status, &body["dependencies"]), (200, &json!("ok")), "{body}");
+}
+

@@ -32,18 +32,7 @@ fn start_demo() -> Demo {
 
 /// [`start_demo`] with the demo config's text passed through `edit` first.
 fn start_demo_edited(edit: impl FnOnce(String) -> String) -> Demo {
-    let root = workspace_root();
-    let mut text = edit(std::fs::read_to_string(root.join("envoy/demo.yaml")).expect("read envoy/demo.yaml"));
-    let fixed_ports = [9901u16, 10000, 10001, 10002, 10003];
-    let ports = free_ports(fixed_ports.len());
-    for (fixed, port) in fixed_ports.into_iter().zip(ports.iter().copied()) {
-        let needle = format!("port_value: {fixed}");
-        assert!(text.contains(&needle), "demo.yaml no longer uses {needle}");
-        text = text.replace(&needle, &format!("port_value: {port}"));
-    }
-    let module = "target/wasm32-wasip1/release/floodgate.wasm";
-    assert!(text.contains(module), "demo.yaml no longer loads {module}");
-    text = text.replace(module, &wasm_module().display().to_string());
+    let (text, admin, front) = demo_config(edit);
     let dir = tempfile::tempdir().expect("tempdir");
     let config = dir.path().join("demo.yaml");
     std::fs::write(&config, text).expect("write config");
@@ -57,8 +46,7 @@ fn start_demo_edited(edit: impl FnOnce(String) -> String) -> Demo {
         .stderr(Stdio::from(log))
         .spawn()
         .expect("start envoy");
-    let at = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
-    let demo = Demo { child, dir, front: at(ports[1]), admin: at(ports[0]) };
+    let demo = Demo { child, dir, front, admin };
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         if let Ok((200, body)) = http_get_blocking(demo.admin, "/ready") {
@@ -130,6 +118,8 @@ const STEPS: &[(&str, Check)] = &[
     ("grep 'floodgate.cluster.zone-c'", Check::ZoneCStats),
     ("$(seq 1 7)", Check::Exact),
     ("curl -i -H 'x-api-key: demo'", Check::Shape),
+    ("-H 'x-plan: gold'", Check::Exact),
+    ("-X POST localhost:10000/api/login", Check::Exact),
     ("$(seq 1 12)", Check::Exact),
     ("/floodgate/health", Check::Exact),
     ("(allowed|rejected|shed):", Check::Exact),
@@ -207,6 +197,14 @@ fn the_readme_walkthrough_prints_what_the_readme_says() {
             // The rate-limit steps within one 10 s window bucket, so that the refusal's estimate
             // is a whole 5 as in the README (across a boundary it would be a fraction).
             wait_for_window_phase(Duration::from_secs(10), Duration::from_millis(300), Duration::from_secs(7));
+        }
+        if step.command.contains("x-plan: gold") {
+            // The gold key's 12 requests within one 10 s bucket: exactly 10 admitted.
+            wait_for_window_phase(Duration::from_secs(10), Duration::from_millis(300), Duration::from_secs(7));
+        }
+        if step.command.contains("/api/login") {
+            // The logins within one minute bucket: exactly 3 admitted.
+            wait_for_window_phase(Duration::from_secs(60), Duration::from_millis(300), Duration::from_secs(50));
         }
         let out = Command::new("timeout")
             .args(["120", "bash", "-c", &command])

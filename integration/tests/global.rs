@@ -74,8 +74,8 @@ async fn steady_load(
             during(started.elapsed());
             next_call += Duration::from_millis(100);
         }
-        let pool = std::sync::Arc::clone(&pools[(sent % 3) as usize]);
-        let addr = proxies[(sent % 3) as usize];
+        let pool = std::sync::Arc::clone(&pools[(sent % proxies.len() as u64) as usize]);
+        let addr = proxies[(sent % proxies.len() as u64) as usize];
         let (name, value) = (name.clone(), value.clone());
         pending.spawn(async move {
             let client = pool.lock().await.pop();
@@ -99,19 +99,27 @@ async fn steady_load(
     statuses
 }
 
-/// Sum of every counter `floodgate-sync` keeps in Redis for bucket `bucket` of the 1 h window
-/// (the `seen` markers left out), over `nodes` (every master of a cluster).
-fn redis_total(nodes: &[&Redis], bucket: u64) -> u64 {
-    let suffix = format!(":{}:{bucket}", WINDOW.as_millis());
+/// Sum of the counters `floodgate-sync` keeps in Redis (`fg:{shard}:<key>:<window_ms>:<bucket>`;
+/// the `seen` markers left out) whose window and bucket `keep` accepts, over `nodes` (every
+/// master of a cluster).
+fn redis_counters(nodes: &[&Redis], keep: impl Fn(u64, u64) -> bool) -> u64 {
     let mut total = 0;
     for node in nodes {
         for key in node.cli(&["--scan", "--pattern", "fg:*"]).lines() {
-            if key.ends_with(&suffix) {
-                total += node.cli(&["GET", key]).trim().parse::<u64>().unwrap_or(0);
+            let mut fields = key.rsplit(':').map(|f| f.parse::<u64>().ok());
+            if let (Some(Some(bucket)), Some(Some(window_ms))) = (fields.next(), fields.next()) {
+                if keep(window_ms, bucket) {
+                    total += node.cli(&["GET", key]).trim().parse::<u64>().unwrap_or(0);
+                }
             }
         }
     }
     total
+}
+
+/// Sum of the counters of bucket `bucket` of the 1 h window.
+fn redis_total(nodes: &[&Redis], bucket: u64) -> u64 {
+    redis_counters(nodes, |window_ms, b| u128::from(window_ms) == WINDOW.as_millis() && b == bucket)
 }
 
 fn hour_bucket() -> u64 {
@@ -174,8 +182,48 @@ async fn three_proxies_keep_one_quota_through_redis_where_proxy_scope_gives_thre
     assert!(batches <= 3 * (intervals + 5), "{batches} batches for {intervals} intervals × 3 proxies");
 }
 
+/// envoy/istio/global-wasmplugin.yaml's pluginConfig, as Istio hands it to the module, in a real
+/// Envoy whose cluster for floodgate-sync has the name Istio gives the Service of
+/// envoy/istio/floodgate-sync.yaml (`outbound|9090||…`) and speaks HTTP/2 as `appProtocol: http2`
+/// makes it: the batches reach Redis (the plugin's `authority` is one an HTTP/2 server accepts;
+/// the cluster name, the default, holds `|`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_converges_exactly() {
+async fn the_istio_plugin_config_syncs_through_the_cluster_istio_names() {
+    let manifest = std::fs::read_to_string(workspace_root().join("envoy/istio/global-wasmplugin.yaml")).expect("read");
+    let found = floodgate_cli::find_configurations("global-wasmplugin.yaml", manifest.as_bytes(), Default::default())
+        .expect("a WasmPlugin");
+    let config: Value = serde_json::from_slice(found[0].bytes.as_ref().expect("its pluginConfig")).expect("JSON");
+    let cluster = config["global"]["cluster"].as_str().expect("global.cluster").to_owned();
+    assert!(cluster.starts_with("outbound|9090||floodgate-sync."), "{cluster}");
+    let rule = config["rate_limits"]
+        .as_array()
+        .and_then(|rules| rules.iter().find(|r| r["scope"] == "global"))
+        .expect("a global rule");
+    let header = rule["key"][0]["header"].as_str().expect("a rule keyed on a header").to_owned();
+    let redis = Redis::start();
+    let sync = SyncService::single(&redis.url());
+    let upstream = Upstream::start();
+    let envoy = Envoy::builder(config.clone()).upstream(&upstream).http2_cluster(&cluster, &[sync.addr]).start();
+    let key = format!("tenant-{}", std::process::id());
+    let statuses = steady_load(&[envoy.addr()], (&header, &key), 50, Duration::from_secs(1), |_| {}).await;
+    let sent: u64 = statuses.values().sum();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut in_redis = 0;
+    while Instant::now() < deadline {
+        in_redis = redis_counters(&[&redis], |_, _| true);
+        if in_redis == sent {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!("{statuses:?}; Redis holds {in_redis}; {}", envoy.stats_matching("floodgate.global"));
+    assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), vec![200], "the rule's limit is far off");
+    assert_eq!(in_redis, sent, "every admission reached Redis through {cluster}");
+    assert!(envoy.stat(&global_stat("confirmed")).unwrap_or(0) > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_store_paused_the_ambassador_partitioned_or_restarted_every_request_is_decided_and_redis_converges_exactly() {
     const LIMIT: u64 = 100_000;
     const RATE: u64 = 300;
     wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
@@ -187,6 +235,7 @@ async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_c
     let key = format!("tenant-{}", std::process::id());
     let mut staleness_seen = 0u64;
     let mut failures_while_paused = 0u64;
+    let mut failures_while_partitioned = 0u64;
     let statuses = steady_load(&addrs, ("x-fleet-key", &key), RATE, Duration::from_secs(9), |elapsed| {
         let t = elapsed.as_millis();
         if (2000..2100).contains(&t) {
@@ -197,7 +246,14 @@ async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_c
             failures_while_paused = stat_sum(&envoys, &global_stat("failures"));
             redis.resume();
         }
-        if (6000..6100).contains(&t) {
+        if (5600..5700).contains(&t) {
+            sync.pause(); // partitioned from the proxies: their calls time out
+        }
+        if (7000..7100).contains(&t) {
+            failures_while_partitioned = stat_sum(&envoys, &global_stat("failures")) - failures_while_paused;
+            sync.resume(); // the calls it held are answered late, then dropped as retries
+        }
+        if (7600..7700).contains(&t) {
             sync.restart(); // stateless: nothing is lost
         }
     })
@@ -213,11 +269,12 @@ async fn with_the_store_paused_or_restarted_every_request_is_decided_and_redis_c
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     println!(
-        "statuses {statuses:?}; staleness seen while paused {staleness_seen} ms; failures by then {failures_while_paused}; Redis {in_redis}"
+        "statuses {statuses:?}; staleness seen while paused {staleness_seen} ms; failures by then {failures_while_paused}, while floodgate-sync was partitioned {failures_while_partitioned}; Redis {in_redis}"
     );
     assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), vec![200], "every request admitted, none failed");
     assert!(staleness_seen >= 1500, "the staleness gauge shows the outage: {staleness_seen} ms");
     assert!(failures_while_paused > 0, "sync failures are counted");
+    assert!(failures_while_partitioned > 0, "calls to a partitioned floodgate-sync fail (time out) and are counted");
     assert_eq!(in_redis, admitted, "after the outage Redis holds every admission exactly once");
     assert_eq!(stat_sum(&envoys, &global_stat("dropped")), 0);
     let staleness_after: Vec<u64> = envoys.iter().filter_map(|e| e.stat(&global_stat("staleness_ms"))).collect();

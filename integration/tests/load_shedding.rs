@@ -215,6 +215,110 @@ async fn the_health_endpoint_never_reaches_the_upstream_nor_counts() {
     assert_eq!(upstream.total(), 1);
 }
 
+/// Issue 15.8: the health endpoint answers `GET` and `HEAD` of its path; any other method on
+/// that path is an ordinary request, which reaches the upstream (before, `POST
+/// /floodgate/health` was answered by the filter and never reached it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_endpoint_answers_get_and_head_only() {
+    let upstream = Upstream::start();
+    let envoy = Envoy::start(shedding_config(4), &upstream);
+    let request = |method: &str| {
+        format!("{method} {HEALTH} HTTP/1.1\r\nhost: floodgate.test\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+    };
+    let head = raw_request(envoy.addr(), request("HEAD").as_bytes()).await.expect("HEAD");
+    assert_eq!(head.status, 200, "{}", head.head);
+    assert!(head.head.contains("content-type: application/json"), "{}", head.head);
+    assert!(head.body.is_empty(), "no body for HEAD");
+    let get = raw_request(envoy.addr(), request("GET").as_bytes()).await.expect("GET");
+    assert_eq!(get.status, 200);
+    assert!(String::from_utf8_lossy(&get.body).contains("\"in_flight\":0"), "{:?}", get.body);
+    assert_eq!(upstream.total(), 0, "GET and HEAD are the filter's");
+    for (i, method) in ["POST", "PUT", "DELETE", "OPTIONS"].into_iter().enumerate() {
+        let r = raw_request(envoy.addr(), request(method).as_bytes()).await.expect(method);
+        assert_eq!(r.status, 200, "{method}: {}", r.head);
+        assert_eq!(String::from_utf8_lossy(&r.body), UPSTREAM_BODY, "{method} is answered by the upstream");
+        assert_eq!(upstream.total(), i as u64 + 1);
+    }
+}
+
+/// Issue 15.10: a request the filter refuses gives its in-flight unit back at once, not when
+/// the client has read the refusal. HTTP/2 clients that grant no flow-control window
+/// (`SETTINGS_INITIAL_WINDOW_SIZE` 0) receive a refusal's headers but never its body, so the
+/// stream stays open; before, each such refused stream kept its unit of `max_active_requests`
+/// until the client went away, and honest requests were shed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_requests_hold_no_in_flight_unit_while_the_client_reads_slowly() {
+    const MAX: u32 = 2;
+    let upstream = Upstream::start();
+    let mut config = shedding_config(MAX);
+    config["rate_limits"] = json!([{"name": "per-key", "key": [{"header": "x-key"}], "limit": 1, "window": "1h"}]);
+    let envoy = Envoy::start(config, &upstream);
+    let critical = ("x-floodgate-priority", "critical");
+    assert_eq!(get(envoy.addr(), "/work", &[critical, ("x-key", "spent")]).await.status, 200);
+
+    let stalled = slow_clients::StalledH2::connect(envoy.addr()).await;
+    for _ in 0..MAX {
+        let status = stalled.request("/work", &[critical, ("x-key", "spent")]).await;
+        assert_eq!(status, 429, "refused by the rate limit, after the shedding stage admitted it");
+    }
+    // The refused streams are still open in Envoy: their bodies wait for flow-control credit.
+    let active = envoy.stat("http.front.downstream_rq_active");
+    println!("streams still open in Envoy: {active:?}");
+    assert_eq!(active, Some(u64::from(MAX)), "the refusals' streams cannot finish");
+    let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(2)).await;
+    assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "refused requests hold no unit: {body}");
+    for key in ["a", "b"] {
+        let r = get(envoy.addr(), "/work", &[critical, ("x-key", key)]).await;
+        assert_eq!(r.status, 200, "an honest request is admitted: {}", r.text());
+    }
+    drop(stalled);
+    let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(3)).await;
+    assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "{body}");
+}
+
+/// Issue 15.9: a step of the wall clock does not let the limit be exceeded. In-flight entries
+/// carried wall-clock heartbeats: a step of more than 10 s forward made every other worker's
+/// entries look dead until their next heartbeat, and the limit was exceeded (20 in flight at a
+/// limit of 10). Heartbeats are now on the monotonic clock. The step is real for Envoy alone:
+/// `wallclock` (a preloaded library) moves its wall clock 20 s forward mid-run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wall_clock_step_does_not_let_the_limit_be_exceeded() {
+    const MAX: usize = 10;
+    let clock = wallclock::SteppedWallClock::new();
+    let upstream = Upstream::with_options(UpstreamOptions {
+        delay: Some(Duration::from_secs(6)),
+        ..UpstreamOptions::default()
+    });
+    let envoy = Envoy::builder(shedding_config(MAX as u32)).upstream(&upstream).env(clock.env()).start();
+    let held = send(envoy.addr(), "critical", MAX);
+    let (_, body) = wait_in_flight(&envoy, MAX as u64, Duration::from_secs(3)).await;
+    assert_eq!(body["in_flight"], MAX as u64, "{body}");
+    println!("connections per worker: {:?}", envoy.connections_per_worker());
+    let stepped = Instant::now();
+    clock.step(Duration::from_secs(20));
+    // For the next 2.5 s (the step reaches Envoy within a second, the heartbeats come every
+    // second), requests keep arriving on new connections, over both workers: none fits.
+    let mut admitted = 0;
+    let mut refused = 0;
+    while stepped.elapsed() < Duration::from_millis(2_500) {
+        let r = get(envoy.addr(), "/work", &[("x-floodgate-priority", "critical")]).await;
+        match r.status {
+            503 => refused += 1,
+            200 => admitted += 1,
+            other => panic!("unexpected {other}: {}", r.text()),
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let date = get(envoy.addr(), HEALTH, &[]).await.header("date").map(str::to_owned);
+    println!("after the step: {refused} refused, {admitted} admitted; Envoy's date header: {date:?}");
+    assert_eq!(admitted, 0, "a request was admitted past the limit of {MAX} after the wall clock stepped");
+    assert!(refused > 50, "requests kept coming: {refused}");
+    let (ok, _) = outcome(held, "critical").await;
+    assert_eq!(ok, MAX);
+    let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(3)).await;
+    assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "{body}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn route_timeouts_and_later_refusals_give_the_limit_back() {
     const MAX: usize = 4;
@@ -265,3 +369,152 @@ async fn route_timeouts_and_later_refusals_give_the_limit_back() {
     let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(3)).await;
     assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "after 429s: {body}");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Shedding on the event loop's lag (issue 22)
+// ---------------------------------------------------------------------------------------------
+
+/// A Lua filter after floodgate that burns `x-burn` iterations of CPU on the worker per request
+/// (about 8 ms per million on this project's machine): what makes a worker's event loop lag.
+const BURN_LUA: &str = "function envoy_on_request(h) \
+    local n = tonumber(h:headers():get('x-burn') or '0') or 0 \
+    local x = 0 \
+    for i = 1, n do x = (x + i) % 1000003 end \
+    h:headers():add('x-burned', tostring(x)) \
+end";
+
+/// Client processes, each a shell loop of `curl` sending requests of class `class` that burn
+/// `burn` iterations, one after another (a new connection each), until [`Burners::stop`]: load
+/// from outside the test process, which a busy test runtime cannot thin out.
+struct Burners {
+    children: Vec<std::process::Child>,
+    stop_file: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Burners {
+    fn start(addr: std::net::SocketAddr, clients: usize, class: &str, burn: u64) -> Burners {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let stop_file = dir.path().join("stop");
+        let script = format!(
+            "while [ ! -e '{stop}' ]; do curl -s -o /dev/null -w '%{{http_code}}\\n' --max-time 20 \
+             -H 'x-floodgate-priority: {class}' -H 'x-burn: {burn}' http://{addr}/work; done",
+            stop = stop_file.display()
+        );
+        let children = (0..clients)
+            .map(|_| {
+                std::process::Command::new("sh")
+                    .arg("-c")
+                    .arg(&script)
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::null())
+                    .spawn()
+                    .expect("sh and curl")
+            })
+            .collect();
+        Burners { children, stop_file, _dir: dir }
+    }
+
+    /// Stops the loops (each finishes its request) and returns (admitted, shed).
+    fn stop(self) -> (u64, u64) {
+        std::fs::write(&self.stop_file, b"").expect("stop file");
+        let (mut ok, mut shed) = (0, 0);
+        for child in self.children {
+            let out = child.wait_with_output().expect("a burner");
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                match line.trim() {
+                    "200" => ok += 1,
+                    "503" => shed += 1,
+                    other => panic!("unexpected status {other:?}"),
+                }
+            }
+        }
+        (ok, shed)
+    }
+}
+
+/// Issue 22: shedding on the event loop's lag, with no in-flight limit at all. One worker; a
+/// Lua filter after floodgate burns CPU per request. Low-priority load makes the loop lag past
+/// the low class's share of `max_loop_lag` (but far from the critical class's): low requests
+/// are shed, critical ones are not. Heavy critical load then makes it lag past the whole of it:
+/// critical requests are shed too, and the health endpoint says `503`. Once the load stops, the
+/// proxy stops shedding within a few probes and the health endpoint says `200` again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loop_lag_sheds_low_classes_first_and_stops_when_the_load_goes_away() {
+    let upstream = Upstream::start();
+    let config = json!({
+        "load_shedding": {
+            "max_loop_lag": "300ms", "lag_probe_interval": "50ms",
+            "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "low", "shed_at": 0.05}],
+            "default_class": "critical"
+        },
+        "health": {"path": HEALTH}
+    });
+    let envoy = Envoy::builder(config).upstream(&upstream).concurrency(1).lua_after(BURN_LUA).start();
+    let stat = |what: &str| envoy.stat(&format!("{STAT_PREFIX}.load_shedding.{what}")).unwrap_or(0);
+    let (status, body) = health(&envoy).await;
+    println!("idle: {status} {body}");
+    assert_eq!((status, &body["shedding"]), (200, &json!(false)), "{body}");
+
+    // The loop runs a timer after the requests that were ready with it: N clients sending
+    // requests of T ms back to back make the probes about N × T ms late.
+    // 1. Low-priority load (4 × ~16 ms: past low's 15 ms, far from critical's 300 ms), and a
+    //    critical request now and then.
+    let low = Burners::start(envoy.addr(), 4, "low", 2_000_000);
+    let mut critical = (0u64, 0u64);
+    let phase = Instant::now();
+    while phase.elapsed() < Duration::from_secs(5) {
+        let r = get(envoy.addr(), "/work", &[("x-floodgate-priority", "critical"), ("x-burn", "1000000")]).await;
+        match r.status {
+            200 => critical.0 += 1,
+            503 => critical.1 += 1,
+            other => panic!("unexpected {other}: {}", r.text()),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let low = low.stop();
+    println!("phase 1 (low load): low {} admitted, {} shed; critical {} admitted, {} shed; shed_by_lag low {}, critical {}",
+        low.0, low.1, critical.0, critical.1, stat("low.shed_by_lag"), stat("critical.shed_by_lag"));
+    assert!(low.1 > 0 && stat("low.shed_by_lag") == low.1, "low requests are shed for the lag");
+    assert!(low.0 > 0, "and admitted while the lag is low");
+    assert_eq!(critical.1, 0, "the critical class is not shed below its share of the lag");
+    assert!(critical.0 > 10);
+
+    // 2. Heavy critical load (4 × ~1 s): the loop lags past max_loop_lag; the health endpoint
+    //    says 503.
+    let heavy = Burners::start(envoy.addr(), 4, "critical", 120_000_000);
+    let phase = Instant::now();
+    let mut seen_red = None;
+    let mut lags = Vec::new();
+    while phase.elapsed() < Duration::from_secs(20) && seen_red.is_none() {
+        let (status, body) = health(&envoy).await;
+        lags.push(body["loop_lag_ms"].as_u64().unwrap_or(0));
+        if status == 503 {
+            seen_red = Some((phase.elapsed(), body));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let heavy = heavy.stop();
+    println!("phase 2 (heavy critical load): critical {} admitted, {} shed; health red after {:?}; lags seen {lags:?}", heavy.0, heavy.1, seen_red.as_ref().map(|r| r.0));
+    let (_, red) = seen_red.expect("the health endpoint turns 503 while the default class is shed");
+    assert_eq!((&red["status"], &red["shedding"]), (&json!("overloaded"), &json!(true)), "{red}");
+    assert!(heavy.1 > 0 || stat("critical.shed_by_lag") > 0, "critical requests are shed past max_loop_lag");
+
+    // 3. No load: within a few probes, no shedding and a green health endpoint.
+    let calm = Instant::now();
+    let (status, body) = loop {
+        let (status, body) = health(&envoy).await;
+        if (status == 200 && body["shedding"] == json!(false)) || calm.elapsed() > Duration::from_secs(5) {
+            break (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!("calm after {:.2} s: {status} {body}", calm.elapsed().as_secs_f64());
+    assert_eq!((status, &body["shedding"]), (200, &json!(false)), "{body}");
+    let r = get(envoy.addr(), "/work", &[("x-floodgate-priority", "low")]).await;
+    assert_eq!(r.status, 200, "low requests are admitted again: {}", r.text());
+    let (_, histogram) = envoy.admin_get("/stats?filter=load_shedding.loop_lag_ms");
+    println!("{histogram}");
+    assert!(histogram.contains("loop_lag_ms: P0("), "the lag histogram is in /stats: {histogram}");
+}
+

@@ -12,8 +12,12 @@
 //!   `envoy --mode validate` with the built module;
 //! * the `floodgate validate` command on good and bad files, with the very message the module
 //!   logs in Envoy;
-//! * envoy/docker-compose.yaml for real (scripts/compose-test.sh) and the OCI image for Istio
-//!   (scripts/oci-image.sh), with the Docker engine: without one these tests fail, saying so;
+//! * the Istio manifests of floodgate-sync (Deployment, Service) agree with the WasmPlugin that
+//!   calls it and with the flags the built floodgate-sync reads;
+//! * envoy/docker-compose.yaml for real (scripts/compose-test.sh), envoy/docker-compose.global.yaml
+//!   (scripts/compose-global-test.sh: two Envoys sharing one quota through floodgate-sync and
+//!   Redis) and the OCI image for Istio (scripts/oci-image.sh), with the Docker engine: without one
+//!   these tests fail, saying so;
 //! * the README's two commands check the machine first (scripts/preflight.sh), naming everything
 //!   missing at once as the README shows, before building anything.
 //!
@@ -42,6 +46,15 @@ const KNOWN_GAPS: &[&str] = &[
     "is outside [min_limit, max_limit]",
     "must be between 10ms and 60s",
     "global.timeout: must be at most 60s",
+    "lag_probe_interval: must be from 10ms to 1000ms",
+    "must give exactly one of",
+    "must give at least one condition",
+    "must give one value per key part",
+    "the same key as",
+    "is required when the cost comes from a header",
+    "has no meaning with \"from\": \"request_body\"",
+    "a '*' must be a whole segment",
+    "reports the clusters of cluster_selection, which is not configured",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -203,7 +216,9 @@ fn every_example_configuration_in_the_repository_matches_the_schema_and_parses()
         "docs/istio.md",
         "envoy/demo.yaml",
         "envoy/compose-envoy.yaml",
+        "envoy/compose-global-envoy.yaml",
         "envoy/istio/wasmplugin.yaml",
+        "envoy/istio/global-wasmplugin.yaml",
     ] {
         assert!(
             examples.iter().any(|(origin, _)| origin.starts_with(expected)),
@@ -261,6 +276,36 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         r#"{"load_shedding": {"max_active_requests": 5, "classes": [{"name": "normal", "shed_at": 1}]}}"#,
     ),
     ("/health", "health", r#"{"health": {"path": "/h"}}"#),
+    (
+        "/rate_limits/0/match",
+        "match",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"methods": ["GET"]}}]}"#,
+    ),
+    (
+        "/rate_limits/0/match/path",
+        "pathMatch",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"path": {"exact": "/a"}}}]}"#,
+    ),
+    (
+        "/rate_limits/0/match/headers/0",
+        "headerCondition",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"headers": [{"name": "x", "present": true}]}}]}"#,
+    ),
+    (
+        "/rate_limits/0/tiers",
+        "tiers",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "tiers": {"header": "x-plan", "limits": {"gold": 9}}}]}"#,
+    ),
+    (
+        "/rate_limits/0/overrides/0",
+        "override",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "overrides": [{"key": ["/a"], "limit": 9}]}]}"#,
+    ),
+    (
+        "/rate_limits/0/cost",
+        "cost",
+        r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "cost": {"from": "request_body"}}]}"#,
+    ),
     ("/global", "global", r#"{"global": {"cluster": "floodgate-sync"}}"#),
     (
         "/cluster_selection",
@@ -340,7 +385,11 @@ fn the_schema_and_the_reference_know_every_field_and_default_of_the_parser() {
                 }
                 continue;
             };
-            // Setting a field to the schema's default must change nothing.
+            // Setting a field to the schema's default must change nothing (a field the minimal
+            // configuration sets, one of two that can stand for each other, is not at its default).
+            if base.pointer(pointer).and_then(|o| o.get(name)).is_some() {
+                continue;
+            }
             let mut explicit = base.clone();
             explicit
                 .pointer_mut(pointer)
@@ -368,13 +417,18 @@ fn everything() -> Value {
     json!({
         "rate_limits": [
             {"name": "per-key", "key": [{"header": "x-api-key"}, "source_ip", "path", "method", "authority"],
-             "limit": 100, "window": "1m", "capacity": 1024, "missing_key": "shared", "scope": "global"},
+             "limit": 100, "window": "1m", "capacity": 1024, "missing_key": "shared", "scope": "global",
+             "match": {"path": {"template": "/users/*/orders"}, "methods": ["POST"],
+                       "headers": [{"name": "x-env", "equals": "prod"}], "authority": "api.example.com"},
+             "tiers": {"header": "x-plan", "limits": {"gold": 1000}},
+             "overrides": [{"key": ["vip", "10.0.0.1", "/users/1/orders", "POST", "api.example.com"], "limit": 5000}],
+             "cost": {"from": "response_header", "header": "x-tokens-used", "default": 1}},
             {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s"}
         ],
         "stat_prefix": "edge",
         "ratelimit_headers": "on_reject",
         "load_shedding": {
-            "max_active_requests": 500, "priority_header": "x-priority",
+            "max_active_requests": 500, "max_loop_lag": "50ms", "lag_probe_interval": "20ms", "priority_header": "x-priority",
             "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "batch", "shed_at": 0.5}],
             "default_class": "batch", "retry_after": "2s"
         },
@@ -386,7 +440,7 @@ fn everything() -> Value {
                                   "backoff_ratio": 0.8, "timeout": "2s"},
             "retry_after": "3s"
         },
-        "health": {"path": "/healthz"},
+        "health": {"path": "/healthz", "dependencies": "fail", "min_success_rate": 0.25},
         "global": {"cluster": "outbound|9090||floodgate-sync.floodgate.svc.cluster.local",
                    "authority": "floodgate-sync.floodgate.svc.cluster.local", "sync_interval": "250ms",
                    "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours"},
@@ -836,6 +890,7 @@ fn every_envoy_configuration_passes_envoy_validate() {
         "envoy/demo.yaml",
         "envoy/compose-envoy.yaml",
         "envoy/compose-upstreams.yaml",
+        "envoy/compose-global-envoy.yaml",
         "README.md",
     ] {
         assert!(
@@ -1311,6 +1366,109 @@ fn floodgate_schema_prints_the_schema_file() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Istio: floodgate-sync's Deployment and Service, and the WasmPlugin that calls it
+// ---------------------------------------------------------------------------------------------
+
+/// envoy/istio/floodgate-sync.yaml holds together and with envoy/istio/global-wasmplugin.yaml:
+/// the plugin's `global.cluster` is the cluster Istio makes of that Service
+/// (`outbound|PORT||NAME.NAMESPACE.svc.cluster.local`) and its `authority` the Service's host;
+/// the Service selects the Deployment's pods on the container's port, over HTTP/2; the probes
+/// are floodgate-sync's routes; every environment variable is one floodgate-sync reads (its
+/// `--help` names each), and the built binary starts with the manifest's values.
+#[test]
+fn istio_floodgate_sync_manifest_is_what_the_plugin_calls_and_what_the_binary_reads() {
+    let text = std::fs::read_to_string(workspace_root().join("envoy/istio/floodgate-sync.yaml")).expect("read");
+    let documents = parse_documents(&text).expect("YAML");
+    let of_kind = |kind: &str| {
+        documents
+            .iter()
+            .find(|d| d["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind} in envoy/istio/floodgate-sync.yaml"))
+    };
+    let (deployment, service) = (of_kind("Deployment"), of_kind("Service"));
+    let name = service["metadata"]["name"].as_str().expect("Service name");
+    let namespace = service["metadata"]["namespace"].as_str().expect("Service namespace");
+    assert_eq!(deployment["metadata"]["namespace"], namespace);
+    assert_eq!(of_kind("Namespace")["metadata"]["name"], namespace);
+    let port = &service["spec"]["ports"][0];
+    assert_eq!(port["appProtocol"], "http2", "HTTP/2 without TLS, which floodgate-sync serves");
+    let host = format!("{name}.{namespace}.svc.cluster.local");
+    let cluster = format!("outbound|{}||{host}", port["port"]);
+
+    let plugin = std::fs::read_to_string(workspace_root().join("envoy/istio/global-wasmplugin.yaml")).expect("read");
+    let found = find_configurations("global-wasmplugin.yaml", plugin.as_bytes(), Options::default()).expect("a WasmPlugin");
+    let config = Config::parse(found[0].bytes.as_ref().expect("pluginConfig")).expect("a valid configuration");
+    let global = config.global.expect("a global section");
+    assert_eq!(global.cluster.as_str(), cluster, "global.cluster names the Service's cluster");
+    assert_eq!(global.authority(), host, "global.authority is the Service's host");
+    assert!(config.rate_limits.iter().any(|r| r.scope == floodgate::config::Scope::Global));
+
+    let pod = &deployment["spec"]["template"];
+    let selector = service["spec"]["selector"].as_object().expect("selector");
+    assert!(!selector.is_empty());
+    for (label, value) in selector {
+        assert_eq!(&pod["metadata"]["labels"][label], value, "the Service selects the pods by {label}");
+        assert_eq!(&deployment["spec"]["selector"]["matchLabels"][label], value);
+    }
+    let container = &pod["spec"]["containers"][0];
+    let container_port = &container["ports"][0]["containerPort"];
+    assert_eq!(&port["targetPort"], container_port);
+    assert_eq!(container["readinessProbe"]["httpGet"]["path"], "/readyz");
+    assert_eq!(container["livenessProbe"]["httpGet"]["path"], "/healthz");
+    for probe in ["readinessProbe", "livenessProbe"] {
+        assert_eq!(&container[probe]["httpGet"]["port"], container_port, "{probe}");
+    }
+
+    let binary = floodgate_integration::store::sync_binary();
+    let help = Command::new(&binary).arg("--help").output().expect("floodgate-sync --help");
+    let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    let env: Vec<(String, String)> = container["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .map(|e| {
+            let name = e["name"].as_str().expect("env name").to_owned();
+            (name, e["value"].as_str().unwrap_or_else(|| panic!("a plain value")).to_owned())
+        })
+        .collect();
+    for (name, _) in &env {
+        assert!(
+            name == "RUST_LOG" || (name.starts_with("FLOODGATE_SYNC_") && help.contains(&format!("[env: {name}="))),
+            "{name} is not a variable floodgate-sync reads"
+        );
+    }
+    let listen = &env.iter().find(|(n, _)| n == "FLOODGATE_SYNC_LISTEN").expect("FLOODGATE_SYNC_LISTEN").1;
+    let listen: std::net::SocketAddr = listen.parse().expect("an address");
+    assert_eq!(u64::from(listen.port()), container_port.as_u64().expect("containerPort"));
+    // The values parse: it starts with them (listening here instead; the manifest's Redis is not
+    // reachable from this machine, so it is alive and not ready).
+    let here = std::net::SocketAddr::from(([127, 0, 0, 1], free_ports(1)[0]));
+    let mut child = Command::new(&binary)
+        .envs(env.iter().map(|(n, v)| (n.as_str(), v.as_str())))
+        .env("FLOODGATE_SYNC_LISTEN", here.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start floodgate-sync");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut healthy = false;
+    while std::time::Instant::now() < deadline && child.try_wait().expect("try_wait").is_none() {
+        if http_get_blocking(here, "/healthz").is_ok_and(|(s, _)| s == 200) {
+            healthy = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let ready = http_get_blocking(here, "/readyz").map(|(s, _)| s).unwrap_or(0);
+    let _ = child.kill();
+    let out = child.wait_with_output().expect("wait");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(healthy, "floodgate-sync did not start with the manifest's environment:\n{log}");
+    assert_eq!(ready, 503, "not ready without its Redis");
+    println!("{cluster}: the plugin's cluster; floodgate-sync starts with the manifest's environment: {}", log.lines().next().unwrap_or(""));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Docker: the compose demo and the OCI image for Istio
 // ---------------------------------------------------------------------------------------------
 
@@ -1327,30 +1485,47 @@ fn require_docker() {
     );
 }
 
-#[test]
-fn docker_compose_demo_serves_limits_sheds_and_counts() {
+/// Runs `scripts/<script>` (a compose test, which builds its local images from this machine's
+/// binaries) and checks that it ends with `<summary>: N passed, 0 failed`.
+fn compose_script(script: &str, summary: &str) {
     require_docker();
     let out = Command::new("bash")
-        .arg(workspace_root().join("scripts/compose-test.sh"))
+        .arg(workspace_root().join("scripts").join(script))
         .env("FLOODGATE_WASM", wasm_module())
         .env("ENVOY_BIN", envoy_binary())
+        // The images are built here, from scratch; floodgate-sync's from its static musl build.
         .env_remove("FLOODGATE_ENVOY_IMAGE")
+        .env_remove("FLOODGATE_REDIS_IMAGE")
+        .env_remove("FLOODGATE_SYNC_IMAGE")
+        .env_remove("FLOODGATE_SYNC_BIN")
         .current_dir(workspace_root())
         .output()
-        .expect("run scripts/compose-test.sh");
+        .unwrap_or_else(|e| panic!("run scripts/{script}: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     println!("{stdout}");
     assert!(
         out.status.success(),
-        "scripts/compose-test.sh failed:\n{stdout}\n{}",
+        "scripts/{script} failed:\n{stdout}\n{}",
         tail(&stderr, 40)
     );
     let last = stdout.lines().last().unwrap_or("");
     assert!(
-        last.starts_with("compose: ") && last.ends_with(" passed, 0 failed"),
+        last.starts_with(&format!("{summary}: ")) && last.ends_with(" passed, 0 failed"),
         "{last}"
     );
+}
+
+#[test]
+fn docker_compose_demo_serves_limits_sheds_and_counts() {
+    compose_script("compose-test.sh", "compose");
+}
+
+/// envoy/docker-compose.global.yaml: Redis, floodgate-sync and two Envoys; one tenant's
+/// requests split over both Envoys get one quota of 10, the proxy-scope rule 10 per Envoy.
+#[test]
+fn docker_compose_global_two_envoys_share_one_quota_through_redis() {
+    compose_script("compose-global-test.sh", "compose-global");
 }
 
 #[test]

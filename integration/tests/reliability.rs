@@ -487,6 +487,64 @@ async fn a_reload_keeps_unchanged_counters_and_applies_new_limits_at_once() {
     assert!(crashes.is_empty(), "the module failed:\n{}", crashes.join("\n"));
 }
 
+/// Issue 15.2: a configuration change gives the old configuration's quota reserves back. Envoy
+/// gives the new plugin configuration a new root context and retires the old one (`on_done`);
+/// the old one held units of the hot key counted ahead of use. Before, they stayed counted: one
+/// hot key, limit 1 000 → 1 001 mid-traffic, then idle: `ratelimit` said `r=916` where the
+/// exact remaining was 930. Now, once the proxy is idle, `r` is exact again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configuration_change_gives_the_old_quota_reserves_back() {
+    wait_for_window_phase(HOUR, Duration::from_secs(60), HOUR - Duration::from_secs(120));
+    let upstream = Upstream::start();
+    let key = format!("hot-{}", since_epoch().as_nanos());
+    let reserved = rule_stat("hot", "reserved");
+    let v1 = json!({"rate_limits": [rule("hot", "x-api-key", 1_000, "1h")]});
+    let v2 = json!({"rate_limits": [rule("hot", "x-api-key", 1_001, "1h")]});
+    let mut envoy = DynamicEnvoy::builder(FilterVersion::new(&v1))
+        .cluster("upstream", &[upstream.addr()])
+        .start();
+    // The hot key's traffic, on one keep-alive connection (one worker), until the change is in:
+    // its writes keep counting units ahead, so the old configuration holds some when retired.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let traffic = {
+        let (addr, key, stop) = (envoy.addr(), key.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut client = Client::connect(addr).await.expect("connect");
+            let mut admitted = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let r = client.get("/work", &[("x-api-key", key.as_str())]).await.expect("request");
+                assert_eq!(r.status, 200, "{}", r.text());
+                admitted += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            admitted
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let held = envoy.stat(&reserved).unwrap_or(0);
+    assert_eq!(envoy.deliver(&FilterVersion::new(&v2)), Delivery::Taken);
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let admitted = traffic.await.expect("traffic task");
+    println!("{admitted} admitted across the change; {held} units reserved at the last heartbeat before it");
+    // Idle: every reserve still held goes back within two heartbeats.
+    tokio::time::sleep(Duration::from_millis(3_500)).await;
+    let r = Client::connect(envoy.addr())
+        .await
+        .expect("connect")
+        .get("/work", &[("x-api-key", key.as_str())])
+        .await
+        .expect("request");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (policy, fields) = parse_ratelimit_item(r.header("ratelimit").expect("a ratelimit field"));
+    assert_eq!(policy, "hot");
+    let exact = 1_001 - (admitted + 1);
+    println!("after the change and 3.5 s idle: r={} (exact: {exact})", fields["r"]);
+    assert_eq!(fields["r"], exact.to_string(), "no unit is left counted by the retired configuration");
+    assert_eq!(envoy.wait_for_stat(&reserved, 0, Duration::from_secs(4)), Some(0), "the reserved gauge is back to 0");
+    assert_eq!(upstream.total(), admitted + 1);
+    assert_no_wasm_failures(&envoy);
+}
+
 /// New VMs replace the old ones while requests are in flight on them: the in-flight count is
 /// shared across the generations (no double capacity during the switch), and once the old
 /// requests end nothing of them is left: the count is back to zero, the whole limit available.

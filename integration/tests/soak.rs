@@ -187,6 +187,7 @@ async fn soak_at_high_load_keeps_memory_flat_and_the_books_exact() {
             Upstream::with_options(UpstreamOptions {
                 count_header: Some("x-tenant".into()),
                 delay: Some(UPSTREAM_DELAY),
+                ..UpstreamOptions::default()
             })
         })
         .collect();

@@ -8,6 +8,7 @@
 
 mod global;
 mod grpc;
+mod rules;
 mod selection;
 mod values;
 
@@ -17,6 +18,7 @@ pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
     MAX_BUCKETS, MAX_CLUSTERS,
 };
+pub use rules::{Cost, CostSource, HeaderCondition, Match, Override, PathMatch, Tiers};
 pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -60,12 +62,20 @@ pub struct Config {
     pub grpc: Grpc,
 }
 
-/// `load_shedding`: refuse new requests fast when the proxy already has this many in flight.
+/// `load_shedding`: refuse new requests fast when the proxy already has this many in flight, or
+/// when a worker's event loop lags (at least one of the two).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LoadShedding {
     /// Proxy-wide (all workers) in-flight limit.
-    pub max_active_requests: Positive,
+    #[serde(default)]
+    pub max_active_requests: Option<Positive>,
+    /// Shed on a worker while its event loop runs its timer this late ([`crate::lag`]).
+    #[serde(default)]
+    pub max_loop_lag: Option<DurationMs>,
+    /// How often each worker probes its event loop's lag (with `max_loop_lag`).
+    #[serde(default = "default_lag_probe_interval")]
+    pub lag_probe_interval: DurationMs,
     /// The request header whose value names the priority class.
     #[serde(default = "default_priority_header")]
     pub priority_header: String,
@@ -96,7 +106,43 @@ pub struct PriorityClass {
 pub struct Health {
     /// The path (matched without its query), e.g. `/floodgate/health`.
     pub path: String,
+    /// What the answer says of the upstream clusters (cluster selection's view).
+    #[serde(default)]
+    pub dependencies: Dependencies,
+    /// With `dependencies: "fail"`: the answer is `503` while every cluster's success rate is
+    /// below this.
+    #[serde(default = "default_min_success_rate")]
+    pub min_success_rate: Fraction,
 }
+
+/// What the health endpoint says of the upstream clusters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dependencies {
+    /// Nothing: the answer is the proxy's own load only.
+    #[default]
+    Off,
+    /// The clusters' success rates and limits in the body; the status stays the proxy's own.
+    Report,
+    /// As `report`, and `503` while every cluster fails (success rate below
+    /// `min_success_rate`). Beware: every proxy of a fleet sees the same clusters, so they
+    /// all turn red at once (see docs/configuration.md, `health`).
+    Fail,
+}
+
+fn default_min_success_rate() -> Fraction {
+    Fraction::trusted(0.5)
+}
+
+fn default_lag_probe_interval() -> DurationMs {
+    DurationMs::from_ms(100).unwrap_or(DurationMs::MIN)
+}
+
+/// The shortest `lag_probe_interval`: Envoy's timers are millisecond timers, and a probe is a
+/// tick of every worker.
+pub const MIN_LAG_PROBE_MS: u64 = 10;
+/// The longest `lag_probe_interval`.
+pub const MAX_LAG_PROBE_MS: u64 = 1_000;
 
 /// The priority header when `priority_header` is not given.
 pub const DEFAULT_PRIORITY_HEADER: &str = "x-floodgate-priority";
@@ -149,6 +195,18 @@ pub struct RateLimitRule {
     /// Whether the quota holds across the workers of this proxy or across the whole fleet.
     #[serde(default)]
     pub scope: Scope,
+    /// When the rule applies (`match`; absent: to every request).
+    #[serde(default, rename = "match")]
+    pub condition: Option<Match>,
+    /// Limits by tier, a request header naming the tier.
+    #[serde(default)]
+    pub tiers: Option<Tiers>,
+    /// Keys with a limit of their own.
+    #[serde(default)]
+    pub overrides: Vec<Override>,
+    /// What a request costs (absent: 1).
+    #[serde(default)]
+    pub cost: Option<Cost>,
 }
 
 /// Where a rule's quota holds.
@@ -322,6 +380,10 @@ impl Config {
                 problem: without_position(&err.inner().to_string()),
             }
         })?;
+        let mut config = config;
+        for (index, rule) in config.rate_limits.iter_mut().enumerate() {
+            rules::validate_rule(rule, &format!("rate_limits[{index}]"))?;
+        }
         config.validate()?;
         Ok(config)
     }
@@ -377,12 +439,31 @@ impl Config {
                     ),
                 });
             }
+            if health.dependencies != Dependencies::Off && self.cluster_selection.is_none() {
+                return Err(ConfigError {
+                    path: "health.dependencies".into(),
+                    problem: "reports the clusters of cluster_selection, which is not configured".into(),
+                });
+            }
         }
         Ok(())
     }
 
     fn validate_shedding(&self, shedding: &LoadShedding) -> Result<(), ConfigError> {
         let error = |path: String, problem: String| ConfigError { path, problem };
+        if shedding.max_active_requests.is_none() && shedding.max_loop_lag.is_none() {
+            return Err(error(
+                "load_shedding".into(),
+                "needs max_active_requests (an in-flight limit), max_loop_lag (a lag limit), or both".into(),
+            ));
+        }
+        let probe = shedding.lag_probe_interval.get().get();
+        if !(MIN_LAG_PROBE_MS..=MAX_LAG_PROBE_MS).contains(&probe) {
+            return Err(error(
+                "load_shedding.lag_probe_interval".into(),
+                format!("must be from {MIN_LAG_PROBE_MS}ms to {MAX_LAG_PROBE_MS}ms, got {probe}ms"),
+            ));
+        }
         header_name(&shedding.priority_header)
             .map_err(|problem| error("load_shedding.priority_header".into(), problem))?;
         if shedding.classes.is_empty() {
@@ -414,9 +495,20 @@ impl Config {
                 .iter()
                 .map(|c| format!("{} at {}", c.name, c.shed_at.get()))
                 .collect();
+            let mut limits = Vec::new();
+            if let Some(max) = shedding.max_active_requests {
+                limits.push(format!("{} in flight", max.get()));
+            }
+            if let Some(lag) = shedding.max_loop_lag {
+                limits.push(format!(
+                    "{}ms loop lag (probed every {}ms)",
+                    lag.get(),
+                    shedding.lag_probe_interval.get()
+                ));
+            }
             parts.push(format!(
-                "load shedding: {} in flight, classes by {} [{}], default {}",
-                shedding.max_active_requests.get(),
+                "load shedding: {}, classes by {} [{}], default {}",
+                limits.join(" or "),
                 shedding.priority_header,
                 classes.join(", "),
                 shedding.default_class
@@ -667,7 +759,8 @@ mod tests {
         )
         .unwrap();
         let shedding = config.load_shedding.unwrap();
-        assert_eq!(shedding.max_active_requests.get().get(), 500);
+        assert_eq!(shedding.max_active_requests.unwrap().get().get(), 500);
+        assert_eq!((shedding.max_loop_lag, shedding.lag_probe_interval.get().get()), (None, 100));
         assert_eq!(shedding.priority_header, DEFAULT_PRIORITY_HEADER);
         assert_eq!(shedding.classes.len(), 3);
         assert_eq!(shedding.default_class.as_str(), "normal");
@@ -678,7 +771,13 @@ mod tests {
     #[test]
     fn load_shedding_errors_are_named() {
         for (json, expected) in [
-            (r#"{"load_shedding":{}}"#, "load_shedding: missing field `max_active_requests`"),
+            (r#"{"load_shedding":{}}"#, "load_shedding: needs max_active_requests (an in-flight limit), max_loop_lag (a lag limit), or both"),
+            (r#"{"load_shedding":{"max_loop_lag":"0ms"}}"#, "load_shedding.max_loop_lag: "),
+            (r#"{"load_shedding":{"max_loop_lag":"50ms","lag_probe_interval":"5ms"}}"#, "load_shedding.lag_probe_interval: must be from 10ms to 1000ms, got 5ms"),
+            (r#"{"load_shedding":{"max_loop_lag":"50ms","lag_probe_interval":"2s"}}"#, "load_shedding.lag_probe_interval: must be from 10ms to 1000ms, got 2000ms"),
+            (r#"{"health":{"path":"/h","dependencies":"report"}}"#, "health.dependencies: reports the clusters of cluster_selection, which is not configured"),
+            (r#"{"health":{"path":"/h","dependencies":"always"}}"#, "health.dependencies: unknown variant `always`"),
+            (r#"{"health":{"path":"/h","min_success_rate":2}}"#, "health.min_success_rate: must be a fraction in (0, 1], got 2"),
             (r#"{"load_shedding":{"max_active_requests":0}}"#, "load_shedding.max_active_requests: must be a positive integer"),
             (r#"{"load_shedding":{"max_active_requests":5,"classes":[]}}"#, "load_shedding.classes: must list at least one class"),
             (r#"{"load_shedding":{"max_active_requests":5,"classes":[{"name":"a","shed_at":1.5}],"default_class":"a"}}"#, "load_shedding.classes[0].shed_at: must be a fraction in (0, 1], got 1.5"),

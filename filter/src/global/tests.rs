@@ -101,7 +101,7 @@ impl Proxy {
         let mut probes = vec![Probe::new(0, local_hash)];
         probes[0].fleet = Some(self.scope.hasher.hash("per-key", [Some(key.as_bytes())]));
         self.scope.annotate(node, &mut probes, now);
-        let verdict = self.limiter.check(&self.store, reserves, &probes, now, 1);
+        let verdict = self.limiter.check(&self.store, reserves, &probes, now);
         let admitted = matches!(verdict, Verdict::Admitted { .. });
         self.scope.count(node, &probes, now, u32::from(admitted));
         admitted

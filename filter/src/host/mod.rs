@@ -1,35 +1,57 @@
 //! The proxy-wasm shell: reads the host (clock, headers, shared data) once per callback, hands
 //! plain values to the core, and turns the core's decisions into host calls. Nothing here
 //! decides anything.
+//!
+//! **Lifecycle, as Envoy drives it** (proxy-wasm-cpp-host; `shared/notes/proxy-wasm-envoy.md`):
+//! - one VM per worker thread and one for the main thread, plus a throw-away VM that validates
+//!   each new configuration; statics (`thread_local!` here) are per VM;
+//! - a configuration gets a root context ([`FilterRoot`]) in every VM: `on_configure` builds its
+//!   [`Filter`], `on_tick` runs its heartbeat (every second, or every `sync_interval` with a
+//!   global scope);
+//! - a stream ([`FilterStream`]) holds the `Filter` of the root context that created it, to its
+//!   end (`on_log`), even if the configuration changes meanwhile;
+//! - a changed plugin configuration gets a **new root context in the same VM**, and the old one
+//!   is retired with `on_done` (also when the filter is removed or the VM shuts down); a root
+//!   context configured a second time replaces its `Filter`. Either way the old `Filter` is
+//!   retired ([`Filter::retire`]): what it held ahead of use goes back, what it counted
+//!   locally is written;
+//! - a new VM (new code or `vm_config`) starts empty; shared data (same `vm_id`) survives it.
+//!
+//! **Pipeline** of a request's headers: `health → shed → rate_limit → select`; the first stage
+//! that answers sends the local reply, after giving back the in-flight unit the request held.
 
+mod clock;
 mod global;
 mod grpc;
 mod header_map;
 mod stats;
 mod store;
 
-use crate::config::{Config, KeyPart, RateLimitHeaders};
+use crate::config::{Config, Dependencies, KeyPart, RateLimitHeaders};
 use crate::global::{GlobalScope, VmNode};
 use crate::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::key::{self, KeyHasher, Source};
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::{Cause, Limiter, Verdict};
-use crate::response::{self, AdmittedFields, Reply};
+use crate::response::{self, AdmittedFields, Reply, Tightest};
+use crate::rules::{self, Attributes, Charges, Later, Rules};
 use crate::select::outcome::Outcome;
 use crate::select::shuffle::SplitMix64;
-use crate::select::{ClusterLease, Selector, VmState};
-use crate::shed::{LocalCount, Lease, Shedder, HEARTBEAT_MS};
+use crate::select::{ClusterLease, Selector, Timing, VmState};
+use crate::reserve::{Lease, LocalCount};
+use crate::lag::LagMonitor;
+use crate::shed::{Classes, Shedder, HEARTBEAT_MS};
 use crate::store::{write_back, SharedStore, StoreError};
-use crate::time::UnixMillis;
+use crate::time::{MonoMillis, Now};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use stats::{increment, Stats};
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
-use std::time::{Duration, UNIX_EPOCH};
+use std::time::Duration;
 use store::EnvoyStore;
 
 proxy_wasm::main! {{
@@ -58,8 +80,15 @@ struct Filter {
     /// The `RateLimit` fields of admitted responses, formatted once per rule.
     admitted_fields: AdmittedFields,
     hasher: KeyHasher,
+    /// The rules' conditions, limits by key and costs.
+    rules: Rules,
     stats: Stats,
+    /// The in-flight limit (`max_active_requests`).
     shedder: Option<Shedder>,
+    /// The priority classes, for both shedding signals.
+    classes: Option<Classes>,
+    /// This VM's loop-lag probe (`max_loop_lag`).
+    lag: Option<RefCell<LagMonitor>>,
     /// This VM's in-flight count for the filter's namespace.
     local: LocalCount,
     selector: Option<Selector>,
@@ -69,6 +98,9 @@ struct Filter {
     global: Option<GlobalScope>,
     /// This VM's side of the global scope (it outlives configurations).
     global_node: Option<Rc<RefCell<VmNode>>>,
+    /// The configuration was replaced or its root context retired ([`Filter::retire`]): streams
+    /// that still finish under it write their outcomes at once.
+    retired: Cell<bool>,
 }
 
 thread_local! {
@@ -77,7 +109,7 @@ thread_local! {
         let mut bytes = [0u8; 8];
         if getrandom::fill(&mut bytes).is_err() {
             log::warn!("floodgate: getrandom failed; the VM id falls back to the clock");
-            bytes = now().0.to_le_bytes();
+            bytes = clock::wall().0.to_le_bytes();
         }
         u64::from_le_bytes(bytes)
     };
@@ -88,7 +120,7 @@ thread_local! {
     static RNG: RefCell<SplitMix64> = RefCell::new(SplitMix64::new({
         let mut bytes = [0u8; 8];
         if getrandom::fill(&mut bytes).is_err() {
-            bytes = now().0.to_le_bytes();
+            bytes = clock::mono().0.to_le_bytes();
         }
         u64::from_le_bytes(bytes)
     }));
@@ -105,15 +137,30 @@ fn local_count(record_key: &str) -> LocalCount {
 #[derive(Default)]
 struct FilterRoot {
     filter: Option<Rc<Filter>>,
-    /// When the per-second heartbeat last ran (the tick is faster with a global scope).
-    last_heartbeat: Option<UnixMillis>,
+    /// When the per-second heartbeat last ran (the tick is faster with a global scope or a lag
+    /// probe).
+    last_heartbeat: Option<MonoMillis>,
+    /// When the global scope's tick last ran (every `sync_interval`).
+    last_sync: Option<MonoMillis>,
 }
 
 impl Context for FilterRoot {
+    /// The host retires this root context: its configuration was replaced by another (which
+    /// Envoy gives a new root context, in the same VM for a plugin-configuration change), or
+    /// the filter was removed, or the VM shuts down. What the configuration holds for itself
+    /// goes back now ([`Filter::retire`]); no later tick of this root context will.
+    fn on_done(&mut self) -> bool {
+        if let Some(filter) = self.filter.take() {
+            filter.retire(clock::now());
+            log::debug!("floodgate: root context retired; its reserves were given back");
+        }
+        true
+    }
+
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let Some(filter) = &self.filter else { return };
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-            global::answered(scope, node, &filter.stats.global, token_id, num_headers, body_size, now());
+            global::answered(scope, node, &filter.stats.global, token_id, num_headers, body_size, clock::now().wall);
         }
     }
 }
@@ -143,21 +190,26 @@ impl RootContext for FilterRoot {
             }
         };
         let limiter = Limiter::new(&config, &namespace);
-        let shedder = config.load_shedding.as_ref().map(|s| Shedder::new(s, &namespace));
+        let shedder = config.load_shedding.as_ref().and_then(|s| Shedder::new(s, &namespace));
+        let classes = config.load_shedding.as_ref().map(Classes::new);
+        let lag = config.load_shedding.as_ref().and_then(LagMonitor::new);
         let selector = config.cluster_selection.as_ref().map(|s| Selector::new(s, &namespace));
         let cluster_leases = selector.as_ref().map_or_else(Vec::new, |s| {
             (0..s.clusters.len()).filter_map(|i| s.record_key(i)).map(local_count).collect()
         });
         if let Some(old) = &self.filter {
-            old.limiter.drain(&EnvoyStore, &mut old.reserves.borrow_mut());
-            old.report_reserved();
+            old.retire(clock::now());
         }
         let global = GlobalScope::new(&config, &namespace);
         let global_node = global.as_ref().map(|_| global::node(&namespace, vm_id()));
-        // The heartbeat is every second; a global scope ticks every sync_interval (faster).
-        let tick_ms = global.as_ref().map_or(HEARTBEAT_MS, |g| g.interval_ms.min(HEARTBEAT_MS));
+        // The heartbeat is every second; a global scope ticks every sync_interval, a lag probe
+        // every lag_probe_interval (both faster).
+        let tick_ms = [global.as_ref().map(|g| g.interval_ms), lag.as_ref().map(LagMonitor::probe_ms)]
+            .into_iter()
+            .flatten()
+            .fold(HEARTBEAT_MS, u64::min);
         let mut ticking = false;
-        if shedder.is_some() || selector.is_some() || !config.rate_limits.is_empty() {
+        if shedder.is_some() || lag.is_some() || selector.is_some() || !config.rate_limits.is_empty() {
             match hostcalls::set_tick_period(Duration::from_millis(tick_ms)) {
                 Ok(()) => ticking = true,
                 Err(status) => log::warn!(
@@ -172,6 +224,7 @@ impl RootContext for FilterRoot {
         );
         self.filter = Some(Rc::new(Filter {
             stats: Stats::define(&config),
+            rules: Rules::new(&config, &KeyHasher::new(seed)),
             hasher: KeyHasher::new(seed),
             headers: HeaderPlan::new(&config),
             admitted_fields: AdmittedFields::new(&limiter),
@@ -181,37 +234,48 @@ impl RootContext for FilterRoot {
             reserved_reported: RefCell::new(vec![0; config.rate_limits.len()]),
             local: local_count(shedder.as_ref().map_or("", |s| s.record_key())),
             shedder,
+            classes,
+            lag: lag.map(RefCell::new),
             selector,
             selection_vm: RefCell::new(VmState::new(vm_id(), cluster_leases)),
             global,
             global_node,
             config,
+            retired: Cell::new(false),
         }));
         true
     }
 
     fn on_tick(&mut self) {
         let Some(filter) = &self.filter else { return };
-        let now = now();
-        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-            global::tick(scope, node, &filter.stats.global, vm_id(), now);
+        let now = clock::now();
+        if let Some(lag) = &filter.lag {
+            let lag_ms = lag.borrow_mut().probe(now.mono);
+            stats::record(filter.stats.loop_lag_ms, lag_ms);
         }
-        let due = self
-            .last_heartbeat
-            .is_none_or(|last| now.saturating_since(last) >= HEARTBEAT_MS || last > now);
-        if !due {
+        let due = |last: Option<MonoMillis>, every_ms: u64| {
+            // A tick a few milliseconds early still counts: the timer's period is the interval.
+            last.is_none_or(|last| now.mono.saturating_since(last).saturating_add(5) >= every_ms || last > now.mono)
+        };
+        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+            if due(self.last_sync, scope.interval_ms) {
+                self.last_sync = Some(now.mono);
+                global::tick(scope, node, &filter.stats.global, vm_id(), now.wall);
+            }
+        }
+        if !due(self.last_heartbeat, HEARTBEAT_MS) {
             return;
         }
-        self.last_heartbeat = Some(now);
-        filter.limiter.heartbeat(&EnvoyStore, &mut filter.reserves.borrow_mut(), now);
+        self.last_heartbeat = Some(now.mono);
+        filter.limiter.heartbeat(&EnvoyStore, &mut filter.reserves.borrow_mut(), now.wall);
         filter.report_reserved();
         if let Some(shedder) = &filter.shedder {
-            let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now);
+            let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now.mono);
             stats::set(filter.stats.in_flight, u64::from(total));
         }
         if let Some(selector) = &filter.selector {
             let states =
-                selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now);
+                selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now.mono);
             for (index, state) in states.into_iter().enumerate() {
                 let (Some(state), ids) = (state, filter.stats.cluster(index)) else { continue };
                 // The rate is in [0, 1]: millionths fit.
@@ -233,15 +297,40 @@ impl RootContext for FilterRoot {
         Some(Box::new(FilterStream {
             filter,
             ratelimit_fields: None,
+            charges: Charges::default(),
             replied: false,
             lease: None,
             cluster_lease: None,
             grpc: grpc::Call::default(),
+            timing: Timing::default(),
         }))
     }
 }
 
 impl Filter {
+    /// Ends this configuration's claims on shared data, once it takes no new requests (its
+    /// root context was re-configured or retired): gives back its quota reserves (their units
+    /// were counted ahead in the keys' counters), the in-flight and cluster reserves, and
+    /// writes the cluster outcomes it counted locally (successes and AIMD growth). Without
+    /// this, a configuration change would leave those units counted for up to two windows,
+    /// and drop the pending outcomes. Streams still running under it write their outcomes at
+    /// once from now on.
+    fn retire(&self, now: Now) {
+        self.retired.set(true);
+        {
+            let mut reserves = self.reserves.borrow_mut();
+            self.limiter.drain(&EnvoyStore, &mut reserves);
+            *reserves = Reserves::disabled();
+        }
+        self.report_reserved();
+        if let Some(shedder) = &self.shedder {
+            shedder.heartbeat(&EnvoyStore, vm_id(), &self.local, now.mono);
+        }
+        if let Some(selector) = &self.selector {
+            selector.heartbeat(&EnvoyStore, &mut self.selection_vm.borrow_mut(), now.mono);
+        }
+    }
+
     /// Moves the `reserved` gauges by what this VM's reserves changed since it last reported.
     fn report_reserved(&self) {
         let mut reported = self.reserved_reported.borrow_mut();
@@ -287,7 +376,9 @@ fn shared_seed(store: &dyn SharedStore, namespace: &str) -> Result<[u8; 16], Str
 struct FilterStream {
     filter: Rc<Filter>,
     /// For an admitted request: the tightest rule and its `ratelimit` value.
-    ratelimit_fields: Option<(usize, String)>,
+    ratelimit_fields: Option<Tightest>,
+    /// Costs the admitted request still owes its rules (a streamed body, a reported count).
+    charges: Charges,
     replied: bool,
     /// Held from admission to the end of the stream (released in `on_log`; `Drop` is the net).
     lease: Option<Lease>,
@@ -295,11 +386,18 @@ struct FilterStream {
     cluster_lease: Option<ClusterLease>,
     /// Whether the request is gRPC, and the status its response ended with.
     grpc: grpc::Call,
+    /// When the request ended and the response headers came (only with a cluster lease): the
+    /// upstream's latency, which decides "slow".
+    timing: Timing,
 }
 
 impl FilterStream {
-    /// Sends a local reply (its gRPC form to a gRPC request); the filter then stops the request.
-    fn reply(&mut self, reply: &Reply) -> Action {
+    /// Sends a local reply (its gRPC form to a gRPC request); the filter then stops the
+    /// request. A refused request gives its in-flight unit back at once: it never reaches an
+    /// upstream, and a client that reads its refusal slowly (an HTTP/2 client withholding
+    /// flow-control credit) must not hold a unit of the proxy's capacity meanwhile.
+    fn reply(&mut self, reply: &Reply, now: Now) -> Action {
+        self.release(now.mono);
         if let Some(grpc) = crate::grpc::reply(reply, &self.filter.config.grpc).filter(|_| self.grpc.request) {
             self.replied = true;
             grpc::send(&grpc);
@@ -313,25 +411,80 @@ impl FilterStream {
         Action::Pause
     }
 
-    /// The health endpoint, if this request is for it.
-    fn health(&self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
+    /// The health endpoint, if this request is for it: a `GET` or `HEAD` of its path. Other
+    /// methods on that path are ordinary requests (they go on to the upstream, through the
+    /// other stages). It reports the proxy-wide in-flight count and this worker's loop lag, and,
+    /// when configured, the clusters.
+    fn health(&self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
         let health = filter.config.health.as_ref()?;
         let path = headers.get(":path")?;
         if KeyPart::Path.normalize(&path) != health.path.as_bytes() {
             return None;
         }
+        // Read only for the health path (one host call there, none on the common path).
+        let method = headers.get(":method")?;
+        if !response::is_health_method(&method) {
+            return None;
+        }
         let in_flight = filter
             .shedder
             .as_ref()
-            .map(|s| s.in_flight(&EnvoyStore, vm_id(), &filter.local, now));
-        Some(response::health(filter.shedder.as_ref(), in_flight))
+            .map(|s| (s, s.in_flight(&EnvoyStore, vm_id(), &filter.local, now)));
+        let lag = filter.lag.as_ref().map(|lag| {
+            let lag = lag.borrow();
+            let default_class = filter.classes.as_ref().map_or(0, |c| c.default_class);
+            response::LagStatus {
+                lag_ms: lag.lag_ms(),
+                max_loop_lag_ms: lag.max_loop_lag_ms(),
+                sheds_default_class: lag.sheds(default_class).is_some(),
+                shedding: lag.is_shedding(),
+            }
+        });
+        let dependencies = match (health.dependencies, filter.selector.as_ref()) {
+            (Dependencies::Off, _) | (_, None) => None,
+            (mode, Some(selector)) => {
+                let states = selector.states(&EnvoyStore, &filter.selection_vm.borrow(), now);
+                let clusters = selector
+                    .clusters
+                    .iter()
+                    .zip(states)
+                    .filter_map(|(cluster, state)| {
+                        let state = state?;
+                        Some(response::ClusterHealth {
+                            name: cluster.name.as_str().to_owned(),
+                            success_rate: state.success_rate,
+                            limit: state.limit,
+                            in_flight: state.in_flight,
+                        })
+                    })
+                    .collect();
+                Some(response::DependencyView {
+                    fail: mode == Dependencies::Fail,
+                    min_success_rate: health.min_success_rate.get(),
+                    clusters,
+                })
+            }
+        };
+        Some(response::health(&response::LocalLoad { in_flight, lag }, dependencies.as_ref()))
     }
 
-    /// Load shedding: takes a lease, or returns the 503.
-    fn shed(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
+    /// Load shedding: on this worker's loop lag, then on the proxy-wide in-flight count (taking
+    /// a lease); returns the 503 of either.
+    fn shed(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
+        let classes = filter.classes.as_ref()?;
+        let value = headers.get(&classes.priority_header);
+        let class = classes.class_of(value.as_deref());
+        if let Some(lag) = &filter.lag {
+            let lag = lag.borrow();
+            if let Some(shed) = lag.sheds(class) {
+                increment(filter.stats.shed.get(class).copied().flatten());
+                increment(filter.stats.shed_by_lag.get(class).copied().flatten());
+                log::debug!("floodgate: shed for the loop lag {shed:?}");
+                let retry_after = filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
+                return Some(response::shed_by_lag(classes, &lag, &shed, retry_after));
+            }
+        }
         let shedder = filter.shedder.as_ref()?;
-        let value = headers.get(&shedder.priority_header);
-        let class = shedder.class_of(value.as_deref());
         match shedder.try_acquire(&EnvoyStore, vm_id(), &filter.local, class, now) {
             Ok(lease) => {
                 self.lease = Some(lease);
@@ -349,28 +502,57 @@ impl FilterStream {
     }
 
     /// Rate limiting: records the admission in every applicable rule, or returns the 429.
-    fn rate_limit(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: UnixMillis) -> Option<Reply> {
+    fn rate_limit(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: crate::time::UnixMillis) -> Option<Reply> {
         if filter.config.rate_limits.is_empty() {
             return None;
         }
         let mut skipped = Vec::new();
         let fleet = filter.global.as_ref().map(|g| &g.hasher);
-        let mut probes = key::probes(&filter.config, &filter.hasher, fleet, |source| headers.fetch(source), &mut skipped);
+        let rules = &filter.rules;
+        let mut probes = key::probes_where(
+            &filter.config,
+            &filter.hasher,
+            fleet,
+            |source| headers.fetch(source),
+            &mut skipped,
+            |rule| rules.applies(rule, headers),
+        );
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             scope.annotate(&node.borrow(), &mut probes, now);
         }
         for rule in skipped {
             increment(filter.stats.rule(rule).skipped);
         }
-        let verdict = filter.limiter.check(&EnvoyStore, &mut filter.reserves.borrow_mut(), &probes, now, 1);
+        // Each rule's limit for the key and the request's cost against it (crate::rules).
+        let mut later = Vec::new();
+        for probe in &mut probes {
+            probe.limit = rules.limit(probe.rule, probe.key_hash, headers);
+            let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit));
+            let admission = rules.admission(probe.rule, headers);
+            if admission.invalid {
+                increment(filter.stats.rule(probe.rule).invalid_cost);
+            }
+            probe.cost = limit.map_or(admission.now, |limit| rules::capped(admission.now, limit));
+            if let (Later::BodyBytes | Later::ResponseHeader, Some(limit)) = (admission.later, limit) {
+                later.push((*probe, admission.later, limit));
+            }
+        }
+        let verdict = filter.limiter.check(&EnvoyStore, &mut filter.reserves.borrow_mut(), &probes, now);
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             // An admission counts fleet-wide; a refusal asks for the key's fleet-wide count.
-            let cost = u32::from(matches!(verdict, Verdict::Admitted { .. }));
-            let dropped = scope.count(&mut node.borrow_mut(), &probes, now, cost);
-            stats::add_count(filter.stats.global.dropped, dropped);
+            let admitted = matches!(verdict, Verdict::Admitted { .. });
+            let mut node = node.borrow_mut();
+            for probe in &probes {
+                let cost = if admitted { probe.cost } else { 0 };
+                let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, cost);
+                stats::add_count(filter.stats.global.dropped, dropped);
+            }
         }
         match &verdict {
             Verdict::Admitted { standings, evictions } => {
+                for (probe, when, limit) in later {
+                    self.charges.owe(probe, when, limit);
+                }
                 for standing in standings {
                     increment(filter.stats.rule(standing.rule).allowed);
                 }
@@ -399,7 +581,7 @@ impl FilterStream {
 
     /// Cluster selection: takes a lease on a cluster and routes the request to it (overwriting
     /// whatever the client sent in the route header), or returns the 503 when none has room.
-    fn select(&mut self, filter: &Filter, now: UnixMillis) -> Option<Reply> {
+    fn select(&mut self, filter: &Filter, now: MonoMillis) -> Option<Reply> {
         let selector = filter.selector.as_ref()?;
         let chosen = RNG.with(|rng| {
             let mut rng = rng.borrow_mut();
@@ -432,7 +614,7 @@ impl FilterStream {
     }
 
     /// Ends the chosen cluster's lease with the stream's outcome.
-    fn finish_cluster(&mut self, now: UnixMillis) {
+    fn finish_cluster(&mut self, now: MonoMillis) {
         let (Some(lease), Some(selector)) = (self.cluster_lease.take(), self.filter.selector.as_ref()) else {
             return;
         };
@@ -448,16 +630,20 @@ impl FilterStream {
             Some(code) if code < 500 && grpc.is_none_or(|s| !crate::grpc::needs_flags(s, failures)) => 0,
             _ => property_u64(&["response", "flags"]).unwrap_or(0),
         };
-        let mut outcome = selector.classify(&lease, status, flags, now);
+        let mut outcome = selector.classify(&lease, status, flags, self.timing);
         if let Some(grpc) = grpc {
             outcome = crate::grpc::outcome(outcome, crate::grpc::effective_status(grpc, status, flags), failures);
         }
         let finished = selector.finish(&EnvoyStore, &mut self.filter.selection_vm.borrow_mut(), lease, outcome, now);
+        if self.filter.retired.get() {
+            // Its configuration is gone: no heartbeat of it will write what is pending.
+            selector.heartbeat(&EnvoyStore, &mut self.filter.selection_vm.borrow_mut(), now);
+        }
         let ids = self.filter.stats.cluster(finished.cluster);
         increment(match outcome {
             Outcome::Success => ids.success,
             Outcome::Slow => ids.slow,
-            Outcome::Failure => ids.failure,
+            Outcome::Failure | Outcome::Overflow => ids.failure,
             Outcome::Timeout => ids.timeout,
             Outcome::Ignored => ids.ignored,
         });
@@ -467,7 +653,47 @@ impl FilterStream {
         log::debug!("floodgate: {outcome:?} (status {status:?}, gRPC {grpc:?}, flags {flags:#x}) on cluster {}", finished.cluster);
     }
 
-    fn release(&mut self, now: UnixMillis) {
+    /// Charges costs the admitted request owes its rules, known after admission (see
+    /// [`crate::rules`]): into the keys' counters, and fleet-wide for rules in global scope.
+    fn charge(&self, owed: Vec<(crate::ratelimit::Probe, u32)>) {
+        if owed.iter().all(|(_, units)| *units == 0) {
+            return;
+        }
+        let filter = &self.filter;
+        let now = clock::now().wall;
+        for (probe, units) in owed {
+            let ids = filter.stats.rule(probe.rule);
+            if filter.limiter.charge(&EnvoyStore, probe, units, now) {
+                stats::add_count(ids.charged, u64::from(units));
+            } else {
+                increment(ids.contention);
+            }
+            if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+                let dropped = scope.count(&mut node.borrow_mut(), std::slice::from_ref(&probe), now, units);
+                stats::add_count(filter.stats.global.dropped, dropped);
+            }
+        }
+    }
+
+    /// The response headers came: charges the units the upstream reports (or the rules'
+    /// defaults without a valid report).
+    fn charge_response(&mut self) {
+        let filter = Rc::clone(&self.filter);
+        let rules = &filter.rules;
+        let owed = self.charges.response(|rule| {
+            let raw = rules
+                .response_header(rule)
+                .and_then(|name| hostcalls::get_map_value_bytes(MapType::HttpResponseHeaders, name).ok().flatten());
+            let (units, invalid) = rules.response_units(rule, raw.as_deref());
+            if invalid {
+                increment(filter.stats.rule(rule).invalid_cost);
+            }
+            units
+        });
+        self.charge(owed);
+    }
+
+    fn release(&mut self, now: MonoMillis) {
         if let (Some(lease), Some(shedder)) = (self.lease.take(), self.filter.shedder.as_ref()) {
             shedder.release(&EnvoyStore, vm_id(), lease, now);
         }
@@ -475,14 +701,6 @@ impl FilterStream {
 }
 
 impl Context for FilterStream {}
-
-fn now() -> UnixMillis {
-    let ms = hostcalls::get_current_time()
-        .ok()
-        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-    UnixMillis(ms)
-}
 
 /// An integer attribute (Envoy encodes them as 8 little-endian bytes).
 fn property_u64(path: &[&str]) -> Option<u64> {
@@ -537,32 +755,79 @@ impl<'p, 'm> RequestHeaders<'p, 'm> {
     }
 }
 
+impl Attributes for RequestHeaders<'_, '_> {
+    fn get(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+        RequestHeaders::get(self, name)
+    }
+}
+
 impl HttpContext for FilterStream {
-    fn on_http_request_headers(&mut self, _num_headers: usize, _end_of_stream: bool) -> Action {
+    fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let filter = Rc::clone(&self.filter);
-        let now = now();
+        let now = clock::now();
         let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
         let headers = RequestHeaders::new(&filter.headers, map.as_deref());
         let reply = self
-            .health(&filter, &headers, now)
-            .or_else(|| self.shed(&filter, &headers, now))
-            .or_else(|| self.rate_limit(&filter, &headers, now))
-            .or_else(|| self.select(&filter, now));
+            .health(&filter, &headers, now.mono)
+            .or_else(|| self.shed(&filter, &headers, now.mono))
+            .or_else(|| self.rate_limit(&filter, &headers, now.wall))
+            .or_else(|| self.select(&filter, now.mono));
         if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_lease.is_some() {
             self.grpc.request = crate::grpc::is_grpc(headers.get("content-type").as_deref());
         }
         match reply {
-            Some(reply) => self.reply(&reply),
-            None => Action::Continue,
+            Some(reply) => self.reply(&reply, now),
+            None => {
+                if end_of_stream && self.cluster_lease.is_some() {
+                    self.timing.request_end = Some(now.mono);
+                }
+                if end_of_stream && self.charges.counts_body() {
+                    // No body: nothing to count.
+                    let _ = self.charges.body_done();
+                }
+                Action::Continue
+            }
         }
     }
 
+    fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if end_of_stream && self.cluster_lease.is_some() && self.timing.request_end.is_none() {
+            self.timing.request_end = Some(clock::mono());
+        }
+        if self.charges.counts_body() {
+            self.charges.body(body_size);
+            if end_of_stream {
+                let owed = self.charges.body_done();
+                self.charge(owed);
+            }
+        }
+        Action::Continue
+    }
+
+    fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if self.cluster_lease.is_some() && self.timing.request_end.is_none() {
+            self.timing.request_end = Some(clock::mono());
+        }
+        if self.charges.counts_body() {
+            let owed = self.charges.body_done();
+            self.charge(owed);
+        }
+        Action::Continue
+    }
+
     fn on_log(&mut self) {
+        if !self.charges.is_empty() {
+            // A body cut short, a response that never came: charged what is known, or the
+            // rule's default.
+            let rules = &self.filter.rules;
+            let owed = self.charges.end(|rule| rules.response_units(rule, None).0);
+            self.charge(owed);
+        }
         if self.lease.is_none() && self.cluster_lease.is_none() {
             return;
         }
         // One clock read for both: the stream ended once.
-        let now = now();
+        let now = clock::mono();
         self.release(now);
         self.finish_cluster(now);
     }
@@ -574,9 +839,15 @@ impl HttpContext for FilterStream {
         if self.cluster_lease.is_some() {
             self.grpc.headers(end_of_stream);
         }
-        if let Some((rule, ratelimit)) = self.ratelimit_fields.take() {
-            let policy = self.filter.admitted_fields.policy(rule).unwrap_or_default();
-            for (name, value) in [("ratelimit-policy", policy), ("ratelimit", ratelimit.as_str())] {
+        if self.cluster_lease.is_some() && self.timing.response_headers.is_none() {
+            self.timing.response_headers = Some(clock::mono());
+        }
+        if self.charges.awaits_response() {
+            self.charge_response();
+        }
+        if let Some(tightest) = self.ratelimit_fields.take() {
+            let policy = self.filter.admitted_fields.policy(&tightest).unwrap_or_default();
+            for (name, value) in [("ratelimit-policy", policy.as_ref()), ("ratelimit", tightest.ratelimit.as_str())] {
                 if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value) {
                     log::debug!("floodgate: cannot add {name}: {status:?}");
                 }

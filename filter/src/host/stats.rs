@@ -9,10 +9,14 @@
 //! | `<prefix>.rate_limit.<rule>.skipped` | counter | requests lacking a key part (`missing_key: skip`) |
 //! | `<prefix>.rate_limit.<rule>.contention` | counter | requests refused because the counters could not be updated (CAS attempts ran out) |
 //! | `<prefix>.rate_limit.<rule>.evictions` | counter | keys with live counts that lost their exact entry to a more frequent key (counts moved to the set's overflow) |
+//! | `<prefix>.rate_limit.<rule>.invalid_cost` | counter | requests (or responses) whose cost header held no valid count: the rule's `cost.default` was charged |
+//! | `<prefix>.rate_limit.<rule>.charged` | counter | units charged after admission (a streamed request body, a count the upstream reported) |
 //! | `<prefix>.rate_limit.<rule>.reserved` | gauge | quota units workers counted ahead for their next requests and have not used yet, as of each worker's last heartbeat |
-//! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 |
+//! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 (for the in-flight count or the loop lag) |
+//! | `<prefix>.load_shedding.<class>.shed_by_lag` | counter | of those, refused because this worker's event loop lagged (`max_loop_lag`; 0 without it) |
+//! | `<prefix>.load_shedding.loop_lag_ms` | histogram | how late each worker's lag probe ran, in milliseconds, one sample per probe (`max_loop_lag`; no samples without it) |
 //! | `<prefix>.load_shedding.contention` | counter | requests shed because the in-flight count could not be updated |
-//! | `<prefix>.load_shedding.in_flight` | gauge | proxy-wide in-flight requests, refreshed every second |
+//! | `<prefix>.load_shedding.in_flight` | gauge | proxy-wide in-flight requests, refreshed every second (`max_active_requests`) |
 //! | `<prefix>.cluster.<cluster>.selected` | counter | requests routed to the cluster |
 //! | `<prefix>.cluster.<cluster>.success` | counter | of those, answered in time with a non-failure status |
 //! | `<prefix>.cluster.<cluster>.slow` | counter | answered successfully, slower than `concurrency_limit.timeout` |
@@ -55,6 +59,10 @@ pub struct RuleStats {
     pub evictions: Option<u32>,
     /// Gauge: units held in reserves, summed over the VMs.
     pub reserved: Option<u32>,
+    /// Requests whose cost header held no valid count.
+    pub invalid_cost: Option<u32>,
+    /// Units charged after admission.
+    pub charged: Option<u32>,
 }
 
 /// All metric ids, defined once per configuration.
@@ -64,6 +72,10 @@ pub struct Stats {
     pub rules: Vec<RuleStats>,
     /// Per priority class, in configuration order: requests shed.
     pub shed: Vec<Option<u32>>,
+    /// Per priority class: requests shed for the loop lag.
+    pub shed_by_lag: Vec<Option<u32>>,
+    /// Histogram of the lag probes.
+    pub loop_lag_ms: Option<u32>,
     /// Requests shed on contention.
     pub shed_contention: Option<u32>,
     /// The in-flight gauge.
@@ -122,8 +134,8 @@ pub struct ClusterStats {
     pub in_flight: Option<u32>,
 }
 
-fn counter(name: &str) -> Option<u32> {
-    match hostcalls::define_metric(MetricType::Counter, name) {
+fn define(kind: MetricType, name: &str) -> Option<u32> {
+    match hostcalls::define_metric(kind, name) {
         Ok(id) => Some(id),
         Err(status) => {
             log::warn!("metric {name} could not be defined: {status:?}");
@@ -132,14 +144,16 @@ fn counter(name: &str) -> Option<u32> {
     }
 }
 
+fn counter(name: &str) -> Option<u32> {
+    define(MetricType::Counter, name)
+}
+
 fn gauge(name: &str) -> Option<u32> {
-    match hostcalls::define_metric(MetricType::Gauge, name) {
-        Ok(id) => Some(id),
-        Err(status) => {
-            log::warn!("metric {name} could not be defined: {status:?}");
-            None
-        }
-    }
+    define(MetricType::Gauge, name)
+}
+
+fn histogram(name: &str) -> Option<u32> {
+    define(MetricType::Histogram, name)
 }
 
 /// A cluster name as a metric-name segment: characters other than letters, digits, `-`, `_`
@@ -166,6 +180,8 @@ impl Stats {
                     contention: counter(&name("contention")),
                     evictions: counter(&name("evictions")),
                     reserved: gauge(&name("reserved")),
+                    invalid_cost: counter(&name("invalid_cost")),
+                    charged: counter(&name("charged")),
                 }
             })
             .collect();
@@ -176,8 +192,19 @@ impl Stats {
                 .map(|c| counter(&format!("{prefix}.load_shedding.{}.shed", c.name)))
                 .collect()
         });
-        let shed_contention = shedding.and_then(|_| counter(&format!("{prefix}.load_shedding.contention")));
-        let in_flight = shedding.and_then(|_| gauge(&format!("{prefix}.load_shedding.in_flight")));
+        // Defined whenever shedding is: a dashboard's series exist (at 0) before lag shedding is
+        // turned on.
+        let by_lag = shedding;
+        let shed_by_lag = by_lag.map_or_else(Vec::new, |s| {
+            s.classes
+                .iter()
+                .map(|c| counter(&format!("{prefix}.load_shedding.{}.shed_by_lag", c.name)))
+                .collect()
+        });
+        let loop_lag_ms = by_lag.and_then(|_| histogram(&format!("{prefix}.load_shedding.loop_lag_ms")));
+        let in_flight_limit = shedding.filter(|s| s.max_active_requests.is_some());
+        let shed_contention = in_flight_limit.and_then(|_| counter(&format!("{prefix}.load_shedding.contention")));
+        let in_flight = in_flight_limit.and_then(|_| gauge(&format!("{prefix}.load_shedding.in_flight")));
         let selection = config.cluster_selection.as_ref();
         let clusters = selection.map_or_else(Vec::new, |s| {
             s.clusters
@@ -217,6 +244,8 @@ impl Stats {
             global,
             rules,
             shed,
+            shed_by_lag,
+            loop_lag_ms,
             shed_contention,
             in_flight,
             clusters,
@@ -261,6 +290,11 @@ pub fn add(id: Option<u32>, delta: i64) {
             log::debug!("metric {id} not moved: {status:?}");
         }
     }
+}
+
+/// Records a histogram sample.
+pub fn record(id: Option<u32>, value: u64) {
+    set(id, value);
 }
 
 /// Sets a gauge.

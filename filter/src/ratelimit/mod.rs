@@ -23,7 +23,7 @@ pub mod reserve;
 pub mod table;
 pub mod window;
 
-use crate::config::{Config, Name};
+use crate::config::{Config, CostSource, Name};
 use crate::global::FleetKey;
 use crate::store::{write_back, SharedStore, Stored, StoreError};
 use crate::time::UnixMillis;
@@ -40,8 +40,12 @@ pub const MAX_ATTEMPTS: u32 = 32;
 pub struct RuleTable {
     /// The rule's name.
     pub name: Name,
-    /// Requests per window.
+    /// Units (requests, unless the rule has a `cost`) per window, unless a tier or an override
+    /// says otherwise for a key.
     pub limit: NonZeroU32,
+    /// What the limit counts: `"requests"`, `"bytes"` (a request-body cost) or `"units"` (a cost
+    /// from a header).
+    pub unit: &'static str,
     /// The window.
     pub window: Window,
     sets: NonZeroU64,
@@ -82,12 +86,23 @@ pub struct Probe {
     /// For a rule in global scope: what the other proxies of the fleet admitted for the key, as
     /// last synced ([`crate::global`]); added to this proxy's counts in every decision.
     pub remote: Counts,
+    /// The key's limit when it is not the rule's (a tier's, an override's: [`crate::rules`]).
+    pub limit: Option<NonZeroU32>,
+    /// The units the request counts at admission (1 unless the rule has a `cost`). It is
+    /// admitted when its key has room for `max(cost, 1)`: a key whose quota is spent is
+    /// refused even for a request whose cost is charged later.
+    pub cost: u32,
 }
 
 impl Probe {
-    /// A probe of a rule in proxy scope.
+    /// A probe of a rule in proxy scope, of cost 1 and the rule's limit.
     pub fn new(rule: usize, key_hash: u64) -> Probe {
-        Probe { rule, key_hash, fleet: None, remote: Counts::default() }
+        Probe { rule, key_hash, fleet: None, remote: Counts::default(), limit: None, cost: 1 }
+    }
+
+    /// The room the request needs: its cost, and at least one unit.
+    pub fn needs(&self) -> u32 {
+        self.cost.max(1)
     }
 }
 
@@ -98,12 +113,14 @@ pub struct Standing {
     pub rule: usize,
     /// The sliding estimate (after this request, when it was admitted).
     pub estimate: f64,
-    /// Requests of cost 1 that would still be admitted now.
+    /// Units (requests of cost 1) that would still be admitted now.
     pub remaining: u64,
     /// Milliseconds until the estimate is back to zero if nothing else arrives.
     pub reset_ms: u64,
     /// When the same request would be admitted if nothing else arrived (`None`: never).
     pub retry_at: Option<UnixMillis>,
+    /// The key's limit (the rule's, a tier's or an override's).
+    pub limit: NonZeroU32,
 }
 
 /// Why a rule refused.
@@ -205,6 +222,11 @@ impl Limiter {
                 RuleTable {
                     name: rule.name.clone(),
                     limit: rule.limit.get(),
+                    unit: match rule.cost.as_ref().map(|c| c.from) {
+                        None => "requests",
+                        Some(CostSource::RequestBody) => "bytes",
+                        Some(CostSource::RequestHeader | CostSource::ResponseHeader) => "units",
+                    },
                     window: Window::new(rule.window.get()),
                     sets,
                     key_prefix: format!("floodgate/{namespace}/rl/{}/", rule.name),
@@ -220,15 +242,14 @@ impl Limiter {
         &self.tables
     }
 
-    /// Checks a request of `cost` against the rules in `probes` and, if all admit, counts it,
-    /// from this VM's `reserves` where it can.
+    /// Checks a request against the rules in `probes` (each with its key's limit and the
+    /// request's cost) and, if all admit, counts it, from this VM's `reserves` where it can.
     pub fn check<S: SharedStore + ?Sized>(
         &self,
         store: &S,
         reserves: &mut Reserves,
         probes: &[Probe],
         now: UnixMillis,
-        cost: u32,
     ) -> Verdict {
         let mut standings = Vec::with_capacity(probes.len());
         let mut taken = Vec::new();
@@ -239,15 +260,22 @@ impl Limiter {
                 continue;
             };
             let phase = table.window.phase(now);
-            match reserves.take(*probe, phase.bucket_index, cost) {
-                // Other proxies' counts grow between syncs: a reserve counted before them is
-                // only used while the whole estimate still fits.
-                Some(counts) if probe.remote.is_zero() || table.window.fits(counts.sum(probe.remote), phase.elapsed_ms, table.limit) => {
-                    standings.push(standing(table, probe.rule, counts.sum(probe.remote), now, cost));
+            // A request that counts nothing now (its cost comes later) needs room for one unit,
+            // which only a read can tell.
+            let taking = if probe.cost == 0 { None } else { reserves.take(*probe, phase.bucket_index, probe.cost) };
+            match taking {
+                // Other proxies' counts grow between syncs, and a key's tier can change between
+                // its requests: a reserve counted before is only used while the whole estimate
+                // still fits the key's limit now.
+                Some(counts)
+                    if (probe.remote.is_zero() && probe.limit.is_none())
+                        || table.window.fits(counts.sum(probe.remote), phase.elapsed_ms, limit_of(table, probe)) =>
+                {
+                    standings.push(standing(table, probe, counts.sum(probe.remote), now));
                     taken.push(*probe);
                 }
                 Some(_) => {
-                    reserves.untake(*probe, cost);
+                    reserves.untake(*probe, probe.cost);
                     pending.push(*probe);
                 }
                 None => pending.push(*probe),
@@ -261,17 +289,17 @@ impl Limiter {
         }
         let untake = |reserves: &mut Reserves| {
             for probe in &taken {
-                reserves.untake(*probe, cost);
+                reserves.untake(*probe, probe.cost);
             }
         };
         let mut reads = Vec::with_capacity(pending.len());
         let mut violations = Vec::new();
         for probe in pending {
-            match self.read(store, reserves, probe, now, cost) {
+            match self.read(store, reserves, probe, now) {
                 Ok(read) => {
                     if !read.admits {
                         violations.push(Violation {
-                            standing: self.standing_before(&read, now, cost),
+                            standing: self.standing_before(&read, now),
                             cause: Cause::OverLimit,
                         });
                     }
@@ -290,7 +318,7 @@ impl Limiter {
         let mut evictions = Vec::new();
         let mut committed: Vec<(&Read, u64)> = Vec::with_capacity(reads.len());
         for read in &reads {
-            match self.commit(store, reserves, read, now, cost) {
+            match self.commit(store, reserves, read, now) {
                 Ok(done) => {
                     standings.push(done.standing);
                     if done.evicted {
@@ -302,7 +330,7 @@ impl Limiter {
                     // Only this request's cost goes back: units granted to the reserves stay
                     // counted and reserved.
                     for (done, bucket) in committed {
-                        self.give_back(store, done.probe, Leftover { bucket_index: bucket, units: cost });
+                        self.give_back(store, done.probe, Leftover { bucket_index: bucket, units: done.probe.cost });
                     }
                     untake(reserves);
                     return Verdict::Rejected {
@@ -349,7 +377,6 @@ impl Limiter {
         reserves: &Reserves,
         probe: Probe,
         now: UnixMillis,
-        cost: u32,
     ) -> Result<Read, StoreError> {
         let (table, key) = self.locate(probe).ok_or(StoreError::Host(0))?;
         let stored = store.get(&key)?;
@@ -357,7 +384,7 @@ impl Limiter {
         let set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
         let leftover = reserves.leftover(probe, phase.bucket_index);
         let counts = leftover.remove_from(set.counts_of(fingerprint(probe.key_hash)), phase.bucket_index);
-        let admits = table.window.admits(counts.sum(probe.remote), phase.elapsed_ms, cost, table.limit);
+        let admits = table.window.admits(counts.sum(probe.remote), phase.elapsed_ms, probe.needs(), limit_of(table, &probe));
         Ok(Read {
             probe,
             key,
@@ -371,9 +398,9 @@ impl Limiter {
 
     /// Where the key of `read` stood before this request. Only a refusal needs it: an admitted
     /// request reports where it stands after counting (computed once, in [`Limiter::commit`]).
-    fn standing_before(&self, read: &Read, now: UnixMillis, cost: u32) -> Standing {
+    fn standing_before(&self, read: &Read, now: UnixMillis) -> Standing {
         match self.table(read.probe.rule) {
-            Some(table) => standing(table, read.probe.rule, read.counts.sum(read.probe.remote), now, cost),
+            Some(table) => standing(table, &read.probe, read.counts.sum(read.probe.remote), now),
             None => self.blank_standing(read.probe, now),
         }
     }
@@ -386,13 +413,13 @@ impl Limiter {
         reserves: &mut Reserves,
         first: &Read,
         now: UnixMillis,
-        cost: u32,
     ) -> Result<Committed, Violation> {
         let contention = || Violation {
-            standing: self.standing_before(first, now, cost),
+            standing: self.standing_before(first, now),
             cause: Cause::Contention,
         };
         let table = self.table(first.probe.rule).ok_or_else(contention)?;
+        let (cost, limit) = (first.probe.cost, limit_of(table, &first.probe));
         let phase = table.window.phase(now);
         let fp = fingerprint(first.probe.key_hash);
         let mut stored = first.stored.clone();
@@ -404,18 +431,21 @@ impl Limiter {
                 set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index)
                     .rolled_to(phase.bucket_index);
                 counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
-                if !table.window.admits(counts.sum(first.probe.remote), phase.elapsed_ms, cost, table.limit) {
+                if !table.window.admits(counts.sum(first.probe.remote), phase.elapsed_ms, first.probe.needs(), limit) {
                     return Err(Violation {
-                        standing: standing(table, first.probe.rule, counts.sum(first.probe.remote), now, cost),
+                        standing: standing(table, &first.probe, counts.sum(first.probe.remote), now),
                         cause: Cause::OverLimit,
                     });
                 }
             }
             let after = counts.plus(cost).sum(first.probe.remote);
             let added = set.add(fp, cost, table.window, phase.elapsed_ms);
-            // Units are only reserved on an entry: they can be given back from there.
-            let grant = if added.resident {
-                let room = table.window.remaining(after, phase.elapsed_ms, table.limit);
+            // Units are only reserved on an entry (they can be given back from there), and for
+            // requests of cost 1: a reserve serves the next requests of the same cost, and a
+            // key whose requests cost more, or whose cost comes later, would only hold room
+            // others may need.
+            let grant = if added.resident && cost == 1 {
+                let room = table.window.remaining(after, phase.elapsed_ms, limit);
                 reserves.grant(first.probe, room)
             } else {
                 0
@@ -426,7 +456,7 @@ impl Limiter {
                 Ok(()) => {
                     reserves.record(first.probe, phase.bucket_index, grant, set.counts_of(fp));
                     return Ok(Committed {
-                        standing: standing(table, first.probe.rule, after, now, cost),
+                        standing: standing(table, &first.probe, after, now),
                         evicted: added.evicted.is_some(),
                         bucket_index: set.bucket_index,
                     });
@@ -436,6 +466,31 @@ impl Limiter {
             }
         }
         Err(contention())
+    }
+
+    /// Charges `units` to `probe`'s key in the current window bucket without a decision: a cost
+    /// known after admission (a streamed request body, units the upstream reported; see
+    /// [`crate::rules`]). It can take the key past its limit; its later requests are then
+    /// refused until the window slides. Returns false if the counters could not be updated
+    /// (the charge is lost, counted by the caller).
+    pub fn charge<S: SharedStore + ?Sized>(&self, store: &S, probe: Probe, units: u32, now: UnixMillis) -> bool {
+        if units == 0 {
+            return true;
+        }
+        let Some((table, key)) = self.locate(probe) else { return false };
+        let phase = table.window.phase(now);
+        let fp = fingerprint(probe.key_hash);
+        for _ in 0..MAX_ATTEMPTS {
+            let Ok(stored) = store.get(&key) else { return false };
+            let mut set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
+            set.add(fp, units, table.window, phase.elapsed_ms);
+            match write_back(store, &key, stored.as_ref(), &set.encode()) {
+                Ok(()) => return true,
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Host(_)) => return false,
+            }
+        }
+        false
     }
 
     /// Takes `leftover` units of `probe`'s key back out of its counters (best effort: if it
@@ -466,18 +521,27 @@ impl Limiter {
             remaining: 0,
             reset_ms: 0,
             retry_at: Some(now),
+            limit: self.table(probe.rule).map_or(NonZeroU32::MIN, |t| limit_of(t, &probe)),
         }
     }
 }
 
-fn standing(table: &RuleTable, rule: usize, counts: Counts, now: UnixMillis, cost: u32) -> Standing {
+/// The limit of `probe`'s key: its own (a tier's, an override's) or the rule's.
+fn limit_of(table: &RuleTable, probe: &Probe) -> NonZeroU32 {
+    probe.limit.unwrap_or(table.limit)
+}
+
+/// Where `probe`'s key stands with `counts`, against its limit, for a request of its cost.
+fn standing(table: &RuleTable, probe: &Probe, counts: Counts, now: UnixMillis) -> Standing {
     let phase = table.window.phase(now);
+    let limit = limit_of(table, probe);
     Standing {
-        rule,
+        rule: probe.rule,
         estimate: table.window.estimate(counts, phase.elapsed_ms),
-        remaining: table.window.remaining(counts, phase.elapsed_ms, table.limit),
+        remaining: table.window.remaining(counts, phase.elapsed_ms, limit),
         reset_ms: table.window.ms_until_reset(counts, now),
-        retry_at: table.window.earliest_admission(counts, now, cost, table.limit),
+        retry_at: table.window.earliest_admission(counts, now, probe.needs(), limit),
+        limit,
     }
 }
 

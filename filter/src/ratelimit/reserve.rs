@@ -1,5 +1,6 @@
 //! Quota reserves: units of a key's current window bucket that this VM has already counted in
-//! shared data, and admits its next requests of that key from without reading shared data.
+//! shared data, and admits its next requests of that key from without reading shared data. The
+//! idea and its invariants are [`crate::reserve`]'s; this is its per-key, per-bucket shape.
 //!
 //! Why this stays exact. Within one window bucket a key's sliding estimate only falls as time
 //! passes (`previous × (1 − elapsed / w) + current`, with `elapsed` growing and the counters
@@ -10,26 +11,20 @@
 //! are given back (subtracted from the key's counters) at the key's next write or at the
 //! heartbeat.
 //!
-//! What it costs. Units counted but not used yet make other workers see the key a little closer
-//! to its limit than it is: they may refuse while this VM still holds units. Grants are kept
-//! small for that reason: a key gets nothing on its first request through a VM (one-off keys
+//! Grants are kept small: a key gets nothing on its first request through a VM (one-off keys
 //! waste nothing), then 1, 2, 4, … up to [`RESERVE_MAX`] units on later writes, and never more
-//! than `1 / RESERVE_SPREAD` of the room left, so near the limit there is no reserve and every
+//! than `1 / QUOTA_SPREAD` of the room left, so near the limit there is no reserve and every
 //! request is a compare-and-swap, as without reserves. A reserve left unused for a whole
-//! heartbeat period is given back.
-//!
-//! The same scheme serves in-flight counting ([`crate::shed`]); this one is per key and per
-//! window bucket.
+//! heartbeat period is given back, and so is every reserve of a configuration that is retired.
 
 use super::window::Counts;
 use super::Probe;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
-/// Most units one grant puts aside for one key.
-pub const RESERVE_MAX: u32 = 16;
+use crate::reserve::RESERVE_MAX;
 /// A grant is at most this fraction (1 / n) of the room left under the limit.
-pub const RESERVE_SPREAD: u64 = 8;
+pub const QUOTA_SPREAD: u64 = 8;
 /// Keys one VM follows per configuration; a key not used for a heartbeat period is forgotten.
 pub const MAX_KEYS: usize = 4096;
 /// Reserves one heartbeat gives back at most (each is a read and a write of shared data); the
@@ -178,10 +173,10 @@ impl Reserves {
     /// The units to count for `probe` on top of its request, given `room` (requests of cost 1
     /// the key would still admit after this one): nothing on a key's first write through this
     /// VM (or once it follows [`MAX_KEYS`] keys), then a doubling grant bounded by
-    /// [`RESERVE_MAX`] and a [`RESERVE_SPREAD`]th of the room.
+    /// [`RESERVE_MAX`] and a [`QUOTA_SPREAD`]th of the room.
     pub fn grant(&self, probe: Probe, room: u64) -> u32 {
         let Some(slot) = self.slot(probe) else { return 0 };
-        let share = u32::try_from(room / RESERVE_SPREAD).unwrap_or(u32::MAX);
+        let share = u32::try_from(room / QUOTA_SPREAD).unwrap_or(u32::MAX);
         slot.next_grant.min(RESERVE_MAX).min(share)
     }
 

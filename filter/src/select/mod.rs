@@ -23,7 +23,7 @@
 //! leases locally and publishes them in the record with a heartbeat, so a VM that dies stops
 //! counting after [`crate::shed::STALE_AFTER_MS`], and a release whose write loses every race is
 //! published by the next heartbeat. Far below a cluster's limit a VM publishes a small reserve
-//! of units ([`crate::shed::reserve`], sized on the room below the limit) and takes the next
+//! of units ([`crate::reserve::in_flight_units`], sized on the room below the limit) and takes the next
 //! leases from it without touching shared data; the limit stays exact, since reserved units
 //! count as in flight.
 //!
@@ -46,9 +46,9 @@ pub mod shuffle;
 mod tests;
 
 use crate::config::{ClusterName, ClusterSelection, FloorOn, StatusMatch};
-use crate::shed::{reserve, Lease, LocalCount};
+use crate::reserve::{in_flight_units, Lease, LocalCount};
 use crate::store::{write_back, SharedStore, StoreError, Stored};
-use crate::time::UnixMillis;
+use crate::time::MonoMillis;
 use buckets::{Basis, Tally};
 use limit::{Aimd, Sample};
 use outcome::{Ending, Outcome};
@@ -100,10 +100,35 @@ pub struct ClusterLease {
     /// Index of the chosen cluster.
     pub cluster: usize,
     /// When it was taken.
-    pub started: UnixMillis,
+    pub started: MonoMillis,
     /// The cluster's proxy-wide in-flight count with this lease.
     pub in_flight: u32,
     unit: Lease,
+}
+
+/// When a stream's milestones happened on the monotonic clock, as the shell saw them: what
+/// the upstream's latency is measured on (see [`outcome`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Timing {
+    /// The request's last byte passed the filter (`None`: it had not, or never did, as for an
+    /// upgraded connection).
+    pub request_end: Option<MonoMillis>,
+    /// The response headers passed the filter (`None`: none came, or they were the filter's
+    /// own reply).
+    pub response_headers: Option<MonoMillis>,
+}
+
+impl Timing {
+    /// Milliseconds from the end of the request (or `started`, the lease, when the response
+    /// came first) to the response headers; `None` without response headers.
+    pub fn upstream_latency_ms(&self, started: MonoMillis) -> Option<u64> {
+        let headers = self.response_headers?;
+        let from = self
+            .request_end
+            .filter(|end| *end <= headers)
+            .map_or(started, |end| end.max(started));
+        Some(headers.saturating_since(from))
+    }
 }
 
 /// No cluster had room.
@@ -143,16 +168,16 @@ pub struct ClusterState {
 /// skip reading every cluster's record on every request (see [`WEIGHT_TTL_MS`]).
 #[derive(Clone, Debug, Default)]
 pub struct Sightings {
-    weights: Vec<Option<(f64, UnixMillis)>>,
+    weights: Vec<Option<(f64, MonoMillis)>>,
 }
 
 impl Sightings {
-    fn fresh(&self, index: usize, now: UnixMillis) -> Option<f64> {
+    fn fresh(&self, index: usize, now: MonoMillis) -> Option<f64> {
         let (weight, at) = (*self.weights.get(index)?)?;
         (now.saturating_since(at) < WEIGHT_TTL_MS && at <= now).then_some(weight)
     }
 
-    fn note(&mut self, index: usize, weight: f64, now: UnixMillis) {
+    fn note(&mut self, index: usize, weight: f64, now: MonoMillis) {
         if self.weights.len() <= index {
             self.weights.resize(index.saturating_add(1), None);
         }
@@ -274,13 +299,13 @@ impl Selector {
         &self.limit
     }
 
-    fn epoch(&self, now: UnixMillis) -> u64 {
+    fn epoch(&self, now: MonoMillis) -> u64 {
         now.0.checked_div(self.bucket_width_ms).unwrap_or(0)
     }
 
     /// Reads cluster `index`'s record, aged to `now`; a missing or malformed record reads as a
     /// fresh one (and is replaced at the next write).
-    fn read<S: SharedStore + ?Sized>(&self, store: &S, index: usize, now: UnixMillis) -> Result<View, StoreError> {
+    fn read<S: SharedStore + ?Sized>(&self, store: &S, index: usize, now: MonoMillis) -> Result<View, StoreError> {
         let key = self.record_key(index).ok_or(StoreError::Host(0))?;
         let stored = store.get(key)?;
         let epoch = self.epoch(now);
@@ -328,7 +353,7 @@ impl Selector {
         &self,
         store: &S,
         state: &mut VmState,
-        now: UnixMillis,
+        now: MonoMillis,
         rng: &mut R,
     ) -> Result<ClusterLease, Exhausted> {
         let VmState {
@@ -346,8 +371,10 @@ impl Selector {
                 None => {
                     *slot = self.read(store, index, now).ok();
                     let weight = slot.as_ref().map_or(0.0, |v| self.record_weight(&v.record));
-                    if let (Some(view), Some(p)) = (slot.as_ref(), pending.get_mut(index)) {
+                    if let (Some(view), Some(p), Some(local)) = (slot.as_ref(), pending.get_mut(index), locals.get(index)) {
+                        // What a lease from the reserve is checked against (`take_reserved`).
                         p.limit_seen = view.record.limit;
+                        local.saw(view.record.in_flight.others(vm, now));
                     }
                     seen.note(index, weight, now);
                     weight
@@ -366,7 +393,7 @@ impl Selector {
             ) else {
                 continue;
             };
-            if local.take_reserved() {
+            if local.take_reserved(p.limit_seen) {
                 return Ok(ClusterLease {
                     cluster: index,
                     started: now,
@@ -417,7 +444,7 @@ impl Selector {
         vm: u64,
         local: &LocalCount,
         pending: &mut Pending,
-        now: UnixMillis,
+        now: MonoMillis,
     ) -> Result<Option<ClusterLease>, ()> {
         let key = self.record_key(index).ok_or(())?;
         for _ in 0..MAX_ATTEMPTS {
@@ -431,7 +458,7 @@ impl Selector {
                 return Ok(None);
             }
             let other_vms = view.record.in_flight.other_vms(vm, now);
-            let wanted = reserve(mine.saturating_add(1), others, other_vms, view.record.limit);
+            let wanted = in_flight_units(mine.saturating_add(1), others, other_vms, view.record.limit);
             if !view.record.in_flight.publish(vm, wanted, now) {
                 return Err(());
             }
@@ -456,19 +483,19 @@ impl Selector {
         Err(())
     }
 
-    /// Classifies how a stream ended (the lease's elapsed time filled in from `now`).
-    pub fn classify(&self, lease: &ClusterLease, status: Option<u16>, flags: u64, now: UnixMillis) -> Outcome {
+    /// Classifies how a stream ended, given when its milestones happened ([`Timing`]).
+    pub fn classify(&self, lease: &ClusterLease, status: Option<u16>, flags: u64, timing: Timing) -> Outcome {
         let ending = Ending {
             status,
             flags,
-            elapsed_ms: now.saturating_since(lease.started),
+            latency_ms: timing.upstream_latency_ms(lease.started),
         };
         Outcome::classify(&ending, &self.failure_statuses, self.limit.timeout_ms)
     }
 
     /// Ends a lease with its outcome (module doc, step 5): the lease is released whatever
     /// happens. A success is counted locally; a failure, a timeout or a slow response, or a
-    /// release that gives units back (see [`crate::shed::Local::idle_surplus`]), writes
+    /// release that gives units back (see [`crate::reserve::Local::idle_surplus`]), writes
     /// everything pending at once.
     pub fn finish<S: SharedStore + ?Sized>(
         &self,
@@ -476,7 +503,7 @@ impl Selector {
         state: &mut VmState,
         mut lease: ClusterLease,
         outcome: Outcome,
-        now: UnixMillis,
+        now: MonoMillis,
     ) -> Finished {
         let VmState {
             vm,
@@ -544,6 +571,22 @@ impl Selector {
         finished
     }
 
+    /// Each cluster's state as this VM sees it now, read without writing anything (the health
+    /// endpoint's dependency view); `None` for a record that could not be read.
+    pub fn states<S: SharedStore + ?Sized>(&self, store: &S, state: &VmState, now: MonoMillis) -> Vec<Option<ClusterState>> {
+        (0..self.clusters.len())
+            .map(|index| {
+                let view = self.read(store, index, now).ok()?;
+                let local = state.leases.get(index)?;
+                Some(ClusterState {
+                    success_rate: self.success_rate(&view.record),
+                    limit: view.record.limit,
+                    in_flight: view.record.in_flight.others(state.vm, now).saturating_add(local.in_use()),
+                })
+            })
+            .collect()
+    }
+
     /// Refreshes this VM's entries (on every tick): writes its pending outcomes, gives back its
     /// reserves, and returns each cluster's state for the gauges (`None` for a record that could
     /// not be read).
@@ -551,7 +594,7 @@ impl Selector {
         &self,
         store: &S,
         state: &mut VmState,
-        now: UnixMillis,
+        now: MonoMillis,
     ) -> Vec<Option<ClusterState>> {
         let VmState {
             vm,

@@ -1,11 +1,17 @@
 //! How a stream ended, from the proxy's point of view: the final status and Envoy's response
 //! flags (`response.code` and `response.flags` attributes, read in `on_log`), and how long the
-//! lease was held.
+//! upstream took to answer.
 //!
 //! The shell reads the flags only when there is no status or it is 5xx (each read is a host call
 //! that returns bytes): a stream whose status line went downstream below 500 counts by its
 //! status, even if the upstream then failed mid-body (a reset or a stream-duration limit after
 //! the headers).
+//!
+//! "Slow" is the **upstream's** latency, not the stream's: from the end of the request (when the
+//! upstream can start working on it; the lease, when the upstream answered before the request
+//! ended) to the response headers. A slow upload, a slow reader, a long download, a WebSocket or
+//! a server-sent event stream says nothing about the upstream's capacity, and must not cut its
+//! concurrency limit: a client could otherwise shrink a healthy cluster on purpose.
 
 use super::limit::Sample;
 use crate::config::StatusMatch;
@@ -37,13 +43,13 @@ pub mod flags {
 
     /// Flags that mean the upstream timed out.
     pub const TIMEOUT: u64 = UPSTREAM_REQUEST_TIMEOUT | UPSTREAM_MAX_STREAM_DURATION_REACHED;
-    /// Flags that mean the upstream failed (reset, unreachable, overflowing, missing).
+    /// Flags that mean the upstream failed (reset, unreachable, missing). An overflow
+    /// ([`UPSTREAM_OVERFLOW`]) is a failure too, and also a drop for the limit.
     pub const FAILURE: u64 = NO_HEALTHY_UPSTREAM
         | LOCAL_RESET
         | UPSTREAM_REMOTE_RESET
         | UPSTREAM_CONNECTION_FAILURE
         | UPSTREAM_CONNECTION_TERMINATION
-        | UPSTREAM_OVERFLOW
         | UPSTREAM_RETRY_LIMIT_EXCEEDED
         | UPSTREAM_PROTOCOL_ERROR
         | NO_CLUSTER_FOUND;
@@ -56,8 +62,8 @@ pub struct Ending {
     pub status: Option<u16>,
     /// Envoy's response flags.
     pub flags: u64,
-    /// How long the lease was held, in milliseconds.
-    pub elapsed_ms: u64,
+    /// The upstream's latency in milliseconds (module doc), `None` without response headers.
+    pub latency_ms: Option<u64>,
 }
 
 /// A finished request, as it counts for the cluster.
@@ -65,11 +71,17 @@ pub struct Ending {
 pub enum Outcome {
     /// Answered, not with a failure status, within the limit's timeout.
     Success,
-    /// Answered successfully but slower than the limit's timeout: a success for the success
-    /// rate, a drop for the concurrency limit.
+    /// Answered successfully, but the response headers came later than the limit's timeout
+    /// after the request ended: a success for the success rate, a drop for the concurrency
+    /// limit.
     Slow,
     /// Upstream timeout (`504`, flag UT or UMSDR).
     Timeout,
+    /// Envoy's circuit breaker refused it (flag UO: the cluster's pending or request limit was
+    /// reached): a failure for the success rate and a drop for the concurrency limit, which
+    /// backs off as on a timeout (the seed's cascade and Netflix's `onDropped`: the cluster
+    /// has no room for more).
+    Overflow,
     /// A failure status, a reset, a connection failure, overflow, or no such cluster.
     Failure,
     /// No response (the client left first): not counted.
@@ -77,10 +89,14 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// Classifies an ending: timeouts first, then failures by flag or status, then slowness.
+    /// Classifies an ending: timeouts first, then overflows, failures by flag or status, then
+    /// slowness.
     pub fn classify(ending: &Ending, failure_statuses: &[StatusMatch], timeout_ms: u64) -> Outcome {
         if ending.flags & flags::TIMEOUT != 0 || ending.status == Some(504) {
             return Outcome::Timeout;
+        }
+        if ending.flags & flags::UPSTREAM_OVERFLOW != 0 {
+            return Outcome::Overflow;
         }
         if ending.flags & flags::FAILURE != 0 {
             return Outcome::Failure;
@@ -88,7 +104,7 @@ impl Outcome {
         match ending.status {
             None => Outcome::Ignored,
             Some(status) if failure_statuses.iter().any(|m| m.matches(status)) => Outcome::Failure,
-            Some(_) if ending.elapsed_ms > timeout_ms => Outcome::Slow,
+            Some(_) if ending.latency_ms.is_some_and(|ms| ms > timeout_ms) => Outcome::Slow,
             Some(_) => Outcome::Success,
         }
     }
@@ -97,7 +113,7 @@ impl Outcome {
     pub fn tally(self) -> Option<bool> {
         match self {
             Outcome::Success | Outcome::Slow => Some(true),
-            Outcome::Timeout | Outcome::Failure => Some(false),
+            Outcome::Timeout | Outcome::Overflow | Outcome::Failure => Some(false),
             Outcome::Ignored => None,
         }
     }
@@ -106,7 +122,7 @@ impl Outcome {
     pub fn sample(self) -> Sample {
         match self {
             Outcome::Success => Sample::Success,
-            Outcome::Slow | Outcome::Timeout => Sample::Dropped,
+            Outcome::Slow | Outcome::Timeout | Outcome::Overflow => Sample::Dropped,
             Outcome::Failure | Outcome::Ignored => Sample::Ignored,
         }
     }

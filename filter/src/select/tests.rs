@@ -15,7 +15,7 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::rc::Rc;
 
-const T0: UnixMillis = UnixMillis(1_700_000_000_000);
+const T0: MonoMillis = MonoMillis(1_700_000_000_000);
 
 fn tally(finished: u32, succeeded: u32) -> Tally {
     Tally { finished, succeeded }
@@ -233,8 +233,8 @@ fn aimd_backs_off_multiplicatively_on_a_drop() {
 #[test]
 fn outcomes_by_status_flags_and_time() {
     let fail = [StatusMatch::Class(5), StatusMatch::Code(429)];
-    let classify = |status: Option<u16>, flags: u64, elapsed_ms: u64| {
-        Outcome::classify(&Ending { status, flags, elapsed_ms }, &fail, 1000)
+    let classify = |status: Option<u16>, flags: u64, latency_ms: u64| {
+        Outcome::classify(&Ending { status, flags, latency_ms: Some(latency_ms) }, &fail, 1000)
     };
     assert_eq!(classify(Some(200), 0, 10), Outcome::Success);
     assert_eq!(classify(Some(404), 0, 10), Outcome::Success);
@@ -248,6 +248,11 @@ fn outcomes_by_status_flags_and_time() {
     assert_eq!(classify(None, flags::UPSTREAM_REQUEST_TIMEOUT, 10), Outcome::Timeout);
     assert_eq!(classify(Some(200), 0, 1001), Outcome::Slow);
     assert_eq!(classify(None, 0x4000, 10), Outcome::Ignored, "client left (DC)");
+    assert_eq!(classify(Some(503), flags::UPSTREAM_OVERFLOW, 1), Outcome::Overflow, "circuit breaker (UO)");
+    assert_eq!(Outcome::Overflow.tally(), Some(false), "a failure for the success rate");
+    assert_eq!(Outcome::Overflow.sample(), Sample::Dropped, "and the limit backs off");
+    let no_headers = Ending { status: Some(200), flags: 0, latency_ms: None };
+    assert_eq!(Outcome::classify(&no_headers, &fail, 1000), Outcome::Success, "no latency: not slow");
     assert_eq!(Outcome::Slow.tally(), Some(true));
     assert_eq!(Outcome::Slow.sample(), Sample::Dropped);
     assert_eq!(Outcome::Timeout.tally(), Some(false));
@@ -408,15 +413,10 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
         s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
     }
     let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
-    assert_eq!(
-        s.classify(&lease, Some(200), 0, T0.plus_ms(1001)),
-        Outcome::Slow
-    );
-    assert_eq!(
-        s.classify(&lease, Some(200), 0, T0.plus_ms(999)),
-        Outcome::Success
-    );
-    assert_eq!(s.classify(&lease, Some(502), 0, T0), Outcome::Failure);
+    let answered_after = |ms| Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(ms)) };
+    assert_eq!(s.classify(&lease, Some(200), 0, answered_after(1001)), Outcome::Slow);
+    assert_eq!(s.classify(&lease, Some(200), 0, answered_after(999)), Outcome::Success);
+    assert_eq!(s.classify(&lease, Some(502), 0, answered_after(0)), Outcome::Failure);
     s.finish(&store, &mut mine, lease, Outcome::Success, T0);
 }
 
@@ -427,7 +427,7 @@ fn traffic(
     s: &Selector,
     store: &MemoryStore,
     rng: &mut SplitMix64,
-    start: UnixMillis,
+    start: MonoMillis,
     requests: u64,
     rate_per_sec: u64,
     health: impl Fn(&str) -> Outcome,
@@ -738,9 +738,103 @@ fn reserves_never_let_two_vms_past_a_cluster_limit() {
             assert!(published <= limit, "limit {limit}: {published} published");
         }
         assert!(
-            leases <= limit && leases + 2 * crate::shed::RESERVE_MAX >= limit,
+            leases <= limit && leases + 2 * crate::reserve::RESERVE_MAX >= limit,
             "limit {limit}: {leases} leases"
         );
         drop(kept);
+    }
+}
+
+// ---- issue 15: what "slow" measures, overflows, reserves under a lowered limit ----
+
+#[test]
+fn the_upstream_latency_runs_from_the_end_of_the_request_to_the_response_headers() {
+    let at = |ms: u64| Some(T0.plus_ms(ms));
+    let timing = |request_end, response_headers| Timing { request_end, response_headers };
+    // A slow upload: the request ended 6 s after the lease, the upstream answered 10 ms later.
+    assert_eq!(timing(at(6_000), at(6_010)).upstream_latency_ms(T0), Some(10));
+    // The upstream answered before the request ended (a streaming upload, an early 413).
+    assert_eq!(timing(at(9_000), at(50)).upstream_latency_ms(T0), Some(50));
+    // An upgraded connection (WebSocket): the request never ends; the 101 came at once.
+    assert_eq!(timing(None, at(3)).upstream_latency_ms(T0), Some(3));
+    // No response headers (the client left, a reset): no latency to judge.
+    assert_eq!(timing(at(1), None).upstream_latency_ms(T0), None);
+    // A request that ended before its lease (its body passed before selection) starts at the lease.
+    assert_eq!(timing(Some(MonoMillis(0)), at(20)).upstream_latency_ms(T0), Some(20));
+}
+
+/// Issue 15.3: 20 successful requests whose client took 6 s each (a slow reader: the response
+/// headers came at once) cut a healthy cluster's limit from 200 to 21 when "slow" was the
+/// whole stream. The upstream answered in 5 ms: they are successes.
+#[test]
+fn slow_clients_do_not_shrink_a_healthy_cluster() {
+    let s = selector(
+        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":200,"min_limit":1,"max_limit":200,"timeout":"1s"}}"#,
+    );
+    let store = MemoryStore::new();
+    let mut rng = SplitMix64::new(5);
+    let mut mine = vm(1, &locals(1));
+    let leases: Vec<_> = (0..20).map(|_| s.choose(&store, &mut mine, T0, &mut rng).unwrap()).collect();
+    let stream_end = T0.plus_ms(6_000);
+    for lease in leases {
+        let timing = Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(5)) };
+        let outcome = s.classify(&lease, Some(200), 0, timing);
+        assert_eq!(outcome, Outcome::Success);
+        s.finish(&store, &mut mine, lease, outcome, stream_end);
+    }
+    s.heartbeat(&store, &mut mine, stream_end);
+    assert_eq!(s.read(&store, 0, stream_end).unwrap().record.limit, 200);
+}
+
+/// Issue 15.5: an overflow (Envoy's circuit breaker, flag UO) backs the limit off as a timeout
+/// does, and counts as a failure.
+#[test]
+fn an_overflow_backs_the_limit_off() {
+    let s = selector(
+        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":100,"min_limit":1,"max_limit":200}}"#,
+    );
+    let store = MemoryStore::new();
+    let mut rng = SplitMix64::new(6);
+    let mut mine = vm(1, &locals(1));
+    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+    let timing = Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(1)) };
+    let outcome = s.classify(&lease, Some(503), flags::UPSTREAM_OVERFLOW, timing);
+    assert_eq!(outcome, Outcome::Overflow);
+    let finished = s.finish(&store, &mut mine, lease, outcome, T0);
+    assert!(finished.recorded, "written at once");
+    let record = s.read(&store, 0, T0).unwrap().record;
+    assert_eq!(record.limit, 90, "×0.9");
+    assert_eq!(record.buckets.recent[0], tally(1, 0), "a failure for the success rate");
+}
+
+/// Issue 15.6: units a VM reserved under a cluster's limit are not spent past a lower limit
+/// that another VM's back-off set, once this VM has read it (within `WEIGHT_TTL_MS`).
+#[test]
+fn a_reserve_is_not_spent_past_a_limit_another_vm_lowered() {
+    let s = selector(
+        r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":100,"min_limit":1,"max_limit":200,"backoff_ratio":0.5}}"#,
+    );
+    let store = MemoryStore::new();
+    let mut rng = SplitMix64::new(7);
+    let (mine, theirs) = (locals(1), locals(1));
+    let (mut one, mut two) = (vm(1, &mine), vm(2, &theirs));
+    let mut held = vec![s.choose(&store, &mut one, T0, &mut rng).unwrap()];
+    let reserved = mine[0].held();
+    assert_eq!(reserved, 1 + crate::reserve::RESERVE_MAX, "a full reserve far below the limit");
+    // VM 2 sees timeouts until the limit is below what VM 1 holds (100, 50, 25, 12).
+    while s.read(&store, 0, T0).unwrap().record.limit >= reserved {
+        let lease = s.choose(&store, &mut two, T0, &mut rng).unwrap();
+        s.finish(&store, &mut two, lease, Outcome::Timeout, T0);
+    }
+    let limit = s.read(&store, 0, T0).unwrap().record.limit;
+    assert_eq!(limit, 12);
+    // Once VM 1's weight is stale it reads the record, and takes no lease past the new limit.
+    let later = T0.plus_ms(WEIGHT_TTL_MS);
+    while let Ok(lease) = s.choose(&store, &mut one, later, &mut rng) {
+        held.push(lease);
+    }
+    assert_eq!(held.len() as u32, limit, "{} leases against a limit of {limit}", held.len());
+    for lease in held {
+        s.finish(&store, &mut one, lease, Outcome::Ignored, later);
     }
 }

@@ -1,0 +1,278 @@
+//! The global scope's other processes for the benchmark: a `redis-server` and a
+//! `floodgate-sync`, each on a free 127.0.0.1 port in a temporary directory, and each started
+//! under `timeout -s KILL` so that neither outlives the benchmark by more than its bound even if
+//! the tool itself dies (the release profile aborts on panic, which runs no destructor).
+//! Failures are values: the measurement reports them and goes on.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The longest any of these processes may live.
+const LIFETIME_BOUND: Duration = Duration::from_secs(45 * 60);
+
+/// A free port on 127.0.0.1 (bound, then released).
+pub fn free_port() -> Result<u16, String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("no free port: {e}"))?;
+    listener.local_addr().map(|a| a.port()).map_err(|e| e.to_string())
+}
+
+/// `program args…` under `timeout -s KILL`, in its own process group (timeout's), with stdout
+/// and stderr into `log`.
+fn spawn_bounded(program: &Path, args: &[String], log: &Path, env: &[(&str, &str)]) -> Result<Child, String> {
+    let log = std::fs::File::options().create(true).append(true).open(log).map_err(|e| e.to_string())?;
+    let mut command = Command::new("timeout");
+    command.args(["-s", "KILL", &format!("{}s", LIFETIME_BOUND.as_secs())]).arg(program).args(args);
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log.try_clone().map_err(|e| e.to_string())?))
+        .stderr(Stdio::from(log))
+        .spawn()
+        .map_err(|e| format!("cannot start timeout {}: {e}", program.display()))
+}
+
+/// The process `timeout` (pid `parent`) runs, once it has started it (at most 5 s).
+fn child_of(parent: u32) -> Result<u32, String> {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let children = std::fs::read_to_string(format!("/proc/{parent}/task/{parent}/children")).unwrap_or_default();
+        if let Some(pid) = children.split_whitespace().next().and_then(|p| p.parse().ok()) {
+            return Ok(pid);
+        }
+        if Instant::now() > deadline {
+            return Err(format!("process {parent} started no child"));
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Sends `signal` (`STOP`, `CONT`, `KILL`) to `pid`, or to process group `pid` with `group`.
+fn signal(pid: u32, signal: &str, group: bool) -> Result<(), String> {
+    let target = if group { format!("-{pid}") } else { pid.to_string() };
+    let status = Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg("--")
+        .arg(&target)
+        .stderr(Stdio::null())
+        .status()
+        .map_err(|e| e.to_string())?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("kill -{signal} {target} failed"))
+    }
+}
+
+/// A bounded child and the process it runs.
+struct Bounded {
+    timeout: Child,
+    pid: u32,
+}
+
+impl Bounded {
+    fn start(program: &Path, args: &[String], log: &Path, env: &[(&str, &str)]) -> Result<Bounded, String> {
+        let mut timeout = spawn_bounded(program, args, log, env)?;
+        match child_of(timeout.id()) {
+            Ok(pid) => Ok(Bounded { timeout, pid }),
+            Err(e) => {
+                let _ = timeout.kill();
+                let _ = timeout.wait();
+                Err(e)
+            }
+        }
+    }
+
+    fn alive(&mut self) -> bool {
+        matches!(self.timeout.try_wait(), Ok(None))
+    }
+}
+
+impl Drop for Bounded {
+    fn drop(&mut self) {
+        // The whole group: the program (even stopped) and timeout itself.
+        let _ = signal(self.timeout.id(), "KILL", true);
+        let _ = self.timeout.kill();
+        let _ = self.timeout.wait();
+    }
+}
+
+/// A `redis-server` without persistence.
+pub struct Redis {
+    process: Option<Bounded>,
+    binary: PathBuf,
+    /// Its port on 127.0.0.1.
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+/// What Redis has executed so far, from `INFO commandstats`.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RedisCounts {
+    /// Script calls received (`EVALSHA` and `EVAL`): one round trip each.
+    pub scripts: u64,
+    /// Every command executed, those inside the scripts included, `INFO` and `PING` left out.
+    pub commands: u64,
+}
+
+impl Redis {
+    /// Starts `binary` on a free port and waits (at most 10 s) until it answers `PING`.
+    pub fn start(binary: &Path) -> Result<Redis, String> {
+        let dir = tempfile::Builder::new().prefix("floodgate-bench-redis-").tempdir().map_err(|e| e.to_string())?;
+        let mut redis = Redis { process: None, binary: binary.to_path_buf(), port: free_port()?, dir };
+        redis.spawn()?;
+        redis.wait_ready(Duration::from_secs(10))?;
+        Ok(redis)
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let args: Vec<String> = ["--bind", "127.0.0.1", "--port", &self.port.to_string(), "--save", "", "--appendonly", "no", "--dir"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([self.dir.path().display().to_string()])
+            .collect();
+        self.process = Some(Bounded::start(&self.binary, &args, &self.dir.path().join("redis.log"), &[])?);
+        Ok(())
+    }
+
+    /// Waits until it answers `PING`.
+    pub fn wait_ready(&self, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.command("PING").is_ok_and(|r| r == "PONG") {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("redis-server not answering after {timeout:?}: {}", self.log_tail()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// `redis://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// The server's pid, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.process.as_ref().map(|p| p.pid)
+    }
+
+    /// SIGSTOP: it neither answers nor closes its connections.
+    pub fn pause(&self) -> Result<(), String> {
+        signal(self.pid().ok_or("redis-server is not running")?, "STOP", false)
+    }
+
+    /// SIGCONT.
+    pub fn resume(&self) -> Result<(), String> {
+        signal(self.pid().ok_or("redis-server is not running")?, "CONT", false)
+    }
+
+    /// SIGKILL: gone, with everything it held (no persistence).
+    pub fn kill(&mut self) {
+        self.process = None;
+    }
+
+    /// Starts it again, empty, on the same port, without waiting for it.
+    pub fn respawn(&mut self) -> Result<(), String> {
+        self.kill();
+        self.spawn()
+    }
+
+    /// One command in Redis's inline form (`INFO commandstats`); the reply's text (a bulk string's
+    /// content, or a simple string).
+    pub fn command(&self, line: &str) -> Result<String, String> {
+        let mut s = TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], self.port)), Duration::from_secs(2))
+            .map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(Duration::from_secs(2))).map_err(|e| e.to_string())?;
+        write!(s, "{line}\r\n").map_err(|e| e.to_string())?;
+        let mut reply = Vec::new();
+        let mut chunk = [0u8; 16384];
+        loop {
+            let n = s.read(&mut chunk).map_err(|e| e.to_string())?;
+            if n == 0 {
+                return Err("connection closed".into());
+            }
+            reply.extend_from_slice(&chunk[..n]);
+            let text = String::from_utf8_lossy(&reply);
+            let Some((first, rest)) = text.split_once("\r\n") else { continue };
+            match first.as_bytes().first() {
+                Some(b'+') => return Ok(first[1..].to_string()),
+                Some(b'-') => return Err(first[1..].to_string()),
+                Some(b'$') => {
+                    let len: usize = first[1..].parse().map_err(|_| format!("bad reply {first:?}"))?;
+                    if rest.len() >= len {
+                        return Ok(rest[..len].to_string());
+                    }
+                }
+                _ => return Err(format!("unexpected reply {first:?}")),
+            }
+        }
+    }
+
+    /// Its counters now.
+    pub fn counts(&self) -> Result<RedisCounts, String> {
+        let info = self.command("INFO commandstats")?;
+        let mut counts = RedisCounts::default();
+        for line in info.lines() {
+            let Some((name, fields)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':')) else { continue };
+            let calls: u64 = fields
+                .split(',')
+                .find_map(|f| f.strip_prefix("calls="))
+                .and_then(|c| c.parse().ok())
+                .unwrap_or(0);
+            match name {
+                "info" | "ping" => {}
+                "evalsha" | "eval" => {
+                    counts.scripts += calls;
+                    counts.commands += calls;
+                }
+                _ => counts.commands += calls,
+            }
+        }
+        Ok(counts)
+    }
+
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default();
+        log.lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+    }
+}
+
+/// `floodgate-sync` in front of one Redis node.
+pub struct Sync {
+    process: Bounded,
+    /// Where it listens.
+    pub addr: SocketAddr,
+    _dir: tempfile::TempDir,
+}
+
+impl Sync {
+    /// Starts `binary` against `redis_url` on a free port, with its default timeouts, and waits
+    /// (at most 10 s) until `/healthz` answers.
+    pub fn start(binary: &Path, redis_url: &str) -> Result<Sync, String> {
+        let dir = tempfile::Builder::new().prefix("floodgate-bench-sync-").tempdir().map_err(|e| e.to_string())?;
+        let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let args = vec!["--listen".to_string(), addr.to_string(), "--redis".into(), redis_url.into()];
+        let log = dir.path().join("sync.log");
+        let mut process = Bounded::start(binary, &args, &log, &[("RUST_LOG", "info")])?;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !crate::envoy::http_get(addr, "/healthz").is_ok_and(|(s, _)| s == 200) {
+            if !process.alive() || Instant::now() > deadline {
+                return Err(format!("floodgate-sync did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Sync { process, addr, _dir: dir })
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.process.pid
+    }
+}

@@ -1,0 +1,307 @@
+//! What a rate-limit rule may say beyond its key, limit and window (issue 18): when it applies
+//! (`match`), a limit that varies by key (`tiers`, `overrides`) and what a request costs
+//! (`cost`). Parsed here, checked in [`validate_rule`]; compiled for the request path by
+//! [`crate::rules`].
+
+use super::values::Positive;
+use super::{header_name, ConfigError, RateLimitRule};
+use serde::Deserialize;
+use std::collections::BTreeMap;
+
+/// The longest header value, path or authority a condition, a tier or an override may name.
+pub const MAX_VALUE_LEN: usize = 1024;
+/// Tiers, overrides or header conditions one rule may list.
+pub const MAX_ENTRIES: usize = 1024;
+
+/// `match`: the conditions under which a rule applies to a request; every condition given must
+/// hold. A rule without `match` applies to every request.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Match {
+    /// The request path (without its query).
+    #[serde(default)]
+    pub path: Option<PathMatch>,
+    /// The request method is one of these (exact, case-sensitive: `"POST"`).
+    #[serde(default)]
+    pub methods: Option<Vec<String>>,
+    /// Request headers: each condition must hold.
+    #[serde(default)]
+    pub headers: Vec<HeaderCondition>,
+    /// The `:authority` without its port, compared case-insensitively.
+    #[serde(default)]
+    pub authority: Option<String>,
+}
+
+/// How the path is compared: exactly one of the three.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PathMatch {
+    /// The whole path, exactly.
+    #[serde(default)]
+    pub exact: Option<String>,
+    /// The path starts with this.
+    #[serde(default)]
+    pub prefix: Option<String>,
+    /// Segment by segment: `*` matches any one non-empty segment, other segments exactly
+    /// (`/users/*/orders`).
+    #[serde(default)]
+    pub template: Option<String>,
+}
+
+/// A condition on one request header: exactly one of `present` and `equals`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HeaderCondition {
+    /// The header (any case; stored lower-case).
+    pub name: String,
+    /// `true`: the header is there (any value); `false`: it is not.
+    #[serde(default)]
+    pub present: Option<bool>,
+    /// The header's (first) value is exactly this.
+    #[serde(default)]
+    pub equals: Option<String>,
+}
+
+/// `tiers`: a request header names the key's tier, and a tier its own limit. A request whose
+/// header is absent or names no listed tier gets the rule's `limit`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Tiers {
+    /// The header naming the tier (e.g. `x-plan`).
+    pub header: String,
+    /// Tier name (the header's exact value) → limit per window.
+    pub limits: BTreeMap<String, Positive>,
+}
+
+/// One entry of `overrides`: a key of its own limit (before any tier).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Override {
+    /// The key's part values, one per part of the rule's `key`, in order, as the rule reads
+    /// them (a header's value; `source_ip` without port; `path` without query).
+    pub key: Vec<String>,
+    /// Its limit per window.
+    pub limit: Positive,
+}
+
+/// `cost`: what a request costs against the rule (default: 1).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cost {
+    /// Where the cost comes from.
+    pub from: CostSource,
+    /// The header, for `request_header` and `response_header`.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// The cost when the header is absent or not a valid count (`request_header`: 1,
+    /// `response_header`: 0).
+    #[serde(default)]
+    pub default: Option<u32>,
+}
+
+/// Where a request's cost comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CostSource {
+    /// A count in a request header, charged at admission.
+    RequestHeader,
+    /// The request body's size in bytes: `content-length` at admission, or, without one, the
+    /// bytes counted as the body streams, charged when it ends.
+    RequestBody,
+    /// A count the upstream reports in a response header, charged when the response arrives.
+    ResponseHeader,
+}
+
+impl Cost {
+    /// The cost of a request whose cost header is absent or not a count.
+    pub fn default_units(&self) -> u32 {
+        self.default.unwrap_or(match self.from {
+            CostSource::RequestHeader => 1,
+            CostSource::RequestBody | CostSource::ResponseHeader => 0,
+        })
+    }
+}
+
+fn error(path: String, problem: impl Into<String>) -> ConfigError {
+    ConfigError { path, problem: problem.into() }
+}
+
+fn bounded(at: &str, value: &str) -> Result<(), ConfigError> {
+    if value.is_empty() || value.len() > MAX_VALUE_LEN || value.chars().any(char::is_control) {
+        return Err(error(
+            at.to_owned(),
+            format!("must be 1 to {MAX_VALUE_LEN} characters without control characters"),
+        ));
+    }
+    Ok(())
+}
+
+/// Lower-cases the header names of a rule's `match`, `tiers` and `cost`, and refuses what the
+/// types alone cannot (one and only one way to compare, sizes, header names, one value per key
+/// part). `at` is the rule's path, e.g. `rate_limits[2]`.
+pub fn validate_rule(rule: &mut RateLimitRule, at: &str) -> Result<(), ConfigError> {
+    if let Some(condition) = &mut rule.condition {
+        validate_match(condition, &format!("{at}.match"))?;
+    }
+    if let Some(tiers) = &mut rule.tiers {
+        let at = format!("{at}.tiers");
+        tiers.header = header_name(&tiers.header).map_err(|p| error(format!("{at}.header"), p))?;
+        if tiers.limits.is_empty() || tiers.limits.len() > MAX_ENTRIES {
+            return Err(error(format!("{at}.limits"), format!("must name 1 to {MAX_ENTRIES} tiers")));
+        }
+        for name in tiers.limits.keys() {
+            bounded(&format!("{at}.limits.{name}"), name)?;
+        }
+    }
+    if rule.overrides.len() > MAX_ENTRIES {
+        return Err(error(format!("{at}.overrides"), format!("must list at most {MAX_ENTRIES} keys")));
+    }
+    for (index, entry) in rule.overrides.iter().enumerate() {
+        let here = format!("{at}.overrides[{index}].key");
+        if entry.key.len() != rule.key.len() {
+            return Err(error(
+                here,
+                format!("must give one value per key part ({} for this rule's key), got {}", rule.key.len(), entry.key.len()),
+            ));
+        }
+        for (part, value) in entry.key.iter().enumerate() {
+            bounded(&format!("{here}[{part}]"), value)?;
+        }
+        if let Some(first) = rule.overrides.iter().take(index).position(|o| o.key == entry.key) {
+            return Err(error(here, format!("the same key as {at}.overrides[{first}].key")));
+        }
+    }
+    if let Some(cost) = &mut rule.cost {
+        let at = format!("{at}.cost");
+        match (cost.from, cost.header.as_deref()) {
+            (CostSource::RequestHeader | CostSource::ResponseHeader, Some(name)) => {
+                cost.header = Some(header_name(name).map_err(|p| error(format!("{at}.header"), p))?);
+            }
+            (CostSource::RequestHeader | CostSource::ResponseHeader, None) => {
+                return Err(error(format!("{at}.header"), "is required when the cost comes from a header"));
+            }
+            (CostSource::RequestBody, Some(_)) => {
+                return Err(error(format!("{at}.header"), "has no meaning with \"from\": \"request_body\""));
+            }
+            (CostSource::RequestBody, None) => {}
+        }
+        if cost.from == CostSource::RequestBody && cost.default.is_some() {
+            return Err(error(format!("{at}.default"), "has no meaning with \"from\": \"request_body\""));
+        }
+    }
+    Ok(())
+}
+
+fn validate_match(condition: &mut Match, at: &str) -> Result<(), ConfigError> {
+    if let Some(path) = &condition.path {
+        let at = format!("{at}.path");
+        let given = [("exact", &path.exact), ("prefix", &path.prefix), ("template", &path.template)];
+        let set: Vec<(&str, &String)> = given.iter().filter_map(|(n, v)| v.as_ref().map(|v| (*n, v))).collect();
+        let [(kind, value)] = set.as_slice() else {
+            return Err(error(at, "must give exactly one of \"exact\", \"prefix\" and \"template\""));
+        };
+        let here = format!("{at}.{kind}");
+        bounded(&here, value)?;
+        if !value.starts_with('/') || value.contains(['?', '#']) {
+            return Err(error(here, format!("{value:?} must be a path starting with '/', without query")));
+        }
+        if *kind == "template" && value.split('/').any(|s| s.contains('*') && s != "*") {
+            return Err(error(here, "a '*' must be a whole segment (\"/users/*/orders\")"));
+        }
+    }
+    if let Some(methods) = &condition.methods {
+        let here = format!("{at}.methods");
+        if methods.is_empty() || methods.len() > 32 {
+            return Err(error(here, "must list 1 to 32 methods"));
+        }
+        for (index, method) in methods.iter().enumerate() {
+            if method.is_empty() || !method.chars().all(|c| c.is_ascii_uppercase() || c == '-' || c == '_') {
+                return Err(error(format!("{here}[{index}]"), format!("{method:?} is not a method (upper case: \"POST\")")));
+            }
+        }
+    }
+    if condition.headers.len() > MAX_ENTRIES {
+        return Err(error(format!("{at}.headers"), format!("must list at most {MAX_ENTRIES} conditions")));
+    }
+    for (index, header) in condition.headers.iter_mut().enumerate() {
+        let here = format!("{at}.headers[{index}]");
+        header.name = header_name(&header.name).map_err(|p| error(format!("{here}.name"), p))?;
+        match (&header.present, &header.equals) {
+            (Some(_), None) => {}
+            (None, Some(value)) => bounded(&format!("{here}.equals"), value)?,
+            _ => return Err(error(here, "must give exactly one of \"present\" and \"equals\"")),
+        }
+    }
+    if let Some(authority) = &mut condition.authority {
+        let here = format!("{at}.authority");
+        bounded(&here, authority)?;
+        if authority.contains(['/', ' ', ':']) {
+            return Err(error(here, format!("{authority:?} must be a host name without port")));
+        }
+        *authority = authority.to_ascii_lowercase();
+    }
+    if condition.path.is_none() && condition.methods.is_none() && condition.headers.is_empty() && condition.authority.is_none() {
+        return Err(error(at.to_owned(), "must give at least one condition (path, methods, headers, authority)"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use crate::config::Config;
+
+    fn error_of(rule_extra: &str) -> String {
+        let json = format!(r#"{{"rate_limits":[{{"name":"r","key":[{{"header":"x-k"}}],"limit":5,"window":"1m"{rule_extra}}}]}}"#);
+        Config::parse(json.as_bytes()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn rule_extras_parse_and_lower_case_their_header_names() {
+        let config = Config::parse(
+            br#"{"rate_limits":[{"name":"r","key":[{"header":"x-k"}],"limit":5,"window":"1m",
+                "match":{"path":{"template":"/a/*/b"},"methods":["POST"],"headers":[{"name":"X-Env","equals":"prod"}],"authority":"API.example.com"},
+                "tiers":{"header":"X-Plan","limits":{"gold":50}},
+                "overrides":[{"key":["vip"],"limit":500}],
+                "cost":{"from":"request_header","header":"X-Cost"}}]}"#,
+        )
+        .unwrap();
+        let rule = &config.rate_limits[0];
+        let condition = rule.condition.as_ref().unwrap();
+        assert_eq!(condition.headers[0].name, "x-env");
+        assert_eq!(condition.authority.as_deref(), Some("api.example.com"));
+        assert_eq!(rule.tiers.as_ref().unwrap().header, "x-plan");
+        assert_eq!(rule.cost.as_ref().unwrap().header.as_deref(), Some("x-cost"));
+        assert_eq!(rule.cost.as_ref().unwrap().default_units(), 1);
+    }
+
+    #[test]
+    fn rule_extra_errors_are_named() {
+        for (extra, expected) in [
+            (r#","match":{}"#, "rate_limits[0].match: must give at least one condition"),
+            (r#","match":{"path":{}}"#, "rate_limits[0].match.path: must give exactly one of"),
+            (r#","match":{"path":{"exact":"/a","prefix":"/b"}}"#, "rate_limits[0].match.path: must give exactly one of"),
+            (r#","match":{"path":{"prefix":"a"}}"#, "rate_limits[0].match.path.prefix: \"a\" must be a path"),
+            (r#","match":{"path":{"template":"/a/b*"}}"#, "rate_limits[0].match.path.template: a '*' must be a whole segment"),
+            (r#","match":{"path":{"regex":".*"}}"#, "rate_limits[0].match.path.regex: unknown field"),
+            (r#","match":{"methods":[]}"#, "rate_limits[0].match.methods: must list 1 to 32 methods"),
+            (r#","match":{"methods":["post"]}"#, "rate_limits[0].match.methods[0]: \"post\" is not a method"),
+            (r#","match":{"headers":[{"name":"x"}]}"#, "rate_limits[0].match.headers[0]: must give exactly one of \"present\" and \"equals\""),
+            (r#","match":{"headers":[{"name":"x y","present":true}]}"#, "rate_limits[0].match.headers[0].name: \"x y\" is not a valid header name"),
+            (r#","match":{"authority":"a.com:80"}"#, "rate_limits[0].match.authority: \"a.com:80\" must be a host name without port"),
+            (r#","tiers":{"header":"x-plan","limits":{}}"#, "rate_limits[0].tiers.limits: must name 1 to 1024 tiers"),
+            (r#","tiers":{"header":"x-plan","limits":{"gold":0}}"#, "rate_limits[0].tiers.limits.gold: must be a positive integer"),
+            (r#","overrides":[{"key":["a","b"],"limit":5}]"#, "rate_limits[0].overrides[0].key: must give one value per key part (1 for this rule's key), got 2"),
+            (r#","overrides":[{"key":["a"],"limit":5},{"key":["a"],"limit":6}]"#, "rate_limits[0].overrides[1].key: the same key as rate_limits[0].overrides[0].key"),
+            (r#","cost":{"from":"request_header"}"#, "rate_limits[0].cost.header: is required when the cost comes from a header"),
+            (r#","cost":{"from":"request_body","header":"x"}"#, "rate_limits[0].cost.header: has no meaning"),
+            (r#","cost":{"from":"request_body","default":3}"#, "rate_limits[0].cost.default: has no meaning"),
+            (r#","cost":{"from":"response_header","header":"x","default":-1}"#, "rate_limits[0].cost.default: invalid value"),
+            (r#","cost":{"from":"bytes"}"#, "rate_limits[0].cost.from: unknown variant `bytes`"),
+        ] {
+            let err = error_of(extra);
+            assert!(err.starts_with(expected), "{extra}\n  got: {err}\n want: {expected}");
+        }
+    }
+}
+

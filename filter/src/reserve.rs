@@ -1,0 +1,212 @@
+//! Reserves: units counted in shared data ahead of use, so a worker admits most requests without
+//! touching shared data, and the limit still holds exactly. One idea, used three times:
+//!
+//! | user | what is counted ahead | where |
+//! |---|---|---|
+//! | load shedding | in-flight units of the proxy-wide count | [`Local`], [`in_flight_units`], [`crate::shed`] |
+//! | cluster selection | in-flight units of a cluster's lease count | the same [`Local`], [`crate::select`] |
+//! | rate limiting | units of a key's quota in the current window bucket | [`crate::ratelimit::reserve`] |
+//!
+//! **Why.** Every read or write of shared data is a host call, about 11 000 instructions under V8
+//! for a read (docs/benchmarks.md): reading and writing a record for every request and every
+//! release is most of the per-request cost. A worker that counts a few units more than it needs
+//! when it writes anyway serves the next requests from them.
+//!
+//! **The invariants**, the same for the three:
+//! 1. *Counted before used.* A unit is written to the shared record, by a compare-and-swap that
+//!    checked the limit, before any request uses it: every other worker decides with it counted.
+//!    So the sum of what all workers counted, used or not, never exceeds what the limit admitted
+//!    when it was counted.
+//! 2. *Used only while the limit still admits it.* A reserved in-flight unit is used only while
+//!    `others (as last read) + in use < the limit the request is admitted under now`
+//!    ([`Local::take_reserved`]): a limit lowered since (a reload, another worker's AIMD
+//!    back-off) applies to units reserved before. A quota unit is used only in the window bucket
+//!    it was counted in, where the sliding estimate only falls as time passes, and only while the
+//!    other proxies' counts (global scope) leave room.
+//! 3. *Small, and none near the limit.* A grant is at most [`RESERVE_MAX`] units and a fraction of
+//!    the room left ([`IN_FLIGHT_SPREAD`] × live workers for in-flight counts, 8 for quotas): near
+//!    the limit there is no reserve, and every admission is a compare-and-swap again. The price,
+//!    documented in docs/configuration.md (*Reserves*, *Quota reserves*): other workers see the
+//!    unused units as taken, and may refuse a little early, never late.
+//! 4. *Given back.* Unused units go back at the worker's heartbeat (every second), at once near
+//!    the limit (in-flight), when their bucket ends (quota), and when the configuration that holds
+//!    them is retired (`on_done`): nothing stays counted once traffic stops.
+//!
+//! This module holds the in-flight half ([`Local`], one per VM and shared record, and the
+//! [`Lease`] a request holds); the quota half is per key and per bucket, in
+//! [`crate::ratelimit::reserve`].
+
+use std::cell::Cell;
+use std::rc::Rc;
+
+/// Units a worker may hold beyond what it uses, in any reserve.
+pub const RESERVE_MAX: u32 = 16;
+/// An in-flight reserve is at most `1 / (IN_FLIGHT_SPREAD × live VMs)` of the room left below
+/// the limit.
+pub const IN_FLIGHT_SPREAD: u32 = 4;
+
+/// The units a VM publishes once it admits a request that brings its count in use to
+/// `in_use_after`: those, plus a reserve of `min(RESERVE_MAX, ⌊room / (IN_FLIGHT_SPREAD × live)⌋)`
+/// where `room = ceiling − (others + in_use_after)` and `live` counts the live VMs, this one
+/// included, and no reserve when that share is a single unit. Never more than
+/// `max(ceiling − others, in_use_after)`.
+pub fn in_flight_units(in_use_after: u32, others: u32, other_vms: u32, ceiling: u32) -> u32 {
+    let room = ceiling.saturating_sub(others.saturating_add(in_use_after));
+    let live = other_vms.saturating_add(1);
+    let spare = room
+        .checked_div(live.saturating_mul(IN_FLIGHT_SPREAD))
+        .unwrap_or(0);
+    // A single spare unit saves one write and could leave the last unit below a small threshold
+    // stranded in an idle VM: not worth it.
+    let spare = if spare < 2 { 0 } else { spare };
+    in_use_after.saturating_add(spare.min(RESERVE_MAX))
+}
+
+/// This VM's side of one shared in-flight count (the shedder's, or one cluster's): the truth for
+/// this VM, which the shared record only mirrors. One per VM and record, shared by the
+/// configurations that use the record.
+#[derive(Debug, Default)]
+pub struct Local {
+    /// Requests admitted that have not ended.
+    in_use: Cell<u32>,
+    /// Units this VM's entry in the record holds, as last written (at least `in_use`; more when
+    /// the VM holds a reserve). Raised only once a write succeeded, so it never claims more
+    /// than the record grants.
+    held: Cell<u32>,
+    /// Other live VMs' units when the record was last read.
+    others: Cell<u32>,
+    /// The last admission that wrote the record was granted no reserve: the count is near its
+    /// threshold, so every release is published at once.
+    near: Cell<bool>,
+}
+
+impl Local {
+    /// Requests admitted on this VM that have not ended.
+    pub fn in_use(&self) -> u32 {
+        self.in_use.get()
+    }
+
+    /// Units this VM holds in the record (its requests plus its reserve), as last written.
+    pub fn held(&self) -> u32 {
+        self.held.get()
+    }
+
+    /// Other VMs' units as last read.
+    pub fn others(&self) -> u32 {
+        self.others.get()
+    }
+
+    /// Takes one unit from the reserve, if there is one and the count stays below `ceiling`
+    /// (the threshold or limit the request is admitted under, as this VM knows it now): the
+    /// admission needs no shared data. The ceiling check matters when the limit has dropped
+    /// since the units were granted (a reload lowering `max_active_requests`, another worker's
+    /// AIMD back-off): units granted under the old limit are not spent past the new one.
+    pub fn take_reserved(&self, ceiling: u32) -> bool {
+        let in_use = self.in_use.get();
+        if in_use < self.held.get() && self.others.get().saturating_add(in_use) < ceiling {
+            self.in_use.set(in_use.saturating_add(1));
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Records the other VMs' units as just read, without a write of this VM's.
+    pub(crate) fn saw(&self, others: u32) {
+        self.others.set(others);
+    }
+
+    /// Records a successful write of `held` units with one more request in use.
+    pub(crate) fn admitted(&self, held: u32, others: u32) {
+        let in_use = self.in_use.get().saturating_add(1);
+        self.in_use.set(in_use);
+        self.held.set(held.max(in_use));
+        self.others.set(others);
+        self.near.set(held <= in_use);
+    }
+
+    /// Records that the record now holds `held` units for this VM (after a write that lowered
+    /// them, or one that failed: lowering is always safe).
+    pub(crate) fn published(&self, held: u32, others: u32) {
+        self.held.set(held.max(self.in_use.get()));
+        self.others.set(others);
+    }
+
+    /// Whether the VM holds units it does not use and should give them back now: its reserve
+    /// outgrew [`RESERVE_MAX`] (the load fell), or the count is near its threshold, where every
+    /// unit may be another VM's next admission. (Otherwise the next heartbeat gives it back: a
+    /// worker whose requests come and go would else write at every idle moment.)
+    pub fn idle_surplus(&self) -> bool {
+        let (in_use, held) = (self.in_use.get(), self.held.get());
+        held > in_use && (held.saturating_sub(in_use) > RESERVE_MAX || self.near.get())
+    }
+
+    fn end_one(&self) {
+        self.in_use.set(self.in_use.get().saturating_sub(1));
+    }
+}
+
+/// A VM's [`Local`] count, shared by the configurations and leases that use it.
+pub type LocalCount = Rc<Local>;
+
+/// A request's hold on one unit of the in-flight count, released exactly once: by
+/// [`crate::shed::Shedder::release`] (or `Selector::finish`) when the stream ends, or, should the stream vanish without that, by
+/// `Drop`, which lowers the local count (the next heartbeat publishes it).
+#[derive(Debug)]
+#[must_use = "an admitted request must release its lease when its stream ends"]
+pub struct Lease {
+    pub(crate) local: LocalCount,
+    released: bool,
+}
+
+impl Lease {
+    /// A lease on one unit of `local`, whose count in use the caller has just raised.
+    pub(crate) fn taken(local: &LocalCount) -> Lease {
+        Lease { local: Rc::clone(local), released: false }
+    }
+
+    /// Gives the unit back (once; later calls do nothing).
+    pub(crate) fn end(&mut self) {
+        if !self.released {
+            self.released = true;
+            self.local.end_one();
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reserves_are_a_share_of_the_room_and_vanish_near_the_threshold() {
+        assert_eq!(
+            in_flight_units(1, 0, 0, 50_000),
+            1 + RESERVE_MAX,
+            "far below: a full reserve"
+        );
+        assert_eq!(
+            in_flight_units(1, 0, 1, 100),
+            1 + 12,
+            "99 units of room, 2 VMs: a quarter of half"
+        );
+        assert_eq!(in_flight_units(5, 0, 0, 8), 5, "3 units of room: none");
+        assert_eq!(in_flight_units(8, 0, 0, 8), 8, "at the threshold");
+        assert_eq!(
+            in_flight_units(9, 0, 0, 8),
+            9,
+            "past it (a higher class): never less than in use"
+        );
+        assert_eq!(in_flight_units(1, 90, 3, 100), 1, "others hold most of it");
+        for (in_use, others, vms, ceiling) in (1..40).flat_map(|u| (0..40).flat_map(move |o| (0..3).map(move |v| (u, o, v, 30)))) {
+            let held = in_flight_units(in_use, others, vms, ceiling);
+            assert!(held >= in_use && held <= (ceiling.saturating_sub(others)).max(in_use), "{in_use} {others} {vms}");
+        }
+    }
+}

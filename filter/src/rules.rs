@@ -1,0 +1,574 @@
+//! Rules that fit real APIs (issue 18): which rate-limit rules apply to a request (`match`),
+//! with which limit (`tiers`, `overrides`), and what the request costs (`cost`). Compiled once
+//! per configuration from [`crate::config`], and asked per request with the request's
+//! attributes ([`Attributes`]); the limiter ([`crate::ratelimit`]) then decides with each
+//! probe's limit and cost.
+//!
+//! **Conditions** are plain comparisons (no regular expression on the request path): the path
+//! exactly, by prefix, or by a template whose `*` segments match any one segment; the method
+//! among a list; a header present, absent or equal to a value; the authority (host, without
+//! port, any case). A rule whose condition fails costs a few comparisons and nothing else: no
+//! key is read or hashed, no shared data is touched.
+//!
+//! **Limits**: an override (a key listed with its own limit: its keyed hash, computed once
+//! here, is compared with the request's) comes first, then the tier the tier header names,
+//! then the rule's `limit`. Neither is part of the rule's identity, so changing them in a
+//! reload keeps the counters, as changing `limit` does.
+//!
+//! **Costs**: a request is admitted when its key has room for its cost, and for at least one
+//! unit (a key whose quota is spent is refused, even for a request whose cost is not known
+//! yet), and its known cost is counted then. A cost known later (the request body's bytes when
+//! there is no `content-length`, units the upstream reports in a response header) is charged
+//! when it is known: it can take a key past its limit by what its requests already admitted are
+//! charged, and the key's later requests are then refused until the window slides.
+//!
+//! Bad cost values have one rule: a count is decimal digits only, at most `u32::MAX`; anything
+//! else (negative, fractional, not a number, too large) is *invalid*, and the request costs the
+//! rule's `cost.default` (counted in the `invalid_cost` metric). A cost above the limit is
+//! capped at the limit: such a request takes the whole window's quota, once the key has none
+//! in use. Nothing wraps around.
+
+use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch};
+use crate::key::KeyHasher;
+use crate::ratelimit::Probe;
+use std::borrow::Cow;
+use std::num::NonZeroU32;
+
+/// The request attributes a condition, a tier or a cost reads: request headers by lower-case
+/// name, pseudo-headers (`:path`, `:method`, `:authority`) included.
+pub trait Attributes {
+    /// The (first) value of `name`, if the request has it.
+    fn get(&self, name: &str) -> Option<Cow<'_, [u8]>>;
+}
+
+/// One segment of a path template.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Segment {
+    /// `*`: any one non-empty segment.
+    Any,
+    /// This segment exactly.
+    Literal(Vec<u8>),
+}
+
+/// A compiled path condition.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum PathTest {
+    Exact(Vec<u8>),
+    Prefix(Vec<u8>),
+    Template(Vec<Segment>),
+}
+
+impl PathTest {
+    fn new(path: &PathMatch) -> Option<PathTest> {
+        if let Some(exact) = &path.exact {
+            return Some(PathTest::Exact(exact.as_bytes().to_vec()));
+        }
+        if let Some(prefix) = &path.prefix {
+            return Some(PathTest::Prefix(prefix.as_bytes().to_vec()));
+        }
+        let template = path.template.as_ref()?;
+        Some(PathTest::Template(
+            template
+                .split('/')
+                .map(|s| if s == "*" { Segment::Any } else { Segment::Literal(s.as_bytes().to_vec()) })
+                .collect(),
+        ))
+    }
+
+    fn matches(&self, path: &[u8]) -> bool {
+        match self {
+            PathTest::Exact(exact) => path == exact.as_slice(),
+            PathTest::Prefix(prefix) => path.starts_with(prefix),
+            PathTest::Template(segments) => {
+                let mut parts = path.split(|b| *b == b'/');
+                let all_match = segments.iter().all(|segment| match (segment, parts.next()) {
+                    (Segment::Any, Some(part)) => !part.is_empty(),
+                    (Segment::Literal(literal), Some(part)) => part == literal.as_slice(),
+                    (_, None) => false,
+                });
+                all_match && parts.next().is_none()
+            }
+        }
+    }
+}
+
+/// A compiled header condition.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum HeaderTest {
+    Present(bool),
+    Equals(Vec<u8>),
+}
+
+/// A compiled `match`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Condition {
+    path: Option<PathTest>,
+    methods: Option<Vec<Vec<u8>>>,
+    headers: Vec<(String, HeaderTest)>,
+    authority: Option<Vec<u8>>,
+}
+
+impl Condition {
+    fn holds(&self, request: &dyn Attributes) -> bool {
+        if let Some(path) = &self.path {
+            let raw = request.get(":path");
+            let Some(raw) = raw.as_deref() else { return false };
+            if !path.matches(KeyPart::Path.normalize(raw)) {
+                return false;
+            }
+        }
+        if let Some(methods) = &self.methods {
+            let method = request.get(":method");
+            if !method.as_deref().is_some_and(|m| methods.iter().any(|allowed| allowed.as_slice() == m)) {
+                return false;
+            }
+        }
+        for (name, test) in &self.headers {
+            let value = request.get(name);
+            let holds = match test {
+                HeaderTest::Present(present) => value.is_some() == *present,
+                HeaderTest::Equals(expected) => value.as_deref() == Some(expected.as_slice()),
+            };
+            if !holds {
+                return false;
+            }
+        }
+        if let Some(authority) = &self.authority {
+            let raw = request.get(":authority");
+            let host = raw.as_deref().map(host_of);
+            if !host.is_some_and(|h| h.eq_ignore_ascii_case(authority)) {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+/// `api.example.com:8443` → `api.example.com`; `[::1]:80` → `[::1]`.
+fn host_of(authority: &[u8]) -> &[u8] {
+    if authority.starts_with(b"[") {
+        let end = authority.iter().position(|b| *b == b']').map_or(authority.len(), |e| e.saturating_add(1));
+        return authority.get(..end).unwrap_or(authority);
+    }
+    match authority.iter().rposition(|b| *b == b':') {
+        Some(at) => authority.get(..at).unwrap_or(authority),
+        None => authority,
+    }
+}
+
+/// What a rule's request costs, as compiled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CostPlan {
+    /// 1 per request (the default).
+    One,
+    /// A count in request header `header` (`default` when absent or invalid).
+    RequestHeader {
+        /// The header.
+        header: String,
+        /// The cost without a valid count.
+        default: u32,
+    },
+    /// The request body's bytes.
+    RequestBody,
+    /// A count the upstream reports in response header `header` (`default` without one).
+    ResponseHeader {
+        /// The header.
+        header: String,
+        /// The cost without a valid count.
+        default: u32,
+    },
+}
+
+/// What a request costs against one rule when it is admitted, and what is charged later.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Admission {
+    /// Units counted at admission.
+    pub now: u32,
+    /// A cost charged when it is known.
+    pub later: Later,
+    /// Whether the cost header held an invalid count (the default was used).
+    pub invalid: bool,
+}
+
+/// A cost known after admission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Later {
+    /// None.
+    Nothing,
+    /// The request body's bytes, counted as it streams, charged when it ends.
+    BodyBytes,
+    /// The count in a response header, charged when the response headers arrive.
+    ResponseHeader,
+}
+
+/// A count: decimal digits only, at most `u32::MAX` (`None` otherwise: invalid).
+pub fn parse_count(raw: &[u8]) -> Option<u32> {
+    let text = std::str::from_utf8(raw).ok()?.trim_matches(|c| c == ' ' || c == '\t');
+    if text.is_empty() || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    text.parse().ok()
+}
+
+/// Each tier's name (the header's value) and limit, sorted by name.
+type TierLimits = Vec<(Vec<u8>, NonZeroU32)>;
+
+/// A rule's compiled extras.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct Plan {
+    condition: Option<Condition>,
+    /// The tier header, and the tiers.
+    tiers: Option<(String, TierLimits)>,
+    /// Overridden keys' hashes and limits, sorted by hash.
+    overrides: Vec<(u64, NonZeroU32)>,
+    cost: Option<CostPlan>,
+}
+
+/// Every rule's conditions, limits and costs, compiled for the request path.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Rules {
+    plans: Vec<Plan>,
+}
+
+fn header_test(condition: &HeaderCondition) -> HeaderTest {
+    match (&condition.equals, condition.present) {
+        (Some(value), _) => HeaderTest::Equals(value.as_bytes().to_vec()),
+        (None, present) => HeaderTest::Present(present.unwrap_or(true)),
+    }
+}
+
+impl Rules {
+    /// Compiles the rules of `config`; overrides are hashed with `hasher` (the keys' hasher).
+    pub fn new(config: &Config, hasher: &KeyHasher) -> Rules {
+        let plans = config
+            .rate_limits
+            .iter()
+            .map(|rule| {
+                let condition = rule.condition.as_ref().map(|m| Condition {
+                    path: m.path.as_ref().and_then(PathTest::new),
+                    methods: m.methods.as_ref().map(|ms| ms.iter().map(|x| x.as_bytes().to_vec()).collect()),
+                    headers: m.headers.iter().map(|h| (h.name.clone(), header_test(h))).collect(),
+                    authority: m.authority.as_ref().map(|a| a.as_bytes().to_vec()),
+                });
+                let tiers = rule.tiers.as_ref().map(|t| {
+                    let limits = t.limits.iter().map(|(name, limit)| (name.as_bytes().to_vec(), limit.get())).collect();
+                    (t.header.clone(), limits)
+                });
+                let mut overrides: Vec<(u64, NonZeroU32)> = rule
+                    .overrides
+                    .iter()
+                    .map(|o| (hasher.hash(o.key.iter().map(|v| Some(v.as_bytes()))), o.limit.get()))
+                    .collect();
+                overrides.sort_unstable_by_key(|(hash, _)| *hash);
+                let cost = rule.cost.as_ref().map(|c| match (c.from, c.header.clone()) {
+                    (CostSource::RequestBody, _) => CostPlan::RequestBody,
+                    (CostSource::RequestHeader, Some(header)) => CostPlan::RequestHeader { header, default: c.default_units() },
+                    (CostSource::ResponseHeader, Some(header)) => CostPlan::ResponseHeader { header, default: c.default_units() },
+                    // Refused by validation: a header cost names its header.
+                    (_, None) => CostPlan::One,
+                });
+                Plan { condition, tiers, overrides, cost }
+            })
+            .collect();
+        Rules { plans }
+    }
+
+    fn plan(&self, rule: usize) -> Option<&Plan> {
+        self.plans.get(rule)
+    }
+
+    /// Whether rule `rule` applies to the request (no condition: always).
+    pub fn applies(&self, rule: usize, request: &dyn Attributes) -> bool {
+        self.plan(rule)
+            .and_then(|p| p.condition.as_ref())
+            .is_none_or(|condition| condition.holds(request))
+    }
+
+    /// The limit of rule `rule` for the key of hash `key_hash`: an override's, else the tier's,
+    /// else `None` (the rule's `limit`).
+    pub fn limit(&self, rule: usize, key_hash: u64, request: &dyn Attributes) -> Option<NonZeroU32> {
+        let plan = self.plan(rule)?;
+        if let Ok(at) = plan.overrides.binary_search_by_key(&key_hash, |(hash, _)| *hash) {
+            return plan.overrides.get(at).map(|(_, limit)| *limit);
+        }
+        let (header, tiers) = plan.tiers.as_ref()?;
+        let value = request.get(header)?;
+        let at = tiers.binary_search_by(|(name, _)| name.as_slice().cmp(&value)).ok()?;
+        tiers.get(at).map(|(_, limit)| *limit)
+    }
+
+    /// What a request costs against rule `rule` at admission, and later.
+    pub fn admission(&self, rule: usize, request: &dyn Attributes) -> Admission {
+        let one = Admission { now: 1, later: Later::Nothing, invalid: false };
+        let Some(cost) = self.plan(rule).and_then(|p| p.cost.as_ref()) else { return one };
+        match cost {
+            CostPlan::One => one,
+            CostPlan::RequestHeader { header, default } => match request.get(header) {
+                None => Admission { now: *default, ..one },
+                Some(raw) => match parse_count(&raw) {
+                    Some(units) => Admission { now: units, ..one },
+                    None => Admission { now: *default, invalid: true, ..one },
+                },
+            },
+            CostPlan::RequestBody => match request.get("content-length") {
+                Some(raw) => match parse_count(&raw) {
+                    Some(bytes) => Admission { now: bytes, ..one },
+                    // An unreadable length: count the body as it streams.
+                    None => Admission { now: 0, later: Later::BodyBytes, invalid: true },
+                },
+                None => Admission { now: 0, later: Later::BodyBytes, invalid: false },
+            },
+            CostPlan::ResponseHeader { .. } => Admission { now: 0, later: Later::ResponseHeader, invalid: false },
+        }
+    }
+
+    /// The units rule `rule` charges for a response whose cost header holds `raw` (`None`:
+    /// absent), and whether it was invalid.
+    pub fn response_units(&self, rule: usize, raw: Option<&[u8]>) -> (u32, bool) {
+        match self.plan(rule).and_then(|p| p.cost.as_ref()) {
+            Some(CostPlan::ResponseHeader { default, .. }) => match raw.map(parse_count) {
+                None => (*default, false),
+                Some(Some(units)) => (units, false),
+                Some(None) => (*default, true),
+            },
+            _ => (0, false),
+        }
+    }
+
+    /// The response header rule `rule` reads its cost from, if any.
+    pub fn response_header(&self, rule: usize) -> Option<&str> {
+        match self.plan(rule).and_then(|p| p.cost.as_ref()) {
+            Some(CostPlan::ResponseHeader { header, .. }) => Some(header),
+            _ => None,
+        }
+    }
+
+    /// The request headers the rules read, each with whether requests usually carry it (for
+    /// [`crate::headers::HeaderPlan`]).
+    pub fn request_headers(config: &Config) -> Vec<(String, bool)> {
+        let mut names = Vec::new();
+        for rule in &config.rate_limits {
+            if let Some(condition) = &rule.condition {
+                if condition.path.is_some() {
+                    names.push((":path".to_owned(), true));
+                }
+                if condition.methods.is_some() {
+                    names.push((":method".to_owned(), true));
+                }
+                if condition.authority.is_some() {
+                    names.push((":authority".to_owned(), true));
+                }
+                names.extend(condition.headers.iter().map(|h| (h.name.clone(), false)));
+            }
+            if let Some(tiers) = &rule.tiers {
+                names.push((tiers.header.clone(), true));
+            }
+            match rule.cost.as_ref().map(|c| (c.from, c.header.clone())) {
+                Some((CostSource::RequestHeader, Some(header))) => names.push((header, true)),
+                Some((CostSource::RequestBody, _)) => names.push(("content-length".to_owned(), false)),
+                _ => {}
+            }
+        }
+        names
+    }
+}
+
+/// The costs an admitted request still owes, charged when they are known: its body's bytes
+/// (counted as the body streams, charged when it ends) and the units the upstream reports.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Charges {
+    /// The rules' probes, what each still owes, and the limit the cost is capped at.
+    owed: Vec<(Probe, Later, NonZeroU32)>,
+    /// Request body bytes seen so far.
+    body_bytes: u64,
+}
+
+impl Charges {
+    /// Remembers that `probe` (admitted) owes a cost known `later`, capped at `limit`.
+    pub fn owe(&mut self, probe: Probe, later: Later, limit: NonZeroU32) {
+        if later != Later::Nothing {
+            self.owed.push((probe, later, limit));
+        }
+    }
+
+    /// Whether anything is still owed.
+    pub fn is_empty(&self) -> bool {
+        self.owed.is_empty()
+    }
+
+    /// Whether a body count is owed (the body callbacks need to count).
+    pub fn counts_body(&self) -> bool {
+        self.owed.iter().any(|(_, later, _)| *later == Later::BodyBytes)
+    }
+
+    /// Whether a response header is awaited.
+    pub fn awaits_response(&self) -> bool {
+        self.owed.iter().any(|(_, later, _)| *later == Later::ResponseHeader)
+    }
+
+    /// A chunk of `bytes` of the request body went by.
+    pub fn body(&mut self, bytes: usize) {
+        self.body_bytes = self.body_bytes.saturating_add(u64::try_from(bytes).unwrap_or(u64::MAX));
+    }
+
+    /// The request body ended: the body charges, each capped at its limit.
+    pub fn body_done(&mut self) -> Vec<(Probe, u32)> {
+        let bytes = u32::try_from(self.body_bytes).unwrap_or(u32::MAX);
+        self.take(Later::BodyBytes, |_, limit| capped(bytes, limit))
+    }
+
+    /// The response headers came: the response-header charges, from `units(rule)` (the
+    /// rule's reported or default units), each capped at its limit.
+    pub fn response(&mut self, mut units: impl FnMut(usize) -> u32) -> Vec<(Probe, u32)> {
+        self.take(Later::ResponseHeader, |probe, limit| capped(units(probe.rule), limit))
+    }
+
+    /// The stream ended: whatever is still owed (a body cut short: the bytes seen; a response
+    /// that never came: `units(rule)`, the default).
+    pub fn end(&mut self, units: impl FnMut(usize) -> u32) -> Vec<(Probe, u32)> {
+        let mut charges = self.body_done();
+        charges.extend(self.response(units));
+        charges
+    }
+
+    fn take(&mut self, kind: Later, mut units: impl FnMut(&Probe, NonZeroU32) -> u32) -> Vec<(Probe, u32)> {
+        let mut charges = Vec::new();
+        self.owed.retain(|(probe, later, limit)| {
+            if *later != kind {
+                return true;
+            }
+            charges.push((*probe, units(probe, *limit)));
+            false
+        });
+        charges
+    }
+}
+
+/// A cost capped at the limit (a request above it takes the whole window's quota).
+pub fn capped(units: u32, limit: NonZeroU32) -> u32 {
+    units.min(limit.get())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    struct Request(HashMap<&'static str, &'static str>);
+
+    impl Attributes for Request {
+        fn get(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+            self.0.get(name).map(|v| Cow::Borrowed(v.as_bytes()))
+        }
+    }
+
+    fn request(pairs: &[(&'static str, &'static str)]) -> Request {
+        Request(pairs.iter().copied().collect())
+    }
+
+    fn rules(rules_json: &str) -> Rules {
+        let config = Config::parse(format!(r#"{{"rate_limits":{rules_json}}}"#).as_bytes()).unwrap();
+        Rules::new(&config, &KeyHasher::new([3; 16]))
+    }
+
+    #[test]
+    fn conditions_on_path_method_headers_and_authority() {
+        let r = rules(
+            r#"[
+            {"name":"login","key":["source_ip"],"limit":5,"window":"1m","match":{"path":{"exact":"/login"},"methods":["POST"]}},
+            {"name":"api","key":["source_ip"],"limit":5,"window":"1m","match":{"path":{"prefix":"/api/"}}},
+            {"name":"orders","key":["source_ip"],"limit":5,"window":"1m","match":{"path":{"template":"/users/*/orders"}}},
+            {"name":"anon","key":["source_ip"],"limit":5,"window":"1m","match":{"headers":[{"name":"Authorization","present":false}]}},
+            {"name":"prod","key":["source_ip"],"limit":5,"window":"1m","match":{"headers":[{"name":"x-env","equals":"prod"}],"authority":"API.example.com"}}
+        ]"#,
+        );
+        let applies = |rule: usize, pairs: &[(&'static str, &'static str)]| r.applies(rule, &request(pairs));
+        assert!(applies(0, &[(":path", "/login?next=/"), (":method", "POST")]));
+        assert!(!applies(0, &[(":path", "/login"), (":method", "GET")]));
+        assert!(!applies(0, &[(":path", "/login/x"), (":method", "POST")]));
+        assert!(!applies(0, &[(":method", "POST")]), "no path: no match");
+        assert!(applies(1, &[(":path", "/api/v1")]) && !applies(1, &[(":path", "/apix")]));
+        assert!(applies(2, &[(":path", "/users/42/orders")]));
+        assert!(!applies(2, &[(":path", "/users//orders")]), "* is one non-empty segment");
+        assert!(!applies(2, &[(":path", "/users/42/orders/7")]));
+        assert!(!applies(2, &[(":path", "/users/42")]));
+        assert!(applies(3, &[]) && !applies(3, &[("authorization", "Bearer x")]));
+        assert!(applies(4, &[("x-env", "prod"), (":authority", "api.EXAMPLE.com:8443")]));
+        assert!(!applies(4, &[("x-env", "prod2"), (":authority", "api.example.com")]));
+        assert!(!applies(4, &[("x-env", "prod"), (":authority", "evil.com")]));
+    }
+
+    #[test]
+    fn limits_come_from_an_override_then_a_tier_then_the_rule() {
+        let r = rules(
+            r#"[{"name":"plan","key":[{"header":"x-api-key"}],"limit":10,"window":"1m",
+                 "tiers":{"header":"X-Plan","limits":{"gold":1000,"silver":100}},
+                 "overrides":[{"key":["vip"],"limit":5000}]}]"#,
+        );
+        let hasher = KeyHasher::new([3; 16]);
+        let hash = |key: &str| hasher.hash([Some(key.as_bytes())]);
+        let limit = |key: &str, pairs: &[(&'static str, &'static str)]| r.limit(0, hash(key), &request(pairs)).map(NonZeroU32::get);
+        assert_eq!(limit("vip", &[("x-plan", "silver")]), Some(5000), "the override first");
+        assert_eq!(limit("k", &[("x-plan", "gold")]), Some(1000));
+        assert_eq!(limit("k", &[("x-plan", "silver")]), Some(100));
+        assert_eq!(limit("k", &[("x-plan", "platinum")]), None, "unknown tier: the rule's limit");
+        assert_eq!(limit("k", &[]), None);
+    }
+
+    #[test]
+    fn costs_and_their_bad_values() {
+        let r = rules(
+            r#"[{"name":"h","key":["source_ip"],"limit":10,"window":"1m","cost":{"from":"request_header","header":"x-cost"}},
+                {"name":"b","key":["source_ip"],"limit":10,"window":"1m","cost":{"from":"request_body"}},
+                {"name":"t","key":["source_ip"],"limit":10,"window":"1m","cost":{"from":"response_header","header":"x-tokens","default":2}},
+                {"name":"plain","key":["source_ip"],"limit":10,"window":"1m"}]"#,
+        );
+        let now = |rule, pairs: &[(&'static str, &'static str)]| r.admission(rule, &request(pairs));
+        assert_eq!(now(0, &[("x-cost", "7")]).now, 7);
+        assert_eq!(now(0, &[]), Admission { now: 1, later: Later::Nothing, invalid: false }, "absent: the default, 1");
+        for bad in ["-1", "1.5", "seven", "", "99999999999", "0x10", "+3"] {
+            let x = now(0, &[("x-cost", bad)]);
+            assert_eq!((x.now, x.invalid), (1, true), "{bad:?}");
+        }
+        assert_eq!(now(0, &[("x-cost", " 12 ")]).now, 12, "spaces around are fine");
+        assert_eq!(now(1, &[("content-length", "2048")]).now, 2048);
+        assert_eq!(now(1, &[]), Admission { now: 0, later: Later::BodyBytes, invalid: false });
+        assert_eq!(now(2, &[]).later, Later::ResponseHeader);
+        assert_eq!(r.response_units(2, Some(b"15")), (15, false));
+        assert_eq!(r.response_units(2, None), (2, false), "no report: the default");
+        assert_eq!(r.response_units(2, Some(b"lots")), (2, true));
+        assert_eq!(r.response_header(2), Some("x-tokens"));
+        assert_eq!(now(3, &[("x-cost", "7")]).now, 1);
+        assert_eq!(capped(u32::MAX, NonZeroU32::new(10).unwrap()), 10);
+    }
+
+    #[test]
+    fn charges_owed_are_charged_once_when_known_and_capped() {
+        let limit = |n| NonZeroU32::new(n).unwrap();
+        let mut charges = Charges::default();
+        charges.owe(Probe::new(0, 1), Later::BodyBytes, limit(1000));
+        charges.owe(Probe::new(1, 1), Later::ResponseHeader, limit(50));
+        charges.owe(Probe::new(2, 1), Later::Nothing, limit(5));
+        assert!(charges.counts_body() && charges.awaits_response());
+        charges.body(600);
+        charges.body(700);
+        assert_eq!(charges.body_done(), vec![(Probe::new(0, 1), 1000)], "1 300 bytes, capped at the limit");
+        assert!(charges.body_done().is_empty(), "once");
+        assert_eq!(charges.response(|rule| if rule == 1 { 80 } else { 0 }), vec![(Probe::new(1, 1), 50)]);
+        assert!(charges.is_empty());
+        let mut cut = Charges::default();
+        cut.owe(Probe::new(0, 2), Later::BodyBytes, limit(1000));
+        cut.owe(Probe::new(1, 2), Later::ResponseHeader, limit(50));
+        cut.body(10);
+        assert_eq!(cut.end(|_| 3), vec![(Probe::new(0, 2), 10), (Probe::new(1, 2), 3)], "the stream ended first");
+    }
+
+    #[test]
+    fn counts_parse_strictly() {
+        assert_eq!(parse_count(b"0"), Some(0));
+        assert_eq!(parse_count(b"4294967295"), Some(u32::MAX));
+        assert_eq!(parse_count(b"4294967296"), None);
+        assert_eq!(parse_count(b"\xff"), None);
+    }
+}
