@@ -141,15 +141,28 @@ impl GrpcServer {
     /// sends GOAWAY, and cancels the calls still running after its grace period (`--grace-ms`).
     /// Waits (bounded) until it has exited.
     pub fn shut_down(&mut self) {
-        let Some((mut child, stdin)) = self.child.take() else { return };
-        let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
-        assert!(status.success(), "kill -TERM the gRPC server");
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while child.try_wait().expect("try_wait").is_none() {
-            assert!(Instant::now() < deadline, "the gRPC server did not exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
+        GrpcServer::shut_down_all(&mut [self]);
+    }
+
+    /// Shuts several servers down at once: SIGTERM to each first, then waits (bounded) for
+    /// every one to exit, so that their grace periods run together (one after the other, a
+    /// slow exit of the first would let the calls on the next finish before it is told).
+    pub fn shut_down_all(servers: &mut [&mut GrpcServer]) {
+        let mut stopping = Vec::new();
+        for server in servers.iter_mut() {
+            let Some((child, stdin)) = server.child.take() else { continue };
+            let status = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().expect("kill");
+            assert!(status.success(), "kill -TERM the gRPC server");
+            stopping.push((child, stdin));
         }
-        drop(stdin);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for (mut child, stdin) in stopping {
+            while child.try_wait().expect("try_wait").is_none() {
+                assert!(Instant::now() < deadline, "the gRPC server did not exit after SIGTERM");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            drop(stdin);
+        }
     }
 }
 

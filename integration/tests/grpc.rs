@@ -64,7 +64,7 @@ fn assert_nothing_left(envoy: &Envoy, clusters: &[&str], what: &str) {
 fn refusals_are_grpc_statuses_with_pushback_and_metadata() {
     let server = GrpcServer::start(&[]);
     let envoy = Envoy::builder(json!({
-        "rate_limits": [{"name": "per-key", "key": [{"header": "x-api-key"}], "limit": 3, "window": "10s"}],
+        "rate_limits": [{"name": "per-key", "key": [{"header": "x-api-key"}], "limit": 3, "window": "30s"}],
         "load_shedding": {"max_active_requests": 2, "classes": [{"name": "normal", "shed_at": 1.0}],
                           "default_class": "normal", "retry_after": "2s"},
         "health": {"path": HEALTH_PATH}
@@ -75,7 +75,7 @@ fn refusals_are_grpc_statuses_with_pushback_and_metadata() {
     let target = envoy.addr().to_string();
 
     // Quota: 5 calls one after another, in one window.
-    wait_for_window_phase(Duration::from_secs(10), Duration::ZERO, Duration::from_secs(6));
+    wait_for_window_phase(Duration::from_secs(30), Duration::ZERO, Duration::from_secs(20));
     let calls = client(&["call", &target, "--n", "5", "--metadata", "x-api-key=alice"]);
     println!("quota 3: {:?}", calls.codes);
     assert_eq!((calls.count("OK"), calls.count("RESOURCE_EXHAUSTED")), (3, 2), "{calls:?}");
@@ -89,9 +89,9 @@ fn refusals_are_grpc_statuses_with_pushback_and_metadata() {
         );
         assert_eq!(
             refused["details"],
-            format!("quota \"per-key\" of 3 requests per 10s is exhausted (current estimate 3); retry in {retry_after} s")
+            format!("quota \"per-key\" of 3 requests per 30s is exhausted (current estimate 3); retry in {retry_after} s")
         );
-        assert_eq!(meta(refused, "trailing", "ratelimit-policy"), "\"per-key\";q=3;w=10");
+        assert_eq!(meta(refused, "trailing", "ratelimit-policy"), "\"per-key\";q=3;w=30");
         assert_eq!(meta(refused, "trailing", "ratelimit"), format!("\"per-key\";r=0;t={retry_after}"));
         assert_eq!(refused["initial"], json!({}), "a trailers-only response: {refused}");
     }
@@ -352,8 +352,7 @@ fn every_http2_and_grpc_stream_end_gives_every_unit_back() {
     let failures_before = failures();
     let running = client_in_background(&["call", &target, "--n", "30", "--concurrency", "30", "--metadata", slow]);
     assert_eq!(wait_in_flight(&envoy, Duration::from_secs(10), |n| n == 30), 30);
-    a.shut_down();
-    b.shut_down();
+    GrpcServer::shut_down_all(&mut [&mut a, &mut b]);
     let calls = running.join().expect("client");
     println!("servers shut down under 30 calls: {:?}", calls.codes);
     assert_eq!(calls.count("OK"), 0, "{calls:?}");
