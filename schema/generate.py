@@ -56,7 +56,7 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, a partition size above the number of clusters, spill_below without when_unavailable spill, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
   "if": {"required": ["rate_limits"], "properties": {"rate_limits": {"type": "array", "contains": {"type": "object", "required": ["scope"], "properties": {"scope": {"const": "global"}}}}}},
@@ -174,11 +174,13 @@ schema = {
       "type": "object", "additionalProperties": False,
       "anyOf": [
         {"required": ["max_active_requests"], "properties": {"max_active_requests": {"not": {"type": "null"}}}},
-        {"required": ["max_loop_lag"], "properties": {"max_loop_lag": {"not": {"type": "null"}}}}
+        {"required": ["max_loop_lag"], "properties": {"max_loop_lag": {"not": {"type": "null"}}}},
+        {"required": ["per_key"], "properties": {"per_key": {"not": {"type": "null"}}}}
       ],
       "properties": {
-        "max_active_requests": {"description": "Proxy-wide (all workers) limit of requests in flight (null: none; at least one of max_active_requests and max_loop_lag).", "anyOf": [positive(""), {"type": "null"}], "default": None},
-        "max_loop_lag": {"description": "Shed on a worker while its event loop runs timers this late: class c from shed_at(c) * max_loop_lag (null: none; at least one of max_active_requests and max_loop_lag).", "anyOf": [{"$ref": "#/$defs/duration"}, {"type": "null"}], "default": None},
+        "max_active_requests": {"description": "Proxy-wide (all workers) limit of requests in flight (null: none; at least one of max_active_requests, max_loop_lag and per_key).", "anyOf": [positive(""), {"type": "null"}], "default": None},
+        "max_loop_lag": {"description": "Shed on a worker while its event loop runs timers this late: class c from shed_at(c) * max_loop_lag (null: none; at least one of max_active_requests, max_loop_lag and per_key).", "anyOf": [{"$ref": "#/$defs/duration"}, {"type": "null"}], "default": None},
+        "per_key": {"description": "The bulkhead's cap on each key's requests in flight, proxy-wide (null: none).", "anyOf": [{"$ref": "#/$defs/perKey"}, {"type": "null"}], "default": None},
         "lag_probe_interval": {"description": "How often each worker probes its event loop's lag, from 10ms to 1s (with max_loop_lag).", "$ref": "#/$defs/duration", "default": "100ms"},
         "priority_header": {"description": "The request header whose value names the priority class.", "$ref": "#/$defs/headerName", "default": "x-floodgate-priority"},
         "classes": {
@@ -188,6 +190,26 @@ schema = {
         },
         "default_class": {"description": "The class of requests without the header or with an unknown value; must be one of the classes.", "$ref": "#/$defs/name", "default": "normal"},
         "retry_after": {"description": "retry-after of a shed request (rounded up to whole seconds, at least 1).", "$ref": "#/$defs/duration", "default": "1s"}
+      }
+    },
+    "perKey": {
+      "type": "object", "additionalProperties": False,
+      "required": ["key", "max_active_requests"],
+      "properties": {
+        "key": {"description": "The parts of the request that make the key, as a rate limit's key; a request lacking one is not capped.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
+        "max_active_requests": positive("Requests of one key in flight at most, proxy-wide; the next is refused with 503."),
+        "capacity": positive("(key, worker) pairs in flight the cap tracks at once, in sets of 8; a request whose set is full of other keys in flight is refused (untracked).", 4096, 1048576)
+      }
+    },
+    "partition": {
+      "description": "Shuffle sharding: each key gets a stable pseudo-random subset of size clusters (uniform over the C(n, size) subsets, the same on every worker and proxy with the same configuration), and cluster selection runs within it.",
+      "type": "object", "additionalProperties": False,
+      "required": ["key", "size"],
+      "properties": {
+        "key": {"description": "The parts of the request that make the key, as a rate limit's key; a request lacking one may use every cluster.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
+        "size": positive("Clusters in each key's partition, at most the number of clusters.", None, 64),
+        "when_unavailable": {"description": "refuse: members only, 503 when all are at their concurrency limit (a poison key never reaches more than its partition); spill: when all members are full, the other clusters too, and first when every member's success rate is below spill_below.", "enum": ["refuse", "spill"], "default": "refuse"},
+        "spill_below": {"description": "With spill: a member below this success rate is failing, in (0, 1] (null: 0.5).", "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}], "default": None}
       }
     },
     "priorityClass": {
@@ -260,7 +282,8 @@ schema = {
         "failure_statuses": {"description": "Upstream statuses that count as failures (timeouts and resets always do).", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/statusMatch"}, "default": ["5xx"]},
         "failure_grpc_statuses": {"description": "gRPC statuses of gRPC calls (from grpc-status in the trailers or a trailers-only response) that count as failures; DEADLINE_EXCEEDED always counts as a timeout.", "type": "array", "items": {"$ref": "#/$defs/grpcStatus"}, "default": ["UNAVAILABLE", "INTERNAL", "UNKNOWN", "DATA_LOSS"]},
         "concurrency_limit": {"$ref": "#/$defs/concurrencyLimit"},
-        "retry_after": {"description": "retry-after of the 503 sent when no cluster has room.", "$ref": "#/$defs/duration", "default": "1s"}
+        "retry_after": {"description": "retry-after of the 503 sent when no cluster has room.", "$ref": "#/$defs/duration", "default": "1s"},
+        "partition": {"description": "Each key confined to a stable subset of the clusters (null: none).", "anyOf": [{"$ref": "#/$defs/partition"}, {"type": "null"}], "default": None}
       }
     },
     "concurrencyLimit": {

@@ -110,6 +110,30 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
             )),
             route: Route::Fixed,
         },
+        // Issue 19: the bulkhead's cost. Cluster selection alone over a, b, c; the same with
+        // each x-api-key confined to 2 of the 3 clusters (it weighs 2 records, not 3); and the
+        // per-key in-flight cap alone (a compare-and-swap on the key's set at admission and at
+        // the end of the stream).
+        Variant {
+            id: "fg-select",
+            label: "floodgate: cluster selection only (3 clusters)".into(),
+            filter: fg(format!(r#"{{"cluster_selection": {{"route_header": "{ROUTE_HEADER}", "clusters": ["a", "b", "c"]}}}}"#)),
+            route: Route::ClusterHeader(ROUTE_HEADER.into()),
+        },
+        Variant {
+            id: "fg-select-partition",
+            label: "floodgate: cluster selection, partitions of 2 of 3 by x-api-key".into(),
+            filter: fg(format!(
+                r#"{{"cluster_selection": {{"route_header": "{ROUTE_HEADER}", "clusters": ["a", "b", "c"], "partition": {{"key": [{{"header": "x-api-key"}}], "size": 2}}}}}}"#
+            )),
+            route: Route::ClusterHeader(ROUTE_HEADER.into()),
+        },
+        Variant {
+            id: "fg-per-key",
+            label: "floodgate: per-key in-flight cap only (x-api-key)".into(),
+            filter: fg(r#"{"load_shedding": {"per_key": {"key": [{"header": "x-api-key"}], "max_active_requests": 1000}}}"#.into()),
+            route: Route::Fixed,
+        },
         // The host calls one admitted request of `fg-rl` makes, and nothing else: fg-rl minus
         // this is floodgate's own code (and the allocations the calls cause).
         Variant {

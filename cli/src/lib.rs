@@ -8,6 +8,7 @@
 //! proxy accept and refuse the same configurations with the same field-named messages.
 //! [`run`] is the command line itself.
 
+use floodgate::bulkhead::Partitioner;
 use floodgate::config::{Config, KeyPart};
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -52,6 +53,7 @@ const FIELDS: &[&str] = &[
     "load_shedding",
     "cluster_selection",
     "health",
+    "global",
     "grpc",
 ];
 
@@ -311,6 +313,11 @@ usage:
       Istio WasmPlugin manifest; `-` reads standard input. A Wasm filter or WasmPlugin counts as
       floodgate when its name, root_id, vm_id, module path or URL says \"floodgate\"; --any-wasm
       checks all of them. Exit status: 0 all valid, 1 something invalid or not found, 2 usage.
+  floodgate partition FILE [PART...]
+      With cluster_selection.partition: prints how the clusters are partitioned, and the
+      partition of the key made of these PARTs (the values of the partition's key parts, in
+      order, as the request carries them). The mapping depends on the configuration only, so it
+      is what every proxy running it computes. FILE as for validate.
   floodgate schema
       Prints the JSON Schema (draft 2020-12) of the configuration.
   floodgate --version | --help
@@ -353,6 +360,25 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             }
             u8::from(!all_valid)
         }
+        "partition" => {
+            let Some((file, parts)) = rest.split_first() else {
+                let _ = write!(err, "floodgate partition: no FILE given\n{USAGE}");
+                return 2;
+            };
+            let contents = if file == "-" {
+                let mut buffer = Vec::new();
+                std::io::stdin().read_to_end(&mut buffer).map(|_| buffer)
+            } else {
+                std::fs::read(file)
+            };
+            match contents {
+                Ok(contents) => partition(file, &contents, parts, out, err),
+                Err(problem) => {
+                    let _ = writeln!(err, "{file}: cannot read: {problem}");
+                    1
+                }
+            }
+        }
         "schema" if rest.is_empty() => {
             let _ = write!(out, "{SCHEMA}");
             0
@@ -370,6 +396,58 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             2
         }
     }
+}
+
+/// `floodgate partition`: for each configuration of the file with partitions, the summary and
+/// the partition of the key made of `parts`, computed by the module's own code.
+fn partition(name: &str, contents: &[u8], parts: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    let found = match find_configurations(name, contents, Options::default()) {
+        Ok(found) => found,
+        Err(problem) => {
+            let _ = writeln!(err, "{name}: {problem}");
+            return 1;
+        }
+    };
+    let mut shown = 0;
+    for item in &found {
+        let prefix = if item.location.is_empty() { format!("{name}: ") } else { format!("{name}: {}: ", item.location) };
+        let config = match check(item) {
+            Ok(checked) => checked.config,
+            Err(problem) => {
+                let _ = writeln!(err, "{prefix}{problem}");
+                return 1;
+            }
+        };
+        let Some(selection) = &config.cluster_selection else { continue };
+        let (Some(settings), Some(partitioner)) = (&selection.partition, Partitioner::new(selection)) else { continue };
+        shown += 1;
+        let _ = writeln!(out, "{prefix}{}", settings.summary(selection.clusters.len()));
+        if parts.is_empty() {
+            continue;
+        }
+        if parts.len() != settings.key.len() {
+            let key: Vec<String> = settings.key.iter().map(ToString::to_string).collect();
+            let _ = writeln!(
+                err,
+                "{prefix}the partition's key has {} part(s) ([{}]); {} value(s) given",
+                settings.key.len(),
+                key.join(", "),
+                parts.len()
+            );
+            return 2;
+        }
+        let mut values = parts.iter();
+        let Some(hash) = partitioner.key_hash(|_| values.next().map(String::as_bytes)) else { continue };
+        let confinement = partitioner.confine(hash);
+        let names: Vec<&str> =
+            confinement.members.iter().filter_map(|i| selection.clusters.get(*i)).map(|c| c.as_str()).collect();
+        let _ = writeln!(out, "{prefix}key {parts:?}: {}", names.join(", "));
+    }
+    if shown == 0 {
+        let _ = writeln!(err, "{name}: no configuration with cluster_selection.partition");
+        return 1;
+    }
+    0
 }
 
 /// Parses YAML text (one document or several, `---`-separated) into JSON values, as Envoy and
@@ -920,6 +998,40 @@ spec:
     }
 
     #[test]
+    fn partition_prints_a_key_s_clusters() {
+        let dir = std::env::temp_dir().join(format!("floodgate-cli-partition-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("p.json");
+        std::fs::write(
+            &file,
+            r#"{"cluster_selection": {"clusters": ["a", "b", "c", "d", "e", "f", "g", "h"], "partition": {"key": [{"header": "x-client"}], "size": 2}}}"#,
+        )
+        .unwrap();
+        let name = file.display().to_string();
+        let run_with = |args: &[&str]| {
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+            let status = run(&args, &mut out, &mut err);
+            (status, String::from_utf8_lossy(&out).into_owned(), String::from_utf8_lossy(&err).into_owned())
+        };
+        let (status, out, _) = run_with(&["partition", &name, "client-7"]);
+        assert_eq!(status, 0);
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(lines[0], format!("{name}: partitions of 2 of 8 clusters by [header:x-client] (28 possible: a key shares its whole partition with 1 key in 28), refuse when unavailable"));
+        let clusters = lines[1].strip_prefix(&format!("{name}: key [\"client-7\"]: ")).unwrap();
+        assert_eq!(clusters.split(", ").count(), 2, "{clusters}");
+        assert_eq!(run_with(&["partition", &name, "client-7"]).1, out, "stable");
+        let (status, _, err) = run_with(&["partition", &name, "a", "b"]);
+        assert_eq!(status, 2);
+        assert!(err.contains("1 part(s) ([header:x-client]); 2 value(s) given"), "{err}");
+        std::fs::write(&file, r#"{"health": {"path": "/h"}}"#).unwrap();
+        let (status, _, err) = run_with(&["partition", &name]);
+        assert_eq!(status, 1);
+        assert!(err.contains("no configuration with cluster_selection.partition"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn base64_round_trips() {
         assert_eq!(base64_decode("aGVsbG8=").unwrap(), b"hello");
         assert_eq!(base64_decode("aGVsbG8").unwrap(), b"hello");
@@ -964,6 +1076,7 @@ spec:
         let (mut out, mut err) = (Vec::new(), Vec::new());
         assert_eq!(run(&["validate".into()], &mut out, &mut err), 2);
         assert_eq!(run(&["schema".into()], &mut out, &mut err), 0);
+        assert_eq!(run(&["partition".into()], &mut out, &mut err), 2);
         assert!(String::from_utf8_lossy(&out).contains("2020-12"));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -55,8 +55,11 @@ impl HeaderPlan {
         if let Some(shedding) = &config.load_shedding {
             want(&shedding.priority_header, false);
         }
-        for rule in &config.rate_limits {
-            for part in &rule.key {
+        let per_key = config.load_shedding.as_ref().and_then(|s| s.per_key.as_ref()).map(|p| &p.key);
+        let partition = config.cluster_selection.as_ref().and_then(|s| s.partition.as_ref()).map(|p| &p.key);
+        let keys = config.rate_limits.iter().map(|rule| &rule.key).chain(per_key).chain(partition);
+        for key in keys {
+            for part in key {
                 if let Source::Header(name) = part.source() {
                     want(name, true);
                 }
@@ -319,6 +322,13 @@ mod tests {
         let selection = plan(r#"{"health":{"path":"/h"},"cluster_selection":{"clusters":["a"]}}"#);
         assert_eq!(selection.names(), names(&[":path", "content-type"]).as_slice());
         assert!(!selection.whole_map());
+        // The bulkhead's keys are read too.
+        let bulkhead = plan(
+            r#"{"load_shedding":{"per_key":{"key":[{"header":"X-Client"}],"max_active_requests":2}},
+                "cluster_selection":{"clusters":["a","b"],"partition":{"key":[{"header":"x-tenant"}],"size":1}}}"#,
+        );
+        assert_eq!(bulkhead.names(), names(&["x-floodgate-priority", "x-client", "x-tenant", "content-type"]).as_slice());
+        assert!(bulkhead.whole_map());
         assert!(!plan("{}").whole_map());
         assert!(plan("{}").names().is_empty());
     }

@@ -99,6 +99,13 @@ impl KeyHasher {
     }
 }
 
+/// The keyed hash of one key (`parts` in order) from the request's attributes, as
+/// [`probes`] computes a rule's; `None` when a part is missing.
+pub fn hash_key<V: AsRef<[u8]>>(parts: &[KeyPart], hasher: &KeyHasher, mut fetch: impl FnMut(Source<'_>) -> Option<V>) -> Option<u64> {
+    let values: Vec<V> = parts.iter().map(|part| fetch(part.source())).collect::<Option<_>>()?;
+    Some(hasher.hash(parts.iter().zip(&values).map(|(part, value)| Some(part.normalize(value.as_ref())))))
+}
+
 /// The rules that apply to a request and its key hash for each, from the request's attributes.
 /// `fetch` is asked once per distinct attribute (host reads are not free) and may return the
 /// bytes owned or borrowed; a rule whose key part is missing is skipped (its index is pushed to

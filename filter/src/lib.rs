@@ -3,14 +3,18 @@
 //! worker threads and bounded in memory.
 //!
 //! Layout: a pure core that imports nothing from proxy-wasm and takes `now` as an argument —
-//! [`config`] (parsed once, validated), [`ratelimit`] (window, bounded table, limiter),
-//! [`key`] (key parts and the keyed hash), [`rules`] (conditions, tiers and costs of rules), [`reserve`] (units counted ahead of use), [`headers`] (which request headers to read and how,
-//! and the serialized header map), [`store`] (shared data behind a trait, CAS
-//! discipline), [`response`] (the 429 and the `RateLimit` fields), [`grpc`] (the gRPC form of
-//! refusals, the outcome of gRPC calls), [`time`] — and `host`, the
-//! thin proxy-wasm shell, compiled for wasm only.
+//! [`config`] (parsed once, validated), [`ratelimit`] (window, bounded table, limiter), [`key`]
+//! (key parts and the keyed hash), [`rules`] (conditions, tiers and costs of rules), [`reserve`]
+//! (units counted ahead of use), [`shed`] and [`lag`] (load shedding on the in-flight count and
+//! on the loop lag), [`bulkhead`] (partitions of the clusters and caps per key), [`select`]
+//! (cluster selection), [`global`] (the fleet-wide scope), [`headers`] (which request headers to
+//! read and how, and the serialized header map), [`store`] (shared data behind a trait, CAS
+//! discipline), [`response`] (the 429, the 503s and the `RateLimit` fields), [`grpc`] (the gRPC
+//! form of refusals, the outcome of gRPC calls), [`time`] — and `host`, the thin proxy-wasm
+//! shell, compiled for wasm only.
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
+pub mod bulkhead;
 pub mod config;
 pub mod global;
 pub mod grpc;

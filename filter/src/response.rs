@@ -9,7 +9,8 @@
 //!   problem types registry, `violated-policies`, and the figures of each refusing rule.
 
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
-use crate::select::{Exhausted, Selector};
+use crate::bulkhead::{CapRefusal, PerKeyCap};
+use crate::select::{Confinement, Exhausted, Selector};
 use crate::lag::{LagMonitor, LagShed};
 use crate::shed::{Classes, Shed, Shedder};
 use crate::time::UnixMillis;
@@ -281,27 +282,43 @@ pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
 
 /// The `503` when cluster selection found no cluster with room under its concurrency limit.
 pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
-    let clusters: Vec<serde_json::Value> = selector
-        .clusters
+    no_capacity_within(selector, exhausted, None)
+}
+
+/// The `503` when no cluster the request may use had room: all of them, or, for a request
+/// confined to a partition ([`crate::bulkhead`]), the partition's clusters (it lists them).
+pub fn no_capacity_within(selector: &Selector, exhausted: &Exhausted, confinement: Option<&Confinement>) -> Reply {
+    let listed: Vec<usize> = match confinement {
+        Some(c) if c.spill_below.is_none() => c.members.clone(),
+        _ => (0..selector.clusters.len()).collect(),
+    };
+    let clusters: Vec<serde_json::Value> = listed
         .iter()
-        .zip(&exhausted.clusters)
-        .map(|(cluster, seen)| match seen {
-            Some((in_flight, limit)) => json!({"name": cluster.name.as_str(), "in_flight": in_flight, "limit": limit}),
-            None => json!({"name": cluster.name.as_str(), "in_flight": null, "limit": null}),
+        .filter_map(|index| {
+            let cluster = selector.clusters.get(*index)?;
+            Some(match exhausted.clusters.get(*index).copied().flatten() {
+                Some((in_flight, limit)) => json!({"name": cluster.name.as_str(), "in_flight": in_flight, "limit": limit}),
+                None => json!({"name": cluster.name.as_str(), "in_flight": null, "limit": null}),
+            })
         })
         .collect();
+    let which = match confinement {
+        Some(c) if c.spill_below.is_none() => {
+            let names: Vec<&str> =
+                c.members.iter().filter_map(|i| selector.clusters.get(*i)).map(|c| c.name.as_str()).collect();
+            format!("cluster of this request's partition ({})", names.join(", "))
+        }
+        _ => "upstream cluster".to_owned(),
+    };
     let detail = if exhausted.contention {
         format!(
-            "no upstream cluster had room, or its lease count could not be updated under contention; retry in {} s",
+            "no {which} had room, or its lease count could not be updated under contention; retry in {} s",
             selector.retry_after_secs
         )
     } else {
-        format!(
-            "every upstream cluster is at its concurrency limit; retry in {} s",
-            selector.retry_after_secs
-        )
+        format!("every {which} is at its concurrency limit; retry in {} s", selector.retry_after_secs)
     };
-    let body = json!({
+    let mut body = json!({
         "type": TEMPORARY_REDUCED_CAPACITY,
         "title": "Service Unavailable",
         "status": 503,
@@ -309,6 +326,10 @@ pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
         "clusters": clusters,
         "retry_after": selector.retry_after_secs,
     });
+    if let (Some(c), Some(object)) = (confinement, body.as_object_mut()) {
+        let names: Vec<&str> = c.members.iter().filter_map(|i| selector.clusters.get(*i)).map(|c| c.name.as_str()).collect();
+        object.insert("partition".into(), json!(names));
+    }
     Reply {
         status: 503,
         headers: vec![
@@ -321,6 +342,48 @@ pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
             detail,
             retry_after_ms: selector.retry_after_secs.saturating_mul(1000),
         }),
+    }
+}
+
+/// The `503` of a request over its key's in-flight cap (`load_shedding.per_key`), or whose key
+/// could not be counted.
+pub fn per_key_capped(cap: &PerKeyCap, refusal: &CapRefusal, retry_after_secs: u64) -> Reply {
+    let key: Vec<String> = cap.key.iter().map(ToString::to_string).collect();
+    let key = key.join(", ");
+    let (detail, in_flight) = match refusal {
+        CapRefusal::Full { in_flight } => (
+            format!(
+                "this client (per_key [{key}]) has {in_flight} requests in flight, its cap (load_shedding.per_key.max_active_requests {}); retry in {retry_after_secs} s",
+                cap.max_active_requests
+            ),
+            Some(*in_flight),
+        ),
+        CapRefusal::Untracked => (
+            format!(
+                "this client's requests in flight (per_key [{key}]) cannot be counted: too many keys in flight at once for load_shedding.per_key.capacity, or contention; retry in {retry_after_secs} s"
+            ),
+            None,
+        ),
+    };
+    let body = json!({
+        "type": TEMPORARY_REDUCED_CAPACITY,
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": detail.as_str(),
+        "cap": "load_shedding.per_key",
+        "key": key,
+        "in_flight": in_flight,
+        "max_active_requests": cap.max_active_requests,
+        "retry_after": retry_after_secs,
+    });
+    Reply {
+        status: 503,
+        headers: vec![
+            ("content-type", "application/problem+json".into()),
+            ("retry-after", retry_after_secs.to_string()),
+        ],
+        body: body.to_string(),
+        refusal: Some(Refusal { kind: RefusalKind::Shed, detail, retry_after_ms: retry_after_secs.saturating_mul(1000) }),
     }
 }
 
@@ -528,6 +591,41 @@ mod tests {
         assert_eq!(body["retry_after_ms"], 4700);
         assert_eq!(body["quotas"][0]["policy"], "per-api-key");
         assert!(body["detail"].as_str().unwrap().contains("4 requests per 4s"));
+    }
+
+    #[test]
+    fn the_bulkhead_refusals_name_the_cap_and_the_partition() {
+        let config = Config::parse(
+            br#"{"load_shedding":{"per_key":{"key":[{"header":"x-client"}],"max_active_requests":5}},
+                 "cluster_selection":{"clusters":["a","b","c","d"],"partition":{"key":[{"header":"x-client"}],"size":2}}}"#,
+        )
+        .unwrap();
+        let cap = PerKeyCap::new(config.load_shedding.as_ref().unwrap().per_key.as_ref().unwrap(), "t");
+        let reply = per_key_capped(&cap, &CapRefusal::Full { in_flight: 5 }, 1);
+        assert_eq!(reply.status, 503);
+        let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        assert_eq!(body["cap"], "load_shedding.per_key");
+        assert_eq!(body["in_flight"], 5);
+        assert_eq!(body["max_active_requests"], 5);
+        assert_eq!(
+            body["detail"],
+            "this client (per_key [header:x-client]) has 5 requests in flight, its cap (load_shedding.per_key.max_active_requests 5); retry in 1 s"
+        );
+        assert_eq!(reply.refusal.unwrap().kind, RefusalKind::Shed);
+        let untracked: serde_json::Value = serde_json::from_str(&per_key_capped(&cap, &CapRefusal::Untracked, 1).body).unwrap();
+        assert!(untracked["detail"].as_str().unwrap().contains("load_shedding.per_key.capacity"));
+        assert_eq!(untracked["in_flight"], serde_json::Value::Null);
+
+        let selector = Selector::new(config.cluster_selection.as_ref().unwrap(), "t");
+        let within = Confinement { members: vec![3, 1], others: vec![0, 2], spill_below: None };
+        let exhausted = Exhausted { clusters: vec![None, Some((2, 2)), None, Some((4, 4))], contention: false };
+        let body: serde_json::Value = serde_json::from_str(&no_capacity_within(&selector, &exhausted, Some(&within)).body).unwrap();
+        assert_eq!(body["partition"], json!(["d", "b"]));
+        assert_eq!(body["clusters"], json!([{"name": "d", "in_flight": 4, "limit": 4}, {"name": "b", "in_flight": 2, "limit": 2}]));
+        assert_eq!(body["detail"], "every cluster of this request's partition (d, b) is at its concurrency limit; retry in 1 s");
+        let all: serde_json::Value = serde_json::from_str(&no_capacity(&selector, &exhausted).body).unwrap();
+        assert_eq!(all["clusters"].as_array().unwrap().len(), 4);
+        assert!(all.get("partition").is_none());
     }
 
     #[test]

@@ -278,6 +278,55 @@ pub struct UpstreamOptions {
     /// `(request header, response header)`: answer with the request header's value in the
     /// response header (an upstream reporting what a request cost, as the test asks).
     pub echo: Option<(String, String)>,
+    /// Requests whose header has this value are poison (the bulkhead tests).
+    pub poison: Option<Poison>,
+}
+
+/// A poison request: one whose `header` has the value `value`.
+#[derive(Clone, Debug)]
+pub struct Poison {
+    /// The request header.
+    pub header: String,
+    /// Its poisonous value.
+    pub value: String,
+    /// What a poison request does to the upstream.
+    pub effect: PoisonEffect,
+    /// Poison requests hanging now and at most, over every upstream sharing it.
+    pub gauge: Arc<HangingGauge>,
+}
+
+/// Poison requests hanging ([`PoisonEffect::Hang`]), summed over the upstreams that share it.
+#[derive(Debug, Default)]
+pub struct HangingGauge {
+    now: AtomicU64,
+    most: AtomicU64,
+}
+
+impl HangingGauge {
+    /// Hanging now.
+    pub fn now(&self) -> u64 {
+        self.now.load(Ordering::SeqCst)
+    }
+
+    /// The most that hung at once.
+    pub fn most(&self) -> u64 {
+        self.most.load(Ordering::SeqCst)
+    }
+
+    /// Starts counting the most afresh.
+    pub fn reset_most(&self) {
+        self.most.store(self.now(), Ordering::SeqCst);
+    }
+}
+
+/// What a poison request does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoisonEffect {
+    /// It crashes the upstream: it and every request for this long after it are answered `500`
+    /// (the upstream restarting).
+    Crash(Duration),
+    /// It hangs: never answered (until the connection goes, at the route timeout).
+    Hang,
 }
 
 struct UpstreamState {
@@ -290,6 +339,28 @@ struct UpstreamState {
     echo: Option<(HeaderName, HeaderName)>,
     /// The status every request is answered with (200 unless changed at run time).
     status: std::sync::atomic::AtomicU16,
+    poison: Option<(HeaderName, Vec<u8>, PoisonEffect, Arc<HangingGauge>)>,
+    /// A poison request crashed it until then.
+    crashed_until: Mutex<Option<std::time::Instant>>,
+    /// Poison requests received.
+    poisoned: AtomicU64,
+}
+
+/// Counts a hanging request while it hangs (its future is dropped when the connection goes).
+struct Hanging(Arc<HangingGauge>);
+
+impl Hanging {
+    fn new(gauge: Arc<HangingGauge>) -> Hanging {
+        let now = gauge.now.fetch_add(1, Ordering::SeqCst) + 1;
+        gauge.most.fetch_max(now, Ordering::SeqCst);
+        Hanging(gauge)
+    }
+}
+
+impl Drop for Hanging {
+    fn drop(&mut self) {
+        self.0.now.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The body every [`Upstream`] answers with.
@@ -332,6 +403,11 @@ impl Upstream {
                 .body_bytes
                 .map_or_else(|| Bytes::from_static(UPSTREAM_BODY.as_bytes()), |n| Bytes::from(vec![b'x'; n])),
             status: std::sync::atomic::AtomicU16::new(200),
+            poison: options.poison.as_ref().map(|p| {
+                (HeaderName::from_bytes(p.header.as_bytes()).expect("a header name"), p.value.clone().into_bytes(), p.effect, p.gauge.clone())
+            }),
+            crashed_until: Mutex::new(None),
+            poisoned: AtomicU64::new(0),
             echo: options.echo.as_ref().map(|(from, to)| {
                 (
                     HeaderName::from_bytes(from.as_bytes()).expect("a header name"),
@@ -412,6 +488,16 @@ impl Upstream {
         map.get(value).copied().unwrap_or(0)
     }
 
+    /// Poison requests received so far.
+    pub fn poisoned(&self) -> u64 {
+        self.state.poisoned.load(Ordering::SeqCst)
+    }
+
+    /// The values of `count_header` seen so far, with their counts.
+    pub fn counts(&self) -> HashMap<Vec<u8>, u64> {
+        self.state.by_value.lock().expect("upstream counts").clone()
+    }
+
     /// Requests received so far that lacked `count_header`.
     pub fn count_without_header(&self) -> u64 {
         let with: u64 = {
@@ -434,13 +520,36 @@ async fn handle_upstream(
     }
     state.total.fetch_add(1, Ordering::SeqCst);
     let echoed = state.echo.as_ref().and_then(|(from, to)| Some((to.clone(), req.headers().get(from)?.clone())));
+    let poison = state
+        .poison
+        .as_ref()
+        .filter(|(name, value, _, _)| req.headers().get(name).is_some_and(|v| v.as_bytes() == value.as_slice()))
+        .map(|(_, _, effect, gauge)| (*effect, gauge.clone()));
     // Drain the request body (this keeps the connection reusable).
     let _ = req.into_body().collect().await;
+    let mut status = state.status.load(Ordering::SeqCst);
+    match poison {
+        Some((PoisonEffect::Crash(down), _)) => {
+            state.poisoned.fetch_add(1, Ordering::SeqCst);
+            let until = std::time::Instant::now() + down;
+            let mut crashed = state.crashed_until.lock().expect("crash time");
+            *crashed = Some(crashed.map_or(until, |t| t.max(until)));
+        }
+        Some((PoisonEffect::Hang, gauge)) => {
+            state.poisoned.fetch_add(1, Ordering::SeqCst);
+            let _hanging = Hanging::new(gauge);
+            std::future::pending::<()>().await;
+        }
+        None => {}
+    }
+    if state.crashed_until.lock().expect("crash time").is_some_and(|t| std::time::Instant::now() < t) {
+        status = 500;
+    }
     if let Some(d) = state.delay {
         tokio::time::sleep(d).await;
     }
     let mut response = HyperResponse::builder()
-        .status(state.status.load(Ordering::SeqCst))
+        .status(status)
         .header("content-type", "text/plain");
     if let Some((name, value)) = echoed {
         response = response.header(name, value);
@@ -622,6 +731,12 @@ impl EnvoyBuilder {
     /// Adds an upstream to the `upstream` cluster.
     pub fn upstream(mut self, upstream: &Upstream) -> EnvoyBuilder {
         self.upstreams.push(upstream.addr());
+        self
+    }
+
+    /// Adds an endpoint to the `upstream` cluster by address (an upstream in another process).
+    pub fn upstream_at(mut self, addr: SocketAddr) -> EnvoyBuilder {
+        self.upstreams.push(addr);
         self
     }
 

@@ -55,6 +55,8 @@ const KNOWN_GAPS: &[&str] = &[
     "has no meaning with \"from\": \"request_body\"",
     "a '*' must be a whole segment",
     "reports the clusters of cluster_selection, which is not configured",
+    "must be at most the number of clusters",
+    "applies only with \"when_unavailable\": \"spill\"",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -318,6 +320,16 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         r#"{"cluster_selection": {"clusters": ["a"], "concurrency_limit": {}}}"#,
     ),
     ("/grpc", "grpc", r#"{"grpc": {}}"#),
+    (
+        "/load_shedding/per_key",
+        "perKey",
+        r#"{"load_shedding": {"per_key": {"key": ["path"], "max_active_requests": 2}}}"#,
+    ),
+    (
+        "/cluster_selection/partition",
+        "partition",
+        r#"{"cluster_selection": {"clusters": ["a"], "partition": {"key": ["path"], "size": 1}}}"#,
+    ),
 ];
 
 /// The field names serde lists in its "unknown field" message for the object at `pointer`.
@@ -430,7 +442,8 @@ fn everything() -> Value {
         "load_shedding": {
             "max_active_requests": 500, "max_loop_lag": "50ms", "lag_probe_interval": "20ms", "priority_header": "x-priority",
             "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "batch", "shed_at": 0.5}],
-            "default_class": "batch", "retry_after": "2s"
+            "default_class": "batch", "retry_after": "2s",
+            "per_key": {"key": [{"header": "x-api-key"}, "source_ip"], "max_active_requests": 8, "capacity": 2048}
         },
         "cluster_selection": {
             "route_header": "x-cluster", "clusters": ["zone-a", "zone-b"], "bucket_width": "2s", "buckets": 10,
@@ -438,7 +451,8 @@ fn everything() -> Value {
             "failure_statuses": ["5xx", 429], "failure_grpc_statuses": ["UNAVAILABLE", 13, "RESOURCE_EXHAUSTED"],
             "concurrency_limit": {"algorithm": "aimd", "initial_limit": 10, "min_limit": 2, "max_limit": 100,
                                   "backoff_ratio": 0.8, "timeout": "2s"},
-            "retry_after": "3s"
+            "retry_after": "3s",
+            "partition": {"key": [{"header": "x-api-key"}], "size": 1, "when_unavailable": "spill", "spill_below": 0.25}
         },
         "health": {"path": "/healthz", "dependencies": "fail", "min_success_rate": 0.25},
         "global": {"cluster": "outbound|9090||floodgate-sync.floodgate.svc.cluster.local",

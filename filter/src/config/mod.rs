@@ -6,6 +6,7 @@
 //! types, zero or negative numbers, bad durations, empty key lists and duplicate rule names are
 //! all refused: nothing half-configured ever serves traffic.
 
+mod bulkhead;
 mod global;
 mod grpc;
 mod rules;
@@ -18,6 +19,7 @@ pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
     MAX_BUCKETS, MAX_CLUSTERS,
 };
+pub use bulkhead::{Partition, PerKey, WhenUnavailable, DEFAULT_SPILL_BELOW, MAX_PER_KEY_CAPACITY};
 pub use rules::{Cost, CostSource, HeaderCondition, Match, Override, PathMatch, Tiers};
 pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
 
@@ -76,6 +78,9 @@ pub struct LoadShedding {
     /// How often each worker probes its event loop's lag (with `max_loop_lag`).
     #[serde(default = "default_lag_probe_interval")]
     pub lag_probe_interval: DurationMs,
+    /// A cap on each key's requests in flight (the bulkhead).
+    #[serde(default)]
+    pub per_key: Option<PerKey>,
     /// The request header whose value names the priority class.
     #[serde(default = "default_priority_header")]
     pub priority_header: String,
@@ -451,11 +456,14 @@ impl Config {
 
     fn validate_shedding(&self, shedding: &LoadShedding) -> Result<(), ConfigError> {
         let error = |path: String, problem: String| ConfigError { path, problem };
-        if shedding.max_active_requests.is_none() && shedding.max_loop_lag.is_none() {
+        if shedding.max_active_requests.is_none() && shedding.max_loop_lag.is_none() && shedding.per_key.is_none() {
             return Err(error(
                 "load_shedding".into(),
-                "needs max_active_requests (an in-flight limit), max_loop_lag (a lag limit), or both".into(),
+                "needs max_active_requests (an in-flight limit), max_loop_lag (a lag limit) or per_key (a cap per key), or several".into(),
             ));
+        }
+        if let Some(per_key) = &shedding.per_key {
+            bulkhead::validate_per_key(per_key)?;
         }
         let probe = shedding.lag_probe_interval.get().get();
         if !(MIN_LAG_PROBE_MS..=MAX_LAG_PROBE_MS).contains(&probe) {
@@ -505,6 +513,9 @@ impl Config {
                     lag.get(),
                     shedding.lag_probe_interval.get()
                 ));
+            }
+            if let Some(per_key) = &shedding.per_key {
+                limits.push(per_key.summary());
             }
             parts.push(format!(
                 "load shedding: {}, classes by {} [{}], default {}",
@@ -575,6 +586,8 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
         ("grpc", top.get("grpc")),
         ("cluster_selection", selection),
         ("cluster_selection.concurrency_limit", selection.and_then(|s| s.get("concurrency_limit"))),
+        ("cluster_selection.partition", selection.and_then(|s| s.get("partition"))),
+        ("load_shedding.per_key", top.get("load_shedding").and_then(|s| s.get("per_key"))),
     ];
     for (path, section) in sections {
         if section.is_some_and(|v| !v.is_object() && !v.is_null()) {
@@ -771,7 +784,20 @@ mod tests {
     #[test]
     fn load_shedding_errors_are_named() {
         for (json, expected) in [
-            (r#"{"load_shedding":{}}"#, "load_shedding: needs max_active_requests (an in-flight limit), max_loop_lag (a lag limit), or both"),
+            (r#"{"load_shedding":{}}"#, "load_shedding: needs max_active_requests (an in-flight limit), max_loop_lag (a lag limit) or per_key (a cap per key), or several"),
+            (r#"{"load_shedding":{"per_key":{"key":[],"max_active_requests":2}}}"#, "load_shedding.per_key.key: must list at least one key part"),
+            (r#"{"load_shedding":{"per_key":{"key":[{"header":"x-k"}],"max_active_requests":0}}}"#, "load_shedding.per_key.max_active_requests: must be a positive integer"),
+            (r#"{"load_shedding":{"per_key":{"key":[{"header":"x-k"}]}}}"#, "load_shedding.per_key: missing field `max_active_requests`"),
+            (r#"{"load_shedding":{"per_key":{"key":[{"header":"x-k"}],"max_active_requests":2,"capacity":2000000}}}"#, "load_shedding.per_key.capacity: must be at most 1048576, got 2000000"),
+            (r#"{"load_shedding":{"per_key":{"key":[{"header":"x-k"}],"max_active_requests":2,"cap":1}}}"#, "load_shedding.per_key.cap: unknown field `cap`"),
+            (r#"{"load_shedding":{"per_key":[1]}}"#, "load_shedding.per_key: must be a JSON object"),
+            (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[{"header":"x-k"}],"size":3}}}"#, "cluster_selection.partition.size: must be at most the number of clusters (2), got 3"),
+            (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[{"header":"x-k"}],"size":0}}}"#, "cluster_selection.partition.size: must be a positive integer"),
+            (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[],"size":1}}}"#, "cluster_selection.partition.key: must list at least one key part"),
+            (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[{"header":"x-k"}],"size":1,"when_unavailable":"wait"}}}"#, "cluster_selection.partition.when_unavailable: unknown variant `wait`"),
+            (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[{"header":"x-k"}],"size":1,"spill_below":0.5}}}"#, r#"cluster_selection.partition.spill_below: applies only with "when_unavailable": "spill""#),
+            (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[{"header":"x-k"}],"size":1,"when_unavailable":"spill","spill_below":0}}}"#, "cluster_selection.partition.spill_below: must be a fraction in (0, 1], got 0"),
+            (r#"{"cluster_selection":{"clusters":["a","b"],"partition":"x-k"}}"#, "cluster_selection.partition: must be a JSON object"),
             (r#"{"load_shedding":{"max_loop_lag":"0ms"}}"#, "load_shedding.max_loop_lag: "),
             (r#"{"load_shedding":{"max_loop_lag":"50ms","lag_probe_interval":"5ms"}}"#, "load_shedding.lag_probe_interval: must be from 10ms to 1000ms, got 5ms"),
             (r#"{"load_shedding":{"max_loop_lag":"50ms","lag_probe_interval":"2s"}}"#, "load_shedding.lag_probe_interval: must be from 10ms to 1000ms, got 2000ms"),

@@ -59,6 +59,9 @@ pub struct ClusterSelection {
     /// `retry-after` of the 503 sent when no cluster has room.
     #[serde(default = "default_retry_after")]
     pub retry_after: DurationMs,
+    /// Each key confined to a stable subset of the clusters (the bulkhead).
+    #[serde(default)]
+    pub partition: Option<super::Partition>,
 }
 
 /// The per-cluster concurrency limit: AIMD after Netflix concurrency-limits' `AIMDLimit`. The
@@ -297,6 +300,9 @@ impl ClusterSelection {
         if self.clusters.is_empty() {
             return Err(error("clusters", "must list at least one cluster".into()));
         }
+        if let Some(partition) = &self.partition {
+            super::bulkhead::validate_partition(partition, self.clusters.len())?;
+        }
         if self.clusters.len() > MAX_CLUSTERS {
             return Err(error("clusters", format!("lists {} clusters; at most {MAX_CLUSTERS}", self.clusters.len())));
         }
@@ -377,7 +383,7 @@ impl ClusterSelection {
             limit.max_limit.get(),
             limit.backoff_ratio,
             limit.timeout
-        )
+        ) + &self.partition.as_ref().map_or_else(String::new, |p| format!(", {}", p.summary(self.clusters.len())))
     }
 }
 

@@ -17,8 +17,9 @@
 //!   locally is written;
 //! - a new VM (new code or `vm_config`) starts empty; shared data (same `vm_id`) survives it.
 //!
-//! **Pipeline** of a request's headers: `health → shed → rate_limit → select`; the first stage
-//! that answers sends the local reply, after giving back the in-flight unit the request held.
+//! **Pipeline** of a request's headers: `health → shed → cap → rate_limit → select`; the first
+//! stage that answers sends the local reply, after giving back the in-flight units the request
+//! held (proxy-wide, and its key's under the per-key cap).
 
 mod clock;
 mod global;
@@ -27,6 +28,7 @@ mod header_map;
 mod stats;
 mod store;
 
+use crate::bulkhead::{KeyLease, LocalKeys, Partitioner, PerKeyCap};
 use crate::config::{Config, Dependencies, KeyPart, RateLimitHeaders};
 use crate::global::{GlobalScope, VmNode};
 use crate::headers::{HeaderPlan, HeaderView, Lookup};
@@ -37,7 +39,7 @@ use crate::response::{self, AdmittedFields, Reply, Tightest};
 use crate::rules::{self, Attributes, Charges, Later, Rules};
 use crate::select::outcome::Outcome;
 use crate::select::shuffle::SplitMix64;
-use crate::select::{ClusterLease, Selector, Timing, VmState};
+use crate::select::{ClusterLease, Confinement, Selector, Timing, VmState};
 use crate::reserve::{Lease, LocalCount};
 use crate::lag::LagMonitor;
 use crate::shed::{Classes, Shedder, HEARTBEAT_MS};
@@ -92,6 +94,12 @@ struct Filter {
     /// This VM's in-flight count for the filter's namespace.
     local: LocalCount,
     selector: Option<Selector>,
+    /// Each key's partition of the clusters (`cluster_selection.partition`).
+    partitioner: Option<Partitioner>,
+    /// The cap on each key's requests in flight (`load_shedding.per_key`).
+    per_key: Option<PerKeyCap>,
+    /// This VM's requests in flight per key under `per_key`.
+    key_counts: LocalKeys,
     /// This VM's side of cluster selection (lease counts, recent weights).
     selection_vm: RefCell<VmState>,
     /// Rules in global scope: how they reach the fleet's store.
@@ -116,6 +124,8 @@ thread_local! {
     /// One in-flight count per shared record (the shedder's, each cluster's) in this VM,
     /// shared by the configurations that use the record.
     static LOCAL_COUNTS: RefCell<HashMap<String, LocalCount>> = RefCell::new(HashMap::new());
+    /// Likewise, this VM's requests in flight per key, per per-key cap table.
+    static LOCAL_KEYS: RefCell<HashMap<String, LocalKeys>> = RefCell::new(HashMap::new());
     /// This VM's random source for the cluster shuffle, seeded from `getrandom`.
     static RNG: RefCell<SplitMix64> = RefCell::new(SplitMix64::new({
         let mut bytes = [0u8; 8];
@@ -132,6 +142,10 @@ fn vm_id() -> u64 {
 
 fn local_count(record_key: &str) -> LocalCount {
     LOCAL_COUNTS.with(|counts| Rc::clone(counts.borrow_mut().entry(record_key.to_owned()).or_default()))
+}
+
+fn local_keys(table: &str) -> LocalKeys {
+    LOCAL_KEYS.with(|tables| Rc::clone(tables.borrow_mut().entry(table.to_owned()).or_default()))
 }
 
 #[derive(Default)]
@@ -194,6 +208,8 @@ impl RootContext for FilterRoot {
         let classes = config.load_shedding.as_ref().map(Classes::new);
         let lag = config.load_shedding.as_ref().and_then(LagMonitor::new);
         let selector = config.cluster_selection.as_ref().map(|s| Selector::new(s, &namespace));
+        let partitioner = config.cluster_selection.as_ref().and_then(Partitioner::new);
+        let per_key = config.load_shedding.as_ref().and_then(|s| s.per_key.as_ref()).map(|p| PerKeyCap::new(p, &namespace));
         let cluster_leases = selector.as_ref().map_or_else(Vec::new, |s| {
             (0..s.clusters.len()).filter_map(|i| s.record_key(i)).map(local_count).collect()
         });
@@ -237,6 +253,9 @@ impl RootContext for FilterRoot {
             classes,
             lag: lag.map(RefCell::new),
             selector,
+            partitioner,
+            key_counts: local_keys(per_key.as_ref().map_or("", PerKeyCap::table)),
+            per_key,
             selection_vm: RefCell::new(VmState::new(vm_id(), cluster_leases)),
             global,
             global_node,
@@ -273,6 +292,9 @@ impl RootContext for FilterRoot {
             let total = shedder.heartbeat(&EnvoyStore, vm_id(), &filter.local, now.mono);
             stats::set(filter.stats.in_flight, u64::from(total));
         }
+        if let Some(cap) = &filter.per_key {
+            cap.heartbeat(&EnvoyStore, vm_id(), &filter.key_counts, now.mono);
+        }
         if let Some(selector) = &filter.selector {
             let states =
                 selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now.mono);
@@ -300,6 +322,7 @@ impl RootContext for FilterRoot {
             charges: Charges::default(),
             replied: false,
             lease: None,
+            key_lease: None,
             cluster_lease: None,
             grpc: grpc::Call::default(),
             timing: Timing::default(),
@@ -325,6 +348,9 @@ impl Filter {
         self.report_reserved();
         if let Some(shedder) = &self.shedder {
             shedder.heartbeat(&EnvoyStore, vm_id(), &self.local, now.mono);
+        }
+        if let Some(cap) = &self.per_key {
+            cap.heartbeat(&EnvoyStore, vm_id(), &self.key_counts, now.mono);
         }
         if let Some(selector) = &self.selector {
             selector.heartbeat(&EnvoyStore, &mut self.selection_vm.borrow_mut(), now.mono);
@@ -382,6 +408,8 @@ struct FilterStream {
     replied: bool,
     /// Held from admission to the end of the stream (released in `on_log`; `Drop` is the net).
     lease: Option<Lease>,
+    /// The unit of its key's cap (`load_shedding.per_key`), likewise.
+    key_lease: Option<KeyLease>,
     /// The chosen cluster's lease, likewise.
     cluster_lease: Option<ClusterLease>,
     /// Whether the request is gRPC, and the status its response ended with.
@@ -501,6 +529,31 @@ impl FilterStream {
         }
     }
 
+    /// The per-key cap: takes a unit of the request's key's in-flight cap, or returns its 503.
+    /// A request without the key is not capped.
+    fn cap(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
+        let cap = filter.per_key.as_ref()?;
+        let Some(key) = key::hash_key(&cap.key, &filter.hasher, |source| headers.fetch(source)) else {
+            increment(filter.stats.per_key_unkeyed);
+            return None;
+        };
+        match cap.try_acquire(&EnvoyStore, vm_id(), &filter.key_counts, key, now) {
+            Ok(lease) => {
+                self.key_lease = Some(lease);
+                None
+            }
+            Err(refusal) => {
+                increment(match refusal {
+                    crate::bulkhead::CapRefusal::Full { .. } => filter.stats.per_key_refused,
+                    crate::bulkhead::CapRefusal::Untracked => filter.stats.per_key_untracked,
+                });
+                log::debug!("floodgate: per-key cap {refusal:?}");
+                let retry_after = filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
+                Some(response::per_key_capped(cap, &refusal, retry_after))
+            }
+        }
+    }
+
     /// Rate limiting: records the admission in every applicable rule, or returns the 429.
     fn rate_limit(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: crate::time::UnixMillis) -> Option<Reply> {
         if filter.config.rate_limits.is_empty() {
@@ -581,11 +634,24 @@ impl FilterStream {
 
     /// Cluster selection: takes a lease on a cluster and routes the request to it (overwriting
     /// whatever the client sent in the route header), or returns the 503 when none has room.
-    fn select(&mut self, filter: &Filter, now: MonoMillis) -> Option<Reply> {
+    fn select(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
         let selector = filter.selector.as_ref()?;
+        // The request's partition, when its key is confined to one (crate::bulkhead); a request
+        // without the key may use every cluster.
+        let confinement: Option<Confinement> = filter.partitioner.as_ref().and_then(|partitioner| {
+            let confinement = partitioner.key_hash(|source| headers.fetch(source)).map(|hash| partitioner.confine(hash));
+            if confinement.is_none() {
+                increment(filter.stats.partition_unkeyed);
+            }
+            confinement
+        });
         let chosen = RNG.with(|rng| {
             let mut rng = rng.borrow_mut();
-            selector.choose(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now, &mut *rng)
+            let mut state = filter.selection_vm.borrow_mut();
+            match &confinement {
+                Some(within) => selector.choose_within(&EnvoyStore, &mut state, now, &mut *rng, within),
+                None => selector.choose(&EnvoyStore, &mut state, now, &mut *rng),
+            }
         });
         let lease = match chosen {
             Ok(lease) => lease,
@@ -595,7 +661,7 @@ impl FilterStream {
                     increment(filter.stats.selection_contention);
                 }
                 log::debug!("floodgate: no cluster has room: {exhausted:?}");
-                return Some(response::no_capacity(selector, &exhausted));
+                return Some(response::no_capacity_within(selector, &exhausted, confinement.as_ref()));
             }
         };
         let cluster = selector.clusters.get(lease.cluster)?;
@@ -608,6 +674,9 @@ impl FilterStream {
             return Some(response::no_capacity(selector, &crate::select::Exhausted { clusters: Vec::new(), contention: true }));
         }
         increment(filter.stats.cluster(lease.cluster).selected);
+        if confinement.is_some_and(|c| !c.members.contains(&lease.cluster)) {
+            increment(filter.stats.partition_spilled);
+        }
         log::debug!("floodgate: routed to {} ({} in flight)", cluster.name, lease.in_flight);
         self.cluster_lease = Some(lease);
         None
@@ -697,6 +766,9 @@ impl FilterStream {
         if let (Some(lease), Some(shedder)) = (self.lease.take(), self.filter.shedder.as_ref()) {
             shedder.release(&EnvoyStore, vm_id(), lease, now);
         }
+        if let (Some(lease), Some(cap)) = (self.key_lease.take(), self.filter.per_key.as_ref()) {
+            cap.release(&EnvoyStore, vm_id(), lease, now);
+        }
     }
 }
 
@@ -770,8 +842,9 @@ impl HttpContext for FilterStream {
         let reply = self
             .health(&filter, &headers, now.mono)
             .or_else(|| self.shed(&filter, &headers, now.mono))
+            .or_else(|| self.cap(&filter, &headers, now.mono))
             .or_else(|| self.rate_limit(&filter, &headers, now.wall))
-            .or_else(|| self.select(&filter, now.mono));
+            .or_else(|| self.select(&filter, &headers, now.mono));
         if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_lease.is_some() {
             self.grpc.request = crate::grpc::is_grpc(headers.get("content-type").as_deref());
         }
@@ -823,7 +896,7 @@ impl HttpContext for FilterStream {
             let owed = self.charges.end(|rule| rules.response_units(rule, None).0);
             self.charge(owed);
         }
-        if self.lease.is_none() && self.cluster_lease.is_none() {
+        if self.lease.is_none() && self.key_lease.is_none() && self.cluster_lease.is_none() {
             return;
         }
         // One clock read for both: the stream ended once.

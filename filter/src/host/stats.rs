@@ -28,6 +28,11 @@
 //! | `<prefix>.cluster.<cluster>.in_flight` | gauge | leases held on the cluster, proxy-wide, refreshed every second |
 //! | `<prefix>.cluster_selection.exhausted` | counter | requests refused with 503: no cluster had room |
 //! | `<prefix>.cluster_selection.contention` | counter | lease or outcome writes that ran out of CAS attempts |
+//! | `<prefix>.cluster_selection.partition.spilled` | counter | requests routed outside their key's partition (`when_unavailable: spill`; 0 without `partition`) |
+//! | `<prefix>.cluster_selection.partition.unkeyed` | counter | requests without the partition's key: they may use every cluster (0 without `partition`) |
+//! | `<prefix>.load_shedding.per_key.refused` | counter | requests refused with 503: their key had `per_key.max_active_requests` in flight (0 without `per_key`) |
+//! | `<prefix>.load_shedding.per_key.untracked` | counter | requests refused with 503: their key could not be counted (no free entry in its set, or contention) |
+//! | `<prefix>.load_shedding.per_key.unkeyed` | counter | requests without the cap's key: not capped |
 //! | `<prefix>.global.batches` | counter | batches sent to `floodgate-sync` (retries included) |
 //! | `<prefix>.global.confirmed` | counter | batches the store confirmed |
 //! | `<prefix>.global.failures` | counter | batches that failed (a non-`200`, no answer, an unreadable answer), to be sent again |
@@ -86,6 +91,16 @@ pub struct Stats {
     pub exhausted: Option<u32>,
     /// Cluster-record writes that ran out of attempts.
     pub selection_contention: Option<u32>,
+    /// Requests routed outside their partition.
+    pub partition_spilled: Option<u32>,
+    /// Requests without the partition's key.
+    pub partition_unkeyed: Option<u32>,
+    /// Requests over their key's cap.
+    pub per_key_refused: Option<u32>,
+    /// Requests whose key could not be counted.
+    pub per_key_untracked: Option<u32>,
+    /// Requests without the cap's key.
+    pub per_key_unkeyed: Option<u32>,
     /// The global scope's, when a rule is in it.
     pub global: GlobalStats,
 }
@@ -240,6 +255,9 @@ impl Stats {
         } else {
             GlobalStats::default()
         };
+        // Defined with their sections, partition or cap configured or not (as shed_by_lag): a
+        // dashboard's series exist, at 0, before the bulkhead is turned on.
+        let (partition, per_key) = (config.cluster_selection.as_ref(), config.load_shedding.as_ref());
         Stats {
             global,
             rules,
@@ -251,6 +269,11 @@ impl Stats {
             clusters,
             exhausted: selection.and_then(|_| counter(&format!("{prefix}.cluster_selection.exhausted"))),
             selection_contention: selection.and_then(|_| counter(&format!("{prefix}.cluster_selection.contention"))),
+            partition_spilled: partition.and_then(|_| counter(&format!("{prefix}.cluster_selection.partition.spilled"))),
+            partition_unkeyed: partition.and_then(|_| counter(&format!("{prefix}.cluster_selection.partition.unkeyed"))),
+            per_key_refused: per_key.and_then(|_| counter(&format!("{prefix}.load_shedding.per_key.refused"))),
+            per_key_untracked: per_key.and_then(|_| counter(&format!("{prefix}.load_shedding.per_key.untracked"))),
+            per_key_unkeyed: per_key.and_then(|_| counter(&format!("{prefix}.load_shedding.per_key.unkeyed"))),
         }
     }
 

@@ -141,6 +141,20 @@ pub struct Exhausted {
     pub contention: bool,
 }
 
+/// The clusters a request may use when its key is confined to a partition
+/// ([`crate::bulkhead::Partitioner`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Confinement {
+    /// The partition's clusters (indexes).
+    pub members: Vec<usize>,
+    /// The other clusters.
+    pub others: Vec<usize>,
+    /// `None`: the request stays within its members (`503` when none has room). `Some(rate)`:
+    /// it spills over to the others when every member is full, and tries them first when every
+    /// member's success rate is below `rate`.
+    pub spill_below: Option<f64>,
+}
+
 /// What ending a lease did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Finished {
@@ -348,7 +362,8 @@ impl Selector {
         record.limit = self.limit.clamp(record.limit.saturating_add(pending.grows));
     }
 
-    /// Chooses the cluster of a request and takes a lease on it (module doc, steps 1 to 4).
+    /// Chooses the cluster of a request among all the clusters and takes a lease on it (module
+    /// doc, steps 1 to 4).
     pub fn choose<S: SharedStore + ?Sized, R: Random + ?Sized>(
         &self,
         store: &S,
@@ -356,77 +371,138 @@ impl Selector {
         now: MonoMillis,
         rng: &mut R,
     ) -> Result<ClusterLease, Exhausted> {
-        let VmState {
-            vm,
-            leases: locals,
-            pending,
-            seen,
-        } = state;
+        let all: Vec<usize> = (0..self.clusters.len()).collect();
+        self.choose_in_tiers(store, state, now, rng, &[&all])
+    }
+
+    /// Chooses the cluster of a request confined to a partition ([`crate::bulkhead`]): the same
+    /// steps within its members; with `spill`, then among the other clusters (first, when
+    /// every member is failing).
+    pub fn choose_within<S: SharedStore + ?Sized, R: Random + ?Sized>(
+        &self,
+        store: &S,
+        state: &mut VmState,
+        now: MonoMillis,
+        rng: &mut R,
+        confinement: &Confinement,
+    ) -> Result<ClusterLease, Exhausted> {
+        let Some(spill_below) = confinement.spill_below else {
+            return self.choose_in_tiers(store, state, now, rng, &[&confinement.members]);
+        };
+        let mut views = self.no_views();
+        let failing_weight = self.weight(spill_below);
+        let healthy = self
+            .weigh(store, state, &mut views, &confinement.members, now)
+            .iter()
+            .any(|weight| *weight >= failing_weight);
+        let tiers: [&[usize]; 2] = if healthy {
+            [&confinement.members, &confinement.others]
+        } else {
+            [&confinement.others, &confinement.members]
+        };
+        self.walk_tiers(store, state, now, rng, &tiers, views)
+    }
+
+    fn no_views(&self) -> Vec<Option<View>> {
+        (0..self.clusters.len()).map(|_| None).collect()
+    }
+
+    fn choose_in_tiers<S: SharedStore + ?Sized, R: Random + ?Sized>(
+        &self,
+        store: &S,
+        state: &mut VmState,
+        now: MonoMillis,
+        rng: &mut R,
+        tiers: &[&[usize]],
+    ) -> Result<ClusterLease, Exhausted> {
+        let views = self.no_views();
+        self.walk_tiers(store, state, now, rng, tiers, views)
+    }
+
+    /// The weights of clusters `indices`: recent ones reused ([`WEIGHT_TTL_MS`]), the others
+    /// from their records, read into `views`.
+    fn weigh<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        state: &mut VmState,
+        views: &mut [Option<View>],
+        indices: &[usize],
+        now: MonoMillis,
+    ) -> Vec<f64> {
+        let VmState { vm, leases: locals, pending, seen } = state;
         let vm = *vm;
-        let mut views: Vec<Option<View>> = (0..self.clusters.len()).map(|_| None).collect();
-        let mut weights = Vec::with_capacity(views.len());
-        for (index, slot) in views.iter_mut().enumerate() {
-            let weight = match seen.fresh(index, now) {
-                Some(weight) => weight,
-                None => {
-                    *slot = self.read(store, index, now).ok();
-                    let weight = slot.as_ref().map_or(0.0, |v| self.record_weight(&v.record));
-                    if let (Some(view), Some(p), Some(local)) = (slot.as_ref(), pending.get_mut(index), locals.get(index)) {
-                        // What a lease from the reserve is checked against (`take_reserved`).
-                        p.limit_seen = view.record.limit;
-                        local.saw(view.record.in_flight.others(vm, now));
-                    }
-                    seen.note(index, weight, now);
-                    weight
+        indices
+            .iter()
+            .map(|&index| {
+                if let Some(weight) = seen.fresh(index, now) {
+                    return weight;
                 }
-            };
-            weights.push(weight);
-        }
-        let mut order = Vec::with_capacity(weights.len());
-        weighted_shuffle(&weights, rng, &mut order);
+                let Some(slot) = views.get_mut(index) else { return 0.0 };
+                if slot.is_none() {
+                    *slot = self.read(store, index, now).ok();
+                }
+                let weight = slot.as_ref().map_or(0.0, |v| self.record_weight(&v.record));
+                if let (Some(view), Some(p), Some(local)) = (slot.as_ref(), pending.get_mut(index), locals.get(index)) {
+                    // What a lease from the reserve is checked against (`take_reserved`).
+                    p.limit_seen = view.record.limit;
+                    local.saw(view.record.in_flight.others(vm, now));
+                }
+                seen.note(index, weight, now);
+                weight
+            })
+            .collect()
+    }
+
+    /// Walks each tier in weighted random order and takes the first lease with room.
+    fn walk_tiers<S: SharedStore + ?Sized, R: Random + ?Sized>(
+        &self,
+        store: &S,
+        state: &mut VmState,
+        now: MonoMillis,
+        rng: &mut R,
+        tiers: &[&[usize]],
+        mut views: Vec<Option<View>>,
+    ) -> Result<ClusterLease, Exhausted> {
         let mut contention = false;
-        for index in order {
-            let (Some(slot), Some(local), Some(p)) = (
-                views.get_mut(index),
-                locals.get(index),
-                pending.get_mut(index),
-            ) else {
-                continue;
-            };
-            if local.take_reserved(p.limit_seen) {
-                return Ok(ClusterLease {
-                    cluster: index,
-                    started: now,
-                    in_flight: local.others().saturating_add(local.in_use()),
-                    unit: Lease::taken(local),
-                });
-            }
-            if slot.is_none() {
-                *slot = self.read(store, index, now).ok();
-            }
-            let leased = self.try_lease(store, index, slot, vm, local, p, now);
-            if let Some(view) = slot.as_ref() {
-                seen.note(index, self.record_weight(&view.record), now);
-            }
-            match leased {
-                Ok(Some(lease)) => return Ok(lease),
-                Ok(None) => {}
-                Err(()) => contention = true,
+        let mut order = Vec::with_capacity(self.clusters.len());
+        for tier in tiers {
+            let weights = self.weigh(store, state, &mut views, tier, now);
+            weighted_shuffle(&weights, rng, &mut order);
+            let VmState { vm, leases: locals, pending, seen } = &mut *state;
+            let vm = *vm;
+            for &position in &order {
+                let Some(&index) = tier.get(position) else { continue };
+                let (Some(slot), Some(local), Some(p)) = (views.get_mut(index), locals.get(index), pending.get_mut(index)) else {
+                    continue;
+                };
+                if local.take_reserved(p.limit_seen) {
+                    return Ok(ClusterLease {
+                        cluster: index,
+                        started: now,
+                        in_flight: local.others().saturating_add(local.in_use()),
+                        unit: Lease::taken(local),
+                    });
+                }
+                if slot.is_none() {
+                    *slot = self.read(store, index, now).ok();
+                }
+                let leased = self.try_lease(store, index, slot, vm, local, p, now);
+                if let Some(view) = slot.as_ref() {
+                    seen.note(index, self.record_weight(&view.record), now);
+                }
+                match leased {
+                    Ok(Some(lease)) => return Ok(lease),
+                    Ok(None) => {}
+                    Err(()) => contention = true,
+                }
             }
         }
+        let (vm, locals) = (state.vm, &state.leases);
         let clusters = views
             .iter()
             .zip(locals.iter())
             .map(|(view, local)| {
-                view.as_ref().map(|v| {
-                    (
-                        v.record
-                            .in_flight
-                            .others(vm, now)
-                            .saturating_add(local.in_use()),
-                        v.record.limit,
-                    )
-                })
+                view.as_ref().map(|v| (v.record.in_flight.others(vm, now).saturating_add(local.in_use()), v.record.limit))
             })
             .collect();
         Err(Exhausted { clusters, contention })

@@ -838,3 +838,60 @@ fn a_reserve_is_not_spent_past_a_limit_another_vm_lowered() {
         s.finish(&store, &mut one, lease, Outcome::Ignored, later);
     }
 }
+
+// ---- confinement to a partition (crate::bulkhead) ----
+
+fn confinement(members: &[usize], n: usize, spill_below: Option<f64>) -> Confinement {
+    Confinement {
+        members: members.to_vec(),
+        others: (0..n).filter(|i| !members.contains(i)).collect(),
+        spill_below,
+    }
+}
+
+#[test]
+fn a_confined_request_stays_in_its_partition_and_is_refused_when_it_is_full() {
+    let s = selector(r#"{"clusters":["a","b","c","d"],"concurrency_limit":{"initial_limit":2,"min_limit":1,"max_limit":5}}"#);
+    let store = MemoryStore::new();
+    let mut mine = vm(1, &locals(4));
+    let mut rng = SplitMix64::new(5);
+    let within = confinement(&[1, 3], 4, None);
+    let leases: Vec<ClusterLease> = (0..4).map(|_| s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap()).collect();
+    let per_cluster: Vec<usize> = (0..4).map(|c| leases.iter().filter(|l| l.cluster == c).count()).collect();
+    assert_eq!(per_cluster, vec![0, 2, 0, 2]);
+    let exhausted = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap_err();
+    assert_eq!(exhausted.clusters, vec![None, Some((2, 2)), None, Some((2, 2))], "the others are not even read");
+    // Another key's partition still has room.
+    let other = s.choose_within(&store, &mut mine, T0, &mut rng, &confinement(&[0, 1], 4, None)).unwrap();
+    assert_eq!(other.cluster, 0);
+    // A failing member is still used when confined: the weights decide among members only.
+    let failing = confinement(&[2], 4, None);
+    let lease = s.choose_within(&store, &mut mine, T0, &mut rng, &failing).unwrap();
+    s.finish(&store, &mut mine, lease, Outcome::Failure, T0);
+    assert_eq!(s.choose_within(&store, &mut mine, T0, &mut rng, &failing).unwrap().cluster, 2);
+}
+
+#[test]
+fn a_spilling_request_borrows_the_others_when_its_partition_is_full_or_failing() {
+    let s = selector(r#"{"clusters":["a","b","c"],"concurrency_limit":{"initial_limit":1,"min_limit":1,"max_limit":5}}"#);
+    let store = MemoryStore::new();
+    let mut mine = vm(1, &locals(3));
+    let mut rng = SplitMix64::new(9);
+    let within = confinement(&[0], 3, Some(0.5));
+    let first = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
+    assert_eq!(first.cluster, 0, "members first");
+    let spilled = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
+    assert_ne!(spilled.cluster, 0, "full: spills");
+    for lease in [first, spilled] {
+        s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
+    }
+    // Member 0 fails: its rate falls below spill_below, the others come first.
+    let lease = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
+    assert_eq!(lease.cluster, 0);
+    s.finish(&store, &mut mine, lease, Outcome::Failure, T0);
+    for _ in 0..20 {
+        let lease = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
+        assert_ne!(lease.cluster, 0, "failing member tried last");
+        s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
+    }
+}

@@ -1,0 +1,509 @@
+//! The bulkhead (seed `000_60c4a26782fd3f17.txt` §17.4): one client's heavy or poisonous
+//! requests must not degrade the service for everyone, so each key is confined.
+//!
+//! **Virtual partitions** ([`Partitioner`], `cluster_selection.partition`): each key gets a
+//! stable pseudo-random subset of `k` of the `n` clusters, and cluster selection (the weighted
+//! shuffle, the leases, the cascade) runs within it. The subset is the first `k` of a
+//! Fisher–Yates shuffle of the clusters driven by the key's hash, so every one of the
+//! `C(n, k)` subsets is equally likely: two keys share their whole partition with probability
+//! `1 / C(n, k)` (8 clusters in partitions of 2: 1 in 28), and a poison key's damage reaches
+//! the keys that share all of its partition, the others keeping a healthy cluster of theirs.
+//! The hash is keyed by the configuration itself (the key's parts, `k` and the cluster names),
+//! not by a per-proxy secret, so a key has the same partition on every worker and every proxy
+//! of a fleet, across restarts, as long as the configuration is the same.
+//!
+//! **Per-key caps** ([`PerKeyCap`], `load_shedding.per_key`): one key holds at most
+//! `max_active_requests` requests in flight proxy-wide, exactly across workers, so one client's
+//! slow requests cannot take the whole concurrency. The counts live in a bounded table of
+//! shared-data records ("sets", [`WAYS`] entries each): an entry is one key's requests on one
+//! worker, with that worker's heartbeat, so a worker that dies stops counting after
+//! [`STALE_AFTER_MS`] as for the proxy-wide count ([`crate::shed`]). Each worker also keeps its
+//! own exact count per key, which the entries mirror; a release whose write is lost is
+//! published again by the heartbeat. A set whose entries are all taken by keys in flight
+//! cannot track one more: that request is refused (never looser), counted as `untracked`;
+//! `capacity` sizes the table for the keys in flight at once.
+
+use crate::config::{ClusterSelection, KeyPart, PerKey};
+use crate::key::{hash_key, KeyHasher, Source};
+use crate::select::shuffle::{Random, SplitMix64};
+use crate::select::Confinement;
+use crate::shed::{HEARTBEAT_MS, STALE_AFTER_MS};
+use crate::store::{write_back, SharedStore, StoreError};
+use crate::time::MonoMillis;
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::num::NonZeroU64;
+use std::rc::Rc;
+
+// ---- virtual partitions ----
+
+/// Confines each key to a stable subset of the clusters.
+#[derive(Clone, Debug)]
+pub struct Partitioner {
+    key: Vec<KeyPart>,
+    hasher: KeyHasher,
+    size: usize,
+    clusters: usize,
+    /// `spill_below` with `spill`, `None` with `refuse`.
+    spill_below: Option<f64>,
+}
+
+/// FNV-1a, 64-bit: a stable, non-secret digest of the configuration.
+fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
+    bytes.iter().fold(seed, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+impl Partitioner {
+    /// The partitioner of `config`, if it has a `partition`.
+    pub fn new(config: &ClusterSelection) -> Option<Partitioner> {
+        let partition = config.partition.as_ref()?;
+        let size = usize::try_from(partition.size.get().get()).unwrap_or(usize::MAX).min(config.clusters.len());
+        let identity = format!(
+            "{:?}|{size}|{}",
+            partition.key,
+            config.clusters.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(",")
+        );
+        let low = fnv1a(identity.as_bytes(), 0xcbf2_9ce4_8422_2325);
+        let high = fnv1a(identity.as_bytes(), low);
+        let mut seed = [0u8; 16];
+        seed[..8].copy_from_slice(&low.to_le_bytes());
+        seed[8..].copy_from_slice(&high.to_le_bytes());
+        Some(Partitioner {
+            key: partition.key.clone(),
+            hasher: KeyHasher::new(seed),
+            size,
+            clusters: config.clusters.len(),
+            spill_below: partition.spill_below(),
+        })
+    }
+
+    /// The key parts it reads.
+    pub fn key(&self) -> &[KeyPart] {
+        &self.key
+    }
+
+    /// The stable hash of a request's key (`None` when a part is missing: the request is not
+    /// confined, it may use every cluster).
+    pub fn key_hash<V: AsRef<[u8]>>(&self, fetch: impl FnMut(Source<'_>) -> Option<V>) -> Option<u64> {
+        hash_key(&self.key, &self.hasher, fetch)
+    }
+
+    /// The partition of the key of hash `key_hash`: its members, the other clusters, and
+    /// whether it may spill.
+    pub fn confine(&self, key_hash: u64) -> Confinement {
+        let mut members = self.members(key_hash);
+        let others = members.split_off(self.size.min(members.len()));
+        Confinement { members, others, spill_below: self.spill_below }
+    }
+
+    /// Every cluster (indexes), the key of hash `key_hash`'s members first.
+    fn members(&self, key_hash: u64) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..self.clusters).collect();
+        let mut rng = SplitMix64::new(key_hash);
+        for i in 0..self.size.min(order.len()) {
+            let remaining = u64::try_from(order.len().saturating_sub(i)).unwrap_or(1).max(1);
+            // Uniform in [i, n): rejection-free multiply-shift is uniform enough for n ≤ 64
+            // (bias below 2⁻⁵⁷).
+            let offset = usize::try_from(u128::from(rng.next_u64()).saturating_mul(u128::from(remaining)) >> 64).unwrap_or(0);
+            order.swap(i, i.saturating_add(offset));
+        }
+        order
+    }
+}
+
+// ---- per-key caps ----
+
+/// Entries of one set.
+pub const WAYS: usize = 8;
+/// Attempts to update one set before refusing on contention.
+pub const MAX_ATTEMPTS: u32 = 32;
+
+const RECORD_VERSION: u8 = 1;
+const HEADER_LEN: usize = 4;
+const ENTRY_LEN: usize = 8 + 8 + 4 + 8;
+
+/// One key's requests in flight on one worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Entry {
+    key: u64,
+    vm: u64,
+    in_flight: u32,
+    heartbeat: MonoMillis,
+}
+
+fn is_live(entry: &Entry, now: MonoMillis) -> bool {
+    now.saturating_since(entry.heartbeat) < STALE_AFTER_MS && entry.heartbeat.saturating_since(now) < STALE_AFTER_MS
+}
+
+/// A set's entries. Layout (little-endian): version `u8`, entry count `u8`, 2 zero bytes, then
+/// per entry key hash `u64`, worker id `u64`, in flight `u32`, heartbeat (monotonic ms) `u64`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+struct KeySet {
+    entries: Vec<Entry>,
+}
+
+impl KeySet {
+    fn decode(bytes: &[u8]) -> Option<KeySet> {
+        let (header, body) = bytes.split_at_checked(HEADER_LEN)?;
+        let [version, count, _, _] = <[u8; HEADER_LEN]>::try_from(header).ok()?;
+        if version != RECORD_VERSION || usize::from(count) > WAYS || body.len() != usize::from(count).saturating_mul(ENTRY_LEN) {
+            return None;
+        }
+        let entries = body
+            .chunks_exact(ENTRY_LEN)
+            .map(|chunk| {
+                let (key, rest) = chunk.split_at(8);
+                let (vm, rest) = rest.split_at(8);
+                let (in_flight, heartbeat) = rest.split_at(4);
+                Entry {
+                    key: u64::from_le_bytes(key.try_into().unwrap_or_default()),
+                    vm: u64::from_le_bytes(vm.try_into().unwrap_or_default()),
+                    in_flight: u32::from_le_bytes(in_flight.try_into().unwrap_or_default()),
+                    heartbeat: MonoMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
+                }
+            })
+            .collect();
+        Some(KeySet { entries })
+    }
+
+    fn encode(&self) -> Vec<u8> {
+        let count = self.entries.len().min(WAYS);
+        let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(count.saturating_mul(ENTRY_LEN)));
+        out.extend_from_slice(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
+        for e in self.entries.iter().take(count) {
+            out.extend_from_slice(&e.key.to_le_bytes());
+            out.extend_from_slice(&e.vm.to_le_bytes());
+            out.extend_from_slice(&e.in_flight.to_le_bytes());
+            out.extend_from_slice(&e.heartbeat.0.to_le_bytes());
+        }
+        out
+    }
+
+    /// Requests of `key` in flight on live workers other than `vm`.
+    fn others(&self, key: u64, vm: u64, now: MonoMillis) -> u32 {
+        self.entries
+            .iter()
+            .filter(|e| e.key == key && e.vm != vm && is_live(e, now))
+            .fold(0u32, |sum, e| sum.saturating_add(e.in_flight))
+    }
+
+    /// Sets `vm`'s count of `key` (removing its entry at 0), dropping dead and empty entries;
+    /// false if there is no room for it.
+    fn publish(&mut self, key: u64, vm: u64, in_flight: u32, now: MonoMillis) -> bool {
+        self.entries.retain(|e| !(e.key == key && e.vm == vm) && is_live(e, now) && e.in_flight > 0);
+        if in_flight == 0 {
+            return true;
+        }
+        if self.entries.len() >= WAYS {
+            return false;
+        }
+        self.entries.push(Entry { key, vm, in_flight, heartbeat: now });
+        true
+    }
+}
+
+/// This worker's own counts per key (exact: a worker is single-threaded), shared by the leases.
+pub type LocalKeys = Rc<RefCell<HashMap<u64, u32>>>;
+
+/// A request's hold on one unit of its key's cap, released exactly once: by
+/// [`PerKeyCap::release`] when the stream ends (or its refusal is sent), or, should the stream
+/// vanish without that, by `Drop`, which lowers the worker's count for the heartbeat to publish.
+#[derive(Debug)]
+#[must_use = "an admitted request must release its key's unit when its stream ends"]
+pub struct KeyLease {
+    key: u64,
+    local: LocalKeys,
+    released: bool,
+}
+
+impl KeyLease {
+    fn end(&mut self) {
+        if !self.released {
+            self.released = true;
+            if let Some(count) = self.local.borrow_mut().get_mut(&self.key) {
+                *count = count.saturating_sub(1);
+            }
+        }
+    }
+}
+
+impl Drop for KeyLease {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// Why a request was refused by its key's cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CapRefusal {
+    /// The key has `in_flight` requests in flight, the cap.
+    Full {
+        /// Its requests in flight proxy-wide.
+        in_flight: u32,
+    },
+    /// The key's set has no free entry (every one is another key in flight), or its record
+    /// could not be updated: the request cannot be counted, so it is not admitted.
+    Untracked,
+}
+
+/// The per-key cap of one configuration.
+#[derive(Clone, Debug)]
+pub struct PerKeyCap {
+    /// The key parts it reads.
+    pub key: Vec<KeyPart>,
+    /// Requests of one key in flight at most.
+    pub max_active_requests: u32,
+    sets: NonZeroU64,
+    key_prefix: String,
+}
+
+impl PerKeyCap {
+    /// The cap of `config`, its records under `namespace`.
+    pub fn new(config: &PerKey, namespace: &str) -> PerKeyCap {
+        let entries = u64::from(config.capacity.get().get());
+        PerKeyCap {
+            key: config.key.clone(),
+            max_active_requests: config.max_active_requests.get().get(),
+            sets: NonZeroU64::new(entries.div_ceil(WAYS as u64)).unwrap_or(NonZeroU64::MIN),
+            key_prefix: format!("floodgate/{namespace}/per-key/{}x{WAYS}/", config.capacity.get()),
+        }
+    }
+
+    /// The prefix of its records: configurations with the same one share the table (and a
+    /// VM's counts in it).
+    pub fn table(&self) -> &str {
+        &self.key_prefix
+    }
+
+    fn set_key(&self, key: u64) -> String {
+        format!("{}{}", self.key_prefix, key.checked_rem(self.sets.get()).unwrap_or(0))
+    }
+
+    fn read<S: SharedStore + ?Sized>(&self, store: &S, set_key: &str) -> Result<(Option<crate::store::Stored>, KeySet), StoreError> {
+        let stored = store.get(set_key)?;
+        // A malformed record is not trusted: it is replaced at the next write.
+        let set = stored.as_ref().and_then(|s| KeySet::decode(&s.value)).unwrap_or_default();
+        Ok((stored, set))
+    }
+
+    /// Admits a request of the key of hash `key` on worker `vm` (its counts `local`), or
+    /// refuses it.
+    pub fn try_acquire<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        vm: u64,
+        local: &LocalKeys,
+        key: u64,
+        now: MonoMillis,
+    ) -> Result<KeyLease, CapRefusal> {
+        let set_key = self.set_key(key);
+        let mine = local.borrow().get(&key).copied().unwrap_or(0);
+        for _ in 0..MAX_ATTEMPTS {
+            let Ok((stored, mut set)) = self.read(store, &set_key) else { break };
+            let in_flight = set.others(key, vm, now).saturating_add(mine);
+            if in_flight >= self.max_active_requests {
+                return Err(CapRefusal::Full { in_flight });
+            }
+            if !set.publish(key, vm, mine.saturating_add(1), now) {
+                return Err(CapRefusal::Untracked);
+            }
+            match write_back(store, &set_key, stored.as_ref(), &set.encode()) {
+                Ok(()) => {
+                    *local.borrow_mut().entry(key).or_insert(0) = mine.saturating_add(1);
+                    return Ok(KeyLease { key, local: Rc::clone(local), released: false });
+                }
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Host(_)) => break,
+            }
+        }
+        Err(CapRefusal::Untracked)
+    }
+
+    /// Ends an admitted request: lowers the worker's count and publishes it (should the write
+    /// fail, the heartbeat does).
+    pub fn release<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, mut lease: KeyLease, now: MonoMillis) {
+        lease.end();
+        let count = lease.local.borrow().get(&lease.key).copied().unwrap_or(0);
+        if self.publish(store, vm, lease.key, count, now) && count == 0 {
+            lease.local.borrow_mut().remove(&lease.key);
+        }
+    }
+
+    fn publish<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, key: u64, count: u32, now: MonoMillis) -> bool {
+        let set_key = self.set_key(key);
+        for _ in 0..MAX_ATTEMPTS {
+            let Ok((stored, mut set)) = self.read(store, &set_key) else { return false };
+            let current = match set.entries.iter().find(|e| e.key == key && e.vm == vm) {
+                Some(e) => e.in_flight == count && now.saturating_since(e.heartbeat) < HEARTBEAT_MS,
+                None => count == 0,
+            };
+            if current {
+                return true;
+            }
+            // Lowering always fits; a count the worker already holds was granted before.
+            set.publish(key, vm, count, now);
+            match write_back(store, &set_key, stored.as_ref(), &set.encode()) {
+                Ok(()) => return true,
+                Err(StoreError::CasMismatch) => continue,
+                Err(StoreError::Host(_)) => return false,
+            }
+        }
+        false
+    }
+
+    /// Once a second: refreshes this worker's entries (so they stay live), publishes counts whose
+    /// write was lost, and forgets keys with nothing in flight once published.
+    pub fn heartbeat<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalKeys, now: MonoMillis) {
+        let keys: Vec<(u64, u32)> = local.borrow().iter().map(|(k, c)| (*k, *c)).collect();
+        for (key, count) in keys {
+            if self.publish(store, vm, key, count, now) && count == 0 {
+                let mut local = local.borrow_mut();
+                if local.get(&key) == Some(&0) {
+                    local.remove(&key);
+                }
+            }
+        }
+    }
+
+    /// Requests of the key of hash `key` in flight proxy-wide, as this worker reads them.
+    pub fn in_flight<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalKeys, key: u64, now: MonoMillis) -> u32 {
+        let mine = local.borrow().get(&key).copied().unwrap_or(0);
+        self.read(store, &self.set_key(key)).map_or(mine, |(_, set)| set.others(key, vm, now).saturating_add(mine))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::cast_precision_loss)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::store::MemoryStore;
+
+    const T0: MonoMillis = MonoMillis(1_000_000);
+
+    fn partitioner(clusters: usize, size: usize) -> Partitioner {
+        let names: Vec<String> = (0..clusters).map(|i| format!("\"c{i}\"")).collect();
+        let config = Config::parse(
+            format!(r#"{{"cluster_selection":{{"clusters":[{}],"partition":{{"key":[{{"header":"x-k"}}],"size":{size}}}}}}}"#, names.join(","))
+                .as_bytes(),
+        )
+        .unwrap();
+        Partitioner::new(config.cluster_selection.as_ref().unwrap()).unwrap()
+    }
+
+    #[test]
+    fn partitions_are_stable_distinct_members_and_uniform_over_the_subsets() {
+        let p = partitioner(8, 2);
+        let again = partitioner(8, 2);
+        let mut counts: HashMap<Vec<usize>, u64> = HashMap::new();
+        let keys = 28 * 400;
+        for i in 0..keys {
+            let key = p.key_hash(|_| Some(format!("key-{i}"))).unwrap();
+            let confinement = p.confine(key);
+            let members = confinement.members.clone();
+            assert_eq!(confinement.spill_below, None, "refuse by default");
+            let mut everything: Vec<usize> = members.iter().chain(&confinement.others).copied().collect();
+            everything.sort_unstable();
+            assert_eq!(everything, (0..8).collect::<Vec<_>>(), "members and others make the set");
+            assert_eq!(members.len(), 2);
+            assert_ne!(members[0], members[1]);
+            assert!(members.iter().all(|m| *m < 8));
+            assert_eq!(again.confine(again.key_hash(|_| Some(format!("key-{i}"))).unwrap()).members, members, "stable");
+            let mut subset = members.clone();
+            subset.sort_unstable();
+            *counts.entry(subset).or_default() += 1;
+        }
+        assert_eq!(counts.len(), 28, "every one of C(8, 2) subsets is used");
+        // χ² over 28 subsets (27 degrees of freedom): below 55 holds with p > 0.999.
+        let expected = keys as f64 / 28.0;
+        let chi2: f64 = counts.values().map(|c| (*c as f64 - expected).powi(2) / expected).sum();
+        assert!(chi2 < 55.0, "χ² = {chi2}");
+        assert_eq!(partitioner(8, 8).confine(7).members.len(), 8, "the whole set");
+        assert!(p.key_hash(|_| None::<Vec<u8>>).is_none(), "no key: not confined");
+    }
+
+    #[test]
+    fn another_configuration_gives_other_partitions() {
+        let (a, b) = (partitioner(8, 2), partitioner(9, 2));
+        let differ = (0..100).filter(|i| {
+            let key = |p: &Partitioner| p.confine(p.key_hash(|_| Some(format!("k{i}"))).unwrap()).members;
+            key(&a) != key(&b)
+        });
+        assert!(differ.count() > 50);
+    }
+
+    fn cap(max: u32) -> PerKeyCap {
+        let config = Config::parse(
+            format!(r#"{{"load_shedding":{{"per_key":{{"key":[{{"header":"x-k"}}],"max_active_requests":{max},"capacity":16}}}}}}"#).as_bytes(),
+        )
+        .unwrap();
+        PerKeyCap::new(config.load_shedding.as_ref().unwrap().per_key.as_ref().unwrap(), "t")
+    }
+
+    #[test]
+    fn a_key_holds_at_most_its_cap_across_workers_and_comes_back_to_zero() {
+        let store = MemoryStore::new();
+        let cap = cap(3);
+        let (a, b): (LocalKeys, LocalKeys) = (LocalKeys::default(), LocalKeys::default());
+        let mut leases = Vec::new();
+        for i in 0..10 {
+            let (vm, local) = if i % 2 == 0 { (1, &a) } else { (2, &b) };
+            if let Ok(lease) = cap.try_acquire(&store, vm, local, 42, T0) {
+                leases.push((vm, lease));
+            }
+        }
+        assert_eq!(leases.len(), 3, "exactly the cap");
+        assert_eq!(cap.try_acquire(&store, 1, &a, 42, T0).unwrap_err(), CapRefusal::Full { in_flight: 3 });
+        assert!(cap.try_acquire(&store, 1, &a, 43, T0).is_ok(), "another key is not affected");
+        for (vm, lease) in leases {
+            cap.release(&store, vm, lease, T0);
+        }
+        assert_eq!(cap.in_flight(&store, 1, &a, 42, T0), 0);
+        assert!(!a.borrow().contains_key(&42) && !b.borrow().contains_key(&42), "nothing left to follow");
+    }
+
+    #[test]
+    fn a_dropped_lease_is_published_by_the_heartbeat_and_a_dead_worker_expires() {
+        let store = MemoryStore::new();
+        let cap = cap(2);
+        let (a, b): (LocalKeys, LocalKeys) = (LocalKeys::default(), LocalKeys::default());
+        let lease = cap.try_acquire(&store, 1, &a, 7, T0).unwrap();
+        drop(lease); // the stream vanished without its release
+        assert_eq!(cap.in_flight(&store, 2, &b, 7, T0), 1, "not yet published");
+        cap.heartbeat(&store, 1, &a, T0);
+        assert_eq!(cap.in_flight(&store, 2, &b, 7, T0), 0);
+        // Worker 1 takes two and dies: after STALE_AFTER_MS its entry no longer counts.
+        let held: Vec<_> = (0..2).map(|_| cap.try_acquire(&store, 1, &a, 7, T0).unwrap()).collect();
+        assert!(cap.try_acquire(&store, 2, &b, 7, T0.plus_ms(STALE_AFTER_MS - 1)).is_err());
+        assert!(cap.try_acquire(&store, 2, &b, 7, T0.plus_ms(STALE_AFTER_MS)).is_ok());
+        drop(held);
+    }
+
+    #[test]
+    fn a_full_set_refuses_what_it_cannot_count() {
+        let store = MemoryStore::new();
+        let cap = cap(100); // 16 entries: 2 sets of 8
+        let local = LocalKeys::default();
+        // Keys of set 0 (even hashes), each in flight once: 8 fill it.
+        let held: Vec<_> = (0..8).map(|i| cap.try_acquire(&store, 1, &local, i * 2, T0).unwrap()).collect();
+        assert_eq!(cap.try_acquire(&store, 1, &local, 100, T0).unwrap_err(), CapRefusal::Untracked);
+        assert!(cap.try_acquire(&store, 1, &local, 0, T0).is_ok(), "a key already there still counts");
+        assert!(cap.try_acquire(&store, 1, &local, 101, T0).is_ok(), "the other set has room");
+        drop(held);
+    }
+
+    #[test]
+    fn records_round_trip_and_refuse_corruption() {
+        let mut set = KeySet::default();
+        assert!(set.publish(1, 2, 3, T0));
+        assert!(set.publish(4, 5, 6, T0));
+        let bytes = set.encode();
+        assert_eq!(KeySet::decode(&bytes), Some(set));
+        for cut in 0..bytes.len() {
+            assert_eq!(KeySet::decode(&bytes[..cut]), None, "cut at {cut}");
+        }
+        let mut bad = bytes.clone();
+        bad[1] = 9;
+        assert_eq!(KeySet::decode(&bad), None);
+    }
+}
