@@ -2,7 +2,7 @@
 # floodgate's benchmark tool: builds what it needs, then runs the measurements and prints tables
 # (markdown) on stdout, progress on stderr. See docs/benchmarks.md.
 #
-#   bench/run.sh [--quick] [--diagnose] [cpu|instructions|memory|accuracy|contention|idle|global|all] [options]
+#   bench/run.sh [--quick] [--diagnose] [cpu|keys|latency|instructions|memory|accuracy|contention|idle|global|all] [options]
 #
 # --quick takes about 4 min on 2 cores, the full run about 10 min; --diagnose adds the
 # where-the-time-goes variants (about 30 min in all). valgrind is needed for `instructions`
@@ -53,7 +53,7 @@ global=1
 for a in "$@"; do
   case "$a" in
     global|all) global=1; break ;;
-    cpu|instructions|memory|accuracy|contention) global= ;;
+    cpu|keys|latency|instructions|memory|accuracy|contention|idle) global= ;;
   esac
 done
 redis=${REDIS_SERVER:-}

@@ -539,3 +539,105 @@ pub async fn run(s: &Settings) {
         println!("Marginal costs (differences of medians):\n\n{}\n", t.render());
     }
 }
+
+/// The variants of the keys and latency measurements: the references and floodgate's two
+/// main configurations.
+fn key_variants(s: &Settings) -> Vec<Variant> {
+    selected(s, main_variants(s).into_iter().filter(|v| ["none", "noop", "fg-rl", "fg-all"].contains(&v.id)).collect())
+}
+
+/// Keys: the same variants with one hot key on every request, with [`KEYS`] keys and with
+/// 100 000 keys (beyond the default table: every request may meet a key the table lost). The
+/// hot key is the case the quota reserves are for.
+pub async fn keys(s: &Settings) {
+    println!("## 1c. One hot key, {KEYS} keys, 100 000 keys (Envoy: 1 worker pinned to core 0)\n");
+    let upstreams = Upstreams::start().await;
+    let mut t = Table::new(&["keys", "variant", "what", "CPU µs/req (median)", "× no filter (median; range)", "Δ over no-op", "req/s"]);
+    for keys in [1, KEYS, 100_000] {
+        let traffic = Traffic::new(if keys == 1 { "hot" } else { "k" }, keys);
+        let load_for = |started: &Started| Load {
+            targets: vec![started.envoy.addr()],
+            connections: s.connections,
+            requests: traffic.requests(&started.variant),
+            max_requests: None,
+        };
+        let mut group = start_all(key_variants(s), s, upstreams, &traffic).await;
+        rounds(&mut group, s.rounds, load_for, s).await;
+        let ratio_of = |id: &str| group.iter().find(|g| g.variant.id == id).map(|g| median(&g.ratios));
+        let noop = ratio_of("noop");
+        for g in &group {
+            let cpu: Vec<f64> = g.runs.iter().map(|r| r.cpu_ns_per_req / 1000.0).collect();
+            let lo = g.ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = g.ratios.iter().copied().fold(0.0, f64::max);
+            let ratio = median(&g.ratios);
+            t.row(vec![
+                keys.to_string(),
+                format!("`{}`", g.variant.id),
+                g.variant.label.clone(),
+                format!("{:.2}", median(&cpu)),
+                format!("{ratio:.3} ({lo:.3}–{hi:.3})"),
+                noop.filter(|_| g.variant.id != "none").map_or_else(String::new, |n| format!("{:+.3}", ratio - n)),
+                format!("{:.0}", median(&g.runs.iter().map(|r| r.rps).collect::<Vec<_>>())),
+            ]);
+        }
+    }
+    println!(
+        "{} connections, every request admitted; {} rounds of {:.0} s (after {:.0} s warm-up) per variant and key count, alternated. \
+         Ratio: CPU/request over \"no filter\"'s in the same round, median (range).\n\n{}\n",
+        s.connections,
+        s.rounds,
+        s.seconds,
+        s.warmup,
+        t.render()
+    );
+}
+
+/// Latency a client sees, added by each variant: one connection sending one request after
+/// another (no queueing), p50 and p99 against "no filter" in the same round.
+pub async fn latency(s: &Settings) {
+    println!("## 1d. Added latency (Envoy: 1 worker pinned to core 0; one connection, one request at a time)\n");
+    let upstreams = Upstreams::start().await;
+    let traffic = Traffic::new("k", KEYS);
+    let load_for = |started: &Started| Load {
+        targets: vec![started.envoy.addr()],
+        connections: 1,
+        requests: traffic.requests(&started.variant),
+        max_requests: None,
+    };
+    let mut group = start_all(key_variants(s), s, upstreams, &traffic).await;
+    rounds(&mut group, s.rounds, load_for, s).await;
+    let per_round = |g: &Started, q: fn(&Run) -> f64| g.runs.iter().map(q).collect::<Vec<f64>>();
+    let Some(base) = group.iter().find(|g| g.variant.id == "none") else {
+        println!("(no \"none\" variant: nothing to compare with)\n");
+        return;
+    };
+    let (base_p50, base_p99) = (per_round(base, |r| r.p50), per_round(base, |r| r.p99));
+    let mut t = Table::new(&["variant", "what", "p50 µs (median)", "p99 µs (median)", "added p50 µs (median; range)", "added p99 µs (median; range)", "req/s"]);
+    for g in &group {
+        let (p50, p99) = (per_round(g, |r| r.p50), per_round(g, |r| r.p99));
+        let added = |mine: &[f64], base: &[f64]| {
+            let d: Vec<f64> = mine.iter().zip(base).map(|(a, b)| a - b).collect();
+            let lo = d.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = d.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{:+.0} ({lo:+.0}…{hi:+.0})", median(&d))
+        };
+        t.row(vec![
+            format!("`{}`", g.variant.id),
+            g.variant.label.clone(),
+            format!("{:.0}", median(&p50)),
+            format!("{:.0}", median(&p99)),
+            if g.variant.id == "none" { String::new() } else { added(&p50, &base_p50) },
+            if g.variant.id == "none" { String::new() } else { added(&p99, &base_p99) },
+            format!("{:.0}", median(&g.runs.iter().map(|r| r.rps).collect::<Vec<_>>())),
+        ]);
+    }
+    println!(
+        "{} keys; {} rounds of {:.0} s (after {:.0} s warm-up) per variant, alternated; latency from the request's first byte \
+         sent to the response's last byte read, loopback.\n\n{}\n",
+        KEYS,
+        s.rounds,
+        s.seconds,
+        s.warmup,
+        t.render()
+    );
+}

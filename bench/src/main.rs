@@ -76,12 +76,24 @@ pub enum Selection {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: floodgate-bench [cpu|instructions|memory|accuracy|contention|idle|global|all]... [--quick] [--rounds N] [--seconds S]\n\
+        "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|contention|idle|global|all]... [--quick] [--rounds N] [--seconds S]\n\
          \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N] [--keys N]\n\
          \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
          Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM, $REDIS_SERVER, $FLOODGATE_SYNC_BIN. Use bench/run.sh, which builds them."
     );
     std::process::exit(2)
+}
+
+/// The machine's CPU model, as `/proc/cpuinfo` names it: figures from different machines must
+/// never be set side by side, so every report says where it was measured.
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|info| {
+            info.lines()
+                .find_map(|l| l.strip_prefix("model name").and_then(|rest| rest.split_once(':')).map(|(_, m)| m.trim().to_owned()))
+        })
+        .unwrap_or_else(|| "unknown CPU model".into())
 }
 
 fn main() {
@@ -112,7 +124,7 @@ fn main() {
     while let Some(a) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| usage());
         match a.as_str() {
-            "cpu" | "instructions" | "memory" | "accuracy" | "contention" | "idle" | "global" | "all" => what.push(a),
+            "cpu" | "keys" | "latency" | "instructions" | "memory" | "accuracy" | "contention" | "idle" | "global" | "all" => what.push(a),
             "--quick" => s.quick = true,
             "--rounds" => s.rounds = value().parse().unwrap_or_else(|_| usage()),
             "--seconds" => s.seconds = value().parse().unwrap_or_else(|_| usage()),
@@ -141,7 +153,7 @@ fn main() {
         }
     }
     if what.is_empty() || what.iter().any(|w| w == "all") {
-        what = ["accuracy", "cpu", "instructions", "contention", "memory", "idle", "global"].map(String::from).to_vec();
+        what = ["accuracy", "cpu", "keys", "latency", "instructions", "contention", "memory", "idle", "global"].map(String::from).to_vec();
     }
     if s.rounds == 0 {
         s.rounds = if s.quick { 3 } else { 7 };
@@ -191,9 +203,10 @@ fn main() {
     }
     let started = Instant::now();
     println!(
-        "# floodgate benchmark ({}{}; {} CPUs; {}; module {})\n",
+        "# floodgate benchmark ({}{}; {}, {} CPUs; {}; module {})\n",
         if s.quick { "quick" } else { "full" },
         if s.diagnose { ", diagnostic variants" } else { "" },
+        cpu_model(),
         s.cpus,
         now_utc(),
         std::env::var("FLOODGATE_REV").unwrap_or_else(|_| s.floodgate_wasm.display().to_string())
@@ -204,6 +217,8 @@ fn main() {
         match w.as_str() {
             "accuracy" => accuracy::run(&s),
             "cpu" => rt.block_on(cpu::run(&s)),
+            "keys" => rt.block_on(cpu::keys(&s)),
+            "latency" => rt.block_on(cpu::latency(&s)),
             "instructions" => rt.block_on(instructions::run(&s)),
             "contention" => rt.block_on(contention::run(&s)),
             "memory" => rt.block_on(memory::run(&s)),
