@@ -4,6 +4,8 @@
 //! the fleet must admit about the limit once (not three times), decide every request without a
 //! 5xx whatever happens to the store, and leave in Redis exactly what it admitted.
 //!
+//! Also: costs (issue 18) in global scope, over two proxies.
+//!
 //! Run through `./test.sh` (it installs Redis with scripts/redis.sh and builds floodgate-sync).
 
 use std::collections::BTreeMap;
@@ -329,4 +331,83 @@ async fn a_redis_cluster_keeps_one_quota_and_survives_a_master_failing_over() {
     println!("failover rounds: {statuses:?}; Redis holds {in_redis} of them; {}", sync.log().lines().rev().take(5).collect::<Vec<_>>().join(" | "));
     assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), vec![200], "every request decided, none failed");
     assert_eq!(in_redis, sent, "after the failover every admission is in Redis exactly once");
+}
+
+/// Rules of issue 18 in global scope: a cost read from a request header, and units the upstream
+/// reports (charged when the response comes), count fleet-wide. Two proxies share a limit of
+/// 100 units per key; what one proxy admitted or was charged refuses the other's requests once
+/// it has synced, and Redis holds every unit once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn costs_count_fleet_wide_in_global_scope() {
+    wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
+    let redis = Redis::start();
+    let sync = SyncService::single(&redis.url());
+    let upstream = Upstream::with_options(UpstreamOptions {
+        echo: Some(("x-report-tokens".into(), "x-tokens-used".into())),
+        ..UpstreamOptions::default()
+    });
+    let config = json!({
+        "rate_limits": [
+            {"name": "units", "key": [{"header": "x-api-key"}], "limit": 100, "window": "1h", "scope": "global",
+             "match": {"path": {"prefix": "/units"}}, "cost": {"from": "request_header", "header": "x-cost"}},
+            {"name": "tokens", "key": [{"header": "x-api-key"}], "limit": 100, "window": "1h", "scope": "global",
+             "match": {"path": {"prefix": "/llm"}}, "cost": {"from": "response_header", "header": "x-tokens-used"}}
+        ],
+        "global": {"cluster": "floodgate-sync", "sync_interval": format!("{SYNC_INTERVAL_MS}ms"), "timeout": "500ms"}
+    });
+    let envoys: Vec<Envoy> = (0..2)
+        .map(|_| Envoy::builder(config.clone()).upstream(&upstream).http2_cluster("floodgate-sync", &[sync.addr]).concurrency(2).start())
+        .collect();
+    let (a, b) = (envoys[0].addr(), envoys[1].addr());
+    let key = format!("tenant-{}", std::process::id());
+    let send = |addr: SocketAddr, path: &'static str, extra: (&'static str, String)| {
+        let key = key.clone();
+        async move { get(addr, path, &[("x-api-key", key.as_str()), (extra.0, extra.1.as_str())]).await }
+    };
+    // Until Redis holds `units` for this bucket, then long enough for every proxy's view of the
+    // key to be refreshed (a proxy with no new deltas for it re-reads it within about a second)
+    // and copied by its workers.
+    let store = &redis;
+    let synced = |units: u64| async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while redis_total(&[store], hour_bucket()) < units && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(1500 + 3 * SYNC_INTERVAL_MS)).await;
+        redis_total(&[store], hour_bucket())
+    };
+
+    // A count in a request header: 40 + 40 on proxy A; proxy B's first request (1) makes it
+    // read the key's fleet count; then 30 more on B do not fit, 19 do, and A is refused too.
+    let mut statuses = Vec::new();
+    for cost in ["40", "40"] {
+        statuses.push(send(a, "/units", ("x-cost", cost.into())).await.status);
+    }
+    statuses.push(send(b, "/units", ("x-cost", "1".into())).await.status);
+    let in_redis = synced(81).await;
+    let refused = send(b, "/units", ("x-cost", "30".into())).await;
+    statuses.push(refused.status);
+    statuses.push(send(b, "/units", ("x-cost", "19".into())).await.status);
+    let in_redis_after = synced(100).await;
+    statuses.push(send(a, "/units", ("x-cost", "1".into())).await.status);
+    println!("units: {statuses:?}; Redis {in_redis} then {in_redis_after}; B's refusal: {}", refused.json());
+    assert_eq!(statuses, [200, 200, 200, 429, 200, 429], "request-header costs count fleet-wide");
+    assert_eq!((in_redis, in_redis_after), (81, 100), "every admitted unit in Redis once");
+    assert_eq!(refused.json()["estimate"], json!(81.0), "B's refusal is computed on the fleet's count");
+
+    // Units the upstream reports: 70 charged through A, then B (admitted while the key has room
+    // for one unit) is charged 45; once synced, both proxies refuse.
+    let tokens_key = ("x-report-tokens", String::new());
+    let mut llm = Vec::new();
+    llm.push(send(a, "/llm", ("x-report-tokens", "70".into())).await.status);
+    let after_a = synced(170).await;
+    llm.push(send(b, "/llm", ("x-report-tokens", "45".into())).await.status);
+    let after_b = synced(215).await;
+    llm.push(send(a, "/llm", tokens_key.clone()).await.status);
+    llm.push(send(b, "/llm", tokens_key).await.status);
+    let charged: u64 = envoys.iter().map(|e| e.stat(&rule_stat("tokens", "charged")).unwrap_or(0)).sum();
+    println!("tokens: {llm:?}; Redis {after_a} then {after_b} (units 100 + tokens); charged {charged}");
+    assert_eq!(llm, [200, 200, 429, 429], "reported costs count fleet-wide");
+    assert_eq!(charged, 115);
+    assert_eq!(after_b - 100, 115, "both charges in Redis once");
 }
