@@ -86,10 +86,12 @@ step "build floodgate-sync for the global-scope tests (cargo build -p floodgate-
 cargo build -p floodgate-sync
 sync_bin="$PWD/target/debug/floodgate-sync"
 
+# --show-output: each passing test's printed figures (statuses, counters, timings) follow its
+# name in the log, so a CI log shows what was measured, not only that it passed.
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
   GRPC_PYTHON="$grpc_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
-  cargo test -p floodgate-integration -- --test-threads=1 2>&1 | tee -a "$results"
+  cargo test -p floodgate-integration -- --test-threads=1 --show-output 2>&1 | tee -a "$results"
 
 # One closing line over every test binary (pipefail has already stopped us on a failure).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
