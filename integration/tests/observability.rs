@@ -294,8 +294,11 @@ fn promtool_checks_the_rules_and_every_unit_test_can_fail() {
     let text = text_of(&out);
     println!("$ promtool check rules recording.yaml alerts.yaml\n{text}");
     assert!(out.status.success(), "{text}");
+    let page = docs();
     for count in [records.len(), alert_names.len()] {
-        assert!(text.contains(&format!("SUCCESS: {count} rules found")), "{text}");
+        let line = format!("SUCCESS: {count} rules found");
+        assert!(text.contains(&line), "{text}");
+        assert!(page.contains(&line), "docs/observability.md shows promtool's output: `{line}` is missing");
     }
 
     let out = promtool(&dir, &["test", "rules", "tests/recording.test.yaml", "tests/alerts.test.yaml"]);
