@@ -359,3 +359,143 @@ fn the_overshoot_stays_within_its_bound() {
     assert!(admitted >= limit, "admitted {admitted}: the quota is used");
     println!("admitted {admitted} of {limit} (bound {bound:.0})");
 }
+
+/// Three proxies, two VMs each, one key paced at `rate_per_s` round-robin over the proxies (and
+/// their VMs) from a window bucket's start, for as long as the fleet should admit plus 3 s, as
+/// `bench/run.sh global` part (a) does. Proxy `p` ticks at `p × phase_ms` into each interval
+/// and gets its answer `rtt_ms` later. Returns the requests the fleet admitted.
+fn paced_fleet(limit: u32, rate_per_s: u32, projection: Projection, phase_ms: u64, rtt_ms: u64) -> u32 {
+    let config = config(limit, "1h");
+    let mut proxies: Vec<Proxy> = (0..3).map(|i| Proxy::new(&config, 2, i + 1)).collect();
+    for p in &mut proxies {
+        p.scope.projection = projection;
+    }
+    let mut sync = FakeSync::default();
+    let start = (T0 / 3_600_000 + 1) * 3_600_000;
+    let duration_ms = u64::from(limit) * 1000 / u64::from(rate_per_s) + 3_000;
+    let mut admitted = 0u32;
+    let mut sent = 0u64;
+    for ms in 0..duration_ms {
+        let now = UnixMillis(start + ms);
+        // Requests due by the end of this millisecond.
+        let due = (ms + 1) * u64::from(rate_per_s) / 1000;
+        while sent < due {
+            let p = (sent % 3) as usize;
+            let vm = ((sent / 3) % 2) as usize;
+            sent += 1;
+            admitted += u32::from(proxies[p].request(vm, "hot", now));
+        }
+        for (i, p) in proxies.iter_mut().enumerate() {
+            let offset = i as u64 * phase_ms;
+            if ms % 100 == offset % 100 {
+                p.tick(now);
+            }
+            if ms % 100 == (offset + rtt_ms) % 100 {
+                p.deliver(&mut sync, now);
+            }
+        }
+    }
+    admitted
+}
+
+/// Issue 16's target: at 1 000 req/s over three proxies and `sync_interval` 100 ms, the fleet
+/// admits at most 1.02 × `L` at `L` = 1 000, where decisions on the counts as synced admit
+/// about `L` + 0.135 s of traffic (1.13 × `L` measured in a real fleet).
+#[test]
+fn projecting_the_remote_rate_keeps_the_fleet_within_two_percent() {
+    for (phase_ms, rtt_ms) in [(0, 10), (33, 2), (17, 5)] {
+        let before = paced_fleet(1000, 1000, Projection::AsSynced, phase_ms, rtt_ms);
+        let after = paced_fleet(1000, 1000, Projection::Ahead, phase_ms, rtt_ms);
+        println!("L 1000, 1000 req/s, phase {phase_ms} ms, rtt {rtt_ms} ms: as synced {before}, projected {after}");
+        assert!(before >= 1100, "as synced: {before}");
+        assert!((1000..=1020).contains(&after), "projected: {after}");
+    }
+}
+
+
+/// Two proxies share a key at 1 000 req/s until the fleet is near its limit; then B's traffic
+/// stops. A over-counts the key (B's rate projected) only until its syncs show that B's part
+/// stopped growing, within the capped lead of the last growth, and then admits the rest of the
+/// quota: the fleet ends at the limit exactly.
+#[test]
+fn a_stopped_remote_is_over_counted_only_for_the_capped_lead() {
+    let limit = 1000;
+    let config = config(limit, "1h");
+    let (mut a, mut b) = (Proxy::new(&config, 1, 1), Proxy::new(&config, 1, 2));
+    let mut sync = FakeSync::default();
+    let start = (T0 / 3_600_000 + 1) * 3_600_000;
+    let stop_ms = 900;
+    let rule = a.scope.rules[0].unwrap().id;
+    let fingerprint = crate::key::KeyHasher::new([9; 16]).hash([Some(&b"k"[..])]);
+    let (mut admitted, mut last_over_counted_ms) = (0u32, None);
+    let (mut refused_by_a, mut admitted_by_a_after) = (Vec::new(), Vec::new());
+    for ms in 0..3_000u64 {
+        let now = UnixMillis(start + ms);
+        if ms % 2 == 0 {
+            let ok = a.request(0, "k", now);
+            admitted += u32::from(ok);
+            match (ok, ms >= stop_ms) {
+                (false, true) => refused_by_a.push(ms),
+                (true, true) => admitted_by_a_after.push(ms),
+                _ => {}
+            }
+        } else if ms < stop_ms {
+            admitted += u32::from(b.request(0, "k", now));
+        }
+        let cache = &a.vms[0].1.cache;
+        let bucket = now.0 / 3_600_000;
+        if cache.projected(rule, fingerprint, bucket, now, 100) != cache.remote(rule, fingerprint, bucket) {
+            last_over_counted_ms = Some(ms);
+        }
+        if ms % 100 == 0 {
+            a.tick(now);
+        }
+        if ms % 100 == 50 {
+            b.tick(now);
+        }
+        if ms % 100 == 5 {
+            a.deliver(&mut sync, now);
+        }
+        if ms % 100 == 55 {
+            b.deliver(&mut sync, now);
+        }
+    }
+    let last = last_over_counted_ms.unwrap();
+    let first_refusal = refused_by_a.first().copied().unwrap();
+    println!("B stopped at {stop_ms} ms; over-counted until {last} ms; A refused from {first_refusal} ms, admitted again {:?} ms; {admitted} admitted",
+        (admitted_by_a_after.iter().find(|&&t| t > first_refusal), admitted_by_a_after.last()));
+    assert!(last >= stop_ms, "B's rate was projected when it stopped");
+    assert!(last < stop_ms + view::LEAD_CAP_INTERVALS * 100, "over-counted until {last} ms");
+    assert!(first_refusal <= last, "the projection refused A's requests for a while");
+    assert!(admitted_by_a_after.iter().any(|&t| t > last), "then A admitted again");
+    assert_eq!(admitted, limit, "the rest of the quota was admitted once the projection went");
+}
+
+/// A proxy alone in its fleet sees no remote growth: its decisions are the same, request by
+/// request, with the projection as without.
+#[test]
+fn a_proxy_alone_decides_as_without_the_projection() {
+    let run = |projection: Projection| {
+        let config = config(700, "10s");
+        let mut p = Proxy::new(&config, 2, 1);
+        p.scope.projection = projection;
+        let mut sync = FakeSync::default();
+        let mut verdicts = Vec::new();
+        for ms in 0..25_000u64 {
+            let now = UnixMillis(T0 + ms);
+            if ms % 7 == 0 {
+                verdicts.push(p.request((ms % 2) as usize, if ms % 3 == 0 { "a" } else { "b" }, now));
+            }
+            if ms % 100 == 0 {
+                p.tick(now);
+            }
+            if ms % 100 == 3 {
+                p.deliver(&mut sync, now);
+            }
+        }
+        verdicts
+    };
+    let (before, after) = (run(Projection::AsSynced), run(Projection::Ahead));
+    assert!(before.contains(&false) && before.contains(&true));
+    assert_eq!(before, after);
+}

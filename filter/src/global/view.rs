@@ -1,5 +1,5 @@
-//! The view: what a proxy last learned of its keys' fleet-wide counts, and how much of them is
-//! its own.
+//! The view: what a proxy last learned of its keys' fleet-wide counts, how much of them is its
+//! own, and how fast the rest grew.
 //!
 //! For each key the flusher synced, a [`ViewEntry`] keeps the fleet totals of the key's bucket
 //! and of the one before (as the store answered), and this proxy's own part of them (the deltas
@@ -7,8 +7,31 @@
 //!
 //! ```text
 //! remote = total − applied                      (per bucket, never below zero)
-//! a key's estimate = local counts (this proxy, exact) + remote
+//! a key's estimate = local counts (this proxy, exact) + remote + projected
 //! ```
+//!
+//! **Projected units** (issue 16). `remote` is what the store held at the last sync, and the
+//! other proxies went on admitting since: what they admitted after their own last batch (up to
+//! about an interval, their *unflushed* part) and everything since this proxy's sync (the
+//! view's *age*, `now − synced`). Each entry also keeps the rate at which `remote` grew between
+//! the two last syncs that answered for the key ([`RemoteRate`]: units over milliseconds), and a
+//! decision adds what that rate gives over the `lead` the view has not seen:
+//!
+//! ```text
+//! lead      = min(age + sync_interval, 4 × sync_interval)         (none once age > 4 intervals)
+//! projected = grew_units × lead / max(over_ms, sync_interval)     (integers, rounded down)
+//! ```
+//!
+//! Why the two last syncs and not a longer average (an EWMA): the sample spans one interval, in
+//! which each other proxy's flusher lands one batch, so it is already an average over the
+//! interval, and it forgets at once: the first sync after the other proxies stop shows no
+//! growth and the projection is gone, where an average would keep over-counting a stopped key
+//! for several intervals. The span is read as at least one interval because the store grows by
+//! whole batches: two syncs a few milliseconds apart (the flusher's lease moving) would
+//! otherwise turn one batch into a huge rate. The rate is zero for a key synced once, when
+//! `remote` did not grow, and when the key's bucket moved by two or more between the samples
+//! (the counts of the buckets between are unknown). Projected units are never stored as counts
+//! nor sent: they only enter decisions ([`ViewEntry::projected_at`]), and are never negative.
 //!
 //! Entries live in [`VIEW_RECORDS`] shared-data records (by fingerprint), written only by the
 //! proxy's flusher, plus an index record with a version per record and the time of the last
@@ -21,11 +44,12 @@
 //! for [`REFRESH_AFTER_INTERVALS`] intervals), so a key whose traffic moves from proxy to proxy
 //! is decided on a view at most about a second old.
 //!
-//! Record layout (little-endian): version `u8`, 1 zero byte, count `u16`, then per entry the rule
-//! id `u64`, the fingerprint `u64`, the fleet key `u128`, the window (ms) `u64`, the bucket
-//! `u64`, total previous and current `u32`, applied previous and current `u32`, and when it was
-//! last synced (ms) `u64`. Index: version `u8`, 7 zero
-//! bytes, last success (ms, 0 for never) `u64`, then [`VIEW_RECORDS`] versions `u64`.
+//! Record layout (little-endian, version 3; a record of another version reads as empty): version
+//! `u8`, 1 zero byte, count `u16`, then per entry the rule id `u64`, the fingerprint `u64`, the
+//! fleet key `u128`, the window (ms) `u64`, the bucket `u64`, total previous and current `u32`,
+//! applied previous and current `u32`, when it was last synced (ms) `u64`, and the remote rate's
+//! units and milliseconds `u32`. Index (version 2): version `u8`, 7 zero bytes, last success (ms,
+//! 0 for never) `u64`, then [`VIEW_RECORDS`] versions `u64`.
 
 use super::outbox::Delta;
 use super::FleetKey;
@@ -40,8 +64,12 @@ pub const VIEW_RECORDS: usize = 16;
 pub const REFRESH_PER_BATCH: usize = 128;
 /// A key is re-read once it was not synced for this many intervals.
 pub const REFRESH_AFTER_INTERVALS: u64 = 5;
-const RECORD_VERSION: u8 = 2;
-const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8;
+/// A key's projection holds for at most this many intervals after its last sync, and its lead
+/// is at most that long.
+pub const LEAD_CAP_INTERVALS: u64 = 4;
+const RECORD_VERSION: u8 = 3;
+const INDEX_VERSION: u8 = 2;
+const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8 + 4 + 4;
 const INDEX_LEN: usize = 16 + 8 * VIEW_RECORDS;
 
 /// What the proxy knows of one key's fleet-wide counts.
@@ -63,6 +91,18 @@ pub struct ViewEntry {
     pub applied: Counts,
     /// When the flusher last synced the key.
     pub synced: UnixMillis,
+    /// How fast the other proxies' part grew between the two last syncs.
+    pub rate: RemoteRate,
+}
+
+/// How much the other proxies' part of a key grew between two syncs, and over how long: a rate
+/// kept as a fraction, so that projecting it is exact integer arithmetic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemoteRate {
+    /// Units the other proxies added (0: none, or not known).
+    pub grew_units: u32,
+    /// Milliseconds between the two syncs.
+    pub over_ms: u32,
 }
 
 fn clamp(value: u64) -> u32 {
@@ -77,6 +117,42 @@ impl ViewEntry {
             current: self.total.current.saturating_sub(self.applied.current),
         };
         remote.rolled(self.bucket, bucket)
+    }
+
+    /// What the other proxies admitted, as seen from bucket `bucket` at `now`: [`Self::remote_at`]
+    /// plus their rate over the lead this view has not seen (module doc), in the current bucket.
+    /// Never below [`Self::remote_at`].
+    pub fn projected_at(&self, bucket: u64, now: UnixMillis, interval_ms: u64) -> Counts {
+        let remote = self.remote_at(bucket);
+        let cap_ms = interval_ms.saturating_mul(LEAD_CAP_INTERVALS);
+        let age_ms = now.saturating_since(self.synced);
+        if age_ms > cap_ms {
+            return remote;
+        }
+        let lead_ms = age_ms.saturating_add(interval_ms).min(cap_ms);
+        let span_ms = u64::from(self.rate.over_ms).max(interval_ms).max(1);
+        let projected = u64::from(self.rate.grew_units).saturating_mul(lead_ms).checked_div(span_ms).unwrap_or(0);
+        remote.plus(clamp(projected))
+    }
+
+    /// Takes the sample of the remote rate between the sync of `before` (this entry as it was)
+    /// and this one, at `now`. A first sync, a clock that went back and a second delta of the
+    /// same batch keep the rate as it was.
+    fn learn_rate(&mut self, before: Option<&ViewEntry>, now: UnixMillis) {
+        let Some(before) = before else { return };
+        if now <= before.synced {
+            return;
+        }
+        let over_ms = clamp(now.saturating_since(before.synced));
+        let grew_units = match self.bucket.checked_sub(before.bucket) {
+            Some(0 | 1) => {
+                let (was, is) = (before.remote_at(self.bucket), self.remote_at(self.bucket));
+                is.previous.saturating_sub(was.previous).saturating_add(is.current.saturating_sub(was.current))
+            }
+            // Two buckets or more apart (or a bucket back): the difference means nothing.
+            _ => 0,
+        };
+        self.rate = RemoteRate { grew_units, over_ms };
     }
 
     /// Takes in a confirmed delta and the store's totals after it.
@@ -155,6 +231,7 @@ impl ViewRecord {
                 total: Counts { previous: u32_at(48), current: u32_at(52) },
                 applied: Counts { previous: u32_at(56), current: u32_at(60) },
                 synced: UnixMillis(u64_at(64)),
+                rate: RemoteRate { grew_units: u32_at(72), over_ms: u32_at(76) },
             };
             if entry.window_ms == 0 {
                 return Err(DecodeError::Malformed);
@@ -180,6 +257,8 @@ impl ViewRecord {
                 out.extend_from_slice(&value.to_le_bytes());
             }
             out.extend_from_slice(&e.synced.0.to_le_bytes());
+            out.extend_from_slice(&e.rate.grew_units.to_le_bytes());
+            out.extend_from_slice(&e.rate.over_ms.to_le_bytes());
         }
         out
     }
@@ -187,6 +266,26 @@ impl ViewRecord {
     /// Takes in a confirmed delta and its totals, keeping at most `capacity` entries (the key
     /// synced longest ago goes first).
     pub fn apply(&mut self, delta: &Delta, totals: Totals, now: UnixMillis, capacity: usize) {
+        self.apply_batch(&[(*delta, totals)], now, capacity);
+    }
+
+    /// Takes in one batch's confirmed deltas of this record and their totals (in bucket order),
+    /// then each key's sample of the remote rate since its sync before this one.
+    pub fn apply_batch(&mut self, list: &[(Delta, Totals)], now: UnixMillis, capacity: usize) {
+        let mut before: HashMap<(u64, u64), Option<ViewEntry>> = HashMap::new();
+        for (delta, totals) in list {
+            let id = (delta.rule, delta.fingerprint);
+            before.entry(id).or_insert_with(|| self.entries.get(&id).copied());
+            self.apply_one(delta, *totals, now, capacity);
+        }
+        for (id, was) in before {
+            if let Some(entry) = self.entries.get_mut(&id) {
+                entry.learn_rate(was.as_ref(), now);
+            }
+        }
+    }
+
+    fn apply_one(&mut self, delta: &Delta, totals: Totals, now: UnixMillis, capacity: usize) {
         let id = (delta.rule, delta.fingerprint);
         if !self.entries.contains_key(&id) && self.entries.len() >= capacity {
             let oldest = self.entries.iter().min_by_key(|(_, e)| e.synced).map(|(k, _)| *k);
@@ -224,7 +323,7 @@ impl ViewIndex {
         if bytes.is_empty() {
             return Ok(ViewIndex::default());
         }
-        if bytes.len() != INDEX_LEN || bytes.first() != Some(&RECORD_VERSION) {
+        if bytes.len() != INDEX_LEN || bytes.first() != Some(&INDEX_VERSION) {
             return Err(DecodeError::Malformed);
         }
         let u64_at = |at: usize| bytes.get(at..at.saturating_add(8)).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes);
@@ -239,7 +338,7 @@ impl ViewIndex {
     /// Writes the index.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(INDEX_LEN);
-        out.extend_from_slice(&[RECORD_VERSION, 0, 0, 0, 0, 0, 0, 0]);
+        out.extend_from_slice(&[INDEX_VERSION, 0, 0, 0, 0, 0, 0, 0]);
         out.extend_from_slice(&self.last_success.map_or(0, |t| t.0).to_le_bytes());
         for v in &self.versions {
             out.extend_from_slice(&v.to_le_bytes());
@@ -286,10 +385,17 @@ impl ViewCache {
 
     /// The other proxies' counts of a key, as seen from `bucket` (zero for a key never synced).
     pub fn remote(&self, rule: u64, fingerprint: u64, bucket: u64) -> Counts {
-        self.records
-            .get(record_of(fingerprint))
-            .and_then(|r| r.entries.get(&(rule, fingerprint)))
-            .map_or_else(Counts::default, |e| e.remote_at(bucket))
+        self.entry(rule, fingerprint).map_or_else(Counts::default, |e| e.remote_at(bucket))
+    }
+
+    /// The other proxies' counts of a key with the units they likely admitted since the last
+    /// sync ([`ViewEntry::projected_at`]; zero for a key never synced).
+    pub fn projected(&self, rule: u64, fingerprint: u64, bucket: u64, now: UnixMillis, interval_ms: u64) -> Counts {
+        self.entry(rule, fingerprint).map_or_else(Counts::default, |e| e.projected_at(bucket, now, interval_ms))
+    }
+
+    fn entry(&self, rule: u64, fingerprint: u64) -> Option<&ViewEntry> {
+        self.records.get(record_of(fingerprint)).and_then(|r| r.entries.get(&(rule, fingerprint)))
     }
 
     /// Keys in the view.
@@ -383,5 +489,125 @@ mod tests {
         assert_eq!(cache.remote(1, 33, 10), Counts { previous: 0, current: 6 });
         assert_eq!(cache.remote(2, 33, 10), Counts::default());
         assert_eq!(cache.keys(), 1);
+    }
+
+    #[test]
+    fn the_remote_rate_is_learned_between_two_syncs_and_projected_over_the_lead() {
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!(e.rate, RemoteRate::default(), "one sync: no rate");
+        assert_eq!(e.projected_at(10, UnixMillis(1_050), 100), e.remote_at(10));
+        // 100 ms later the others' part went from 7 to 17.
+        r.apply(&delta(10, 3), Totals { previous: 0, current: 23 }, UnixMillis(1_100), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!(e.rate, RemoteRate { grew_units: 10, over_ms: 100 });
+        assert_eq!(e.remote_at(10), Counts { previous: 0, current: 17 });
+        // Lead = age + one interval: 50 + 100 ms at 10 units per 100 ms.
+        assert_eq!(e.projected_at(10, UnixMillis(1_150), 100), Counts { previous: 0, current: 32 });
+        // At most four intervals of lead; none once the view of the key is older than that.
+        assert_eq!(e.projected_at(10, UnixMillis(1_450), 100).current, 17 + 40);
+        assert_eq!(e.projected_at(10, UnixMillis(1_500), 100).current, 17 + 40);
+        assert_eq!(e.projected_at(10, UnixMillis(1_501), 100), e.remote_at(10));
+        // In the next bucket the projection goes to the current bucket.
+        assert_eq!(e.projected_at(11, UnixMillis(1_150), 100), Counts { previous: 17, current: 15 });
+        // No growth: no rate.
+        r.apply(&delta(10, 1), Totals { previous: 0, current: 24 }, UnixMillis(1_200), 8);
+        assert_eq!(r.entries[&(1, 33)].rate.grew_units, 0);
+        assert_eq!(r.entries[&(1, 33)].projected_at(10, UnixMillis(1_250), 100).current, 17);
+    }
+
+    #[test]
+    fn the_rate_spans_one_bucket_roll_but_not_two_nor_a_few_milliseconds() {
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        // Next bucket: the old bucket ended at 30 (others 27, +20), the new one holds 4 (+4).
+        r.apply(&delta(11, 1), Totals { previous: 30, current: 5 }, UnixMillis(1_100), 8);
+        assert_eq!(r.entries[&(1, 33)].rate, RemoteRate { grew_units: 24, over_ms: 100 });
+        // Two buckets later: the buckets between are unknown.
+        r.apply(&delta(13, 1), Totals { previous: 50, current: 50 }, UnixMillis(1_200), 8);
+        assert_eq!(r.entries[&(1, 33)].rate.grew_units, 0);
+        // Two syncs 5 ms apart: the span is read as one interval.
+        r.apply(&delta(13, 1), Totals { previous: 50, current: 81 }, UnixMillis(1_205), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!(e.rate, RemoteRate { grew_units: 30, over_ms: 5 });
+        assert_eq!(e.projected_at(13, UnixMillis(1_205), 100).current, e.remote_at(13).current + 30);
+        // A batch with two deltas of a key learns once, over both.
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        r.apply_batch(
+            &[(delta(10, 1), Totals { previous: 0, current: 20 }), (delta(11, 1), Totals { previous: 20, current: 6 })],
+            UnixMillis(1_100),
+            8,
+        );
+        assert_eq!(r.entries[&(1, 33)].rate, RemoteRate { grew_units: 9 + 5, over_ms: 100 });
+    }
+
+    #[test]
+    fn a_record_of_the_layout_before_the_rate_reads_as_malformed() {
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        let mut old = r.encode();
+        old.truncate(old.len() - 8);
+        old[0] = 2;
+        assert_eq!(ViewRecord::decode(&old), Err(DecodeError::Malformed));
+        let mut other = r.encode();
+        other[0] = 2;
+        assert_eq!(ViewRecord::decode(&other), Err(DecodeError::Malformed));
+    }
+
+    use proptest::prelude::*;
+
+    fn entry() -> impl Strategy<Value = ViewEntry> {
+        (any::<u64>(), 1..u64::MAX, any::<[u32; 4]>(), any::<u64>(), any::<(u32, u32)>()).prop_map(
+            |(bucket, window_ms, [tp, tc, ap, ac], synced, (grew_units, over_ms))| ViewEntry {
+                rule: 1,
+                fingerprint: 33,
+                key: FleetKey(5),
+                window_ms,
+                bucket,
+                total: Counts { previous: tp, current: tc },
+                applied: Counts { previous: ap, current: ac },
+                synced: UnixMillis(synced),
+                rate: RemoteRate { grew_units, over_ms },
+            },
+        )
+    }
+
+    proptest! {
+        #[test]
+        fn the_projection_never_panics_and_never_lowers_the_estimate(
+            e in entry(), bucket in any::<u64>(), now in any::<u64>(), interval_ms in any::<u64>(),
+        ) {
+            let (projected, synced) = (e.projected_at(bucket, UnixMillis(now), interval_ms), e.remote_at(bucket));
+            prop_assert!(projected.previous == synced.previous && projected.current >= synced.current);
+        }
+
+        #[test]
+        fn any_sequence_of_syncs_keeps_the_projection_at_or_above_the_counts(
+            steps in proptest::collection::vec((0..3u64, 0..50u32, 0..200u64, 0..200u64, 0..300u64), 1..40),
+            interval_ms in 1..1000u64,
+        ) {
+            let mut r = ViewRecord::default();
+            let (mut bucket, mut now) = (100u64, 1_000u64);
+            for (step, n, previous, current, after_ms) in steps {
+                bucket += step;
+                now += after_ms;
+                r.apply(&delta(bucket, n), Totals { previous, current }, UnixMillis(now), 8);
+                let e = r.entries[&(1, 33)];
+                for later in [0, 50, 400, 5_000] {
+                    let at = UnixMillis(now + later);
+                    let (projected, synced) = (e.projected_at(bucket, at, interval_ms), e.remote_at(bucket));
+                    prop_assert!(projected.previous == synced.previous && projected.current >= synced.current);
+                }
+                prop_assert_eq!(ViewRecord::decode(&r.encode()).unwrap(), r.clone());
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_decode_without_panicking(bytes in proptest::collection::vec(any::<u8>(), 0..200)) {
+            let _ = ViewRecord::decode(&bytes);
+            let _ = ViewIndex::decode(&bytes);
+        }
     }
 }
