@@ -22,6 +22,10 @@ pub fn rule(name: &str) -> String {
     format!(r#"{{"name": "{name}", "key": [{{"header": "x-api-key"}}], "limit": 1000000000, "window": "1m"}}"#)
 }
 
+/// The naive module's configuration for the same rule as [`rule`]: its key is `x-api-key`
+/// (fixed in the module), a limit no benchmark reaches, a 1 min fixed window.
+pub const NAIVE_RULE: &str = "limit=1000000000,window_ms=60000";
+
 /// floodgate's "everything on" configuration.
 pub fn everything_config(selection: bool) -> String {
     let selection = if selection {
@@ -52,16 +56,40 @@ fn wasm(module: &std::path::Path, config: impl Into<String>) -> Filter {
     Filter::Wasm { module: module.to_path_buf(), config: config.into() }
 }
 
-/// The five variants of the issue.
+/// The five variants of the issue, the naive limiter enforcing `fg-rl`'s rule (issue 20), and
+/// the external modules given with `--extra-wasm` (`ext1`, `ext2`, … in the order given).
 fn main_variants(s: &Settings) -> Vec<Variant> {
     let fg = |config: String| wasm(&s.floodgate_wasm, config);
-    vec![
+    let mut v = vec![
         Variant { id: "none", label: "no filter (router only)".into(), filter: Filter::None, route: Route::Fixed },
         Variant { id: "native", label: "Envoy local_ratelimit (one token bucket)".into(), filter: Filter::NativeLocalRateLimit, route: Route::Fixed },
         Variant { id: "noop", label: "no-op proxy-wasm filter".into(), filter: wasm(&s.noop_wasm, ""), route: Route::Fixed },
         Variant { id: "fg-rl", label: "floodgate: rate limiting (1 rule)".into(), filter: fg(format!(r#"{{"rate_limits": [{}]}}"#, rule("per-key"))), route: Route::Fixed },
+        Variant {
+            id: "naive-rl",
+            label: "naive limiter, the same rule (one shared-data entry per key: get + CAS set per request)".into(),
+            filter: wasm(&s.naive_wasm, NAIVE_RULE),
+            route: Route::Fixed,
+        },
         Variant { id: "fg-all", label: "floodgate: everything on".into(), filter: fg(everything_config(true)), route: Route::ClusterHeader(ROUTE_HEADER.into()) },
-    ]
+    ];
+    v.extend(extra_variants(s));
+    v
+}
+
+/// The modules of `--extra-wasm`, each with its `--extra-config`: one-off measurements of
+/// another proxy-wasm filter (e.g. another rate limiter configured for `fg-rl`'s rule).
+pub fn extra_variants(s: &Settings) -> Vec<Variant> {
+    s.extra
+        .iter()
+        .enumerate()
+        .map(|(i, (module, config))| Variant {
+            id: Box::leak(format!("ext{}", i + 1).into_boxed_str()),
+            label: format!("external module {} `{config}`", module.file_name().map_or_else(|| module.display().to_string(), |f| f.to_string_lossy().into_owned())),
+            filter: wasm(module, config.as_str()),
+            route: Route::Fixed,
+        })
+        .collect()
 }
 
 /// Host-call pricing: the no-op module making this many calls of one kind per request.

@@ -55,13 +55,14 @@ pub async fn run(s: &Settings) {
     let wanted: &[&str] = if s.quick && !s.diagnose {
         &["none", "noop", "fg-rl", "fg-all", "grpc-none", "grpc-fg-all"]
     } else if !s.diagnose {
-        &["none", "native", "noop", "fg-empty", "fg-rl", "fg-all", "grpc-none", "grpc-noop", "grpc-fg-all"]
+        &["none", "native", "noop", "fg-empty", "fg-rl", "naive-rl", "fg-all", "grpc-none", "grpc-noop", "grpc-fg-all"]
     } else {
-        &["none", "native", "noop", "fg-empty", "fg-rl", "fg-rl-onreject", "fg-rl2", "fg-shed", "fg-rl-shed", "fg-all", "grpc-none", "grpc-noop", "grpc-fg-all", "call-time", "call-header", "call-absent", "call-pairs", "call-prop", "call-get", "call-set", "call-incr", "call-resp"]
+        &["none", "native", "noop", "fg-empty", "fg-rl", "naive-rl", "fg-rl-onreject", "fg-rl2", "fg-shed", "fg-rl-shed", "fg-all", "grpc-none", "grpc-noop", "grpc-fg-all", "call-time", "call-header", "call-absent", "call-pairs", "call-prop", "call-get", "call-set", "call-incr", "call-resp"]
     };
+    let extra = cpu::extra_variants(s);
     let wanted: Vec<&str> = match &s.only {
         Some(only) => only.iter().map(String::as_str).collect(),
-        None => wanted.to_vec(),
+        None => wanted.iter().copied().chain(extra.iter().map(|v| v.id)).collect(),
     };
     let all = cpu::all_variants(s);
     let variants: Vec<Variant> = wanted.iter().filter_map(|id| all.iter().find(|v| v.id == *id).cloned()).collect();

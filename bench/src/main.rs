@@ -33,6 +33,9 @@ pub struct Settings {
     pub noop_wasm: PathBuf,
     /// The naive per-key limiter module.
     pub naive_wasm: PathBuf,
+    /// Other proxy-wasm modules to measure (`--extra-wasm`), each with its configuration string
+    /// (`--extra-config`): variants `ext1`, `ext2`, … of `cpu` and `instructions`.
+    pub extra: Vec<(PathBuf, String)>,
     /// Rounds of the CPU comparison (each variant once per round).
     pub rounds: usize,
     /// Measured seconds per run.
@@ -79,6 +82,8 @@ fn usage() -> ! {
         "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|contention|idle|global|all]... [--quick] [--rounds N] [--seconds S]\n\
          \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N] [--keys N]\n\
          \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
+         \x20      [--extra-wasm PATH [--extra-config STRING]]...\n\
+         --extra-wasm adds another module to `cpu` and `instructions` as variant ext1, ext2, ... with the --extra-config after it.\n\
          Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM, $REDIS_SERVER, $FLOODGATE_SYNC_BIN. Use bench/run.sh, which builds them."
     );
     std::process::exit(2)
@@ -107,6 +112,7 @@ fn main() {
         floodgate_wasm: env_path("FLOODGATE_WASM"),
         noop_wasm: env_path("NOOP_WASM"),
         naive_wasm: env_path("NAIVE_WASM"),
+        extra: Vec::new(),
         rounds: 0,
         seconds: 0.0,
         warmup: 0.0,
@@ -147,6 +153,11 @@ fn main() {
             "--wasm" => s.floodgate_wasm = value().into(),
             "--noop-wasm" => s.noop_wasm = value().into(),
             "--naive-wasm" => s.naive_wasm = value().into(),
+            "--extra-wasm" => s.extra.push((value().into(), String::new())),
+            "--extra-config" => {
+                let config = value();
+                s.extra.last_mut().unwrap_or_else(|| usage()).1 = config;
+            }
             "--redis-server" => s.redis_server = value().into(),
             "--sync" => s.sync_bin = value().into(),
             _ => usage(),
@@ -167,14 +178,15 @@ fn main() {
     s.diagnose = diagnose.unwrap_or(false);
     // Not redis-server: Debian's is a link to redis-check-rdb, which picks its mode from the name
     // it was started as.
-    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.noop_wasm, &mut s.naive_wasm, &mut s.sync_bin] {
+    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.noop_wasm, &mut s.naive_wasm, &mut s.sync_bin].into_iter().chain(s.extra.iter_mut().map(|e| &mut e.0)) {
         if let Ok(abs) = std::fs::canonicalize(&*p) {
             *p = abs;
         }
     }
     let needs_envoy = what.iter().any(|w| w != "accuracy");
     if needs_envoy {
-        for (name, p) in [("Envoy", &s.envoy), ("floodgate module", &s.floodgate_wasm), ("no-op module", &s.noop_wasm), ("naive module", &s.naive_wasm)] {
+        let modules = [("Envoy", &s.envoy), ("floodgate module", &s.floodgate_wasm), ("no-op module", &s.noop_wasm), ("naive module", &s.naive_wasm)];
+        for (name, p) in modules.into_iter().chain(s.extra.iter().map(|e| ("--extra-wasm module", &e.0))) {
             if !p.is_file() {
                 eprintln!("floodgate-bench: {name} not found at {:?}; run bench/run.sh, which builds everything", p);
                 std::process::exit(2);
