@@ -18,26 +18,36 @@ use floodgate_integration::*;
 const WINDOW: Duration = Duration::from_secs(3600);
 const SYNC_INTERVAL_MS: u64 = 100;
 
+/// The tests' `global` section: floodgate-sync as cluster `floodgate-sync`, every 100 ms.
+fn global_section() -> Value {
+    json!({"cluster": "floodgate-sync", "sync_interval": format!("{SYNC_INTERVAL_MS}ms"), "timeout": "500ms"})
+}
+
 fn config(limit: u64) -> Value {
     json!({
         "rate_limits": [
             {"name": "fleet", "key": [{"header": "x-fleet-key"}], "limit": limit, "window": "1h", "scope": "global"},
             {"name": "local", "key": [{"header": "x-local-key"}], "limit": limit, "window": "1h"}
         ],
-        "global": {"cluster": "floodgate-sync", "sync_interval": format!("{SYNC_INTERVAL_MS}ms"), "timeout": "500ms"}
+        "global": global_section()
     })
 }
 
-fn proxies(limit: u64, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
-    (0..3)
+/// `count` Envoys with 2 workers each, running `config`, with floodgate-sync at `sync`.
+fn fleet(count: usize, config: &Value, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
+    (0..count)
         .map(|_| {
-            Envoy::builder(config(limit))
+            Envoy::builder(config.clone())
                 .upstream(upstream)
                 .http2_cluster("floodgate-sync", &[sync])
                 .concurrency(2)
                 .start()
         })
         .collect()
+}
+
+fn proxies(limit: u64, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
+    fleet(3, &config(limit), sync, upstream)
 }
 
 /// Statuses of a steady load: `rate` requests per second in all, spread round-robin over the
@@ -353,11 +363,9 @@ async fn costs_count_fleet_wide_in_global_scope() {
             {"name": "tokens", "key": [{"header": "x-api-key"}], "limit": 100, "window": "1h", "scope": "global",
              "match": {"path": {"prefix": "/llm"}}, "cost": {"from": "response_header", "header": "x-tokens-used"}}
         ],
-        "global": {"cluster": "floodgate-sync", "sync_interval": format!("{SYNC_INTERVAL_MS}ms"), "timeout": "500ms"}
+        "global": global_section()
     });
-    let envoys: Vec<Envoy> = (0..2)
-        .map(|_| Envoy::builder(config.clone()).upstream(&upstream).http2_cluster("floodgate-sync", &[sync.addr]).concurrency(2).start())
-        .collect();
+    let envoys = fleet(2, &config, sync.addr, &upstream);
     let (a, b) = (envoys[0].addr(), envoys[1].addr());
     let key = format!("tenant-{}", std::process::id());
     let send = |addr: SocketAddr, path: &'static str, extra: (&'static str, String)| {

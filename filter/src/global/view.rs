@@ -264,7 +264,8 @@ impl ViewRecord {
     }
 
     /// Takes in a confirmed delta and its totals, keeping at most `capacity` entries (the key
-    /// synced longest ago goes first).
+    /// synced longest ago goes first): a batch of one ([`Self::apply_batch`]), for the tests.
+    #[cfg(test)]
     pub fn apply(&mut self, delta: &Delta, totals: Totals, now: UnixMillis, capacity: usize) {
         self.apply_batch(&[(*delta, totals)], now, capacity);
     }
