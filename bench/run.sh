@@ -6,8 +6,8 @@
 #
 # --quick takes about 4 min on 2 cores, the full run about 10 min; --diagnose adds the
 # where-the-time-goes variants (about 30 min in all). valgrind is needed for `instructions`
-# (skipped with a message without it). `global` (part of `all`; about 4 min more with --quick,
-# 9 with the full run) also needs Redis, which scripts/redis.sh installs when missing (apt-get),
+# (skipped with a message without it). `global` (part of `all`; about 8 min more with --quick,
+# 14 with the full run) also needs Redis, which scripts/redis.sh installs when missing (apt-get),
 # and builds floodgate-sync.
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
 # module built elsewhere instead of building this tree's. Loopback only; every server it starts

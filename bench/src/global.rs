@@ -11,7 +11,10 @@
 //! * **CPU per request and Redis commands per request**: two fleets of three Envoys, one rule in
 //!   global scope against the same rule in proxy scope, closed-loop load over 100 keys at the
 //!   highest rate the machine reaches, alternated rounds as in measurement 1; the Envoys' CPU time
-//!   from /proc, Redis's own counters (`INFO commandstats`) before and after each run.
+//!   from /proc, Redis's own counters (`INFO commandstats`) before and after each run;
+//! * **instructions, per request and per second**: one Envoy in each scope under callgrind,
+//!   paced at two rates for the same time; two equations per scope give what a request costs
+//!   and what the timers, batches and views cost per second, without the noise of CPU time.
 
 use crate::envoy::{cpu_ns_of, Envoy, Filter, Route, Spec, SYNC_CLUSTER};
 use crate::load::{self, Conn, Load, Requests};
@@ -33,6 +36,10 @@ const SYNC_INTERVAL_MS: u64 = 100;
 const WINDOW: Duration = Duration::from_secs(3600);
 /// Keys of the CPU and commands runs.
 const KEYS: usize = 100;
+/// Part (e): keys, and the `sync_interval` that brings them all into every batch at the rates
+/// callgrind allows.
+const E_KEYS: usize = 60;
+const E_INTERVAL_MS: u64 = 1000;
 /// Keep-alive connections per proxy of the paced load.
 const PACED_CONNECTIONS: usize = 8;
 /// The quota reserves a worker may hold ahead near the limit (filter/src/ratelimit/reserve.rs).
@@ -287,10 +294,14 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
     if part(s, "cpu") {
         cpu_and_commands(s, &redis, &sync, upstream).await?;
     }
+    if part(s, "instructions") {
+        instructions(s, &sync, upstream).await?;
+    }
     Ok(())
 }
 
-/// Whether `--variants` leaves part `name` in (`quota`: (a), `outage`: (b), `cpu`: (c) and (d)).
+/// Whether `--variants` leaves part `name` in (`quota`: (a), `outage`: (b), `cpu`: (c) and (d),
+/// `instructions`: (e)).
 fn part(s: &Settings, name: &str) -> bool {
     s.only.as_ref().is_none_or(|only| only.iter().any(|o| o == name))
 }
@@ -756,3 +767,137 @@ async fn cpu_and_commands(s: &Settings, redis: &Redis, sync: &Sync, upstream: So
     );
     Ok(())
 }
+
+/// One paced phase of part (e) on one Envoy under callgrind: requests answered, seconds between
+/// the counters' reset and their dump, and the instructions counted.
+struct Counted {
+    requests: u64,
+    seconds: f64,
+    instructions: u64,
+}
+
+/// What a scope costs under callgrind: `p` instructions per request and `i` per second (the
+/// timers, and in global scope the ticks, batches and views), from two phases of the same length
+/// at two rates: `instructions = requests × p + seconds × i`, solved for `p` and `i`.
+fn solve(lo: &Counted, hi: &Counted) -> Option<(f64, f64)> {
+    let (n1, t1, i1) = (lo.requests as f64, lo.seconds, lo.instructions as f64);
+    let (n2, t2, i2) = (hi.requests as f64, hi.seconds, hi.instructions as f64);
+    let det = n1 * t2 - n2 * t1;
+    (det.abs() > 1e-9).then(|| ((i1 * t2 - i2 * t1) / det, (n1 * i2 - n2 * i1) / det))
+}
+
+/// Part (e): instructions per request and per sync interval, global scope against proxy scope,
+/// one Envoy each (2 workers, as deployed) under callgrind. Under callgrind an Envoy answers
+/// only some tens of requests a second, so the measurement keeps the regime of a busy proxy by
+/// stretching time: `sync_interval` 1 s, [`E_KEYS`] keys, and rates that bring every key into
+/// every batch (as 100 keys do at 1 000 req/s with 100 ms). Two phases of the same length at two
+/// such rates give, per scope, `instructions = requests × p + seconds × i` solved for `p` (a
+/// request) and `i` (a second: Envoy's timers, and in global scope one interval's ticks, batch
+/// and view updates for every key).
+async fn instructions(s: &Settings, sync: &Sync, upstream: SocketAddr) -> Result<(), String> {
+    println!("### (e) Instructions per request and per sync interval: global scope against proxy scope\n");
+    if std::process::Command::new("valgrind").arg("--version").output().is_err() {
+        println!("Skipped: valgrind is not installed (`apt-get install valgrind`).\n");
+        return Ok(());
+    }
+    let config = |scope: Scope| {
+        let mut config = json!({"rate_limits": [rule("per-key", "x-api-key", 1_000_000_000, scope)]});
+        if scope == Scope::Global {
+            config["global"] = json!({"cluster": SYNC_CLUSTER, "sync_interval": format!("{E_INTERVAL_MS}ms")});
+        }
+        config
+    };
+    let wrapper = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"].map(String::from).to_vec();
+    let scopes = [Scope::Proxy, Scope::Global];
+    // Spawn both, then wait: each compiles the module under valgrind for a minute or more.
+    let spawned: Vec<Result<Envoy, String>> = scopes
+        .iter()
+        .map(|&scope| {
+            Spec {
+                filter: Filter::Wasm { module: s.floodgate_wasm.clone(), config: config(scope).to_string() },
+                route: Route::Fixed,
+                clusters: [upstream; 3],
+                http2: false,
+                concurrency: WORKERS,
+                cpus: "0".into(),
+                wrapper: wrapper.clone(),
+                sync: (scope == Scope::Global).then_some(sync.addr),
+            }
+            .spawn(&s.envoy)
+        })
+        .collect();
+    let mut envoys = Vec::new();
+    for e in spawned {
+        envoys.push(e.and_then(|e| e.wait_ready(Duration::from_secs(900)))?);
+    }
+    let requests = crate::cpu::key_requests("e", E_KEYS);
+    let make = |i: u64| requests[(i % requests.len() as u64) as usize].clone();
+    let seconds = Duration::from_secs(if s.quick { 10 } else { 20 });
+    let rates = [E_KEYS as f64, 2.0 * E_KEYS as f64];
+    for envoy in &envoys {
+        // Every key seen, and in global scope synced, before counting.
+        paced(&[envoy.addr()], rates[0], Duration::from_secs(3), make).await;
+    }
+    let mut counted: Vec<Vec<Counted>> = vec![Vec::new(), Vec::new()];
+    for &rate in &rates {
+        for (k, envoy) in envoys.iter().enumerate() {
+            if !crate::instructions::callgrind_control(envoy.pid(), "-z") {
+                return Err("callgrind_control -z failed".into());
+            }
+            let started = Instant::now();
+            let sent = paced(&[envoy.addr()], rate, seconds, make).await;
+            if !crate::instructions::callgrind_control(envoy.pid(), "-d") {
+                return Err("callgrind_control -d failed".into());
+            }
+            let elapsed = started.elapsed().as_secs_f64();
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let total = crate::instructions::latest_totals(envoy).ok_or("no callgrind dump found")?;
+            let answered = sent.iter().filter(|x| x.status == 200).count() as u64;
+            if answered != sent.len() as u64 {
+                return Err(format!("{} scope: {} of {} requests answered 200", scopes[k].name(), answered, sent.len()));
+            }
+            let late = sent.iter().filter(|x| x.done.saturating_sub(x.due) > Duration::from_millis(200)).count();
+            progress!("{} scope, {rate:.0} req/s: {answered} requests in {elapsed:.1} s ({late} answered over 200 ms late), {} instructions", scopes[k].name(), count(total));
+            counted[k].push(Counted { requests: answered, seconds: elapsed, instructions: total });
+        }
+    }
+    let solved: Vec<(f64, f64)> = counted
+        .iter()
+        .map(|c| match c.as_slice() {
+            [lo, hi] => solve(lo, hi).ok_or_else(|| "the two phases do not separate".to_string()),
+            _ => Err("a phase is missing".to_string()),
+        })
+        .collect::<Result<_, _>>()?;
+    let [(p_proxy, i_proxy), (p_global, i_global)] = [solved[0], solved[1]];
+    let mut t = Table::new(&["scope", "p: instructions per request", "i: instructions per second"]);
+    for (k, (p, i)) in solved.iter().enumerate() {
+        t.row(vec![scopes[k].name().into(), count(*p as u64), count(*i as u64)]);
+    }
+    let per_interval = i_global - i_proxy;
+    println!(
+        "One Envoy per scope ({WORKERS} workers) under callgrind, the rule of (c), {E_KEYS} keys, `sync_interval` {E_INTERVAL_MS} ms; two phases of {:.0} s \
+         paced at {:.0} and {:.0} req/s (every key in every batch), after 3 s of warm-up. All user-space instructions of the process. Per scope, \
+         `instructions = requests × p + seconds × i`, solved for `p` and `i` (the phases' own counts are in the progress lines).\n\n{}\n",
+        seconds.as_secs_f64(),
+        rates[0],
+        rates[1],
+        t.render()
+    );
+    let mut t = Table::new(&["requests per second per proxy", "proxy scope: instructions per request", "global scope", "global ÷ proxy"]);
+    let intervals_per_s = 1000.0 / SYNC_INTERVAL_MS as f64;
+    for rate in [1000.0, 2000.0, 3000.0, 5000.0] {
+        let (proxy, global) = (p_proxy, p_global + per_interval * intervals_per_s / rate);
+        t.row(vec![format!("{rate:.0}"), count(proxy as u64), count(global as u64), format!("{:.3}", global / proxy)]);
+    }
+    println!(
+        "The global scope adds {:+.0} instructions per request and {:+.0} per interval with {E_KEYS} keys in the batch (ticks of both \
+         workers, the batch, the answer, the view). With `sync_interval` {SYNC_INTERVAL_MS} ms ({intervals_per_s:.0} intervals a second) and \
+         those {E_KEYS} keys in every batch (about {} req/s per proxy or more), a request at rate `R` costs `p + {intervals_per_s:.0} × per-interval / R`:\n\n{}\n",
+        p_global - p_proxy,
+        per_interval,
+        E_KEYS as u64 * intervals_per_s as u64,
+        t.render()
+    );
+    Ok(())
+}
+

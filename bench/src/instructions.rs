@@ -23,7 +23,7 @@ pub const KEYS: usize = cpu::KEYS / 50;
 /// size (writes grant 0, 1, 2, 4, 8, then 16 units), as in a long run.
 const WARM_VISITS_PER_KEY: u64 = 21;
 
-fn callgrind_control(pid: u32, what: &str) -> bool {
+pub fn callgrind_control(pid: u32, what: &str) -> bool {
     Command::new("callgrind_control")
         .arg(what)
         .arg(pid.to_string())
@@ -32,7 +32,7 @@ fn callgrind_control(pid: u32, what: &str) -> bool {
 }
 
 /// The `totals:` of the newest callgrind dump in `dir`.
-fn latest_totals(envoy: &Envoy) -> Option<u64> {
+pub fn latest_totals(envoy: &Envoy) -> Option<u64> {
     let mut dumps: Vec<_> = std::fs::read_dir(envoy.dir())
         .ok()?
         .flatten()

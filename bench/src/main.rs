@@ -52,7 +52,7 @@ pub struct Settings {
     /// Number of CPUs.
     pub cpus: usize,
     /// Only these variants (ids), if given (`cpu`, `instructions`), or parts of `global`
-    /// (`quota`, `outage`, `cpu`).
+    /// (`quota`, `outage`, `cpu`, `instructions`).
     pub only: Option<Vec<String>>,
     /// `memory`: floodgate's table capacity, and distinct keys up to 1.5 × it (default: the
     /// default capacity, and keys up to 1 M).

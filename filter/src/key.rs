@@ -9,7 +9,8 @@ use crate::config::{Config, KeyPart, MissingKey, Scope};
 use crate::global::FleetHasher;
 use crate::ratelimit::Probe;
 use siphasher::sip::SipHasher13;
-use std::hash::Hasher;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 /// The attribute a key part reads from the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,6 +164,34 @@ pub fn probes_where<V: AsRef<[u8]>>(
         probes.push(probe);
     }
     probes
+}
+
+
+/// A hash map over values that are already keyed hashes (a key's fingerprint, a rule's id):
+/// [`MixHasher`] mixes them instead of hashing them again with SipHash, which the standard
+/// map's default would do on every lookup of the request path.
+pub type MixMap<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
+
+/// The hasher of [`MixMap`]: a multiply-rotate mix of the key's words. Not collision-resistant
+/// by itself: only for keys a client cannot choose (they went through [`KeyHasher`] first).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for byte in bytes {
+            self.write_u64(u64::from(*byte));
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (self.0.rotate_left(23) ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+    fn write_usize(&mut self, value: usize) {
+        self.write_u64(value as u64);
+    }
 }
 
 #[cfg(test)]

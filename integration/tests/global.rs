@@ -146,6 +146,12 @@ fn global_stat(what: &str) -> String {
     format!("{WASM_CUSTOM_NAMESPACE}floodgate.global.{what}")
 }
 
+/// The fewest the three proxies admit of a key's `limit`: near it each needs room for its unit
+/// and the two others' share of it, so they may stop up to 2 short (docs/global.md).
+fn floor(limit: u64) -> u64 {
+    limit - 2
+}
+
 /// The overshoot bound of docs/global.md: `limit + R·D·(P − 1)/P` with `D` three sync intervals
 /// plus a call, and the quota reserves' 16 units per worker.
 fn bound(limit: u64, rate: u64) -> u64 {
@@ -176,7 +182,7 @@ async fn three_proxies_keep_one_quota_through_redis_where_proxy_scope_gives_thre
     }
     let admitted = global.get(&200).copied().unwrap_or(0);
     assert_eq!(global.keys().filter(|s| **s != 200 && **s != 429).count(), 0, "only 200 and 429: {global:?}");
-    assert!(admitted >= LIMIT && admitted <= bound(LIMIT, RATE), "global: {admitted} admitted, limit {LIMIT}, bound {}", bound(LIMIT, RATE));
+    assert!(admitted >= floor(LIMIT) && admitted <= bound(LIMIT, RATE), "global: {admitted} admitted, limit {LIMIT}, bound {}", bound(LIMIT, RATE));
     assert_eq!(in_redis, admitted, "Redis holds every admission once");
     assert_eq!(upstream.count_for(&key), admitted);
     // Proxy scope, for contrast: each proxy its own quota (less, at most, the units the other
@@ -308,7 +314,7 @@ async fn a_redis_cluster_keeps_one_quota_and_survives_a_master_failing_over() {
     let quota = steady_load(&addrs, ("x-fleet-key", &format!("quota-{run}")), RATE, Duration::from_secs(5), |_| {}).await;
     let admitted = quota.get(&200).copied().unwrap_or(0);
     println!("cluster, one quota: {quota:?}");
-    assert!(admitted >= LIMIT && admitted <= bound(LIMIT, RATE), "{admitted} admitted, bound {}", bound(LIMIT, RATE));
+    assert!(admitted >= floor(LIMIT) && admitted <= bound(LIMIT, RATE), "{admitted} admitted, bound {}", bound(LIMIT, RATE));
     // Many keys (spread over the masters) while a master is killed and its replica takes over.
     let victim = cluster.masters()[0];
     let mut killed = false;

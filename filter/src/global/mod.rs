@@ -10,16 +10,17 @@
 //! ```text
 //! estimate(key) = local counts (this proxy, exact across its workers)
 //!               + remote counts (the fleet's total less this proxy's confirmed part, last sync)
-//!               + remote rate × lead    (projected: the other proxies' growth between the two
-//!                                        last syncs of the key, over min(age + interval,
-//!                                        4 intervals), age = now − last sync; none past 4)
+//!               + unseen        (the others' growth between the two last syncs of the key, over
+//!                                one interval: their traffic before the sync their batches had
+//!                                not brought yet; none once the view is 4 intervals old)
+//!               + in proportion (this proxy's units past its confirmed part × the others'
+//!                                growth per unit of this proxy's, averaged over recent syncs)
 //! ```
 //!
-//! The projection is a dead-reckoning estimate of the fleet's count (the sliding window's
-//! estimate itself is Cloudflare's, see [`crate::ratelimit::window`]): what the store answered
-//! is a reading `D` old, and the other proxies kept admitting at about the rate they did over the
-//! last interval. Projected units only enter decisions (and so the `ratelimit` header's
-//! remaining): they are never counted in the store, the table, nor a batch.
+//! The last term makes each proxy take about its share of the room left, which is what keeps
+//! the fleet at its limit when every proxy nears it at once ([`view`]'s module doc,
+//! [`crate::ratelimit::remote`]). Projected units only enter decisions (and so the `ratelimit`
+//! header's remaining): they are never counted in the store, the table, nor a batch.
 //!
 //! The flow, once per `sync_interval`: every worker moves its admissions ([`outbox::Deltas`],
 //! merged per key and bucket) into a shared-data outbox; the proxy's one flusher
@@ -33,15 +34,16 @@
 //! call's round trip at most) and `R` the key's fleet-wide rate, spread over `P` proxies,
 //! decisions on the counts as synced let the fleet admit about `limit + R·D·(P − 1)/P` per
 //! window: each proxy can admit what the others admitted during the last `D` before the limit
-//! was reached (measured: `L` + 135 at 1 000 req/s, 3 proxies, 100 ms). The projection adds
-//! `R_remote × lead` with `lead` ≈ `D`, which leaves the error of the rate over one interval
-//! (measured in the same fleet: `L` + 1 to 43 at 1 000 and 3 000 req/s; `docs/global.md`).
-//! It needs two syncs of the key to know its rate, so a key that reaches its limit within about
-//! two intervals of its first request still overshoots as before. The price is the other way:
-//! when the other proxies stop, a proxy over-counts the key by at most `R_remote × 4
-//! intervals` until a sync shows their part did not grow (about 3 intervals), or for 4 intervals
-//! after its last sync of the key, whichever comes first; it admits the rest of the quota after.
-//! Quota reserves (a worker's units counted ahead) add at most 16 units per worker.
+//! was reached (measured: `L` + 135 at 1 000 req/s, 3 proxies, 100 ms). The two projections
+//! cover that delay; what is left is the error of the shares and of one interval's growth
+//! (a simulation with Poisson arrivals and jittered timers, `tests.rs`: `L` − 2 to + 10 at
+//! 1 000 req/s and `L` = 1 000; measured in real Envoys: `docs/global.md`). Both need two syncs
+//! of the key, so a key that reaches its limit within about two intervals of its first request
+//! still overshoots as before. The price is the other way: a fleet may stop up to `P − 1`
+//! units short of the limit (each proxy needs room for a unit and the others' share of it), and
+//! when the other proxies' traffic stops, a proxy refuses early until its syncs show it (the
+//! ratio falls at each: about 2 intervals in the tests) and admits the rest of the quota after.
+//! Quota reserves (a worker's units counted ahead) are only used while the whole estimate fits.
 //!
 //! **Store down.** Batches fail and are sent again unchanged (exactly once: [`flusher`]); new
 //! admissions wait in the outboxes, merged per key, and decisions use the last view. When the
@@ -53,6 +55,7 @@ pub mod protocol;
 pub mod view;
 
 use crate::config::{Config, Scope};
+use crate::ratelimit::remote::Remote;
 use crate::ratelimit::Probe;
 use crate::store::{write_back, SharedStore, StoreError};
 use crate::time::UnixMillis;
@@ -119,8 +122,9 @@ impl FleetHasher {
 pub enum Projection {
     /// Their counts as last synced (the behaviour before issue 16, kept to compare against).
     AsSynced,
-    /// Their counts as last synced plus their rate over the lead the view has not seen
-    /// ([`view`]'s module doc). The default.
+    /// Their counts as last synced, what the store had not seen of them yet, and their likely
+    /// growth since, in proportion to this proxy's ([`view`], [`crate::ratelimit::remote`]).
+    /// The default.
     Ahead,
 }
 
@@ -253,8 +257,8 @@ impl GlobalScope {
             if let Some(rule) = self.rule(probe.rule) {
                 let bucket = bucket_of(now, rule.window_ms);
                 probe.remote = match self.projection {
-                    Projection::AsSynced => node.cache.remote(rule.id, probe.key_hash, bucket),
-                    Projection::Ahead => node.cache.projected(rule.id, probe.key_hash, bucket, now, self.interval_ms),
+                    Projection::AsSynced => Remote { synced: node.cache.remote(rule.id, probe.key_hash, bucket), ..Remote::NONE },
+                    Projection::Ahead => node.cache.shared(rule.id, probe.key_hash, bucket, now, self.interval_ms),
                 };
             }
         }
@@ -286,27 +290,27 @@ impl GlobalScope {
     /// unconfirmed batch again).
     pub fn tick<S: SharedStore + ?Sized>(&self, store: &S, node: &mut VmNode, vm: u64, now: UnixMillis) -> Tick {
         let mut tick = Tick { expired: node.deltas.drop_expired(|w| bucket_of(now, w)), ..Tick::default() };
-        let outbox = self.outbox_keys.get(usize::try_from(vm % OUTBOXES).unwrap_or(0));
-        if let Some(key) = outbox {
-            if !node.deltas.is_empty() {
-                match self.move_to_outbox(store, key, &mut node.deltas) {
-                    Ok(()) => {}
-                    Err(_) => tick.errors = tick.errors.saturating_add(1),
-                }
-            }
-        }
-        match self.refresh(store, &mut node.cache) {
-            Ok(()) => {}
-            Err(_) => tick.errors = tick.errors.saturating_add(1),
-        }
-        tick.staleness_ms = node.cache.index.last_success.map(|t| now.saturating_since(t));
         node.leading = flusher::lead(store, &self.lease_key, vm, now, self.interval_ms).unwrap_or(false);
         tick.leading = node.leading;
         // A VM that lost the lease still finishes its unconfirmed batch (module doc).
-        if (node.leading || node.flusher.pending().is_some()) && !node.flusher.busy(now, self.timeout_ms) {
+        let sends = (node.leading || node.flusher.pending().is_some()) && !node.flusher.busy(now, self.timeout_ms);
+        // The leader's own admissions go straight into its next batch, not through its outbox.
+        let keeps_own = node.leading && sends && node.flusher.pending().is_none();
+        let outbox = self.outbox_keys.get(usize::try_from(vm % OUTBOXES).unwrap_or(0));
+        if let Some(key) = outbox.filter(|_| !keeps_own && !node.deltas.is_empty()) {
+            if self.move_to_outbox(store, key, &mut node.deltas).is_err() {
+                tick.errors = tick.errors.saturating_add(1);
+            }
+        }
+        if self.refresh(store, &mut node.cache).is_err() {
+            tick.errors = tick.errors.saturating_add(1);
+        }
+        tick.staleness_ms = node.cache.index.last_success.map(|t| now.saturating_since(t));
+        if sends {
             let leading = node.leading;
             let source = node.flusher.source;
             let refresh_cache = &node.cache;
+            let own = &mut node.deltas;
             let last_batch = node.last_batch;
             let mut fresh = false;
             let mut take_errors = 0u32;
@@ -318,6 +322,7 @@ impl GlobalScope {
                 take_errors = errors;
                 let mut merged = Deltas::new(usize::MAX);
                 merged.absorb(deltas);
+                merged.absorb(own.take());
                 merged.drop_expired(|w| bucket_of(now, w));
                 // A batch of refreshes alone goes out at most once a second.
                 if merged.is_empty() && now.saturating_since(last_batch) < REFRESH_ONLY_EVERY_MS {
@@ -365,11 +370,18 @@ impl GlobalScope {
                 continue;
             }
             let Some(key) = self.view_keys.get(i) else { continue };
-            if self.update_record(store, key, list, now).is_ok() {
-                written.push(i);
+            if let Ok(record) = self.update_record(store, key, list, now) {
+                written.push((i, record));
             }
         }
-        self.bump_index(store, &written, now);
+        let indices: Vec<usize> = written.iter().map(|(i, _)| *i).collect();
+        if let Some((before, after)) = self.bump_index(store, &indices, now) {
+            // This VM's copy takes the records it wrote, saving their reads at its next tick:
+            // each one whose version nobody else moved since this VM last read it.
+            for (i, record) in written {
+                node.cache.took_own_write(i, record, &before, &after);
+            }
+        }
         Ok(batch.deltas.len())
     }
 
@@ -451,7 +463,7 @@ impl GlobalScope {
         key: &str,
         list: &[(Delta, protocol::Totals)],
         now: UnixMillis,
-    ) -> Result<(), StoreError> {
+    ) -> Result<ViewRecord, StoreError> {
         for _ in 0..MAX_ATTEMPTS {
             let stored = store.get(key)?;
             let mut record = stored
@@ -461,19 +473,23 @@ impl GlobalScope {
             record.apply_batch(list, now, self.view_capacity);
             match write_back(store, key, stored.as_ref(), &record.encode()) {
                 Err(StoreError::CasMismatch) => continue,
-                other => return other,
+                Ok(()) => return Ok(record),
+                Err(e) => return Err(e),
             }
         }
         Err(StoreError::CasMismatch)
     }
 
-    fn bump_index<S: SharedStore + ?Sized>(&self, store: &S, written: &[usize], now: UnixMillis) {
+    /// Moves the versions of the records `written` and the time of the last success; returns
+    /// the index as read and as written.
+    fn bump_index<S: SharedStore + ?Sized>(&self, store: &S, written: &[usize], now: UnixMillis) -> Option<(ViewIndex, ViewIndex)> {
         for _ in 0..MAX_ATTEMPTS {
-            let Ok(stored) = store.get(&self.index_key) else { return };
-            let mut index = stored
+            let stored = store.get(&self.index_key).ok()?;
+            let before = stored
                 .as_ref()
                 .and_then(|s| ViewIndex::decode(&s.value).ok())
                 .unwrap_or_default();
+            let mut index = before;
             for &i in written {
                 if let Some(v) = index.versions.get_mut(i) {
                     *v = v.wrapping_add(1);
@@ -482,9 +498,11 @@ impl GlobalScope {
             index.last_success = Some(now);
             match write_back(store, &self.index_key, stored.as_ref(), &index.encode()) {
                 Err(StoreError::CasMismatch) => continue,
-                _ => return,
+                Ok(()) => return Some((before, index)),
+                Err(_) => return None,
             }
         }
+        None
     }
 }
 

@@ -13,7 +13,7 @@
 //! bucket `u64`, the delta `u32`.
 
 use super::FleetKey;
-use std::collections::HashMap;
+use crate::key::MixMap;
 
 /// Outbox records per proxy.
 pub const OUTBOXES: u64 = 4;
@@ -57,14 +57,14 @@ pub enum DecodeError {
 #[derive(Clone, Debug, Default)]
 pub struct Deltas {
     entries: Vec<Delta>,
-    index: HashMap<(u64, u64, u64), usize>,
+    index: MixMap<(u64, u64, u64), usize>,
     max: usize,
 }
 
 impl Deltas {
     /// Empty, holding at most `max` deltas.
     pub fn new(max: usize) -> Deltas {
-        Deltas { entries: Vec::new(), index: HashMap::new(), max }
+        Deltas { entries: Vec::new(), index: MixMap::default(), max }
     }
 
     /// How many.

@@ -356,7 +356,9 @@ fn the_overshoot_stays_within_its_bound() {
     let d_ms = 3 * 100;
     let bound = f64::from(limit) + 1000.0 * (d_ms as f64 / 1000.0) * 2.0 / 3.0;
     assert!(f64::from(admitted) <= bound, "admitted {admitted}, bound {bound}");
-    assert!(admitted >= limit, "admitted {admitted}: the quota is used");
+    // Near the limit each of the 3 proxies needs room for its unit and the others' share of
+    // it: the fleet may stop up to 2 units short.
+    assert!(admitted >= limit - 2, "admitted {admitted}: the quota is used");
     println!("admitted {admitted} of {limit} (bound {bound:.0})");
 }
 
@@ -400,25 +402,153 @@ fn paced_fleet(limit: u32, rate_per_s: u32, projection: Projection, phase_ms: u6
 
 /// Issue 16's target: at 1 000 req/s over three proxies and `sync_interval` 100 ms, the fleet
 /// admits at most 1.02 × `L` at `L` = 1 000, where decisions on the counts as synced admit
-/// about `L` + 0.135 s of traffic (1.13 × `L` measured in a real fleet).
+/// about `L` + 0.135 s of traffic (1.13 × `L` measured in a real fleet). Paced traffic, round
+/// robin: the projection keeps it within a few units either way, also at 3 000 req/s.
 #[test]
-fn projecting_the_remote_rate_keeps_the_fleet_within_two_percent() {
+fn projecting_keeps_a_paced_fleet_within_a_few_units_of_its_limit() {
     for (phase_ms, rtt_ms) in [(0, 10), (33, 2), (17, 5)] {
         let before = paced_fleet(1000, 1000, Projection::AsSynced, phase_ms, rtt_ms);
         let after = paced_fleet(1000, 1000, Projection::Ahead, phase_ms, rtt_ms);
-        println!("L 1000, 1000 req/s, phase {phase_ms} ms, rtt {rtt_ms} ms: as synced {before}, projected {after}");
+        let fast = paced_fleet(20_000, 3000, Projection::Ahead, phase_ms, rtt_ms);
+        println!("phase {phase_ms} ms, rtt {rtt_ms} ms: L 1000 at 1000 req/s: as synced {before}, projected {after}; L 20000 at 3000 req/s: projected {fast}");
         assert!(before >= 1100, "as synced: {before}");
-        assert!((1000..=1020).contains(&after), "projected: {after}");
+        assert!((998..=1005).contains(&after), "projected: {after}");
+        assert!((19_998..=20_020).contains(&fast), "projected: {fast}");
     }
 }
 
+/// A small xorshift generator: the noisy fleets' arrivals and timers, reproducible by seed.
+struct Noise(u64);
+
+impl Noise {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// Poisson-distributed count with mean `mean` (inversion; `mean` small).
+    fn poisson(&mut self, mean: f64) -> u32 {
+        let u = (self.next() % 1_000_000) as f64 / 1_000_000.0;
+        let (mut k, mut p) = (0u32, (-mean).exp());
+        let mut cdf = p;
+        while u > cdf && k < 64 {
+            k += 1;
+            p *= mean / f64::from(k);
+            cdf += p;
+        }
+        k
+    }
+}
+
+/// Three proxies, two VMs each, one key's traffic as a real load generator sends it: Poisson
+/// arrivals at `rate_per_s` (fleet-wide), each to a random proxy and VM; each VM ticks on its
+/// own timer (phase random, period 95–105 ms); each answer comes 1–5 ms after its call. The
+/// requests the fleet admitted.
+fn noisy_fleet(limit: u32, rate_per_s: u32, seed: u64) -> u32 {
+    let config = config(limit, "1h");
+    let mut proxies: Vec<Proxy> = (0..3).map(|i| Proxy::new(&config, 2, i + 1)).collect();
+    let mut noise = Noise(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut sync = FakeSync::default();
+    let start = (T0 / 3_600_000 + 1) * 3_600_000;
+    let duration_ms = u64::from(limit) * 1000 / u64::from(rate_per_s) + 3_000;
+    let mut next_tick: Vec<[u64; 2]> = (0..3).map(|_| [noise.next() % 100, noise.next() % 100]).collect();
+    let mut answers: Vec<(u64, usize)> = Vec::new();
+    let mut admitted = 0u32;
+    for ms in 0..duration_ms {
+        let now = UnixMillis(start + ms);
+        for _ in 0..noise.poisson(f64::from(rate_per_s) / 1000.0) {
+            let (p, vm) = ((noise.next() % 3) as usize, (noise.next() % 2) as usize);
+            admitted += u32::from(proxies[p].request(vm, "hot", now));
+        }
+        for (p, ticks) in next_tick.iter_mut().enumerate() {
+            for (vm, at) in ticks.iter_mut().enumerate() {
+                if ms < *at {
+                    continue;
+                }
+                *at = ms + 95 + noise.next() % 11;
+                let proxy = &mut proxies[p];
+                let (id, node, _) = &mut proxy.vms[vm];
+                let tick = proxy.scope.tick(&proxy.store, node, *id, now);
+                if let Some(body) = tick.send {
+                    let token = proxy.next_token;
+                    proxy.next_token += 1;
+                    node.flusher.sent(token, now);
+                    proxy.calls.push((token, vm, body));
+                    answers.push((ms + 1 + noise.next() % 5, p));
+                }
+            }
+        }
+        let due: Vec<usize> = answers.iter().filter(|(at, _)| *at <= ms).map(|(_, p)| *p).collect();
+        answers.retain(|(at, _)| *at > ms);
+        for p in due {
+            proxies[p].deliver(&mut sync, now);
+        }
+    }
+    admitted
+}
+
+/// Issue 16's target with noise: at 1 000 req/s and `L` = 1 000, and at 3 000 req/s and
+/// `L` = 20 000, every seed's fleet admits at most 1.02 × `L` (1.01 × at 20 000), and at most 2
+/// units short of it.
+#[test]
+fn a_noisy_fleet_stays_within_two_percent_of_its_limit() {
+    for (limit, rate, seeds, over) in [(1000u32, 1000u32, 1..=12u64, 20u32), (20_000, 3000, 1..=4, 200)] {
+        let admitted: Vec<u32> = seeds.map(|seed| noisy_fleet(limit, rate, seed)).collect();
+        println!("L {limit} at {rate} req/s: admitted {admitted:?}");
+        for a in admitted {
+            assert!((limit - 2..=limit + over).contains(&a), "L {limit}: admitted {a}");
+        }
+    }
+}
+
+/// Many proxies (20 and 50, a mesh of sidecars), one key at 10 req/s over all of them, each
+/// proxy seeing a request every few seconds, limit 100: the fleet admits about the limit, where
+/// a proxy's share of the key is small and learned from few units.
+#[test]
+fn many_proxies_with_rare_requests_share_a_small_quota() {
+    for n in [20u64, 50] {
+        let admitted: Vec<u32> = (1..=4u64)
+            .map(|seed| {
+                let config = config(100, "1h");
+                let mut proxies: Vec<Proxy> = (0..n).map(|i| Proxy::new(&config, 1, i + 1)).collect();
+                let mut noise = Noise(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+                let mut sync = FakeSync::default();
+                let start = (T0 / 3_600_000 + 1) * 3_600_000;
+                let phases: Vec<u64> = (0..n).map(|_| noise.next() % 100).collect();
+                let mut admitted = 0u32;
+                for ms in 0..40_000u64 {
+                    let now = UnixMillis(start + ms);
+                    if noise.next() % 100 == 0 {
+                        let p = (noise.next() % n) as usize;
+                        admitted += u32::from(proxies[p].request(0, "cold", now));
+                    }
+                    for (p, proxy) in proxies.iter_mut().enumerate() {
+                        if ms % 100 == phases[p] {
+                            proxy.tick(now);
+                        }
+                        if ms % 100 == (phases[p] + 3) % 100 {
+                            proxy.deliver(&mut sync, now);
+                        }
+                    }
+                }
+                admitted
+            })
+            .collect();
+        println!("{n} proxies, limit 100, 10 req/s for 40 s: admitted {admitted:?}");
+        for a in admitted {
+            assert!((90..=103).contains(&a), "{n} proxies: admitted {a}");
+        }
+    }
+}
 
 /// Two proxies share a key at 1 000 req/s until the fleet is near its limit; then B's traffic
-/// stops. A over-counts the key (B's rate projected) only until its syncs show that B's part
-/// stopped growing, within the capped lead of the last growth, and then admits the rest of the
-/// quota: the fleet ends at the limit exactly.
+/// stops. A, which counts B's likely growth in proportion to its own, refuses a few requests
+/// early, until its syncs show that B's part stopped growing (its ratio falls at each), and
+/// then admits the rest of the quota: the fleet ends at the limit (or one unit short).
 #[test]
-fn a_stopped_remote_is_over_counted_only_for_the_capped_lead() {
+fn a_stopped_remote_costs_a_few_early_refusals_and_the_fleet_still_reaches_its_limit() {
     let limit = 1000;
     let config = config(limit, "1h");
     let (mut a, mut b) = (Proxy::new(&config, 1, 1), Proxy::new(&config, 1, 2));
@@ -427,7 +557,7 @@ fn a_stopped_remote_is_over_counted_only_for_the_capped_lead() {
     let stop_ms = 900;
     let rule = a.scope.rules[0].unwrap().id;
     let fingerprint = crate::key::KeyHasher::new([9; 16]).hash([Some(&b"k"[..])]);
-    let (mut admitted, mut last_over_counted_ms) = (0u32, None);
+    let (mut admitted, mut per_local_at_stop) = (0u32, 0);
     let (mut refused_by_a, mut admitted_by_a_after) = (Vec::new(), Vec::new());
     for ms in 0..3_000u64 {
         let now = UnixMillis(start + ms);
@@ -442,10 +572,8 @@ fn a_stopped_remote_is_over_counted_only_for_the_capped_lead() {
         } else if ms < stop_ms {
             admitted += u32::from(b.request(0, "k", now));
         }
-        let cache = &a.vms[0].1.cache;
-        let bucket = now.0 / 3_600_000;
-        if cache.projected(rule, fingerprint, bucket, now, 100) != cache.remote(rule, fingerprint, bucket) {
-            last_over_counted_ms = Some(ms);
+        if ms == stop_ms {
+            per_local_at_stop = a.vms[0].1.cache.shared(rule, fingerprint, now.0 / 3_600_000, now, 100).per_local_q16;
         }
         if ms % 100 == 0 {
             a.tick(now);
@@ -460,15 +588,17 @@ fn a_stopped_remote_is_over_counted_only_for_the_capped_lead() {
             b.deliver(&mut sync, now);
         }
     }
-    let last = last_over_counted_ms.unwrap();
     let first_refusal = refused_by_a.first().copied().unwrap();
-    println!("B stopped at {stop_ms} ms; over-counted until {last} ms; A refused from {first_refusal} ms, admitted again {:?} ms; {admitted} admitted",
-        (admitted_by_a_after.iter().find(|&&t| t > first_refusal), admitted_by_a_after.last()));
-    assert!(last >= stop_ms, "B's rate was projected when it stopped");
-    assert!(last < stop_ms + view::LEAD_CAP_INTERVALS * 100, "over-counted until {last} ms");
-    assert!(first_refusal <= last, "the projection refused A's requests for a while");
-    assert!(admitted_by_a_after.iter().any(|&t| t > last), "then A admitted again");
-    assert_eq!(admitted, limit, "the rest of the quota was admitted once the projection went");
+    let again = admitted_by_a_after.iter().copied().find(|&t| t > first_refusal).unwrap();
+    println!(
+        "B stopped at {stop_ms} ms (A counted {:.2} of B's units per unit of its own); A refused from {first_refusal} ms, admitted again from {again} ms; {admitted} admitted",
+        f64::from(per_local_at_stop) / 65_536.0
+    );
+    assert!((1 << 15..1 << 17).contains(&per_local_at_stop), "about one of B's units per unit of A's");
+    assert!(first_refusal >= stop_ms - 100, "refused from {first_refusal} ms");
+    assert!(again < stop_ms + 3 * 100, "A admitted again {} ms after B stopped", again - stop_ms);
+    // To the shares' granularity: two proxies may stop one unit short.
+    assert!((limit - 1..=limit).contains(&admitted), "the rest of the quota was admitted: {admitted}");
 }
 
 /// A proxy alone in its fleet sees no remote growth: its decisions are the same, request by
@@ -498,4 +628,69 @@ fn a_proxy_alone_decides_as_without_the_projection() {
     let (before, after) = (run(Projection::AsSynced), run(Projection::Ahead));
     assert!(before.contains(&false) && before.contains(&true));
     assert_eq!(before, after);
+}
+
+
+/// A shared store that counts the host calls made through it.
+struct Counting<'a> {
+    inner: &'a MemoryStore,
+    gets: std::cell::Cell<u64>,
+    sets: std::cell::Cell<u64>,
+}
+
+impl SharedStore for Counting<'_> {
+    fn get(&self, key: &str) -> Result<Option<crate::store::Stored>, StoreError> {
+        self.gets.set(self.gets.get() + 1);
+        self.inner.get(key)
+    }
+    fn set(&self, key: &str, value: &[u8], cas: Option<crate::store::Cas>) -> Result<(), StoreError> {
+        self.sets.set(self.sets.get() + 1);
+        self.inner.set(key, value, cas)
+    }
+}
+
+/// The global scope's cost is per interval (docs/global.md), and a host call costs about
+/// 11 000 instructions: one interval of a busy proxy (2 VMs, 100 keys each with new admissions,
+/// so every view record changes) takes 18 reads and 8 writes of shared data (81 before the view
+/// went from 16 records to 4, the leader's own admissions skipped its outbox and its copy of the
+/// view took the records it wrote).
+#[test]
+fn a_busy_interval_takes_few_host_calls() {
+    let config = config(1_000_000_000, "1m");
+    let mut p = Proxy::new(&config, 2, 1);
+    let mut sync = FakeSync::default();
+    let global_store = MemoryStore::new();
+    let counting = Counting { inner: &global_store, gets: Default::default(), sets: Default::default() };
+    let keys: Vec<String> = (0..100).map(|i| format!("k{i}")).collect();
+    let (warm, measured) = (10u64, 50u64);
+    let mut confirmed = 0;
+    for i in 0..warm + measured {
+        let now = UnixMillis(T0 + i * 100);
+        if i == warm {
+            counting.gets.set(0);
+            counting.sets.set(0);
+        }
+        for (j, k) in keys.iter().enumerate() {
+            p.request(j % 2, k, now);
+        }
+        let mut calls = Vec::new();
+        for v in 0..2 {
+            let (vm, node, _) = &mut p.vms[v];
+            let tick = p.scope.tick(&counting, node, *vm, now);
+            if let Some(body) = tick.send {
+                let token = u32::try_from(i).unwrap() + 1;
+                node.flusher.sent(token, now);
+                calls.push((v, token, body));
+            }
+        }
+        for (v, token, body) in calls {
+            let answer = sync.call(&body);
+            let (_, node, _) = &mut p.vms[v];
+            confirmed += usize::from(p.scope.answered(&counting, node, token, answer, now.plus_ms(5)).is_ok() && i >= warm);
+        }
+    }
+    let (gets, sets) = (counting.gets.get() as f64 / measured as f64, counting.sets.get() as f64 / measured as f64);
+    println!("per interval: {gets:.1} reads, {sets:.1} writes of shared data; {confirmed} batches of {measured} confirmed");
+    assert_eq!(confirmed, measured as usize, "a batch every interval");
+    assert!(gets <= 18.0 && sets <= 8.0, "{gets} reads and {sets} writes per interval");
 }

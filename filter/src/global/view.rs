@@ -1,5 +1,6 @@
 //! The view: what a proxy last learned of its keys' fleet-wide counts, how much of them is its
-//! own, and how fast the rest grew.
+//! own, how fast the rest grew, and how the key's traffic splits between this proxy and the
+//! others.
 //!
 //! For each key the flusher synced, a [`ViewEntry`] keeps the fleet totals of the key's bucket
 //! and of the one before (as the store answered), and this proxy's own part of them (the deltas
@@ -7,31 +8,43 @@
 //!
 //! ```text
 //! remote = total − applied                      (per bucket, never below zero)
-//! a key's estimate = local counts (this proxy, exact) + remote + projected
 //! ```
 //!
-//! **Projected units** (issue 16). `remote` is what the store held at the last sync, and the
-//! other proxies went on admitting since: what they admitted after their own last batch (up to
-//! about an interval, their *unflushed* part) and everything since this proxy's sync (the
-//! view's *age*, `now − synced`). Each entry also keeps the rate at which `remote` grew between
-//! the two last syncs that answered for the key ([`RemoteRate`]: units over milliseconds), and a
-//! decision adds what that rate gives over the `lead` the view has not seen:
+//! **What the last sync could not see** (issue 16). `remote` is what the store held at the last
+//! sync, and the other proxies went on admitting since. A decision adds two projections, never
+//! stored as counts nor sent ([`ViewEntry::shared_at`], [`crate::ratelimit::remote`]):
 //!
 //! ```text
-//! lead      = min(age + sync_interval, 4 × sync_interval)         (none once age > 4 intervals)
-//! projected = grew_units × lead / max(over_ms, sync_interval)     (integers, rounded down)
+//! fleet(local) = local + remote
+//!              + unseen                                  (their traffic before the sync)
+//!              + (local.current − confirmed)⁺ × r / l    (their traffic since, in proportion)
+//! unseen = grew_units × sync_interval / max(over_ms, sync_interval)   (none past 4 intervals)
 //! ```
 //!
-//! Why the two last syncs and not a longer average (an EWMA): the sample spans one interval, in
-//! which each other proxy's flusher lands one batch, so it is already an average over the
-//! interval, and it forgets at once: the first sync after the other proxies stop shows no
-//! growth and the projection is gone, where an average would keep over-counting a stopped key
-//! for several intervals. The span is read as at least one interval because the store grows by
-//! whole batches: two syncs a few milliseconds apart (the flusher's lease moving) would
-//! otherwise turn one batch into a huge rate. The rate is zero for a key synced once, when
-//! `remote` did not grow, and when the key's bucket moved by two or more between the samples
-//! (the counts of the buckets between are unknown). Projected units are never stored as counts
-//! nor sent: they only enter decisions ([`ViewEntry::projected_at`]), and are never negative.
+//! - *Unseen*: what the others admitted before this proxy's sync that their own batches had
+//!   not brought to the store yet. Their batches land at other moments of the interval than
+//!   this proxy's, so on average about one interval of their traffic is missing from the total
+//!   this proxy reads (the outbox and the flusher's timer each hold admissions up to an
+//!   interval, against this proxy's own unconfirmed part which the next term scales). It is
+//!   their growth between the two last syncs of the key ([`RemoteRate`]) over one interval;
+//!   it vanishes with the first sync that shows no growth, and once the view of the key is
+//!   over [`LEAD_CAP_INTERVALS`] intervals old.
+//! - *In proportion*: what the others admitted since, estimated from what this proxy admitted
+//!   since (its units past its confirmed part) times `r / l`, the ratio of their growth to this
+//!   proxy's over the recent syncs ([`Share`], moving averages). With `s` this proxy's share of
+//!   the key's traffic, `r / l = (1 − s)/s`, and a request is admitted when `fleet(local +
+//!   cost)` fits: near the limit each proxy takes about its share `s` of the room left at its
+//!   sync, and the shares add up to one. The ratio is kept as it is when a sync finds no growth
+//!   at all, so when every proxy refuses, nobody's estimate falls back and lets all of them
+//!   take the same room at once (what decisions on a rate alone did: the rate goes to zero when
+//!   everyone refuses). A proxy whose traffic stops elsewhere sees the ratio fall at each sync.
+//!
+//! Measured against the rate projection it replaces (`lead = age + interval` over the rate,
+//! 2026-11-25): the same noisy simulation of three proxies at 1 000 req/s and `L` = 1 000
+//! (`tests.rs`, `a_noisy_fleet_stays_within_two_percent_of_its_limit`) went from `L + 1` to
+//! `L + 42` over 20 seeds to `L − 2` to `L + 10`. The price is granularity: near the limit a
+//! proxy needs room for a unit and the others' share of it, so a fleet of `P` proxies may stop
+//! up to `P − 1` units short of the limit in a window with nothing in its previous bucket.
 //!
 //! Entries live in [`VIEW_RECORDS`] shared-data records (by fingerprint), written only by the
 //! proxy's flusher, plus an index record with a version per record and the time of the last
@@ -44,32 +57,36 @@
 //! for [`REFRESH_AFTER_INTERVALS`] intervals), so a key whose traffic moves from proxy to proxy
 //! is decided on a view at most about a second old.
 //!
-//! Record layout (little-endian, version 3; a record of another version reads as empty): version
-//! `u8`, 1 zero byte, count `u16`, then per entry the rule id `u64`, the fingerprint `u64`, the
+//! Record layout (little-endian, version 4; a record of another version reads as empty): version
+//! `u8`, 3 zero bytes, count `u32`, then per entry the rule id `u64`, the fingerprint `u64`, the
 //! fleet key `u128`, the window (ms) `u64`, the bucket `u64`, total previous and current `u32`,
-//! applied previous and current `u32`, when it was last synced (ms) `u64`, and the remote rate's
-//! units and milliseconds `u32`. Index (version 2): version `u8`, 7 zero bytes, last success (ms,
+//! applied previous and current `u32`, when it was last synced (ms) `u64`, the remote rate's
+//! units and milliseconds `u32`, and the share's local and remote averages (`f32` bits, finite).
+//! Index (version 3): version `u8`, 7 zero bytes, last success (ms,
 //! 0 for never) `u64`, then [`VIEW_RECORDS`] versions `u64`.
 
 use super::outbox::Delta;
 use super::FleetKey;
 use super::protocol::Totals;
+use crate::ratelimit::remote::Remote;
 use crate::ratelimit::window::Counts;
 use crate::time::UnixMillis;
-use std::collections::HashMap;
+use crate::key::MixMap;
 
-/// Records the view is spread over.
-pub const VIEW_RECORDS: usize = 16;
+/// Records the view is spread over. Every worker reads the index and each record that changed
+/// at every tick, one host call each, and a batch of a busy proxy changes them all: few records
+/// keep those calls few (4: 1 024 entries each at the default `max_keys`), and a record is
+/// only rewritten when one of its keys was synced.
+pub const VIEW_RECORDS: usize = 4;
 /// Keys a batch re-reads at most besides its deltas.
 pub const REFRESH_PER_BATCH: usize = 128;
 /// A key is re-read once it was not synced for this many intervals.
 pub const REFRESH_AFTER_INTERVALS: u64 = 5;
-/// A key's projection holds for at most this many intervals after its last sync, and its lead
-/// is at most that long.
+/// A key's unseen part is projected for at most this many intervals after its last sync.
 pub const LEAD_CAP_INTERVALS: u64 = 4;
-const RECORD_VERSION: u8 = 3;
-const INDEX_VERSION: u8 = 2;
-const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8 + 4 + 4;
+const RECORD_VERSION: u8 = 4;
+const INDEX_VERSION: u8 = 3;
+const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8 + 4 + 4 + 4 + 4;
 const INDEX_LEN: usize = 16 + 8 * VIEW_RECORDS;
 
 /// What the proxy knows of one key's fleet-wide counts.
@@ -93,7 +110,56 @@ pub struct ViewEntry {
     pub synced: UnixMillis,
     /// How fast the other proxies' part grew between the two last syncs.
     pub rate: RemoteRate,
+    /// How the key's growth splits between this proxy and the others, over the recent syncs.
+    pub share: Share,
 }
+
+/// A key's recent growth here and elsewhere: exponentially weighted moving averages of what
+/// each sync found this proxy's part and the other proxies' part grew by since the sync
+/// before (weight [`SHARE_WEIGHT`] on the newest). Only their ratio is used, and a sync that
+/// finds no growth at all leaves it as it was.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Share {
+    /// This proxy's growth per sync, averaged.
+    pub local: f32,
+    /// The other proxies' growth per sync, averaged.
+    pub remote: f32,
+}
+
+/// The newest sample's weight in [`Share`]'s averages.
+pub const SHARE_WEIGHT: f32 = 0.25;
+/// The other proxies' units per local unit at most (a proxy with a share of 1/65 or less).
+pub const MAX_PER_LOCAL: f32 = 64.0;
+
+impl Share {
+    fn learn(&mut self, local: u32, remote: u32) {
+        if local == 0 && remote == 0 {
+            return;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let (local, remote) = (local as f32, remote as f32);
+        if self.local == 0.0 && self.remote == 0.0 {
+            *self = Share { local, remote };
+            return;
+        }
+        self.local += SHARE_WEIGHT * (local - self.local);
+        self.remote += SHARE_WEIGHT * (remote - self.remote);
+    }
+
+    /// The other proxies' units per local unit, × 2¹⁶ ([`crate::ratelimit::remote`]).
+    pub fn per_local_q16(&self) -> u32 {
+        if self.remote <= 0.0 {
+            return 0;
+        }
+        let ratio = if self.local <= 0.0 { MAX_PER_LOCAL } else { (self.remote / self.local).min(MAX_PER_LOCAL) };
+        // In range by the clamp above: at most 64 × 2¹⁶.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let q16 = (ratio * 65_536.0) as u32;
+        q16
+    }
+}
+
+impl Eq for Share {}
 
 /// How much the other proxies' part of a key grew between two syncs, and over how long: a rate
 /// kept as a fraction, so that projecting it is exact integer arithmetic.
@@ -120,19 +186,29 @@ impl ViewEntry {
     }
 
     /// What the other proxies admitted, as seen from bucket `bucket` at `now`: [`Self::remote_at`]
-    /// plus their rate over the lead this view has not seen (module doc), in the current bucket.
+    /// plus what their rate gives over one interval, the part of their traffic before this
+    /// proxy's last sync that the store had not seen yet (module doc), in the current bucket;
+    /// nothing more once the view of the key is over [`LEAD_CAP_INTERVALS`] intervals old.
     /// Never below [`Self::remote_at`].
     pub fn projected_at(&self, bucket: u64, now: UnixMillis, interval_ms: u64) -> Counts {
         let remote = self.remote_at(bucket);
-        let cap_ms = interval_ms.saturating_mul(LEAD_CAP_INTERVALS);
-        let age_ms = now.saturating_since(self.synced);
-        if age_ms > cap_ms {
+        if now.saturating_since(self.synced) > interval_ms.saturating_mul(LEAD_CAP_INTERVALS) {
             return remote;
         }
-        let lead_ms = age_ms.saturating_add(interval_ms).min(cap_ms);
         let span_ms = u64::from(self.rate.over_ms).max(interval_ms).max(1);
-        let projected = u64::from(self.rate.grew_units).saturating_mul(lead_ms).checked_div(span_ms).unwrap_or(0);
-        remote.plus(clamp(projected))
+        let unseen = u64::from(self.rate.grew_units).saturating_mul(interval_ms).checked_div(span_ms).unwrap_or(0);
+        remote.plus(clamp(unseen))
+    }
+
+    /// What the other proxies add to this proxy's counts of the key in bucket `bucket` at `now`
+    /// ([`crate::ratelimit::remote`]): [`Self::projected_at`], and their growth since in
+    /// proportion to this proxy's growth past its confirmed part ([`Share`]).
+    pub fn shared_at(&self, bucket: u64, now: UnixMillis, interval_ms: u64) -> Remote {
+        Remote {
+            synced: self.projected_at(bucket, now, interval_ms),
+            confirmed: self.applied.rolled(self.bucket, bucket).current,
+            per_local_q16: self.share.per_local_q16(),
+        }
     }
 
     /// Takes the sample of the remote rate between the sync of `before` (this entry as it was)
@@ -144,15 +220,17 @@ impl ViewEntry {
             return;
         }
         let over_ms = clamp(now.saturating_since(before.synced));
-        let grew_units = match self.bucket.checked_sub(before.bucket) {
-            Some(0 | 1) => {
-                let (was, is) = (before.remote_at(self.bucket), self.remote_at(self.bucket));
-                is.previous.saturating_sub(was.previous).saturating_add(is.current.saturating_sub(was.current))
-            }
+        let growth = |was: Counts, is: Counts| is.previous.saturating_sub(was.previous).saturating_add(is.current.saturating_sub(was.current));
+        let (grew_units, grew_here) = match self.bucket.checked_sub(before.bucket) {
+            Some(0 | 1) => (
+                growth(before.remote_at(self.bucket), self.remote_at(self.bucket)),
+                growth(before.applied.rolled(before.bucket, self.bucket), self.applied),
+            ),
             // Two buckets or more apart (or a bucket back): the difference means nothing.
-            _ => 0,
+            _ => (0, 0),
         };
         self.rate = RemoteRate { grew_units, over_ms };
+        self.share.learn(grew_here, grew_units);
     }
 
     /// Takes in a confirmed delta and the store's totals after it.
@@ -202,7 +280,7 @@ pub enum DecodeError {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ViewRecord {
     /// By (rule id, fingerprint).
-    pub entries: HashMap<(u64, u64), ViewEntry>,
+    pub entries: MixMap<(u64, u64), ViewEntry>,
 }
 
 impl ViewRecord {
@@ -212,9 +290,9 @@ impl ViewRecord {
         if bytes.is_empty() {
             return Ok(record);
         }
-        let (header, body) = bytes.split_at_checked(4).ok_or(DecodeError::Malformed)?;
-        let count = header.get(2..4).and_then(|b| <[u8; 2]>::try_from(b).ok()).map(u16::from_le_bytes);
-        let count = usize::from(count.ok_or(DecodeError::Malformed)?);
+        let (header, body) = bytes.split_at_checked(8).ok_or(DecodeError::Malformed)?;
+        let count = header.get(4..8).and_then(|b| <[u8; 4]>::try_from(b).ok()).map(u32::from_le_bytes);
+        let count = usize::try_from(count.ok_or(DecodeError::Malformed)?).map_err(|_| DecodeError::Malformed)?;
         if header.first() != Some(&RECORD_VERSION) || body.len() != count.saturating_mul(ENTRY_LEN) {
             return Err(DecodeError::Malformed);
         }
@@ -232,7 +310,11 @@ impl ViewRecord {
                 applied: Counts { previous: u32_at(56), current: u32_at(60) },
                 synced: UnixMillis(u64_at(64)),
                 rate: RemoteRate { grew_units: u32_at(72), over_ms: u32_at(76) },
+                share: Share { local: f32::from_bits(u32_at(80)), remote: f32::from_bits(u32_at(84)) },
             };
+            if !entry.share.local.is_finite() || !entry.share.remote.is_finite() {
+                return Err(DecodeError::Malformed);
+            }
             if entry.window_ms == 0 {
                 return Err(DecodeError::Malformed);
             }
@@ -243,10 +325,10 @@ impl ViewRecord {
 
     /// Writes the record.
     pub fn encode(&self) -> Vec<u8> {
-        let count = self.entries.len().min(usize::from(u16::MAX));
-        let mut out = Vec::with_capacity(4usize.saturating_add(count.saturating_mul(ENTRY_LEN)));
-        out.extend_from_slice(&[RECORD_VERSION, 0]);
-        out.extend_from_slice(&u16::try_from(count).unwrap_or(u16::MAX).to_le_bytes());
+        let count = self.entries.len().min(u32::MAX as usize);
+        let mut out = Vec::with_capacity(8usize.saturating_add(count.saturating_mul(ENTRY_LEN)));
+        out.extend_from_slice(&[RECORD_VERSION, 0, 0, 0]);
+        out.extend_from_slice(&u32::try_from(count).unwrap_or(u32::MAX).to_le_bytes());
         for e in self.entries.values().take(count) {
             out.extend_from_slice(&e.rule.to_le_bytes());
             out.extend_from_slice(&e.fingerprint.to_le_bytes());
@@ -259,6 +341,8 @@ impl ViewRecord {
             out.extend_from_slice(&e.synced.0.to_le_bytes());
             out.extend_from_slice(&e.rate.grew_units.to_le_bytes());
             out.extend_from_slice(&e.rate.over_ms.to_le_bytes());
+            out.extend_from_slice(&e.share.local.to_bits().to_le_bytes());
+            out.extend_from_slice(&e.share.remote.to_bits().to_le_bytes());
         }
         out
     }
@@ -273,7 +357,7 @@ impl ViewRecord {
     /// Takes in one batch's confirmed deltas of this record and their totals (in bucket order),
     /// then each key's sample of the remote rate since its sync before this one.
     pub fn apply_batch(&mut self, list: &[(Delta, Totals)], now: UnixMillis, capacity: usize) {
-        let mut before: HashMap<(u64, u64), Option<ViewEntry>> = HashMap::new();
+        let mut before: MixMap<(u64, u64), Option<ViewEntry>> = MixMap::default();
         for (delta, totals) in list {
             let id = (delta.rule, delta.fingerprint);
             before.entry(id).or_insert_with(|| self.entries.get(&id).copied());
@@ -379,6 +463,22 @@ impl ViewCache {
         }
     }
 
+    /// Takes record `i` as this VM just wrote it, the index going from `before` to `after`
+    /// with that write: only if this copy of the record was of `before`'s version (nobody else
+    /// wrote it since this VM read it; otherwise the next tick reads it).
+    pub fn took_own_write(&mut self, i: usize, record: ViewRecord, before: &ViewIndex, after: &ViewIndex) {
+        let (Some(&was), Some(&now), Some(mine)) = (before.versions.get(i), after.versions.get(i), self.index.versions.get(i).copied()) else {
+            return;
+        };
+        if was != mine || self.records.get(i).is_none() {
+            return;
+        }
+        self.store(i, record);
+        if let Some(v) = self.index.versions.get_mut(i) {
+            *v = now;
+        }
+    }
+
     /// Adopts the index whose stale records were stored.
     pub fn adopt(&mut self, index: ViewIndex) {
         self.index = index;
@@ -389,10 +489,10 @@ impl ViewCache {
         self.entry(rule, fingerprint).map_or_else(Counts::default, |e| e.remote_at(bucket))
     }
 
-    /// The other proxies' counts of a key with the units they likely admitted since the last
-    /// sync ([`ViewEntry::projected_at`]; zero for a key never synced).
-    pub fn projected(&self, rule: u64, fingerprint: u64, bucket: u64, now: UnixMillis, interval_ms: u64) -> Counts {
-        self.entry(rule, fingerprint).map_or_else(Counts::default, |e| e.projected_at(bucket, now, interval_ms))
+    /// What the other proxies add to this proxy's counts of a key ([`ViewEntry::shared_at`];
+    /// nothing for a key never synced).
+    pub fn shared(&self, rule: u64, fingerprint: u64, bucket: u64, now: UnixMillis, interval_ms: u64) -> Remote {
+        self.entry(rule, fingerprint).map_or(Remote::NONE, |e| e.shared_at(bucket, now, interval_ms))
     }
 
     fn entry(&self, rule: u64, fingerprint: u64) -> Option<&ViewEntry> {
@@ -493,7 +593,7 @@ mod tests {
     }
 
     #[test]
-    fn the_remote_rate_is_learned_between_two_syncs_and_projected_over_the_lead() {
+    fn the_remote_rate_is_learned_between_two_syncs_and_projected_over_one_interval() {
         let mut r = ViewRecord::default();
         r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
         let e = r.entries[&(1, 33)];
@@ -504,14 +604,13 @@ mod tests {
         let e = r.entries[&(1, 33)];
         assert_eq!(e.rate, RemoteRate { grew_units: 10, over_ms: 100 });
         assert_eq!(e.remote_at(10), Counts { previous: 0, current: 17 });
-        // Lead = age + one interval: 50 + 100 ms at 10 units per 100 ms.
-        assert_eq!(e.projected_at(10, UnixMillis(1_150), 100), Counts { previous: 0, current: 32 });
-        // At most four intervals of lead; none once the view of the key is older than that.
-        assert_eq!(e.projected_at(10, UnixMillis(1_450), 100).current, 17 + 40);
-        assert_eq!(e.projected_at(10, UnixMillis(1_500), 100).current, 17 + 40);
+        // One interval at 10 units per 100 ms, whatever the view's age...
+        assert_eq!(e.projected_at(10, UnixMillis(1_150), 100), Counts { previous: 0, current: 27 });
+        assert_eq!(e.projected_at(10, UnixMillis(1_500), 100).current, 17 + 10);
+        // ... and none once the view of the key is over four intervals old.
         assert_eq!(e.projected_at(10, UnixMillis(1_501), 100), e.remote_at(10));
         // In the next bucket the projection goes to the current bucket.
-        assert_eq!(e.projected_at(11, UnixMillis(1_150), 100), Counts { previous: 17, current: 15 });
+        assert_eq!(e.projected_at(11, UnixMillis(1_150), 100), Counts { previous: 17, current: 10 });
         // No growth: no rate.
         r.apply(&delta(10, 1), Totals { previous: 0, current: 24 }, UnixMillis(1_200), 8);
         assert_eq!(r.entries[&(1, 33)].rate.grew_units, 0);
@@ -532,7 +631,7 @@ mod tests {
         r.apply(&delta(13, 1), Totals { previous: 50, current: 81 }, UnixMillis(1_205), 8);
         let e = r.entries[&(1, 33)];
         assert_eq!(e.rate, RemoteRate { grew_units: 30, over_ms: 5 });
-        assert_eq!(e.projected_at(13, UnixMillis(1_205), 100).current, e.remote_at(13).current + 30);
+        assert_eq!(e.projected_at(13, UnixMillis(1_205), 100).current, e.remote_at(13).current + 30 * 100 / 100);
         // A batch with two deltas of a key learns once, over both.
         let mut r = ViewRecord::default();
         r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
@@ -545,16 +644,53 @@ mod tests {
     }
 
     #[test]
-    fn a_record_of_the_layout_before_the_rate_reads_as_malformed() {
+    fn a_record_of_an_earlier_layout_reads_as_malformed() {
         let mut r = ViewRecord::default();
         r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        // Version 3: no share.
         let mut old = r.encode();
         old.truncate(old.len() - 8);
-        old[0] = 2;
+        old[0] = 3;
         assert_eq!(ViewRecord::decode(&old), Err(DecodeError::Malformed));
         let mut other = r.encode();
-        other[0] = 2;
+        other[0] = 3;
         assert_eq!(ViewRecord::decode(&other), Err(DecodeError::Malformed));
+        // A share that is not a finite number.
+        let mut nan = r.encode();
+        let at = nan.len() - 4;
+        nan[at..].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
+        assert_eq!(ViewRecord::decode(&nan), Err(DecodeError::Malformed));
+    }
+
+    #[test]
+    fn the_share_follows_both_growths_and_keeps_its_ratio_when_nothing_grows() {
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 10), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        assert_eq!(r.entries[&(1, 33)].share, Share::default(), "one sync: nothing learned");
+        assert_eq!(r.entries[&(1, 33)].shared_at(10, UnixMillis(1_000), 100).per_local_q16, 0);
+        // This proxy +10, the others +20: two remote units per local one.
+        r.apply(&delta(10, 10), Totals { previous: 0, current: 40 }, UnixMillis(1_100), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!(e.share, Share { local: 10.0, remote: 20.0 });
+        let remote = e.shared_at(10, UnixMillis(1_150), 100);
+        assert_eq!(remote, Remote { synced: Counts { previous: 0, current: 20 + 20 }, confirmed: 20, per_local_q16: 2 << 16 });
+        // 5 local units past the confirmed 20: 10 more remote ones.
+        assert_eq!(remote.fleet(Counts { previous: 0, current: 25 }).current, 25 + 40 + 10);
+        // Nothing grew anywhere (every proxy refusing): the ratio stays.
+        r.apply(&delta(10, 0), Totals { previous: 0, current: 40 }, UnixMillis(1_200), 8);
+        assert_eq!(r.entries[&(1, 33)].share.per_local_q16(), 2 << 16);
+        // The others stopped and this proxy goes on: the ratio falls at every sync.
+        let mut last = 2 << 16;
+        for (i, total) in [(3u64, 50), (4, 60), (5, 70)] {
+            r.apply(&delta(10, 10), Totals { previous: 0, current: total }, UnixMillis(1_000 + i * 100), 8);
+            let now = r.entries[&(1, 33)].share.per_local_q16();
+            assert!(now < last, "{now} < {last}");
+            last = now;
+        }
+        // A proxy that never grew the key itself: the cap.
+        let lonely = Share { local: 0.0, remote: 5.0 };
+        assert_eq!(lonely.per_local_q16(), (MAX_PER_LOCAL as u32) << 16);
+        assert_eq!(Share::default().per_local_q16(), 0);
     }
 
     use proptest::prelude::*;
@@ -571,6 +707,7 @@ mod tests {
                 applied: Counts { previous: ap, current: ac },
                 synced: UnixMillis(synced),
                 rate: RemoteRate { grew_units, over_ms },
+                share: Share { local: f32::from(u16::try_from(grew_units % 60_000).unwrap()), remote: f32::from(u16::try_from(over_ms % 60_000).unwrap()) },
             },
         )
     }
@@ -582,6 +719,13 @@ mod tests {
         ) {
             let (projected, synced) = (e.projected_at(bucket, UnixMillis(now), interval_ms), e.remote_at(bucket));
             prop_assert!(projected.previous == synced.previous && projected.current >= synced.current);
+            let remote = e.shared_at(bucket, UnixMillis(now), interval_ms);
+            for local in [Counts::default(), Counts { previous: 3, current: 9 }, Counts { previous: u32::MAX, current: u32::MAX }] {
+                let fleet = remote.fleet(local);
+                prop_assert!(fleet.previous >= local.previous.saturating_add(synced.previous));
+                prop_assert!(fleet.current >= local.current.saturating_add(synced.current));
+                prop_assert!(remote.fleet(local.plus(1)).current >= fleet.current, "more local units never lower the fleet's");
+            }
         }
 
         #[test]

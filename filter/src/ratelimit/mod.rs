@@ -19,6 +19,7 @@
 //! touching shared data; a write that finds room to spare counts a few units more for the next
 //! requests of the same key through this VM.
 
+pub mod remote;
 pub mod reserve;
 pub mod table;
 pub mod window;
@@ -27,6 +28,7 @@ use crate::config::{Config, CostSource, Name};
 use crate::global::FleetKey;
 use crate::store::{write_back, SharedStore, Stored, StoreError};
 use crate::time::UnixMillis;
+use remote::Remote;
 use reserve::{Leftover, Reserves};
 use std::num::{NonZeroU32, NonZeroU64};
 use table::{fingerprint, Set, WAYS};
@@ -83,9 +85,9 @@ pub struct Probe {
     pub key_hash: u64,
     /// For a rule in global scope: the key's fleet-wide id.
     pub fleet: Option<FleetKey>,
-    /// For a rule in global scope: what the other proxies of the fleet admitted for the key, as
-    /// last synced ([`crate::global`]); added to this proxy's counts in every decision.
-    pub remote: Counts,
+    /// For a rule in global scope: what the other proxies of the fleet add to the key's counts
+    /// ([`remote`], [`crate::global`]), in every decision.
+    pub remote: Remote,
     /// The key's limit when it is not the rule's (a tier's, an override's: [`crate::rules`]).
     pub limit: Option<NonZeroU32>,
     /// The units the request counts at admission (1 unless the rule has a `cost`). It is
@@ -97,7 +99,7 @@ pub struct Probe {
 impl Probe {
     /// A probe of a rule in proxy scope, of cost 1 and the rule's limit.
     pub fn new(rule: usize, key_hash: u64) -> Probe {
-        Probe { rule, key_hash, fleet: None, remote: Counts::default(), limit: None, cost: 1 }
+        Probe { rule, key_hash, fleet: None, remote: Remote::NONE, limit: None, cost: 1 }
     }
 
     /// The room the request needs: its cost, and at least one unit.
@@ -268,10 +270,10 @@ impl Limiter {
                 // its requests: a reserve counted before is only used while the whole estimate
                 // still fits the key's limit now.
                 Some(counts)
-                    if (probe.remote.is_zero() && probe.limit.is_none())
-                        || table.window.fits(counts.sum(probe.remote), phase.elapsed_ms, limit_of(table, probe)) =>
+                    if (probe.remote.is_none() && probe.limit.is_none())
+                        || table.window.fits(probe.remote.fleet(counts), phase.elapsed_ms, limit_of(table, probe)) =>
                 {
-                    standings.push(standing(table, probe, counts.sum(probe.remote), now));
+                    standings.push(standing(table, probe, probe.remote.fleet(counts), now));
                     taken.push(*probe);
                 }
                 Some(_) => {
@@ -384,7 +386,7 @@ impl Limiter {
         let set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
         let leftover = reserves.leftover(probe, phase.bucket_index);
         let counts = leftover.remove_from(set.counts_of(fingerprint(probe.key_hash)), phase.bucket_index);
-        let admits = table.window.admits(counts.sum(probe.remote), phase.elapsed_ms, probe.needs(), limit_of(table, &probe));
+        let admits = table.window.fits(probe.remote.fleet(counts.plus(probe.needs())), phase.elapsed_ms, limit_of(table, &probe));
         Ok(Read {
             probe,
             key,
@@ -400,7 +402,7 @@ impl Limiter {
     /// request reports where it stands after counting (computed once, in [`Limiter::commit`]).
     fn standing_before(&self, read: &Read, now: UnixMillis) -> Standing {
         match self.table(read.probe.rule) {
-            Some(table) => standing(table, &read.probe, read.counts.sum(read.probe.remote), now),
+            Some(table) => standing(table, &read.probe, read.probe.remote.fleet(read.counts), now),
             None => self.blank_standing(read.probe, now),
         }
     }
@@ -431,14 +433,14 @@ impl Limiter {
                 set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index)
                     .rolled_to(phase.bucket_index);
                 counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
-                if !table.window.admits(counts.sum(first.probe.remote), phase.elapsed_ms, first.probe.needs(), limit) {
+                if !table.window.fits(first.probe.remote.fleet(counts.plus(first.probe.needs())), phase.elapsed_ms, limit) {
                     return Err(Violation {
-                        standing: standing(table, &first.probe, counts.sum(first.probe.remote), now),
+                        standing: standing(table, &first.probe, first.probe.remote.fleet(counts), now),
                         cause: Cause::OverLimit,
                     });
                 }
             }
-            let after = counts.plus(cost).sum(first.probe.remote);
+            let after = first.probe.remote.fleet(counts.plus(cost));
             let added = set.add(fp, cost, table.window, phase.elapsed_ms);
             // Units are only reserved on an entry (they can be given back from there), and for
             // requests of cost 1: a reserve serves the next requests of the same cost, and a

@@ -19,8 +19,7 @@
 
 use super::window::Counts;
 use super::Probe;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use crate::key::MixMap;
 
 use crate::reserve::RESERVE_MAX;
 /// A grant is at most this fraction (1 / n) of the room left under the limit.
@@ -46,28 +45,7 @@ struct Slot {
     used: bool,
 }
 
-/// Keys are already keyed hashes: the map mixes them instead of hashing them again.
-#[derive(Default)]
-struct MixHasher(u64);
-
-impl Hasher for MixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for byte in bytes {
-            self.write_u64(u64::from(*byte));
-        }
-    }
-    fn write_u64(&mut self, value: u64) {
-        self.0 = (self.0.rotate_left(23) ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-    fn write_usize(&mut self, value: usize) {
-        self.write_u64(value as u64);
-    }
-}
-
-type Slots = HashMap<(usize, u64), Slot, BuildHasherDefault<MixHasher>>;
+type Slots = MixMap<(usize, u64), Slot>;
 
 fn id(probe: Probe) -> (usize, u64) {
     (probe.rule, probe.key_hash)
