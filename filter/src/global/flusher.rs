@@ -208,7 +208,7 @@ mod tests {
     use crate::store::MemoryStore;
 
     fn delta(n: u32) -> Delta {
-        Delta { rule: 1, fingerprint: 2, key: FleetKey(3), window_ms: 1000, bucket: 9, delta: n }
+        Delta { rule: 1, fingerprint: 2, key: FleetKey(3), window_ms: 1000, bucket: 9, delta: n, requests: n }
     }
 
     #[test]

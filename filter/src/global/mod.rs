@@ -14,7 +14,8 @@
 //!                                one interval: their traffic before the sync their batches had
 //!                                not brought yet; none once the view is 4 intervals old)
 //!               + in proportion (this proxy's units past its confirmed part × the others'
-//!                                growth per unit of this proxy's, averaged over recent syncs)
+//!                                growth per unit this proxy admitted (at least a quarter of
+//!                                its requests), averaged over recent syncs)
 //! ```
 //!
 //! The last term makes each proxy take about its share of the room left, which is what keeps
@@ -36,7 +37,7 @@
 //! window: each proxy can admit what the others admitted during the last `D` before the limit
 //! was reached (measured: `L` + 135 at 1 000 req/s, 3 proxies, 100 ms). The two projections
 //! cover that delay; what is left is the error of the shares and of one interval's growth
-//! (a simulation with Poisson arrivals and jittered timers, `tests.rs`: `L` − 2 to + 10 at
+//! (a simulation with Poisson arrivals and jittered timers, `tests.rs`: `L − 1` to `L + 4` at
 //! 1 000 req/s and `L` = 1 000; measured in real Envoys: `docs/global.md`). Both need two syncs
 //! of the key, so a key that reaches its limit within about two intervals of its first request
 //! still overshoots as before. The price is the other way: a fleet may stop up to `P − 1`
@@ -264,9 +265,10 @@ impl GlobalScope {
         }
     }
 
-    /// Counts an admitted request of `cost` for the fleet: one delta per global probe. A
-    /// refused request (`cost` 0) asks for the key's fleet-wide count all the same.
-    pub fn count(&self, node: &mut VmNode, probes: &[Probe], now: UnixMillis, cost: u32) -> u64 {
+    /// Counts `cost` units admitted for the fleet, and `requests` requests decided (1 when a
+    /// request was decided, 0 for a cost charged later): one delta per global probe. A refused
+    /// request (`cost` 0) asks for the key's fleet-wide count all the same, and counts as demand.
+    pub fn count(&self, node: &mut VmNode, probes: &[Probe], now: UnixMillis, cost: u32, requests: u32) -> u64 {
         let mut dropped = 0u64;
         for probe in probes {
             let (Some(rule), Some(key)) = (self.rule(probe.rule), probe.fleet) else { continue };
@@ -277,6 +279,7 @@ impl GlobalScope {
                 window_ms: rule.window_ms,
                 bucket: bucket_of(now, rule.window_ms),
                 delta: cost,
+                requests,
             };
             if !node.deltas.add(delta) {
                 dropped = dropped.saturating_add(u64::from(cost));

@@ -10,7 +10,7 @@
 //!
 //! Record layout (little-endian): version `u8`, 3 zero bytes, count `u32`, then per delta the
 //! rule id `u64`, the local fingerprint `u64`, the fleet key `u128`, the window `u64` (ms), the
-//! bucket `u64`, the delta `u32`.
+//! bucket `u64`, the delta `u32`, the requests `u32` (version 2).
 
 use super::FleetKey;
 use crate::key::MixMap;
@@ -19,9 +19,9 @@ use crate::key::MixMap;
 pub const OUTBOXES: u64 = 4;
 /// Deltas one outbox record holds at most (about 53 KiB).
 pub const OUTBOX_CAPACITY: usize = 1024;
-const RECORD_VERSION: u8 = 1;
+const RECORD_VERSION: u8 = 2;
 const HEADER_LEN: usize = 8;
-const DELTA_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4;
+const DELTA_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 + 4;
 
 /// A counter to send, as the proxy knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,8 +36,11 @@ pub struct Delta {
     pub window_ms: u64,
     /// The window bucket.
     pub bucket: u64,
-    /// Requests admitted (0: a key refused here, whose fleet-wide count is wanted anyway).
+    /// Units admitted (0: a key refused here, whose fleet-wide count is wanted anyway).
     pub delta: u32,
+    /// Requests this proxy decided for the key, admitted or refused: its demand, from which
+    /// its share of the key is learned ([`super::view::Share`]). Never sent to the store.
+    pub requests: u32,
 }
 
 impl Delta {
@@ -88,6 +91,7 @@ impl Deltas {
         if let Some(&at) = self.index.get(&delta.slot()) {
             if let Some(entry) = self.entries.get_mut(at) {
                 entry.delta = entry.delta.saturating_add(delta.delta);
+                entry.requests = entry.requests.saturating_add(delta.requests);
                 return true;
             }
         }
@@ -137,6 +141,7 @@ impl Deltas {
             out.extend_from_slice(&d.window_ms.to_le_bytes());
             out.extend_from_slice(&d.bucket.to_le_bytes());
             out.extend_from_slice(&d.delta.to_le_bytes());
+            out.extend_from_slice(&d.requests.to_le_bytes());
         }
         out
     }
@@ -171,10 +176,11 @@ impl Deltas {
             let window_ms = u64_of(field(8));
             let bucket = u64_of(field(8));
             let delta = <[u8; 4]>::try_from(field(4)).map(u32::from_le_bytes).unwrap_or(0);
+            let requests = <[u8; 4]>::try_from(field(4)).map(u32::from_le_bytes).unwrap_or(0);
             if window_ms == 0 {
                 return Err(DecodeError::Malformed);
             }
-            deltas.add(Delta { rule, fingerprint, key, window_ms, bucket, delta });
+            deltas.add(Delta { rule, fingerprint, key, window_ms, bucket, delta, requests });
         }
         Ok(deltas)
     }
@@ -186,7 +192,7 @@ mod tests {
     use super::*;
 
     fn delta(key: u64, bucket: u64, n: u32) -> Delta {
-        Delta { rule: 7, fingerprint: key, key: FleetKey(u128::from(key) << 64 | 1), window_ms: 1000, bucket, delta: n }
+        Delta { rule: 7, fingerprint: key, key: FleetKey(u128::from(key) << 64 | 1), window_ms: 1000, bucket, delta: n, requests: 1 }
     }
 
     #[test]

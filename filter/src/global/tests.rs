@@ -103,7 +103,7 @@ impl Proxy {
         self.scope.annotate(node, &mut probes, now);
         let verdict = self.limiter.check(&self.store, reserves, &probes, now);
         let admitted = matches!(verdict, Verdict::Admitted { .. });
-        self.scope.count(node, &probes, now, u32::from(admitted));
+        self.scope.count(node, &probes, now, u32::from(admitted), 1);
         admitted
     }
 
@@ -403,17 +403,17 @@ fn paced_fleet(limit: u32, rate_per_s: u32, projection: Projection, phase_ms: u6
 /// Issue 16's target: at 1 000 req/s over three proxies and `sync_interval` 100 ms, the fleet
 /// admits at most 1.02 × `L` at `L` = 1 000, where decisions on the counts as synced admit
 /// about `L` + 0.135 s of traffic (1.13 × `L` measured in a real fleet). Paced traffic, round
-/// robin: the projection keeps it within a few units either way, also at 3 000 req/s.
+/// robin: the projection keeps it within 2 %, and within 1 % at `L` = 20 000 and 3 000 req/s.
 #[test]
-fn projecting_keeps_a_paced_fleet_within_a_few_units_of_its_limit() {
+fn projecting_keeps_a_paced_fleet_within_two_percent_of_its_limit() {
     for (phase_ms, rtt_ms) in [(0, 10), (33, 2), (17, 5)] {
         let before = paced_fleet(1000, 1000, Projection::AsSynced, phase_ms, rtt_ms);
         let after = paced_fleet(1000, 1000, Projection::Ahead, phase_ms, rtt_ms);
         let fast = paced_fleet(20_000, 3000, Projection::Ahead, phase_ms, rtt_ms);
         println!("phase {phase_ms} ms, rtt {rtt_ms} ms: L 1000 at 1000 req/s: as synced {before}, projected {after}; L 20000 at 3000 req/s: projected {fast}");
         assert!(before >= 1100, "as synced: {before}");
-        assert!((998..=1005).contains(&after), "projected: {after}");
-        assert!((19_998..=20_020).contains(&fast), "projected: {fast}");
+        assert!((998..=1020).contains(&after), "projected: {after}");
+        assert!((19_998..=20_200).contains(&fast), "projected: {fast}");
     }
 }
 
@@ -447,20 +447,46 @@ impl Noise {
 /// own timer (phase random, period 95–105 ms); each answer comes 1–5 ms after its call. The
 /// requests the fleet admitted.
 fn noisy_fleet(limit: u32, rate_per_s: u32, seed: u64) -> u32 {
-    let config = config(limit, "1h");
+    let duration_ms = u64::from(limit) * 1000 / u64::from(rate_per_s) + 3_000;
+    noisy_slices(limit, rate_per_s, seed, "1h", duration_ms).iter().sum()
+}
+
+/// Issue 16's target with noise: at 1 000 req/s and `L` = 1 000, and at 3 000 req/s and
+/// `L` = 20 000, every seed's fleet admits at most 1.02 × `L` (1.01 × at 20 000), and at most 2
+/// units short of it.
+#[test]
+fn a_noisy_fleet_stays_within_two_percent_of_its_limit() {
+    for (limit, rate, seeds, over) in [(1000u32, 1000u32, 1..=12u64, 20u32), (20_000, 3000, 1..=4, 200)] {
+        let admitted: Vec<u32> = seeds.map(|seed| noisy_fleet(limit, rate, seed)).collect();
+        println!("L {limit} at {rate} req/s: admitted {admitted:?}");
+        for a in admitted {
+            assert!((limit - 2..=limit + over).contains(&a), "L {limit}: admitted {a}");
+        }
+    }
+}
+
+/// [`noisy_fleet`]'s traffic with a sliding window of `window` for `duration_ms`: what each proxy
+/// admitted in each 10 s slice (proxy `p`'s slice `k` at `p × slices + k`).: Poisson
+/// arrivals at `rate_per_s` (fleet-wide), each to a random proxy and VM; each VM ticks on its
+/// own timer (phase random, period 95–105 ms); each answer comes 1–5 ms after its call. The
+/// requests the fleet admitted.
+fn noisy_slices(limit: u32, rate_per_s: u32, seed: u64, window: &str, duration_ms: u64) -> Vec<u32> {
+    let config = config(limit, window);
     let mut proxies: Vec<Proxy> = (0..3).map(|i| Proxy::new(&config, 2, i + 1)).collect();
     let mut noise = Noise(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
     let mut sync = FakeSync::default();
     let start = (T0 / 3_600_000 + 1) * 3_600_000;
-    let duration_ms = u64::from(limit) * 1000 / u64::from(rate_per_s) + 3_000;
     let mut next_tick: Vec<[u64; 2]> = (0..3).map(|_| [noise.next() % 100, noise.next() % 100]).collect();
     let mut answers: Vec<(u64, usize)> = Vec::new();
-    let mut admitted = 0u32;
+    let slices = usize::try_from(duration_ms.div_ceil(10_000)).unwrap();
+    let mut admitted = vec![0u32; 3 * slices];
     for ms in 0..duration_ms {
         let now = UnixMillis(start + ms);
         for _ in 0..noise.poisson(f64::from(rate_per_s) / 1000.0) {
             let (p, vm) = ((noise.next() % 3) as usize, (noise.next() % 2) as usize);
-            admitted += u32::from(proxies[p].request(vm, "hot", now));
+            if proxies[p].request(vm, "hot", now) {
+                admitted[p * slices + (ms / 10_000) as usize] += 1;
+            }
         }
         for (p, ticks) in next_tick.iter_mut().enumerate() {
             for (vm, at) in ticks.iter_mut().enumerate() {
@@ -489,16 +515,20 @@ fn noisy_fleet(limit: u32, rate_per_s: u32, seed: u64) -> u32 {
     admitted
 }
 
-/// Issue 16's target with noise: at 1 000 req/s and `L` = 1 000, and at 3 000 req/s and
-/// `L` = 20 000, every seed's fleet admits at most 1.02 × `L` (1.01 × at 20 000), and at most 2
-/// units short of it.
+/// A key over its limit for a minute (three times as many requests as its limit of 1 000 per
+/// 10 s, spread evenly over three proxies): every proxy gets about its third of each window,
+/// and no window goes 3 % over. (Shares learned from admissions alone starved two proxies
+/// here: one took 999 of every window, the two others nothing; a proxy's part counts at least a
+/// quarter of its requests for that reason, [`view::DEMAND_WEIGHT`].)
 #[test]
-fn a_noisy_fleet_stays_within_two_percent_of_its_limit() {
-    for (limit, rate, seeds, over) in [(1000u32, 1000u32, 1..=12u64, 20u32), (20_000, 3000, 1..=4, 200)] {
-        let admitted: Vec<u32> = seeds.map(|seed| noisy_fleet(limit, rate, seed)).collect();
-        println!("L {limit} at {rate} req/s: admitted {admitted:?}");
-        for a in admitted {
-            assert!((limit - 2..=limit + over).contains(&a), "L {limit}: admitted {a}");
+fn a_saturated_key_is_shared_by_every_proxy() {
+    for seed in 1..=3u64 {
+        let a = noisy_slices(1000, 1000, seed, "10s", 60_000);
+        println!("seed {seed}: per proxy per 10 s: {:?} {:?} {:?}", &a[0..6], &a[6..12], &a[12..18]);
+        for k in 0..6 {
+            let slice = [a[k], a[6 + k], a[12 + k]];
+            assert!(slice.iter().all(|&n| n >= 200), "seed {seed}, slice {k}: {slice:?}");
+            assert!(slice.iter().sum::<u32>() <= 1030, "seed {seed}, slice {k}: {slice:?}");
         }
     }
 }

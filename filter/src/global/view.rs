@@ -30,21 +30,27 @@
 //!   it vanishes with the first sync that shows no growth, and once the view of the key is
 //!   over [`LEAD_CAP_INTERVALS`] intervals old.
 //! - *In proportion*: what the others admitted since, estimated from what this proxy admitted
-//!   since (its units past its confirmed part) times `r / l`, the ratio of their growth to this
-//!   proxy's over the recent syncs ([`Share`], moving averages). With `s` this proxy's share of
-//!   the key's traffic, `r / l = (1 − s)/s`, and a request is admitted when `fleet(local +
-//!   cost)` fits: near the limit each proxy takes about its share `s` of the room left at its
-//!   sync, and the shares add up to one. The ratio is kept as it is when a sync finds no growth
-//!   at all, so when every proxy refuses, nobody's estimate falls back and lets all of them
-//!   take the same room at once (what decisions on a rate alone did: the rate goes to zero when
-//!   everyone refuses). A proxy whose traffic stops elsewhere sees the ratio fall at each sync.
+//!   since (its units past its confirmed part) times `r / l`: the others' growth per unit this
+//!   proxy admitted, over the recent syncs ([`Share`], moving averages). With `s` this proxy's
+//!   share of the key's traffic, `r / l = (1 − s)/s`, and a request is admitted when
+//!   `fleet(local + cost)` fits: near the limit each proxy takes about its share `s` of the
+//!   room left at its sync, and the shares add up to one. `l` is at least a quarter of this
+//!   proxy's *requests*, refused ones included ([`DEMAND_WEIGHT`]): a proxy that loses the race
+//!   for a saturated key's refill would otherwise see its `l` fall, its ratio grow, and lose
+//!   every later race (learned from admissions alone, one proxy of three took every window and
+//!   the two others nothing: `a_saturated_key_is_shared_by_every_proxy`). The ratio is kept
+//!   as it is when a sync finds that nothing grew elsewhere while this proxy refused requests
+//!   (every proxy at the limit), so the room held back is not offered to all of them at once
+//!   (what decisions on a rate alone did: the rate goes to zero when everyone refuses). A proxy
+//!   whose traffic stops elsewhere sees the ratio fall at each sync.
 //!
 //! Measured against the rate projection it replaces (`lead = age + interval` over the rate,
-//! 2026-11-25): the same noisy simulation of three proxies at 1 000 req/s and `L` = 1 000
-//! (`tests.rs`, `a_noisy_fleet_stays_within_two_percent_of_its_limit`) went from `L + 1` to
-//! `L + 42` over 20 seeds to `L − 2` to `L + 10`. The price is granularity: near the limit a
-//! proxy needs room for a unit and the others' share of it, so a fleet of `P` proxies may stop
-//! up to `P − 1` units short of the limit in a window with nothing in its previous bucket.
+//! 2026-11-25), in the same noisy simulation of three proxies at 1 000 req/s and `L` = 1 000
+//! (`tests.rs`, `a_noisy_fleet_stays_within_two_percent_of_its_limit`): from `L + 1` to
+//! `L + 42` over 20 seeds to `L − 1` to `L + 4` over 12. The price is granularity: near the
+//! limit a proxy needs room for a unit and the others' share of it, so a fleet of `P` proxies
+//! may stop up to `P − 1` units short of the limit in a window with nothing in its previous
+//! bucket.
 //!
 //! Entries live in [`VIEW_RECORDS`] shared-data records (by fingerprint), written only by the
 //! proxy's flusher, plus an index record with a version per record and the time of the last
@@ -114,18 +120,25 @@ pub struct ViewEntry {
     pub share: Share,
 }
 
-/// A key's recent growth here and elsewhere: exponentially weighted moving averages of what
-/// each sync found this proxy's part and the other proxies' part grew by since the sync
-/// before (weight [`SHARE_WEIGHT`] on the newest). Only their ratio is used, and a sync that
-/// finds no growth at all leaves it as it was.
+/// A key's recent traffic here and elsewhere: exponentially weighted moving averages, per sync,
+/// of what this proxy admitted of the key (at least its requests, refused ones included, over
+/// [`DEMAND_WEIGHT`]) and of what the other proxies' part grew by since the sync before (weight
+/// [`SHARE_WEIGHT`] on the newest). Only their ratio is used; a sync that finds nothing new at all, or nothing grown
+/// elsewhere while this proxy refused requests, leaves it as it was.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Share {
-    /// This proxy's growth per sync, averaged.
+    /// This proxy's admissions per sync (at least its requests over [`DEMAND_WEIGHT`]), averaged.
     pub local: f32,
     /// The other proxies' growth per sync, averaged.
     pub remote: f32,
 }
 
+/// A sync's local sample is this proxy's admitted units, or its requests (refused ones
+/// included) divided by this, whichever is larger: admissions keep the fleet tight at the
+/// limit, and the floor keeps a proxy that loses the race for a saturated key's refill from
+/// seeing its share fall to nothing (1: shares by demand, fair but looser at the limit; 8:
+/// unfair in the tests; 4 keeps every proxy above a quarter of its fair part of each window).
+pub const DEMAND_WEIGHT: u32 = 4;
 /// The newest sample's weight in [`Share`]'s averages.
 pub const SHARE_WEIGHT: f32 = 0.25;
 /// The other proxies' units per local unit at most (a proxy with a share of 1/65 or less).
@@ -214,23 +227,28 @@ impl ViewEntry {
     /// Takes the sample of the remote rate between the sync of `before` (this entry as it was)
     /// and this one, at `now`. A first sync, a clock that went back and a second delta of the
     /// same batch keep the rate as it was.
-    fn learn_rate(&mut self, before: Option<&ViewEntry>, now: UnixMillis) {
+    fn learn_rate(&mut self, before: Option<&ViewEntry>, demand: u32, now: UnixMillis) {
         let Some(before) = before else { return };
         if now <= before.synced {
             return;
         }
         let over_ms = clamp(now.saturating_since(before.synced));
         let growth = |was: Counts, is: Counts| is.previous.saturating_sub(was.previous).saturating_add(is.current.saturating_sub(was.current));
-        let (grew_units, grew_here) = match self.bucket.checked_sub(before.bucket) {
-            Some(0 | 1) => (
-                growth(before.remote_at(self.bucket), self.remote_at(self.bucket)),
-                growth(before.applied.rolled(before.bucket, self.bucket), self.applied),
-            ),
+        match self.bucket.checked_sub(before.bucket) {
+            Some(0 | 1) => {
+                let grew_units = growth(before.remote_at(self.bucket), self.remote_at(self.bucket));
+                let grew_here = growth(before.applied.rolled(before.bucket, self.bucket), self.applied);
+                self.rate = RemoteRate { grew_units, over_ms };
+                // Nothing admitted elsewhere while this proxy refused some of its own: every
+                // proxy is at the limit, and the ratio stays (the room held back is not offered
+                // to all of them at once).
+                if grew_units > 0 || grew_here >= demand {
+                    self.share.learn(grew_here.max(demand / DEMAND_WEIGHT), grew_units);
+                }
+            }
             // Two buckets or more apart (or a bucket back): the difference means nothing.
-            _ => (0, 0),
-        };
-        self.rate = RemoteRate { grew_units, over_ms };
-        self.share.learn(grew_here, grew_units);
+            _ => self.rate = RemoteRate { grew_units: 0, over_ms },
+        }
     }
 
     /// Takes in a confirmed delta and the store's totals after it.
@@ -357,15 +375,16 @@ impl ViewRecord {
     /// Takes in one batch's confirmed deltas of this record and their totals (in bucket order),
     /// then each key's sample of the remote rate since its sync before this one.
     pub fn apply_batch(&mut self, list: &[(Delta, Totals)], now: UnixMillis, capacity: usize) {
-        let mut before: MixMap<(u64, u64), Option<ViewEntry>> = MixMap::default();
+        let mut before: MixMap<(u64, u64), (Option<ViewEntry>, u32)> = MixMap::default();
         for (delta, totals) in list {
             let id = (delta.rule, delta.fingerprint);
-            before.entry(id).or_insert_with(|| self.entries.get(&id).copied());
+            let (_, demand) = before.entry(id).or_insert_with(|| (self.entries.get(&id).copied(), 0));
+            *demand = demand.saturating_add(delta.requests);
             self.apply_one(delta, *totals, now, capacity);
         }
-        for (id, was) in before {
+        for (id, (was, demand)) in before {
             if let Some(entry) = self.entries.get_mut(&id) {
-                entry.learn_rate(was.as_ref(), now);
+                entry.learn_rate(was.as_ref(), demand, now);
             }
         }
     }
@@ -524,6 +543,7 @@ impl ViewCache {
                 window_ms: e.window_ms,
                 bucket: now.0.checked_div(e.window_ms).unwrap_or(e.bucket),
                 delta: 0,
+                requests: 0,
             })
             .collect()
     }
@@ -536,7 +556,7 @@ mod tests {
     use crate::global::FleetKey;
 
     fn delta(bucket: u64, n: u32) -> Delta {
-        Delta { rule: 1, fingerprint: 33, key: FleetKey(5), window_ms: 1000, bucket, delta: n }
+        Delta { rule: 1, fingerprint: 33, key: FleetKey(5), window_ms: 1000, bucket, delta: n, requests: n }
     }
 
     #[test]
@@ -663,7 +683,7 @@ mod tests {
     }
 
     #[test]
-    fn the_share_follows_both_growths_and_keeps_its_ratio_when_nothing_grows() {
+    fn the_share_follows_demand_here_and_growth_elsewhere_and_keeps_its_ratio_at_the_limit() {
         let mut r = ViewRecord::default();
         r.apply(&delta(10, 10), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
         assert_eq!(r.entries[&(1, 33)].share, Share::default(), "one sync: nothing learned");
@@ -676,13 +696,22 @@ mod tests {
         assert_eq!(remote, Remote { synced: Counts { previous: 0, current: 20 + 20 }, confirmed: 20, per_local_q16: 2 << 16 });
         // 5 local units past the confirmed 20: 10 more remote ones.
         assert_eq!(remote.fleet(Counts { previous: 0, current: 25 }).current, 25 + 40 + 10);
-        // Nothing grew anywhere (every proxy refusing): the ratio stays.
+        // Nothing grew anywhere (every proxy refusing): the ratio stays, whether this proxy had
+        // requests (all refused) or none.
         r.apply(&delta(10, 0), Totals { previous: 0, current: 40 }, UnixMillis(1_200), 8);
         assert_eq!(r.entries[&(1, 33)].share.per_local_q16(), 2 << 16);
+        let refused = Delta { requests: 12, ..delta(10, 0) };
+        r.apply(&refused, Totals { previous: 0, current: 40 }, UnixMillis(1_250), 8);
+        assert_eq!(r.entries[&(1, 33)].share.per_local_q16(), 2 << 16);
+        // This proxy refused its 40 requests while the others admitted 10: its demand counts,
+        // so the ratio falls (10 per 40 requests) instead of growing (it would starve).
+        let mut starving = r.clone();
+        starving.apply(&Delta { requests: 40, ..delta(10, 0) }, Totals { previous: 0, current: 50 }, UnixMillis(1_300), 8);
+        assert!(starving.entries[&(1, 33)].share.per_local_q16() < 2 << 16);
         // The others stopped and this proxy goes on: the ratio falls at every sync.
         let mut last = 2 << 16;
         for (i, total) in [(3u64, 50), (4, 60), (5, 70)] {
-            r.apply(&delta(10, 10), Totals { previous: 0, current: total }, UnixMillis(1_000 + i * 100), 8);
+            r.apply(&delta(10, 10), Totals { previous: 0, current: total }, UnixMillis(1_300 + i * 100), 8);
             let now = r.entries[&(1, 33)].share.per_local_q16();
             assert!(now < last, "{now} < {last}");
             last = now;

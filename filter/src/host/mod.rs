@@ -597,7 +597,7 @@ impl FilterStream {
             let mut node = node.borrow_mut();
             for probe in &probes {
                 let cost = if admitted { probe.cost } else { 0 };
-                let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, cost);
+                let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, cost, 1);
                 stats::add_count(filter.stats.global.dropped, dropped);
             }
         }
@@ -738,7 +738,7 @@ impl FilterStream {
                 increment(ids.contention);
             }
             if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-                let dropped = scope.count(&mut node.borrow_mut(), std::slice::from_ref(&probe), now, units);
+                let dropped = scope.count(&mut node.borrow_mut(), std::slice::from_ref(&probe), now, units, 0);
                 stats::add_count(filter.stats.global.dropped, dropped);
             }
         }
