@@ -114,7 +114,36 @@ fn rule(name: &str, header: &str, limit: u64, scope: Scope) -> Value {
 }
 
 fn global_section() -> Value {
-    json!({"cluster": SYNC_CLUSTER, "sync_interval": format!("{SYNC_INTERVAL_MS}ms")})
+    global_section_every(SYNC_INTERVAL_MS)
+}
+
+fn global_section_every(interval_ms: u64) -> Value {
+    json!({"cluster": SYNC_CLUSTER, "sync_interval": format!("{interval_ms}ms")})
+}
+
+/// The configuration of parts (c) and (e): one rule keyed on `x-api-key` with a limit no run
+/// reaches, in `scope`, syncing every `interval_ms` in global scope.
+fn per_key_config(scope: Scope, interval_ms: u64) -> Value {
+    let mut config = json!({"rate_limits": [rule("per-key", "x-api-key", 1_000_000_000, scope)]});
+    if scope == Scope::Global {
+        config["global"] = global_section_every(interval_ms);
+    }
+    config
+}
+
+/// An Envoy of the fleets here: `WORKERS` workers on core 0, the floodgate module with
+/// `config`, `floodgate-sync` at `sync` if any, run under `wrapper` (empty: none).
+fn envoy_spec(s: &Settings, config: &Value, upstream: SocketAddr, sync: Option<SocketAddr>, wrapper: Vec<String>) -> Spec {
+    Spec {
+        filter: Filter::Wasm { module: s.floodgate_wasm.clone(), config: config.to_string() },
+        route: Route::Fixed,
+        clusters: [upstream; 3],
+        http2: false,
+        concurrency: WORKERS,
+        cpus: "0".into(),
+        wrapper,
+        sync,
+    }
 }
 
 /// Three Envoys with this configuration, talking to `sync`.
@@ -124,16 +153,7 @@ struct Fleet {
 
 impl Fleet {
     fn start(s: &Settings, config: &Value, upstream: SocketAddr, sync: SocketAddr) -> Result<Fleet, String> {
-        let spec = Spec {
-            filter: Filter::Wasm { module: s.floodgate_wasm.clone(), config: config.to_string() },
-            route: Route::Fixed,
-            clusters: [upstream; 3],
-            http2: false,
-            concurrency: WORKERS,
-            cpus: "0".into(),
-            wrapper: Vec::new(),
-            sync: Some(sync),
-        };
+        let spec = envoy_spec(s, config, upstream, Some(sync), Vec::new());
         // Spawn all three, then wait: each compiles the module.
         let spawned: Vec<Result<Envoy, String>> = (0..PROXIES).map(|_| spec.spawn(&s.envoy)).collect();
         let mut envoys = Vec::new();
@@ -607,13 +627,7 @@ async fn together_run(s: &Settings, fleets: &[(Scope, Fleet); 2], requests: &Arc
 /// Part (c) and (d): CPU per request and Redis commands per request, global scope against
 /// proxy scope, closed loop and paced.
 async fn cpu_and_commands(s: &Settings, redis: &Redis, sync: &Sync, upstream: SocketAddr) -> Result<(), String> {
-    let per_key = |scope: Scope| {
-        let mut config = json!({"rate_limits": [rule("per-key", "x-api-key", 1_000_000_000, scope)]});
-        if scope == Scope::Global {
-            config["global"] = global_section();
-        }
-        config
-    };
+    let per_key = |scope: Scope| per_key_config(scope, SYNC_INTERVAL_MS);
     let fleets = [
         (Scope::Global, Fleet::start(s, &per_key(Scope::Global), upstream, sync.addr)?),
         (Scope::Proxy, Fleet::start(s, &per_key(Scope::Proxy), upstream, sync.addr)?),
@@ -800,30 +814,14 @@ async fn instructions(s: &Settings, sync: &Sync, upstream: SocketAddr) -> Result
         println!("Skipped: valgrind is not installed (`apt-get install valgrind`).\n");
         return Ok(());
     }
-    let config = |scope: Scope| {
-        let mut config = json!({"rate_limits": [rule("per-key", "x-api-key", 1_000_000_000, scope)]});
-        if scope == Scope::Global {
-            config["global"] = json!({"cluster": SYNC_CLUSTER, "sync_interval": format!("{E_INTERVAL_MS}ms")});
-        }
-        config
-    };
-    let wrapper = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"].map(String::from).to_vec();
+    let wrapper = crate::instructions::CALLGRIND.map(String::from).to_vec();
     let scopes = [Scope::Proxy, Scope::Global];
     // Spawn both, then wait: each compiles the module under valgrind for a minute or more.
     let spawned: Vec<Result<Envoy, String>> = scopes
         .iter()
         .map(|&scope| {
-            Spec {
-                filter: Filter::Wasm { module: s.floodgate_wasm.clone(), config: config(scope).to_string() },
-                route: Route::Fixed,
-                clusters: [upstream; 3],
-                http2: false,
-                concurrency: WORKERS,
-                cpus: "0".into(),
-                wrapper: wrapper.clone(),
-                sync: (scope == Scope::Global).then_some(sync.addr),
-            }
-            .spawn(&s.envoy)
+            let sync = (scope == Scope::Global).then_some(sync.addr);
+            envoy_spec(s, &per_key_config(scope, E_INTERVAL_MS), upstream, sync, wrapper.clone()).spawn(&s.envoy)
         })
         .collect();
     let mut envoys = Vec::new();

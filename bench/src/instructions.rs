@@ -23,6 +23,10 @@ pub const KEYS: usize = cpu::KEYS / 50;
 /// size (writes grant 0, 1, 2, 4, 8, then 16 units), as in a long run.
 const WARM_VISITS_PER_KEY: u64 = 21;
 
+/// The command an Envoy runs under to count its instructions (a dump per `callgrind_control -d`).
+pub const CALLGRIND: [&str; 4] = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"];
+
+/// Runs `callgrind_control <what> <pid>` (`-z`: zero the counters, `-d`: dump them).
 pub fn callgrind_control(pid: u32, what: &str) -> bool {
     Command::new("callgrind_control")
         .arg(what)
@@ -72,8 +76,7 @@ pub async fn run(s: &Settings) {
     // Start them all at once: each takes a minute or more to compile the module under valgrind.
     let mut pending = Vec::new();
     for v in &variants {
-        let wrapper = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"];
-        let spec = upstreams.spec(v, format!("0-{}", s.cpus.saturating_sub(1)), wrapper.map(String::from).to_vec());
+        let spec = upstreams.spec(v, format!("0-{}", s.cpus.saturating_sub(1)), CALLGRIND.map(String::from).to_vec());
         pending.push((v.clone(), spec.spawn(&s.envoy)));
     }
     let per_variant: u64 = if s.quick { 1_000 } else { 2_000 };

@@ -166,7 +166,6 @@ pub fn probes_where<V: AsRef<[u8]>>(
     probes
 }
 
-
 /// A hash map over values that are already keyed hashes (a key's fingerprint, a rule's id):
 /// [`MixHasher`] mixes them instead of hashing them again with SipHash, which the standard
 /// map's default would do on every lookup of the request path.

@@ -123,8 +123,10 @@ pub struct ViewEntry {
 /// A key's recent traffic here and elsewhere: exponentially weighted moving averages, per sync,
 /// of what this proxy admitted of the key (at least its requests, refused ones included, over
 /// [`DEMAND_WEIGHT`]) and of what the other proxies' part grew by since the sync before (weight
-/// [`SHARE_WEIGHT`] on the newest). Only their ratio is used; a sync that finds nothing new at all, or nothing grown
-/// elsewhere while this proxy refused requests, leaves it as it was.
+/// [`SHARE_WEIGHT`] on the newest). Only their ratio is used; a sync that finds nothing new at
+/// all, or nothing grown elsewhere while this proxy refused requests, leaves it as it was.
+/// Both are always finite (learned from integers; a record holding anything else is refused),
+/// which is what makes the `Eq` below sound.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Share {
     /// This proxy's admissions per sync (at least its requests over [`DEMAND_WEIGHT`]), averaged.
