@@ -12,9 +12,10 @@
 //!   global scope against the same rule in proxy scope, closed-loop load over 100 keys at the
 //!   highest rate the machine reaches, alternated rounds as in measurement 1; the Envoys' CPU time
 //!   from /proc, Redis's own counters (`INFO commandstats`) before and after each run;
-//! * **instructions, per request and per second**: one Envoy in each scope under callgrind,
-//!   paced at two rates for the same time; two equations per scope give what a request costs
-//!   and what the timers, batches and views cost per second, without the noise of CPU time.
+//! * **instructions per request**: Envoys in each scope under callgrind, time stretched (a
+//!   low rate and a long `sync_interval` with as many requests per interval as a busy proxy
+//!   has at 100 ms), so the global scope's work per interval weighs on each request as it
+//!   does at 1 000 and 3 330 req/s per proxy; without the noise of CPU time.
 
 use crate::envoy::{cpu_ns_of, Envoy, Filter, Route, Spec, SYNC_CLUSTER};
 use crate::load::{self, Conn, Load, Requests};
@@ -36,10 +37,16 @@ const SYNC_INTERVAL_MS: u64 = 100;
 const WINDOW: Duration = Duration::from_secs(3600);
 /// Keys of the CPU and commands runs.
 const KEYS: usize = 100;
-/// Part (e): keys, and the `sync_interval` that brings them all into every batch at the rates
-/// callgrind allows.
-const E_KEYS: usize = 60;
-const E_INTERVAL_MS: u64 = 1000;
+/// Part (e): the rate of every phase under callgrind (req/s): low enough that an Envoy under
+/// callgrind keeps up with it evenly (at 111 req/s two Envoys of one scope differed by 5 % per
+/// request, at 33 by 0.05 %).
+const E_RATE: f64 = 100.0 / 3.0;
+/// Part (e): the requests per interval of the regimes measured (100 and 333: 1 000 and 3 330
+/// req/s per proxy at 100 ms, the second the issue's 10 000 req/s over three proxies), each at
+/// the `sync_interval` that gives them at [`E_RATE`].
+const E_PER_INTERVAL: [u64; 2] = [100, 333];
+/// Part (e): Envoys per scope and regime.
+const E_ENVOYS: usize = 2;
 /// Keep-alive connections per proxy of the paced load.
 const PACED_CONNECTIONS: usize = 8;
 /// The quota reserves a worker may hold ahead near the limit (filter/src/ratelimit/reserve.rs).
@@ -790,112 +797,144 @@ struct Counted {
     instructions: u64,
 }
 
-/// What a scope costs under callgrind: `p` instructions per request and `i` per second (the
-/// timers, and in global scope the ticks, batches and views), from two phases of the same length
-/// at two rates: `instructions = requests × p + seconds × i`, solved for `p` and `i`.
-fn solve(lo: &Counted, hi: &Counted) -> Option<(f64, f64)> {
-    let (n1, t1, i1) = (lo.requests as f64, lo.seconds, lo.instructions as f64);
-    let (n2, t2, i2) = (hi.requests as f64, hi.seconds, hi.instructions as f64);
-    let det = n1 * t2 - n2 * t1;
-    (det.abs() > 1e-9).then(|| ((i1 * t2 - i2 * t1) / det, (n1 * i2 - n2 * i1) / det))
+impl Counted {
+    /// Instructions per request beyond an idle Envoy's own (`idle_per_s` instructions a second).
+    fn per_request(&self, idle_per_s: f64) -> f64 {
+        (self.instructions as f64 - idle_per_s * self.seconds) / self.requests.max(1) as f64
+    }
 }
 
-/// Part (e): instructions per request and per sync interval, global scope against proxy scope,
-/// one Envoy each (2 workers, as deployed) under callgrind. Under callgrind an Envoy answers
-/// only some tens of requests a second, so the measurement keeps the regime of a busy proxy by
-/// stretching time: `sync_interval` 1 s, [`E_KEYS`] keys, and rates that bring every key into
-/// every batch (as 100 keys do at 1 000 req/s with 100 ms). Two phases of the same length at two
-/// such rates give, per scope, `instructions = requests × p + seconds × i` solved for `p` (a
-/// request) and `i` (a second: Envoy's timers, and in global scope one interval's ticks, batch
-/// and view updates for every key).
+/// Counts one Envoy's instructions (callgrind) while `load` runs.
+async fn counted<F: std::future::Future<Output = Vec<Sent>>>(envoy: &Envoy, load: F) -> Result<(Counted, Vec<Sent>), String> {
+    if !crate::instructions::callgrind_control(envoy.pid(), "-z") {
+        return Err("callgrind_control -z failed".into());
+    }
+    let started = Instant::now();
+    let sent = load.await;
+    if !crate::instructions::callgrind_control(envoy.pid(), "-d") {
+        return Err("callgrind_control -d failed".into());
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let instructions = crate::instructions::latest_totals(envoy).ok_or("no callgrind dump found")?;
+    let requests = sent.iter().filter(|x| x.status == 200).count() as u64;
+    Ok((Counted { requests, seconds, instructions }, sent))
+}
+
+/// Part (e): instructions per request, global scope against proxy scope, at the regimes of the
+/// issue's target, Envoys of 2 workers (as deployed) under callgrind. Under callgrind an Envoy
+/// answers only some tens of requests a second, so the measurement keeps a busy proxy's regime
+/// by stretching time: what costs the global scope per interval (every worker's tick, the batch,
+/// the answer, the view) depends on the keys and requests per interval, so `n` requests per
+/// interval over [`KEYS`] keys at [`E_RATE`] (a `sync_interval` of `n / E_RATE` s) stands for
+/// `10 n` req/s per proxy at 100 ms ([`E_PER_INTERVAL`]).
+///
+/// Two things would blur a few per cent: an Envoy's own timers, which stretched time spreads
+/// over far fewer requests than the real regime does (an idle phase measures them on a
+/// proxy-scope Envoy and they are taken out of every count, so the ratio is of the work that
+/// requests and the global machinery cause); and each process's random key seed, which places
+/// keys in its tables differently. So [`E_ENVOYS`] Envoys per scope and regime are measured,
+/// one after the other, and the medians compared.
 async fn instructions(s: &Settings, sync: &Sync, upstream: SocketAddr) -> Result<(), String> {
-    println!("### (e) Instructions per request and per sync interval: global scope against proxy scope\n");
+    println!("### (e) Instructions per request: global scope against proxy scope\n");
     if std::process::Command::new("valgrind").arg("--version").output().is_err() {
         println!("Skipped: valgrind is not installed (`apt-get install valgrind`).\n");
         return Ok(());
     }
     let wrapper = crate::instructions::CALLGRIND.map(String::from).to_vec();
-    let scopes = [Scope::Proxy, Scope::Global];
-    // Spawn both, then wait: each compiles the module under valgrind for a minute or more.
-    let spawned: Vec<Result<Envoy, String>> = scopes
+    // What each Envoy is: None for proxy scope, Some(regime) for global scope at that regime.
+    let interval_ms = |n: u64| (n as f64 * 1000.0 / E_RATE).round() as u64;
+    let kinds: Vec<Option<usize>> =
+        (0..E_ENVOYS).flat_map(|_| std::iter::once(None).chain((0..E_PER_INTERVAL.len()).map(Some))).collect();
+    // Spawn all, then wait: each compiles the module under valgrind for a minute or more.
+    let spawned: Vec<Result<Envoy, String>> = kinds
         .iter()
-        .map(|&scope| {
-            let sync = (scope == Scope::Global).then_some(sync.addr);
-            envoy_spec(s, &per_key_config(scope, E_INTERVAL_MS), upstream, sync, wrapper.clone()).spawn(&s.envoy)
+        .map(|kind| {
+            let config = match kind {
+                None => per_key_config(Scope::Proxy, SYNC_INTERVAL_MS),
+                Some(r) => per_key_config(Scope::Global, interval_ms(E_PER_INTERVAL[*r])),
+            };
+            envoy_spec(s, &config, upstream, kind.map(|_| sync.addr), wrapper.clone()).spawn(&s.envoy)
         })
         .collect();
     let mut envoys = Vec::new();
     for e in spawned {
-        envoys.push(e.and_then(|e| e.wait_ready(Duration::from_secs(900)))?);
+        envoys.push(e.and_then(|e| e.wait_ready(Duration::from_secs(1800)))?);
     }
-    let requests = crate::cpu::key_requests("e", E_KEYS);
+    let requests = crate::cpu::key_requests("e", KEYS);
     let make = |i: u64| requests[(i % requests.len() as u64) as usize].clone();
-    let seconds = Duration::from_secs(if s.quick { 10 } else { 20 });
-    let rates = [E_KEYS as f64, 2.0 * E_KEYS as f64];
     for envoy in &envoys {
-        // Every key seen, and in global scope synced, before counting.
-        paced(&[envoy.addr()], rates[0], Duration::from_secs(3), make).await;
+        // Every key seen many times, and in global scope synced, before counting.
+        paced(&[envoy.addr()], E_RATE, Duration::from_secs(10), make).await;
     }
-    let mut counted: Vec<Vec<Counted>> = vec![Vec::new(), Vec::new()];
-    for &rate in &rates {
-        for (k, envoy) in envoys.iter().enumerate() {
-            if !crate::instructions::callgrind_control(envoy.pid(), "-z") {
-                return Err("callgrind_control -z failed".into());
-            }
-            let started = Instant::now();
-            let sent = paced(&[envoy.addr()], rate, seconds, make).await;
-            if !crate::instructions::callgrind_control(envoy.pid(), "-d") {
-                return Err("callgrind_control -d failed".into());
-            }
-            let elapsed = started.elapsed().as_secs_f64();
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let total = crate::instructions::latest_totals(envoy).ok_or("no callgrind dump found")?;
-            let answered = sent.iter().filter(|x| x.status == 200).count() as u64;
-            if answered != sent.len() as u64 {
-                return Err(format!("{} scope: {} of {} requests answered 200", scopes[k].name(), answered, sent.len()));
-            }
-            let late = sent.iter().filter(|x| x.done.saturating_sub(x.due) > Duration::from_millis(200)).count();
-            progress!("{} scope, {rate:.0} req/s: {answered} requests in {elapsed:.1} s ({late} answered over 200 ms late), {} instructions", scopes[k].name(), count(total));
-            counted[k].push(Counted { requests: answered, seconds: elapsed, instructions: total });
+    let (idle, _) = counted(&envoys[0], async {
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        Vec::new()
+    })
+    .await?;
+    let idle_per_s = idle.instructions as f64 / idle.seconds;
+    progress!("proxy scope, idle: {} instructions a second", count(idle_per_s as u64));
+    // At least 4 intervals of the longest regime per phase.
+    let seconds = Duration::from_secs(if s.quick { 40 } else { 80 });
+    let mut proxy: Vec<f64> = Vec::new();
+    let mut global: Vec<Vec<f64>> = vec![Vec::new(); E_PER_INTERVAL.len()];
+    for (envoy, kind) in envoys.iter().zip(&kinds) {
+        let (c, sent) = counted(envoy, paced(&[envoy.addr()], E_RATE, seconds, make)).await?;
+        let name = kind.map_or("proxy scope".to_string(), |r| format!("global scope, {} ms", interval_ms(E_PER_INTERVAL[r])));
+        if c.requests != sent.len() as u64 {
+            return Err(format!("{name}: {} of {} requests answered 200", c.requests, sent.len()));
+        }
+        let late = sent.iter().filter(|x| x.done.saturating_sub(x.due) > Duration::from_millis(200)).count();
+        progress!(
+            "{name} (pid {}): {} requests in {:.1} s ({late} answered over 200 ms late), {} instructions, {} per request",
+            envoy.pid(),
+            c.requests,
+            c.seconds,
+            count(c.instructions),
+            count(c.per_request(idle_per_s) as u64)
+        );
+        match kind {
+            None => proxy.push(c.per_request(idle_per_s)),
+            Some(r) => global[*r].push(c.per_request(idle_per_s)),
         }
     }
-    let solved: Vec<(f64, f64)> = counted
-        .iter()
-        .map(|c| match c.as_slice() {
-            [lo, hi] => solve(lo, hi).ok_or_else(|| "the two phases do not separate".to_string()),
-            _ => Err("a phase is missing".to_string()),
-        })
-        .collect::<Result<_, _>>()?;
-    let [(p_proxy, i_proxy), (p_global, i_global)] = [solved[0], solved[1]];
-    let mut t = Table::new(&["scope", "p: instructions per request", "i: instructions per second"]);
-    for (k, (p, i)) in solved.iter().enumerate() {
-        t.row(vec![scopes[k].name().into(), count(*p as u64), count(*i as u64)]);
+    let spread = |v: &[f64]| {
+        let (lo, hi) = v.iter().fold((f64::MAX, f64::MIN), |(lo, hi), &x| (lo.min(x), hi.max(x)));
+        format!("{} ({}–{})", count(median(v) as u64), count(lo as u64), count(hi as u64))
+    };
+    let mut t = Table::new(&[
+        "requests per interval (≙ req/s per proxy at 100 ms)",
+        "global scope's `sync_interval` here",
+        "proxy scope: instructions per request, median (range over Envoys)",
+        "global scope",
+        "global ÷ proxy (medians)",
+    ]);
+    for (r, &n) in E_PER_INTERVAL.iter().enumerate() {
+        t.row(vec![
+            format!("{n} ({})", n * (1000 / SYNC_INTERVAL_MS)),
+            format!("{} ms", interval_ms(n)),
+            spread(&proxy),
+            spread(&global[r]),
+            format!("**{:.3}**", median(&global[r]) / median(&proxy)),
+        ]);
     }
-    let per_interval = i_global - i_proxy;
     println!(
-        "One Envoy per scope ({WORKERS} workers) under callgrind, the rule of (c), {E_KEYS} keys, `sync_interval` {E_INTERVAL_MS} ms; two phases of {:.0} s \
-         paced at {:.0} and {:.0} req/s (every key in every batch), after 3 s of warm-up. All user-space instructions of the process. Per scope, \
-         `instructions = requests × p + seconds × i`, solved for `p` and `i` (the phases' own counts are in the progress lines).\n\n{}\n",
+        "Envoys of {WORKERS} workers under callgrind, {E_ENVOYS} per scope and regime, the rule of (c), {KEYS} keys (every key in every \
+         batch), each paced at {E_RATE:.1} req/s for {:.0} s after 10 s of warm-up, one after the other. All user-space instructions \
+         of the process, less the proxy-scope Envoy's idle {} a second (its timers), per request answered:\n\n{}\n",
         seconds.as_secs_f64(),
-        rates[0],
-        rates[1],
+        count(idle_per_s as u64),
         t.render()
     );
-    let mut t = Table::new(&["requests per second per proxy", "proxy scope: instructions per request", "global scope", "global ÷ proxy"]);
-    let intervals_per_s = 1000.0 / SYNC_INTERVAL_MS as f64;
-    for rate in [1000.0, 2000.0, 3000.0, 5000.0] {
-        let (proxy, global) = (p_proxy, p_global + per_interval * intervals_per_s / rate);
-        t.row(vec![format!("{rate:.0}"), count(proxy as u64), count(global as u64), format!("{:.3}", global / proxy)]);
-    }
+    // The same counts split into a part per request and a part per interval (informative).
+    let (lo, hi) = (E_PER_INTERVAL[0] as f64, E_PER_INTERVAL[1] as f64);
+    let (extra_lo, extra_hi) = (median(&global[0]) - median(&proxy), median(&global[1]) - median(&proxy));
+    let per_interval = (extra_lo - extra_hi) / (1.0 / lo - 1.0 / hi);
     println!(
-        "The global scope adds {:+.0} instructions per request and {:+.0} per interval with {E_KEYS} keys in the batch (ticks of both \
-         workers, the batch, the answer, the view). With `sync_interval` {SYNC_INTERVAL_MS} ms ({intervals_per_s:.0} intervals a second) and \
-         those {E_KEYS} keys in every batch (about {} req/s per proxy or more), a request at rate `R` costs `p + {intervals_per_s:.0} × per-interval / R`:\n\n{}\n",
-        p_global - p_proxy,
+        "Split (`extra = p + per-interval / requests per interval`, from the two regimes): the global scope adds {:+.0} \
+         instructions per request and {:+.0} per interval with {KEYS} keys in the batch.\n",
+        extra_lo - per_interval / lo,
         per_interval,
-        E_KEYS as u64 * intervals_per_s as u64,
-        t.render()
     );
     Ok(())
 }
-

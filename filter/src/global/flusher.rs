@@ -93,7 +93,7 @@ pub struct Batch {
 
 impl Batch {
     /// The request body.
-    pub fn body(&self, source: u64) -> String {
+    pub fn body(&self, source: u64) -> Vec<u8> {
         let counters: Vec<Counter> = self
             .deltas
             .iter()
@@ -265,7 +265,7 @@ mod tests {
     #[test]
     fn request_bodies_carry_the_source_and_the_seq() {
         let batch = Batch { seq: 12, deltas: vec![delta(4)] };
-        let body: serde_json::Value = serde_json::from_str(&batch.body(0x1f)).unwrap();
+        let body: serde_json::Value = serde_json::from_slice(&batch.body(0x1f)).unwrap();
         assert_eq!(body["proxy"], "000000000000001f");
         assert_eq!(body["seq"], 12);
         assert_eq!(body["counters"][0]["delta"], 4);

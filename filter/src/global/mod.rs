@@ -196,7 +196,7 @@ impl VmNode {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Tick {
     /// A batch to send now: its request body (the host dispatches it and reports the token).
-    pub send: Option<String>,
+    pub send: Option<Vec<u8>>,
     /// Whether this VM leads.
     pub leading: bool,
     /// Requests dropped because their bucket ended before they could be sent.

@@ -105,7 +105,16 @@ impl Deltas {
 
     /// Adds every delta of `others` that fits; returns those that did not.
     pub fn absorb(&mut self, others: impl IntoIterator<Item = Delta>) -> Vec<Delta> {
-        others.into_iter().filter(|d| !self.add(*d)).collect()
+        let others = others.into_iter();
+        self.reserve(others.size_hint().0);
+        others.filter(|d| !self.add(*d)).collect()
+    }
+
+    /// Makes room for `more` new deltas (as many as fit) at once rather than growing step by step.
+    fn reserve(&mut self, more: usize) {
+        let more = more.min(self.max.saturating_sub(self.entries.len()));
+        self.entries.reserve(more);
+        self.index.reserve(more);
     }
 
     /// Takes every delta out.
@@ -118,6 +127,9 @@ impl Deltas {
     /// gives the current bucket of a window): the store no longer weighs them. Returns how many
     /// requests they held.
     pub fn drop_expired(&mut self, now_bucket: impl Fn(u64) -> u64) -> u64 {
+        if self.entries.iter().all(|d| d.bucket.saturating_add(1) >= now_bucket(d.window_ms)) {
+            return 0;
+        }
         let before: u64 = self.entries.iter().map(|d| u64::from(d.delta)).sum();
         let kept: Vec<Delta> = self
             .take()
@@ -162,6 +174,7 @@ impl Deltas {
         if header.first() != Some(&RECORD_VERSION) || count > max || body.len() != count.saturating_mul(DELTA_LEN) {
             return Err(DecodeError::Malformed);
         }
+        deltas.reserve(count);
         for chunk in body.chunks_exact(DELTA_LEN) {
             let mut at = 0usize;
             let mut field = |n: usize| {

@@ -27,11 +27,11 @@ struct FakeSync {
 }
 
 impl FakeSync {
-    fn call(&mut self, body: &str) -> Answer {
+    fn call(&mut self, body: &[u8]) -> Answer {
         if self.down {
             return Answer::Failed(Some(503));
         }
-        let request: serde_json::Value = serde_json::from_str(body).unwrap();
+        let request: serde_json::Value = serde_json::from_slice(body).unwrap();
         let proxy = request["proxy"].as_str().unwrap().to_owned();
         let seq = request["seq"].as_u64().unwrap();
         let apply = self.seen.get(&proxy).is_none_or(|&last| seq > last);
@@ -43,7 +43,7 @@ impl FakeSync {
                 *self.counters.entry((key, window, bucket)).or_default() += delta;
             }
             let total = |b: u64| self.counters.get(&(key, window, b)).copied().unwrap_or(0);
-            out.push(serde_json::json!({"previous": total(bucket.wrapping_sub(1)), "current": total(bucket)}));
+            out.push(format!(r#"{{"previous":{},"current":{}}}"#, total(bucket.wrapping_sub(1)), total(bucket)));
         }
         if apply {
             self.seen.insert(proxy, seq);
@@ -52,7 +52,8 @@ impl FakeSync {
         if std::mem::take(&mut self.lose_next_answer) {
             return Answer::Failed(None);
         }
-        Answer::Ok(serde_json::json!({"version": 1, "counters": out}).to_string().into_bytes())
+        // As floodgate-sync writes it (serde_json, fields in declaration order).
+        Answer::Ok(format!(r#"{{"version":1,"counters":[{}]}}"#, out.join(",")).into_bytes())
     }
 
     fn total(&self, key: FleetKey, window_ms: u64, bucket: u64) -> u64 {
@@ -79,7 +80,7 @@ struct Proxy {
     vms: Vec<(u64, VmNode, Reserves)>,
     next_token: u32,
     /// Calls in flight: token → (vm index, body).
-    calls: Vec<(u32, usize, String)>,
+    calls: Vec<(u32, usize, Vec<u8>)>,
 }
 
 impl Proxy {

@@ -316,6 +316,7 @@ impl ViewRecord {
         if header.first() != Some(&RECORD_VERSION) || body.len() != count.saturating_mul(ENTRY_LEN) {
             return Err(DecodeError::Malformed);
         }
+        record.entries.reserve(count);
         for chunk in body.chunks_exact(ENTRY_LEN) {
             let u64_at = |at: usize| chunk.get(at..at.saturating_add(8)).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes);
             let u32_at = |at: usize| chunk.get(at..at.saturating_add(4)).and_then(|b| <[u8; 4]>::try_from(b).ok()).map_or(0, u32::from_le_bytes);

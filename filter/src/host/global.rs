@@ -52,7 +52,7 @@ pub fn tick(scope: &GlobalScope, node: &RefCell<VmNode>, ids: &GlobalStats, vm: 
         ("content-type", "application/json"),
     ];
     let timeout = Duration::from_millis(scope.timeout_ms);
-    match hostcalls::dispatch_http_call(&scope.cluster, headers, Some(body.as_bytes()), vec![], timeout) {
+    match hostcalls::dispatch_http_call(&scope.cluster, headers, Some(&body), vec![], timeout) {
         Ok(token) => {
             node.flusher.sent(token, now);
             stats::increment(ids.batches);
