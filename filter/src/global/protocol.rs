@@ -182,8 +182,11 @@ fn decode_compact(body: &[u8], sent: usize) -> Option<Vec<Totals>> {
             }
         }
     }
-    rest.iter().all(u8::is_ascii_whitespace).then_some(counters)
+    rest.iter().all(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r')).then_some(counters)
 }
+
+// `decode_compact`'s prefix names the version.
+const _: () = assert!(VERSION == 1, "decode_compact reads version 1 only");
 
 /// A JSON number that is a `u64` (no sign, fraction, exponent nor leading zero) at the start of
 /// `bytes`, and what follows it.
@@ -221,6 +224,21 @@ mod tests {
     }
 
     #[test]
+    fn numbers_are_written_whole_at_their_extremes() {
+        let mut out = Vec::new();
+        for (value, text) in [(0, "0"), (7, "7"), (10, "10"), (u64::MAX, "18446744073709551615")] {
+            out.clear();
+            push_decimal(&mut out, value);
+            assert_eq!(out, text.as_bytes());
+        }
+        out.clear();
+        push_hex(&mut out, u128::MAX, 32);
+        push_hex(&mut out, 0, 32);
+        push_hex(&mut out, 0xabc, 16);
+        assert_eq!(out, format!("{}{}{:016x}", "f".repeat(32), "0".repeat(32), 0xabc).as_bytes());
+    }
+
+    #[test]
     fn the_compact_answer_is_read_without_serde_and_anything_else_with_it() {
         let compact = br#"{"version":1,"counters":[{"previous":0,"current":18446744073709551615},{"previous":7,"current":10}]}"#;
         let want = vec![Totals { previous: 0, current: u64::MAX }, Totals { previous: 7, current: 10 }];
@@ -239,6 +257,9 @@ mod tests {
             br#"{"version":1,"counters":[{"previous":18446744073709551616,"current":1}]}"#,
             br#"{"version":1,"counters":[{"previous":1,"current":1},]}"#,
             br#"{"version":1,"counters":[]}x"#,
+            b"{\"version\":1,\"counters\":[]}\x0c",
+            br#"{"version":1,"counters":[{"previous":-0,"current":1}]}"#,
+            br#"{"version":1,"counters":[{"previous":1, "current":1}]}"#,
         ] {
             assert_eq!(decode_compact(other, 1), None, "{}", String::from_utf8_lossy(other));
         }
@@ -255,8 +276,9 @@ mod tests {
             totals in proptest::collection::vec((proptest::prelude::any::<u64>(), proptest::prelude::any::<u64>()), 0..8),
             source in proptest::prelude::any::<u64>(),
             seq in proptest::prelude::any::<u64>(),
-            cut in proptest::prelude::any::<usize>(),
-            flip in proptest::prelude::any::<u8>(),
+            at in proptest::prelude::any::<usize>(),
+            byte in proptest::prelude::any::<u8>(),
+            damage in 0..3u8,
         ) {
             let counters: Vec<Counter> = counters.into_iter().map(|(k, w, b, d)| Counter { key: FleetKey(k), window_ms: w, bucket: b, delta: d }).collect();
             let body: serde_json::Value = serde_json::from_slice(&encode_request(source, seq, &counters)).unwrap();
@@ -269,12 +291,11 @@ mod tests {
             proptest::prop_assert_eq!(decode_compact(&bytes, totals.len()), Some(totals.clone()));
             // A damaged answer: whatever the fast path reads, serde_json reads the same.
             let mut damaged = bytes.clone();
-            if !damaged.is_empty() {
-                let at = cut % damaged.len();
-                damaged[at] = flip;
-                if flip % 2 == 0 {
-                    damaged.truncate(at);
-                }
+            let at = at % damaged.len();
+            match damage {
+                0 => damaged[at] = byte,
+                1 => damaged.insert(at, byte),
+                _ => damaged.truncate(at),
             }
             if let Some(fast) = decode_compact(&damaged, 0) {
                 let slow: Response = serde_json::from_slice(&damaged).unwrap();
