@@ -231,6 +231,8 @@ fn grpc_statuses_from_headers_or_trailers_decide_the_outcome() {
     .http2_cluster("one", &[server.addr()])
     .route_by_header(ROUTE_HEADER)
     .start();
+    // The gauge shows the limit from the start, not 0 until the first heartbeat a second later.
+    assert_eq!(stat(&envoy, &cluster_stat("one", "concurrency_limit")), 20);
     let target = envoy.addr().to_string();
     let counters = || {
         ["success", "failure", "timeout", "ignored", "slow"].map(|what| stat(&envoy, &cluster_stat("one", what)))

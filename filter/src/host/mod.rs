@@ -262,6 +262,9 @@ impl RootContext for FilterRoot {
             config,
             retired: Cell::new(false),
         }));
+        if let Some(filter) = &self.filter {
+            filter.selection_heartbeat(clock::now().mono);
+        }
         true
     }
 
@@ -295,19 +298,7 @@ impl RootContext for FilterRoot {
         if let Some(cap) = &filter.per_key {
             cap.heartbeat(&EnvoyStore, vm_id(), &filter.key_counts, now.mono);
         }
-        if let Some(selector) = &filter.selector {
-            let states =
-                selector.heartbeat(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), now.mono);
-            for (index, state) in states.into_iter().enumerate() {
-                let (Some(state), ids) = (state, filter.stats.cluster(index)) else { continue };
-                // The rate is in [0, 1]: millionths fit.
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                let ppm = (state.success_rate * 1_000_000.0).round() as u64;
-                stats::set(ids.success_rate_ppm, ppm);
-                stats::set(ids.concurrency_limit, u64::from(state.limit));
-                stats::set(ids.in_flight, u64::from(state.in_flight));
-            }
-        }
+        filter.selection_heartbeat(now.mono);
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -358,6 +349,23 @@ impl Filter {
     }
 
     /// Moves the `reserved` gauges by what this VM's reserves changed since it last reported.
+    /// The selection's heartbeat (each cluster's in-flight count published, its shared state
+    /// read) and its gauges; also run once at configuration, so that the gauges show the
+    /// clusters' limits and success rates from the start rather than 0 until the first tick.
+    fn selection_heartbeat(&self, now: MonoMillis) {
+        let Some(selector) = &self.selector else { return };
+        let states = selector.heartbeat(&EnvoyStore, &mut self.selection_vm.borrow_mut(), now);
+        for (index, state) in states.into_iter().enumerate() {
+            let (Some(state), ids) = (state, self.stats.cluster(index)) else { continue };
+            // The rate is in [0, 1]: millionths fit.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let ppm = (state.success_rate * 1_000_000.0).round() as u64;
+            stats::set(ids.success_rate_ppm, ppm);
+            stats::set(ids.concurrency_limit, u64::from(state.limit));
+            stats::set(ids.in_flight, u64::from(state.in_flight));
+        }
+    }
+
     fn report_reserved(&self) {
         let mut reported = self.reserved_reported.borrow_mut();
         let held = self.reserves.borrow().held(reported.len());

@@ -23,9 +23,9 @@
 //! | `<prefix>.cluster.<cluster>.failure` | counter | failure status, reset, connection failure, overflow, unknown cluster |
 //! | `<prefix>.cluster.<cluster>.timeout` | counter | upstream timeouts (`504`, flags UT / UMSDR) |
 //! | `<prefix>.cluster.<cluster>.ignored` | counter | ended without a response (client left first) |
-//! | `<prefix>.cluster.<cluster>.success_rate_ppm` | gauge | the success rate the shuffle uses, in millionths, refreshed every second |
-//! | `<prefix>.cluster.<cluster>.concurrency_limit` | gauge | the cluster's current concurrency limit, refreshed every second |
-//! | `<prefix>.cluster.<cluster>.in_flight` | gauge | leases held on the cluster, proxy-wide, refreshed every second |
+//! | `<prefix>.cluster.<cluster>.success_rate_ppm` | gauge | the success rate the shuffle uses, in millionths, set at configuration and refreshed every second |
+//! | `<prefix>.cluster.<cluster>.concurrency_limit` | gauge | the cluster's current concurrency limit, set at configuration and refreshed every second |
+//! | `<prefix>.cluster.<cluster>.in_flight` | gauge | leases held on the cluster, proxy-wide, set at configuration and refreshed every second |
 //! | `<prefix>.cluster_selection.exhausted` | counter | requests refused with 503: no cluster had room |
 //! | `<prefix>.cluster_selection.contention` | counter | lease or outcome writes that ran out of CAS attempts |
 //! | `<prefix>.cluster_selection.partition.spilled` | counter | requests routed outside their key's partition (`when_unavailable: spill`; 0 without `partition`) |
