@@ -330,10 +330,10 @@ mod tests {
         assert_eq!(all_f.high_u32(), u32::MAX);
     }
 
-    #[test]
     /// Compact, fields in declaration order: the filter reads exactly this form without a JSON
     /// parser (`decode_compact` in `filter/src/global/protocol.rs`) and any other, more slowly,
     /// through serde_json.
+    #[test]
     fn answers_serialize_as_the_protocol_says() {
         let answer = SyncResponse {
             version: 1,

@@ -348,7 +348,6 @@ impl Filter {
         }
     }
 
-    /// Moves the `reserved` gauges by what this VM's reserves changed since it last reported.
     /// The selection's heartbeat (each cluster's in-flight count published, its shared state
     /// read) and its gauges; also run once at configuration, so that the gauges show the
     /// clusters' limits and success rates from the start rather than 0 until the first tick.
@@ -366,6 +365,7 @@ impl Filter {
         }
     }
 
+    /// Moves the `reserved` gauges by what this VM's reserves changed since it last reported.
     fn report_reserved(&self) {
         let mut reported = self.reserved_reported.borrow_mut();
         let held = self.reserves.borrow().held(reported.len());
