@@ -433,6 +433,29 @@ impl Burners {
     }
 }
 
+/// The Lua filter's iterations per millisecond on this machine, with the proxy idle: the
+/// median over 5 requests of (time with `x-burn: 4000000` − time without). The lag test sizes
+/// its load in milliseconds of work, not iterations, so a machine twice as fast or slow as the
+/// one it was written on makes the loop lag as much.
+async fn burn_rate_per_ms(addr: std::net::SocketAddr) -> u64 {
+    const PROBE: u64 = 4_000_000;
+    let burn = PROBE.to_string();
+    let mut samples = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        assert_eq!(get(addr, "/work", &[]).await.status, 200);
+        let base = started.elapsed();
+        let started = Instant::now();
+        assert_eq!(get(addr, "/work", &[("x-burn", &burn)]).await.status, 200);
+        let burnt = started.elapsed().saturating_sub(base).as_secs_f64() * 1000.0;
+        samples.push(burnt.max(1.0));
+    }
+    samples.sort_by(f64::total_cmp);
+    let ms = samples[samples.len() / 2];
+    println!("calibration: {PROBE} iterations in {ms:.1} ms (samples {samples:.1?})");
+    ((PROBE as f64 / ms) as u64).max(1)
+}
+
 /// Issue 22: shedding on the event loop's lag, with no in-flight limit at all. One worker; a
 /// Lua filter after floodgate burns CPU per request. Low-priority load makes the loop lag past
 /// the low class's share of `max_loop_lag` (but far from the critical class's): low requests
@@ -457,14 +480,17 @@ async fn loop_lag_sheds_low_classes_first_and_stops_when_the_load_goes_away() {
     assert_eq!((status, &body["shedding"]), (200, &json!(false)), "{body}");
 
     // The loop runs a timer after the requests that were ready with it: N clients sending
-    // requests of T ms back to back make the probes about N × T ms late.
-    // 1. Low-priority load (4 × ~16 ms: past low's 15 ms, far from critical's 300 ms), and a
-    //    critical request now and then.
-    let low = Burners::start(envoy.addr(), 4, "low", 2_000_000);
+    // requests of T ms back to back make the probes about N × T ms late. T is set in
+    // milliseconds of this machine's work.
+    let per_ms = burn_rate_per_ms(envoy.addr()).await;
+    // 1. Low-priority load (4 × ~40 ms: past low's 15 ms, far from critical's 300 ms), and a
+    //    critical request of ~10 ms now and then.
+    let low = Burners::start(envoy.addr(), 4, "low", 40 * per_ms);
+    let critical_burn = (10 * per_ms).to_string();
     let mut critical = (0u64, 0u64);
     let phase = Instant::now();
     while phase.elapsed() < Duration::from_secs(5) {
-        let r = get(envoy.addr(), "/work", &[("x-floodgate-priority", "critical"), ("x-burn", "1000000")]).await;
+        let r = get(envoy.addr(), "/work", &[("x-floodgate-priority", "critical"), ("x-burn", &critical_burn)]).await;
         match r.status {
             200 => critical.0 += 1,
             503 => critical.1 += 1,
@@ -475,14 +501,15 @@ async fn loop_lag_sheds_low_classes_first_and_stops_when_the_load_goes_away() {
     let low = low.stop();
     println!("phase 1 (low load): low {} admitted, {} shed; critical {} admitted, {} shed; shed_by_lag low {}, critical {}",
         low.0, low.1, critical.0, critical.1, stat("low.shed_by_lag"), stat("critical.shed_by_lag"));
-    assert!(low.1 > 0 && stat("low.shed_by_lag") == low.1, "low requests are shed for the lag");
-    assert!(low.0 > 0, "and admitted while the lag is low");
-    assert_eq!(critical.1, 0, "the critical class is not shed below its share of the lag");
-    assert!(critical.0 > 10);
+    let figures = format!("low (admitted, shed) {low:?}, critical {critical:?}, low.shed_by_lag {}", stat("low.shed_by_lag"));
+    assert!(low.1 > 0 && stat("low.shed_by_lag") == low.1, "low requests are shed for the lag: {figures}");
+    assert!(low.0 > 0, "and admitted while the lag is low: {figures}");
+    assert_eq!(critical.1, 0, "the critical class is not shed below its share of the lag: {figures}");
+    assert!(critical.0 > 10, "{figures}");
 
     // 2. Heavy critical load (4 × ~1 s): the loop lags past max_loop_lag; the health endpoint
     //    says 503.
-    let heavy = Burners::start(envoy.addr(), 4, "critical", 120_000_000);
+    let heavy = Burners::start(envoy.addr(), 4, "critical", 1000 * per_ms);
     let phase = Instant::now();
     let mut seen_red = None;
     let mut lags = Vec::new();
@@ -496,9 +523,9 @@ async fn loop_lag_sheds_low_classes_first_and_stops_when_the_load_goes_away() {
     }
     let heavy = heavy.stop();
     println!("phase 2 (heavy critical load): critical {} admitted, {} shed; health red after {:?}; lags seen {lags:?}", heavy.0, heavy.1, seen_red.as_ref().map(|r| r.0));
-    let (_, red) = seen_red.expect("the health endpoint turns 503 while the default class is shed");
+    let (_, red) = seen_red.unwrap_or_else(|| panic!("the health endpoint turns 503 while the default class is shed: lags seen {lags:?}"));
     assert_eq!((&red["status"], &red["shedding"]), (&json!("overloaded"), &json!(true)), "{red}");
-    assert!(heavy.1 > 0 || stat("critical.shed_by_lag") > 0, "critical requests are shed past max_loop_lag");
+    assert!(heavy.1 > 0 || stat("critical.shed_by_lag") > 0, "critical requests are shed past max_loop_lag: {heavy:?}");
 
     // 3. No load: within a few probes, no shedding and a green health endpoint.
     let calm = Instant::now();
