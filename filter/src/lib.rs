@@ -20,6 +20,7 @@ pub mod global;
 pub mod grpc;
 pub mod headers;
 pub mod key;
+pub mod lease;
 pub mod lag;
 pub mod ratelimit;
 pub mod reserve;

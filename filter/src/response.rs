@@ -241,6 +241,33 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
     })
 }
 
+/// The `503` of a request of a leased rule that needed the store while it failed, under
+/// `on_store_failure: refuse`.
+pub fn quota_store_unavailable(limiter: &Limiter, rule: usize) -> Reply {
+    const RETRY_AFTER_SECS: u64 = 1;
+    let name = limiter.tables().get(rule).map_or("?", |t| t.name.as_str());
+    let detail = format!(
+        "quota \"{name}\" cannot be checked: its store does not answer (global.on_store_failure: refuse); retry in {RETRY_AFTER_SECS} s"
+    );
+    let body = json!({
+        "type": TEMPORARY_REDUCED_CAPACITY,
+        "title": "Service Unavailable",
+        "status": 503,
+        "detail": detail.as_str(),
+        "policy": name,
+        "retry_after": RETRY_AFTER_SECS,
+    });
+    Reply {
+        status: 503,
+        headers: vec![
+            ("content-type", "application/problem+json".into()),
+            ("retry-after", RETRY_AFTER_SECS.to_string()),
+        ],
+        body: body.to_string(),
+        refusal: Some(Refusal { kind: RefusalKind::Shed, detail, retry_after_ms: RETRY_AFTER_SECS * 1000 }),
+    }
+}
+
 /// The `503` of a shed request.
 pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
     let class = shedder.classes.get(shed.class);

@@ -6,7 +6,7 @@
 //! with `redis-cli` next to it, and `$FLOODGATE_SYNC_BIN` (else `target/debug/floodgate-sync`;
 //! `./test.sh` builds it).
 
-use crate::{free_ports, workspace_root};
+use crate::{free_ports, workspace_root, Envoy, Upstream, Value};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -232,6 +232,20 @@ pub struct SyncService {
     args: Vec<String>,
     log: PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// `count` Envoys with 2 workers each, running `config`, whose cluster `floodgate-sync` (HTTP/2)
+/// is the service at `sync`.
+pub fn fleet(count: usize, config: &Value, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
+    (0..count)
+        .map(|_| {
+            Envoy::builder(config.clone())
+                .upstream(upstream)
+                .http2_cluster("floodgate-sync", &[sync])
+                .concurrency(2)
+                .start()
+        })
+        .collect()
 }
 
 impl SyncService {

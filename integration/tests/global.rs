@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use floodgate_integration::store::{Redis, RedisCluster, SyncService};
+use floodgate_integration::store::{fleet, Redis, RedisCluster, SyncService};
 use floodgate_integration::*;
 
 const WINDOW: Duration = Duration::from_secs(3600);
@@ -31,19 +31,6 @@ fn config(limit: u64) -> Value {
         ],
         "global": global_section()
     })
-}
-
-/// `count` Envoys with 2 workers each, running `config`, with floodgate-sync at `sync`.
-fn fleet(count: usize, config: &Value, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
-    (0..count)
-        .map(|_| {
-            Envoy::builder(config.clone())
-                .upstream(upstream)
-                .http2_cluster("floodgate-sync", &[sync])
-                .concurrency(2)
-                .start()
-        })
-        .collect()
 }
 
 fn proxies(limit: u64, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
@@ -117,7 +104,10 @@ async fn steady_load(
 fn redis_counters(nodes: &[&Redis], keep: impl Fn(u64, u64) -> bool) -> u64 {
     let mut total = 0;
     for node in nodes {
-        for key in node.cli(&["--scan", "--pattern", "fg:*"]).lines() {
+        // SCAN may return a key twice (while Redis rehashes its table): each key once.
+        let listing = node.cli(&["--scan", "--pattern", "fg:*"]);
+        let keys: std::collections::BTreeSet<&str> = listing.lines().collect();
+        for key in keys {
             let mut fields = key.rsplit(':').map(|f| f.parse::<u64>().ok());
             if let (Some(Some(bucket)), Some(Some(window_ms))) = (fields.next(), fields.next()) {
                 if keep(window_ms, bucket) {

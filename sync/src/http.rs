@@ -1,8 +1,9 @@
-//! The HTTP side: HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port, four routes.
+//! The HTTP side: HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port, five routes.
 //!
 //! | route | answer |
 //! | --- | --- |
 //! | `POST /v1/sync` | 200 with the batch's totals; 400, 413, 415, 503 with `{"error": ...}` |
+//! | `POST /v1/lease` | 200 with the grants; the same errors |
 //! | `GET /healthz` | 200 `{"status":"ok"}` while the process runs |
 //! | `GET /readyz` | 200 when Redis answers PING (every node of a cluster), else 503 |
 //! | `GET /metrics` | Prometheus text |
@@ -28,6 +29,7 @@ use tokio::net::TcpListener;
 use tracing::{debug, info, warn};
 
 use crate::layout::{plan, Layout};
+use crate::lease::{parse_lease_request, plan_lease, LeaseResponse};
 use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::{parse_batch, ErrorBody, SyncResponse, Totals, VERSION};
 use crate::store::Store;
@@ -91,6 +93,13 @@ pub async fn handle(app: Arc<App>, request: Request<Incoming>) -> Result<Answer,
             answer
         }
         "/v1/sync" => method_not_allowed(&app, "POST"),
+        "/v1/lease" if method == Method::POST => {
+            let started = Instant::now();
+            let answer = lease(&app, request).await;
+            app.metrics.lease_latency(started.elapsed());
+            answer
+        }
+        "/v1/lease" => method_not_allowed(&app, "POST"),
         "/healthz" | "/readyz" | "/metrics" if method != Method::GET && method != Method::HEAD => {
             method_not_allowed(&app, "GET, HEAD")
         }
@@ -128,13 +137,14 @@ fn is_json(request: &Request<Incoming>) -> bool {
         .is_some_and(|media| media.trim().eq_ignore_ascii_case("application/json"))
 }
 
-async fn sync(app: &App, request: Request<Incoming>) -> Answer {
+/// A request's JSON body, within `--max-body-bytes`, or the error answer.
+async fn json_body(app: &App, request: Request<Incoming>) -> Result<Bytes, Answer> {
     if !is_json(&request) {
-        return error(
+        return Err(error(
             app,
             ErrorKind::UnsupportedMediaType,
             "content-type: expected application/json",
-        );
+        ));
     }
     let too_large = || {
         error(
@@ -150,21 +160,26 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
         .and_then(|value| value.parse::<u64>().ok());
     if declared.is_some_and(|length| length > u64::try_from(app.max_body_bytes).unwrap_or(u64::MAX))
     {
-        return too_large();
+        return Err(too_large());
     }
-    let body = match Limited::new(request.into_body(), app.max_body_bytes)
+    match Limited::new(request.into_body(), app.max_body_bytes)
         .collect()
         .await
     {
-        Ok(collected) => collected.to_bytes(),
-        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => return too_large(),
-        Err(err) => {
-            return error(
-                app,
-                ErrorKind::BadRequest,
-                format!("body: could not be read: {err}"),
-            )
-        }
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(err) => Err(error(
+            app,
+            ErrorKind::BadRequest,
+            format!("body: could not be read: {err}"),
+        )),
+    }
+}
+
+async fn sync(app: &App, request: Request<Incoming>) -> Answer {
+    let body = match json_body(app, request).await {
+        Ok(body) => body,
+        Err(answer) => return answer,
     };
     let batch = match parse_batch(&body, app.max_counters) {
         Ok(batch) => batch,
@@ -196,6 +211,44 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
     match serde_json::to_vec(&SyncResponse {
         version: VERSION,
         counters,
+    }) {
+        Ok(body) => json(StatusCode::OK, body),
+        Err(err) => error(
+            app,
+            ErrorKind::StoreError,
+            format!("store unavailable: {err}"),
+        ),
+    }
+}
+
+async fn lease(app: &App, request: Request<Incoming>) -> Answer {
+    let body = match json_body(app, request).await {
+        Ok(body) => body,
+        Err(answer) => return answer,
+    };
+    let request = match parse_lease_request(&body, app.max_counters) {
+        Ok(request) => request,
+        Err(message) => {
+            debug!("400: {message}");
+            return error(app, ErrorKind::BadRequest, message);
+        }
+    };
+    let planned: Vec<_> = request
+        .leases
+        .iter()
+        .map(|entry| plan_lease(&app.layout, entry))
+        .collect();
+    let grants = match app.store.lease(&planned).await {
+        Ok(grants) => grants,
+        Err(err) => return error(app, err.kind(), format!("store unavailable: {err}")),
+    };
+    app.metrics.leases_granted(
+        grants.len(),
+        grants.iter().map(|grant| grant.granted).sum(),
+    );
+    match serde_json::to_vec(&LeaseResponse {
+        version: VERSION,
+        leases: grants,
     }) {
         Ok(body) => json(StatusCode::OK, body),
         Err(err) => error(

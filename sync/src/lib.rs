@@ -9,6 +9,8 @@
 //!
 //! - [`protocol`]: the request and answer types, strict validation.
 //! - [`layout`]: shards, key names, expiries, and a batch's [`layout::Plan`].
+//! - [`lease`]: `POST /v1/lease`, units of a key's quota granted ahead of use (leased rules),
+//!   and the script `lease.lua`.
 //! - [`store`]: Redis (single node or cluster) and the script `apply.lua`.
 //! - [`http`]: the HTTP/1.1 + HTTP/2 server and its routes.
 //! - [`metrics`]: counters and the latency histogram, as Prometheus text.
@@ -17,6 +19,7 @@
 pub mod config;
 pub mod http;
 pub mod layout;
+pub mod lease;
 pub mod metrics;
 pub mod protocol;
 pub mod store;
@@ -58,7 +61,7 @@ pub async fn run(args: Args) -> Result<(), String> {
     });
     let redis: Vec<String> = args.redis.iter().map(|url| redact(url)).collect();
     info!(
-        "floodgate-sync {} serving POST /v1/sync, GET /healthz /readyz /metrics on http://{local} \
+        "floodgate-sync {} serving POST /v1/sync /v1/lease, GET /healthz /readyz /metrics on http://{local} \
          (HTTP/1.1 and h2c); redis {} {}; shards {} prefix {:?}; max {} counters, {} bytes per \
          batch; redis timeout {:?}",
         env!("CARGO_PKG_VERSION"),

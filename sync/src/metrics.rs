@@ -89,14 +89,58 @@ pub struct Metrics {
     parts_applied: AtomicU64,
     parts_deduplicated: AtomicU64,
     redis_round_trips: AtomicU64,
+    leases_received: AtomicU64,
+    lease_units_granted: AtomicU64,
     errors: [AtomicU64; 7],
-    latency_buckets: [AtomicU64; 12],
-    latency_count: AtomicU64,
-    latency_sum_us: AtomicU64,
+    sync_latency: Histogram,
+    lease_latency: Histogram,
 }
 
 fn add(counter: &AtomicU64, n: u64) {
     counter.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A latency histogram over [`LATENCY_BOUNDS`].
+#[derive(Debug, Default)]
+struct Histogram {
+    buckets: [AtomicU64; 12],
+    count: AtomicU64,
+    sum_us: AtomicU64,
+}
+
+impl Histogram {
+    fn record(&self, elapsed: Duration) {
+        let seconds = elapsed.as_secs_f64();
+        for (bound, bucket) in LATENCY_BOUNDS.iter().zip(&self.buckets) {
+            if seconds <= *bound {
+                add(bucket, 1);
+            }
+        }
+        add(&self.count, 1);
+        add(
+            &self.sum_us,
+            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+        );
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        for (bound, bucket) in LATENCY_BOUNDS.iter().zip(&self.buckets) {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {}", get(bucket));
+        }
+        let count = get(&self.count);
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let sum_us = get(&self.sum_us);
+        let _ = writeln!(
+            out,
+            "{name}_sum {}.{:06}",
+            sum_us.checked_div(1_000_000).unwrap_or(0),
+            sum_us.checked_rem(1_000_000).unwrap_or(0)
+        );
+        let _ = writeln!(out, "{name}_count {count}");
+    }
 }
 
 impl Metrics {
@@ -141,17 +185,21 @@ impl Metrics {
 
     /// A `/v1/sync` request took `elapsed`, whatever its outcome.
     pub fn sync_latency(&self, elapsed: Duration) {
-        let seconds = elapsed.as_secs_f64();
-        for (bound, bucket) in LATENCY_BOUNDS.iter().zip(&self.latency_buckets) {
-            if seconds <= *bound {
-                add(bucket, 1);
-            }
-        }
-        add(&self.latency_count, 1);
+        self.sync_latency.record(elapsed);
+    }
+
+    /// A `/v1/lease` request took `elapsed`, whatever its outcome.
+    pub fn lease_latency(&self, elapsed: Duration) {
+        self.lease_latency.record(elapsed);
+    }
+
+    /// A valid lease request of `entries` keys was answered, granting `units` in all.
+    pub fn leases_granted(&self, entries: usize, units: u64) {
         add(
-            &self.latency_sum_us,
-            u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+            &self.leases_received,
+            u64::try_from(entries).unwrap_or(u64::MAX),
         );
+        add(&self.lease_units_granted, units);
     }
 
     /// The Prometheus text exposition of every metric.
@@ -182,6 +230,16 @@ impl Metrics {
             "floodgate_sync_batches_deduplicated_total",
             "Batches answered 200 of which at least one shard part had been applied before (a retry, or an older seq): only read.",
             get(&self.batches_deduplicated),
+        );
+        counter(
+            "floodgate_sync_leases_received_total",
+            "Key entries in the valid lease requests answered 200 (POST /v1/lease).",
+            get(&self.leases_received),
+        );
+        counter(
+            "floodgate_sync_lease_units_granted_total",
+            "Units of quota granted by POST /v1/lease.",
+            get(&self.lease_units_granted),
         );
         counter(
             "floodgate_sync_redis_round_trips_total",
@@ -217,25 +275,16 @@ impl Metrics {
                 kind.label()
             );
         }
-        let name = "floodgate_sync_request_duration_seconds";
-        let _ = writeln!(
-            out,
-            "# HELP {name} Time to answer POST /v1/sync, from its headers to its answer, whatever the outcome."
+        self.sync_latency.render(
+            &mut out,
+            "floodgate_sync_request_duration_seconds",
+            "Time to answer POST /v1/sync, from its headers to its answer, whatever the outcome.",
         );
-        let _ = writeln!(out, "# TYPE {name} histogram");
-        for (bound, bucket) in LATENCY_BOUNDS.iter().zip(&self.latency_buckets) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{bound}\"}} {}", get(bucket));
-        }
-        let count = get(&self.latency_count);
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
-        let sum_us = get(&self.latency_sum_us);
-        let _ = writeln!(
-            out,
-            "{name}_sum {}.{:06}",
-            sum_us.checked_div(1_000_000).unwrap_or(0),
-            sum_us.checked_rem(1_000_000).unwrap_or(0)
+        self.lease_latency.render(
+            &mut out,
+            "floodgate_sync_lease_duration_seconds",
+            "Time to answer POST /v1/lease, from its headers to its answer, whatever the outcome.",
         );
-        let _ = writeln!(out, "{name}_count {count}");
         out
     }
 }

@@ -124,7 +124,7 @@ pub struct Batch {
     pub counters: Vec<Counter>,
 }
 
-fn ranged<'de, D: Deserializer<'de>>(deserializer: D, min: u64, max: u64) -> Result<u64, D::Error> {
+pub(crate) fn ranged<'de, D: Deserializer<'de>>(deserializer: D, min: u64, max: u64) -> Result<u64, D::Error> {
     let value = u64::deserialize(deserializer)?;
     if (min..=max).contains(&value) {
         Ok(value)
@@ -135,19 +135,19 @@ fn ranged<'de, D: Deserializer<'de>>(deserializer: D, min: u64, max: u64) -> Res
     }
 }
 
-fn window_ms<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+pub(crate) fn window_ms<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     ranged(deserializer, 1, MAX_WINDOW_MS)
 }
 
-fn bucket<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+pub(crate) fn bucket<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     ranged(deserializer, 0, MAX_BUCKET)
 }
 
-fn delta<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+pub(crate) fn delta<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     ranged(deserializer, 0, MAX_DELTA)
 }
 
-fn version<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+pub(crate) fn version<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
     let value = u64::deserialize(deserializer)?;
     if value == VERSION {
         Ok(value)
@@ -158,10 +158,11 @@ fn version<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> 
     }
 }
 
-/// Parses and validates a request body. The error is one line that names the field.
-pub fn parse_batch(body: &[u8], max_counters: usize) -> Result<Batch, String> {
+/// Parses one JSON value of type `T`, strictly; the error is one line that names the field
+/// (`counters[3].key: ...`).
+pub(crate) fn parse_json<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, String> {
     let mut deserializer = serde_json::Deserializer::from_slice(body);
-    let batch: Batch = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
+    let value = serde_path_to_error::deserialize(&mut deserializer).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
         if path == "." {
@@ -171,6 +172,12 @@ pub fn parse_batch(body: &[u8], max_counters: usize) -> Result<Batch, String> {
         }
     })?;
     deserializer.end().map_err(|err| err.to_string())?;
+    Ok(value)
+}
+
+/// Parses and validates a request body. The error is one line that names the field.
+pub fn parse_batch(body: &[u8], max_counters: usize) -> Result<Batch, String> {
+    let batch: Batch = parse_json(body)?;
     if batch.counters.len() > max_counters {
         return Err(format!(
             "counters: at most {max_counters} entries per batch, got {}",

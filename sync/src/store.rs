@@ -23,10 +23,12 @@ use tokio::sync::watch;
 use tracing::{info, warn};
 
 use crate::layout::{Group, Plan};
+use crate::lease::{Grant, PlannedLease};
 use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::Totals;
 
 const SCRIPT_SOURCE: &str = include_str!("apply.lua");
+const LEASE_SOURCE: &str = include_str!("lease.lua");
 
 /// The most counters one script call takes on a single node, unless one shard has more.
 const MAX_SCRIPT_COUNTERS: usize = 1000;
@@ -96,7 +98,12 @@ pub struct Outcome {
 
 enum Backend {
     Single(ConnectionManager),
-    Cluster(watch::Receiver<Option<ClusterConnection>>),
+    /// Two clients: one that retries (batches, made idempotent by their dedup keys), one that
+    /// never does, for leases (a grant or a give-back run twice would count twice).
+    Cluster {
+        retrying: watch::Receiver<Option<ClusterConnection>>,
+        once: watch::Receiver<Option<ClusterConnection>>,
+    },
 }
 
 /// One line per Redis error, at most one a second; the others are counted and reported with the
@@ -137,6 +144,7 @@ impl ErrorLog {
 pub struct Store {
     backend: Backend,
     script: Script,
+    lease_script: Script,
     timeout: Duration,
     metrics: Arc<Metrics>,
     errors: Arc<ErrorLog>,
@@ -150,18 +158,22 @@ impl Store {
             if config.urls.is_empty() {
                 return Err("--cluster needs at least one --redis seed URL".into());
             }
-            let client = ClusterClient::builder(config.urls.iter().map(String::as_str))
-                .connection_timeout(config.timeout)
-                .response_timeout(config.timeout)
-                .overall_response_timeout(Some(config.timeout))
-                .retries(8)
-                .min_retry_wait(20)
-                .max_retry_wait(500)
-                .build()
-                .map_err(|err| format!("--redis: {err}"))?;
-            let (sender, receiver) = watch::channel(None);
-            tokio::spawn(connect_cluster(client, sender, errors.clone()));
-            Backend::Cluster(receiver)
+            let client = |retries: u32| {
+                ClusterClient::builder(config.urls.iter().map(String::as_str))
+                    .connection_timeout(config.timeout)
+                    .response_timeout(config.timeout)
+                    .overall_response_timeout(Some(config.timeout))
+                    .retries(retries)
+                    .min_retry_wait(20)
+                    .max_retry_wait(500)
+                    .build()
+                    .map_err(|err| format!("--redis: {err}"))
+            };
+            let (sender, retrying) = watch::channel(None);
+            tokio::spawn(connect_cluster(client(8)?, sender, errors.clone()));
+            let (sender, once) = watch::channel(None);
+            tokio::spawn(connect_cluster(client(0)?, sender, errors.clone()));
+            Backend::Cluster { retrying, once }
         } else {
             let [url] = config.urls.as_slice() else {
                 return Err(format!(
@@ -184,6 +196,7 @@ impl Store {
         Ok(Store {
             backend,
             script: Script::new(SCRIPT_SOURCE),
+            lease_script: Script::new(LEASE_SOURCE),
             timeout: config.timeout,
             metrics,
             errors,
@@ -205,8 +218,8 @@ impl Store {
                     let calls = single_node_calls(&plan.groups, MAX_SCRIPT_COUNTERS);
                     self.run_calls(manager, plan, calls).await
                 }
-                Backend::Cluster(receiver) => {
-                    let conn = connected(receiver)?;
+                Backend::Cluster { retrying, .. } => {
+                    let conn = connected(retrying)?;
                     self.run_calls(&conn, plan, plan.groups.chunks(1).collect())
                         .await
                 }
@@ -234,8 +247,8 @@ impl Store {
                         .await
                         .map_err(|err| self.classify(err))?;
                 }
-                Backend::Cluster(receiver) => {
-                    let mut conn = connected(receiver)?;
+                Backend::Cluster { retrying, .. } => {
+                    let mut conn = connected(retrying)?;
                     self.metrics.redis_round_trip();
                     conn.route_command(
                         redis::cmd("PING"),
@@ -310,29 +323,85 @@ impl Store {
         groups: &[Group],
     ) -> Result<Outcome, StoreError> {
         let (keys, args) = script_arguments(seq, groups);
-        let mut call = Cmd::new();
-        call.arg("EVALSHA")
-            .arg(self.script.get_hash())
-            .arg(keys.len())
-            .arg(&keys)
-            .arg(&args);
-        self.metrics.redis_round_trip();
-        let reply = match call.query_async::<Value>(conn).await {
-            Err(err) if err.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let mut call = Cmd::new();
-                call.arg("EVAL")
-                    .arg(SCRIPT_SOURCE)
-                    .arg(keys.len())
-                    .arg(&keys)
-                    .arg(&args);
-                self.metrics.redis_round_trip();
-                call.query_async::<Value>(conn)
-                    .await
-                    .map_err(|err| self.classify(err))?
-            }
-            other => other.map_err(|err| self.classify(err))?,
-        };
+        let reply = self
+            .eval(conn, &self.script, SCRIPT_SOURCE, &keys, &args)
+            .await?;
         parse_reply(reply, groups)
+    }
+
+    /// Runs `script` as EVALSHA, and again as EVAL with its `source` on NOSCRIPT.
+    async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
+        &self,
+        conn: &mut C,
+        script: &Script,
+        source: &str,
+        keys: &[K],
+        args: &[A],
+    ) -> Result<Value, StoreError> {
+        let call = |command: &str, script: &str| {
+            let mut call = Cmd::new();
+            call.arg(command)
+                .arg(script)
+                .arg(keys.len())
+                .arg(keys)
+                .arg(args);
+            call
+        };
+        self.metrics.redis_round_trip();
+        match call("EVALSHA", script.get_hash()).query_async::<Value>(conn).await {
+            Err(err) if err.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+                self.metrics.redis_round_trip();
+                call("EVAL", source)
+                    .query_async::<Value>(conn)
+                    .await
+                    .map_err(|err| self.classify(err))
+            }
+            other => other.map_err(|err| self.classify(err)),
+        }
+    }
+
+    /// Grants the leases of a request (see `lease.lua`): one script call per entry (each entry's
+    /// counters are on one slot), all at once, in request order. One failure fails the whole:
+    /// grants already counted stay counted, and give-backs already made stay made. Never
+    /// retried (in a cluster, by a client of its own that does not retry): a script that timed
+    /// out may have run, and running it again would grant or give back twice.
+    pub async fn lease(&self, planned: &[PlannedLease]) -> Result<Vec<Grant>, StoreError> {
+        let work = async {
+            match &self.backend {
+                Backend::Single(manager) => self.run_leases(manager, planned).await,
+                Backend::Cluster { once, .. } => {
+                    let conn = connected(once)?;
+                    self.run_leases(&conn, planned).await
+                }
+            }
+        };
+        let result = match tokio::time::timeout(self.timeout, work).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        };
+        if let Err(err) = &result {
+            self.errors.log("lease", err);
+        }
+        result
+    }
+
+    async fn run_leases<C: ConnectionLike + Clone>(
+        &self,
+        conn: &C,
+        planned: &[PlannedLease],
+    ) -> Result<Vec<Grant>, StoreError> {
+        let calls = planned.iter().map(|lease| {
+            let mut conn = conn.clone();
+            async move {
+                let mut keys = vec![lease.current_key.as_str()];
+                keys.extend(lease.previous_key.as_deref());
+                let reply = self
+                    .eval(&mut conn, &self.lease_script, LEASE_SOURCE, &keys, &lease.args)
+                    .await?;
+                parse_grant(reply)
+            }
+        });
+        join_all(calls).await.into_iter().collect()
     }
 }
 
@@ -422,6 +491,24 @@ fn parse_reply(reply: Value, groups: &[Group]) -> Result<Outcome, StoreError> {
         });
     }
     Ok(outcome)
+}
+
+/// `{granted, current, previous}` (see `lease.lua`) into a [`Grant`].
+fn parse_grant(reply: Value) -> Result<Grant, StoreError> {
+    match reply {
+        Value::Array(items) => match <[Value; 3]>::try_from(items) {
+            Ok([granted, current, previous]) => Ok(Grant {
+                granted: total(granted)?,
+                current: total(current)?,
+                previous: total(previous)?,
+            }),
+            Err(items) => Err(StoreError::Reply(format!(
+                "expected 3 values, got {}",
+                items.len()
+            ))),
+        },
+        other => Err(StoreError::Reply(format!("expected an array, got {other:?}"))),
+    }
 }
 
 /// A counter's value: absent is 0; a negative one (written by someone else) reads as 0.

@@ -124,6 +124,30 @@ fn a_cluster_spreads_shards_and_survives_a_master_failover() {
         get(sync.port, "/readyz").status == 200
     });
 
+    // Leases: a key of every shard granted its limit of 5 exactly, each key's counter (with
+    // its previous bucket's) on one slot.
+    let lease_bucket = now_ms() / 60_000;
+    for shard in 0..16 {
+        let key = key_in_shard(shard, 1000 + shard);
+        let mut granted = 0;
+        for _ in 0..10 {
+            let answer = request(
+                sync.port,
+                "POST",
+                "/v1/lease",
+                Some("application/json"),
+                serde_json::to_vec(&serde_json::json!({"version": 1, "leases": [
+                    {"key": key, "window_ms": 60_000, "bucket": lease_bucket, "elapsed_ms": 0, "limit": 5, "want": 2}
+                ]}))
+                .unwrap(),
+                false,
+            );
+            assert_eq!(answer.status, 200, "{}", answer.body);
+            granted += answer.json()["leases"][0]["granted"].as_u64().unwrap();
+        }
+        assert_eq!(granted, 5, "shard {shard}");
+    }
+
     // 100 keys over the 16 shards, 60 s windows; every batch adds 1 to each.
     let bucket = now_ms() / 60_000;
     let keys: Vec<String> = (0..100).map(|n| key_in_shard(n % 16, n)).collect();
@@ -143,8 +167,8 @@ fn a_cluster_spreads_shards_and_survives_a_master_failover() {
     assert!(sizes.iter().all(|&n| n > 0), "keys per master: {sizes:?}");
     assert_eq!(
         sizes.iter().sum::<u64>(),
-        100 + 16,
-        "100 counters and 16 dedup keys"
+        100 + 16 + 16,
+        "100 counters, 16 dedup keys and the 16 leased keys' counters"
     );
 
     // Redis commands per batch: one script call per shard present (16), NOSCRIPT paid once.
@@ -265,3 +289,4 @@ impl LocalGet for Redis {
             .flatten()
     }
 }
+

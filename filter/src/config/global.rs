@@ -37,6 +37,32 @@ pub struct Global {
     /// that the store's key names do not reveal client keys to whoever can read the store.
     #[serde(default)]
     pub key_secret: Option<String>,
+    /// Leased rules: the longest a request waits for the store (default 50 ms).
+    #[serde(default = "default_lease_timeout")]
+    pub lease_timeout: DurationMs,
+    /// Leased rules: what a request that needs the store does when the store fails.
+    #[serde(default)]
+    pub on_store_failure: OnStoreFailure,
+}
+
+/// What a store failure does to a request of a leased rule that needs the store
+/// (`global.on_store_failure`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnStoreFailure {
+    /// Decide on the last counts read from the store, plus this worker's admissions since (the
+    /// seed's choice, §17.3.2).
+    #[default]
+    LastState,
+    /// Refuse (`503`).
+    Refuse,
+}
+
+/// The longest accepted `lease_timeout`.
+pub const MAX_LEASE_TIMEOUT_MS: u64 = 10_000;
+
+fn default_lease_timeout() -> DurationMs {
+    DurationMs::from_ms(50).unwrap_or(DurationMs::MIN)
 }
 
 fn default_sync_interval() -> DurationMs {
@@ -79,6 +105,12 @@ impl Global {
                 format!("must be at most {}s, got {}", MAX_SYNC_INTERVAL_MS / 1000, self.timeout),
             ));
         }
+        if self.lease_timeout.get().get() > MAX_LEASE_TIMEOUT_MS {
+            return Err(error(
+                "lease_timeout",
+                format!("must be at most {}s, got {}", MAX_LEASE_TIMEOUT_MS / 1000, self.lease_timeout),
+            ));
+        }
         if self.max_keys.get().get() > MAX_GLOBAL_KEYS {
             return Err(error(
                 "max_keys",
@@ -108,12 +140,17 @@ impl Global {
     /// A one-line summary for the configure-time log.
     pub fn summary(&self) -> String {
         format!(
-            "global store via cluster {} every {} (timeout {}, {} keys per rule{})",
+            "global store via cluster {} every {} (timeout {}, {} keys per rule{}; leases wait {} at most, on store failure {})",
             self.cluster,
             self.sync_interval,
             self.timeout,
             self.max_keys.get(),
-            if self.key_secret.is_some() { ", keyed" } else { "" }
+            if self.key_secret.is_some() { ", keyed" } else { "" },
+            self.lease_timeout,
+            match self.on_store_failure {
+                OnStoreFailure::LastState => "last_state",
+                OnStoreFailure::Refuse => "refuse",
+            }
         )
     }
 }
@@ -139,6 +176,8 @@ mod tests {
         assert_eq!(global.timeout.get().get(), 1000);
         assert_eq!(global.max_keys.get().get(), 4096);
         assert_eq!(global.key_secret, None);
+        assert_eq!(global.lease_timeout.get().get(), 50);
+        assert_eq!(global.on_store_failure, super::OnStoreFailure::LastState);
         let proxy = Config::parse(br#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m"}]}"#).unwrap();
         assert_eq!(proxy.rate_limits[0].scope, Scope::Proxy);
     }
@@ -159,6 +198,14 @@ mod tests {
             (with(r#"{"cluster":"s","authority":"a b"}"#), r#"global.authority: "a b" is not a host"#),
             (with(r#"{"cluster":"s","key_secret":"short"}"#), "global.key_secret: must be at least 16 characters"),
             (with(r#"{"cluster":"s","interval":"1s"}"#), "global.interval: unknown field `interval`"),
+            (with(r#"{"cluster":"s","lease_timeout":"11s"}"#), "global.lease_timeout: must be at most 10s, got 11s"),
+            (with(r#"{"cluster":"s","on_store_failure":"open"}"#), "global.on_store_failure: unknown variant `open`, expected `last_state` or `refuse`"),
+            (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","consistency":"leased"}]}"#.into(),
+             r#"rate_limits[0].consistency: "leased" needs "scope": "global""#),
+            (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"global","consistency":"leased","cost":{"from":"request_body"}}],"global":{"cluster":"s"}}"#.into(),
+             "rate_limits[0].cost.from: a leased rule takes its units before the request goes on"),
+            (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"global","consistency":"exact"}],"global":{"cluster":"s"}}"#.into(),
+             "rate_limits[0].consistency: unknown variant `exact`, expected `batched` or `leased`"),
             (with(r#"["s"]"#), "global: must be a JSON object"),
         ] {
             let err = error_of(&json);

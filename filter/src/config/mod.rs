@@ -13,7 +13,7 @@ mod rules;
 mod selection;
 mod values;
 
-pub use global::{Global, MAX_GLOBAL_KEYS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
+pub use global::{Global, OnStoreFailure, MAX_GLOBAL_KEYS, MAX_LEASE_TIMEOUT_MS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
 pub use grpc::{default_failure_grpc_statuses, Grpc, GrpcStatus};
 pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
@@ -212,6 +212,22 @@ pub struct RateLimitRule {
     /// What a request costs (absent: 1).
     #[serde(default)]
     pub cost: Option<Cost>,
+    /// In global scope: how the fleet shares the quota (default `batched`).
+    #[serde(default)]
+    pub consistency: Consistency,
+}
+
+/// How the proxies of a fleet share a rule's quota in global scope (`docs/global.md`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Consistency {
+    /// Each proxy decides on its own counts plus the fleet's as last synced, and sends its
+    /// admissions in batches: no request waits, the fleet may overshoot a little.
+    #[default]
+    Batched,
+    /// Each worker takes units from the store ahead of use ([`crate::lease`]): never over the
+    /// limit; a request waits on the store when its key's lease is empty.
+    Leased,
 }
 
 /// Where a rule's quota holds.
@@ -414,6 +430,20 @@ impl Config {
                     problem: "\"global\" needs the top-level \"global\" section (the Envoy cluster of floodgate-sync)".into(),
                 });
             }
+            if rule.consistency == Consistency::Leased {
+                if rule.scope != Scope::Global {
+                    return Err(ConfigError {
+                        path: at("consistency"),
+                        problem: "\"leased\" needs \"scope\": \"global\" (a proxy-scope quota is exact already)".into(),
+                    });
+                }
+                if rule.cost.as_ref().is_some_and(|c| c.from != CostSource::RequestHeader) {
+                    return Err(ConfigError {
+                        path: at("cost.from"),
+                        problem: "a leased rule takes its units before the request goes on: its cost must come from a request header".into(),
+                    });
+                }
+            }
             if let Some(first) = earlier_duplicate(&self.rate_limits, index, |r| &r.name) {
                 return Err(ConfigError {
                     path: at("name"),
@@ -556,7 +586,11 @@ impl Config {
                     r.window,
                     key.join(", "),
                     r.capacity.get(),
-                    if r.scope == Scope::Global { ", global" } else { "" }
+                    match (r.scope, r.consistency) {
+                        (Scope::Global, Consistency::Leased) => ", global, leased",
+                        (Scope::Global, Consistency::Batched) => ", global",
+                        (Scope::Proxy, _) => "",
+                    }
                 )
             })
             .collect();

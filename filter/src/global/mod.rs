@@ -55,7 +55,7 @@ pub mod outbox;
 pub mod protocol;
 pub mod view;
 
-use crate::config::{Config, Scope};
+use crate::config::{Config, Consistency, Scope};
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::Probe;
 use crate::store::{write_back, SharedStore, StoreError};
@@ -212,14 +212,15 @@ pub struct Tick {
 }
 
 impl GlobalScope {
-    /// The global scope of `config` under `namespace`, if it has rules in global scope.
+    /// The global scope of `config` under `namespace`, if it has batched rules in global scope
+    /// (leased ones are [`crate::lease`]'s).
     pub fn new(config: &Config, namespace: &str) -> Option<GlobalScope> {
         let global = config.global.as_ref()?;
         let rules: Vec<Option<GlobalRule>> = config
             .rate_limits
             .iter()
             .map(|r| {
-                (r.scope == Scope::Global).then(|| GlobalRule {
+                (r.scope == Scope::Global && r.consistency == Consistency::Batched).then(|| GlobalRule {
                     id: rule_id(r.name.as_str()),
                     window_ms: r.window.get().get(),
                 })

@@ -110,7 +110,7 @@ pub fn encode_request(source: u64, seq: u64, counters: &[Counter]) -> Vec<u8> {
 }
 
 /// Appends the `digits` (≤ 32) low hex digits of `value`, lowercase, zero-padded.
-fn push_hex(out: &mut Vec<u8>, value: u128, digits: usize) {
+pub(crate) fn push_hex(out: &mut Vec<u8>, value: u128, digits: usize) {
     const HEX: &[u8; 16] = b"0123456789abcdef";
     let mut text = [b'0'; 32];
     for (pair, byte) in text.chunks_exact_mut(2).zip(value.to_be_bytes()) {
@@ -122,7 +122,7 @@ fn push_hex(out: &mut Vec<u8>, value: u128, digits: usize) {
 }
 
 /// Appends `value` in decimal.
-fn push_decimal(out: &mut Vec<u8>, mut value: u64) {
+pub(crate) fn push_decimal(out: &mut Vec<u8>, mut value: u64) {
     let mut text = [0u8; 20];
     let mut start = text.len();
     for slot in text.iter_mut().rev() {

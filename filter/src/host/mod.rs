@@ -17,14 +17,17 @@
 //!   locally is written;
 //! - a new VM (new code or `vm_config`) starts empty; shared data (same `vm_id`) survives it.
 //!
-//! **Pipeline** of a request's headers: `health → shed → cap → rate_limit → select`; the first
-//! stage that answers sends the local reply, after giving back the in-flight units the request
-//! held (proxy-wide, and its key's under the per-key cap).
+//! **Pipeline** of a request's headers: `health → shed → cap → lease → rate_limit → select`;
+//! the first stage that answers sends the local reply, after giving back the in-flight units
+//! the request held (proxy-wide, and its key's under the per-key cap). The `lease` stage (rules
+//! in `consistency: leased`, [`lease`]) may pause a request until the store answers; the rest
+//! of its pipeline then runs from that answer's callback.
 
 mod clock;
 mod global;
 mod grpc;
 mod header_map;
+mod lease;
 mod stats;
 mod store;
 
@@ -34,7 +37,7 @@ use crate::global::{GlobalScope, VmNode};
 use crate::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::key::{self, KeyHasher, Source};
 use crate::ratelimit::reserve::Reserves;
-use crate::ratelimit::{Cause, Limiter, Verdict};
+use crate::ratelimit::{Cause, Limiter, Standing, Verdict};
 use crate::response::{self, AdmittedFields, Reply, Tightest};
 use crate::rules::{self, Attributes, Charges, Later, Rules};
 use crate::select::outcome::Outcome;
@@ -45,6 +48,7 @@ use crate::lag::LagMonitor;
 use crate::shed::{Classes, Shedder, HEARTBEAT_MS};
 use crate::store::{write_back, SharedStore, StoreError};
 use crate::time::{MonoMillis, Now};
+use lease::{LeaseStage, Parked, Step};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
@@ -66,7 +70,7 @@ fn start() {
     std::panic::set_hook(Box::new(|info| {
         let _ = hostcalls::log(LogLevel::Critical, &format!("floodgate panicked: {info}"));
     }));
-    proxy_wasm::set_root_context(|_| Box::new(FilterRoot::default()));
+    proxy_wasm::set_root_context(|context_id| Box::new(FilterRoot { id: context_id, ..FilterRoot::default() }));
 }
 
 /// Everything a stream needs, built once per configuration and shared by reference.
@@ -106,6 +110,10 @@ struct Filter {
     global: Option<GlobalScope>,
     /// This VM's side of the global scope (it outlives configurations).
     global_node: Option<Rc<RefCell<VmNode>>>,
+    /// Rules in leased consistency: this worker's leases and the requests waiting for them.
+    lease: Option<LeaseStage>,
+    /// The root context's id (calls it sends are answered to it).
+    root_id: u32,
     /// The configuration was replaced or its root context retired ([`Filter::retire`]): streams
     /// that still finish under it write their outcomes at once.
     retired: Cell<bool>,
@@ -150,12 +158,16 @@ fn local_keys(table: &str) -> LocalKeys {
 
 #[derive(Default)]
 struct FilterRoot {
+    /// Its context id.
+    id: u32,
     filter: Option<Rc<Filter>>,
     /// When the per-second heartbeat last ran (the tick is faster with a global scope or a lag
     /// probe).
     last_heartbeat: Option<MonoMillis>,
     /// When the global scope's tick last ran (every `sync_interval`).
     last_sync: Option<MonoMillis>,
+    /// When the loop-lag probe last ran (every `lag_probe_interval`).
+    last_lag_probe: Option<MonoMillis>,
 }
 
 impl Context for FilterRoot {
@@ -173,6 +185,11 @@ impl Context for FilterRoot {
 
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let Some(filter) = &self.filter else { return };
+        if let Some(stage) = &filter.lease {
+            if stage.answered(filter, token_id, num_headers, body_size, self.id, clock::now()) {
+                return;
+            }
+        }
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             global::answered(scope, node, &filter.stats.global, token_id, num_headers, body_size, clock::now().wall);
         }
@@ -218,9 +235,13 @@ impl RootContext for FilterRoot {
         }
         let global = GlobalScope::new(&config, &namespace);
         let global_node = global.as_ref().map(|_| global::node(&namespace, vm_id()));
+        let lease = LeaseStage::new(&config, stats::LeaseStats::define(&config), self.id);
         // The heartbeat is every second; a global scope ticks every sync_interval, a lag probe
-        // every lag_probe_interval (both faster).
-        let tick_ms = [global.as_ref().map(|g| g.interval_ms), lag.as_ref().map(LagMonitor::probe_ms)]
+        // every lag_probe_interval, leased rules every quarter lease_timeout (2 to 10 ms) to send
+        // the calls queued for the root, again those of streams that ended, and to end waits
+        // past the timeout.
+        let lease_tick = lease.as_ref().map(|l| (l.timeout_ms / 4).clamp(2, 10));
+        let tick_ms = [global.as_ref().map(|g| g.interval_ms), lag.as_ref().map(LagMonitor::probe_ms), lease_tick]
             .into_iter()
             .flatten()
             .fold(HEARTBEAT_MS, u64::min);
@@ -259,6 +280,8 @@ impl RootContext for FilterRoot {
             selection_vm: RefCell::new(VmState::new(vm_id(), cluster_leases)),
             global,
             global_node,
+            lease,
+            root_id: self.id,
             config,
             retired: Cell::new(false),
         }));
@@ -271,24 +294,36 @@ impl RootContext for FilterRoot {
     fn on_tick(&mut self) {
         let Some(filter) = &self.filter else { return };
         let now = clock::now();
-        if let Some(lag) = &filter.lag {
-            let lag_ms = lag.borrow_mut().probe(now.mono);
-            stats::record(filter.stats.loop_lag_ms, lag_ms);
-        }
         let due = |last: Option<MonoMillis>, every_ms: u64| {
             // A tick a few milliseconds early still counts: the timer's period is the interval.
             last.is_none_or(|last| now.mono.saturating_since(last).saturating_add(5) >= every_ms || last > now.mono)
         };
+        if let Some(lag) = &filter.lag {
+            // Probed every lag_probe_interval, also when the tick is faster (a shorter
+            // sync_interval, leased rules): the lag is the lateness past that interval.
+            let probe_ms = lag.borrow().probe_ms();
+            if due(self.last_lag_probe, probe_ms) {
+                self.last_lag_probe = Some(now.mono);
+                let lag_ms = lag.borrow_mut().probe(now.mono);
+                stats::record(filter.stats.loop_lag_ms, lag_ms);
+            }
+        }
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             if due(self.last_sync, scope.interval_ms) {
                 self.last_sync = Some(now.mono);
                 global::tick(scope, node, &filter.stats.global, vm_id(), now.wall);
             }
         }
+        if let Some(stage) = &filter.lease {
+            stage.tick(filter, self.id, now);
+        }
         if !due(self.last_heartbeat, HEARTBEAT_MS) {
             return;
         }
         self.last_heartbeat = Some(now.mono);
+        if let Some(stage) = &filter.lease {
+            stage.heartbeat(self.id, now);
+        }
         filter.limiter.heartbeat(&EnvoyStore, &mut filter.reserves.borrow_mut(), now.wall);
         filter.report_reserved();
         if let Some(shedder) = &filter.shedder {
@@ -305,19 +340,9 @@ impl RootContext for FilterRoot {
         Some(ContextType::HttpContext)
     }
 
-    fn create_http_context(&self, _context_id: u32) -> Option<Box<dyn HttpContext>> {
+    fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let filter = self.filter.clone()?;
-        Some(Box::new(FilterStream {
-            filter,
-            ratelimit_fields: None,
-            charges: Charges::default(),
-            replied: false,
-            lease: None,
-            key_lease: None,
-            cluster_lease: None,
-            grpc: grpc::Call::default(),
-            timing: Timing::default(),
-        }))
+        Some(Box::new(FilterStream::new(filter, context_id)))
     }
 }
 
@@ -345,6 +370,9 @@ impl Filter {
         }
         if let Some(selector) = &self.selector {
             selector.heartbeat(&EnvoyStore, &mut self.selection_vm.borrow_mut(), now.mono);
+        }
+        if let Some(stage) = &self.lease {
+            stage.drain(self.root_id, now);
         }
     }
 
@@ -409,6 +437,13 @@ fn shared_seed(store: &dyn SharedStore, namespace: &str) -> Result<[u8; 16], Str
 
 struct FilterStream {
     filter: Rc<Filter>,
+    /// Its context id.
+    context_id: u32,
+    /// The units an admitted request took of the leased rules' keys.
+    lease_taken: lease::Taken,
+    /// While the request waits for the store (`lease` stage), and until the stream takes over
+    /// the rest of its pipeline, run elsewhere.
+    parked: Option<Rc<Parked>>,
     /// For an admitted request: the tightest rule and its `ratelimit` value.
     ratelimit_fields: Option<Tightest>,
     /// Costs the admitted request still owes its rules (a streamed body, a reported count).
@@ -428,6 +463,79 @@ struct FilterStream {
 }
 
 impl FilterStream {
+    fn new(filter: Rc<Filter>, context_id: u32) -> FilterStream {
+        FilterStream {
+            filter,
+            context_id,
+            lease_taken: lease::Taken::default(),
+            parked: None,
+            ratelimit_fields: None,
+            charges: Charges::default(),
+            replied: false,
+            lease: None,
+            key_lease: None,
+            cluster_lease: None,
+            grpc: grpc::Call::default(),
+            timing: Timing::default(),
+        }
+    }
+
+    /// The rest of the pipeline after the `lease` stage (`reply`: its refusal, if any):
+    /// `rate_limit → select`, then the local reply or the request goes on.
+    fn finish_headers(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: Now, end_of_stream: bool, reply: Option<Reply>) -> Action {
+        let refused_here = reply.is_some();
+        let reply = reply
+            .or_else(|| self.rate_limit(filter, headers, now.wall))
+            .or_else(|| self.select(filter, headers, now.mono));
+        if let (Some(stage), false, true) = (&filter.lease, refused_here, reply.is_some()) {
+            // A later stage refused: the leased units go back.
+            stage.untake(&std::mem::take(&mut self.lease_taken));
+        }
+        if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_lease.is_some() {
+            self.grpc.request = crate::grpc::is_grpc(headers.get("content-type").as_deref());
+        }
+        match reply {
+            Some(reply) => self.reply(&reply, now),
+            None => {
+                if end_of_stream && self.cluster_lease.is_some() {
+                    self.timing.request_end = Some(now.mono);
+                }
+                if end_of_stream && self.charges.counts_body() {
+                    // No body: nothing to count.
+                    let _ = self.charges.body_done();
+                }
+                Action::Continue
+            }
+        }
+    }
+
+    /// Takes over the stream that ran the rest of the pipeline for a request that waited for
+    /// the store, once it was decided (a no-op otherwise): its quota fields, costs owed, cluster
+    /// lease and gRPC state become this stream's, and the body seen meanwhile is counted.
+    fn unpark(&mut self) {
+        let Some(parked) = &self.parked else { return };
+        let Some(resumed) = parked.take_resumed() else { return };
+        let (body_bytes, body_ended) = parked.body.get();
+        self.parked = None;
+        let FilterStream { ratelimit_fields, charges, replied, mut cluster_lease, grpc, timing, .. } = resumed;
+        self.ratelimit_fields = ratelimit_fields;
+        self.charges = charges;
+        self.replied = replied;
+        self.cluster_lease = cluster_lease.take();
+        self.grpc = grpc;
+        self.timing = timing;
+        if self.replied {
+            self.release(clock::mono());
+        }
+        if self.charges.counts_body() && body_bytes > 0 {
+            self.charges.body(body_bytes);
+        }
+        if body_ended && self.charges.counts_body() {
+            let owed = self.charges.body_done();
+            self.charge(owed);
+        }
+    }
+
     /// Sends a local reply (its gRPC form to a gRPC request); the filter then stops the
     /// request. A refused request gives its in-flight unit back at once: it never reaches an
     /// upstream, and a client that reads its refusal slowly (an HTTP/2 client withholding
@@ -576,7 +684,7 @@ impl FilterStream {
             fleet,
             |source| headers.fetch(source),
             &mut skipped,
-            |rule| rules.applies(rule, headers),
+            |rule| !filter.lease.as_ref().is_some_and(|l| l.is_leased(rule)) && rules.applies(rule, headers),
         );
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             scope.annotate(&node.borrow(), &mut probes, now);
@@ -621,7 +729,12 @@ impl FilterStream {
                     increment(filter.stats.rule(*rule).evictions);
                 }
                 if filter.config.ratelimit_headers == RateLimitHeaders::Always {
-                    self.ratelimit_fields = filter.admitted_fields.tightest(standings);
+                    self.ratelimit_fields = if self.lease_taken.standings.is_empty() {
+                        filter.admitted_fields.tightest(standings)
+                    } else {
+                        let all: Vec<Standing> = standings.iter().chain(&self.lease_taken.standings).copied().collect();
+                        filter.admitted_fields.tightest(&all)
+                    };
                 }
                 None
             }
@@ -780,7 +893,17 @@ impl FilterStream {
     }
 }
 
-impl Context for FilterStream {}
+impl Context for FilterStream {
+    /// The answer to a lease call this stream sent ([`lease`]): it decides the requests
+    /// waiting on the call's keys, this one among them.
+    fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
+        let filter = Rc::clone(&self.filter);
+        if let Some(stage) = &filter.lease {
+            stage.answered(&filter, token_id, num_headers, body_size, self.context_id, clock::now());
+        }
+        self.unpark();
+    }
+}
 
 /// An integer attribute (Envoy encodes them as 8 little-endian bytes).
 fn property_u64(path: &[&str]) -> Option<u64> {
@@ -847,31 +970,30 @@ impl HttpContext for FilterStream {
         let now = clock::now();
         let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
         let headers = RequestHeaders::new(&filter.headers, map.as_deref());
-        let reply = self
+        let mut reply = self
             .health(&filter, &headers, now.mono)
             .or_else(|| self.shed(&filter, &headers, now.mono))
-            .or_else(|| self.cap(&filter, &headers, now.mono))
-            .or_else(|| self.rate_limit(&filter, &headers, now.wall))
-            .or_else(|| self.select(&filter, &headers, now.mono));
-        if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_lease.is_some() {
-            self.grpc.request = crate::grpc::is_grpc(headers.get("content-type").as_deref());
-        }
-        match reply {
-            Some(reply) => self.reply(&reply, now),
-            None => {
-                if end_of_stream && self.cluster_lease.is_some() {
-                    self.timing.request_end = Some(now.mono);
+            .or_else(|| self.cap(&filter, &headers, now.mono));
+        if let (None, Some(stage)) = (&reply, &filter.lease) {
+            match stage.admit(&filter, &headers, self.context_id, end_of_stream, now) {
+                Step::Go(taken) => self.lease_taken = taken,
+                Step::Refuse(refusal) => reply = Some(refusal),
+                Step::Wait(parked) => {
+                    self.parked = Some(parked);
+                    return Action::Pause;
                 }
-                if end_of_stream && self.charges.counts_body() {
-                    // No body: nothing to count.
-                    let _ = self.charges.body_done();
-                }
-                Action::Continue
             }
         }
+        self.finish_headers(&filter, &headers, now, end_of_stream, reply)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        self.unpark();
+        if let Some(parked) = self.parked.as_ref().filter(|p| p.waits()) {
+            // Held until the request is decided; counted then.
+            parked.body.set((body_size, end_of_stream));
+            return Action::Pause;
+        }
         if end_of_stream && self.cluster_lease.is_some() && self.timing.request_end.is_none() {
             self.timing.request_end = Some(clock::mono());
         }
@@ -886,6 +1008,12 @@ impl HttpContext for FilterStream {
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.unpark();
+        if let Some(parked) = self.parked.as_ref().filter(|p| p.waits()) {
+            let (bytes, _) = parked.body.get();
+            parked.body.set((bytes, true));
+            return Action::Pause;
+        }
         if self.cluster_lease.is_some() && self.timing.request_end.is_none() {
             self.timing.request_end = Some(clock::mono());
         }
@@ -897,6 +1025,10 @@ impl HttpContext for FilterStream {
     }
 
     fn on_log(&mut self) {
+        self.unpark();
+        if let Some(stage) = &self.filter.lease {
+            stage.stream_ended(self.context_id, self.parked.as_ref());
+        }
         if !self.charges.is_empty() {
             // A body cut short, a response that never came: charged what is known, or the
             // rule's default.
@@ -914,6 +1046,7 @@ impl HttpContext for FilterStream {
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
+        self.unpark();
         if self.replied {
             return Action::Continue;
         }
@@ -938,6 +1071,7 @@ impl HttpContext for FilterStream {
     }
 
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
+        self.unpark();
         if self.cluster_lease.is_some() {
             self.grpc.trailers();
         }

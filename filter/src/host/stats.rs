@@ -41,11 +41,21 @@
 //! | `<prefix>.global.errors` | counter | shared-data errors met by the global machinery |
 //! | `<prefix>.global.staleness_ms` | gauge | how long ago the proxy's last batch was confirmed (its view of the fleet's counts is that old), refreshed every `sync_interval` |
 //! | `<prefix>.global.view_keys` | gauge | keys whose fleet-wide counts the proxy knows |
+//! | `<prefix>.lease.calls` | counter | calls to `floodgate-sync`'s `/v1/lease` (for waiting requests, refills of running-low leases, give-backs) |
+//! | `<prefix>.lease.failures` | counter | of those, failed (not sent, a non-`200`, no answer within `lease_timeout`, an unreadable answer) |
+//! | `<prefix>.lease.waited` | counter | requests that waited for the store (their key's lease in this worker was empty) |
+//! | `<prefix>.lease.wait_ms` | histogram | how long each waiting request waited, in milliseconds, until it was decided by the store's answer |
+//! | `<prefix>.lease.call_ms` | histogram | how long each call took, in milliseconds, answered or failed |
+//! | `<prefix>.lease.without_store` | counter | decisions made without the store (after a failure, or a wait past `lease_timeout`), by `on_store_failure` |
+//! | `<prefix>.lease.granted` | counter | units the store granted to this proxy |
+//! | `<prefix>.lease.returned` | counter | unused units this proxy gave back |
+//! | `<prefix>.lease.held` | gauge | units workers hold and have not used, as of each worker's last heartbeat (one worker's figure; each sets it) |
+//! | `<prefix>.lease.keys` | gauge | keys with a lease in a worker, likewise |
 //!
 //! A cluster name's characters other than letters, digits, `-`, `_` and `.` appear as `_` in
 //! metric names (`outbound|80||a.b` → `outbound_80__a.b`).
 
-use crate::config::{Config, Scope};
+use crate::config::{Config, Consistency, Scope};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::MetricType;
 
@@ -124,6 +134,55 @@ pub struct GlobalStats {
     pub staleness_ms: Option<u32>,
     /// Gauge: keys in the view.
     pub view_keys: Option<u32>,
+}
+
+/// Metric ids of the leased rules (`consistency: leased`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LeaseStats {
+    /// Calls sent.
+    pub calls: Option<u32>,
+    /// Calls failed.
+    pub failures: Option<u32>,
+    /// Requests that waited.
+    pub waited: Option<u32>,
+    /// Histogram: wait of each waiting request, ms.
+    pub wait_ms: Option<u32>,
+    /// Histogram: duration of each call, ms.
+    pub call_ms: Option<u32>,
+    /// Decisions without the store.
+    pub without_store: Option<u32>,
+    /// Units granted.
+    pub granted: Option<u32>,
+    /// Units given back.
+    pub returned: Option<u32>,
+    /// Gauge: units held.
+    pub held: Option<u32>,
+    /// Gauge: keys with a lease.
+    pub keys: Option<u32>,
+}
+
+impl LeaseStats {
+    /// Defines them, when `config` has a leased rule.
+    pub fn define(config: &Config) -> LeaseStats {
+        let leased = config.global.is_some()
+            && config.rate_limits.iter().any(|r| r.scope == Scope::Global && r.consistency == Consistency::Leased);
+        if !leased {
+            return LeaseStats::default();
+        }
+        let name = |what: &str| format!("{}.lease.{what}", config.stat_prefix.as_str());
+        LeaseStats {
+            calls: counter(&name("calls")),
+            failures: counter(&name("failures")),
+            waited: counter(&name("waited")),
+            wait_ms: histogram(&name("wait_ms")),
+            call_ms: histogram(&name("call_ms")),
+            without_store: counter(&name("without_store")),
+            granted: counter(&name("granted")),
+            returned: counter(&name("returned")),
+            held: gauge(&name("held")),
+            keys: gauge(&name("keys")),
+        }
+    }
 }
 
 /// Metric ids of one cluster.
@@ -240,7 +299,9 @@ impl Stats {
                 })
                 .collect()
         });
-        let global = if config.global.is_some() && config.rate_limits.iter().any(|r| r.scope == Scope::Global) {
+        let global = if config.global.is_some()
+            && config.rate_limits.iter().any(|r| r.scope == Scope::Global && r.consistency == Consistency::Batched)
+        {
             let name = |what: &str| format!("{prefix}.global.{what}");
             GlobalStats {
                 batches: counter(&name("batches")),

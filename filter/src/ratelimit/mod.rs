@@ -516,6 +516,12 @@ impl Limiter {
         }
     }
 
+    /// Where `probe`'s key stands with `counts` (the fleet's, for a leased rule), against its
+    /// limit, for a request of its cost; `None` for an unknown rule.
+    pub fn standing_of(&self, probe: &Probe, counts: Counts, now: UnixMillis) -> Option<Standing> {
+        self.table(probe.rule).map(|table| standing(table, probe, counts, now))
+    }
+
     fn blank_standing(&self, probe: Probe, now: UnixMillis) -> Standing {
         Standing {
             rule: probe.rule,

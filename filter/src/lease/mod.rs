@@ -1,0 +1,527 @@
+//! Leased global quotas (issue 17): a rule in global scope with `"consistency": "leased"` never
+//! admits more than its limit across the fleet. Each worker (VM) takes units of a key's quota
+//! from the store ahead of use, admits locally from them, and gives back what it did not use;
+//! a request waits on the store only when its key's local lease is empty.
+//!
+//! The store (`floodgate-sync`'s `POST /v1/lease`, script `lease.lua`) counts in a key's bucket
+//! every unit it granted and was not given back, and grants only what the sliding window
+//! (`ratelimit::window`) has room for:
+//!
+//! ```text
+//! room    = limit − ⌈previous × (window − elapsed) / window⌉ − current
+//! granted = min(want, max(1, ⌊room / 4⌋))  while room > 0
+//! ```
+//!
+//! so the units held or used across the fleet in a bucket always fit the window: 0 over.
+//! A worker sizes what it asks for on its own rate of the key ([`LeaseBook::take`]):
+//!
+//! ```text
+//! want = clamp(⌈rate × period⌉, cost, limit)   (rate: units per ms, an average over periods)
+//! ```
+//!
+//! with `period` the `sync_interval`: large for hot keys, one unit for a key seen once in a
+//! while, none for an idle key (its units go back after two periods unused). Near the limit the
+//! store's quarter gives single units. A lease that falls below half of `want` is refilled in
+//! the background, so a hot key's requests do not wait.
+//!
+//! A unit belongs to the bucket it was granted in: at the bucket's end what is left goes back
+//! (to what is then the previous bucket, which still weighs in the window). A worker that dies
+//! holds its units until their bucket leaves the window: they weigh less and less during the
+//! next window and nothing after it. Give-backs are sent once and never again (a lost one makes
+//! the fleet admit less, never more); a grant whose answer is lost likewise stays counted.
+//!
+//! **Store down** (`on_store_failure`): with `last_state` (the default, the seed's §17.3.2) a
+//! key decides on the last counts the store gave plus what this worker admitted since without
+//! the store; those units are sent as `consumed` with the next call, so the store's counts
+//! include them once it is back. With `refuse` a request that needs the store is refused. After
+//! a failure a key does not wait on the store again until `RETRY_AFTER_FAILURE_MS` passed.
+
+pub mod protocol;
+
+pub use crate::config::OnStoreFailure;
+use crate::global::FleetKey;
+use crate::ratelimit::window::{Counts, Window};
+use crate::time::UnixMillis;
+use std::collections::HashMap;
+use std::num::NonZeroU32;
+
+/// After a failed call, a key decides without the store for this long (then asks again).
+pub const RETRY_AFTER_FAILURE_MS: u64 = 1_000;
+/// A lease unused for this many periods goes back to the store.
+pub const IDLE_PERIODS: u64 = 2;
+
+/// How a key of a leased rule is limited.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeaseSpec {
+    /// The rule's window.
+    pub window: Window,
+    /// The key's limit (the rule's, a tier's or an override's).
+    pub limit: NonZeroU32,
+}
+
+/// One key's call to the store: what to ask and what to give back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ask {
+    /// The key.
+    pub key: FleetKey,
+    /// The window, in milliseconds.
+    pub window_ms: u64,
+    /// The bucket asked in.
+    pub bucket: u64,
+    /// Milliseconds into the bucket.
+    pub elapsed_ms: u64,
+    /// The key's limit.
+    pub limit: u32,
+    /// Units asked for (0: only give back and report).
+    pub want: u32,
+    /// Units of `bucket` admitted without a grant (the store was down), counted first.
+    pub consumed: u32,
+    /// Unused units of `bucket` given back.
+    pub returned: u32,
+    /// Unused units of `bucket − 1` given back.
+    pub returned_previous: u32,
+}
+
+/// The store's answer to one [`Ask`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grant {
+    /// Units granted.
+    pub granted: u32,
+    /// The key's counters after the call, as of the ask's bucket.
+    pub counts: Counts,
+}
+
+/// Why a leased rule refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refusal {
+    /// The fleet's counts leave no room for the request.
+    OverLimit,
+    /// The store could not be reached and `on_store_failure` is `refuse`.
+    StoreDown,
+}
+
+/// The outcome of [`LeaseBook::take`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Take {
+    /// Units taken.
+    Admitted {
+        /// The fleet's counts as last known (for the `RateLimit` fields).
+        counts: Counts,
+        /// Units this worker still holds.
+        held: u32,
+        /// A call to send in the background (the lease runs low).
+        refill: Option<Ask>,
+    },
+    /// The request waits for the store.
+    Wait {
+        /// The call to send; `None` when one is on its way (the request waits for its answer).
+        call: Option<Ask>,
+    },
+    /// Refused.
+    Refused {
+        /// Why.
+        refusal: Refusal,
+        /// The fleet's counts as last known.
+        counts: Counts,
+    },
+}
+
+/// One key's lease in this worker.
+#[derive(Clone, Debug)]
+struct KeyLease {
+    spec: LeaseSpec,
+    /// The bucket `held` belongs to.
+    bucket: u64,
+    /// Units granted and not used yet.
+    held: u32,
+    /// Units of `bucket` admitted without a grant (the store was down), not yet reported.
+    consumed: u32,
+    /// Unused units of `bucket` and of the bucket before, to give back.
+    returned: u32,
+    returned_previous: u32,
+    /// The store's counts as of `view_bucket`, from its last answer (and when).
+    view: Counts,
+    view_bucket: u64,
+    view_at: Option<UnixMillis>,
+    /// A call asking for units is on its way.
+    in_flight: bool,
+    /// The last call failed at that time.
+    failed_at: Option<UnixMillis>,
+    /// Units of the requests waiting for the store.
+    waiting: u32,
+    /// Units used since `rate_since`, and the average rate in units per 1000 ms.
+    used: u32,
+    rate_since: UnixMillis,
+    rate_per_s: u32,
+    /// When the last grant of at least one unit came, and its size.
+    last_grant: Option<(UnixMillis, u32)>,
+    last_used: UnixMillis,
+}
+
+impl KeyLease {
+    fn new(spec: LeaseSpec, now: UnixMillis) -> KeyLease {
+        let bucket = spec.window.phase(now).bucket_index;
+        KeyLease {
+            spec,
+            bucket,
+            held: 0,
+            consumed: 0,
+            returned: 0,
+            returned_previous: 0,
+            view: Counts::default(),
+            view_bucket: bucket,
+            view_at: None,
+            in_flight: false,
+            failed_at: None,
+            waiting: 0,
+            used: 0,
+            rate_since: now,
+            rate_per_s: 0,
+            last_grant: None,
+            last_used: now,
+        }
+    }
+
+    /// Moves to `now`'s bucket: what is held goes back to the bucket it belongs to. Units
+    /// admitted without the store in a bucket that ended are not reported (the store only
+    /// takes them in the current bucket): after an outage, the previous bucket weighs a little
+    /// less than it should.
+    fn roll(&mut self, now: UnixMillis) {
+        let bucket = self.spec.window.phase(now).bucket_index;
+        if bucket <= self.bucket {
+            return;
+        }
+        self.returned_previous = if bucket == self.bucket.saturating_add(1) {
+            self.returned.saturating_add(self.held)
+        } else {
+            0
+        };
+        self.returned = 0;
+        self.held = 0;
+        self.consumed = 0;
+        self.bucket = bucket;
+    }
+
+    /// The fleet's counts as known now: the store's last view, moved to the current bucket,
+    /// plus what this worker admitted without the store.
+    fn known(&self) -> Counts {
+        self.view.rolled(self.view_bucket, self.bucket).plus(self.consumed)
+    }
+
+    /// Units to ask for: about one period of this worker's traffic of the key, twice the last
+    /// grant when that one did not last half a period (a key heating up faster than the
+    /// average follows), and at least what the requests waiting for it need.
+    fn want(&self, now: UnixMillis, period_ms: u64) -> u32 {
+        let per_period = u64::from(self.rate_per_s).saturating_mul(period_ms).div_ceil(1000);
+        let per_period = u32::try_from(per_period).unwrap_or(u32::MAX);
+        let growing = self
+            .last_grant
+            .filter(|(at, _)| now.saturating_since(*at) < period_ms / 2)
+            .map_or(0, |(_, granted)| granted.saturating_mul(2));
+        per_period.max(growing).max(self.waiting).max(1).min(self.spec.limit.get().max(self.waiting))
+    }
+
+    /// A call that asks for nothing: it gives back and reports, in the lease's bucket.
+    fn give_back(&mut self, key: FleetKey) -> Ask {
+        let ask = Ask {
+            key,
+            window_ms: self.spec.window.length_ms(),
+            bucket: self.bucket,
+            elapsed_ms: 0,
+            limit: self.spec.limit.get(),
+            want: 0,
+            consumed: self.consumed,
+            returned: self.returned,
+            returned_previous: self.returned_previous,
+        };
+        self.returned = 0;
+        self.returned_previous = 0;
+        ask
+    }
+
+    /// The call for `want` ≥ 1 units, with the give-backs, which go once. Consumed units are
+    /// forgotten when the store's answer confirms them.
+    fn ask(&mut self, key: FleetKey, want: u32, now: UnixMillis) -> Ask {
+        let phase = self.spec.window.phase(now);
+        let ask = Ask {
+            key,
+            window_ms: self.spec.window.length_ms(),
+            bucket: phase.bucket_index,
+            elapsed_ms: phase.elapsed_ms,
+            limit: self.spec.limit.get(),
+            want,
+            consumed: self.consumed,
+            returned: self.returned,
+            returned_previous: self.returned_previous,
+        };
+        self.returned = 0;
+        self.returned_previous = 0;
+        self.in_flight = true;
+        ask
+    }
+
+    /// Whether there is anything to give back or report.
+    fn owes(&self) -> bool {
+        self.returned > 0 || self.returned_previous > 0 || self.consumed > 0
+    }
+
+    /// Updates the rate: an average over the periods since the last update (at most one
+    /// update per period).
+    fn note_rate(&mut self, now: UnixMillis, period_ms: u64) {
+        let elapsed = now.saturating_since(self.rate_since);
+        if elapsed < period_ms.max(1) {
+            return;
+        }
+        let measured = u64::from(self.used).saturating_mul(1000).checked_div(elapsed).unwrap_or(0);
+        let measured = u32::try_from(measured).unwrap_or(u32::MAX);
+        // Half the old rate and half the new one: a hot key's lease grows within two periods,
+        // an idle key's shrinks as fast.
+        self.rate_per_s = (self.rate_per_s / 2).saturating_add(measured / 2);
+        self.used = 0;
+        self.rate_since = now;
+    }
+
+    fn admit(&mut self, cost: u32, now: UnixMillis) {
+        self.used = self.used.saturating_add(cost);
+        self.last_used = now;
+    }
+}
+
+/// This worker's leases of every leased rule's keys.
+#[derive(Clone, Debug)]
+pub struct LeaseBook {
+    leases: HashMap<FleetKey, KeyLease>,
+    max_keys: usize,
+    /// `sync_interval`: what a lease should cover, in milliseconds of the key's traffic.
+    period_ms: u64,
+    policy: OnStoreFailure,
+    /// Give-backs of keys dropped from the book, for the next heartbeat.
+    orphan_returns: Vec<Ask>,
+}
+
+impl LeaseBook {
+    /// An empty book of at most `max_keys` keys.
+    pub fn new(max_keys: usize, period_ms: u64, policy: OnStoreFailure) -> LeaseBook {
+        LeaseBook {
+            leases: HashMap::new(),
+            max_keys: max_keys.max(1),
+            period_ms: period_ms.max(1),
+            policy,
+            orphan_returns: Vec::new(),
+        }
+    }
+
+    /// The keys in the book.
+    pub fn keys(&self) -> usize {
+        self.leases.len()
+    }
+
+    /// Units this worker holds, over every key.
+    pub fn held(&self) -> u64 {
+        self.leases.values().map(|l| u64::from(l.held)).sum()
+    }
+
+    /// Takes `cost` units of `key` for a request (module doc); `waited`: the request waited
+    /// for the store already (it takes again once the answer came).
+    pub fn take(&mut self, key: FleetKey, spec: LeaseSpec, cost: u32, waited: bool, now: UnixMillis) -> Take {
+        if !self.leases.contains_key(&key) && self.leases.len() >= self.max_keys {
+            self.evict_one();
+        }
+        let period_ms = self.period_ms;
+        let policy = self.policy;
+        let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
+        if lease.spec.window != spec.window {
+            // The rule's window changed: another set of counters.
+            *lease = KeyLease::new(spec, now);
+        }
+        // A tier or override may change the key's limit: the latest applies.
+        lease.spec = spec;
+        lease.roll(now);
+        lease.note_rate(now, period_ms);
+        if waited {
+            lease.waiting = lease.waiting.saturating_sub(cost);
+        }
+        let elapsed_ms = spec.window.phase(now).elapsed_ms;
+        if lease.held >= cost {
+            lease.held = lease.held.saturating_sub(cost);
+            lease.admit(cost, now);
+            let want = lease.want(now, period_ms);
+            let refill = (!lease.in_flight
+                && lease.held.saturating_mul(2) < want
+                && !recently(lease.failed_at, now, RETRY_AFTER_FAILURE_MS)
+                && spec.window.admits(lease.known(), elapsed_ms, 1, spec.limit))
+            .then(|| lease.ask(key, want, now));
+            return Take::Admitted { counts: lease.known(), held: lease.held, refill };
+        }
+        let known = lease.known();
+        // The store failed lately: decide without it.
+        if recently(lease.failed_at, now, RETRY_AFTER_FAILURE_MS) {
+            return without_store(lease, policy, cost, now);
+        }
+        // The store said within a period that the window is full: refuse without asking again.
+        let fresh = lease.view_at.is_some_and(|at| now.saturating_since(at) < period_ms);
+        if fresh && !spec.window.admits(known, elapsed_ms, cost, spec.limit) {
+            return Take::Refused { refusal: Refusal::OverLimit, counts: known };
+        }
+        lease.waiting = lease.waiting.saturating_add(cost);
+        if lease.in_flight {
+            return Take::Wait { call: None };
+        }
+        let want = lease.want(now, period_ms);
+        Take::Wait { call: Some(lease.ask(key, want, now)) }
+    }
+
+    /// A waiting request whose wait is over (`global.lease_timeout`) is decided without the
+    /// store, as `on_store_failure` says.
+    pub fn without_store(&mut self, key: FleetKey, spec: LeaseSpec, cost: u32, now: UnixMillis) -> Take {
+        let policy = self.policy;
+        let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
+        lease.roll(now);
+        lease.waiting = lease.waiting.saturating_sub(cost);
+        without_store(lease, policy, cost, now)
+    }
+
+    /// A call's answer will never come (the stream that sent it ended, and the host cancelled
+    /// it): the key may send another. Units it may have been granted stay counted.
+    pub fn lost(&mut self, ask: &Ask) {
+        if let (Some(lease), true) = (self.leases.get_mut(&ask.key), ask.want > 0) {
+            lease.in_flight = false;
+        }
+    }
+
+    /// The call for the requests waiting on `key`, if they have none on its way.
+    pub fn resend(&mut self, key: FleetKey, now: UnixMillis) -> Option<Ask> {
+        let period_ms = self.period_ms;
+        let lease = self.leases.get_mut(&key).filter(|l| !l.in_flight && l.waiting > 0)?;
+        let want = lease.want(now, period_ms);
+        Some(lease.ask(key, want, now))
+    }
+
+    /// A waiting request gave up (its deadline passed, or its client left).
+    pub fn abandon(&mut self, key: FleetKey, cost: u32) {
+        if let Some(lease) = self.leases.get_mut(&key) {
+            lease.waiting = lease.waiting.saturating_sub(cost);
+        }
+    }
+
+    /// Gives back units taken by [`LeaseBook::take`] for a request another rule refused.
+    pub fn untake(&mut self, key: FleetKey, cost: u32, taken_at: UnixMillis) {
+        if let Some(lease) = self.leases.get_mut(&key) {
+            if lease.spec.window.phase(taken_at).bucket_index == lease.bucket {
+                lease.held = lease.held.saturating_add(cost);
+                lease.used = lease.used.saturating_sub(cost);
+            }
+        }
+    }
+
+    /// The store's answer to `ask` (`None`: the call failed or timed out). The requests
+    /// waiting for the key then take again, in the order they came.
+    pub fn answered(&mut self, ask: &Ask, grant: Option<Grant>, now: UnixMillis) {
+        let Some(lease) = self.leases.get_mut(&ask.key) else {
+            if let Some(grant) = grant.filter(|g| g.granted > 0) {
+                // The key left the book meanwhile: its grant goes straight back.
+                self.orphan_returns.push(Ask { want: 0, consumed: 0, returned: grant.granted, returned_previous: 0, ..*ask });
+            }
+            return;
+        };
+        if ask.want > 0 {
+            lease.in_flight = false;
+        }
+        let Some(grant) = grant else {
+            lease.failed_at = Some(now);
+            return;
+        };
+        lease.failed_at = None;
+        lease.roll(now);
+        if grant.granted > 0 {
+            lease.last_grant = Some((now, grant.granted));
+        }
+        if ask.bucket == lease.bucket {
+            lease.held = lease.held.saturating_add(grant.granted);
+            lease.consumed = lease.consumed.saturating_sub(ask.consumed);
+        } else if ask.bucket.saturating_add(1) == lease.bucket {
+            lease.returned_previous = lease.returned_previous.saturating_add(grant.granted);
+        }
+        if ask.bucket >= lease.view_bucket {
+            lease.view = grant.counts;
+            lease.view_bucket = ask.bucket;
+            lease.view_at = Some(now);
+        }
+    }
+
+    /// Once per heartbeat: the give-backs of leases unused for [`IDLE_PERIODS`] periods or
+    /// whose bucket ended, and of keys dropped from the book, as calls that ask for nothing.
+    /// Idle keys with nothing left to report leave the book.
+    pub fn heartbeat(&mut self, now: UnixMillis) -> Vec<Ask> {
+        let idle_after = self.period_ms.saturating_mul(IDLE_PERIODS);
+        let mut returns = std::mem::take(&mut self.orphan_returns);
+        self.leases.retain(|key, lease| {
+            lease.roll(now);
+            let idle = now.saturating_since(lease.last_used) >= idle_after && !lease.in_flight && lease.waiting == 0;
+            if idle {
+                lease.returned = lease.returned.saturating_add(lease.held);
+                lease.held = 0;
+            }
+            if lease.returned > 0 || lease.returned_previous > 0 || (idle && lease.consumed > 0) {
+                returns.push(lease.give_back(*key));
+            }
+            !idle || lease.consumed > 0
+        });
+        returns
+    }
+
+    /// Everything held goes back (the configuration is replaced).
+    pub fn drain(&mut self, now: UnixMillis) -> Vec<Ask> {
+        let mut returns = std::mem::take(&mut self.orphan_returns);
+        for (key, mut lease) in self.leases.drain() {
+            lease.roll(now);
+            lease.returned = lease.returned.saturating_add(lease.held);
+            if lease.owes() {
+                returns.push(lease.give_back(key));
+            }
+        }
+        returns
+    }
+
+    /// Drops a key without a call on its way nor requests waiting; what it holds goes back at
+    /// the next heartbeat.
+    fn evict_one(&mut self) {
+        let Some(key) = self.leases.iter().find(|(_, l)| !l.in_flight && l.waiting == 0).map(|(k, _)| *k) else {
+            return;
+        };
+        if let Some(mut lease) = self.leases.remove(&key) {
+            lease.returned = lease.returned.saturating_add(lease.held);
+            if lease.owes() {
+                self.orphan_returns.push(lease.give_back(key));
+            }
+        }
+    }
+}
+
+/// A decision without the store (module doc, "Store down").
+fn without_store(lease: &mut KeyLease, policy: OnStoreFailure, cost: u32, now: UnixMillis) -> Take {
+    let known = lease.known();
+    let spec = lease.spec;
+    let elapsed_ms = spec.window.phase(now).elapsed_ms;
+    if lease.held >= cost {
+        lease.held = lease.held.saturating_sub(cost);
+        lease.admit(cost, now);
+        return Take::Admitted { counts: known, held: lease.held, refill: None };
+    }
+    match policy {
+        OnStoreFailure::Refuse => Take::Refused { refusal: Refusal::StoreDown, counts: known },
+        OnStoreFailure::LastState if spec.window.admits(known, elapsed_ms, cost, spec.limit) => {
+            lease.consumed = lease.consumed.saturating_add(cost);
+            lease.admit(cost, now);
+            Take::Admitted { counts: lease.known(), held: lease.held, refill: None }
+        }
+        OnStoreFailure::LastState => Take::Refused { refusal: Refusal::OverLimit, counts: known },
+    }
+}
+
+fn recently(at: Option<UnixMillis>, now: UnixMillis, within_ms: u64) -> bool {
+    at.is_some_and(|at| now.saturating_since(at) < within_ms)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,403 @@
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic, clippy::cast_possible_truncation)]
+
+use super::*;
+use std::collections::VecDeque;
+use std::num::NonZeroU64;
+
+const KEY: FleetKey = FleetKey(7);
+const PERIOD_MS: u64 = 100;
+
+fn spec(window_ms: u64, limit: u32) -> LeaseSpec {
+    LeaseSpec { window: Window::new(NonZeroU64::new(window_ms).unwrap()), limit: NonZeroU32::new(limit).unwrap() }
+}
+
+fn book() -> LeaseBook {
+    LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState)
+}
+
+/// The store as `sync/src/lease.lua` is: a counter per (key, window, bucket) of the units
+/// granted and not given back; grants of at most a quarter of the sliding window's room.
+#[derive(Default)]
+struct FakeStore {
+    counters: HashMap<(FleetKey, u64, u64), u64>,
+}
+
+impl FakeStore {
+    fn get(&self, key: FleetKey, window_ms: u64, bucket: u64) -> u64 {
+        self.counters.get(&(key, window_ms, bucket)).copied().unwrap_or(0)
+    }
+
+    fn serve(&mut self, ask: &Ask) -> Grant {
+        let (w, b) = (ask.window_ms, ask.bucket);
+        let mut current = self.get(ask.key, w, b) + u64::from(ask.consumed);
+        let mut previous = if b > 0 { self.get(ask.key, w, b - 1) } else { 0 };
+        previous -= previous.min(u64::from(ask.returned_previous));
+        current -= current.min(u64::from(ask.returned));
+        let mut granted = 0;
+        if ask.want > 0 {
+            let weighted = (u128::from(previous) * u128::from(w - ask.elapsed_ms)).div_ceil(u128::from(w)) as u64;
+            let room = u64::from(ask.limit).saturating_sub(weighted).saturating_sub(current);
+            if room > 0 {
+                granted = u64::from(ask.want).min((room / 4).max(1));
+                current += granted;
+            }
+        }
+        self.counters.insert((ask.key, w, b), current);
+        if b > 0 {
+            self.counters.insert((ask.key, w, b - 1), previous);
+        }
+        Grant {
+            granted: granted as u32,
+            counts: Counts { previous: previous as u32, current: current as u32 },
+        }
+    }
+}
+
+/// A take whose background refill (if any) the store answers at once.
+fn refilled(book: &mut LeaseBook, store: &mut FakeStore, take: Take, now: UnixMillis) -> Take {
+    if let Take::Admitted { refill: Some(ask), .. } = take {
+        book.answered(&ask, Some(store.serve(&ask)), now);
+    }
+    take
+}
+
+fn wait_call(take: Take) -> Option<Ask> {
+    match take {
+        Take::Wait { call } => call,
+        other => panic!("expected a wait, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_cold_key_waits_for_one_unit_and_waiters_share_the_call() {
+    let mut book = book();
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 100);
+    let now = UnixMillis(60_000 * 1000 + 10);
+    let ask = wait_call(book.take(KEY, s, 1, false, now)).expect("the first miss sends the call");
+    assert_eq!((ask.want, ask.bucket, ask.elapsed_ms, ask.limit), (1, 1000, 10, 100));
+    // Two more requests while it is on its way: they wait for the same answer.
+    assert_eq!(wait_call(book.take(KEY, s, 1, false, now)), None);
+    assert_eq!(wait_call(book.take(KEY, s, 1, false, now)), None);
+    let grant = store.serve(&ask);
+    assert_eq!(grant.granted, 1);
+    book.answered(&ask, Some(grant), now);
+    // In order: the first gets the unit, and its lease being empty, asks for what the two
+    // others still need (twice the last grant); they wait for that call.
+    let Take::Admitted { held: 0, refill: Some(again), .. } = book.take(KEY, s, 1, true, now) else {
+        panic!("admitted, with a refill");
+    };
+    assert_eq!(again.want, 2, "the units of both requests still waiting");
+    assert_eq!(wait_call(book.take(KEY, s, 1, true, now)), None);
+    assert_eq!(wait_call(book.take(KEY, s, 1, true, now)), None);
+    book.answered(&again, Some(store.serve(&again)), now);
+    assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { .. }));
+    assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, .. }));
+    assert_eq!(store.get(KEY, 60_000, 1000), 3);
+}
+
+#[test]
+fn a_hot_key_gets_leases_of_about_one_period_and_rarely_waits() {
+    let mut book = book();
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 1_000_000);
+    let start = 60_000 * 1000;
+    let (mut waited, mut calls, mut largest) = (0, 0, 0);
+    // 1 000 requests a second for 2 s; every call is answered 1 ms later.
+    let mut pending: VecDeque<(u64, Ask)> = VecDeque::new();
+    let mut waiting = 0;
+    for t in 0..2000u64 {
+        let now = UnixMillis(start + t);
+        while pending.front().is_some_and(|(at, _)| *at <= t) {
+            let (_, ask) = pending.pop_front().unwrap();
+            book.answered(&ask, Some(store.serve(&ask)), now);
+        }
+        let mut sent = |call: Option<Ask>, pending: &mut VecDeque<(u64, Ask)>| {
+            if let Some(ask) = call {
+                calls += 1;
+                largest = largest.max(ask.want);
+                pending.push_back((t + 1, ask));
+            }
+        };
+        for _ in 0..std::mem::take(&mut waiting) {
+            match book.take(KEY, s, 1, true, now) {
+                Take::Admitted { refill, .. } => sent(refill, &mut pending),
+                other => panic!("a waiting request is served by the answer: {other:?}"),
+            }
+        }
+        match book.take(KEY, s, 1, false, now) {
+            Take::Admitted { refill, .. } => sent(refill, &mut pending),
+            Take::Wait { call } => {
+                waited += 1;
+                waiting += 1;
+                sent(call, &mut pending);
+            }
+            Take::Refused { .. } => panic!("far from the limit"),
+        }
+    }
+    println!("2 000 requests: {waited} waited, {calls} calls, largest lease {largest}");
+    assert!(waited <= 10, "{waited} requests waited");
+    assert!(calls <= 60, "{calls} calls");
+    // About one period of traffic, up to twice that while the lease doubles as the key heats.
+    assert!((80..=256).contains(&largest), "a lease of one to two periods of traffic: {largest}");
+}
+
+#[test]
+fn a_full_window_refuses_without_asking_again_within_a_period() {
+    let mut book = book();
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 3);
+    let now = UnixMillis(60_000 * 1000);
+    let mut admitted = 0;
+    let mut calls = 0;
+    for _ in 0..10 {
+        match book.take(KEY, s, 1, false, now) {
+            Take::Admitted { refill, .. } => {
+                admitted += 1;
+                if let Some(ask) = refill {
+                    calls += 1;
+                    book.answered(&ask, Some(store.serve(&ask)), now);
+                }
+            }
+            Take::Wait { call: Some(ask) } => {
+                calls += 1;
+                book.answered(&ask, Some(store.serve(&ask)), now);
+                match book.take(KEY, s, 1, true, now) {
+                    Take::Admitted { refill, .. } => {
+                        admitted += 1;
+                        if let Some(ask) = refill {
+                            calls += 1;
+                            book.answered(&ask, Some(store.serve(&ask)), now);
+                        }
+                    }
+                    Take::Refused { refusal, counts } => {
+                        assert_eq!((refusal, counts), (Refusal::OverLimit, Counts { previous: 0, current: 3 }));
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+            Take::Refused { refusal, .. } => assert_eq!(refusal, Refusal::OverLimit),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(admitted, 3);
+    assert_eq!(calls, 3, "three grants of one unit (a quarter of a small room), then no call while the view is a period old at most");
+    // A period later it asks again (the window may have room by then).
+    assert!(matches!(book.take(KEY, s, 1, false, now.plus_ms(PERIOD_MS)), Take::Wait { call: Some(_) }));
+}
+
+#[test]
+fn units_left_at_the_end_of_a_bucket_or_idle_go_back_once() {
+    let mut book = book();
+    let mut store = FakeStore::default();
+    let s = spec(1_000, 1000);
+    let t0 = UnixMillis(1_000 * 500 + 900);
+    let ask = wait_call(book.take(KEY, s, 1, false, t0)).unwrap();
+    // Pretend a larger want (a hot key): 20 units.
+    let ask = Ask { want: 20, ..ask };
+    book.answered(&ask, Some(store.serve(&ask)), t0);
+    let take = book.take(KEY, s, 1, true, t0);
+    refilled(&mut book, &mut store, take, t0);
+    let held = book.held();
+    assert!(held >= 19);
+    assert_eq!(store.get(KEY, 1_000, 500), held + 1, "the store counts what is held and the unit used");
+    // The next bucket: what is held goes back to bucket 500 with the next call.
+    let t1 = UnixMillis(1_000 * 501 + 10);
+    let ask = wait_call(book.take(KEY, s, 1, false, t1)).unwrap();
+    assert_eq!((ask.bucket, ask.returned, u64::from(ask.returned_previous)), (501, 0, held));
+    book.answered(&ask, Some(store.serve(&ask)), t1);
+    assert_eq!(store.get(KEY, 1_000, 500), 1, "only the used unit stays counted");
+    let take = book.take(KEY, s, 1, true, t1);
+    assert!(matches!(refilled(&mut book, &mut store, take, t1), Take::Admitted { .. }));
+    // Idle for two periods: what is held goes back at the heartbeat, once.
+    let held = book.held();
+    assert_eq!(store.get(KEY, 1_000, 501), held + 1);
+    let returns = book.heartbeat(t1.plus_ms(2 * PERIOD_MS));
+    assert_eq!(returns.iter().map(|a| u64::from(a.returned)).sum::<u64>(), held);
+    for ask in &returns {
+        book.answered(ask, Some(store.serve(ask)), t1.plus_ms(2 * PERIOD_MS));
+    }
+    assert_eq!(store.get(KEY, 1_000, 501), 1, "only the used unit stays counted");
+    assert_eq!(book.keys(), 0, "an idle key with nothing to report leaves the book");
+    assert!(book.heartbeat(t1.plus_ms(4 * PERIOD_MS)).is_empty());
+}
+
+#[test]
+fn a_store_failure_decides_on_the_last_state_and_reports_it_later() {
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 10);
+    let now = UnixMillis(60_000 * 1000);
+    for policy in [OnStoreFailure::LastState, OnStoreFailure::Refuse] {
+        let mut book = LeaseBook::new(1000, PERIOD_MS, policy);
+        let key = FleetKey(policy as u128 + 100);
+        let ask = wait_call(book.take(key, s, 1, false, now)).unwrap();
+        let ask = Ask { want: 4, ..ask };
+        book.answered(&ask, Some(store.serve(&ask)), now);
+        // 2 units (a quarter of the room), used; the next call fails.
+        let mut admitted = 0;
+        let failing = loop {
+            match book.take(key, s, 1, admitted == 0, now) {
+                Take::Admitted { refill: None, .. } => admitted += 1,
+                Take::Admitted { refill: Some(ask), .. } => {
+                    admitted += 1;
+                    break ask;
+                }
+                Take::Wait { call: Some(ask) } => break ask,
+                other => panic!("{other:?}"),
+            }
+        };
+        while admitted < 2 {
+            assert!(matches!(book.take(key, s, 1, false, now), Take::Admitted { .. }));
+            admitted += 1;
+        }
+        assert_eq!(wait_call(book.take(key, s, 1, false, now)), None, "waits for the call on its way");
+        book.answered(&failing, None, now.plus_ms(50));
+        let later = now.plus_ms(60);
+        match policy {
+            OnStoreFailure::LastState => {
+                // The last state (2 of 10) plus what is admitted meanwhile: 8 more, then none.
+                assert!(matches!(book.take(key, s, 1, true, later), Take::Admitted { .. }));
+                for _ in 0..7 {
+                    assert!(matches!(book.take(key, s, 1, false, later), Take::Admitted { .. }));
+                }
+                assert!(matches!(book.take(key, s, 1, false, later), Take::Refused { refusal: Refusal::OverLimit, .. }));
+                // A second later it asks the store again, reporting the 8.
+                let back = now.plus_ms(50 + RETRY_AFTER_FAILURE_MS);
+                let ask = wait_call(book.take(key, s, 1, false, back)).unwrap();
+                assert_eq!(ask.consumed, 8);
+                let grant = store.serve(&ask);
+                assert_eq!(grant, Grant { granted: 0, counts: Counts { previous: 0, current: 10 } });
+                book.answered(&ask, Some(grant), back);
+                assert!(matches!(book.take(key, s, 1, true, back), Take::Refused { refusal: Refusal::OverLimit, .. }));
+                // Nothing reported twice.
+                let ask = wait_call(book.take(key, s, 1, false, back.plus_ms(PERIOD_MS))).unwrap();
+                assert_eq!(ask.consumed, 0);
+            }
+            OnStoreFailure::Refuse => {
+                assert!(matches!(book.take(key, s, 1, true, later), Take::Refused { refusal: Refusal::StoreDown, .. }));
+                let back = now.plus_ms(50 + RETRY_AFTER_FAILURE_MS);
+                assert!(matches!(book.take(key, s, 1, false, back), Take::Wait { call: Some(_) }));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_full_book_evicts_a_key_and_gives_its_units_back() {
+    let mut book = LeaseBook::new(2, PERIOD_MS, OnStoreFailure::LastState);
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 1000);
+    let now = UnixMillis(60_000 * 1000);
+    for key in [FleetKey(1), FleetKey(2)] {
+        let ask = Ask { want: 10, ..wait_call(book.take(key, s, 1, false, now)).unwrap() };
+        book.answered(&ask, Some(store.serve(&ask)), now);
+        let take = book.take(key, s, 1, true, now);
+        assert!(matches!(refilled(&mut book, &mut store, take, now), Take::Admitted { .. }));
+    }
+    let counted = |store: &FakeStore| store.get(FleetKey(1), 60_000, 1000) + store.get(FleetKey(2), 60_000, 1000);
+    assert_eq!(counted(&store), book.held() + 2);
+    assert!(matches!(book.take(FleetKey(3), s, 1, false, now), Take::Wait { call: Some(_) }));
+    assert_eq!(book.keys(), 2, "one of the two keys left for the third");
+    let returns = book.heartbeat(now);
+    assert_eq!(returns.len(), 1);
+    store.serve(&returns[0]);
+    assert_eq!(counted(&store), book.held() + 2, "the evicted key's units came back");
+}
+
+/// Six workers (three proxies × two) take units of one key from one store, with calls
+/// answered after 0 to 5 ms, heartbeats every second and three windows' worth of traffic well
+/// above the limit: in every bucket the admitted units never exceed the limit, and the fleet
+/// gets close to it.
+#[test]
+fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
+    let window_ms = 1_000;
+    let limit = 500;
+    let s = spec(window_ms, limit);
+    let mut store = FakeStore::default();
+    let mut books: Vec<LeaseBook> = (0..6).map(|_| book()).collect();
+    // Calls in the air: (answer at, worker, ask); requests waiting: (worker, since).
+    let mut calls: VecDeque<(u64, usize, Ask)> = VecDeque::new();
+    let mut waiting: Vec<VecDeque<u64>> = vec![VecDeque::new(); 6];
+    let mut admitted: HashMap<u64, u32> = HashMap::new();
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let start = 1_000 * 1_000_000u64;
+    let (mut requests, mut refused, mut waits) = (0u64, 0u64, 0u64);
+    for t in 0..3_500u64 {
+        let now = UnixMillis(start + t);
+        let bucket = now.0 / window_ms;
+        // Answers due now, then the requests waiting on them.
+        while calls.front().is_some_and(|(at, ..)| *at <= t) {
+            let (_, worker, ask) = calls.pop_front().unwrap();
+            let grant = store.serve(&ask);
+            books[worker].answered(&ask, Some(grant), now);
+            if ask.want == 0 {
+                continue;
+            }
+            let queue = std::mem::take(&mut waiting[worker]);
+            for since in queue {
+                match books[worker].take(KEY, s, 1, true, now) {
+                    Take::Admitted { refill, .. } => {
+                        *admitted.entry(bucket).or_default() += 1;
+                        if let Some(ask) = refill {
+                            calls.push_back((t + next() % 6, worker, ask));
+                        }
+                    }
+                    Take::Wait { call } => {
+                        waiting[worker].push_back(since);
+                        if let Some(ask) = call {
+                            calls.push_back((t + next() % 6, worker, ask));
+                        }
+                    }
+                    Take::Refused { .. } => refused += 1,
+                }
+            }
+        }
+        calls.make_contiguous().sort_by_key(|(at, ..)| *at);
+        if t % 1000 == 0 {
+            for (worker, b) in books.iter_mut().enumerate() {
+                for ask in b.heartbeat(now) {
+                    calls.push_back((t + next() % 6, worker, ask));
+                }
+            }
+        }
+        // Two requests a millisecond on random workers: 2 000 a second, four times the limit.
+        for _ in 0..2 {
+            let worker = (next() % 6) as usize;
+            requests += 1;
+            match books[worker].take(KEY, s, 1, false, now) {
+                Take::Admitted { refill, .. } => {
+                    *admitted.entry(bucket).or_default() += 1;
+                    if let Some(ask) = refill {
+                        calls.push_back((t + next() % 6, worker, ask));
+                    }
+                }
+                Take::Wait { call } => {
+                    waits += 1;
+                    waiting[worker].push_back(t);
+                    if let Some(ask) = call {
+                        calls.push_back((t + next() % 6, worker, ask));
+                    }
+                }
+                Take::Refused { .. } => refused += 1,
+            }
+        }
+    }
+    let mut buckets: Vec<_> = admitted.into_iter().collect();
+    buckets.sort();
+    println!("{requests} requests, {waits} waited, {refused} refused; admitted per bucket {buckets:?}");
+    for (bucket, n) in &buckets {
+        assert!(*n <= limit, "bucket {bucket}: {n} admitted over a limit of {limit}");
+        let counted = store.get(KEY, window_ms, *bucket);
+        assert!(u64::from(*n) <= counted, "bucket {bucket}: the store counts {counted}, fewer than the {n} admitted");
+    }
+    // The sliding window lets a full bucket's successor admit as the previous one decays:
+    // the first full bucket reaches the limit within a few units.
+    let first_full = buckets.iter().find(|(b, _)| *b == start / window_ms).map(|(_, n)| *n).unwrap();
+    assert!(first_full + 12 >= limit, "{first_full} of {limit}");
+}

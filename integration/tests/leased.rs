@@ -1,0 +1,309 @@
+//! Leased global quotas (issue 17), end to end: three real Envoys (two workers each) with the
+//! built module, one `floodgate-sync` and a real Redis (one node, then a 3-master Redis Cluster),
+//! all on 127.0.0.1. A hot key well over its limit and many cold keys, spread over the proxies:
+//! the fleet admits at most the limit in the window, never more; requests of a key under its
+//! limit wait on the store only when their worker's lease is empty; the `429`'s `Retry-After`
+//! and `RateLimit` fields are computed on the fleet's counts; the store killed mid-run is
+//! answered as `on_store_failure` says, with no request waiting past `lease_timeout`.
+//!
+//! Run through `./test.sh` (it installs Redis with scripts/redis.sh and builds floodgate-sync).
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use floodgate_integration::store::{fleet, Redis, RedisCluster, SyncService};
+use floodgate_integration::*;
+
+const WINDOW: Duration = Duration::from_secs(3600);
+const LEASE_TIMEOUT_MS: u64 = 50;
+
+/// A leased rule of `limit` per hour; calls to the store time out after `lease_timeout_ms`.
+fn config(limit: u64, on_store_failure: &str, lease_timeout_ms: u64) -> Value {
+    json!({
+        "rate_limits": [
+            {"name": "paid", "key": [{"header": "x-fleet-key"}], "limit": limit, "window": "1h",
+             "scope": "global", "consistency": "leased"}
+        ],
+        "global": {"cluster": "floodgate-sync", "sync_interval": "100ms",
+                   "lease_timeout": format!("{lease_timeout_ms}ms"), "on_store_failure": on_store_failure}
+    })
+}
+
+/// Three Envoys with 2 workers each, running `config`, with floodgate-sync at `sync`.
+fn proxies(config: &Value, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
+    fleet(3, config, sync, upstream)
+}
+
+/// One request's outcome.
+#[derive(Clone, Debug)]
+struct Sample {
+    status: u16,
+    latency: Duration,
+    /// `retry-after` and `ratelimit` of a 429.
+    fields: Option<(String, String)>,
+    /// The body of a refusal.
+    body: Option<String>,
+}
+
+/// `rate` requests a second in all for `duration`, round-robin over the proxies, request `n`
+/// with `x-fleet-key: key(n)`, over a few keep-alive connections per proxy. `during(elapsed)`
+/// runs about every 100 ms.
+async fn paced(
+    proxies: &[SocketAddr],
+    key: impl Fn(u64) -> String,
+    rate: u64,
+    duration: Duration,
+    mut during: impl FnMut(Duration),
+) -> Vec<Sample> {
+    let mut pools = Vec::new();
+    for addr in proxies {
+        let mut pool = Vec::new();
+        for _ in 0..8 {
+            pool.push(Client::connect(*addr).await.expect("connect"));
+        }
+        pools.push(Arc::new(tokio::sync::Mutex::new(pool)));
+    }
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let mut pending = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    let gap = Duration::from_nanos(1_000_000_000 / rate);
+    let mut next_call = Duration::ZERO;
+    let mut sent = 0u64;
+    while started.elapsed() < duration {
+        let due = gap * u32::try_from(sent).expect("requests");
+        if let Some(wait) = due.checked_sub(started.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        if started.elapsed() >= next_call {
+            during(started.elapsed());
+            next_call += Duration::from_millis(100);
+        }
+        let at = (sent % proxies.len() as u64) as usize;
+        let (pool, addr, key, samples) = (Arc::clone(&pools[at]), proxies[at], key(sent), Arc::clone(&samples));
+        pending.spawn(async move {
+            let client = pool.lock().await.pop();
+            let mut client = match client {
+                Some(c) => c,
+                None => Client::connect(addr).await.expect("connect"),
+            };
+            let begun = Instant::now();
+            let sample = match client.get("/", &[("x-fleet-key", key.as_str())]).await {
+                Ok(r) => Sample {
+                    status: r.status,
+                    latency: begun.elapsed(),
+                    fields: (r.status == 429).then(|| {
+                        (r.header("retry-after").unwrap_or("").to_owned(), r.header("ratelimit").unwrap_or("").to_owned())
+                    }),
+                    body: (r.status != 200).then(|| r.text()),
+                },
+                Err(_) => Sample { status: 0, latency: begun.elapsed(), fields: None, body: None },
+            };
+            pool.lock().await.push(client);
+            samples.lock().expect("samples").push(sample);
+        });
+        sent += 1;
+        while pending.try_join_next().is_some() {}
+    }
+    while pending.join_next().await.is_some() {}
+    let samples = samples.lock().expect("samples").clone();
+    samples
+}
+
+fn statuses(samples: &[Sample]) -> BTreeMap<u16, u64> {
+    let mut out = BTreeMap::new();
+    for s in samples {
+        *out.entry(s.status).or_insert(0) += 1;
+    }
+    out
+}
+
+/// The `q` quantile of the latencies, in milliseconds.
+fn quantile_ms(samples: &[Sample], q: f64) -> f64 {
+    let mut ms: Vec<f64> = samples.iter().map(|s| s.latency.as_secs_f64() * 1000.0).collect();
+    ms.sort_by(f64::total_cmp);
+    ms.get(((ms.len() as f64 - 1.0) * q).round() as usize).copied().unwrap_or(0.0)
+}
+
+fn lease_stat(envoys: &[Envoy], what: &str) -> u64 {
+    envoys.iter().map(|e| e.stat(&format!("{WASM_CUSTOM_NAMESPACE}floodgate.lease.{what}")).unwrap_or(0)).sum()
+}
+
+/// Sum of the counters floodgate-sync keeps for the current bucket of the 1 h window.
+fn redis_total(nodes: &[&Redis]) -> u64 {
+    let bucket = (since_epoch().as_millis() / WINDOW.as_millis()) as u64;
+    let mut total = 0;
+    for node in nodes {
+        // SCAN may return a key twice (while Redis rehashes its table): each key once.
+        let keys: std::collections::BTreeSet<String> =
+            node.cli(&["--scan", "--pattern", &format!("fg:*:3600000:{bucket}")]).lines().map(str::to_owned).collect();
+        for key in keys {
+            total += node.cli(&["GET", &key]).trim().parse::<u64>().unwrap_or(0);
+        }
+    }
+    total
+}
+
+/// The seconds from now to the end of the hour's bucket.
+fn secs_to_next_bucket() -> u64 {
+    let w = WINDOW.as_millis();
+    ((w - since_epoch().as_millis() % w) / 1000) as u64
+}
+
+/// The common run: a hot key at 4× its limit's pace and, in the same load, cold keys (each seen
+/// a few times) and a warm key well under its limit; then the fleet's leases go back.
+async fn one_quota_over_the_fleet(nodes: &[&Redis], sync: &SyncService, label: &str) {
+    const LIMIT: u64 = 500;
+    let upstream = Upstream::counting_header("x-fleet-key");
+    // The store answers well within 500 ms here, even on a busy machine: no decision is made
+    // without it (with_the_store_killed_... tests those, at the default 50 ms).
+    let envoys = proxies(&config(LIMIT, "last_state", 500), sync.addr, &upstream);
+    let addrs: Vec<SocketAddr> = envoys.iter().map(Envoy::addr).collect();
+    let run = std::process::id();
+    let hot = format!("hot-{run}");
+    let warm = format!("warm-{run}");
+
+    // 600 requests a second for 4 s: half on the hot key (1 200, over its limit of 500), one
+    // in eight on the warm key (300, under it), the rest on cold keys seen once each.
+    let key = |n: u64| match n % 8 {
+        0 | 2 | 4 | 6 => hot.clone(),
+        1 => warm.clone(),
+        _ => format!("cold-{run}-{n}"),
+    };
+    let samples = paced(&addrs, key, 600, Duration::from_secs(4), |_| {}).await;
+    let sent = samples.len() as u64;
+    let hot_sent = (0..sent).filter(|n| n % 2 == 0).count() as u64;
+    let all = statuses(&samples);
+    let hot_admitted = upstream.count_for(&hot);
+    let warm_admitted = upstream.count_for(&warm);
+    let refused = all.get(&429).copied().unwrap_or(0);
+    let refusal_body = samples.iter().find_map(|s| s.body.clone()).unwrap_or_default();
+    println!("{label}: a refusal: {refusal_body}");
+    println!("{label}: statuses {all:?}; hot key: {hot_admitted} of {hot_sent} admitted (limit {LIMIT}); warm key {warm_admitted}");
+    assert_eq!(all.keys().filter(|s| **s != 200 && **s != 429).count(), 0, "only 200 and 429: {all:?}");
+    assert!(hot_admitted <= LIMIT, "{label}: {hot_admitted} admitted over a limit of {LIMIT}");
+    assert_eq!(refused, hot_sent - hot_admitted, "only the hot key is refused");
+    // Units held by the six workers when the key ran out may stay unused: a few each.
+    assert!(hot_admitted + 6 * 4 >= LIMIT, "{label}: {hot_admitted} admitted of {LIMIT}");
+
+    // The 429s' fields: on the fleet's counts (the key is full in this bucket, with nothing
+    // in the previous one), the same on every proxy: retry when the full bucket, as previous,
+    // weighs a unit less: 1/500 of an hour (7.2 s) into the next bucket.
+    let to_next = secs_to_next_bucket();
+    let fields: Vec<(String, String)> = samples.iter().filter_map(|s| s.fields.clone()).collect();
+    let late: Vec<&(String, String)> = fields.iter().rev().take(30).collect();
+    for (retry_after, ratelimit) in &late {
+        let secs: u64 = retry_after.parse().unwrap_or(0);
+        assert!(secs >= to_next && secs <= to_next + 10, "{label}: retry-after {retry_after} s, the next bucket in {to_next} s");
+        assert!(ratelimit.contains(";r=0;"), "{label}: ratelimit {ratelimit}");
+    }
+
+    // Requests under the limit waited only on lease misses: report the fraction and latency.
+    let waited = lease_stat(&envoys, "waited");
+    let calls = lease_stat(&envoys, "calls");
+    let admitted: Vec<Sample> = samples.iter().filter(|s| s.status == 200).cloned().collect();
+    println!(
+        "{label}: {waited} of {} requests waited ({:.1} %), {calls} lease calls ({:.3} per request); admitted latency p50 {:.2} ms, p99 {:.2} ms",
+        samples.len(),
+        100.0 * waited as f64 / samples.len() as f64,
+        calls as f64 / samples.len() as f64,
+        quantile_ms(&admitted, 0.5),
+        quantile_ms(&admitted, 0.99)
+    );
+    // Each cold key waits once (its only request); the hot and warm keys rarely.
+    let cold = (0..sent).filter(|n| n % 8 == 3 || n % 8 == 5 || n % 8 == 7).count() as u64;
+    assert!(waited <= cold + sent / 4, "{label}: {waited} waited, {cold} cold requests");
+    assert_eq!(lease_stat(&envoys, "failures"), 0);
+    assert_eq!(lease_stat(&envoys, "without_store"), 0);
+
+    // Unused leases go back (2 sync intervals unused, at the next heartbeat): Redis then holds
+    // exactly what the fleet admitted in this bucket.
+    let total_admitted = all.get(&200).copied().unwrap_or(0);
+    // Every worker has given its leases back once no worker keeps a key (the gauge is set at
+    // each heartbeat, before the give-backs go); a second more for the last ones to land.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while lease_stat(&envoys, "keys") > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let in_redis = redis_total(nodes);
+    println!("{label}: Redis holds {in_redis}, the fleet admitted {total_admitted}; granted {}, returned {}",
+        lease_stat(&envoys, "granted"), lease_stat(&envoys, "returned"));
+    for e in &envoys {
+        println!("{label}: {}", e.stats_matching("floodgate.lease").lines().filter(|l| !l.contains("P0")).collect::<Vec<_>>().join(", "));
+    }
+    if let Ok((_, metrics)) = http_get_blocking(sync.addr, "/metrics") {
+        println!("{label}: floodgate-sync: {}", metrics.lines().filter(|l| l.starts_with("floodgate_sync_lease") && !l.contains("bucket")).collect::<Vec<_>>().join(", "));
+    }
+    assert_eq!(in_redis, total_admitted, "{label}: what was granted and not used came back");
+    let cold_admitted: u64 = (0..sent)
+        .filter(|n| n % 8 == 3 || n % 8 == 5 || n % 8 == 7)
+        .map(|n| upstream.count_for(&format!("cold-{run}-{n}")))
+        .sum();
+    assert_eq!(cold_admitted, cold, "{label}: every cold key admitted");
+    assert_eq!(warm_admitted, sent / 8 + u64::from(sent % 8 > 1), "{label}: the warm key, under its limit, admitted");
+    assert_eq!(hot_admitted + warm_admitted + cold_admitted, total_admitted);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_proxies_never_admit_more_than_a_leased_quota_over_one_redis() {
+    wait_for_window_phase(WINDOW, Duration::from_secs(10), WINDOW - Duration::from_secs(120));
+    let redis = Redis::start();
+    let sync = SyncService::single(&redis.url());
+    one_quota_over_the_fleet(&[&redis], &sync, "single Redis").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_proxies_never_admit_more_than_a_leased_quota_over_a_redis_cluster() {
+    wait_for_window_phase(WINDOW, Duration::from_secs(10), WINDOW - Duration::from_secs(120));
+    let cluster = RedisCluster::start(3, 1);
+    let sync = SyncService::cluster(&cluster.urls());
+    let masters: Vec<&Redis> = cluster.masters().into_iter().map(|i| &cluster.nodes[i]).collect();
+    one_quota_over_the_fleet(&masters, &sync, "Redis Cluster").await;
+}
+
+/// The store killed mid-run: with `last_state` every request is decided (200 while the last
+/// state has room), none waits past `lease_timeout` (plus the proxy's own time), and nothing
+/// crashes; with `refuse`, the requests that need the store get a `503`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_store_killed_requests_follow_on_store_failure_and_none_waits_past_the_timeout() {
+    wait_for_window_phase(WINDOW, Duration::from_secs(10), WINDOW - Duration::from_secs(120));
+    for policy in ["last_state", "refuse"] {
+        let mut redis = Redis::start();
+        let sync = SyncService::single(&redis.url());
+        let upstream = Upstream::start();
+        let envoys = proxies(&config(1_000_000, policy, LEASE_TIMEOUT_MS), sync.addr, &upstream);
+        let addrs: Vec<SocketAddr> = envoys.iter().map(Envoy::addr).collect();
+        let run = std::process::id();
+        let mut killed = false;
+        // 300 requests a second over 30 keys for 3 s; Redis killed after 1 s.
+        let samples = paced(&addrs, |n| format!("{policy}-{run}-{}", n % 30), 300, Duration::from_secs(3), |elapsed| {
+            if !killed && elapsed >= Duration::from_secs(1) {
+                killed = true;
+                redis.kill();
+            }
+        })
+        .await;
+        let all = statuses(&samples);
+        let slowest = samples.iter().map(|s| s.latency).max().unwrap_or_default();
+        println!(
+            "store killed, on_store_failure {policy}: {all:?}; p50 {:.2} ms, p99 {:.2} ms, slowest {slowest:?}; failures {}, without the store {}",
+            quantile_ms(&samples, 0.5),
+            quantile_ms(&samples, 0.99),
+            lease_stat(&envoys, "failures"),
+            lease_stat(&envoys, "without_store")
+        );
+        assert!(lease_stat(&envoys, "failures") > 0, "the failed calls are counted");
+        assert!(slowest < Duration::from_millis(LEASE_TIMEOUT_MS + 250), "{policy}: a request took {slowest:?}");
+        assert!(envoys.iter().all(|e| e.admin_get("/ready").0 == 200), "every Envoy still serves");
+        match policy {
+            "last_state" => assert_eq!(all.keys().copied().collect::<Vec<_>>(), vec![200], "{all:?}"),
+            _ => {
+                assert!(all.get(&503).copied().unwrap_or(0) > 0, "refused while the store is down: {all:?}");
+                assert_eq!(all.keys().filter(|s| **s != 200 && **s != 503).count(), 0, "{all:?}");
+            }
+        }
+    }
+}
+

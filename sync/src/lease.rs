@@ -1,0 +1,205 @@
+//! `POST /v1/lease` (version 1): units of a key's quota granted to a proxy ahead of use, for the
+//! rules in leased consistency (see `sync/README.md`, "Leases").
+//!
+//! A proxy asks for `want` units of (`key`, `window_ms`, `bucket`) under `limit`; the script
+//! `lease.lua` grants what the sliding window has room for (at most a quarter of the room, and
+//! at least one unit while there is any), counts the grant in the bucket's counter, and answers
+//! with the counters after it. Units the proxy did not use come back in a later call
+//! (`returned`, `returned_previous`), before the grant; units it admitted while the store was
+//! down come as `consumed`, counted whatever the room. The counters are the batched rules'
+//! counters ([`crate::layout`]): one key's counters share a shard, so one slot.
+//!
+//! A call is not retried by the proxy: a grant whose answer is lost stays counted (the fleet
+//! then admits less, never more), so no dedup key is needed.
+
+use serde::de::Deserializer;
+use serde::{Deserialize, Serialize};
+
+use crate::layout::{expire_at_ms, Layout};
+use crate::protocol::{bucket, delta as units, parse_json, ranged, version, window_ms, CounterKey};
+#[cfg(doc)]
+use crate::protocol::{MAX_BUCKET, MAX_DELTA, MAX_WINDOW_MS, VERSION};
+#[cfg(test)]
+use crate::protocol::VERSION;
+
+/// One key's lease request.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a lease object")]
+pub struct LeaseEntry {
+    /// The counter's key.
+    pub key: CounterKey,
+    /// The window length in milliseconds, 1..=[`MAX_WINDOW_MS`].
+    #[serde(deserialize_with = "window_ms")]
+    pub window_ms: u64,
+    /// The window bucket (ms since the epoch / `window_ms`), at most [`MAX_BUCKET`].
+    #[serde(deserialize_with = "bucket")]
+    pub bucket: u64,
+    /// Milliseconds since the bucket began, below `window_ms` (the previous bucket's weight).
+    pub elapsed_ms: u64,
+    /// The key's limit per window, 1..=2³² − 1.
+    #[serde(deserialize_with = "limit")]
+    pub limit: u64,
+    /// Units asked for, 0..=[`MAX_DELTA`] (0: only give back and read).
+    #[serde(deserialize_with = "units")]
+    pub want: u64,
+    /// Units of `bucket` the proxy admitted without a grant (the store was down), counted
+    /// first whatever the room, 0..=[`MAX_DELTA`].
+    #[serde(default, deserialize_with = "units")]
+    pub consumed: u64,
+    /// Unused units of `bucket` given back before the grant, 0..=[`MAX_DELTA`].
+    #[serde(default, deserialize_with = "units")]
+    pub returned: u64,
+    /// Unused units of `bucket − 1` given back before the grant, 0..=[`MAX_DELTA`].
+    #[serde(default, deserialize_with = "units")]
+    pub returned_previous: u64,
+}
+
+/// `POST /v1/lease`'s body.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a lease request object")]
+pub struct LeaseRequest {
+    /// Always [`VERSION`].
+    #[serde(deserialize_with = "version")]
+    pub version: u64,
+    /// The keys, in the order the answer gives their grants.
+    pub leases: Vec<LeaseEntry>,
+}
+
+/// What one key got.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Grant {
+    /// Units granted (0 when the window has no room, or none was asked for).
+    pub granted: u64,
+    /// The bucket's counter after the call: units granted in it fleet-wide, less those given
+    /// back.
+    pub current: u64,
+    /// The previous bucket's counter after the call (0 for bucket 0).
+    pub previous: u64,
+}
+
+/// `POST /v1/lease`'s answer: one [`Grant`] per request entry, in request order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeaseResponse {
+    /// Always [`VERSION`].
+    pub version: u64,
+    /// One per entry, in request order.
+    pub leases: Vec<Grant>,
+}
+
+/// One entry laid out for the script (see `lease.lua`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedLease {
+    /// The bucket's counter key.
+    pub current_key: String,
+    /// The previous bucket's counter key; `None` for bucket 0.
+    pub previous_key: Option<String>,
+    /// The script's ARGV.
+    pub args: [u64; 8],
+}
+
+fn limit<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+    ranged(deserializer, 1, u64::from(u32::MAX))
+}
+
+/// Parses and validates a lease request. The error is one line that names the field.
+pub fn parse_lease_request(body: &[u8], max_entries: usize) -> Result<LeaseRequest, String> {
+    let request: LeaseRequest = parse_json(body)?;
+    if request.leases.len() > max_entries {
+        return Err(format!(
+            "leases: at most {max_entries} entries per request, got {}",
+            request.leases.len()
+        ));
+    }
+    for (at, entry) in request.leases.iter().enumerate() {
+        if entry.elapsed_ms >= entry.window_ms {
+            return Err(format!(
+                "leases[{at}].elapsed_ms: must be below window_ms ({}), got {}",
+                entry.window_ms, entry.elapsed_ms
+            ));
+        }
+    }
+    Ok(request)
+}
+
+/// Lays an entry out: its counters' keys and the script's arguments.
+pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
+    let shard = layout.shard(&entry.key);
+    PlannedLease {
+        current_key: layout.counter_key(shard, &entry.key, entry.window_ms, entry.bucket),
+        previous_key: entry
+            .bucket
+            .checked_sub(1)
+            .map(|previous| layout.counter_key(shard, &entry.key, entry.window_ms, previous)),
+        args: [
+            entry.window_ms,
+            entry.window_ms.saturating_sub(entry.elapsed_ms),
+            entry.limit,
+            entry.want,
+            entry.returned,
+            entry.returned_previous,
+            expire_at_ms(entry.window_ms, entry.bucket),
+            entry.consumed,
+        ],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::indexing_slicing)]
+
+    use super::*;
+
+    const KEY: &str = "00000001aaaaaaaaaaaaaaaaaaaaaaaa";
+
+    fn entry(fields: &str) -> String {
+        format!(r#"{{"version":1,"leases":[{{"key":"{KEY}","window_ms":1000,"bucket":5,"elapsed_ms":250,"limit":10{fields}}}]}}"#)
+    }
+
+    #[test]
+    fn parses_and_plans_an_entry() {
+        let request = parse_lease_request(entry(r#","want":3,"returned":1"#).as_bytes(), 10).unwrap();
+        let lease = &request.leases[0];
+        assert_eq!((lease.want, lease.returned, lease.returned_previous), (3, 1, 0));
+        let planned = plan_lease(&Layout::new("fg:", 16), lease);
+        assert_eq!(planned.current_key, format!("fg:{{1}}:{KEY}:1000:5"));
+        assert_eq!(planned.previous_key, Some(format!("fg:{{1}}:{KEY}:1000:4")));
+        assert_eq!(planned.args, [1000, 750, 10, 3, 1, 0, 7 * 1000 + 60_000, 0]);
+        let first = parse_lease_request(
+            format!(r#"{{"version":1,"leases":[{{"key":"{KEY}","window_ms":1000,"bucket":0,"elapsed_ms":0,"limit":1,"want":0}}]}}"#).as_bytes(),
+            10,
+        )
+        .unwrap();
+        assert_eq!(plan_lease(&Layout::new("fg:", 16), &first.leases[0]).previous_key, None);
+    }
+
+    #[test]
+    fn names_the_field_of_every_refusal() {
+        for (body, expected) in [
+            (entry(""), "leases[0]: missing field `want`"),
+            (entry(r#","want":-1"#), "leases[0].want: invalid value"),
+            (entry(r#","want":2147483648"#), "leases[0].want: must be within 0..=2147483647"),
+            (entry(r#","want":1,"returned_previous":2147483648"#), "leases[0].returned_previous: must be within"),
+            (entry(r#","want":1,"extra":1"#), "leases[0].extra: unknown field `extra`"),
+            (entry(r#","want":1"#).replace(r#""limit":10"#, r#""limit":0"#), "leases[0].limit: must be within 1..=4294967295"),
+            (entry(r#","want":1"#).replace(r#""elapsed_ms":250"#, r#""elapsed_ms":1000"#), "leases[0].elapsed_ms: must be below window_ms (1000), got 1000"),
+            (entry(r#","want":1"#).replace(r#""version":1"#, r#""version":2"#), "version: unsupported version 2"),
+            (entry(r#","want":1"#).replace(KEY, "xyz"), "leases[0].key: expected 32 lowercase hex characters"),
+        ] {
+            let err = parse_lease_request(body.as_bytes(), 10).unwrap_err();
+            assert!(err.starts_with(expected), "{body}\n  got: {err}\n want: {expected}");
+        }
+        let err = parse_lease_request(entry(r#","want":1"#).as_bytes(), 0).unwrap_err();
+        assert_eq!(err, "leases: at most 0 entries per request, got 1");
+    }
+
+    #[test]
+    fn answers_serialize_as_the_protocol_says() {
+        let answer = LeaseResponse { version: VERSION, leases: vec![Grant { granted: 3, current: 7, previous: u64::MAX }] };
+        assert_eq!(
+            serde_json::to_string(&answer).unwrap(),
+            r#"{"version":1,"leases":[{"granted":3,"current":7,"previous":18446744073709551615}]}"#
+        );
+    }
+}

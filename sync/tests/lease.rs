@@ -1,0 +1,216 @@
+//! `POST /v1/lease` against one real `redis-server`: grants never exceed the sliding window's
+//! room, however many callers race; give-backs come before the grant; the previous bucket's
+//! weight is exact at the extremes of windows and limits.
+#![allow(
+    missing_docs,
+    clippy::unwrap_used,
+    clippy::expect_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::arithmetic_side_effects
+)]
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use serde_json::{json, Value};
+
+const A: &str = "00000001aaaaaaaaaaaaaaaaaaaaaaaa";
+
+fn single() -> (Redis, Sync) {
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "500ms"]);
+    (redis, sync)
+}
+
+fn lease_call(port: u16, entries: &[Value]) -> Answer {
+    request(
+        port,
+        "POST",
+        "/v1/lease",
+        Some("application/json"),
+        serde_json::to_vec(&json!({"version": 1, "leases": entries})).unwrap(),
+        false,
+    )
+}
+
+/// One entry: `key` in 60 s windows at `bucket`, `elapsed_ms` into it, under `limit`.
+fn entry(key: &str, bucket: u64, elapsed_ms: u64, limit: u64, want: u64) -> Value {
+    json!({"key": key, "window_ms": 60_000, "bucket": bucket, "elapsed_ms": elapsed_ms, "limit": limit, "want": want})
+}
+
+/// (granted, current, previous) of each entry.
+fn grants(answer: &Answer) -> Vec<(u64, u64, u64)> {
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let body = answer.json();
+    assert_eq!(body["version"], 1);
+    body["leases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["granted"].as_u64().unwrap(),
+                g["current"].as_u64().unwrap(),
+                g["previous"].as_u64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn grants_take_a_quarter_of_the_room_at_most_and_stop_at_the_limit() {
+    let (redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    let mut seen = Vec::new();
+    loop {
+        let [(granted, current, previous)] = grants(&lease_call(sync.port, &[entry(A, bucket, 0, 10, 100)]))[..] else {
+            panic!("one grant");
+        };
+        assert_eq!(previous, 0);
+        seen.push((granted, current));
+        if granted == 0 {
+            break;
+        }
+    }
+    // Room 10: 2, then 2 (room 8), 1 (6 → 1), 1 (5), 1, 1, 1, 1; then none.
+    assert_eq!(
+        seen,
+        [(2, 2), (2, 4), (1, 5), (1, 6), (1, 7), (1, 8), (1, 9), (1, 10), (0, 10)]
+    );
+    let layout_key = format!("fg:{{1}}:{A}:60000:{bucket}");
+    assert_eq!(redis.get(&layout_key), Some(10), "{:?}", redis.keys());
+    let ttl = redis.pexpiretime(&layout_key);
+    assert_eq!(ttl as u64, (bucket + 2) * 60_000 + 60_000, "the counter expires with the batched ones");
+    // Want 0 only reads; a give-back frees room that the same call grants again.
+    assert_eq!(grants(&lease_call(sync.port, &[entry(A, bucket, 0, 10, 0)])), [(0, 10, 0)]);
+    let mut give_back = entry(A, bucket, 0, 10, 5);
+    give_back["returned"] = json!(4);
+    assert_eq!(grants(&lease_call(sync.port, &[give_back])), [(1, 7, 0)]);
+    // Units admitted while the store was down are counted whatever the room.
+    let mut consumed = entry(A, bucket, 0, 10, 5);
+    consumed["consumed"] = json!(5);
+    assert_eq!(grants(&lease_call(sync.port, &[consumed])), [(0, 12, 0)]);
+    // A give-back never takes a counter below zero.
+    let mut too_much = entry(A, bucket, 0, 10, 0);
+    too_much["returned"] = json!(1000);
+    assert_eq!(grants(&lease_call(sync.port, &[too_much])), [(0, 0, 0)]);
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(metric(&metrics, "floodgate_sync_lease_units_granted_total"), 11);
+    assert_eq!(metric(&metrics, "floodgate_sync_leases_received_total"), 13);
+    assert_eq!(metric(&metrics, "floodgate_sync_lease_duration_seconds_count"), 13);
+}
+
+#[test]
+fn the_previous_bucket_weighs_as_in_the_filter_and_takes_its_give_backs() {
+    let (redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    let previous_key = format!("fg:{{1}}:{A}:60000:{}", bucket - 1);
+    redis.set(&previous_key, "10");
+    // 15 s into the bucket, the previous one weighs 45/60: ceil(7.5) = 8 of a limit of 12.
+    let mut seen = Vec::new();
+    loop {
+        let [(granted, current, previous)] = grants(&lease_call(sync.port, &[entry(A, bucket, 15_000, 12, 100)]))[..] else {
+            panic!("one grant");
+        };
+        assert_eq!(previous, 10);
+        if granted == 0 {
+            break;
+        }
+        seen.push(current);
+    }
+    assert_eq!(seen.last(), Some(&4), "{seen:?}");
+    // Half of the previous bucket given back: ceil(5 × 0.75) = 4, room 12 − 4 − 4 = 4.
+    let mut give_back = entry(A, bucket, 15_000, 12, 100);
+    give_back["returned_previous"] = json!(5);
+    assert_eq!(grants(&lease_call(sync.port, &[give_back])), [(1, 5, 5)]);
+}
+
+/// The room is exact where a double would not be: 366-day windows, limits near 2³², and a
+/// previous count times the remaining milliseconds far above 2⁵³.
+#[test]
+fn the_room_is_exact_at_the_extremes() {
+    let (redis, sync) = single();
+    let window: u64 = 31_622_400_000;
+    let bucket = now_ms() / window;
+    for (n, (previous, elapsed, limit)) in [
+        (4_294_967_295u64, 1u64, 4_294_967_295u64),
+        (4_294_967_294, window - 1, 4_294_967_295),
+        (3_000_000_001, 12_345_678_901, 4_000_000_000),
+        (1, window / 2, 2),
+        (999_999_999, 31_622_399_999, 1_000_000_000),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let key = key_in_shard(3, n as u32 + 1);
+        redis.set(&format!("fg:{{3}}:{key}:{window}:{}", bucket - 1), &previous.to_string());
+        let remaining = window - elapsed;
+        let weighted = (u128::from(previous) * u128::from(remaining)).div_ceil(u128::from(window)) as u64;
+        let room = limit.saturating_sub(weighted);
+        let want = 2_147_483_647u64;
+        let expected = if room == 0 { 0 } else { want.min((room / 4).max(1)) };
+        let body = json!({"key": key, "window_ms": window, "bucket": bucket, "elapsed_ms": elapsed, "limit": limit, "want": want});
+        let got = grants(&lease_call(sync.port, &[body]));
+        assert_eq!(got, [(expected, expected, previous)], "previous {previous}, elapsed {elapsed}, limit {limit}: weighted {weighted}");
+    }
+}
+
+/// Many callers at once, each asking for a few units until refused: the fleet is granted the
+/// limit exactly, never more.
+#[test]
+fn racing_callers_are_granted_the_limit_exactly() {
+    let (redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    let port = sync.port;
+    let callers: Vec<_> = (0..8)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let mut total = 0;
+                loop {
+                    let [(granted, ..)] = grants(&lease_call(port, &[entry(A, bucket, 0, 1000, 7)]))[..] else {
+                        panic!("one grant");
+                    };
+                    if granted == 0 {
+                        return total;
+                    }
+                    total += granted;
+                }
+            })
+        })
+        .collect();
+    let granted: u64 = callers.into_iter().map(|c| c.join().unwrap()).sum();
+    assert_eq!(granted, 1000);
+    assert_eq!(redis.get(&format!("fg:{{1}}:{A}:60000:{bucket}")), Some(1000));
+}
+
+#[test]
+fn refusals_name_the_field_and_touch_nothing() {
+    let (redis, sync) = single();
+    for (body, expected) in [
+        (json!({"version": 1, "leases": [{"key": A, "window_ms": 1000, "bucket": 1, "elapsed_ms": 1000, "limit": 1, "want": 1}]}),
+         "leases[0].elapsed_ms: must be below window_ms (1000), got 1000"),
+        (json!({"version": 1, "leases": [{"key": A, "window_ms": 1000, "bucket": 1, "elapsed_ms": 0, "limit": 0, "want": 1}]}),
+         "leases[0].limit: must be within 1..=4294967295, got 0"),
+        (json!({"version": 1, "leases": {}}), "leases: invalid type: map, expected a sequence"),
+    ] {
+        let answer = request(sync.port, "POST", "/v1/lease", Some("application/json"), serde_json::to_vec(&body).unwrap(), false);
+        assert_eq!(answer.status, 400, "{}", answer.body);
+        let error = answer.json()["error"].as_str().unwrap().to_owned();
+        assert!(error.starts_with(expected), "{error}");
+    }
+    let answer = request(sync.port, "GET", "/v1/lease", None, Bytes::new(), false);
+    assert_eq!(answer.status, 405);
+    let answer = request(sync.port, "POST", "/v1/lease", Some("text/plain"), Bytes::from_static(b"{}"), false);
+    assert_eq!(answer.status, 415);
+    assert_eq!(redis.dbsize(), 0);
+    // Redis down: 503 within the timeout.
+    drop(redis);
+    let started = std::time::Instant::now();
+    let answer = lease_call(sync.port, &[entry(A, 5, 0, 10, 1)]);
+    assert_eq!(answer.status, 503, "{}", answer.body);
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+}
