@@ -56,7 +56,7 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, a partition size above the number of clusters, spill_below without when_unavailable spill, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, spill_below without when_unavailable spill, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
   "if": {"required": ["rate_limits"], "properties": {"rate_limits": {"type": "array", "contains": {"type": "object", "required": ["scope"], "properties": {"scope": {"const": "global"}}}}}},
@@ -108,6 +108,10 @@ schema = {
         "scope": {
           "description": "proxy: the quota holds across the workers of one Envoy; global: across every proxy of the fleet, through the store named in the top-level global section (which it requires).",
           "enum": ["proxy", "global"], "default": "proxy"
+        },
+        "consistency": {
+          "description": "In global scope: batched = each proxy decides on its own counts plus the fleet's as last synced and sends its admissions in batches (no request waits; the fleet may overshoot a little); leased = each worker takes units of the key's quota from the store ahead of use, so the fleet never admits more than the limit, and a request waits on the store (global.lease_timeout at most) only when its key's local lease is empty. leased needs scope global and a cost, if any, from a request header.",
+          "enum": ["batched", "leased"], "default": "batched"
         },
         "match": {"description": "The rule applies only to requests that meet every condition given (null: to every request).", "anyOf": [{"$ref": "#/$defs/match"}, {"type": "null"}], "default": None},
         "tiers": {"description": "A request header names the key's tier, and each tier its own limit (null: none).", "anyOf": [{"$ref": "#/$defs/tiers"}, {"type": "null"}], "default": None},
@@ -238,7 +242,10 @@ schema = {
         "sync_interval": {"description": "Each proxy sends at most one batch per interval; between 10ms and 60s.", "$ref": "#/$defs/duration", "default": "100ms"},
         "timeout": {"description": "How long a batch call may take before it counts as failed and is sent again; at most 60s.", "$ref": "#/$defs/duration", "default": "1s"},
         "max_keys": positive("Keys per global rule whose fleet-wide counts a proxy keeps.", 4096, 65536),
-        "key_secret": {"description": "A secret mixed into the fleet-wide key hashes, the same on every proxy of the fleet (at least 16 characters), so the store's key names do not reveal client keys (null: none).", "anyOf": [{"type": "string", "minLength": 16}, {"type": "null"}], "default": None}
+        "key_secret": {"description": "A secret mixed into the fleet-wide key hashes, the same on every proxy of the fleet (at least 16 characters), so the store's key names do not reveal client keys (null: none).", "anyOf": [{"type": "string", "minLength": 16}, {"type": "null"}], "default": None},
+        "lease_timeout": {"description": "Leased rules: the longest a request waits for the store; at most 10s.", "$ref": "#/$defs/duration", "default": "50ms"},
+        "on_store_failure": {"description": "Leased rules, when the store fails or does not answer within lease_timeout: last_state = decide on the last counts read from the store plus this worker's admissions since; refuse = answer 503.", "enum": ["last_state", "refuse"], "default": "last_state"},
+        "max_lease": {"description": "Leased rules: the most units a worker asks for at a time beyond what its waiting requests need (null: no cap but the limit); 1 = every request asks the store and nothing is held between requests, as a rate-limit service does.", "anyOf": [{"type": "integer", "minimum": 1, "maximum": 4294967295}, {"type": "null"}], "default": None}
       }
     },
     "grpcStatus": {

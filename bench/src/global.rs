@@ -15,7 +15,9 @@
 //! * **instructions per request**: Envoys in each scope under callgrind, time stretched (a
 //!   low rate and a long `sync_interval` with as many requests per interval as a busy proxy
 //!   has at 100 ms), so the global scope's work per interval weighs on each request as it
-//!   does at 1 000 and 3 330 req/s per proxy; without the noise of CPU time.
+//!   does at 1 000 and 3 330 req/s per proxy; without the noise of CPU time;
+//! * **batched, leased, or a store call per request** ([`crate::leased`]): the same traffic
+//!   under each, store calls, waits, latency and CPU per request side by side.
 
 use crate::envoy::{cpu_ns_of, Envoy, Filter, Route, Spec, SYNC_CLUSTER};
 use crate::load::{self, Conn, Load, Requests};
@@ -28,7 +30,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// Proxies in the fleet.
-const PROXIES: usize = 3;
+pub(crate) const PROXIES: usize = 3;
 /// Worker threads per proxy.
 const WORKERS: usize = 2;
 /// `global.sync_interval` of every configuration here.
@@ -155,12 +157,12 @@ fn envoy_spec(s: &Settings, config: &Value, upstream: SocketAddr, sync: Option<S
 }
 
 /// Three Envoys with this configuration, talking to `sync`.
-struct Fleet {
-    envoys: Vec<Envoy>,
+pub(crate) struct Fleet {
+    pub(crate) envoys: Vec<Envoy>,
 }
 
 impl Fleet {
-    fn start(s: &Settings, config: &Value, upstream: SocketAddr, sync: SocketAddr) -> Result<Fleet, String> {
+    pub(crate) fn start(s: &Settings, config: &Value, upstream: SocketAddr, sync: SocketAddr) -> Result<Fleet, String> {
         let spec = envoy_spec(s, config, upstream, Some(sync), Vec::new());
         // Spawn all three, then wait: each compiles the module.
         let spawned: Vec<Result<Envoy, String>> = (0..PROXIES).map(|_| spec.spawn(&s.envoy)).collect();
@@ -171,11 +173,11 @@ impl Fleet {
         Ok(Fleet { envoys })
     }
 
-    fn addrs(&self) -> Vec<SocketAddr> {
+    pub(crate) fn addrs(&self) -> Vec<SocketAddr> {
         self.envoys.iter().map(Envoy::addr).collect()
     }
 
-    fn pids(&self) -> Vec<u32> {
+    pub(crate) fn pids(&self) -> Vec<u32> {
         self.envoys.iter().map(Envoy::pid).collect()
     }
 
@@ -193,16 +195,16 @@ impl Fleet {
 /// One request of a paced run: when it was due (since the start), its status (0: no response),
 /// and when its response was in.
 #[derive(Clone, Copy, Debug)]
-struct Sent {
-    due: Duration,
-    status: u16,
-    done: Duration,
+pub(crate) struct Sent {
+    pub(crate) due: Duration,
+    pub(crate) status: u16,
+    pub(crate) done: Duration,
 }
 
 /// Open-loop load: request `i` is due at `i / rate` seconds and goes to `targets[i % len]`, over
 /// [`PACED_CONNECTIONS`] keep-alive connections per target, until `duration`. A request is not
 /// sent again after a transport error (it would count twice); it is recorded with status 0.
-async fn paced(targets: &[SocketAddr], rate: f64, duration: Duration, make: impl Fn(u64) -> Vec<u8>) -> Vec<Sent> {
+pub(crate) async fn paced(targets: &[SocketAddr], rate: f64, duration: Duration, make: impl Fn(u64) -> Vec<u8>) -> Vec<Sent> {
     type Job = (Duration, Vec<u8>);
     let start = Instant::now();
     let out: Arc<Mutex<Vec<Sent>>> = Arc::new(Mutex::new(Vec::new()));
@@ -281,7 +283,7 @@ fn lateness_p99_ms(sent: &[Sent]) -> f64 {
 
 /// Waits, if needed, until the current 1 h window bucket has `needed` left: a case's counts must
 /// all fall in one bucket.
-async fn fit_in_window(needed: Duration) {
+pub(crate) async fn fit_in_window(needed: Duration) {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     let into = Duration::from_millis((now.as_millis() % WINDOW.as_millis()) as u64);
     if into + needed + Duration::from_secs(5) > WINDOW {
@@ -292,7 +294,7 @@ async fn fit_in_window(needed: Duration) {
 }
 
 /// A value unique to this run, for fresh keys.
-fn run_id() -> String {
+pub(crate) fn run_id() -> String {
     let ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis());
     format!("{}-{ms}", std::process::id())
 }
@@ -325,11 +327,14 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
     if part(s, "instructions") {
         instructions(s, &sync, upstream).await?;
     }
+    if part(s, "modes") {
+        crate::leased::modes(s, &redis, &sync, upstream).await?;
+    }
     Ok(())
 }
 
 /// Whether `--variants` leaves part `name` in (`quota`: (a), `outage`: (b), `cpu`: (c) and (d),
-/// `instructions`: (e)).
+/// `instructions`: (e), `modes`: (f)).
 fn part(s: &Settings, name: &str) -> bool {
     s.only.as_ref().is_none_or(|only| only.iter().any(|o| o == name))
 }

@@ -12,6 +12,7 @@ mod envoy;
 mod global;
 mod idle;
 mod instructions;
+mod leased;
 mod load;
 mod memory;
 mod services;
@@ -52,7 +53,7 @@ pub struct Settings {
     /// Number of CPUs.
     pub cpus: usize,
     /// Only these variants (ids), if given (`cpu`, `instructions`), or parts of `global`
-    /// (`quota`, `outage`, `cpu`, `instructions`).
+    /// (`quota`, `outage`, `cpu`, `instructions`, `modes`).
     pub only: Option<Vec<String>>,
     /// `memory`: floodgate's table capacity, and distinct keys up to 1.5 × it (default: the
     /// default capacity, and keys up to 1 M).

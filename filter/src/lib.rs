@@ -7,7 +7,8 @@
 //! (key parts and the keyed hash), [`rules`] (conditions, tiers and costs of rules), [`reserve`]
 //! (units counted ahead of use), [`shed`] and [`lag`] (load shedding on the in-flight count and
 //! on the loop lag), [`bulkhead`] (partitions of the clusters and caps per key), [`select`]
-//! (cluster selection), [`global`] (the fleet-wide scope), [`headers`] (which request headers to
+//! (cluster selection), [`global`] (the fleet-wide scope), [`lease`] (its leased consistency: units of
+//! a key's quota taken from the store ahead of use), [`headers`] (which request headers to
 //! read and how, and the serialized header map), [`store`] (shared data behind a trait, CAS
 //! discipline), [`response`] (the 429, the 503s and the `RateLimit` fields), [`grpc`] (the gRPC
 //! form of refusals, the outcome of gRPC calls), [`time`] — and `host`, the thin proxy-wasm

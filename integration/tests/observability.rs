@@ -484,6 +484,7 @@ fn expected_series(
     classes: &[&str],
     clusters: &[&str],
     global: bool,
+    leased: bool,
     tagged: bool,
 ) -> BTreeMap<(String, String), String> {
     let table = read(&workspace_root().join("filter/src/host/stats.rs"));
@@ -500,7 +501,7 @@ fn expected_series(
     assert!(rows.len() >= 28, "filter/src/host/stats.rs: its metric table shrank: {rows:?}");
     let flat = |name: &str| format!("{prefix}_{name}").replace(['.', '-'], "_");
     for (pattern, kind) in rows {
-        if pattern.starts_with("global.") && !global {
+        if (pattern.starts_with("global.") && !global) || (pattern.starts_with("lease.") && !leased) {
             continue;
         }
         let placeholders = [("<rule>", "rule", rules), ("<class>", "class", classes), ("<cluster>", "upstream_cluster", clusters)];
@@ -594,7 +595,7 @@ fn stats_tags_give_one_metric_with_a_label_per_rule_class_and_cluster() {
         }
         let page = envoy.admin_get("/stats/prometheus");
         let (rules, classes, clusters) = (["per-api-key", "logins", "per-ip"], ["critical", "normal", "low"], ["zone-a", "zone-b", "zone-c"]);
-        let expected = expected_series("floodgate", &rules, &classes, &clusters, false, tagged);
+        let expected = expected_series("floodgate", &rules, &classes, &clusters, false, false, tagged);
         let series = prometheus_series(&page);
         let floodgate: BTreeMap<_, _> = series
             .iter()
@@ -652,7 +653,8 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
         "rate_limits": [
             {"name": "tenant.v2", "key": [{"header": "x-tenant"}], "limit": 10, "window": "1m"},
             {"name": "per-api-key", "key": [{"header": "x-api-key"}], "limit": 5, "window": "10s"},
-            {"name": "fleet", "key": [{"header": "x-tenant"}], "limit": 100, "window": "1m", "scope": "global"}
+            {"name": "fleet", "key": [{"header": "x-tenant"}], "limit": 100, "window": "1m", "scope": "global"},
+            {"name": "paid", "key": [{"header": "x-tenant"}], "limit": 100, "window": "1m", "scope": "global", "consistency": "leased"}
         ],
         "load_shedding": {"max_active_requests": 10, "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "batch.low", "shed_at": 0.5}], "default_class": "batch.low"},
         "cluster_selection": {"clusters": ["zone-a", istio_cluster]},
@@ -692,9 +694,10 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
     let series = prometheus_series(&page);
     let expected = expected_series(
         "edge",
-        &["tenant.v2", "per-api-key", "fleet"],
+        &["tenant.v2", "per-api-key", "fleet", "paid"],
         &["critical", "batch.low"],
         &["zone-a", "outbound_80__reviews.shop.svc.cluster.local"],
+        true,
         true,
         true,
     );

@@ -43,6 +43,11 @@ pub struct Global {
     /// Leased rules: what a request that needs the store does when the store fails.
     #[serde(default)]
     pub on_store_failure: OnStoreFailure,
+    /// Leased rules: the most units a worker asks for at a time beyond what its waiting
+    /// requests need (default: no cap but the limit); 1 = every request asks the store and no
+    /// unit is held between requests.
+    #[serde(default)]
+    pub max_lease: Option<Positive>,
 }
 
 /// What a store failure does to a request of a leased rule that needs the store
@@ -178,6 +183,7 @@ mod tests {
         assert_eq!(global.key_secret, None);
         assert_eq!(global.lease_timeout.get().get(), 50);
         assert_eq!(global.on_store_failure, super::OnStoreFailure::LastState);
+        assert_eq!(global.max_lease, None);
         let proxy = Config::parse(br#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m"}]}"#).unwrap();
         assert_eq!(proxy.rate_limits[0].scope, Scope::Proxy);
     }
@@ -199,6 +205,7 @@ mod tests {
             (with(r#"{"cluster":"s","key_secret":"short"}"#), "global.key_secret: must be at least 16 characters"),
             (with(r#"{"cluster":"s","interval":"1s"}"#), "global.interval: unknown field `interval`"),
             (with(r#"{"cluster":"s","lease_timeout":"11s"}"#), "global.lease_timeout: must be at most 10s, got 11s"),
+            (with(r#"{"cluster":"s","max_lease":0}"#), "global.max_lease: must be a positive integer"),
             (with(r#"{"cluster":"s","on_store_failure":"open"}"#), "global.on_store_failure: unknown variant `open`, expected `last_state` or `refuse`"),
             (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","consistency":"leased"}]}"#.into(),
              r#"rate_limits[0].consistency: "leased" needs "scope": "global""#),

@@ -155,7 +155,12 @@ impl LeaseStage {
         }
         let max_keys = usize::try_from(global.max_keys.get().get()).unwrap_or(usize::MAX);
         Some(LeaseStage {
-            book: RefCell::new(LeaseBook::new(max_keys, global.sync_interval.get().get(), global.on_store_failure)),
+            book: RefCell::new(LeaseBook::new(
+                max_keys,
+                global.sync_interval.get().get(),
+                global.on_store_failure,
+                global.max_lease.map_or(u32::MAX, |m| m.get().get()),
+            )),
             windows,
             hasher: FleetHasher::new(global.key_secret.as_deref()),
             cluster: global.cluster.as_str().to_owned(),

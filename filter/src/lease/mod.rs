@@ -209,16 +209,17 @@ impl KeyLease {
     }
 
     /// Units to ask for: about one period of this worker's traffic of the key, twice the last
-    /// grant when that one did not last half a period (a key heating up faster than the
-    /// average follows), and at least what the requests waiting for it need.
-    fn want(&self, now: UnixMillis, period_ms: u64) -> u32 {
+    /// grant when the key used more than that grant within half a period of it (a key heating
+    /// up faster than the average follows; a key seen once does not), and at least what the
+    /// requests waiting for it need.
+    fn want(&self, now: UnixMillis, period_ms: u64, max_lease: u32) -> u32 {
         let per_period = u64::from(self.rate_per_s).saturating_mul(period_ms).div_ceil(1000);
         let per_period = u32::try_from(per_period).unwrap_or(u32::MAX);
         let growing = self
             .last_grant
-            .filter(|(at, _)| now.saturating_since(*at) < period_ms / 2)
+            .filter(|(at, granted)| now.saturating_since(*at) < period_ms / 2 && self.used > *granted)
             .map_or(0, |(_, granted)| granted.saturating_mul(2));
-        per_period.max(growing).max(self.waiting).max(1).min(self.spec.limit.get().max(self.waiting))
+        per_period.max(growing).min(max_lease).max(self.waiting).max(1).min(self.spec.limit.get().max(self.waiting))
     }
 
     /// A call that asks for nothing: it gives back and reports, in the lease's bucket.
@@ -295,18 +296,22 @@ pub struct LeaseBook {
     /// `sync_interval`: what a lease should cover, in milliseconds of the key's traffic.
     period_ms: u64,
     policy: OnStoreFailure,
+    /// `max_lease`: the most units asked for beyond the waiting requests' needs.
+    max_lease: u32,
     /// Give-backs of keys dropped from the book, for the next heartbeat.
     orphan_returns: Vec<Ask>,
 }
 
 impl LeaseBook {
-    /// An empty book of at most `max_keys` keys.
-    pub fn new(max_keys: usize, period_ms: u64, policy: OnStoreFailure) -> LeaseBook {
+    /// An empty book of at most `max_keys` keys, whose leases cover about `period_ms` of a
+    /// key's traffic and `max_lease` units at most beyond what waiting requests need.
+    pub fn new(max_keys: usize, period_ms: u64, policy: OnStoreFailure, max_lease: u32) -> LeaseBook {
         LeaseBook {
             leases: HashMap::new(),
             max_keys: max_keys.max(1),
             period_ms: period_ms.max(1),
             policy,
+            max_lease: max_lease.max(1),
             orphan_returns: Vec::new(),
         }
     }
@@ -327,8 +332,7 @@ impl LeaseBook {
         if !self.leases.contains_key(&key) && self.leases.len() >= self.max_keys {
             self.evict_one();
         }
-        let period_ms = self.period_ms;
-        let policy = self.policy;
+        let (period_ms, policy, max_lease) = (self.period_ms, self.policy, self.max_lease);
         let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
         if lease.spec.window != spec.window {
             // The rule's window changed: another set of counters.
@@ -345,8 +349,11 @@ impl LeaseBook {
         if lease.held >= cost {
             lease.held = lease.held.saturating_sub(cost);
             lease.admit(cost, now);
-            let want = lease.want(now, period_ms);
+            let want = lease.want(now, period_ms, max_lease);
+            // A lease of one unit is not refilled ahead: a cold key holds nothing between its
+            // requests.
             let refill = (!lease.in_flight
+                && want >= 2
                 && lease.held.saturating_mul(2) < want
                 && !recently(lease.failed_at, now, RETRY_AFTER_FAILURE_MS)
                 && spec.window.admits(lease.known(), elapsed_ms, 1, spec.limit))
@@ -367,7 +374,7 @@ impl LeaseBook {
         if lease.in_flight {
             return Take::Wait { call: None };
         }
-        let want = lease.want(now, period_ms);
+        let want = lease.want(now, period_ms, max_lease);
         Take::Wait { call: Some(lease.ask(key, want, now)) }
     }
 
@@ -391,9 +398,9 @@ impl LeaseBook {
 
     /// The call for the requests waiting on `key`, if they have none on its way.
     pub fn resend(&mut self, key: FleetKey, now: UnixMillis) -> Option<Ask> {
-        let period_ms = self.period_ms;
+        let (period_ms, max_lease) = (self.period_ms, self.max_lease);
         let lease = self.leases.get_mut(&key).filter(|l| !l.in_flight && l.waiting > 0)?;
-        let want = lease.want(now, period_ms);
+        let want = lease.want(now, period_ms, max_lease);
         Some(lease.ask(key, want, now))
     }
 

@@ -12,7 +12,7 @@ fn spec(window_ms: u64, limit: u32) -> LeaseSpec {
 }
 
 fn book() -> LeaseBook {
-    LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState)
+    LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState, u32::MAX)
 }
 
 /// The store as `sync/src/lease.lua` is: a counter per (key, window, bucket) of the units
@@ -228,7 +228,7 @@ fn a_store_failure_decides_on_the_last_state_and_reports_it_later() {
     let s = spec(60_000, 10);
     let now = UnixMillis(60_000 * 1000);
     for policy in [OnStoreFailure::LastState, OnStoreFailure::Refuse] {
-        let mut book = LeaseBook::new(1000, PERIOD_MS, policy);
+        let mut book = LeaseBook::new(1000, PERIOD_MS, policy, u32::MAX);
         let key = FleetKey(policy as u128 + 100);
         let ask = wait_call(book.take(key, s, 1, false, now)).unwrap();
         let ask = Ask { want: 4, ..ask };
@@ -284,7 +284,7 @@ fn a_store_failure_decides_on_the_last_state_and_reports_it_later() {
 
 #[test]
 fn a_full_book_evicts_a_key_and_gives_its_units_back() {
-    let mut book = LeaseBook::new(2, PERIOD_MS, OnStoreFailure::LastState);
+    let mut book = LeaseBook::new(2, PERIOD_MS, OnStoreFailure::LastState, u32::MAX);
     let mut store = FakeStore::default();
     let s = spec(60_000, 1000);
     let now = UnixMillis(60_000 * 1000);
@@ -400,4 +400,45 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
     // the first full bucket reaches the limit within a few units.
     let first_full = buckets.iter().find(|(b, _)| *b == start / window_ms).map(|(_, n)| *n).unwrap();
     assert!(first_full + 12 >= limit, "{first_full} of {limit}");
+}
+
+/// `max_lease: 1`: every request asks the store; requests waiting together share a call that
+/// asks for what they need, and nothing is held between requests.
+#[test]
+fn a_lease_of_one_unit_holds_nothing_between_requests() {
+    let mut book = LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState, 1);
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 1_000_000);
+    let start = 60_000 * 1000;
+    for t in 0..300u64 {
+        let now = UnixMillis(start + t);
+        let ask = wait_call(book.take(KEY, s, 1, false, now)).expect("every request asks");
+        assert_eq!(wait_call(book.take(KEY, s, 1, false, now)), None, "a second request waits for the same call");
+        assert_eq!(ask.want, 1);
+        book.answered(&ask, Some(store.serve(&ask)), now);
+        assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { refill: None, held: 0, .. }));
+        let again = wait_call(book.take(KEY, s, 1, true, now)).expect("the second request asks for its unit");
+        assert_eq!(again.want, 1);
+        book.answered(&again, Some(store.serve(&again)), now);
+        assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, refill: None, .. }));
+        assert_eq!(book.held(), 0);
+    }
+    assert_eq!(store.get(KEY, 60_000, 1000), 600);
+}
+
+/// A key seen once a while: one call per request, which asks for its unit, and no refill (the
+/// unit would be held for nothing).
+#[test]
+fn a_key_seen_once_asks_for_one_unit_and_nothing_ahead() {
+    let mut book = book();
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 1000);
+    for n in 0..5u64 {
+        let now = UnixMillis(60_000 * 1000 + n * 2_000);
+        let ask = wait_call(book.take(KEY, s, 1, false, now)).expect("a cold key's request asks");
+        assert_eq!(ask.want, 1);
+        book.answered(&ask, Some(store.serve(&ask)), now);
+        assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, refill: None, .. }));
+    }
+    assert_eq!(store.get(KEY, 60_000, 1000), 5);
 }

@@ -1,0 +1,193 @@
+//! Measurement 5, part (f): the three ways a fleet can share a quota (issue 17), side by side on
+//! the same traffic, one after the other in one run: `batched` (the default global scope),
+//! `leased` (units taken from the store ahead of use) and a store call on every request (leased
+//! with `max_lease: 1`, what Envoy's global rate limit service and Higress's cluster rate limit
+//! do), with the same rule in proxy scope as the baseline of latency and CPU.
+//!
+//! The traffic: paced (open loop) over the three proxies, half of it on one hot key at twice its
+//! limit, the other half spread over 200 keys (each a few requests a second, far under the
+//! limit). For each mode: the hot key's admitted total against the limit, store calls (HTTP
+//! calls to `floodgate-sync`) and Redis scripts per request, the fraction of requests that
+//! waited for the store, the latency of admitted requests (p50, p99) and what it adds to proxy
+//! scope's, and the Envoys' CPU time per request against proxy scope's.
+
+use crate::envoy::{cpu_ns_of, http_get, SYNC_CLUSTER};
+use crate::global::{fit_in_window, paced, run_id, Fleet, Sent};
+use crate::load;
+use crate::services::{Redis, Sync};
+use crate::table::{count, Table};
+use crate::{progress, Settings};
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Keys sharing the other half of the traffic.
+const COLD_KEYS: u64 = 200;
+
+/// How the rule shares its quota.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mode {
+    Proxy,
+    Batched,
+    Leased,
+    PerRequest,
+}
+
+impl Mode {
+    const ALL: [Mode; 4] = [Mode::Proxy, Mode::Batched, Mode::Leased, Mode::PerRequest];
+
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Proxy => "proxy scope (baseline)",
+            Mode::Batched => "global, batched",
+            Mode::Leased => "global, leased",
+            Mode::PerRequest => "global, a store call per request",
+        }
+    }
+
+    fn config(self, limit: u64) -> Value {
+        let mut rule = json!({"name": "paid", "key": [{"header": "x-api-key"}], "limit": limit, "window": "1h"});
+        let mut global = json!({"cluster": SYNC_CLUSTER, "sync_interval": "100ms"});
+        match self {
+            Mode::Proxy => return json!({"rate_limits": [rule]}),
+            Mode::Batched => rule["scope"] = json!("global"),
+            Mode::Leased | Mode::PerRequest => {
+                rule["scope"] = json!("global");
+                rule["consistency"] = json!("leased");
+            }
+        }
+        if self == Mode::PerRequest {
+            global["max_lease"] = json!(1);
+        }
+        json!({"rate_limits": [rule], "global": global})
+    }
+}
+
+/// What one mode's run measured.
+struct Run {
+    sent: Vec<Sent>,
+    hot_admitted: u64,
+    store_calls: u64,
+    scripts: u64,
+    waited: u64,
+    envoy_ns: u64,
+}
+
+/// The count of `floodgate-sync`'s answers so far (batches and lease calls), from `/metrics`.
+fn sync_calls(sync: &Sync) -> u64 {
+    let Ok((_, text)) = http_get(sync.addr, "/metrics") else { return 0 };
+    text.lines()
+        .filter(|l| l.starts_with("floodgate_sync_request_duration_seconds_count") || l.starts_with("floodgate_sync_lease_duration_seconds_count"))
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .sum()
+}
+
+/// Latency quantile of the admitted requests, in ms (from when each was due: the generator's
+/// own lateness is in every mode alike).
+fn latency_ms(sent: &[Sent], q: f64) -> f64 {
+    let mut ms: Vec<f64> = sent.iter().filter(|s| s.status == 200).map(|s| s.done.saturating_sub(s.due).as_secs_f64() * 1000.0).collect();
+    ms.sort_by(f64::total_cmp);
+    ms.get(((ms.len() as f64 - 1.0) * q).round().max(0.0) as usize).copied().unwrap_or(0.0)
+}
+
+/// The traffic of every mode: the hot key's limit, the rate (req/s), the seconds measured.
+#[derive(Clone, Copy)]
+struct Traffic {
+    limit: u64,
+    rate: f64,
+    seconds: u64,
+}
+
+async fn one_mode(s: &Settings, mode: Mode, traffic: Traffic, redis: &Redis, sync: &Sync, upstream: SocketAddr) -> Result<Run, String> {
+    let Traffic { limit, rate, seconds } = traffic;
+    let fleet = Fleet::start(s, &mode.config(limit), upstream, sync.addr)?;
+    let addrs = fleet.addrs();
+    let id = run_id();
+    fit_in_window(Duration::from_secs(seconds + 10)).await;
+    // A short warm-up on other keys: connections, the module's first calls.
+    let _ = paced(&addrs, rate, Duration::from_secs(1), |i| load::request("/", &[("x-api-key", format!("{id}-warm-{}", i % 50))])).await;
+    let (calls0, scripts0) = (sync_calls(sync), redis.counts().map(|c| c.scripts).unwrap_or(0));
+    let cpu0: u64 = fleet.pids().iter().map(|&p| cpu_ns_of(p)).sum();
+    let waited0: u64 = fleet.envoys.iter().filter_map(|e| e.stat("wasmcustom.floodgate.lease.waited")).sum();
+    let hot = format!("{id}-hot");
+    let sent = paced(&addrs, rate, Duration::from_secs(seconds), |i| {
+        let key = if i % 2 == 0 { hot.clone() } else { format!("{id}-cold-{}", (i / 2) % COLD_KEYS) };
+        load::request("/", &[("x-api-key", key)])
+    })
+    .await;
+    let envoy_ns = fleet.pids().iter().map(|&p| cpu_ns_of(p)).sum::<u64>().saturating_sub(cpu0);
+    let waited = fleet.envoys.iter().filter_map(|e| e.stat("wasmcustom.floodgate.lease.waited")).sum::<u64>().saturating_sub(waited0);
+    let hot_admitted = sent.iter().enumerate().filter(|(_, x)| x.status == 200).filter(|(i, _)| i % 2 == 0).count() as u64;
+    Ok(Run {
+        hot_admitted,
+        store_calls: sync_calls(sync).saturating_sub(calls0),
+        scripts: redis.counts().map(|c| c.scripts).unwrap_or(0).saturating_sub(scripts0),
+        waited,
+        envoy_ns,
+        sent,
+    })
+}
+
+/// Part (f).
+pub async fn modes(s: &Settings, redis: &Redis, sync: &Sync, upstream: SocketAddr) -> Result<(), String> {
+    let (rate, seconds) = if s.quick { (600.0, 6u64) } else { (1200.0, 15) };
+    // The hot key gets half the traffic: twice its limit over the run.
+    let limit = (rate as u64 / 2) * seconds / 2;
+    let mut runs = Vec::new();
+    for mode in Mode::ALL {
+        progress!("part (f): {}", mode.name());
+        let run = one_mode(s, mode, Traffic { limit, rate, seconds }, redis, sync, upstream).await?;
+        progress!(
+            "{}: hot key {} admitted of limit {limit}; {} store calls, {} waited, p99 {:.2} ms",
+            mode.name(),
+            run.hot_admitted,
+            run.store_calls,
+            run.waited,
+            latency_ms(&run.sent, 0.99)
+        );
+        runs.push((mode, run));
+    }
+    let base = runs.first().map(|(_, r)| (latency_ms(&r.sent, 0.5), latency_ms(&r.sent, 0.99), r.envoy_ns as f64 / r.sent.len().max(1) as f64));
+    let (base_p50, base_p99, base_ns) = base.unwrap_or((0.0, 0.0, 1.0));
+    let mut t = Table::new(&[
+        "mode",
+        "hot key admitted ÷ limit",
+        "store calls / request",
+        "Redis scripts / request",
+        "requests that waited",
+        "latency p50 (added)",
+        "latency p99 (added)",
+        "Envoy CPU / request (× proxy scope)",
+    ]);
+    for (mode, run) in &runs {
+        let n = run.sent.len().max(1) as f64;
+        let (p50, p99) = (latency_ms(&run.sent, 0.5), latency_ms(&run.sent, 0.99));
+        let ns = run.envoy_ns as f64 / n;
+        let hot_ratio = run.hot_admitted as f64 / limit as f64;
+        let (calls, scripts) = if *mode == Mode::Proxy {
+            ("—".to_string(), "—".to_string())
+        } else {
+            (format!("{:.3}", run.store_calls as f64 / n), format!("{:.3}", run.scripts as f64 / n))
+        };
+        t.row(vec![
+            mode.name().into(),
+            format!("{} ({hot_ratio:.4})", count(run.hot_admitted)),
+            calls,
+            scripts,
+            format!("{:.1} %", 100.0 * run.waited as f64 / n),
+            format!("{p50:.2} ms ({:+.2})", p50 - base_p50),
+            format!("{p99:.2} ms ({:+.2})", p99 - base_p99),
+            format!("{:.0} µs ({:.2} ×)", ns / 1000.0, ns / base_ns.max(1.0)),
+        ]);
+    }
+    println!("### (f) Batched, leased, or a store call per request: the same traffic\n");
+    println!(
+        "Paced at {rate:.0} req/s over the {} proxies for {seconds} s, after 1 s of warm-up on other keys: every other request on one hot key whose \
+         limit ({limit} per hour) is half of what it gets, the others over {COLD_KEYS} keys far under it. Each mode on a fresh fleet, one after the \
+         other. Store calls: HTTP calls to floodgate-sync (batches and lease calls); latency: admitted requests, from when each was due; CPU: the \
+         three Envoys' CPU time (all pinned to core 0) over the requests sent. Proxy scope admits the hot key's limit on each proxy (3 × the limit).\n",
+        crate::global::PROXIES
+    );
+    println!("{}\n", t.render());
+    Ok(())
+}
