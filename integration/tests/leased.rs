@@ -307,3 +307,99 @@ async fn with_the_store_killed_requests_follow_on_store_failure_and_none_waits_p
     }
 }
 
+
+/// A proxy that dies holding leases (SIGKILL: no give-back): its units weigh in the bucket they
+/// were granted in and come back once the next bucket is `grace` old (min(window / 4,
+/// 4 × lease_timeout): 1 s here, where lease_timeout is 250 ms so that the test can look at
+/// Redis within the grace), when the first call of a live proxy reaches the store, within one
+/// window of the death; the units the live proxies used stay counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_proxys_leases_come_back_once_their_bucket_and_the_grace_ended() {
+    const W: Duration = Duration::from_secs(4);
+    const GRACE: Duration = Duration::from_millis(1000);
+    let redis = Redis::start();
+    let sync = SyncService::single(&redis.url());
+    let upstream = Upstream::start();
+    let config = json!({
+        "rate_limits": [
+            {"name": "paid", "key": [{"header": "x-fleet-key"}], "limit": 400, "window": "4s",
+             "scope": "global", "consistency": "leased"}
+        ],
+        "global": {"cluster": "floodgate-sync", "sync_interval": "1s", "lease_timeout": "250ms"}
+    });
+    let mut envoys = proxies(&config, sync.addr, &upstream);
+    let addrs: Vec<SocketAddr> = envoys.iter().map(Envoy::addr).collect();
+    let key = format!("dead-{}", std::process::id());
+    let read = |bucket: u128| {
+        let counter = format!("fg:{{*}}:{}:{}:{bucket}", "*", W.as_millis());
+        let keys = redis.cli(&["--scan", "--pattern", &counter]);
+        let mut keys: Vec<&str> = keys.lines().collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let counter = keys.iter().find(|k| !k.ends_with(":h")).map(|k| (*k).to_owned()).expect("the bucket's counter");
+        let value: u64 = redis.cli(&["GET", &counter]).trim().parse().unwrap_or(0);
+        let holders = redis.cli(&["HGETALL", &format!("{counter}:h")]);
+        let fields: Vec<&str> = holders.lines().collect();
+        let held: Vec<u64> = fields.chunks(2).filter_map(|f| f.get(1)?.trim().parse().ok()).collect();
+        (value, held)
+    };
+    let send = |at: usize, n: usize| {
+        let (addr, key) = (addrs[at], key.clone());
+        async move {
+            let mut client = Client::connect(addr).await.expect("connect");
+            let mut ok = 0u64;
+            for _ in 0..n {
+                if client.get("/", &[("x-fleet-key", key.as_str())]).await.expect("request").status == 200 {
+                    ok += 1;
+                }
+            }
+            ok
+        }
+    };
+    // 1.5 s into a bucket: the first proxy admits a little, the third a lot (its lease grows),
+    // then the third dies.
+    wait_for_window_phase(W, Duration::from_millis(1500), Duration::from_millis(1700));
+    let bucket = since_epoch().as_millis() / W.as_millis();
+    let first = send(0, 30).await;
+    let third = send(2, 150).await;
+    let (counted, held) = read(bucket);
+    let dead = envoys.pop().expect("three proxies");
+    drop(dead);
+    let killed = since_epoch();
+    assert_eq!(since_epoch().as_millis() / W.as_millis(), bucket, "the run stayed in one bucket");
+    assert_eq!((first, third), (30, 150), "under the limit, everything is admitted");
+    // Half the grace into the next bucket: the live proxy settled, the dead one's units weigh.
+    let next_start = Duration::from_millis(((bucket + 1) * W.as_millis()) as u64);
+    tokio::time::sleep((next_start + GRACE * 2 / 5).saturating_sub(since_epoch())).await;
+    let (within_grace, stranded) = read(bucket);
+    assert!(since_epoch() < next_start + GRACE, "read within the grace");
+    let stranded: u64 = stranded.iter().sum();
+    // Past the grace, one request on the second proxy (its first of the key: a call).
+    tokio::time::sleep((next_start + GRACE + Duration::from_millis(50)).saturating_sub(since_epoch())).await;
+    assert_eq!(send(1, 1).await, 1);
+    let (after, left) = read(bucket);
+    let came_back = since_epoch() - killed;
+    println!(
+        "dead proxy: admitted {first} + {third} in bucket {bucket}; the store counted {counted} \
+         (held {held:?}); {within_grace} within the grace of the next bucket, of which {stranded} \
+         held by the dead proxy; {after} after the grace ({:.2} s after the kill, window {:?})",
+        came_back.as_secs_f64(),
+        W
+    );
+    assert!(counted > first + third, "the dead proxy held units when it died: {counted} counted for {} admitted", first + third);
+    assert!(stranded > 0, "the dead proxy's units are still held within the grace");
+    // The live proxy's unused units came back at its settlement; the dead one's (unused, and
+    // used since its last call) still count.
+    assert!(within_grace >= first + third && within_grace <= first + third + stranded, "{within_grace}");
+    assert_eq!(after, within_grace - stranded, "the dead proxy's units came back");
+    assert!(left.is_empty(), "the holders of the ended bucket are gone: {left:?}");
+    assert!(after >= first, "the live proxy's used units stay counted");
+    assert!(after <= first + third);
+    assert!(came_back < W, "the dead proxy's units came back {came_back:?} after it died");
+    let (_, metrics) = http_get_blocking(sync.addr, "/metrics").expect("floodgate-sync's metrics");
+    let reclaimed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("floodgate_sync_lease_units_reclaimed_total "))
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    assert_eq!(reclaimed, Some(stranded), "floodgate-sync counts the units it took back");
+}

@@ -245,6 +245,7 @@ async fn lease(app: &App, request: Request<Incoming>) -> Answer {
     app.metrics.leases_granted(
         grants.len(),
         grants.iter().map(|grant| grant.granted).sum(),
+        grants.iter().map(|grant| grant.reclaimed).sum(),
     );
     match serde_json::to_vec(&LeaseResponse {
         version: VERSION,

@@ -1,7 +1,9 @@
 -- floodgate-sync: grants a proxy units of one key's quota, atomically (a leased rule).
 --
 -- KEYS[1]  the current bucket's counter (<prefix>{s}:<key>:<window_ms>:<bucket>)
--- KEYS[2]  the previous bucket's counter (absent for bucket 0)
+-- KEYS[2]  the current bucket's holders (<counter>:h, a hash: holder -> units outstanding)
+-- KEYS[3]  the previous bucket's counter (absent for bucket 0)
+-- KEYS[4]  the previous bucket's holders (absent for bucket 0)
 -- ARGV[1]  window_ms            (1 .. 366 days)
 -- ARGV[2]  remaining_ms         window_ms - elapsed_ms: the previous bucket's weight x window_ms
 -- ARGV[3]  limit                (1 .. 2^32 - 1)
@@ -11,6 +13,12 @@
 -- ARGV[7]  expire_at_ms         the current counter's expiry when this call creates it
 -- ARGV[8]  consumed             units the proxy admitted without a grant (the store was down),
 --                               added to the current counter first, whatever the room
+-- ARGV[9]  used                 units of the current bucket's grants the holder admitted since
+--                               its last call
+-- ARGV[10] used_previous        the same for the previous bucket
+-- ARGV[11] grace_ms             how long into the bucket the previous bucket's holders have to
+--                               settle (see below)
+-- ARGV[12] holder               who asks ('' when the caller is not tracked)
 --
 -- A counter holds the units granted in its bucket and not given back (used, or still leased).
 -- With p and c the previous and current counters after the give-backs, a unit more fits the
@@ -24,7 +32,19 @@
 -- single units in turn rather than one of them taking the rest). Give-backs never take a
 -- counter below 0.
 --
--- Returns {granted, current, previous}: the counters after the call.
+-- Holders. A tracked holder's outstanding units in a bucket (granted, less given back, less
+-- reported used) sit in the bucket's holders hash. Its give-backs come off the counter only up
+-- to what it has outstanding there, and an entry at 0 is removed. Once the bucket is over and
+-- `grace_ms` into the next one (live holders settle their ended bucket at once: what they did
+-- not use comes back, what they used is reported), whatever is still outstanding belongs to
+-- holders that stopped (a proxy died, a worker restarted): it comes off the previous counter
+-- and the hash goes. A dead proxy's units thus stop weighing at the end of the bucket they
+-- were granted in, plus the grace. Of them, the units it admitted after its last report are
+-- taken off too: the previous bucket then weighs a little less than it should (never the
+-- current one, so no bucket admits more than its limit).
+--
+-- Returns {granted, current, previous, reclaimed}: the counters after the call, and the units of
+-- stopped holders taken back.
 
 local window = tonumber(ARGV[1])
 local remaining = tonumber(ARGV[2])
@@ -33,6 +53,11 @@ local want = tonumber(ARGV[4])
 local returned = tonumber(ARGV[5])
 local returned_previous = tonumber(ARGV[6])
 local consumed = tonumber(ARGV[8])
+local used = tonumber(ARGV[9])
+local used_previous = tonumber(ARGV[10])
+local grace = tonumber(ARGV[11])
+local holder = ARGV[12]
+local expire_at = ARGV[7]
 
 -- floor(x / c) and x mod c for integers 0 <= x < 2^53, 1 <= c < 2^53, exact: the double
 -- quotient is off by at most one, which the remainder's sign corrects.
@@ -73,23 +98,61 @@ local function read(key)
   return value
 end
 
+-- Takes `returned` units of a holder off `counter` (at most what it has outstanding in
+-- `holders`) and settles its entry; returns the counter after.
+local function give_back(counter, holders, value, returned, reported)
+  if holder == '' then
+    if returned > 0 and value > 0 then
+      value = redis.call('DECRBY', counter, math.min(returned, value))
+    end
+    return value
+  end
+  if returned + reported == 0 then
+    return value
+  end
+  local outstanding = tonumber(redis.call('HGET', holders, holder) or '0') or 0
+  if outstanding <= 0 then
+    return value
+  end
+  local back = math.min(returned, outstanding, value)
+  if back > 0 then
+    value = redis.call('DECRBY', counter, back)
+  end
+  if outstanding - returned - reported <= 0 then
+    redis.call('HDEL', holders, holder)
+  else
+    redis.call('HINCRBY', holders, holder, -(returned + reported))
+  end
+  return value
+end
+
 local current = read(KEYS[1])
 if consumed > 0 then
   current = redis.call('INCRBY', KEYS[1], consumed)
   if current == consumed then
-    redis.call('PEXPIREAT', KEYS[1], ARGV[7])
+    redis.call('PEXPIREAT', KEYS[1], expire_at)
   end
 end
 local previous = 0
-if KEYS[2] then
-  previous = read(KEYS[2])
-  if returned_previous > 0 and previous > 0 then
-    previous = redis.call('DECRBY', KEYS[2], math.min(returned_previous, previous))
+local reclaimed = 0
+if KEYS[3] then
+  previous = read(KEYS[3])
+  previous = give_back(KEYS[3], KEYS[4], previous, returned_previous, used_previous)
+  -- The previous bucket's holders had their grace: what is still outstanding is a stopped
+  -- holder's, and comes back.
+  if remaining <= window - grace and previous > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
+    local stranded = 0
+    for _, units in ipairs(redis.call('HVALS', KEYS[4])) do
+      stranded = stranded + math.max(tonumber(units) or 0, 0)
+    end
+    if stranded > 0 then
+      reclaimed = math.min(stranded, previous)
+      previous = redis.call('DECRBY', KEYS[3], reclaimed)
+    end
+    redis.call('DEL', KEYS[4])
   end
 end
-if returned > 0 and current > 0 then
-  current = redis.call('DECRBY', KEYS[1], math.min(returned, current))
-end
+current = give_back(KEYS[1], KEYS[2], current, returned, used)
 
 local granted = 0
 if want > 0 then
@@ -101,8 +164,13 @@ if want > 0 then
     granted = math.min(want, math.max(1, math.floor(room / 4)))
     current = redis.call('INCRBY', KEYS[1], granted)
     if current == granted then
-      redis.call('PEXPIREAT', KEYS[1], ARGV[7])
+      redis.call('PEXPIREAT', KEYS[1], expire_at)
+    end
+    if holder ~= '' then
+      if redis.call('HINCRBY', KEYS[2], holder, granted) == granted then
+        redis.call('PEXPIREAT', KEYS[2], expire_at)
+      end
     end
   end
 end
-return {granted, current, previous}
+return {granted, current, previous, reclaimed}

@@ -11,12 +11,20 @@
 //!
 //! A call is not retried by the proxy: a grant whose answer is lost stays counted (the fleet
 //! then admits less, never more), so no dedup key is needed.
+//!
+//! A caller that names itself (`holder`, one per worker) is tracked: its units outstanding in a
+//! bucket (granted, less given back, less reported `used`) sit in the bucket's holders hash
+//! (`<counter>:h`, same slot). Once a bucket has ended and `grace_ms` passed, what a holder still
+//! has outstanding there is a stopped holder's (a proxy that died): it comes off the counter,
+//! so a dead proxy's leases stop weighing at the end of the bucket they were granted in.
 
 use serde::de::Deserializer;
 use serde::{Deserialize, Serialize};
 
 use crate::layout::{expire_at_ms, Layout};
-use crate::protocol::{bucket, delta as units, parse_json, ranged, version, window_ms, CounterKey};
+use crate::protocol::{
+    bucket, delta as units, parse_json, ranged, version, window_ms, CounterKey, ProxyId,
+};
 #[cfg(doc)]
 use crate::protocol::{MAX_BUCKET, MAX_DELTA, MAX_WINDOW_MS, VERSION};
 #[cfg(test)]
@@ -52,7 +60,25 @@ pub struct LeaseEntry {
     /// Unused units of `bucket − 1` given back before the grant, 0..=[`MAX_DELTA`].
     #[serde(default, deserialize_with = "units")]
     pub returned_previous: u64,
+    /// Who asks: one id per worker (16 lowercase hex characters). Without it, the caller's
+    /// units are not tracked (its give-backs come off the counter unchecked).
+    #[serde(default)]
+    pub holder: Option<ProxyId>,
+    /// Units of `bucket`'s grants the holder admitted since its last call, 0..=[`MAX_DELTA`].
+    #[serde(default, deserialize_with = "units")]
+    pub used: u64,
+    /// Units of `bucket − 1`'s grants the holder admitted since its last call.
+    #[serde(default, deserialize_with = "units")]
+    pub used_previous: u64,
+    /// How long into `bucket` the holders of `bucket − 1` have to settle it before what they
+    /// still hold there is taken back; below `window_ms` (default: a quarter window, at most
+    /// [`DEFAULT_GRACE_MS`]).
+    #[serde(default)]
+    pub grace_ms: Option<u64>,
 }
+
+/// The default `grace_ms`, for windows of a second and more.
+pub const DEFAULT_GRACE_MS: u64 = 250;
 
 /// `POST /v1/lease`'s body.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -76,6 +102,10 @@ pub struct Grant {
     pub current: u64,
     /// The previous bucket's counter after the call (0 for bucket 0).
     pub previous: u64,
+    /// Units of stopped holders the call took back from the previous bucket (not sent: for
+    /// the metrics).
+    #[serde(skip)]
+    pub reclaimed: u64,
 }
 
 /// `POST /v1/lease`'s answer: one [`Grant`] per request entry, in request order.
@@ -95,8 +125,34 @@ pub struct PlannedLease {
     pub current_key: String,
     /// The previous bucket's counter key; `None` for bucket 0.
     pub previous_key: Option<String>,
+    /// The script's numeric ARGV (1 to 11).
+    pub args: [u64; 11],
+    /// The holder (ARGV 12; empty: not tracked).
+    pub holder: String,
+}
+
+impl PlannedLease {
+    /// The script's KEYS: the counters and their holders hashes.
+    pub fn keys(&self) -> Vec<String> {
+        let mut keys = vec![self.current_key.clone(), holders_key(&self.current_key)];
+        if let Some(previous) = &self.previous_key {
+            keys.push(previous.clone());
+            keys.push(holders_key(previous));
+        }
+        keys
+    }
+
     /// The script's ARGV.
-    pub args: [u64; 8],
+    pub fn argv(&self) -> Vec<String> {
+        let mut argv: Vec<String> = self.args.iter().map(u64::to_string).collect();
+        argv.push(self.holder.clone());
+        argv
+    }
+}
+
+/// A bucket's holders hash: its counter's key and `:h` (the same hash tag, so the same slot).
+pub fn holders_key(counter_key: &str) -> String {
+    format!("{counter_key}:h")
 }
 
 fn limit<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
@@ -117,6 +173,13 @@ pub fn parse_lease_request(body: &[u8], max_entries: usize) -> Result<LeaseReque
             return Err(format!(
                 "leases[{at}].elapsed_ms: must be below window_ms ({}), got {}",
                 entry.window_ms, entry.elapsed_ms
+            ));
+        }
+        if entry.grace_ms.is_some_and(|grace| grace >= entry.window_ms) {
+            return Err(format!(
+                "leases[{at}].grace_ms: must be below window_ms ({}), got {}",
+                entry.window_ms,
+                entry.grace_ms.unwrap_or_default()
             ));
         }
     }
@@ -141,7 +204,17 @@ pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
             entry.returned_previous,
             expire_at_ms(entry.window_ms, entry.bucket),
             entry.consumed,
+            entry.used,
+            entry.used_previous,
+            entry
+                .grace_ms
+                .unwrap_or_else(|| (entry.window_ms / 4).min(DEFAULT_GRACE_MS)),
         ],
+        holder: entry
+            .holder
+            .as_ref()
+            .map(|h| h.as_str().to_owned())
+            .unwrap_or_default(),
     }
 }
 
@@ -165,13 +238,34 @@ mod tests {
         let planned = plan_lease(&Layout::new("fg:", 16), lease);
         assert_eq!(planned.current_key, format!("fg:{{1}}:{KEY}:1000:5"));
         assert_eq!(planned.previous_key, Some(format!("fg:{{1}}:{KEY}:1000:4")));
-        assert_eq!(planned.args, [1000, 750, 10, 3, 1, 0, 7 * 1000 + 60_000, 0]);
+        assert_eq!(planned.args, [1000, 750, 10, 3, 1, 0, 7 * 1000 + 60_000, 0, 0, 0, 250]);
+        assert_eq!(planned.holder, "");
+        assert_eq!(
+            planned.keys(),
+            [
+                format!("fg:{{1}}:{KEY}:1000:5"),
+                format!("fg:{{1}}:{KEY}:1000:5:h"),
+                format!("fg:{{1}}:{KEY}:1000:4"),
+                format!("fg:{{1}}:{KEY}:1000:4:h"),
+            ]
+        );
+        let tracked = parse_lease_request(
+            entry(r#","want":3,"holder":"00000000000000ff","used":4,"used_previous":5,"grace_ms":999"#).as_bytes(),
+            10,
+        )
+        .unwrap();
+        let planned = plan_lease(&Layout::new("fg:", 16), &tracked.leases[0]);
+        assert_eq!(planned.args[8..], [4, 5, 999]);
+        assert_eq!(planned.argv()[11], "00000000000000ff");
         let first = parse_lease_request(
             format!(r#"{{"version":1,"leases":[{{"key":"{KEY}","window_ms":1000,"bucket":0,"elapsed_ms":0,"limit":1,"want":0}}]}}"#).as_bytes(),
             10,
         )
         .unwrap();
-        assert_eq!(plan_lease(&Layout::new("fg:", 16), &first.leases[0]).previous_key, None);
+        let first = plan_lease(&Layout::new("fg:", 16), &first.leases[0]);
+        assert_eq!(first.previous_key, None);
+        assert_eq!(first.keys().len(), 2);
+        assert_eq!(first.args[10], 250, "the default grace: a quarter window, at most 250 ms");
     }
 
     #[test]
@@ -185,6 +279,9 @@ mod tests {
             (entry(r#","want":1"#).replace(r#""limit":10"#, r#""limit":0"#), "leases[0].limit: must be within 1..=4294967295"),
             (entry(r#","want":1"#).replace(r#""elapsed_ms":250"#, r#""elapsed_ms":1000"#), "leases[0].elapsed_ms: must be below window_ms (1000), got 1000"),
             (entry(r#","want":1"#).replace(r#""version":1"#, r#""version":2"#), "version: unsupported version 2"),
+            (entry(r#","want":1,"holder":"XYZ""#), "leases[0].holder: expected 16 lowercase hex characters"),
+            (entry(r#","want":1,"grace_ms":1000"#), "leases[0].grace_ms: must be below window_ms (1000), got 1000"),
+            (entry(r#","want":1,"used":-2"#), "leases[0].used: invalid value"),
             (entry(r#","want":1"#).replace(KEY, "xyz"), "leases[0].key: expected 32 lowercase hex characters"),
         ] {
             let err = parse_lease_request(body.as_bytes(), 10).unwrap_err();
@@ -196,7 +293,10 @@ mod tests {
 
     #[test]
     fn answers_serialize_as_the_protocol_says() {
-        let answer = LeaseResponse { version: VERSION, leases: vec![Grant { granted: 3, current: 7, previous: u64::MAX }] };
+        let answer = LeaseResponse {
+            version: VERSION,
+            leases: vec![Grant { granted: 3, current: 7, previous: u64::MAX, reclaimed: 9 }],
+        };
         assert_eq!(
             serde_json::to_string(&answer).unwrap(),
             r#"{"version":1,"leases":[{"granted":3,"current":7,"previous":18446744073709551615}]}"#

@@ -91,6 +91,7 @@ pub struct Metrics {
     redis_round_trips: AtomicU64,
     leases_received: AtomicU64,
     lease_units_granted: AtomicU64,
+    lease_units_reclaimed: AtomicU64,
     errors: [AtomicU64; 7],
     sync_latency: Histogram,
     lease_latency: Histogram,
@@ -193,13 +194,15 @@ impl Metrics {
         self.lease_latency.record(elapsed);
     }
 
-    /// A valid lease request of `entries` keys was answered, granting `units` in all.
-    pub fn leases_granted(&self, entries: usize, units: u64) {
+    /// A valid lease request of `entries` keys was answered, granting `units` in all and
+    /// taking back `reclaimed` units of stopped holders.
+    pub fn leases_granted(&self, entries: usize, units: u64, reclaimed: u64) {
         add(
             &self.leases_received,
             u64::try_from(entries).unwrap_or(u64::MAX),
         );
         add(&self.lease_units_granted, units);
+        add(&self.lease_units_reclaimed, reclaimed);
     }
 
     /// The Prometheus text exposition of every metric.
@@ -240,6 +243,11 @@ impl Metrics {
             "floodgate_sync_lease_units_granted_total",
             "Units of quota granted by POST /v1/lease.",
             get(&self.lease_units_granted),
+        );
+        counter(
+            "floodgate_sync_lease_units_reclaimed_total",
+            "Units held by stopped holders (a proxy that died) taken back once their bucket's grace passed.",
+            get(&self.lease_units_reclaimed),
         );
         counter(
             "floodgate_sync_redis_round_trips_total",

@@ -393,10 +393,8 @@ impl Store {
         let calls = planned.iter().map(|lease| {
             let mut conn = conn.clone();
             async move {
-                let mut keys = vec![lease.current_key.as_str()];
-                keys.extend(lease.previous_key.as_deref());
                 let reply = self
-                    .eval(&mut conn, &self.lease_script, LEASE_SOURCE, &keys, &lease.args)
+                    .eval(&mut conn, &self.lease_script, LEASE_SOURCE, &lease.keys(), &lease.argv())
                     .await?;
                 parse_grant(reply)
             }
@@ -496,14 +494,15 @@ fn parse_reply(reply: Value, groups: &[Group]) -> Result<Outcome, StoreError> {
 /// `{granted, current, previous}` (see `lease.lua`) into a [`Grant`].
 fn parse_grant(reply: Value) -> Result<Grant, StoreError> {
     match reply {
-        Value::Array(items) => match <[Value; 3]>::try_from(items) {
-            Ok([granted, current, previous]) => Ok(Grant {
+        Value::Array(items) => match <[Value; 4]>::try_from(items) {
+            Ok([granted, current, previous, reclaimed]) => Ok(Grant {
                 granted: total(granted)?,
                 current: total(current)?,
                 previous: total(previous)?,
+                reclaimed: total(reclaimed)?,
             }),
             Err(items) => Err(StoreError::Reply(format!(
-                "expected 3 values, got {}",
+                "expected 4 values, got {}",
                 items.len()
             ))),
         },

@@ -214,3 +214,51 @@ fn refusals_name_the_field_and_touch_nothing() {
     assert_eq!(answer.status, 503, "{}", answer.body);
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
 }
+
+/// Holders (`lease.lua`, "Holders"): a tracked holder's give-backs come off the counter only up
+/// to what it holds; once the next bucket is `grace_ms` old, what a stopped holder still holds
+/// comes back, and its late settlement takes nothing more.
+#[test]
+fn a_stopped_holders_units_come_back_once_the_grace_passed() {
+    let (redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    let (live, dead) = ("00000000000000aa", "00000000000000dd");
+    let tracked = |holder: &str, bucket: u64, elapsed_ms: u64, want: u64, fields: Value| {
+        let mut e = entry(A, bucket, elapsed_ms, 1000, want);
+        e["holder"] = json!(holder);
+        for (name, value) in fields.as_object().unwrap() {
+            e[name] = value.clone();
+        }
+        e
+    };
+    let ended = bucket - 1;
+    let counter = format!("fg:{{1}}:{A}:60000:{ended}");
+    let holders = format!("{counter}:h");
+    // Each takes 100 units of the bucket that is about to end.
+    for holder in [live, dead] {
+        assert_eq!(grants(&lease_call(sync.port, &[tracked(holder, ended, 0, 100, json!({}))]))[0].0, 100);
+    }
+    assert_eq!(redis.hgetall(&holders), [(live.to_owned(), 100), (dead.to_owned(), 100)]);
+    assert_eq!(redis.pexpiretime(&holders), redis.pexpiretime(&counter), "the holders expire with their counter");
+    // The live one reports 30 used; a give-back beyond what it holds takes only what it holds.
+    grants(&lease_call(sync.port, &[tracked(live, ended, 10, 0, json!({"used": 30}))]));
+    assert_eq!(redis.hgetall(&holders), [(live.to_owned(), 70), (dead.to_owned(), 100)]);
+    // The next bucket, 100 ms in (grace 250 ms): the live one settles, 60 back and 10 used.
+    let settle = tracked(live, bucket, 100, 0, json!({"returned_previous": 60, "used_previous": 10, "grace_ms": 250}));
+    assert_eq!(grants(&lease_call(sync.port, &[settle])), [(0, 0, 140)]);
+    assert_eq!(redis.hgetall(&holders), [(dead.to_owned(), 100)], "the dead one's still weigh");
+    // 250 ms in, the dead one's 100 come back; the live one's 40 used stay.
+    let ask = tracked(live, bucket, 250, 1, json!({"grace_ms": 250}));
+    assert_eq!(grants(&lease_call(sync.port, &[ask])), [(1, 1, 40)]);
+    assert!(redis.hgetall(&holders).is_empty());
+    assert_eq!(redis.get(&counter), Some(40));
+    // The dead one's settlement arriving late takes nothing off.
+    let late = tracked(dead, bucket, 300, 0, json!({"returned_previous": 100}));
+    assert_eq!(grants(&lease_call(sync.port, &[late])), [(0, 1, 40)]);
+    // A caller without a holder is not tracked: its give-backs come off the counter as before.
+    let mut untracked = entry(A, bucket, 300, 1000, 0);
+    untracked["returned_previous"] = json!(5);
+    assert_eq!(grants(&lease_call(sync.port, &[untracked])), [(0, 1, 35)]);
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(metric(&metrics, "floodgate_sync_lease_units_reclaimed_total"), 100);
+}

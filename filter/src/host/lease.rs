@@ -160,6 +160,7 @@ impl LeaseStage {
                 global.sync_interval.get().get(),
                 global.on_store_failure,
                 global.max_lease.map_or(u32::MAX, |m| m.get().get()),
+                global.lease_timeout.get().get(),
             )),
             windows,
             hasher: FleetHasher::new(global.key_secret.as_deref()),
@@ -331,7 +332,7 @@ impl LeaseStage {
         if asks.is_empty() {
             return;
         }
-        let body = protocol::body(&asks);
+        let body = protocol::body(&asks, super::vm_id());
         let headers = vec![
             (":method", "POST"),
             (":path", LEASE_PATH),
@@ -477,6 +478,11 @@ impl LeaseStage {
     /// The root's tick (`root`: its context id): the requests whose key has no call on its way
     /// (it was lost) get one, those waiting past `lease_timeout` are decided without the store.
     pub fn tick(&self, filter: &Rc<Filter>, root: u32, now: Now) {
+        // A lease's bucket ended: settle it at once (the store takes back, after a grace, what
+        // a holder did not settle).
+        if self.book.borrow().roll_due(now.wall) {
+            self.heartbeat(root, now);
+        }
         let queued = std::mem::take(&mut *self.queued.borrow_mut());
         self.send(queued, root, now);
         let keys: Vec<FleetKey> = {
@@ -505,7 +511,8 @@ impl LeaseStage {
         self.waiting.borrow_mut().retain(|_, queue| queue.iter().any(|(_, p)| !p.gone.get()));
     }
 
-    /// Once a second: the leases unused or of an ended bucket go back, in one call.
+    /// Once a second, and at the first tick of a bucket: the leases unused or of an ended
+    /// bucket go back, in one call.
     pub fn heartbeat(&self, root: u32, now: Now) {
         let returns = self.book.borrow_mut().heartbeat(now.wall);
         stats::set(self.stats.keys, u64::try_from(self.book.borrow().keys()).unwrap_or(u64::MAX));

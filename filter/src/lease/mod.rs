@@ -25,10 +25,24 @@
 //! the background, so a hot key's requests do not wait.
 //!
 //! A unit belongs to the bucket it was granted in: at the bucket's end what is left goes back
-//! (to what is then the previous bucket, which still weighs in the window). A worker that dies
-//! holds its units until their bucket leaves the window: they weigh less and less during the
-//! next window and nothing after it. Give-backs are sent once and never again (a lost one makes
-//! the fleet admit less, never more); a grant whose answer is lost likewise stays counted.
+//! (to what is then the previous bucket, which still weighs in the window) with the units used
+//! since the last call, at the first tick of the next bucket. Give-backs are sent once and never
+//! again (a lost one makes the fleet admit less, never more); a grant whose answer is lost
+//! likewise stays counted.
+//!
+//! **A worker that dies.** Each worker names itself in its calls (its VM id) and reports the
+//! units it used since its last call, so the store knows what each holds in a bucket
+//! (`lease.lua`, "Holders"). Once a bucket has ended and the grace
+//!
+//! ```text
+//! grace = min(window / 4, 4 × lease_timeout)
+//! ```
+//!
+//! passed (live workers settle their ended bucket within it), what is still outstanding belongs
+//! to a worker that stopped and comes off the bucket's counter: a dead proxy's leases stop
+//! weighing at the end of the bucket they were granted in, plus the grace, rather than through
+//! the whole next window. The units it used after its last report come off too, so the
+//! previous bucket weighs a little less than it should; no bucket admits more than its limit.
 //!
 //! **Store down** (`on_store_failure`): with `last_state` (the default, the seed's §17.3.2) a
 //! key decides on the last counts the store gave plus what this worker admitted since without
@@ -80,6 +94,12 @@ pub struct Ask {
     pub returned: u32,
     /// Unused units of `bucket − 1` given back.
     pub returned_previous: u32,
+    /// Units of `bucket`'s grants admitted since the last call.
+    pub used: u32,
+    /// Units of `bucket − 1`'s grants admitted since the last call.
+    pub used_previous: u32,
+    /// How long into `bucket` the holders of `bucket − 1` have to settle it (module doc).
+    pub grace_ms: u64,
 }
 
 /// The store's answer to one [`Ask`].
@@ -139,6 +159,9 @@ struct KeyLease {
     /// Unused units of `bucket` and of the bucket before, to give back.
     returned: u32,
     returned_previous: u32,
+    /// Units of `bucket`'s grants (and of the bucket before's) admitted since the last call.
+    unreported: u32,
+    unreported_previous: u32,
     /// The store's counts as of `view_bucket`, from its last answer (and when).
     view: Counts,
     view_bucket: u64,
@@ -168,6 +191,8 @@ impl KeyLease {
             consumed: 0,
             returned: 0,
             returned_previous: 0,
+            unreported: 0,
+            unreported_previous: 0,
             view: Counts::default(),
             view_bucket: bucket,
             view_at: None,
@@ -191,12 +216,11 @@ impl KeyLease {
         if bucket <= self.bucket {
             return;
         }
-        self.returned_previous = if bucket == self.bucket.saturating_add(1) {
-            self.returned.saturating_add(self.held)
-        } else {
-            0
-        };
+        let next = bucket == self.bucket.saturating_add(1);
+        self.returned_previous = if next { self.returned.saturating_add(self.held) } else { 0 };
+        self.unreported_previous = if next { self.unreported } else { 0 };
         self.returned = 0;
+        self.unreported = 0;
         self.held = 0;
         self.consumed = 0;
         self.bucket = bucket;
@@ -223,47 +247,52 @@ impl KeyLease {
     }
 
     /// A call that asks for nothing: it gives back and reports, in the lease's bucket.
-    fn give_back(&mut self, key: FleetKey) -> Ask {
-        let ask = Ask {
-            key,
-            window_ms: self.spec.window.length_ms(),
-            bucket: self.bucket,
-            elapsed_ms: 0,
-            limit: self.spec.limit.get(),
-            want: 0,
-            consumed: self.consumed,
-            returned: self.returned,
-            returned_previous: self.returned_previous,
-        };
-        self.returned = 0;
-        self.returned_previous = 0;
-        ask
+    fn give_back(&mut self, key: FleetKey, now: UnixMillis, lease_timeout_ms: u64) -> Ask {
+        let phase = self.spec.window.phase(now);
+        let elapsed_ms = if phase.bucket_index == self.bucket { phase.elapsed_ms } else { 0 };
+        self.call(key, self.bucket, elapsed_ms, 0, lease_timeout_ms)
     }
 
     /// The call for `want` ≥ 1 units, with the give-backs, which go once. Consumed units are
     /// forgotten when the store's answer confirms them.
-    fn ask(&mut self, key: FleetKey, want: u32, now: UnixMillis) -> Ask {
+    fn ask(&mut self, key: FleetKey, want: u32, now: UnixMillis, lease_timeout_ms: u64) -> Ask {
         let phase = self.spec.window.phase(now);
+        self.in_flight = true;
+        self.call(key, phase.bucket_index, phase.elapsed_ms, want, lease_timeout_ms)
+    }
+
+    /// A call in `bucket`: the give-backs and the reports go with it, once.
+    fn call(&mut self, key: FleetKey, bucket: u64, elapsed_ms: u64, want: u32, lease_timeout_ms: u64) -> Ask {
+        let window_ms = self.spec.window.length_ms();
         let ask = Ask {
             key,
-            window_ms: self.spec.window.length_ms(),
-            bucket: phase.bucket_index,
-            elapsed_ms: phase.elapsed_ms,
+            window_ms,
+            bucket,
+            elapsed_ms,
             limit: self.spec.limit.get(),
             want,
             consumed: self.consumed,
             returned: self.returned,
             returned_previous: self.returned_previous,
+            used: self.unreported,
+            used_previous: self.unreported_previous,
+            grace_ms: grace_ms(window_ms, lease_timeout_ms),
         };
         self.returned = 0;
         self.returned_previous = 0;
-        self.in_flight = true;
+        self.unreported = 0;
+        self.unreported_previous = 0;
         ask
     }
 
     /// Whether there is anything to give back or report.
     fn owes(&self) -> bool {
-        self.returned > 0 || self.returned_previous > 0 || self.consumed > 0
+        self.returned > 0 || self.returned_previous > 0 || self.consumed > 0 || self.unreported > 0 || self.unreported_previous > 0
+    }
+
+    /// When the lease's bucket ends.
+    fn bucket_end(&self) -> UnixMillis {
+        UnixMillis(self.bucket.saturating_add(1).saturating_mul(self.spec.window.length_ms()))
     }
 
     /// Updates the rate: an average over the periods since the last update (at most one
@@ -286,6 +315,18 @@ impl KeyLease {
         self.used = self.used.saturating_add(cost);
         self.last_used = now;
     }
+
+    /// Takes `cost` units of the lease held.
+    fn take_held(&mut self, cost: u32, now: UnixMillis) {
+        self.held = self.held.saturating_sub(cost);
+        self.unreported = self.unreported.saturating_add(cost);
+        self.admit(cost, now);
+    }
+}
+
+/// How long into a bucket the holders of the bucket before have to settle it (module doc).
+pub fn grace_ms(window_ms: u64, lease_timeout_ms: u64) -> u64 {
+    (window_ms / 4).min(lease_timeout_ms.saturating_mul(4))
 }
 
 /// This worker's leases of every leased rule's keys.
@@ -298,22 +339,35 @@ pub struct LeaseBook {
     policy: OnStoreFailure,
     /// `max_lease`: the most units asked for beyond the waiting requests' needs.
     max_lease: u32,
+    /// `lease_timeout`, ms (the grace sent with calls: module doc).
+    lease_timeout_ms: u64,
     /// Give-backs of keys dropped from the book, for the next heartbeat.
     orphan_returns: Vec<Ask>,
+    /// The earliest end of a lease's bucket: the book settles at the first tick after it.
+    next_roll: UnixMillis,
 }
 
 impl LeaseBook {
     /// An empty book of at most `max_keys` keys, whose leases cover about `period_ms` of a
-    /// key's traffic and `max_lease` units at most beyond what waiting requests need.
-    pub fn new(max_keys: usize, period_ms: u64, policy: OnStoreFailure, max_lease: u32) -> LeaseBook {
+    /// key's traffic and `max_lease` units at most beyond what waiting requests need; its calls
+    /// wait `lease_timeout_ms` at most.
+    pub fn new(max_keys: usize, period_ms: u64, policy: OnStoreFailure, max_lease: u32, lease_timeout_ms: u64) -> LeaseBook {
         LeaseBook {
             leases: HashMap::new(),
             max_keys: max_keys.max(1),
             period_ms: period_ms.max(1),
             policy,
             max_lease: max_lease.max(1),
+            lease_timeout_ms,
             orphan_returns: Vec::new(),
+            next_roll: UnixMillis(u64::MAX),
         }
+    }
+
+    /// Whether a lease's bucket ended since the last [`LeaseBook::heartbeat`]: the book has
+    /// something to settle (call the heartbeat at once).
+    pub fn roll_due(&self, now: UnixMillis) -> bool {
+        now >= self.next_roll
     }
 
     /// The keys in the book.
@@ -330,9 +384,9 @@ impl LeaseBook {
     /// for the store already (it takes again once the answer came).
     pub fn take(&mut self, key: FleetKey, spec: LeaseSpec, cost: u32, waited: bool, now: UnixMillis) -> Take {
         if !self.leases.contains_key(&key) && self.leases.len() >= self.max_keys {
-            self.evict_one();
+            self.evict_one(now);
         }
-        let (period_ms, policy, max_lease) = (self.period_ms, self.policy, self.max_lease);
+        let (period_ms, policy, max_lease, timeout_ms) = (self.period_ms, self.policy, self.max_lease, self.lease_timeout_ms);
         let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
         if lease.spec.window != spec.window {
             // The rule's window changed: another set of counters.
@@ -341,14 +395,14 @@ impl LeaseBook {
         // A tier or override may change the key's limit: the latest applies.
         lease.spec = spec;
         lease.roll(now);
+        self.next_roll = self.next_roll.min(lease.bucket_end());
         lease.note_rate(now, period_ms);
         if waited {
             lease.waiting = lease.waiting.saturating_sub(cost);
         }
         let elapsed_ms = spec.window.phase(now).elapsed_ms;
         if lease.held >= cost {
-            lease.held = lease.held.saturating_sub(cost);
-            lease.admit(cost, now);
+            lease.take_held(cost, now);
             let want = lease.want(now, period_ms, max_lease);
             // A lease of one unit is not refilled ahead: a cold key holds nothing between its
             // requests.
@@ -357,7 +411,7 @@ impl LeaseBook {
                 && lease.held.saturating_mul(2) < want
                 && !recently(lease.failed_at, now, RETRY_AFTER_FAILURE_MS)
                 && spec.window.admits(lease.known(), elapsed_ms, 1, spec.limit))
-            .then(|| lease.ask(key, want, now));
+            .then(|| lease.ask(key, want, now, timeout_ms));
             return Take::Admitted { counts: lease.known(), held: lease.held, refill };
         }
         let known = lease.known();
@@ -375,7 +429,7 @@ impl LeaseBook {
             return Take::Wait { call: None };
         }
         let want = lease.want(now, period_ms, max_lease);
-        Take::Wait { call: Some(lease.ask(key, want, now)) }
+        Take::Wait { call: Some(lease.ask(key, want, now, timeout_ms)) }
     }
 
     /// A waiting request whose wait is over (`global.lease_timeout`) is decided without the
@@ -398,10 +452,10 @@ impl LeaseBook {
 
     /// The call for the requests waiting on `key`, if they have none on its way.
     pub fn resend(&mut self, key: FleetKey, now: UnixMillis) -> Option<Ask> {
-        let (period_ms, max_lease) = (self.period_ms, self.max_lease);
+        let (period_ms, max_lease, timeout_ms) = (self.period_ms, self.max_lease, self.lease_timeout_ms);
         let lease = self.leases.get_mut(&key).filter(|l| !l.in_flight && l.waiting > 0)?;
         let want = lease.want(now, period_ms, max_lease);
-        Some(lease.ask(key, want, now))
+        Some(lease.ask(key, want, now, timeout_ms))
     }
 
     /// A waiting request gave up (its deadline passed, or its client left).
@@ -417,6 +471,7 @@ impl LeaseBook {
             if lease.spec.window.phase(taken_at).bucket_index == lease.bucket {
                 lease.held = lease.held.saturating_add(cost);
                 lease.used = lease.used.saturating_sub(cost);
+                lease.unreported = lease.unreported.saturating_sub(cost);
             }
         }
     }
@@ -427,7 +482,15 @@ impl LeaseBook {
         let Some(lease) = self.leases.get_mut(&ask.key) else {
             if let Some(grant) = grant.filter(|g| g.granted > 0) {
                 // The key left the book meanwhile: its grant goes straight back.
-                self.orphan_returns.push(Ask { want: 0, consumed: 0, returned: grant.granted, returned_previous: 0, ..*ask });
+                self.orphan_returns.push(Ask {
+                    want: 0,
+                    consumed: 0,
+                    returned: grant.granted,
+                    returned_previous: 0,
+                    used: 0,
+                    used_previous: 0,
+                    ..*ask
+                });
             }
             return;
         };
@@ -456,12 +519,15 @@ impl LeaseBook {
         }
     }
 
-    /// Once per heartbeat: the give-backs of leases unused for [`IDLE_PERIODS`] periods or
-    /// whose bucket ended, and of keys dropped from the book, as calls that ask for nothing.
-    /// Idle keys with nothing left to report leave the book.
+    /// Once per heartbeat, and at once when [`LeaseBook::roll_due`]: the give-backs of leases
+    /// unused for [`IDLE_PERIODS`] periods or whose bucket ended (with the units used since the
+    /// last call: the ended bucket is settled), and of keys dropped from the book, as calls that
+    /// ask for nothing. Idle keys with nothing left to report leave the book.
     pub fn heartbeat(&mut self, now: UnixMillis) -> Vec<Ask> {
         let idle_after = self.period_ms.saturating_mul(IDLE_PERIODS);
+        let timeout_ms = self.lease_timeout_ms;
         let mut returns = std::mem::take(&mut self.orphan_returns);
+        let mut next_roll = UnixMillis(u64::MAX);
         self.leases.retain(|key, lease| {
             lease.roll(now);
             let idle = now.saturating_since(lease.last_used) >= idle_after && !lease.in_flight && lease.waiting == 0;
@@ -469,11 +535,17 @@ impl LeaseBook {
                 lease.returned = lease.returned.saturating_add(lease.held);
                 lease.held = 0;
             }
-            if lease.returned > 0 || lease.returned_previous > 0 || (idle && lease.consumed > 0) {
-                returns.push(lease.give_back(*key));
+            let settles = lease.returned > 0 || lease.returned_previous > 0 || lease.unreported_previous > 0;
+            if settles || (idle && (lease.consumed > 0 || lease.unreported > 0)) {
+                returns.push(lease.give_back(*key, now, timeout_ms));
             }
-            !idle || lease.consumed > 0
+            let keep = !idle || lease.consumed > 0;
+            if keep {
+                next_roll = next_roll.min(lease.bucket_end());
+            }
+            keep
         });
+        self.next_roll = next_roll;
         returns
     }
 
@@ -484,7 +556,7 @@ impl LeaseBook {
             lease.roll(now);
             lease.returned = lease.returned.saturating_add(lease.held);
             if lease.owes() {
-                returns.push(lease.give_back(key));
+                returns.push(lease.give_back(key, now, self.lease_timeout_ms));
             }
         }
         returns
@@ -492,14 +564,14 @@ impl LeaseBook {
 
     /// Drops a key without a call on its way nor requests waiting; what it holds goes back at
     /// the next heartbeat.
-    fn evict_one(&mut self) {
+    fn evict_one(&mut self, now: UnixMillis) {
         let Some(key) = self.leases.iter().find(|(_, l)| !l.in_flight && l.waiting == 0).map(|(k, _)| *k) else {
             return;
         };
         if let Some(mut lease) = self.leases.remove(&key) {
             lease.returned = lease.returned.saturating_add(lease.held);
             if lease.owes() {
-                self.orphan_returns.push(lease.give_back(key));
+                self.orphan_returns.push(lease.give_back(key, now, self.lease_timeout_ms));
             }
         }
     }
@@ -511,8 +583,7 @@ fn without_store(lease: &mut KeyLease, policy: OnStoreFailure, cost: u32, now: U
     let spec = lease.spec;
     let elapsed_ms = spec.window.phase(now).elapsed_ms;
     if lease.held >= cost {
-        lease.held = lease.held.saturating_sub(cost);
-        lease.admit(cost, now);
+        lease.take_held(cost, now);
         return Take::Admitted { counts: known, held: lease.held, refill: None };
     }
     match policy {

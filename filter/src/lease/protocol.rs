@@ -12,8 +12,8 @@ pub const VERSION: u64 = 1;
 /// The path of `floodgate-sync`'s lease endpoint.
 pub const LEASE_PATH: &str = "/v1/lease";
 
-/// The request body of `asks`.
-pub fn body(asks: &[Ask]) -> Vec<u8> {
+/// The request body of `asks`, from the worker `holder` (its VM id).
+pub fn body(asks: &[Ask], holder: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(asks.len().saturating_mul(200).saturating_add(32));
     out.extend_from_slice(b"{\"version\":1,\"leases\":[");
     for (n, ask) in asks.iter().enumerate() {
@@ -31,11 +31,16 @@ pub fn body(asks: &[Ask]) -> Vec<u8> {
             (",\"consumed\":", u64::from(ask.consumed)),
             (",\"returned\":", u64::from(ask.returned)),
             (",\"returned_previous\":", u64::from(ask.returned_previous)),
+            (",\"used\":", u64::from(ask.used)),
+            (",\"used_previous\":", u64::from(ask.used_previous)),
+            (",\"grace_ms\":", ask.grace_ms),
         ] {
             out.extend_from_slice(name.as_bytes());
             push_decimal(&mut out, value);
         }
-        out.push(b'}');
+        out.extend_from_slice(b",\"holder\":\"");
+        push_hex(&mut out, u128::from(holder), 16);
+        out.extend_from_slice(b"\"}");
     }
     out.extend_from_slice(b"]}");
     out
@@ -89,16 +94,21 @@ mod tests {
             consumed: 3,
             returned: 2,
             returned_previous: 1,
+            used: 7,
+            used_previous: 8,
+            grace_ms: 200,
         };
-        let body = body(&[ask, Ask { want: 0, ..ask }]);
+        let body = body(&[ask, Ask { want: 0, ..ask }], 0xfeed_0000_0000_00ab);
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(
             value,
             serde_json::json!({"version": 1, "leases": [
                 {"key": "0123456789abcdef0011223344556677", "window_ms": 60000, "bucket": 29000000, "elapsed_ms": 1500,
-                 "limit": 4294967295u64, "want": 12, "consumed": 3, "returned": 2, "returned_previous": 1},
+                 "limit": 4294967295u64, "want": 12, "consumed": 3, "returned": 2, "returned_previous": 1,
+                 "used": 7, "used_previous": 8, "grace_ms": 200, "holder": "feed0000000000ab"},
                 {"key": "0123456789abcdef0011223344556677", "window_ms": 60000, "bucket": 29000000, "elapsed_ms": 1500,
-                 "limit": 4294967295u64, "want": 0, "consumed": 3, "returned": 2, "returned_previous": 1}
+                 "limit": 4294967295u64, "want": 0, "consumed": 3, "returned": 2, "returned_previous": 1,
+                 "used": 7, "used_previous": 8, "grace_ms": 200, "holder": "feed0000000000ab"}
             ]})
         );
     }

@@ -11,15 +11,20 @@ fn spec(window_ms: u64, limit: u32) -> LeaseSpec {
     LeaseSpec { window: Window::new(NonZeroU64::new(window_ms).unwrap()), limit: NonZeroU32::new(limit).unwrap() }
 }
 
+const LEASE_TIMEOUT_MS: u64 = 50;
+
 fn book() -> LeaseBook {
-    LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState, u32::MAX)
+    LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState, u32::MAX, LEASE_TIMEOUT_MS)
 }
 
 /// The store as `sync/src/lease.lua` is: a counter per (key, window, bucket) of the units
-/// granted and not given back; grants of at most a quarter of the sliding window's room.
+/// granted and not given back; grants of at most a quarter of the sliding window's room; each
+/// holder's outstanding units per bucket, and those of the previous bucket taken back once its
+/// grace passed.
 #[derive(Default)]
 struct FakeStore {
     counters: HashMap<(FleetKey, u64, u64), u64>,
+    holders: HashMap<(FleetKey, u64, u64), HashMap<u64, u64>>,
 }
 
 impl FakeStore {
@@ -28,11 +33,39 @@ impl FakeStore {
     }
 
     fn serve(&mut self, ask: &Ask) -> Grant {
+        self.serve_as(1, ask)
+    }
+
+    /// `lease.lua`'s give-back of `holder`: at most what it has outstanding in the bucket.
+    fn give_back(&mut self, holder: u64, slot: (FleetKey, u64, u64), value: u64, returned: u32, used: u32) -> u64 {
+        let holders = self.holders.entry(slot).or_default();
+        let outstanding = holders.get(&holder).copied().unwrap_or(0);
+        if outstanding == 0 || returned + used == 0 {
+            return value;
+        }
+        let back = u64::from(returned).min(outstanding).min(value);
+        let left = outstanding.saturating_sub(u64::from(returned) + u64::from(used));
+        if left == 0 {
+            holders.remove(&holder);
+        } else {
+            holders.insert(holder, left);
+        }
+        value - back
+    }
+
+    fn serve_as(&mut self, holder: u64, ask: &Ask) -> Grant {
         let (w, b) = (ask.window_ms, ask.bucket);
         let mut current = self.get(ask.key, w, b) + u64::from(ask.consumed);
         let mut previous = if b > 0 { self.get(ask.key, w, b - 1) } else { 0 };
-        previous -= previous.min(u64::from(ask.returned_previous));
-        current -= current.min(u64::from(ask.returned));
+        if b > 0 {
+            let slot = (ask.key, w, b - 1);
+            previous = self.give_back(holder, slot, previous, ask.returned_previous, ask.used_previous);
+            if ask.elapsed_ms >= ask.grace_ms {
+                let stranded: u64 = self.holders.remove(&slot).unwrap_or_default().values().sum();
+                previous -= previous.min(stranded);
+            }
+        }
+        current = self.give_back(holder, (ask.key, w, b), current, ask.returned, ask.used);
         let mut granted = 0;
         if ask.want > 0 {
             let weighted = (u128::from(previous) * u128::from(w - ask.elapsed_ms)).div_ceil(u128::from(w)) as u64;
@@ -40,6 +73,7 @@ impl FakeStore {
             if room > 0 {
                 granted = u64::from(ask.want).min((room / 4).max(1));
                 current += granted;
+                *self.holders.entry((ask.key, w, b)).or_default().entry(holder).or_default() += granted;
             }
         }
         self.counters.insert((ask.key, w, b), current);
@@ -228,7 +262,7 @@ fn a_store_failure_decides_on_the_last_state_and_reports_it_later() {
     let s = spec(60_000, 10);
     let now = UnixMillis(60_000 * 1000);
     for policy in [OnStoreFailure::LastState, OnStoreFailure::Refuse] {
-        let mut book = LeaseBook::new(1000, PERIOD_MS, policy, u32::MAX);
+        let mut book = LeaseBook::new(1000, PERIOD_MS, policy, u32::MAX, LEASE_TIMEOUT_MS);
         let key = FleetKey(policy as u128 + 100);
         let ask = wait_call(book.take(key, s, 1, false, now)).unwrap();
         let ask = Ask { want: 4, ..ask };
@@ -284,7 +318,7 @@ fn a_store_failure_decides_on_the_last_state_and_reports_it_later() {
 
 #[test]
 fn a_full_book_evicts_a_key_and_gives_its_units_back() {
-    let mut book = LeaseBook::new(2, PERIOD_MS, OnStoreFailure::LastState, u32::MAX);
+    let mut book = LeaseBook::new(2, PERIOD_MS, OnStoreFailure::LastState, u32::MAX, LEASE_TIMEOUT_MS);
     let mut store = FakeStore::default();
     let s = spec(60_000, 1000);
     let now = UnixMillis(60_000 * 1000);
@@ -334,7 +368,7 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
         // Answers due now, then the requests waiting on them.
         while calls.front().is_some_and(|(at, ..)| *at <= t) {
             let (_, worker, ask) = calls.pop_front().unwrap();
-            let grant = store.serve(&ask);
+            let grant = store.serve_as(worker as u64, &ask);
             books[worker].answered(&ask, Some(grant), now);
             if ask.want == 0 {
                 continue;
@@ -359,8 +393,8 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
             }
         }
         calls.make_contiguous().sort_by_key(|(at, ..)| *at);
-        if t % 1000 == 0 {
-            for (worker, b) in books.iter_mut().enumerate() {
+        for (worker, b) in books.iter_mut().enumerate() {
+            if t % 1000 == 0 || b.roll_due(now) {
                 for ask in b.heartbeat(now) {
                     calls.push_back((t + next() % 6, worker, ask));
                 }
@@ -395,6 +429,11 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
         assert!(*n <= limit, "bucket {bucket}: {n} admitted over a limit of {limit}");
         let counted = store.get(KEY, window_ms, *bucket);
         assert!(u64::from(*n) <= counted, "bucket {bucket}: the store counts {counted}, fewer than the {n} admitted");
+        // Every worker settled its ended buckets: once the next bucket's grace passed, the
+        // store counts exactly what was admitted.
+        if *bucket + 1 < (start + 3_500) / window_ms {
+            assert_eq!(counted, u64::from(*n), "bucket {bucket}: settled");
+        }
     }
     // The sliding window lets a full bucket's successor admit as the previous one decays:
     // the first full bucket reaches the limit within a few units.
@@ -406,7 +445,7 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
 /// asks for what they need, and nothing is held between requests.
 #[test]
 fn a_lease_of_one_unit_holds_nothing_between_requests() {
-    let mut book = LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState, 1);
+    let mut book = LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState, 1, LEASE_TIMEOUT_MS);
     let mut store = FakeStore::default();
     let s = spec(60_000, 1_000_000);
     let start = 60_000 * 1000;
@@ -441,4 +480,55 @@ fn a_key_seen_once_asks_for_one_unit_and_nothing_ahead() {
         assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, refill: None, .. }));
     }
     assert_eq!(store.get(KEY, 60_000, 1000), 5);
+}
+
+/// A worker that stops (its proxy died) holding a lease: its units weigh in their bucket, and
+/// come back once the next bucket is `grace_ms` old, with the units it used since its last call
+/// (the store cannot tell them apart); a live worker's settlement at the bucket's end keeps what
+/// it used counted.
+#[test]
+fn a_dead_workers_units_come_back_after_its_bucket_and_the_grace() {
+    let (window_ms, limit) = (1_000, 1_000);
+    let s = spec(window_ms, limit);
+    let grace = grace_ms(window_ms, LEASE_TIMEOUT_MS);
+    assert_eq!(grace, 200, "min(window / 4, 4 × lease_timeout)");
+    let mut store = FakeStore::default();
+    let (mut live, mut dead) = (book(), book());
+    let t0 = UnixMillis(window_ms * 700 + 100);
+    // Both take a lease of 100 units and use 30 of it; the live one reports them with a call.
+    for (holder, book) in [(1u64, &mut live), (2, &mut dead)] {
+        let ask = wait_call(book.take(KEY, s, 1, false, t0)).unwrap();
+        let ask = Ask { want: 100, ..ask };
+        book.answered(&ask, Some(store.serve_as(holder, &ask)), t0);
+        for _ in 0..30 {
+            assert!(matches!(book.take(KEY, s, 1, true, t0), Take::Admitted { refill: None, .. }));
+        }
+    }
+    assert_eq!(store.get(KEY, window_ms, 700), 200);
+    // The live worker settles at the next bucket's first tick: 70 back, 30 reported used.
+    let t1 = UnixMillis(window_ms * 701 + 5);
+    assert!(live.roll_due(t1) && !live.roll_due(UnixMillis(window_ms * 701 - 1)));
+    let settle = live.heartbeat(t1);
+    assert_eq!(settle.len(), 1);
+    assert_eq!((settle[0].bucket, settle[0].returned_previous, settle[0].used_previous), (701, 70, 30));
+    live.answered(&settle[0], Some(store.serve_as(1, &settle[0])), t1);
+    assert!(!live.roll_due(t1));
+    assert_eq!(store.get(KEY, window_ms, 700), 130, "the dead worker's 100 still count");
+    // Within the grace, the dead worker's units still weigh: 130 × 0.9 = 117 of 1 000.
+    let t2 = UnixMillis(window_ms * 701 + 100);
+    let ask = wait_call(live.take(KEY, s, 1, false, t2)).unwrap();
+    assert_eq!(ask.grace_ms, grace);
+    let grant = store.serve_as(1, &ask);
+    assert_eq!(grant.counts.previous, 130);
+    live.answered(&ask, Some(grant), t2);
+    // Past the grace, they come back: the previous bucket counts the live worker's 30 only.
+    let t3 = UnixMillis(window_ms * 701 + grace);
+    let ask = Ask { elapsed_ms: t3.0 % window_ms, want: 1, returned: 0, returned_previous: 0, used: 0, used_previous: 0, ..ask };
+    assert_eq!(ask.elapsed_ms, grace);
+    let grant = store.serve_as(1, &ask);
+    assert_eq!(grant.counts.previous, 30, "the dead worker's 70 unused and 30 unreported units came back");
+    assert_eq!(store.get(KEY, window_ms, 700), 30);
+    // A settlement arriving after that takes nothing more off.
+    let late = Ask { want: 0, returned: 0, returned_previous: 70, used: 0, used_previous: 30, ..ask };
+    assert_eq!(store.serve_as(2, &late).counts.previous, 30);
 }

@@ -212,6 +212,13 @@ impl Redis {
         redis::cmd("GET").arg(key).query(&mut self.conn()).unwrap()
     }
 
+    /// A hash's fields and values, sorted by field.
+    pub fn hgetall(&self, key: &str) -> Vec<(String, u64)> {
+        let mut all: Vec<(String, u64)> = redis::cmd("HGETALL").arg(key).query(&mut self.conn()).unwrap();
+        all.sort();
+        all
+    }
+
     pub fn set(&self, key: &str, value: &str) {
         let _: () = redis::cmd("SET")
             .arg(key)
