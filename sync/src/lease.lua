@@ -17,8 +17,9 @@
 --                               its last call
 -- ARGV[10] used_previous        the same for the previous bucket
 -- ARGV[11] grace_ms             how long into the bucket the previous bucket's holders have to
---                               settle (see below)
--- ARGV[12] holder               who asks ('' when the caller is not tracked)
+--                               settle (see below; 0: never take their units back)
+-- ARGV[12] bucket_start_ms      when the current bucket began (bucket x window_ms)
+-- ARGV[13] holder               who asks ('' when the caller is not tracked)
 --
 -- A counter holds the units granted in its bucket and not given back (used, or still leased).
 -- With p and c the previous and current counters after the give-backs, a unit more fits the
@@ -36,7 +37,9 @@
 -- reported used) sit in the bucket's holders hash. Its give-backs come off the counter only up
 -- to what it has outstanding there, and an entry at 0 is removed. Once the bucket is over and
 -- `grace_ms` into the next one (live holders settle their ended bucket at once: what they did
--- not use comes back, what they used is reported), whatever is still outstanding belongs to
+-- not use comes back, what they used is reported), by both the caller's clock (`elapsed_ms`)
+-- and Redis's (TIME: a caller whose clock runs ahead takes nothing back early), whatever is
+-- still outstanding belongs to
 -- holders that stopped (a proxy died, a worker restarted): it comes off the previous counter
 -- and the hash goes. A dead proxy's units thus stop weighing at the end of the bucket they
 -- were granted in, plus the grace. Of them, the units it admitted after its last report are
@@ -56,7 +59,8 @@ local consumed = tonumber(ARGV[8])
 local used = tonumber(ARGV[9])
 local used_previous = tonumber(ARGV[10])
 local grace = tonumber(ARGV[11])
-local holder = ARGV[12]
+local bucket_start = tonumber(ARGV[12])
+local holder = ARGV[13]
 local expire_at = ARGV[7]
 
 -- floor(x / c) and x mod c for integers 0 <= x < 2^53, 1 <= c < 2^53, exact: the double
@@ -140,7 +144,13 @@ if KEYS[3] then
   previous = give_back(KEYS[3], KEYS[4], previous, returned_previous, used_previous)
   -- The previous bucket's holders had their grace: what is still outstanding is a stopped
   -- holder's, and comes back.
-  if remaining <= window - grace and previous > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
+  local function grace_over()
+    local time = redis.call('TIME')
+    local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+    return now_ms >= bucket_start + grace
+  end
+  if grace > 0 and remaining <= window - grace and previous > 0
+      and redis.call('EXISTS', KEYS[4]) == 1 and grace_over() then
     local stranded = 0
     for _, units in ipairs(redis.call('HVALS', KEYS[4])) do
       stranded = stranded + math.max(tonumber(units) or 0, 0)

@@ -71,14 +71,24 @@ pub struct LeaseEntry {
     #[serde(default, deserialize_with = "units")]
     pub used_previous: u64,
     /// How long into `bucket` the holders of `bucket − 1` have to settle it before what they
-    /// still hold there is taken back; below `window_ms` (default: a quarter window, at most
-    /// [`DEFAULT_GRACE_MS`]).
+    /// still hold there is taken back; below `window_ms`; 0: never (default:
+    /// [`default_grace_ms`]).
     #[serde(default)]
     pub grace_ms: Option<u64>,
 }
 
 /// The default `grace_ms`, for windows of a second and more.
 pub const DEFAULT_GRACE_MS: u64 = 250;
+
+/// `grace_ms` when the caller sends none: a quarter window, at most [`DEFAULT_GRACE_MS`]; 0
+/// (never take units back) for windows under 400 ms, too short to settle in.
+pub fn default_grace_ms(window_ms: u64) -> u64 {
+    if window_ms < 400 {
+        0
+    } else {
+        (window_ms / 4).min(DEFAULT_GRACE_MS)
+    }
+}
 
 /// `POST /v1/lease`'s body.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -125,9 +135,9 @@ pub struct PlannedLease {
     pub current_key: String,
     /// The previous bucket's counter key; `None` for bucket 0.
     pub previous_key: Option<String>,
-    /// The script's numeric ARGV (1 to 11).
-    pub args: [u64; 11],
-    /// The holder (ARGV 12; empty: not tracked).
+    /// The script's numeric ARGV (1 to 12).
+    pub args: [u64; 12],
+    /// The holder (ARGV 13; empty: not tracked).
     pub holder: String,
 }
 
@@ -206,9 +216,8 @@ pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
             entry.consumed,
             entry.used,
             entry.used_previous,
-            entry
-                .grace_ms
-                .unwrap_or_else(|| (entry.window_ms / 4).min(DEFAULT_GRACE_MS)),
+            entry.grace_ms.unwrap_or_else(|| default_grace_ms(entry.window_ms)),
+            entry.bucket.saturating_mul(entry.window_ms),
         ],
         holder: entry
             .holder
@@ -238,7 +247,7 @@ mod tests {
         let planned = plan_lease(&Layout::new("fg:", 16), lease);
         assert_eq!(planned.current_key, format!("fg:{{1}}:{KEY}:1000:5"));
         assert_eq!(planned.previous_key, Some(format!("fg:{{1}}:{KEY}:1000:4")));
-        assert_eq!(planned.args, [1000, 750, 10, 3, 1, 0, 7 * 1000 + 60_000, 0, 0, 0, 250]);
+        assert_eq!(planned.args, [1000, 750, 10, 3, 1, 0, 7 * 1000 + 60_000, 0, 0, 0, 250, 5000]);
         assert_eq!(planned.holder, "");
         assert_eq!(
             planned.keys(),
@@ -255,8 +264,9 @@ mod tests {
         )
         .unwrap();
         let planned = plan_lease(&Layout::new("fg:", 16), &tracked.leases[0]);
-        assert_eq!(planned.args[8..], [4, 5, 999]);
-        assert_eq!(planned.argv()[11], "00000000000000ff");
+        assert_eq!(planned.args[8..], [4, 5, 999, 5000]);
+        assert_eq!(planned.argv()[12], "00000000000000ff");
+        assert_eq!((default_grace_ms(399), default_grace_ms(400), default_grace_ms(60_000)), (0, 100, 250));
         let first = parse_lease_request(
             format!(r#"{{"version":1,"leases":[{{"key":"{KEY}","window_ms":1000,"bucket":0,"elapsed_ms":0,"limit":1,"want":0}}]}}"#).as_bytes(),
             10,

@@ -221,6 +221,10 @@ fn refusals_name_the_field_and_touch_nothing() {
 #[test]
 fn a_stopped_holders_units_come_back_once_the_grace_passed() {
     let (redis, sync) = single();
+    // Redis's clock must also see the bucket 250 ms old before anything is taken back.
+    while now_ms() % 60_000 < 1_000 {
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let bucket = now_ms() / 60_000;
     let (live, dead) = ("00000000000000aa", "00000000000000dd");
     let tracked = |holder: &str, bucket: u64, elapsed_ms: u64, want: u64, fields: Value| {
@@ -259,6 +263,13 @@ fn a_stopped_holders_units_come_back_once_the_grace_passed() {
     let mut untracked = entry(A, bucket, 300, 1000, 0);
     untracked["returned_previous"] = json!(5);
     assert_eq!(grants(&lease_call(sync.port, &[untracked])), [(0, 1, 35)]);
+    // A caller whose clock runs a bucket ahead takes nothing back: Redis's clock says the
+    // grace of its bucket has not passed.
+    let current_holders = format!("fg:{{1}}:{A}:60000:{bucket}:h");
+    assert_eq!(redis.hgetall(&current_holders), [(live.to_owned(), 1)]);
+    let ahead = tracked(dead, bucket + 1, 30_000, 1, json!({"grace_ms": 250}));
+    assert_eq!(grants(&lease_call(sync.port, &[ahead]))[0].2, 1);
+    assert_eq!(redis.hgetall(&current_holders), [(live.to_owned(), 1)]);
     let metrics = get(sync.port, "/metrics").body;
     assert_eq!(metric(&metrics, "floodgate_sync_lease_units_reclaimed_total"), 100);
 }

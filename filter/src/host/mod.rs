@@ -240,7 +240,7 @@ impl RootContext for FilterRoot {
         // every lag_probe_interval, leased rules every quarter lease_timeout (2 to 10 ms) to send
         // the calls queued for the root, again those of streams that ended, and to end waits
         // past the timeout.
-        let lease_tick = lease.as_ref().map(|l| (l.timeout_ms / 4).clamp(2, 10));
+        let lease_tick = lease.as_ref().map(|l| crate::lease::tick_ms(l.timeout_ms));
         let tick_ms = [global.as_ref().map(|g| g.interval_ms), lag.as_ref().map(LagMonitor::probe_ms), lease_tick]
             .into_iter()
             .flatten()

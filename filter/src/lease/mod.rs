@@ -35,10 +35,12 @@
 //! (`lease.lua`, "Holders"). Once a bucket has ended and the grace
 //!
 //! ```text
-//! grace = min(window / 4, 4 × lease_timeout)
+//! grace = min(window / 4, 4 × lease_timeout)   (0: never, when below lease_timeout + a tick,
+//!                                               i.e. windows under 240 ms by default)
 //! ```
 //!
-//! passed (live workers settle their ended bucket within it), what is still outstanding belongs
+//! passed by the store's clock (live workers settle their ended bucket within it; proxies'
+//! clocks must agree within it), what is still outstanding belongs
 //! to a worker that stopped and comes off the bucket's counter: a dead proxy's leases stop
 //! weighing at the end of the bucket they were granted in, plus the grace, rather than through
 //! the whole next window. The units it used after its last report come off too, so the
@@ -324,9 +326,22 @@ impl KeyLease {
     }
 }
 
-/// How long into a bucket the holders of the bucket before have to settle it (module doc).
+/// The root's tick with leased rules, in milliseconds: a quarter of `lease_timeout`, within
+/// 2..=10 ms (background calls are sent, and ended buckets settled, at the next tick).
+pub fn tick_ms(lease_timeout_ms: u64) -> u64 {
+    (lease_timeout_ms / 4).clamp(2, 10)
+}
+
+/// How long into a bucket the holders of the bucket before have to settle it (module doc):
+/// `min(window / 4, 4 × lease_timeout)`, or 0 (the store never takes units back) when that
+/// leaves a live worker less than a tick and a call's timeout to settle.
 pub fn grace_ms(window_ms: u64, lease_timeout_ms: u64) -> u64 {
-    (window_ms / 4).min(lease_timeout_ms.saturating_mul(4))
+    let grace = (window_ms / 4).min(lease_timeout_ms.saturating_mul(4));
+    if grace < lease_timeout_ms.saturating_add(tick_ms(lease_timeout_ms)) {
+        0
+    } else {
+        grace
+    }
 }
 
 /// This worker's leases of every leased rule's keys.
@@ -438,6 +453,7 @@ impl LeaseBook {
         let policy = self.policy;
         let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
         lease.roll(now);
+        self.next_roll = self.next_roll.min(lease.bucket_end());
         lease.waiting = lease.waiting.saturating_sub(cost);
         without_store(lease, policy, cost, now)
     }
@@ -454,6 +470,8 @@ impl LeaseBook {
     pub fn resend(&mut self, key: FleetKey, now: UnixMillis) -> Option<Ask> {
         let (period_ms, max_lease, timeout_ms) = (self.period_ms, self.max_lease, self.lease_timeout_ms);
         let lease = self.leases.get_mut(&key).filter(|l| !l.in_flight && l.waiting > 0)?;
+        lease.roll(now);
+        self.next_roll = self.next_roll.min(lease.bucket_end());
         let want = lease.want(now, period_ms, max_lease);
         Some(lease.ask(key, want, now, timeout_ms))
     }
@@ -479,9 +497,12 @@ impl LeaseBook {
     /// The store's answer to `ask` (`None`: the call failed or timed out). The requests
     /// waiting for the key then take again, in the order they came.
     pub fn answered(&mut self, ask: &Ask, grant: Option<Grant>, now: UnixMillis) {
-        let Some(lease) = self.leases.get_mut(&ask.key) else {
+        // A grant of another window's counters (the rule's window changed since) is an orphan.
+        let lease = self.leases.get_mut(&ask.key).filter(|l| l.spec.window.length_ms() == ask.window_ms);
+        let Some(lease) = lease else {
             if let Some(grant) = grant.filter(|g| g.granted > 0) {
-                // The key left the book meanwhile: its grant goes straight back.
+                // The key left the book meanwhile, or its window changed: its grant goes
+                // straight back.
                 self.orphan_returns.push(Ask {
                     want: 0,
                     consumed: 0,

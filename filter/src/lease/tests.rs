@@ -60,7 +60,7 @@ impl FakeStore {
         if b > 0 {
             let slot = (ask.key, w, b - 1);
             previous = self.give_back(holder, slot, previous, ask.returned_previous, ask.used_previous);
-            if ask.elapsed_ms >= ask.grace_ms {
+            if ask.grace_ms > 0 && ask.elapsed_ms >= ask.grace_ms && previous > 0 {
                 let stranded: u64 = self.holders.remove(&slot).unwrap_or_default().values().sum();
                 previous -= previous.min(stranded);
             }
@@ -492,6 +492,7 @@ fn a_dead_workers_units_come_back_after_its_bucket_and_the_grace() {
     let s = spec(window_ms, limit);
     let grace = grace_ms(window_ms, LEASE_TIMEOUT_MS);
     assert_eq!(grace, 200, "min(window / 4, 4 × lease_timeout)");
+    assert_eq!((grace_ms(240, 50), grace_ms(236, 50)), (60, 0), "at least lease_timeout and a tick, or none");
     let mut store = FakeStore::default();
     let (mut live, mut dead) = (book(), book());
     let t0 = UnixMillis(window_ms * 700 + 100);
