@@ -20,6 +20,8 @@
 --                               settle (see below; 0: never take their units back)
 -- ARGV[12] bucket_start_ms      when the current bucket began (bucket x window_ms)
 -- ARGV[13] holder               who asks ('' when the caller is not tracked)
+-- ARGV[14] at_once              units of the grant the holder's waiting requests take at once:
+--                               counted as used, not outstanding
 --
 -- A counter holds the units granted in its bucket and not given back (used, or still leased).
 -- With p and c the previous and current counters after the give-backs, a unit more fits the
@@ -61,6 +63,7 @@ local used_previous = tonumber(ARGV[10])
 local grace = tonumber(ARGV[11])
 local bucket_start = tonumber(ARGV[12])
 local holder = ARGV[13]
+local at_once = tonumber(ARGV[14])
 local expire_at = ARGV[7]
 
 -- floor(x / c) and x mod c for integers 0 <= x < 2^53, 1 <= c < 2^53, exact: the double
@@ -176,8 +179,9 @@ if want > 0 then
     if current == granted then
       redis.call('PEXPIREAT', KEYS[1], expire_at)
     end
-    if holder ~= '' then
-      if redis.call('HINCRBY', KEYS[2], holder, granted) == granted then
+    local outstanding = granted - math.min(granted, at_once)
+    if holder ~= '' and outstanding > 0 then
+      if redis.call('HINCRBY', KEYS[2], holder, outstanding) == outstanding then
         redis.call('PEXPIREAT', KEYS[2], expire_at)
       end
     end

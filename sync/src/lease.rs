@@ -75,6 +75,10 @@ pub struct LeaseEntry {
     /// [`default_grace_ms`]).
     #[serde(default)]
     pub grace_ms: Option<u64>,
+    /// Units of the grant the holder's waiting requests take at once, 0..=[`MAX_DELTA`]:
+    /// counted as used, not outstanding (nothing to report for them).
+    #[serde(default, deserialize_with = "units")]
+    pub at_once: u64,
 }
 
 /// The default `grace_ms`, for windows of a second and more.
@@ -137,8 +141,10 @@ pub struct PlannedLease {
     pub previous_key: Option<String>,
     /// The script's numeric ARGV (1 to 12).
     pub args: [u64; 12],
-    /// The holder (ARGV 13; empty: not tracked).
+    /// The holder (ARGV 13; empty: not tracked), then `at_once` (ARGV 14).
     pub holder: String,
+    /// Units of the grant taken at once (ARGV 14).
+    pub at_once: u64,
 }
 
 impl PlannedLease {
@@ -156,6 +162,7 @@ impl PlannedLease {
     pub fn argv(&self) -> Vec<String> {
         let mut argv: Vec<String> = self.args.iter().map(u64::to_string).collect();
         argv.push(self.holder.clone());
+        argv.push(self.at_once.to_string());
         argv
     }
 }
@@ -224,6 +231,7 @@ pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
             .as_ref()
             .map(|h| h.as_str().to_owned())
             .unwrap_or_default(),
+        at_once: entry.at_once,
     }
 }
 

@@ -270,6 +270,10 @@ fn a_stopped_holders_units_come_back_once_the_grace_passed() {
     let ahead = tracked(dead, bucket + 1, 30_000, 1, json!({"grace_ms": 250}));
     assert_eq!(grants(&lease_call(sync.port, &[ahead]))[0].2, 1);
     assert_eq!(redis.hgetall(&current_holders), [(live.to_owned(), 1)]);
+    // Units its waiting requests take at once count as used: nothing outstanding for them.
+    let at_once = tracked(live, bucket, 30_000, 3, json!({"at_once": 2}));
+    assert_eq!(grants(&lease_call(sync.port, &[at_once]))[0].0, 3);
+    assert_eq!(redis.hgetall(&current_holders), [(live.to_owned(), 2)]);
     let metrics = get(sync.port, "/metrics").body;
     assert_eq!(metric(&metrics, "floodgate_sync_lease_units_reclaimed_total"), 100);
 }

@@ -45,6 +45,8 @@
 //! weighing at the end of the bucket they were granted in, plus the grace, rather than through
 //! the whole next window. The units it used after its last report come off too, so the
 //! previous bucket weighs a little less than it should; no bucket admits more than its limit.
+//! Units granted to requests that wait for them (`at_once`) count as used at once, so a cold
+//! key's single unit leaves nothing to report.
 //!
 //! **Store down** (`on_store_failure`): with `last_state` (the default, the seed's §17.3.2) a
 //! key decides on the last counts the store gave plus what this worker admitted since without
@@ -102,6 +104,9 @@ pub struct Ask {
     pub used_previous: u32,
     /// How long into `bucket` the holders of `bucket − 1` have to settle it (module doc).
     pub grace_ms: u64,
+    /// Units of the grant the requests waiting for it take at once: counted as used, not held
+    /// (a cold key's unit then needs no report).
+    pub at_once: u32,
 }
 
 /// The store's answer to one [`Ask`].
@@ -164,6 +169,8 @@ struct KeyLease {
     /// Units of `bucket`'s grants (and of the bucket before's) admitted since the last call.
     unreported: u32,
     unreported_previous: u32,
+    /// Units held that the store counts as used already (granted `at_once` to waiting requests).
+    prereported: u32,
     /// The store's counts as of `view_bucket`, from its last answer (and when).
     view: Counts,
     view_bucket: u64,
@@ -195,6 +202,7 @@ impl KeyLease {
             returned_previous: 0,
             unreported: 0,
             unreported_previous: 0,
+            prereported: 0,
             view: Counts::default(),
             view_bucket: bucket,
             view_at: None,
@@ -223,6 +231,7 @@ impl KeyLease {
         self.unreported_previous = if next { self.unreported } else { 0 };
         self.returned = 0;
         self.unreported = 0;
+        self.prereported = 0;
         self.held = 0;
         self.consumed = 0;
         self.bucket = bucket;
@@ -260,7 +269,8 @@ impl KeyLease {
     fn ask(&mut self, key: FleetKey, want: u32, now: UnixMillis, lease_timeout_ms: u64) -> Ask {
         let phase = self.spec.window.phase(now);
         self.in_flight = true;
-        self.call(key, phase.bucket_index, phase.elapsed_ms, want, lease_timeout_ms)
+        let at_once = self.waiting.min(want);
+        Ask { at_once, ..self.call(key, phase.bucket_index, phase.elapsed_ms, want, lease_timeout_ms) }
     }
 
     /// A call in `bucket`: the give-backs and the reports go with it, once.
@@ -279,6 +289,7 @@ impl KeyLease {
             used: self.unreported,
             used_previous: self.unreported_previous,
             grace_ms: grace_ms(window_ms, lease_timeout_ms),
+            at_once: 0,
         };
         self.returned = 0;
         self.returned_previous = 0;
@@ -318,10 +329,12 @@ impl KeyLease {
         self.last_used = now;
     }
 
-    /// Takes `cost` units of the lease held.
+    /// Takes `cost` units of the lease held (those the store counts as used already first).
     fn take_held(&mut self, cost: u32, now: UnixMillis) {
         self.held = self.held.saturating_sub(cost);
-        self.unreported = self.unreported.saturating_add(cost);
+        let prereported = self.prereported.min(cost);
+        self.prereported = self.prereported.saturating_sub(prereported);
+        self.unreported = self.unreported.saturating_add(cost.saturating_sub(prereported));
         self.admit(cost, now);
     }
 }
@@ -489,7 +502,9 @@ impl LeaseBook {
             if lease.spec.window.phase(taken_at).bucket_index == lease.bucket {
                 lease.held = lease.held.saturating_add(cost);
                 lease.used = lease.used.saturating_sub(cost);
-                lease.unreported = lease.unreported.saturating_sub(cost);
+                let back = lease.unreported.min(cost);
+                lease.unreported = lease.unreported.saturating_sub(back);
+                lease.prereported = lease.prereported.saturating_add(cost.saturating_sub(back));
             }
         }
     }
@@ -510,6 +525,7 @@ impl LeaseBook {
                     returned_previous: 0,
                     used: 0,
                     used_previous: 0,
+                    at_once: 0,
                     ..*ask
                 });
             }
@@ -529,6 +545,7 @@ impl LeaseBook {
         }
         if ask.bucket == lease.bucket {
             lease.held = lease.held.saturating_add(grant.granted);
+            lease.prereported = lease.prereported.saturating_add(grant.granted.min(ask.at_once));
             lease.consumed = lease.consumed.saturating_sub(ask.consumed);
         } else if ask.bucket.saturating_add(1) == lease.bucket {
             lease.returned_previous = lease.returned_previous.saturating_add(grant.granted);

@@ -34,6 +34,7 @@ pub fn body(asks: &[Ask], holder: u64) -> Vec<u8> {
             (",\"used\":", u64::from(ask.used)),
             (",\"used_previous\":", u64::from(ask.used_previous)),
             (",\"grace_ms\":", ask.grace_ms),
+            (",\"at_once\":", u64::from(ask.at_once)),
         ] {
             out.extend_from_slice(name.as_bytes());
             push_decimal(&mut out, value);
@@ -97,6 +98,7 @@ mod tests {
             used: 7,
             used_previous: 8,
             grace_ms: 200,
+            at_once: 1,
         };
         let body = body(&[ask, Ask { want: 0, ..ask }], 0xfeed_0000_0000_00ab);
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -105,10 +107,10 @@ mod tests {
             serde_json::json!({"version": 1, "leases": [
                 {"key": "0123456789abcdef0011223344556677", "window_ms": 60000, "bucket": 29000000, "elapsed_ms": 1500,
                  "limit": 4294967295u64, "want": 12, "consumed": 3, "returned": 2, "returned_previous": 1,
-                 "used": 7, "used_previous": 8, "grace_ms": 200, "holder": "feed0000000000ab"},
+                 "used": 7, "used_previous": 8, "grace_ms": 200, "at_once": 1, "holder": "feed0000000000ab"},
                 {"key": "0123456789abcdef0011223344556677", "window_ms": 60000, "bucket": 29000000, "elapsed_ms": 1500,
                  "limit": 4294967295u64, "want": 0, "consumed": 3, "returned": 2, "returned_previous": 1,
-                 "used": 7, "used_previous": 8, "grace_ms": 200, "holder": "feed0000000000ab"}
+                 "used": 7, "used_previous": 8, "grace_ms": 200, "at_once": 1, "holder": "feed0000000000ab"}
             ]})
         );
     }
