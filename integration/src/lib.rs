@@ -296,10 +296,22 @@ pub struct Poison {
 }
 
 /// Poison requests hanging ([`PoisonEffect::Hang`]), summed over the upstreams that share it.
+///
+/// Envoy gives up on a hanging request at its route timeout and ends the stream at once (a
+/// filter then releases what the request held), while the upstream sees the request's
+/// connection close a moment later: for that moment a new request may overlap it here.
+/// [`HangingGauge::most_held`] counts only the requests younger than a given age (set it a
+/// little under the route timeout), which Envoy certainly still holds.
 #[derive(Debug, Default)]
 pub struct HangingGauge {
     now: AtomicU64,
     most: AtomicU64,
+    /// Requests counted by `most_held` are younger than this (0: every one).
+    held_ms: AtomicU64,
+    most_held: AtomicU64,
+    /// When each hanging request began, by id.
+    started: Mutex<BTreeMap<u64, std::time::Instant>>,
+    next_id: AtomicU64,
 }
 
 impl HangingGauge {
@@ -313,9 +325,29 @@ impl HangingGauge {
         self.most.load(Ordering::SeqCst)
     }
 
+    /// The most that hung at once among those younger than [`HangingGauge::count_held_for`]'s
+    /// age, counted when each began.
+    pub fn most_held(&self) -> u64 {
+        self.most_held.load(Ordering::SeqCst)
+    }
+
+    /// `most_held` counts only the requests younger than `age`.
+    pub fn count_held_for(&self, age: Duration) {
+        self.held_ms.store(u64::try_from(age.as_millis()).unwrap_or(u64::MAX), Ordering::SeqCst);
+    }
+
     /// Starts counting the most afresh.
     pub fn reset_most(&self) {
         self.most.store(self.now(), Ordering::SeqCst);
+        self.most_held.store(self.held(), Ordering::SeqCst);
+    }
+
+    /// Requests hanging now and younger than the held age.
+    fn held(&self) -> u64 {
+        let held_ms = self.held_ms.load(Ordering::SeqCst);
+        let started = self.started.lock().expect("hanging requests");
+        let young = started.values().filter(|at| held_ms == 0 || at.elapsed() < Duration::from_millis(held_ms));
+        u64::try_from(young.count()).unwrap_or(u64::MAX)
     }
 }
 
@@ -347,18 +379,22 @@ struct UpstreamState {
 }
 
 /// Counts a hanging request while it hangs (its future is dropped when the connection goes).
-struct Hanging(Arc<HangingGauge>);
+struct Hanging(Arc<HangingGauge>, u64);
 
 impl Hanging {
     fn new(gauge: Arc<HangingGauge>) -> Hanging {
+        let id = gauge.next_id.fetch_add(1, Ordering::SeqCst);
+        gauge.started.lock().expect("hanging requests").insert(id, std::time::Instant::now());
         let now = gauge.now.fetch_add(1, Ordering::SeqCst) + 1;
         gauge.most.fetch_max(now, Ordering::SeqCst);
-        Hanging(gauge)
+        gauge.most_held.fetch_max(gauge.held(), Ordering::SeqCst);
+        Hanging(gauge, id)
     }
 }
 
 impl Drop for Hanging {
     fn drop(&mut self) {
+        self.0.started.lock().expect("hanging requests").remove(&self.1);
         self.0.now.fetch_sub(1, Ordering::SeqCst);
     }
 }
