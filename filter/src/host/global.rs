@@ -2,14 +2,13 @@
 //! context, and the VM's node, which outlives configurations ([`crate::global`] decides
 //! everything).
 
+use super::call;
 use super::stats::{self, GlobalStats};
 use super::store::EnvoyStore;
 use crate::config::SYNC_PATH;
-use crate::global::flusher::{Answer, Failure};
+use crate::global::flusher::Failure;
 use crate::global::{GlobalScope, VmNode};
 use crate::time::UnixMillis;
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::{BufferType, MapType};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -45,14 +44,8 @@ pub fn tick(scope: &GlobalScope, node: &RefCell<VmNode>, ids: &GlobalStats, vm: 
         stats::set(ids.staleness_ms, staleness);
     }
     let Some(body) = tick.send else { return };
-    let headers = vec![
-        (":method", "POST"),
-        (":path", SYNC_PATH),
-        (":authority", scope.authority.as_str()),
-        ("content-type", "application/json"),
-    ];
     let timeout = Duration::from_millis(scope.timeout_ms);
-    match hostcalls::dispatch_http_call(&scope.cluster, headers, Some(&body), vec![], timeout) {
+    match call::post_json(&scope.cluster, &scope.authority, SYNC_PATH, &body, timeout) {
         Ok(token) => {
             node.flusher.sent(token, now);
             stats::increment(ids.batches);
@@ -80,20 +73,7 @@ pub fn answered(
     if !node.flusher.owns(token) {
         return;
     }
-    // The bytes getter: the `String` ones panic on a value that is not UTF-8.
-    let status = (num_headers > 0)
-        .then(|| hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status").ok().flatten())
-        .flatten()
-        .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-    let answer = match status {
-        Some(200) => Answer::Ok(
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size)
-                .ok()
-                .flatten()
-                .unwrap_or_default(),
-        ),
-        other => Answer::Failed(other),
-    };
+    let answer = call::answer(num_headers, body_size);
     match scope.answered(&EnvoyStore, &mut node, token, answer, now) {
         Ok(counters) => {
             stats::increment(ids.confirmed);

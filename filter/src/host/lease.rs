@@ -21,9 +21,11 @@
 //! `lease_timeout` as `on_store_failure` says (a call's own timeout is `lease_timeout`, so this
 //! only happens after a lost call, or to a request that had to wait for a second call).
 
+use super::call;
 use super::stats::{self, increment, LeaseStats};
 use super::{header_map, FilterStream, Filter, RequestHeaders};
 use crate::config::{Config, Consistency, Scope};
+use crate::global::flusher::Answer;
 use crate::global::{FleetHasher, FleetKey};
 use crate::key;
 use crate::lease::protocol::{self, LEASE_PATH};
@@ -33,7 +35,7 @@ use crate::ratelimit::{Cause, Probe, Standing, Verdict, Violation};
 use crate::response::{self, Reply};
 use crate::time::{MonoMillis, Now};
 use proxy_wasm::hostcalls;
-use proxy_wasm::types::{Action, BufferType, MapType};
+use proxy_wasm::types::Action;
 use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, VecDeque};
 use std::num::NonZeroU64;
@@ -333,14 +335,8 @@ impl LeaseStage {
             return;
         }
         let body = protocol::body(&asks, super::vm_id());
-        let headers = vec![
-            (":method", "POST"),
-            (":path", LEASE_PATH),
-            (":authority", self.authority.as_str()),
-            ("content-type", "application/json"),
-        ];
         let timeout = Duration::from_millis(if owner == self.root { self.background_timeout_ms } else { self.timeout_ms });
-        match hostcalls::dispatch_http_call(&self.cluster, headers, Some(&body), vec![], timeout) {
+        match call::post_json(&self.cluster, &self.authority, LEASE_PATH, &body, timeout) {
             Ok(token) => {
                 increment(self.stats.calls);
                 self.calls.borrow_mut().insert(token, Call { owner, asks, sent: now.mono });
@@ -364,16 +360,9 @@ impl LeaseStage {
         let Some(call) = self.calls.borrow_mut().remove(&token) else {
             return false;
         };
-        let status = (num_headers > 0)
-            .then(|| hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, ":status").ok().flatten())
-            .flatten()
-            .and_then(|s| std::str::from_utf8(&s).ok()?.parse::<u32>().ok());
-        let grants = match status {
-            Some(200) => {
-                let body = hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default();
-                protocol::decode(&body, call.asks.len()).map_err(|e| log::warn!("floodgate: {e}")).ok()
-            }
-            other => {
+        let grants = match call::answer(num_headers, body_size) {
+            Answer::Ok(body) => protocol::decode(&body, call.asks.len()).map_err(|e| log::warn!("floodgate: {e}")).ok(),
+            Answer::Failed(other) => {
                 log::debug!("floodgate: lease call failed ({other:?}, after {} ms)", now.mono.saturating_since(call.sent));
                 None
             }

@@ -23,6 +23,7 @@
 //! in `consistency: leased`, [`lease`]) may pause a request until the store answers; the rest
 //! of its pipeline then runs from that answer's callback.
 
+mod call;
 mod clock;
 mod global;
 mod grpc;

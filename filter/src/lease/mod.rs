@@ -298,6 +298,13 @@ impl KeyLease {
         ask
     }
 
+    /// The lease leaves the book: the call that gives back all it holds and reports what it
+    /// owes, if anything.
+    fn close(&mut self, key: FleetKey, now: UnixMillis, lease_timeout_ms: u64) -> Option<Ask> {
+        self.returned = self.returned.saturating_add(std::mem::take(&mut self.held));
+        self.owes().then(|| self.give_back(key, now, lease_timeout_ms))
+    }
+
     /// Whether there is anything to give back or report.
     fn owes(&self) -> bool {
         self.returned > 0 || self.returned_previous > 0 || self.consumed > 0 || self.unreported > 0 || self.unreported_previous > 0
@@ -592,10 +599,7 @@ impl LeaseBook {
         let mut returns = std::mem::take(&mut self.orphan_returns);
         for (key, mut lease) in self.leases.drain() {
             lease.roll(now);
-            lease.returned = lease.returned.saturating_add(lease.held);
-            if lease.owes() {
-                returns.push(lease.give_back(key, now, self.lease_timeout_ms));
-            }
+            returns.extend(lease.close(key, now, self.lease_timeout_ms));
         }
         returns
     }
@@ -607,10 +611,7 @@ impl LeaseBook {
             return;
         };
         if let Some(mut lease) = self.leases.remove(&key) {
-            lease.returned = lease.returned.saturating_add(lease.held);
-            if lease.owes() {
-                self.orphan_returns.push(lease.give_back(key, now, self.lease_timeout_ms));
-            }
+            self.orphan_returns.extend(lease.close(key, now, self.lease_timeout_ms));
         }
     }
 }
