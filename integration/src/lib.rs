@@ -1243,6 +1243,70 @@ impl Response {
     }
 }
 
+/// A paced load: `rate` requests a second in all for `duration`, request `n` sent when it is
+/// due to proxy `n % proxies.len()` (round-robin) over `per_proxy` keep-alive connections to
+/// each (another is opened when all are busy). `request(n)` gives what makes request `n` on a
+/// client, which hands the client back with its result; the results come in the order the
+/// requests ended. `during(elapsed)` runs about every 100 ms (to break things on cue).
+pub async fn paced_round_robin<T, MakeRequest, Fut>(
+    proxies: &[SocketAddr],
+    per_proxy: usize,
+    rate: u64,
+    duration: Duration,
+    mut during: impl FnMut(Duration),
+    request: impl Fn(u64) -> MakeRequest,
+) -> Vec<T>
+where
+    T: Send + 'static,
+    MakeRequest: FnOnce(Client) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = (Client, T)> + Send + 'static,
+{
+    let mut pools = Vec::new();
+    for addr in proxies {
+        let mut pool = Vec::new();
+        for _ in 0..per_proxy {
+            pool.push(Client::connect(*addr).await.expect("connect"));
+        }
+        pools.push(Arc::new(tokio::sync::Mutex::new(pool)));
+    }
+    let mut results = Vec::new();
+    let mut pending = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    let gap = Duration::from_nanos(1_000_000_000 / rate.max(1));
+    let mut next_call = Duration::ZERO;
+    let mut sent = 0u64;
+    while started.elapsed() < duration {
+        let due = gap * u32::try_from(sent).expect("requests");
+        if let Some(wait) = due.checked_sub(started.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        if started.elapsed() >= next_call {
+            during(started.elapsed());
+            next_call += Duration::from_millis(100);
+        }
+        let at = usize::try_from(sent % proxies.len() as u64).expect("a proxy");
+        let (pool, addr, request) = (Arc::clone(&pools[at]), proxies[at], request(sent));
+        pending.spawn(async move {
+            let client = pool.lock().await.pop();
+            let client = match client {
+                Some(c) => c,
+                None => Client::connect(addr).await.expect("connect"),
+            };
+            let (client, result) = request(client).await;
+            pool.lock().await.push(client);
+            result
+        });
+        sent += 1;
+        while let Some(done) = pending.try_join_next() {
+            results.push(done.expect("request task"));
+        }
+    }
+    while let Some(done) = pending.join_next().await {
+        results.push(done.expect("request task"));
+    }
+    results
+}
+
 /// An HTTP/1.1 client on one keep-alive connection (hyper). Requests on one `Client` are sent one
 /// after another; open several clients for concurrency.
 pub struct Client {

@@ -45,56 +45,21 @@ async fn steady_load(
     header: (&str, &str),
     rate: u64,
     duration: Duration,
-    mut during: impl FnMut(Duration),
+    during: impl FnMut(Duration),
 ) -> BTreeMap<u16, u64> {
-    let mut clients = Vec::new();
-    for addr in proxies {
-        let mut per_proxy = Vec::new();
-        for _ in 0..4 {
-            per_proxy.push(Client::connect(*addr).await.expect("connect"));
-        }
-        clients.push(per_proxy);
-    }
-    let mut statuses = BTreeMap::new();
-    let started = Instant::now();
-    let gap = Duration::from_nanos(1_000_000_000 / rate);
-    let mut next_call = Duration::ZERO;
-    let mut sent = 0u64;
-    let mut pending = tokio::task::JoinSet::new();
     let (name, value) = (header.0.to_owned(), header.1.to_owned());
-    let mut pools: Vec<std::sync::Arc<tokio::sync::Mutex<Vec<Client>>>> =
-        clients.into_iter().map(|c| std::sync::Arc::new(tokio::sync::Mutex::new(c))).collect();
-    while started.elapsed() < duration {
-        let due = gap * u32::try_from(sent).expect("requests");
-        if let Some(wait) = due.checked_sub(started.elapsed()) {
-            tokio::time::sleep(wait).await;
-        }
-        if started.elapsed() >= next_call {
-            during(started.elapsed());
-            next_call += Duration::from_millis(100);
-        }
-        let pool = std::sync::Arc::clone(&pools[(sent % proxies.len() as u64) as usize]);
-        let addr = proxies[(sent % proxies.len() as u64) as usize];
+    let ended = paced_round_robin(proxies, 4, rate, duration, during, |_| {
         let (name, value) = (name.clone(), value.clone());
-        pending.spawn(async move {
-            let client = pool.lock().await.pop();
-            let mut client = match client {
-                Some(c) => c,
-                None => Client::connect(addr).await.expect("connect"),
-            };
+        move |mut client: Client| async move {
             let status = client.get("/", &[(name.as_str(), value.as_str())]).await.map(|r| r.status).unwrap_or(0);
-            pool.lock().await.push(client);
-            status
-        });
-        sent += 1;
-        while let Some(done) = pending.try_join_next() {
-            *statuses.entry(done.expect("request task")).or_insert(0) += 1;
+            (client, status)
         }
+    })
+    .await;
+    let mut statuses = BTreeMap::new();
+    for status in ended {
+        *statuses.entry(status).or_insert(0) += 1;
     }
-    while let Some(done) = pending.join_next().await {
-        *statuses.entry(done.expect("request task")).or_insert(0) += 1;
-    }
-    pools.clear();
     statuses
 }
 

@@ -10,7 +10,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use floodgate_integration::store::{fleet, Redis, RedisCluster, SyncService};
@@ -55,39 +54,11 @@ async fn paced(
     key: impl Fn(u64) -> String,
     rate: u64,
     duration: Duration,
-    mut during: impl FnMut(Duration),
+    during: impl FnMut(Duration),
 ) -> Vec<Sample> {
-    let mut pools = Vec::new();
-    for addr in proxies {
-        let mut pool = Vec::new();
-        for _ in 0..8 {
-            pool.push(Client::connect(*addr).await.expect("connect"));
-        }
-        pools.push(Arc::new(tokio::sync::Mutex::new(pool)));
-    }
-    let samples = Arc::new(Mutex::new(Vec::new()));
-    let mut pending = tokio::task::JoinSet::new();
-    let started = Instant::now();
-    let gap = Duration::from_nanos(1_000_000_000 / rate);
-    let mut next_call = Duration::ZERO;
-    let mut sent = 0u64;
-    while started.elapsed() < duration {
-        let due = gap * u32::try_from(sent).expect("requests");
-        if let Some(wait) = due.checked_sub(started.elapsed()) {
-            tokio::time::sleep(wait).await;
-        }
-        if started.elapsed() >= next_call {
-            during(started.elapsed());
-            next_call += Duration::from_millis(100);
-        }
-        let at = (sent % proxies.len() as u64) as usize;
-        let (pool, addr, key, samples) = (Arc::clone(&pools[at]), proxies[at], key(sent), Arc::clone(&samples));
-        pending.spawn(async move {
-            let client = pool.lock().await.pop();
-            let mut client = match client {
-                Some(c) => c,
-                None => Client::connect(addr).await.expect("connect"),
-            };
+    paced_round_robin(proxies, 8, rate, duration, during, |n| {
+        let key = key(n);
+        move |mut client: Client| async move {
             let begun = Instant::now();
             let sample = match client.get("/", &[("x-fleet-key", key.as_str())]).await {
                 Ok(r) => Sample {
@@ -100,15 +71,10 @@ async fn paced(
                 },
                 Err(_) => Sample { status: 0, latency: begun.elapsed(), fields: None, body: None },
             };
-            pool.lock().await.push(client);
-            samples.lock().expect("samples").push(sample);
-        });
-        sent += 1;
-        while pending.try_join_next().is_some() {}
-    }
-    while pending.join_next().await.is_some() {}
-    let samples = samples.lock().expect("samples").clone();
-    samples
+            (client, sample)
+        }
+    })
+    .await
 }
 
 fn statuses(samples: &[Sample]) -> BTreeMap<u16, u64> {
