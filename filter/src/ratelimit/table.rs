@@ -260,6 +260,28 @@ impl Overflow {
         }
     }
 
+    /// Raises the key's estimate to at least `count` (an evicted entry's counts, which already
+    /// include what the overflow estimated for it when it entered): its doorkeeper bits set and
+    /// its cells raised to `count − 2`, never lowered. Adding the count instead would count
+    /// that entry estimate twice at every eviction, and a key that churns in and out would see
+    /// its estimate grow without bound.
+    fn raise_to(&mut self, spots: &Spots, count: u32) {
+        if count == 0 {
+            return;
+        }
+        set_all(&mut self.door, &spots.bits);
+        if count == 1 {
+            return;
+        }
+        set_all(&mut self.second_door, &spots.second_bits);
+        let floor = count.saturating_sub(2);
+        for &cell in &spots.cells {
+            if let Some(value) = self.cells.get_mut(cell) {
+                *value = (*value).max(floor);
+            }
+        }
+    }
+
     /// Bits set in the first doorkeeper, for sizing diagnostics.
     pub fn door_bits_set(&self) -> u32 {
         self.door.iter().map(|byte| byte.count_ones()).sum()
@@ -445,8 +467,8 @@ impl Set {
         }
         if !free {
             let evicted = Spots::of(slot.fingerprint);
-            self.previous.add(&evicted, slot.counts.previous);
-            self.current.add(&evicted, slot.counts.current);
+            self.previous.raise_to(&evicted, slot.counts.previous);
+            self.current.raise_to(&evicted, slot.counts.current);
         }
         if let Some(entry) = self.entries.get_mut(victim) {
             *entry = Entry {
