@@ -67,6 +67,9 @@ cargo clippy -p floodgate-bench --all-targets -- -D warnings
 step "clippy: floodgate-sync (the ambassador to Redis)"
 cargo clippy -p floodgate-sync --all-targets -- -D warnings
 
+step "clippy: floodgate-trim (the module's last build step)"
+cargo clippy -p floodgate-trim --all-targets -- -D warnings
+
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 
@@ -78,6 +81,9 @@ fuzz/run.sh 20
 
 step "unit tests: cargo test -p floodgate-cli"
 cargo test -p floodgate-cli 2>&1 | tee -a "$results"
+
+step "unit tests: cargo test -p floodgate-trim"
+cargo test -p floodgate-trim 2>&1 | tee -a "$results"
 
 step "sync tests: floodgate-sync against real redis-server processes (cargo test -p floodgate-sync)"
 REDIS_SERVER="$redis" cargo test -p floodgate-sync 2>&1 | tee -a "$results"

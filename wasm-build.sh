@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the floodgate proxy-wasm module (release profile: LTO, one codegen unit, abort on panic).
+# Builds the floodgate proxy-wasm module (release profile: LTO, one codegen unit, abort on panic),
+# then trims it (floodgate-trim: no export of the callbacks it does not implement).
 # Installs the wasm32-wasip1 target when missing. The last line of output is the module's path.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -10,5 +11,8 @@ if ! rustup target list --installed | grep -qx "$target"; then
 fi
 cargo build --release --target "$target" -p floodgate >&2
 module="$PWD/target/$target/release/floodgate.wasm"
+# Remove the exports of callbacks floodgate does not implement, which Envoy would otherwise call
+# on every request for nothing (trim/src/lib.rs; a trimmed module is left as it is).
+cargo run --quiet -p floodgate-trim -- "$module" >&2
 ls -l "$module" >&2
 echo "$module"

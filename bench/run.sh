@@ -10,8 +10,10 @@
 # 14 with the full run) also needs Redis, which scripts/redis.sh installs when missing (apt-get),
 # and builds floodgate-sync.
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
-# module built elsewhere instead of building this tree's. Loopback only; every server it starts
-# listens on 127.0.0.1 on a port picked at run time, and everything stops by itself.
+# module built elsewhere instead of building this tree's. FLOODGATE_BENCH_DUMPS=dir keeps the
+# callgrind dump of each `instructions` variant there (read it with callgrind_annotate).
+# Loopback only; every server it starts listens on 127.0.0.1 on a port picked at run time, and
+# everything stops by itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

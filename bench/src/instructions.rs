@@ -35,8 +35,8 @@ pub fn callgrind_control(pid: u32, what: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// The `totals:` of the newest callgrind dump in `dir`.
-pub fn latest_totals(envoy: &Envoy) -> Option<u64> {
+/// The newest callgrind dump in the Envoy's directory.
+fn latest_dump(envoy: &Envoy) -> Option<std::path::PathBuf> {
     let mut dumps: Vec<_> = std::fs::read_dir(envoy.dir())
         .ok()?
         .flatten()
@@ -44,8 +44,29 @@ pub fn latest_totals(envoy: &Envoy) -> Option<u64> {
         .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
         .collect();
     dumps.sort();
-    let text = std::fs::read_to_string(&dumps.last()?.1).ok()?;
+    Some(dumps.pop()?.1)
+}
+
+/// The `totals:` of the newest callgrind dump in `dir`.
+pub fn latest_totals(envoy: &Envoy) -> Option<u64> {
+    let text = std::fs::read_to_string(latest_dump(envoy)?).ok()?;
     text.lines().find_map(|l| l.strip_prefix("totals:")?.split_whitespace().next()?.parse().ok())
+}
+
+/// With `FLOODGATE_BENCH_DUMPS=dir`, keeps the measured dump as `dir/<variant>.callgrind`, for
+/// `callgrind_annotate --inclusive=yes` (where the instructions go, function by function).
+fn keep_dump(envoy: &Envoy, variant: &str) {
+    let Some(dir) = std::env::var_os("FLOODGATE_BENCH_DUMPS") else { return };
+    let dir = std::path::PathBuf::from(dir);
+    let kept = latest_dump(envoy).and_then(|from| {
+        std::fs::create_dir_all(&dir).ok()?;
+        let to = dir.join(format!("{variant}.callgrind"));
+        std::fs::copy(from, &to).ok().map(|_| to)
+    });
+    match kept {
+        Some(to) => progress!("{variant}: callgrind dump kept as {}", to.display()),
+        None => progress!("{variant}: the callgrind dump could not be kept in {}", dir.display()),
+    }
 }
 
 /// Measurement 1b.
@@ -112,6 +133,7 @@ pub async fn run(s: &Settings) {
             println!("**{}**: no callgrind dump found; skipped\n", v.id);
             continue;
         };
+        keep_dump(&envoy, v.id);
         let per = total as f64 / out.completed.max(1) as f64;
         progress!("{}: {} requests at {:.0}/s, {:.0} instructions/request", v.id, out.completed, out.throughput(), per);
         results.push((v, per));

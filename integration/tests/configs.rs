@@ -207,3 +207,39 @@ async fn empty_configuration_is_accepted_and_passes_traffic() {
     let failures = wasm_failures(&envoy.log());
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The module under test is the one `wasm-build.sh` gives users: without the exports of the
+/// callbacks floodgate does not implement (`trim/`), so Envoy never calls them, and with every
+/// callback floodgate does implement (every other test here runs it in Envoy).
+#[test]
+fn the_module_exports_the_callbacks_floodgate_implements_and_no_other_per_request_one() {
+    let path = wasm_module();
+    let module = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let exports = floodgate_trim::exports(&module).expect("a WebAssembly module");
+    for unused in floodgate_trim::UNUSED_CALLBACKS {
+        assert!(
+            !exports.iter().any(|e| e == unused),
+            "{} exports {unused}, which Envoy would call on every response for nothing: build it with ./wasm-build.sh",
+            path.display()
+        );
+    }
+    let implemented = [
+        "proxy_on_vm_start",
+        "proxy_on_configure",
+        "proxy_on_tick",
+        "proxy_on_context_create",
+        "proxy_on_request_headers",
+        "proxy_on_request_body",
+        "proxy_on_request_trailers",
+        "proxy_on_response_headers",
+        "proxy_on_response_trailers",
+        "proxy_on_http_call_response",
+        "proxy_on_log",
+        "proxy_on_done",
+        "proxy_on_delete",
+        "proxy_on_memory_allocate",
+    ];
+    for callback in implemented {
+        assert!(exports.iter().any(|e| e == callback), "{} lacks {callback}", path.display());
+    }
+}

@@ -965,6 +965,9 @@ impl Attributes for RequestHeaders<'_, '_> {
     }
 }
 
+/// No `on_http_response_body`: the build removes that callback's export (`trim/`, run by
+/// `wasm-build.sh`), so Envoy does not call into the VM for every response frame. Implementing it
+/// here means taking it off `floodgate_trim::UNUSED_CALLBACKS` first.
 impl HttpContext for FilterStream {
     fn on_http_request_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {
         let filter = Rc::clone(&self.filter);
