@@ -304,7 +304,6 @@ pub struct Poison {
 /// little under the route timeout), which Envoy certainly still holds.
 #[derive(Debug, Default)]
 pub struct HangingGauge {
-    now: AtomicU64,
     most: AtomicU64,
     /// Requests counted by `most_held` are younger than this (0: every one).
     held_ms: AtomicU64,
@@ -317,7 +316,7 @@ pub struct HangingGauge {
 impl HangingGauge {
     /// Hanging now.
     pub fn now(&self) -> u64 {
-        self.now.load(Ordering::SeqCst)
+        u64::try_from(self.started.lock().expect("hanging requests").len()).unwrap_or(u64::MAX)
     }
 
     /// The most that hung at once.
@@ -338,16 +337,18 @@ impl HangingGauge {
 
     /// Starts counting the most afresh.
     pub fn reset_most(&self) {
-        self.most.store(self.now(), Ordering::SeqCst);
-        self.most_held.store(self.held(), Ordering::SeqCst);
+        let (now, held) = self.counts(&self.started.lock().expect("hanging requests"));
+        self.most.store(now, Ordering::SeqCst);
+        self.most_held.store(held, Ordering::SeqCst);
     }
 
-    /// Requests hanging now and younger than the held age.
-    fn held(&self) -> u64 {
+    /// Of the requests in `started`: how many hang, and how many of them are younger than the
+    /// held age.
+    fn counts(&self, started: &BTreeMap<u64, std::time::Instant>) -> (u64, u64) {
         let held_ms = self.held_ms.load(Ordering::SeqCst);
-        let started = self.started.lock().expect("hanging requests");
-        let young = started.values().filter(|at| held_ms == 0 || at.elapsed() < Duration::from_millis(held_ms));
-        u64::try_from(young.count()).unwrap_or(u64::MAX)
+        let young = started.values().filter(|at| held_ms == 0 || at.elapsed() < Duration::from_millis(held_ms)).count();
+        let count = |n: usize| u64::try_from(n).unwrap_or(u64::MAX);
+        (count(started.len()), count(young))
     }
 }
 
@@ -384,10 +385,12 @@ struct Hanging(Arc<HangingGauge>, u64);
 impl Hanging {
     fn new(gauge: Arc<HangingGauge>) -> Hanging {
         let id = gauge.next_id.fetch_add(1, Ordering::SeqCst);
-        gauge.started.lock().expect("hanging requests").insert(id, std::time::Instant::now());
-        let now = gauge.now.fetch_add(1, Ordering::SeqCst) + 1;
+        let mut started = gauge.started.lock().expect("hanging requests");
+        started.insert(id, std::time::Instant::now());
+        let (now, held) = gauge.counts(&started);
+        drop(started);
         gauge.most.fetch_max(now, Ordering::SeqCst);
-        gauge.most_held.fetch_max(gauge.held(), Ordering::SeqCst);
+        gauge.most_held.fetch_max(held, Ordering::SeqCst);
         Hanging(gauge, id)
     }
 }
@@ -395,7 +398,6 @@ impl Hanging {
 impl Drop for Hanging {
     fn drop(&mut self) {
         self.0.started.lock().expect("hanging requests").remove(&self.1);
-        self.0.now.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
