@@ -85,6 +85,9 @@ cargo test -p floodgate-cli 2>&1 | tee -a "$results"
 step "unit tests: cargo test -p floodgate-trim"
 cargo test -p floodgate-trim 2>&1 | tee -a "$results"
 
+step "unit tests: cargo test -p floodgate-bench (what the benchmark tool reads from /proc; it times nothing here)"
+cargo test -p floodgate-bench 2>&1 | tee -a "$results"
+
 step "sync tests: floodgate-sync against real redis-server processes (cargo test -p floodgate-sync)"
 REDIS_SERVER="$redis" cargo test -p floodgate-sync 2>&1 | tee -a "$results"
 

@@ -4,11 +4,11 @@
 #
 #   bench/run.sh [--quick] [--diagnose] [cpu|keys|latency|instructions|memory|accuracy|contention|idle|global|all] [options]
 #
-# --quick takes about 4 min on 2 cores, the full run about 10 min; --diagnose adds the
-# where-the-time-goes variants (about 30 min in all). valgrind is needed for `instructions`
-# (skipped with a message without it). `global` (part of `all`; about 8 min more with --quick,
-# 14 with the full run) also needs Redis, which scripts/redis.sh installs when missing (apt-get),
-# and builds floodgate-sync.
+# On a 2-core VM (2026-11-25) --quick took about 10 min, and 14 more for `global`; the full run
+# about 25 min before `global` (its parts timed one by one); --diagnose adds the
+# where-the-time-goes variants. valgrind is needed for `instructions` (skipped with a message
+# without it). `global` (part of `all`) also needs Redis, which scripts/redis.sh installs when
+# missing (apt-get), and builds floodgate-sync.
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
 # module built elsewhere instead of building this tree's. FLOODGATE_BENCH_DUMPS=dir keeps the
 # callgrind dump of each `instructions` variant there (read it with callgrind_annotate).

@@ -3,7 +3,7 @@
 //! rounds; medians and ratios to "no filter". Latency and throughput at a fixed connection
 //! count are secondary figures.
 
-use crate::envoy::{Envoy, Filter, Route, Spec};
+use crate::envoy::{Envoy, Filter, KernelCounts, Route, Spec};
 use crate::load::{self, Load, Requests};
 use crate::table::{median, Table};
 use crate::{progress, Selection, Settings};
@@ -56,8 +56,9 @@ fn wasm(module: &std::path::Path, config: impl Into<String>) -> Filter {
     Filter::Wasm { module: module.to_path_buf(), config: config.into() }
 }
 
-/// The five variants of the issue, the naive limiter enforcing `fg-rl`'s rule (issue 20), and
-/// the external modules given with `--extra-wasm` (`ext1`, `ext2`, … in the order given).
+/// The five variants of the issue, the naive limiter enforcing `fg-rl`'s rule and floodgate
+/// with that rule and the naive limiter's output (`fg-rl-onreject`; issue 20), and the external
+/// modules given with `--extra-wasm` (`ext1`, `ext2`, … in the order given).
 fn main_variants(s: &Settings) -> Vec<Variant> {
     let fg = |config: String| wasm(&s.floodgate_wasm, config);
     let mut v = vec![
@@ -65,6 +66,12 @@ fn main_variants(s: &Settings) -> Vec<Variant> {
         Variant { id: "native", label: "Envoy local_ratelimit (one token bucket)".into(), filter: Filter::NativeLocalRateLimit, route: Route::Fixed },
         Variant { id: "noop", label: "no-op proxy-wasm filter".into(), filter: wasm(&s.noop_wasm, ""), route: Route::Fixed },
         Variant { id: "fg-rl", label: "floodgate: rate limiting (1 rule)".into(), filter: fg(format!(r#"{{"rate_limits": [{}]}}"#, rule("per-key"))), route: Route::Fixed },
+        Variant {
+            id: "fg-rl-onreject",
+            label: "floodgate: the same rule, `ratelimit` fields on 429s only (the naive limiter's output)".into(),
+            filter: fg(format!(r#"{{"rate_limits": [{}], "ratelimit_headers": "on_reject"}}"#, rule("per-key"))),
+            route: Route::Fixed,
+        },
         Variant {
             id: "naive-rl",
             label: "naive limiter, the same rule (one shared-data entry per key: get + CAS set per request)".into(),
@@ -100,12 +107,6 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
     let fg = |config: String| wasm(&s.floodgate_wasm, config);
     let mut v = vec![
         Variant { id: "fg-empty", label: "floodgate `{}` (loaded, nothing configured)".into(), filter: fg("{}".into()), route: Route::Fixed },
-        Variant {
-            id: "fg-rl-onreject",
-            label: "floodgate: 1 rule, ratelimit_headers on_reject".into(),
-            filter: fg(format!(r#"{{"rate_limits": [{}], "ratelimit_headers": "on_reject"}}"#, rule("per-key"))),
-            route: Route::Fixed,
-        },
         Variant {
             id: "fg-rl2",
             label: "floodgate: 2 rules (x-api-key; source_ip)".into(),
@@ -327,6 +328,14 @@ pub struct Run {
     pub loadgen_busy: f64,
     /// Everything else on the machine (other processes), in CPUs.
     pub others_busy: f64,
+    /// Envoy's user-mode CPU nanoseconds per response (10 ms ticks: rougher than `cpu_ns_per_req`).
+    pub user_ns_per_req: f64,
+    /// Envoy's kernel-mode CPU nanoseconds per response (likewise).
+    pub system_ns_per_req: f64,
+    /// Envoy's minor page faults per response.
+    pub minor_faults_per_req: f64,
+    /// Envoy's context switches (all threads) per response.
+    pub switches_per_req: f64,
 }
 
 /// Waits (at most `max`) until the rest of the machine is quiet: less than a quarter of a CPU
@@ -355,9 +364,12 @@ pub async fn measure(envoy: &Envoy, load: &Load, s: &Settings) -> Run {
         load,
         Duration::from_secs_f64(s.warmup),
         Duration::from_secs_f64(s.seconds),
-        || (crate::envoy::cpu_ns_of(pid), crate::envoy::cpu_ns_of(std::process::id()), crate::envoy::machine_busy_ns()),
+        || (crate::envoy::cpu_ns_of(pid), crate::envoy::cpu_ns_of(std::process::id()), crate::envoy::machine_busy_ns(), KernelCounts::of(pid)),
     )
     .await;
+    let kernel = after.3.since(&before.3);
+    let completed = out.completed.max(1) as f64;
+    let per_request = |n: u64| n as f64 / completed;
     let machine = after.2.saturating_sub(before.2) as f64;
     let cpu = after.0.saturating_sub(before.0) as f64;
     let own = after.1.saturating_sub(before.1) as f64;
@@ -372,6 +384,10 @@ pub async fn measure(envoy: &Envoy, load: &Load, s: &Settings) -> Run {
         envoy_busy: cpu / elapsed_ns,
         loadgen_busy: own / elapsed_ns,
         others_busy: ((machine - cpu - own) / elapsed_ns).max(0.0),
+        user_ns_per_req: per_request(kernel.user_ns),
+        system_ns_per_req: per_request(kernel.system_ns),
+        minor_faults_per_req: per_request(kernel.minor_faults),
+        switches_per_req: per_request(kernel.context_switches),
     }
 }
 
@@ -490,6 +506,50 @@ fn table(group: &[Started]) -> Table {
     t
 }
 
+/// Where Envoy's CPU time went, per response (medians over rounds): user and kernel time, page
+/// faults, context switches. Instruction counts (measurement 1b) see none of the kernel's share.
+fn kernel_table(group: &[Started]) -> Table {
+    let mut t = Table::new(&["variant", "user µs/req", "system µs/req", "minor faults per 1 000 req", "context switches per 1 000 req"]);
+    for g in group {
+        let of = |f: fn(&Run) -> f64| median(&g.runs.iter().map(f).collect::<Vec<_>>());
+        t.row(vec![
+            format!("`{}`", g.variant.id),
+            format!("{:.2}", of(|r| r.user_ns_per_req) / 1000.0),
+            format!("{:.2}", of(|r| r.system_ns_per_req) / 1000.0),
+            format!("{:.1}", of(|r| r.minor_faults_per_req) * 1000.0),
+            format!("{:.1}", of(|r| r.switches_per_req) * 1000.0),
+        ]);
+    }
+    t
+}
+
+/// floodgate against the other rate limiters of the group (the naive design, `--extra-wasm`
+/// modules), round by round: the ratio of their CPU per request within each round (measured
+/// seconds to a minute apart), which does not carry the noise of a third variant's run (the
+/// ratios to "no filter" do).
+/// `None` when the group holds no such pair.
+fn head_to_head(group: &[Started]) -> Option<Table> {
+    let mut t = Table::new(&["floodgate", "against", "CPU/req ratio per round, median (range)", "rounds floodgate used less CPU"]);
+    let ours = group.iter().filter(|g| ["fg-rl", "fg-rl-onreject"].contains(&g.variant.id));
+    for a in ours {
+        for b in group.iter().filter(|g| g.variant.id == "naive-rl" || g.variant.id.starts_with("ext")) {
+            let ratios: Vec<f64> = a.runs.iter().zip(&b.runs).map(|(x, y)| x.cpu_ns_per_req / y.cpu_ns_per_req.max(1.0)).collect();
+            if ratios.is_empty() {
+                continue;
+            }
+            let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = ratios.iter().copied().fold(0.0, f64::max);
+            t.row(vec![
+                format!("`{}`", a.variant.id),
+                format!("`{}`", b.variant.id),
+                format!("{:.3} ({lo:.3}–{hi:.3})", median(&ratios)),
+                format!("{} of {}", ratios.iter().filter(|r| **r < 1.0).count(), ratios.len()),
+            ]);
+        }
+    }
+    (!t.is_empty()).then_some(t)
+}
+
 /// Measurement 1.
 pub async fn run(s: &Settings) {
     println!("## 1. CPU per request (Envoy: 1 worker pinned to core 0; load generator and upstreams on core {})\n", s.cpus.saturating_sub(1));
@@ -513,6 +573,10 @@ pub async fn run(s: &Settings) {
         s.connections, KEYS, s.rounds, s.seconds, s.warmup
     );
     println!("{}\n", table(&group).render());
+    if let Some(t) = head_to_head(&group) {
+        println!("Against other rate limiters, round by round:\n\n{}\n", t.render());
+    }
+    println!("Where Envoy's CPU time went (the kernel's counts for its process, medians over rounds):\n\n{}\n", kernel_table(&group).render());
     drop(group);
     let mut group = start_all(selected(s, grpc_variants(s)), s, upstreams, &traffic).await;
     if !group.is_empty() {
@@ -529,13 +593,14 @@ pub async fn run(s: &Settings) {
         return;
     }
     println!("### Where the time goes: diagnostic variants\n");
-    let base = main_variants(s).into_iter().filter(|v| v.id == "none" || v.id == "noop" || v.id == "fg-rl");
+    let base = main_variants(s).into_iter().filter(|v| ["none", "noop", "fg-rl", "fg-rl-onreject"].contains(&v.id));
     let variants: Vec<Variant> = base.chain(diagnostic_variants(s)).collect();
     let diag_rounds = s.rounds.div_ceil(2).clamp(2, 3);
     let mut group = start_all(selected(s, variants), s, upstreams, &traffic).await;
     rounds(&mut group, diag_rounds, load_for, s).await;
     println!("{diag_rounds} rounds, same method.\n");
     println!("{}\n", table(&group).render());
+    println!("Where Envoy's CPU time went:\n\n{}\n", kernel_table(&group).render());
     let median_of = |id: &str| {
         group
             .iter()

@@ -300,6 +300,75 @@ pub fn cpu_ns_of(pid: u32) -> u64 {
         .sum()
 }
 
+/// What the kernel counted for process `pid` so far: CPU time split into user and system
+/// (`/proc/<pid>/stat`, all threads, in clock ticks of 10 ms: Linux's `USER_HZ` is 100), page
+/// faults, and context switches summed over its threads (`/proc/<pid>/task/<tid>/status`).
+/// Where CPU time goes that instruction counts leave out: the kernel, and waiting.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KernelCounts {
+    /// User-mode CPU time, in nanoseconds (10 ms resolution).
+    pub user_ns: u64,
+    /// Kernel-mode CPU time, in nanoseconds (10 ms resolution).
+    pub system_ns: u64,
+    /// Minor page faults (no disk read).
+    pub minor_faults: u64,
+    /// Context switches, voluntary (the thread waited) and involuntary (it was preempted).
+    pub context_switches: u64,
+}
+
+impl KernelCounts {
+    /// Process `pid`'s counts now (zeros for what cannot be read).
+    pub fn of(pid: u32) -> KernelCounts {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let context_switches = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .map(|tasks| {
+                tasks
+                    .flatten()
+                    .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+                    .flat_map(|status| {
+                        status
+                            .lines()
+                            .filter(|l| l.starts_with("voluntary_ctxt_switches:") || l.starts_with("nonvoluntary_ctxt_switches:"))
+                            .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                            .collect::<Vec<_>>()
+                    })
+                    .sum()
+            })
+            .unwrap_or(0);
+        KernelCounts { context_switches, ..KernelCounts::from_stat(&stat) }
+    }
+
+    /// Times and faults from the text of `/proc/<pid>/stat` (context switches left at 0).
+    fn from_stat(stat: &str) -> KernelCounts {
+        const NS_PER_TICK: u64 = 10_000_000;
+        // The fields after the command name, which is in parentheses and may hold spaces.
+        let fields: Vec<u64> = stat
+            .rsplit_once(')')
+            .map_or("", |(_, rest)| rest)
+            .split_whitespace()
+            .map(|f| f.parse().unwrap_or(0))
+            .collect();
+        // proc(5) numbers them from 1 with the pid; here index 0 is field 3 (state).
+        let field = |n: usize| fields.get(n - 3).copied().unwrap_or(0);
+        KernelCounts {
+            user_ns: field(14) * NS_PER_TICK,
+            system_ns: field(15) * NS_PER_TICK,
+            minor_faults: field(10),
+            context_switches: 0,
+        }
+    }
+
+    /// The counts from `earlier` to `self`.
+    pub fn since(&self, earlier: &KernelCounts) -> KernelCounts {
+        KernelCounts {
+            user_ns: self.user_ns.saturating_sub(earlier.user_ns),
+            system_ns: self.system_ns.saturating_sub(earlier.system_ns),
+            minor_faults: self.minor_faults.saturating_sub(earlier.minor_faults),
+            context_switches: self.context_switches.saturating_sub(earlier.context_switches),
+        }
+    }
+}
+
 /// A blocking `GET` with `connection: close`; status and (de-chunked) body.
 pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
@@ -336,4 +405,30 @@ pub fn machine_busy_ns() -> u64 {
     // user nice system idle iowait irq softirq steal guest guest_nice
     let busy: u64 = fields.iter().enumerate().filter(|(i, _)| ![3, 4, 8, 9].contains(i)).map(|(_, v)| v).sum();
     busy * 10_000_000
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use super::KernelCounts;
+
+    #[test]
+    fn kernel_counts_read_the_fields_after_a_command_name_with_spaces_and_parentheses() {
+        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime ...
+        let stat = "4242 (envoy (main) x) S 1 4242 4242 0 -1 4194560 1234 0 5 0 250 75 0 0 20 0 14 0";
+        let counts = KernelCounts::from_stat(stat);
+        assert_eq!(counts.minor_faults, 1234);
+        assert_eq!(counts.user_ns, 2_500_000_000);
+        assert_eq!(counts.system_ns, 750_000_000);
+        assert_eq!(KernelCounts::from_stat("").user_ns, 0);
+    }
+
+    #[test]
+    fn kernel_counts_of_this_process_count_its_threads_switches_and_move_forward() {
+        let before = KernelCounts::of(std::process::id());
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let after = KernelCounts::of(std::process::id());
+        // Sleeping is a voluntary context switch.
+        assert!(after.since(&before).context_switches >= 1, "{before:?} -> {after:?}");
+    }
 }

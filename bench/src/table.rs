@@ -17,6 +17,11 @@ impl Table {
         self.rows.push(cells);
     }
 
+    /// Whether it has no rows.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
     /// Renders it, columns padded for reading in a terminal.
     pub fn render(&self) -> String {
         let n = self.header.len();
