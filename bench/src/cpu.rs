@@ -5,7 +5,7 @@
 
 use crate::envoy::{Envoy, Filter, KernelCounts, Route, Spec};
 use crate::load::{self, Load, Requests};
-use crate::table::{median, Table};
+use crate::table::{median, range, Table};
 use crate::{progress, Selection, Settings};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -488,8 +488,7 @@ fn table(group: &[Started]) -> Table {
     let mut t = Table::new(&["variant", "what", "CPU µs/req (median)", "× no filter (median; range)", "req/s", "p50 µs", "p99 µs", "Envoy busy", "others busy"]);
     for g in group {
         let cpu: Vec<f64> = g.runs.iter().map(|r| r.cpu_ns_per_req / 1000.0).collect();
-        let lo = g.ratios.iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = g.ratios.iter().copied().fold(0.0, f64::max);
+        let (lo, hi) = range(&g.ratios);
         let bad: u64 = g.runs.iter().map(|r| r.not_ok + r.errors).sum();
         t.row(vec![
             format!("`{}`", g.variant.id),
@@ -537,8 +536,7 @@ fn head_to_head(group: &[Started]) -> Option<Table> {
             if ratios.is_empty() {
                 continue;
             }
-            let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
-            let hi = ratios.iter().copied().fold(0.0, f64::max);
+            let (lo, hi) = range(&ratios);
             t.row(vec![
                 format!("`{}`", a.variant.id),
                 format!("`{}`", b.variant.id),
@@ -660,8 +658,7 @@ pub async fn keys(s: &Settings) {
         let noop = ratio_of("noop");
         for g in &group {
             let cpu: Vec<f64> = g.runs.iter().map(|r| r.cpu_ns_per_req / 1000.0).collect();
-            let lo = g.ratios.iter().copied().fold(f64::INFINITY, f64::min);
-            let hi = g.ratios.iter().copied().fold(0.0, f64::max);
+            let (lo, hi) = range(&g.ratios);
             let ratio = median(&g.ratios);
             t.row(vec![
                 keys.to_string(),
@@ -710,8 +707,7 @@ pub async fn latency(s: &Settings) {
         let (p50, p99) = (per_round(g, |r| r.p50), per_round(g, |r| r.p99));
         let added = |mine: &[f64], base: &[f64]| {
             let d: Vec<f64> = mine.iter().zip(base).map(|(a, b)| a - b).collect();
-            let lo = d.iter().copied().fold(f64::INFINITY, f64::min);
-            let hi = d.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let (lo, hi) = range(&d);
             format!("{:+.0} ({lo:+.0}…{hi:+.0})", median(&d))
         };
         t.row(vec![

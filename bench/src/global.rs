@@ -707,8 +707,7 @@ async fn cpu_and_commands(s: &Settings, redis: &Redis, sync: &Sync, upstream: So
         "non-200/errors",
     ]);
     for (p, &pace) in paces.iter().enumerate() {
-        let lo = ratios[p].iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = ratios[p].iter().copied().fold(0.0, f64::max);
+        let (lo, hi) = crate::table::range(&ratios[p]);
         for (i, (scope, _)) in fleets.iter().enumerate() {
             let rs = &runs[p][i];
             t.row(vec![

@@ -58,8 +58,7 @@ pub async fn run(s: &Settings) {
             per_second.push(ns / seconds / 1e6);
         }
         progress!("{}: {:?} CPU ms/s", v.id, per_second);
-        let lo = per_second.iter().copied().fold(f64::INFINITY, f64::min);
-        let hi = per_second.iter().copied().fold(0.0, f64::max);
+        let (lo, hi) = crate::table::range(&per_second);
         t.row(vec![format!("`{}`", v.id), v.label.clone(), format!("{:.2}", median(&per_second)), format!("{lo:.2}–{hi:.2}")]);
     }
     println!(

@@ -47,21 +47,25 @@ fn latest_dump(envoy: &Envoy) -> Option<std::path::PathBuf> {
     Some(dumps.pop()?.1)
 }
 
-/// The `totals:` of the newest callgrind dump in `dir`.
+/// The `totals:` of the newest callgrind dump in the Envoy's directory.
 pub fn latest_totals(envoy: &Envoy) -> Option<u64> {
-    let text = std::fs::read_to_string(latest_dump(envoy)?).ok()?;
+    totals(&latest_dump(envoy)?)
+}
+
+/// The `totals:` of callgrind dump `dump`.
+fn totals(dump: &std::path::Path) -> Option<u64> {
+    let text = std::fs::read_to_string(dump).ok()?;
     text.lines().find_map(|l| l.strip_prefix("totals:")?.split_whitespace().next()?.parse().ok())
 }
 
 /// With `FLOODGATE_BENCH_DUMPS=dir`, keeps the measured dump as `dir/<variant>.callgrind`, for
 /// `callgrind_annotate --inclusive=yes` (where the instructions go, function by function).
-fn keep_dump(envoy: &Envoy, variant: &str) {
+fn keep_dump(dump: &std::path::Path, variant: &str) {
     let Some(dir) = std::env::var_os("FLOODGATE_BENCH_DUMPS") else { return };
     let dir = std::path::PathBuf::from(dir);
-    let kept = latest_dump(envoy).and_then(|from| {
-        std::fs::create_dir_all(&dir).ok()?;
+    let kept = std::fs::create_dir_all(&dir).ok().and_then(|()| {
         let to = dir.join(format!("{variant}.callgrind"));
-        std::fs::copy(from, &to).ok().map(|_| to)
+        std::fs::copy(dump, &to).ok().map(|_| to)
     });
     match kept {
         Some(to) => progress!("{variant}: callgrind dump kept as {}", to.display()),
@@ -129,11 +133,11 @@ pub async fn run(s: &Settings) {
             continue;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let Some(total) = latest_totals(&envoy) else {
+        let Some((dump, total)) = latest_dump(&envoy).and_then(|dump| totals(&dump).map(|total| (dump, total))) else {
             println!("**{}**: no callgrind dump found; skipped\n", v.id);
             continue;
         };
-        keep_dump(&envoy, v.id);
+        keep_dump(&dump, v.id);
         let per = total as f64 / out.completed.max(1) as f64;
         progress!("{}: {} requests at {:.0}/s, {:.0} instructions/request", v.id, out.completed, out.throughput(), per);
         results.push((v, per));

@@ -68,6 +68,16 @@ pub fn median(values: &[f64]) -> f64 {
     }
 }
 
+/// The smallest and the largest of `values` (0 and 0 for none, as [`median`]).
+pub fn range(values: &[f64]) -> (f64, f64) {
+    if values.is_empty() {
+        return (0.0, 0.0);
+    }
+    let lo = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let hi = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (lo, hi)
+}
+
 /// Formats a count with thin thousands separators (`1 000 000`).
 pub fn count(n: u64) -> String {
     let s = n.to_string();
@@ -79,4 +89,17 @@ pub fn count(n: u64) -> String {
         out.push(ch);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{median, range};
+
+    #[test]
+    fn range_and_median_of_values_and_of_none() {
+        assert_eq!(range(&[1.2, -0.5, 3.0]), (-0.5, 3.0));
+        assert_eq!(range(&[]), (0.0, 0.0));
+        assert_eq!(median(&[3.0, 1.0, 2.0, 10.0]), 2.5);
+        assert_eq!(median(&[]), 0.0);
+    }
 }
