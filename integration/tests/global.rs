@@ -337,21 +337,28 @@ async fn costs_count_fleet_wide_in_global_scope() {
     // key to be refreshed (a proxy with no new deltas for it re-reads it within about a second)
     // and copied by its workers.
     let store = &redis;
-    let synced = |units: u64| async move {
+    let stored = |units: u64| async move {
         let deadline = Instant::now() + Duration::from_secs(10);
         while redis_total(&[store], hour_bucket()) < units && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    };
+    let synced = |units: u64| async move {
+        stored(units).await;
         tokio::time::sleep(Duration::from_millis(1500 + 3 * SYNC_INTERVAL_MS)).await;
         redis_total(&[store], hour_bucket())
     };
 
-    // A count in a request header: 40 + 40 on proxy A; proxy B's first request (1) makes it
-    // read the key's fleet count; then 30 more on B do not fit, 19 do, and A is refused too.
+    // A count in a request header: 40 + 40 on proxy A, in Redis before proxy B's first request
+    // (1), which makes B read the key's fleet count; then 30 more on B do not fit, 19 do, and A
+    // is refused too. (Were B's first read to race A's batch, B would see the others' part grow
+    // by 80 against its 1 and keep a share of the room too small for 19 while the key stays
+    // idle: see "Known limitation" in docs/global.md; not what this test checks.)
     let mut statuses = Vec::new();
     for cost in ["40", "40"] {
         statuses.push(send(a, "/units", ("x-cost", cost.into())).await.status);
     }
+    stored(80).await;
     statuses.push(send(b, "/units", ("x-cost", "1".into())).await.status);
     let in_redis = synced(81).await;
     let refused = send(b, "/units", ("x-cost", "30".into())).await;
