@@ -2,7 +2,7 @@
 # floodgate's benchmark tool: builds what it needs, then runs the measurements and prints tables
 # (markdown) on stdout, progress on stderr. See docs/benchmarks.md.
 #
-#   bench/run.sh [--quick] [--diagnose] [cpu|keys|latency|instructions|memory|accuracy|contention|idle|global|all] [options]
+#   bench/run.sh [--quick] [--diagnose] [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|all] [options]
 #
 # On a 2-core VM (2026-11-25) --quick took about 10 min, and 14 more for `global`; the full run
 # about 25 min before `global` (its parts timed one by one); --diagnose adds the
@@ -55,7 +55,7 @@ global=1
 for a in "$@"; do
   case "$a" in
     global|all) global=1; break ;;
-    cpu|keys|latency|instructions|memory|accuracy|contention|idle) global= ;;
+    cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle) global= ;;
   esac
 done
 redis=${REDIS_SERVER:-}

@@ -11,7 +11,6 @@ use crate::table::{count, Table};
 use crate::{progress, Settings};
 use floodgate::config::Config;
 use floodgate::key::KeyHasher;
-use floodgate::ratelimit::table::{fingerprint, Set, WAYS};
 use floodgate::ratelimit::window::{Counts, Window};
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
@@ -384,74 +383,4 @@ pub fn run(s: &Settings) {
     if !flood_notes.is_empty() {
         println!("Flood traces, the one-shot keys themselves:\n\n{}\n", flood_notes.join("\n"));
     }
-    println!("{}", flood_per_set(if s.quick { 2_000 } else { 10_000 }));
-}
-
-/// (c) What a flood of one-shot keys costs the other keys of a set, as a function of the
-/// flood's size per set and window (`one-shot keys per window / (capacity / 4)`): one set,
-/// floodgate's own table code, deterministic. A window bucket full of the flood, then part of
-/// the next (up to a uniformly random moment of it); an established key that sent 2 requests in
-/// the first bucket; then a brand-new key that sends 7 requests at once against a limit of 5.
-/// Reports how many of its 5 requests the new key lost to the over-count of its estimate, and
-/// how often the established key lost its entry (it is then counted by the overflow: never
-/// looser, over-counted by the sketch's noise).
-fn flood_per_set(trials: u64) -> String {
-    const NEW_KEY_LIMIT: u32 = 5;
-    let window = Window::new(NonZeroU64::new(WINDOW_MS).expect("window"));
-    let limit = NonZeroU32::new(NEW_KEY_LIMIT).expect("limit");
-    let mut rng = Rng(SplitMix64::new(0x05e7_50ff_100d));
-    let mut t = Table::new(&[
-        "one-shot keys per set and window",
-        "per window at capacity 16 384 (default)",
-        "new key gets 5 of 5",
-        "4 of 5",
-        "3 or fewer",
-        "established key lost its entry",
-    ]);
-    for per_set in [25u64, 50, 75, 100, 125, 150, 200, 300, 500] {
-        let (mut lost, mut evicted) = ([0u64; 3], 0u64);
-        for _ in 0..trials {
-            let mut set = Set::empty(0, 0);
-            let established = fingerprint(rng.0.next_u64());
-            set.add(established, 1, window, 0);
-            for n in 0..per_set {
-                set.add(fingerprint(rng.0.next_u64()), 1, window, n * WINDOW_MS / per_set);
-                if n == per_set / 2 {
-                    set.add(established, 1, window, n * WINDOW_MS / per_set);
-                }
-            }
-            let mut set = set.rolled_to(1);
-            let phase = rng.unit();
-            let elapsed_ms = (phase * WINDOW_MS as f64) as u64 % WINDOW_MS;
-            for n in 0..(phase * per_set as f64) as u64 {
-                set.add(fingerprint(rng.0.next_u64()), 1, window, n * WINDOW_MS / per_set);
-            }
-            evicted += u64::from(!set.is_resident(established));
-            let newcomer = fingerprint(rng.0.next_u64());
-            let mut admitted = 0u32;
-            for _ in 0..NEW_KEY_LIMIT + 2 {
-                if window.admits(set.counts_of(newcomer), elapsed_ms, 1, limit) {
-                    set.add(newcomer, 1, window, elapsed_ms);
-                    admitted += 1;
-                }
-            }
-            lost[(NEW_KEY_LIMIT.saturating_sub(admitted) as usize).min(2)] += 1;
-        }
-        let pct = |n: u64| format!("{:.2}%", 100.0 * n as f64 / trials as f64);
-        t.row(vec![
-            count(per_set),
-            count(per_set * 16_384 / WAYS as u64),
-            pct(lost[0]),
-            pct(lost[1]),
-            pct(lost[2]),
-            pct(evicted),
-        ]);
-    }
-    format!(
-        "**(c) Flood per set** ({} trials per row; the table code alone, one set: a full window bucket of flood, then \
-         part of the next, up to a random moment; an established key with 2 requests in the first bucket; then a \
-         brand-new key sends 7 requests at once against a limit of 5):\n\n{}\n",
-        count(trials),
-        t.render()
-    )
 }

@@ -2,13 +2,14 @@
 //! about time. Run it through `bench/run.sh`, which builds the modules and Envoy first.
 //!
 //! ```text
-//! floodgate-bench [cpu|instructions|memory|accuracy|contention|idle|global|all] [--quick] [options]
+//! floodgate-bench [cpu|instructions|memory|accuracy|flood|contention|idle|global|all] [--quick] [options]
 //! ```
 
 mod accuracy;
 mod contention;
 mod cpu;
 mod envoy;
+mod flood;
 mod global;
 mod idle;
 mod instructions;
@@ -56,7 +57,8 @@ pub struct Settings {
     /// (`quota`, `outage`, `cpu`, `instructions`, `modes`).
     pub only: Option<Vec<String>>,
     /// `memory`: floodgate's table capacity, and distinct keys up to 1.5 × it (default: the
-    /// default capacity, and keys up to 1 M).
+    /// default capacity, and keys up to 1 M); `flood`: the capacity of its real-Envoy runs
+    /// (default 1 024).
     pub capacity: Option<u32>,
     /// `cpu`, `instructions`: distinct `x-api-key` values of the main comparison, instead of
     /// each measurement's default (1: every request on one hot key).
@@ -80,7 +82,7 @@ pub enum Selection {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|contention|idle|global|all]... [--quick] [--rounds N] [--seconds S]\n\
+        "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|all]... [--quick] [--rounds N] [--seconds S]\n\
          \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N] [--keys N]\n\
          \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
          \x20      [--extra-wasm PATH [--extra-config STRING]]...\n\
@@ -131,7 +133,7 @@ fn main() {
     while let Some(a) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| usage());
         match a.as_str() {
-            "cpu" | "keys" | "latency" | "instructions" | "memory" | "accuracy" | "contention" | "idle" | "global" | "all" => what.push(a),
+            "cpu" | "keys" | "latency" | "instructions" | "memory" | "accuracy" | "flood" | "contention" | "idle" | "global" | "all" => what.push(a),
             "--quick" => s.quick = true,
             "--rounds" => s.rounds = value().parse().unwrap_or_else(|_| usage()),
             "--seconds" => s.seconds = value().parse().unwrap_or_else(|_| usage()),
@@ -165,7 +167,7 @@ fn main() {
         }
     }
     if what.is_empty() || what.iter().any(|w| w == "all") {
-        what = ["accuracy", "cpu", "keys", "latency", "instructions", "contention", "memory", "idle", "global"].map(String::from).to_vec();
+        what = ["accuracy", "flood", "cpu", "keys", "latency", "instructions", "contention", "memory", "idle", "global"].map(String::from).to_vec();
     }
     if s.rounds == 0 {
         s.rounds = if s.quick { 3 } else { 7 };
@@ -229,6 +231,7 @@ fn main() {
         let t = Instant::now();
         match w.as_str() {
             "accuracy" => accuracy::run(&s),
+            "flood" => rt.block_on(flood::run(&s)),
             "cpu" => rt.block_on(cpu::run(&s)),
             "keys" => rt.block_on(cpu::keys(&s)),
             "latency" => rt.block_on(cpu::latency(&s)),

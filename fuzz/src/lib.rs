@@ -23,7 +23,7 @@
 use floodgate::config::{Config, KeyPart, MissingKey};
 use floodgate::global::FleetHasher;
 use floodgate::key::{self, KeyHasher, Source};
-use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN, RECORD_VERSION, SHAPE_OFFSET};
+use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN, RECORD_LEN_TWO_DOORS, RECORD_VERSION, RECORD_VERSION_TWO_DOORS, SHAPE_OFFSET};
 use floodgate::ratelimit::window::Window;
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
@@ -488,7 +488,8 @@ const LIMITS: [u32; 6] = [1, 2, 5, 100, 65_536, u32::MAX];
 /// (u64), then the record bytes (a valid record is [`RECORD_LEN`] bytes).
 ///
 /// Checks: decoding never panics and refuses exactly what is truncated, padded or of another
-/// version; what it accepts re-encodes to the same bytes; the set's operations keep their
+/// version; what it accepts re-encodes to the same bytes (a record of the previous layout, to a
+/// record of this one that decodes to the same set); the set's operations keep their
 /// guarantees on any decoded values; through the limiter (the record planted under every key of
 /// a one-set rule), a record that does not decode is never trusted: it cannot refuse a request,
 /// and the write that admits it replaces it with a valid one; a refusal writes nothing; the
@@ -524,26 +525,31 @@ pub fn ratelimit_record(data: &[u8]) {
     let decoded = Set::decode(record);
     match &decoded {
         Ok(set) => {
-            assert_eq!(record.len(), RECORD_LEN);
             let encoded = set.encode();
-            let mut expected = record.to_vec();
-            expected[2] = 0;
-            expected[3] = 0;
-            assert_eq!(&encoded[..], &expected[..], "a decoded record re-encodes to its bytes");
+            if record[0] == RECORD_VERSION {
+                assert_eq!(record.len(), RECORD_LEN);
+                let mut expected = record.to_vec();
+                expected[2] = 0;
+                expected[3] = 0;
+                assert_eq!(&encoded[..], &expected[..], "a decoded record re-encodes to its bytes");
+            } else {
+                assert_eq!((record[0], record.len()), (RECORD_VERSION_TWO_DOORS, RECORD_LEN_TWO_DOORS));
+            }
             assert_eq!(Set::decode(&encoded).as_ref(), Ok(set));
             set_operations(set.clone(), fingerprint(key_hash), window, phase.bucket_index, phase.elapsed_ms);
         }
         Err(table::DecodeError::Length(len)) => {
             assert_eq!(*len, record.len());
-            assert_ne!(record.len(), RECORD_LEN);
+            assert!(record.len() != RECORD_LEN && record.len() != RECORD_LEN_TWO_DOORS);
         }
         Err(table::DecodeError::Version(version, ways)) => {
-            assert_eq!(record.len(), RECORD_LEN);
+            assert!(record.len() == RECORD_LEN || record.len() == RECORD_LEN_TWO_DOORS);
             assert_eq!((*version, *ways), (record[0], record[1]));
-            assert!(record[0] != RECORD_VERSION || usize::from(record[1]) != table::WAYS);
+            let known = if record.len() == RECORD_LEN { RECORD_VERSION } else { RECORD_VERSION_TWO_DOORS };
+            assert!(record[0] != known || usize::from(record[1]) != table::WAYS);
         }
         Err(table::DecodeError::Duplicate(fingerprint)) => {
-            assert_eq!(record.len(), RECORD_LEN);
+            assert!(record.len() == RECORD_LEN || record.len() == RECORD_LEN_TWO_DOORS);
             assert_ne!(*fingerprint, 0);
         }
     }

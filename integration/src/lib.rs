@@ -1245,6 +1245,44 @@ impl Response {
     }
 }
 
+/// A closed-loop load as fast as Envoy answers: `total` requests over `connections`
+/// keep-alive connections to `addr`, request `n` (each number sent once) carrying the headers
+/// `headers(n)`. Returns how many were answered with each status.
+pub async fn send_numbered(
+    addr: SocketAddr,
+    connections: usize,
+    total: u64,
+    headers: impl Fn(u64) -> Vec<(&'static str, String)> + Send + Sync + 'static,
+) -> BTreeMap<u16, u64> {
+    let next = Arc::new(AtomicU64::new(0));
+    let headers = Arc::new(headers);
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..connections {
+        let (next, headers) = (Arc::clone(&next), Arc::clone(&headers));
+        tasks.spawn(async move {
+            let mut statuses = BTreeMap::new();
+            let mut client = Client::connect(addr).await.expect("connect");
+            loop {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if n >= total {
+                    return statuses;
+                }
+                let owned = headers(n);
+                let pairs: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                let status = client.get("/", &pairs).await.map_or(0, |r| r.status);
+                *statuses.entry(status).or_insert(0) += 1;
+            }
+        });
+    }
+    let mut statuses = BTreeMap::new();
+    while let Some(done) = tasks.join_next().await {
+        for (status, n) in done.expect("load task") {
+            *statuses.entry(status).or_insert(0) += n;
+        }
+    }
+    statuses
+}
+
 /// A paced load: `rate` requests a second in all for `duration`, request `n` sent when it is
 /// due to proxy `n % proxies.len()` (round-robin) over `per_proxy` keep-alive connections to
 /// each (another is opened when all are busy). `request(n)` gives what makes request `n` on a

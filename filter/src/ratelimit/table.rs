@@ -9,39 +9,41 @@
 //!
 //! - [`WAYS`] **entries**: a fingerprint and its two exact counters. A key that owns an entry
 //!   ("resident") counts exactly on it.
-//! - an **overflow** per bucket for every other key: two *doorkeepers* (Bloom filters) that
-//!   absorb a key's first unit ([`DOOR_BITS`] bits, [`DOOR_HASHES`] per key) and its second
-//!   ([`SECOND_DOOR_BITS`] bits, [`SECOND_DOOR_HASHES`] per key), and a count-min *sketch* of
-//!   [`SKETCH_ROWS`] × [`SKETCH_COLUMNS`] saturating 32-bit cells (as wide as an entry's counters,
-//!   so an evicted key's counts always fit) with conservative update that counts the rest. A non-resident key's count in a bucket is estimated as
+//! - an **overflow** per bucket for every other key: a ladder of [`DOORS`] *doorkeepers* (Bloom
+//!   filters of [`DOOR_BITS`] bits, [`DOOR_HASHES`] per key), the first absorbing a key's first
+//!   unit, each next one its next unit, then a count-min *sketch* of [`SKETCH_ROWS`] ×
+//!   [`SKETCH_COLUMNS`] saturating 32-bit cells (as wide as an entry's counters, so an evicted
+//!   key's counts always fit) with conservative update for the units past the ladder. A
+//!   non-resident key's count in a bucket is estimated as
 //!
 //!   ```text
-//!   0                              its first doorkeeper's bits are not all set
-//!   1                              else, its second doorkeeper's bits are not all set
-//!   2 + min over rows of its cells otherwise
+//!   k                       if its bits are set in the first k doorkeepers and not in the next
+//!   ABSORBED + min over rows of its cells    if they are set in every doorkeeper
 //!   ```
 //!
-//!   Every structure only grows within a bucket, so the estimate is **never below the key's true
-//!   count** (Cormode and Muthukrishnan's count-min bound; conservative update, Estan and
-//!   Varghese 2002, keeps that bound and lowers the over-count). The doorkeepers keep the few
-//!   cells of the sketch for keys that really repeat: a one-shot key only reaches the sketch when
-//!   both doorkeepers mistake it for a repeat, and a newcomer promoted at its third request
-//!   (below) never reaches it.
+//!   where [`ABSORBED`] `= DOORS`. Every structure only grows within a bucket, and a key's
+//!   units always set the lowest doorkeeper its bits are not all set in, so the estimate is
+//!   **never below the key's true count** (Cormode and Muthukrishnan's count-min bound;
+//!   conservative update, Estan and Varghese 2002, keeps that bound and lowers the over-count).
+//!   A doorkeeper adds to a key's estimate only when all of its bits happen to be set by other
+//!   keys, a few times in a thousand at the documented flood size, where a sketch cell is
+//!   shared with an eighth of the keys: the ladder keeps a key's first units nearly exact
+//!   whatever the other keys of its set send, and leaves the sketch to keys that really repeat.
 //!
 //! **Admission (TinyLFU).** Einziger, Friedman and Manes, "TinyLFU: A Highly Efficient Cache
 //! Admission Policy" (2017), as Caffeine, Ristretto and moka apply it: a newcomer replaces an
 //! entry only when its frequency exceeds the victim's. Here a key's frequency is its count over
 //! the two buckets (`previous + current`, unweighted, so protection does not fade within the
 //! bucket after the key's last request); the victim is a free entry, or the resident with the
-//! lowest frequency. A newcomer's frequency is an over-estimate (a one-shot key the doorkeeper
-//! mistakes for a repeat gains one unit in each bucket, plus the sketch's noise), so it must beat
-//! the victim by [`PROMOTION_MARGIN`]: a key waits in the overflow, counted there, until then.
-//! When a non-resident key is admitted by the limit:
+//! lowest frequency. A newcomer's frequency is an over-estimate (a doorkeeper that mistakes it
+//! for a repeat adds one unit, the sketch its noise), so it must beat the victim by
+//! [`PROMOTION_MARGIN`]: a key waits in the overflow, counted there, until then. When a
+//! non-resident key is admitted by the limit:
 //!
 //! ```text
 //! candidate = overflow estimate of the key (both buckets) + the request's cost
 //! promote   ⇔  the victim is free  ∨  frequency(victim) + PROMOTION_MARGIN ≤ frequency(candidate)
-//! promoted: the victim's counters are added to the overflow; the key's entry starts at `candidate`
+//! promoted: the overflow's estimate of the victim is raised to its counters; the key's entry starts at `candidate`
 //! otherwise: the request's cost is added to the key's overflow counts
 //! ```
 //!
@@ -50,43 +52,49 @@
 //!   entered with its overflow estimate (never below its true count); a non-resident's estimate
 //!   is never below its true count, an evicted key's counters going into the overflow.
 //! - **an active key keeps an exact count**: a one-shot key has frequency 1 (one more per bucket
-//!   whose doorkeeper mistakes it for a repeat, plus the sketch's noise), so a resident that sent
-//!   2 or more requests in the two buckets is not replaced by one-shot keys unless the flood is
-//!   large enough for both buckets' doorkeepers to err on one key (docs/configuration.md,
-//!   *Sizing*, gives the measured rates), and a resident is only ever replaced by a key its set
-//!   has seen more often.
-//! - **a brand-new key gets its quota during a flood**: one-shot keys only set doorkeeper bits
-//!   (and, through the doorkeeper's false positives, a few sketch cells), so a new key's estimate
-//!   starts at 0, or at 1 + the sketch's noise when its bits happen to be set already: at most one
-//!   request short of its quota in the common case (docs/configuration.md, *Sizing*, gives the
-//!   measured rates).
+//!   whose first doorkeepers mistake it for a repeat), so a resident that sent 2 or more
+//!   requests in the two buckets is not replaced by one-shot keys unless the flood is large
+//!   enough for both buckets' doorkeepers to err on one key (docs/configuration.md, *Sizing*,
+//!   gives the measured rates), and a resident is only ever replaced by a key its set has seen
+//!   more often.
+//! - **a brand-new key gets its quota during a flood**: the flood's keys set doorkeeper bits,
+//!   and a new key's estimate starts above its true count only where every bit of a doorkeeper
+//!   is set by others: its first [`ABSORBED`] units are over-counted by one unit per such
+//!   doorkeeper, rarely more (docs/configuration.md, *Sizing*, gives the measured rates).
 //! - **a key at or near its limit is the last to be evicted** (lowest frequency goes first), and
 //!   an evicted key's counts stay in the overflow: no key escapes its limit through eviction.
 //! - A request that is refused writes nothing.
 //!
-//! What over-counts: a non-resident key's estimate carries the sketch's noise (other non-resident
-//! keys' counts sharing its cells in every row, and one-shot keys leaking through doorkeeper
-//! false positives), so it may be refused early; never admitted late.
+//! What over-counts: a non-resident key's estimate carries the doorkeepers' false positives and
+//! the sketch's noise (other non-resident keys' units past the ladder sharing its cells in
+//! every row), so it may be refused early; never admitted late.
 //!
 //! Record layout (little-endian, [`RECORD_LEN`] bytes): version `u8`, ways `u8`, 2 zero bytes,
 //! shape `u64` (a stamp of the rule's key, window and capacity: a record of another shape reads
 //! as empty), bucket index `u64`, per entry fingerprint `u64` (0 = free), previous `u32`,
-//! current `u32`, then the previous bucket's overflow and the current one's, each the two
-//! doorkeepers' bits ([`DOOR_BITS`] / 8 and [`SECOND_DOOR_BITS`] / 8 bytes) and the sketch cells
-//! (`u32` each, row-major). Everything is kept rolled to the same window bucket.
+//! current `u32`, then the previous bucket's overflow and the current one's, each every
+//! doorkeeper's bits in rank order ([`DOOR_BITS`] / 8 bytes each) and the sketch cells (`u32`
+//! each, row-major). Everything is kept rolled to the same window bucket. A record of the
+//! previous layout (version 2: two doorkeepers) is read as this one, never below what it
+//! counted ([`Set::decode`]).
 
 use super::window::{Counts, Window};
 
 /// Entries per set.
 pub const WAYS: usize = 4;
-/// First-unit doorkeeper bits per set and bucket.
-pub const DOOR_BITS: usize = 1024;
-/// First-unit doorkeeper bits set per key.
+/// Doorkeepers per set and bucket: the first absorbs a key's first unit, each next one its next
+/// unit; the sketch counts the units past them.
+pub const DOORS: usize = 5;
+/// Bits of each doorkeeper per set and bucket. A doorkeeper holds the keys that sent at least
+/// its rank of units: every key of a flood sets bits in the first, fewer keys reach the later
+/// ones, which are smaller. Sized so that a flood of 75 requests per set and window, however
+/// they are spread over its keys, fills no doorkeeper enough to add a unit to another key's
+/// estimate more than a few times in a thousand (docs/configuration.md, *Sizing*).
+pub const DOOR_BITS: [usize; DOORS] = [2048, 1024, 512, 512, 512];
+/// Bits a key sets in each doorkeeper.
 pub const DOOR_HASHES: usize = 3;
-/// Second-unit doorkeeper bits per set and bucket.
-pub const SECOND_DOOR_BITS: usize = 256;
-/// Second-unit doorkeeper bits set per key.
-pub const SECOND_DOOR_HASHES: usize = 2;
+/// A key's units the doorkeepers absorb before its sketch cells count the rest.
+pub const ABSORBED: u32 = DOORS as u32;
 /// Count-min rows per set and bucket.
 pub const SKETCH_ROWS: usize = 2;
 /// Count-min cells per row.
@@ -95,31 +103,51 @@ pub const SKETCH_COLUMNS: usize = 8;
 pub const PROMOTION_MARGIN: u64 = 2;
 
 /// The layout version written in the first byte of every record.
-pub const RECORD_VERSION: u8 = 2;
-// Positions are cut from one 64-bit hash by masks and shifts: sizes are powers of two, and the
-// positions of one key fit in the hash's bits.
-const _: () = assert!(
-    DOOR_BITS.is_power_of_two()
-        && SECOND_DOOR_BITS.is_power_of_two()
-        && SKETCH_COLUMNS.is_power_of_two()
-        && DOOR_HASHES * DOOR_BITS.trailing_zeros() as usize
-            + SECOND_DOOR_HASHES * SECOND_DOOR_BITS.trailing_zeros() as usize
-            + SKETCH_ROWS * SKETCH_COLUMNS.trailing_zeros() as usize
-            <= 64
-);
-const DOOR_MASK: u64 = DOOR_BITS as u64 - 1;
-const SECOND_DOOR_MASK: u64 = SECOND_DOOR_BITS as u64 - 1;
-const COLUMN_MASK: u64 = SKETCH_COLUMNS as u64 - 1;
-const DOOR_BYTES: usize = DOOR_BITS / 8;
-const SECOND_DOOR_BYTES: usize = SECOND_DOOR_BITS / 8;
+pub const RECORD_VERSION: u8 = 3;
+/// The previous layout's version (two doorkeepers, of 1 024 and 256 bits), read and converted
+/// ([`Set::decode`]).
+pub const RECORD_VERSION_TWO_DOORS: u8 = 2;
+const TWO_DOORS_BYTES: usize = (1024 + 256) / 8;
+
+/// Bits of all doorkeepers together.
+// Evaluated at compile time only: an overflow or an index out of range fails the build.
+#[allow(clippy::arithmetic_side_effects, clippy::indexing_slicing)]
+const fn door_bits_total() -> usize {
+    let mut total = 0;
+    let mut rank = 0;
+    while rank < DOORS {
+        total += DOOR_BITS[rank];
+        rank += 1;
+    }
+    total
+}
+
+/// Whether every doorkeeper's size is a power of two and a whole number of bytes (positions
+/// are cut from 64-bit hashes by masks and shifts).
+#[allow(clippy::arithmetic_side_effects, clippy::indexing_slicing)]
+const fn door_sizes_are_powers_of_two() -> bool {
+    let mut rank = 0;
+    while rank < DOORS {
+        if !DOOR_BITS[rank].is_power_of_two() || DOOR_BITS[rank] % 8 != 0 {
+            return false;
+        }
+        rank += 1;
+    }
+    true
+}
+
+const _: () = assert!(SKETCH_COLUMNS.is_power_of_two() && door_sizes_are_powers_of_two() && DOORS >= 2);
+const DOOR_BYTES: usize = door_bits_total() / 8;
 const SKETCH_CELLS: usize = SKETCH_ROWS * SKETCH_COLUMNS;
 const HEADER_LEN: usize = 4 + 8 + 8;
 /// Where the shape stamp sits in a record (after version, ways and 2 zero bytes).
 pub const SHAPE_OFFSET: usize = 4;
 const ENTRY_LEN: usize = 16;
-const OVERFLOW_LEN: usize = DOOR_BYTES + SECOND_DOOR_BYTES + 4 * SKETCH_CELLS;
+const OVERFLOW_LEN: usize = DOOR_BYTES + 4 * SKETCH_CELLS;
 /// Bytes of one encoded set.
 pub const RECORD_LEN: usize = HEADER_LEN + WAYS * ENTRY_LEN + 2 * OVERFLOW_LEN;
+/// Bytes of one encoded set of the previous layout.
+pub const RECORD_LEN_TWO_DOORS: usize = HEADER_LEN + WAYS * ENTRY_LEN + 2 * (TWO_DOORS_BYTES + 4 * SKETCH_CELLS);
 
 /// One key's counters in a set.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -136,155 +164,205 @@ impl Entry {
     }
 }
 
-/// The counts of the keys without an entry, for one window bucket: two doorkeepers and a
-/// conservative-update count-min sketch (module doc).
+/// The counts of the keys without an entry, for one window bucket: a ladder of doorkeepers and
+/// a conservative-update count-min sketch (module doc), kept as they are stored (every
+/// doorkeeper's bits in rank order, then the cells, `u32` little-endian, row-major), so that a
+/// record is read and written by copying, and only the positions a key uses are looked at.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Overflow {
-    door: [u8; DOOR_BYTES],
-    second_door: [u8; SECOND_DOOR_BYTES],
-    cells: [u32; SKETCH_CELLS],
-}
+pub struct Overflow([u8; OVERFLOW_LEN]);
 
 impl Default for Overflow {
     fn default() -> Self {
-        Overflow {
-            door: [0; DOOR_BYTES],
-            second_door: [0; SECOND_DOOR_BYTES],
-            cells: [0; SKETCH_CELLS],
-        }
+        Overflow([0; OVERFLOW_LEN])
     }
 }
 
-/// Where a fingerprint lands in an overflow: its bits in each doorkeeper and its cell in each
-/// row.
+/// Where a fingerprint lands in an overflow: its bits in each doorkeeper (positions in
+/// [`Overflow::doors`]) and its cell in each row.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Spots {
-    bits: [usize; DOOR_HASHES],
-    second_bits: [usize; SECOND_DOOR_HASHES],
+    bits: [[usize; DOOR_HASHES]; DOORS],
     cells: [usize; SKETCH_ROWS],
 }
 
-fn all_set(door: &[u8], bits: &[usize]) -> bool {
+fn all_set(doors: &[u8], bits: &[usize]) -> bool {
     bits.iter()
-        .all(|&bit| door.get(bit / 8).is_some_and(|byte| byte & (1 << (bit % 8)) != 0))
+        .all(|&bit| doors.get(bit / 8).is_some_and(|byte| byte & (1 << (bit % 8)) != 0))
 }
 
-/// Sets `bits` in `door`; false when they were all set already.
-fn set_all(door: &mut [u8], bits: &[usize]) -> bool {
-    if all_set(door, bits) {
+/// Sets `bits` in `doors`; false when they were all set already.
+fn set_all(doors: &mut [u8], bits: &[usize]) -> bool {
+    if all_set(doors, bits) {
         return false;
     }
     for &bit in bits {
-        if let Some(byte) = door.get_mut(bit / 8) {
+        if let Some(byte) = doors.get_mut(bit / 8) {
             *byte |= 1 << (bit % 8);
         }
     }
     true
 }
 
-impl Spots {
-    /// Positions from a fingerprint, through a mixing step (SplitMix64's finalizer), so that
-    /// they do not depend on the bits that chose the set.
-    fn of(fingerprint: u64) -> Spots {
-        let mut h = fingerprint ^ (fingerprint >> 30);
-        h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        h ^= h >> 27;
-        h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
-        h ^= h >> 31;
-        let mut bits = [0; DOOR_HASHES];
-        let mut rest = h;
-        for bit in &mut bits {
-            *bit = usize::try_from(rest & DOOR_MASK).unwrap_or(0);
-            rest = rest.wrapping_shr(DOOR_BITS.trailing_zeros());
+/// SplitMix64's finalizer: every output bit depends on every input bit.
+fn mix(mut h: u64) -> u64 {
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// Hash bits handed out a few at a time: a 64-bit word, low bits first, then the next word,
+/// drawn from the previous one by a mixing step.
+struct HashBits {
+    /// The word drawn last, whole.
+    drawn: u64,
+    /// What is left of it.
+    word: u64,
+    left: u32,
+}
+
+impl HashBits {
+    fn new(seed: u64) -> HashBits {
+        let drawn = mix(seed);
+        HashBits { drawn, word: drawn, left: 64 }
+    }
+
+    /// The next `width` bits (`width` ≤ 32) as a position, from one word.
+    fn take(&mut self, width: u32) -> usize {
+        if self.left < width {
+            self.drawn = mix(self.drawn ^ 0x9e37_79b9_7f4a_7c15);
+            self.word = self.drawn;
+            self.left = 64;
         }
-        let mut second_bits = [0; SECOND_DOOR_HASHES];
-        for bit in &mut second_bits {
-            *bit = usize::try_from(rest & SECOND_DOOR_MASK).unwrap_or(0);
-            rest = rest.wrapping_shr(SECOND_DOOR_BITS.trailing_zeros());
+        let value = self.word & 1u64.wrapping_shl(width).wrapping_sub(1);
+        self.word = self.word.wrapping_shr(width);
+        self.left = self.left.saturating_sub(width);
+        usize::try_from(value).unwrap_or(0)
+    }
+}
+
+impl Spots {
+    /// Positions from a fingerprint, through mixing steps, so that they do not depend on the
+    /// bits that chose the set.
+    fn of(fingerprint: u64) -> Spots {
+        let mut hash = HashBits::new(fingerprint);
+        let mut bits = [[0; DOOR_HASHES]; DOORS];
+        let mut offset = 0usize;
+        for (door, &size) in bits.iter_mut().zip(&DOOR_BITS) {
+            for bit in door {
+                *bit = offset.saturating_add(hash.take(size.trailing_zeros()));
+            }
+            offset = offset.saturating_add(size);
         }
         let mut cells = [0; SKETCH_ROWS];
         for (row, cell) in cells.iter_mut().enumerate() {
-            let column = usize::try_from(rest & COLUMN_MASK).unwrap_or(0);
-            rest = rest.wrapping_shr(SKETCH_COLUMNS.trailing_zeros());
+            let column = hash.take(SKETCH_COLUMNS.trailing_zeros());
             *cell = row.saturating_mul(SKETCH_COLUMNS).saturating_add(column);
         }
-        Spots {
-            bits,
-            second_bits,
-            cells,
-        }
+        Spots { bits, cells }
     }
 }
 
 impl Overflow {
+    fn doors(&self) -> &[u8] {
+        self.0.get(..DOOR_BYTES).unwrap_or_default()
+    }
+
+    fn doors_mut(&mut self) -> &mut [u8] {
+        self.0.get_mut(..DOOR_BYTES).unwrap_or_default()
+    }
+
+    /// Sketch cell `index` (row-major).
+    fn cell(&self, index: usize) -> u32 {
+        let at = DOOR_BYTES.saturating_add(index.saturating_mul(4));
+        self.0
+            .get(at..at.saturating_add(4))
+            .and_then(|bytes| <[u8; 4]>::try_from(bytes).ok())
+            .map_or(u32::MAX, u32::from_le_bytes)
+    }
+
+    /// Raises sketch cell `index` to at least `value`.
+    fn raise_cell(&mut self, index: usize, value: u32) {
+        if self.cell(index) >= value {
+            return;
+        }
+        let at = DOOR_BYTES.saturating_add(index.saturating_mul(4));
+        if let Some(bytes) = self.0.get_mut(at..at.saturating_add(4)) {
+            bytes.copy_from_slice(&value.to_le_bytes());
+        }
+    }
+
+    fn any_cell_counted(&self) -> bool {
+        self.0.iter().skip(DOOR_BYTES).any(|&byte| byte != 0)
+    }
 
     fn min_cell(&self, spots: &Spots) -> u32 {
-        spots
-            .cells
-            .iter()
-            .map(|&cell| self.cells.get(cell).copied().unwrap_or(u32::MAX))
-            .min()
-            .unwrap_or(0)
+        spots.cells.iter().map(|&cell| self.cell(cell)).min().unwrap_or(0)
     }
 
     /// The key's estimated count in this bucket: never below its true count.
     fn estimate(&self, spots: &Spots) -> u32 {
-        if !all_set(&self.door, &spots.bits) {
-            0
-        } else if !all_set(&self.second_door, &spots.second_bits) {
-            1
+        let doors = spots.bits.iter().take_while(|bits| all_set(self.doors(), bits.as_slice())).count();
+        if doors < DOORS {
+            u32::try_from(doors).unwrap_or(ABSORBED)
         } else {
-            self.min_cell(spots).saturating_add(2)
+            self.min_cell(spots).saturating_add(ABSORBED)
         }
     }
 
-    /// Counts `units` for the key: a unit sets its bits in the first doorkeeper whose bits are
-    /// not all set yet, the rest raise its cells to at least their minimum plus the units
-    /// (conservative update; saturating).
+    /// Counts `units` for the key: a unit sets its bits in the lowest doorkeeper where they are
+    /// not all set yet, the units left past the ladder raise its cells to at least their
+    /// minimum plus those units (conservative update; saturating).
     fn add(&mut self, spots: &Spots, units: u32) {
         let mut units = units;
-        if units > 0 && set_all(&mut self.door, &spots.bits) {
-            units = units.saturating_sub(1);
-        }
-        if units > 0 && set_all(&mut self.second_door, &spots.second_bits) {
-            units = units.saturating_sub(1);
+        for bits in &spots.bits {
+            if units > 0 && set_all(self.doors_mut(), bits) {
+                units = units.saturating_sub(1);
+            }
         }
         if units == 0 {
             return;
         }
         let raised = self.min_cell(spots).saturating_add(units);
         for &cell in &spots.cells {
-            if let Some(value) = self.cells.get_mut(cell) {
-                *value = (*value).max(raised);
-            }
+            self.raise_cell(cell, raised);
         }
     }
 
     /// Raises the key's estimate to at least `count` (an evicted entry's counts, which already
-    /// include what the overflow estimated for it when it entered): its doorkeeper bits set and
-    /// its cells raised to `count − 2`, never lowered. Adding the count instead would count
-    /// that entry estimate twice at every eviction, and a key that churns in and out would see
-    /// its estimate grow without bound.
+    /// include what the overflow estimated for it when it entered): its bits set in the first
+    /// `count` doorkeepers and its cells raised to `count − ABSORBED`, never lowered. Adding the
+    /// count instead would count that entry estimate twice at every eviction, and a key that
+    /// churns in and out would see its estimate grow without bound.
     fn raise_to(&mut self, spots: &Spots, count: u32) {
-        if count == 0 {
+        let ranks = usize::try_from(count).unwrap_or(usize::MAX);
+        for bits in spots.bits.iter().take(ranks) {
+            set_all(self.doors_mut(), bits);
+        }
+        if count <= ABSORBED {
             return;
         }
-        set_all(&mut self.door, &spots.bits);
-        if count == 1 {
-            return;
-        }
-        set_all(&mut self.second_door, &spots.second_bits);
-        let floor = count.saturating_sub(2);
+        let floor = count.saturating_sub(ABSORBED);
         for &cell in &spots.cells {
-            if let Some(value) = self.cells.get_mut(cell) {
-                *value = (*value).max(floor);
-            }
+            self.raise_cell(cell, floor);
         }
     }
 
     /// Bits set in the first doorkeeper, for sizing diagnostics.
     pub fn door_bits_set(&self) -> u32 {
-        self.door.iter().map(|byte| byte.count_ones()).sum()
+        let first = DOOR_BITS.first().map_or(0, |bits| bits / 8);
+        self.doors().iter().take(first).map(|byte| byte.count_ones()).sum()
+    }
+
+    /// Every bit of doorkeepers `ranks` set: a key whose bits are all set in the doorkeepers
+    /// below reads as having sent a unit in each of these.
+    fn fill_doors(&mut self, ranks: std::ops::Range<usize>) {
+        let start: usize = DOOR_BITS.iter().take(ranks.start).sum::<usize>() / 8;
+        let end: usize = DOOR_BITS.iter().take(ranks.end).sum::<usize>() / 8;
+        if let Some(bytes) = self.doors_mut().get_mut(start..end) {
+            bytes.fill(u8::MAX);
+        }
     }
 }
 
@@ -347,18 +425,25 @@ impl Set {
     }
 
     /// Reads a record, refusing anything truncated, padded, of another version, or with a key
-    /// owning two entries.
+    /// owning two entries. A record of the previous layout (two doorkeepers) keeps its entries
+    /// and its cells; its doorkeepers' bits, laid out otherwise, cannot say which keys they
+    /// hold, so each doorkeeper of this layout that stands for one of them holding anything is
+    /// full, and those past the second too when its cells counted anything (a key counted
+    /// `2 + cell` there reads `ABSORBED + cell` here): never below what it counted, and for at
+    /// most two window buckets over.
     pub fn decode(bytes: &[u8]) -> Result<Set, DecodeError> {
-        let record: &[u8; RECORD_LEN] = bytes
-            .try_into()
-            .map_err(|_| DecodeError::Length(bytes.len()))?;
-        let mut reader = Reader { bytes: record, at: 0 };
-        let version = reader.u8();
-        let ways = reader.u8();
-        reader.skip(2);
-        if version != RECORD_VERSION || usize::from(ways) != WAYS {
+        let version = bytes.first().copied().unwrap_or(0);
+        let ways = bytes.get(1).copied().unwrap_or(0);
+        let current_layout = match bytes.len() {
+            RECORD_LEN if version == RECORD_VERSION => true,
+            RECORD_LEN_TWO_DOORS if version == RECORD_VERSION_TWO_DOORS => false,
+            RECORD_LEN | RECORD_LEN_TWO_DOORS => return Err(DecodeError::Version(version, ways)),
+            len => return Err(DecodeError::Length(len)),
+        };
+        if usize::from(ways) != WAYS {
             return Err(DecodeError::Version(version, ways));
         }
+        let mut reader = Reader { bytes, at: 4 };
         let shape = reader.u64();
         let bucket_index = reader.u64();
         let mut entries = [Entry::default(); WAYS];
@@ -366,8 +451,11 @@ impl Set {
             entry.fingerprint = reader.u64();
             entry.counts = reader.counts();
         }
-        let previous = reader.overflow();
-        let current = reader.overflow();
+        let (previous, current) = if current_layout {
+            (reader.overflow(), reader.overflow())
+        } else {
+            (reader.two_doors_overflow(), reader.two_doors_overflow())
+        };
         for (i, entry) in entries.iter().enumerate() {
             let later = entries.iter().skip(i.saturating_add(1));
             if entry.fingerprint != 0 && later.clone().any(|e| e.fingerprint == entry.fingerprint) {
@@ -534,7 +622,7 @@ impl Set {
 }
 
 struct Reader<'a> {
-    bytes: &'a [u8; RECORD_LEN],
+    bytes: &'a [u8],
     at: usize,
 }
 
@@ -547,12 +635,6 @@ impl Reader<'_> {
         self.at = self.at.saturating_add(N);
         out
     }
-    fn skip(&mut self, n: usize) {
-        self.at = self.at.saturating_add(n);
-    }
-    fn u8(&mut self) -> u8 {
-        self.take::<1>()[0]
-    }
     fn u64(&mut self) -> u64 {
         u64::from_le_bytes(self.take())
     }
@@ -562,14 +644,29 @@ impl Reader<'_> {
         Counts { previous, current }
     }
     fn overflow(&mut self) -> Overflow {
-        let mut overflow = Overflow {
-            door: self.take(),
-            second_door: self.take(),
-            ..Overflow::default()
-        };
-        for cell in &mut overflow.cells {
-            *cell = u32::from_le_bytes(self.take());
+        Overflow(self.take())
+    }
+
+    /// An overflow of the previous layout, converted ([`Set::decode`]).
+    fn two_doors_overflow(&mut self) -> Overflow {
+        let first: [u8; 1024 / 8] = self.take();
+        let second: [u8; 256 / 8] = self.take();
+        let cells: [u8; 4 * SKETCH_CELLS] = self.take();
+        let mut overflow = Overflow::default();
+        if let Some(stored) = overflow.0.get_mut(DOOR_BYTES..) {
+            stored.copy_from_slice(&cells);
         }
+        let holds = |bytes: &[u8]| bytes.iter().any(|&byte| byte != 0);
+        let ranks = if overflow.any_cell_counted() {
+            DOORS
+        } else if holds(&second) {
+            2
+        } else if holds(&first) {
+            1
+        } else {
+            0
+        };
+        overflow.fill_doors(0..ranks);
         overflow
     }
 }
@@ -592,11 +689,7 @@ impl Writer<'_> {
         self.put(&counts.current.to_le_bytes());
     }
     fn overflow(&mut self, overflow: &Overflow) {
-        self.put(&overflow.door);
-        self.put(&overflow.second_door);
-        for cell in &overflow.cells {
-            self.put(&cell.to_le_bytes());
-        }
+        self.put(&overflow.0);
     }
 }
 
@@ -808,6 +901,78 @@ mod tests {
         assert!(exact as f64 >= 0.95 * trials as f64, "{over_by:?}");
         assert!(((two + more) as f64) <= 0.002 * trials as f64, "{over_by:?}");
         assert!(one > 0, "the doorkeeper does have false positives: {over_by:?}");
+    }
+
+    /// The flood the docs size the table for: 75 requests per set and window (300 000 a
+    /// minute at the default capacity) from keys that each send `repeats` of them.
+    const FLOOD_REQUESTS_PER_SET: u64 = 75;
+
+    /// Whatever each key of such a flood sends, a brand-new key's count stays exact as it
+    /// sends its first [`ABSORBED`] units in all but a few sets in a thousand, and is then one
+    /// over: the doorkeeper a key's k-th unit sets holds at most 75 / k of the flood's keys.
+    #[test]
+    fn a_flood_of_keys_that_repeat_leaves_new_keys_their_quota() {
+        let trials = 2000u64;
+        for repeats in [1u64, 2, 3, 4, 8] {
+            let keys = FLOOD_REQUESTS_PER_SET / repeats;
+            let mut over_by = [0u64; 3];
+            for trial in 0..trials {
+                let mut set = Set::empty(0, 0);
+                let base = (repeats * trials + trial) * 1_000_000;
+                for n in 0..keys * repeats {
+                    add(&mut set, key(base + n % keys), 1);
+                }
+                let newcomer = key(base + 999_999);
+                let mut worst = 0;
+                for sent in 0..ABSORBED {
+                    worst = worst.max(set.counts_of(newcomer).current - sent);
+                    add(&mut set, newcomer, 1);
+                }
+                over_by[(worst as usize).min(2)] += 1;
+            }
+            assert!(over_by[0] as f64 >= 0.99 * trials as f64, "{repeats} requests per key: {over_by:?}");
+            assert!(over_by[2] as f64 <= 0.001 * trials as f64, "{repeats} requests per key: {over_by:?}");
+        }
+    }
+
+    /// A record of the previous layout: every entry as it was, and every key's estimate at
+    /// least the most that layout could have said of it (0 with nothing stored, 1 with only
+    /// its first doorkeeper's bits, 2 with its second's, `2 + cell` with cells).
+    #[test]
+    fn a_record_of_the_previous_layout_keeps_its_entries_and_never_counts_less() {
+        let entry = Entry { fingerprint: key(1), counts: Counts { previous: 3, current: 7 } };
+        let two_doors = |first: u8, second: u8, cell: u32| {
+            let mut bytes = vec![RECORD_VERSION_TWO_DOORS, WAYS as u8, 0, 0];
+            bytes.extend_from_slice(&0xabcu64.to_le_bytes());
+            bytes.extend_from_slice(&77u64.to_le_bytes());
+            bytes.extend_from_slice(&entry.fingerprint.to_le_bytes());
+            bytes.extend_from_slice(&entry.counts.previous.to_le_bytes());
+            bytes.extend_from_slice(&entry.counts.current.to_le_bytes());
+            bytes.extend_from_slice(&[0; (WAYS - 1) * ENTRY_LEN]);
+            bytes.extend_from_slice(&[0; TWO_DOORS_BYTES + 4 * SKETCH_CELLS]);
+            bytes.extend_from_slice(&[first; 1024 / 8]);
+            bytes.extend_from_slice(&[second; 256 / 8]);
+            for _ in 0..SKETCH_CELLS {
+                bytes.extend_from_slice(&cell.to_le_bytes());
+            }
+            assert_eq!(bytes.len(), RECORD_LEN_TWO_DOORS);
+            Set::decode(&bytes).unwrap()
+        };
+        for (first, second, cell, at_least) in [(0, 0, 0, 0), (0x10, 0, 0, 1), (0xff, 0x01, 0, 2), (0xff, 0xff, 9, 11)] {
+            let set = two_doors(first, second, cell);
+            assert_eq!((set.shape, set.bucket_index, set.entries[0]), (0xabc, 77, entry));
+            assert_eq!(set.previous, Overflow::default());
+            for n in 2..200 {
+                assert!(set.counts_of(key(n)).current >= at_least, "{first:#x} {second:#x} {cell}");
+            }
+            if at_least == 0 {
+                assert_eq!(set.current, Overflow::default());
+            }
+        }
+        let mut other_version = two_doors(0, 0, 0).encode();
+        assert_eq!(Set::decode(&other_version).map(|s| s.entries[0]), Ok(entry), "written back in this layout");
+        other_version[0] = RECORD_VERSION_TWO_DOORS;
+        assert_eq!(Set::decode(&other_version), Err(DecodeError::Version(RECORD_VERSION_TWO_DOORS, WAYS as u8)));
     }
 
     proptest! {
