@@ -10,14 +10,14 @@
 use crate::table::{count, Table};
 use crate::{progress, Settings};
 use floodgate::config::Config;
-use floodgate::key::KeyHasher;
+use floodgate::keys::KeyHasher;
 use floodgate::ratelimit::window::{Counts, Window};
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
-use floodgate::shed::HEARTBEAT_MS;
-use floodgate::select::shuffle::{Random, SplitMix64};
-use floodgate::store::MemoryStore;
-use floodgate::time::UnixMillis;
+use floodgate::primitives::inflight::HEARTBEAT_MS;
+use floodgate::selection::shuffle::{Random, SplitMix64};
+use floodgate::primitives::store::MemoryStore;
+use floodgate::primitives::time::UnixMillis;
 use std::collections::VecDeque;
 use std::num::{NonZeroU32, NonZeroU64};
 

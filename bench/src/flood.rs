@@ -21,13 +21,13 @@ use crate::load::{self, Conn, Load, Requests};
 use crate::table::{count, Table};
 use crate::{progress, Settings};
 use floodgate::config::{Config, DEFAULT_CAPACITY};
-use floodgate::key::KeyHasher;
+use floodgate::keys::KeyHasher;
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::table::WAYS;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
-use floodgate::shed::HEARTBEAT_MS;
-use floodgate::store::MemoryStore;
-use floodgate::time::UnixMillis;
+use floodgate::primitives::inflight::HEARTBEAT_MS;
+use floodgate::primitives::store::MemoryStore;
+use floodgate::primitives::time::UnixMillis;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

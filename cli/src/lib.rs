@@ -8,7 +8,7 @@
 //! proxy accept and refuse the same configurations with the same field-named messages.
 //! [`run`] is the command line itself.
 
-use floodgate::bulkhead::Partitioner;
+use floodgate::selection::partition::Partitioner;
 use floodgate::config::{Config, KeyPart};
 use serde::Deserialize;
 use serde_json::{Map, Value};

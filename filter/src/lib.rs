@@ -15,22 +15,15 @@
 //! shell, compiled for wasm only.
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
-pub mod bulkhead;
 pub mod config;
 pub mod global;
-pub mod grpc;
-pub mod headers;
-pub mod key;
+pub mod keys;
 pub mod lease;
-pub mod lag;
+pub mod primitives;
 pub mod ratelimit;
-pub mod reserve;
-pub mod response;
-pub mod rules;
-pub mod select;
-pub mod shed;
-pub mod store;
-pub mod time;
+pub mod replies;
+pub mod selection;
+pub mod shedding;
 
 #[cfg(target_arch = "wasm32")]
 mod host;

@@ -98,8 +98,8 @@ fn every_entry_point_is_a_fuzz_target() {
 /// not trusted (counted as dead and dropped at the next publish).
 #[test]
 fn an_in_flight_entry_from_the_future_does_not_count_forever() {
-    use floodgate::shed::{InFlight, VmEntry, STALE_AFTER_MS};
-    use floodgate::time::MonoMillis;
+    use floodgate::primitives::inflight::{InFlight, VmEntry, STALE_AFTER_MS};
+    use floodgate::primitives::time::MonoMillis;
     let now = MonoMillis(1_700_000_000_000);
     let record = InFlight {
         entries: vec![VmEntry { vm: 9, in_flight: 1_000, heartbeat: MonoMillis(u64::MAX) }],

@@ -22,16 +22,17 @@
 
 use floodgate::config::{Config, KeyPart, MissingKey};
 use floodgate::global::FleetHasher;
-use floodgate::key::{self, KeyHasher, Source};
+use floodgate::keys::{self, KeyHasher, Source};
 use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN, RECORD_LEN_TWO_DOORS, RECORD_VERSION, RECORD_VERSION_TWO_DOORS, SHAPE_OFFSET};
 use floodgate::ratelimit::window::Window;
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
-use floodgate::response::{self, Reply};
-use floodgate::reserve::LocalCount;
-use floodgate::shed::{self, InFlight, Shedder, MAX_VMS, STALE_AFTER_MS};
-use floodgate::store::{Cas, SharedStore, StoreError, Stored, TOKEN_KEY};
-use floodgate::time::{MonoMillis, UnixMillis};
+use floodgate::replies::{self, Reply};
+use floodgate::primitives::inflight::LocalCount;
+use floodgate::primitives::inflight::{self, InFlight, MAX_VMS, STALE_AFTER_MS};
+use floodgate::shedding::Shedder;
+use floodgate::primitives::store::{Cas, SharedStore, StoreError, Stored, TOKEN_KEY};
+use floodgate::primitives::time::{MonoMillis, UnixMillis};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::num::{NonZeroU32, NonZeroU64};
@@ -91,7 +92,7 @@ impl<'a> Input<'a> {
 /// a header (no CR, LF or NUL), and a JSON body.
 /// The gRPC form of a refusal: a status other than OK, one line, a pushback of the wait.
 fn check_grpc_reply(reply: &Reply, config: &Config) {
-    let grpc = floodgate::grpc::reply(reply, &config.grpc).expect("a refusal has a gRPC form");
+    let grpc = floodgate::replies::grpc::reply(reply, &config.grpc).expect("a refusal has a gRPC form");
     assert_ne!(grpc.status, floodgate::config::GrpcStatus::OK);
     assert!(!grpc.message.contains(['\r', '\n']), "{:?}", grpc.message);
     let pushback: u64 = grpc.metadata.first().expect("pushback first").1.parse().expect("pushback is an integer");
@@ -241,9 +242,9 @@ fn accepted_config(config: &Config) {
     assert_eq!(limiter.tables().len(), config.rate_limits.len());
     // The rules' conditions, limits and costs compile, and answer for a request with every
     // attribute a rule can read, and for one with none.
-    let rules = floodgate::rules::Rules::new(config, &KeyHasher::new([0x5a; 16]));
+    let rules = floodgate::ratelimit::rules::Rules::new(config, &KeyHasher::new([0x5a; 16]));
     struct Everything;
-    impl floodgate::rules::Attributes for Everything {
+    impl floodgate::ratelimit::rules::Attributes for Everything {
         fn get(&self, name: &str) -> Option<std::borrow::Cow<'_, [u8]>> {
             Some(std::borrow::Cow::Owned(match name {
                 ":path" => b"/users/1/orders?x=1".to_vec(),
@@ -254,13 +255,13 @@ fn accepted_config(config: &Config) {
         }
     }
     struct Nothing;
-    impl floodgate::rules::Attributes for Nothing {
+    impl floodgate::ratelimit::rules::Attributes for Nothing {
         fn get(&self, _: &str) -> Option<std::borrow::Cow<'_, [u8]>> {
             None
         }
     }
     for rule in 0..config.rate_limits.len() {
-        for request in [&Everything as &dyn floodgate::rules::Attributes, &Nothing] {
+        for request in [&Everything as &dyn floodgate::ratelimit::rules::Attributes, &Nothing] {
             let _ = rules.applies(rule, request);
             let _ = rules.limit(rule, 42, request);
             let _ = rules.admission(rule, request);
@@ -276,10 +277,10 @@ fn accepted_config(config: &Config) {
     }
 
     if let Some(shedding) = &config.load_shedding {
-        let classes = floodgate::shed::Classes::new(shedding);
+        let classes = floodgate::shedding::Classes::new(shedding);
         assert_eq!(classes.class_of(None), classes.default_class);
         assert_eq!(classes.name(classes.default_class), shedding.default_class.as_str());
-        let lag = floodgate::lag::LagMonitor::new(shedding);
+        let lag = floodgate::shedding::lag::LagMonitor::new(shedding);
         assert_eq!(lag.is_some(), shedding.max_loop_lag.is_some());
         if let Some(lag) = lag {
             for class in 0..shedding.classes.len() {
@@ -307,24 +308,24 @@ fn accepted_config(config: &Config) {
         let full = health_of(&shedder, max);
         assert_eq!(full.status, 503, "a full proxy is overloaded");
         check_reply(&full);
-        let shed = response::shed(&shedder, &floodgate::shed::Shed { in_flight: max, class: shedder.default_class, contention: false });
+        let shed = replies::shed(&shedder, &floodgate::shedding::Shed { in_flight: max, class: shedder.default_class, contention: false });
         check_reply(&shed);
         check_grpc_reply(&shed, config);
         } else {
             assert!(shedding.max_active_requests.is_none(), "an in-flight limit makes a shedder");
         }
     } else {
-        check_reply(&response::health(&response::LocalLoad::default(), None));
+        check_reply(&replies::health(&replies::LocalLoad::default(), None));
     }
     if let Some(health) = &config.health {
         assert!(health.path.starts_with('/') && !health.path.contains(['?', '#']));
     }
 
     // The first request, every attribute present, on empty shared data: admitted by every rule.
-    let store = floodgate::store::MemoryStore::new();
+    let store = floodgate::primitives::store::MemoryStore::new();
     let hasher = KeyHasher::new([0x5a; 16]);
     let mut skipped = Vec::new();
-    let probes = key::probes(config, &hasher, Some(&FleetHasher::new(None)), |_| Some(b"10.0.0.1:1234".to_vec()), &mut skipped);
+    let probes = keys::probes(config, &hasher, Some(&FleetHasher::new(None)), |_| Some(b"10.0.0.1:1234".to_vec()), &mut skipped);
     assert!(skipped.is_empty(), "every part is present");
     assert_eq!(probes.len(), config.rate_limits.len());
     let now = UnixMillis(1_700_000_000_123);
@@ -332,7 +333,7 @@ fn accepted_config(config: &Config) {
         Verdict::Admitted { standings, evictions } => {
             assert_eq!(standings.len(), probes.len());
             assert!(evictions.is_empty());
-            if let Some((policy, fields)) = response::admitted_fields(&limiter, &standings) {
+            if let Some((policy, fields)) = replies::admitted_fields(&limiter, &standings) {
                 assert!(!policy.contains(['\r', '\n']) && !fields.contains(['\r', '\n']));
             }
         }
@@ -394,7 +395,7 @@ pub fn key(data: &[u8]) {
     };
 
     for raw in values.iter().flatten() {
-        let ip = key::strip_port(raw);
+        let ip = keys::strip_port(raw);
         assert!(raw.windows(ip.len().max(1)).any(|w| w == ip) || ip.is_empty(), "a port strip is a substring");
         let path = KeyPart::Path.normalize(raw);
         assert!(raw.starts_with(path) && !path.contains(&b'?'), "a path loses its query only");
@@ -404,7 +405,7 @@ pub fn key(data: &[u8]) {
     let mut asked = Vec::new();
     let mut skipped = Vec::new();
     let fleet = FleetHasher::new(Some("fuzzing-fleet-secret"));
-    let probes = key::probes(
+    let probes = keys::probes(
         config,
         &hasher,
         Some(&fleet),
@@ -450,14 +451,14 @@ pub fn key(data: &[u8]) {
         }
     }
     let mut again = Vec::new();
-    assert_eq!(key::probes(config, &hasher, Some(&fleet), value_of, &mut again), probes, "deterministic");
+    assert_eq!(keys::probes(config, &hasher, Some(&fleet), value_of, &mut again), probes, "deterministic");
 
-    let classes = floodgate::shed::Classes::new(config.load_shedding.as_ref().expect("shedding"));
+    let classes = floodgate::shedding::Classes::new(config.load_shedding.as_ref().expect("shedding"));
     let priority = values[5].as_deref();
     assert!(classes.class_of(priority) < classes.names.len());
 
     let limiter = Limiter::new(config, "fuzz");
-    let store = floodgate::store::MemoryStore::new();
+    let store = floodgate::primitives::store::MemoryStore::new();
     let now = UnixMillis(1_700_000_000_500);
     match limiter.check(&store, &mut Reserves::new(), &probes, now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings.len(), probes.len()),
@@ -467,7 +468,7 @@ pub fn key(data: &[u8]) {
     match &second {
         Verdict::Rejected { violations } => {
             assert_eq!(violations.len(), probes.len(), "limit 1: every rule refuses the second");
-            let reply = response::rate_limited(&limiter, &second, now).expect("a 429");
+            let reply = replies::rate_limited(&limiter, &second, now).expect("a 429");
             assert_eq!(reply.status, 429);
             check_reply(&reply);
         }
@@ -565,7 +566,7 @@ pub fn ratelimit_record(data: &[u8]) {
     match &verdict {
         Verdict::Admitted { standings, .. } => {
             assert_eq!(standings.len(), 1);
-            if let Some((policy, fields)) = response::admitted_fields(&limiter, standings) {
+            if let Some((policy, fields)) = replies::admitted_fields(&limiter, standings) {
                 assert!(!policy.contains(['\r', '\n']) && !fields.contains(['\r', '\n']));
             }
             if !with_faults && store.planted_cas {
@@ -583,7 +584,7 @@ pub fn ratelimit_record(data: &[u8]) {
         }
         Verdict::Rejected { violations } => {
             assert!(!violations.is_empty());
-            let reply = response::rate_limited(&limiter, &verdict, now).expect("a 429");
+            let reply = replies::rate_limited(&limiter, &verdict, now).expect("a 429");
             check_reply(&reply);
             if let Some(at) = verdict.retry_at() {
                 assert!(at >= now, "retry_at {at:?} before now {now:?}");
@@ -691,7 +692,7 @@ pub fn inflight_record(data: &[u8]) {
             assert!(reencoded.entries.len() <= MAX_VMS);
             record_operations(inflight.clone(), vm, now);
         }
-        Err(shed::DecodeError::Malformed) => {
+        Err(inflight::DecodeError::Malformed) => {
             let well_formed = record.len() >= 4
                 && record[0] == 1
                 && record.len() == 4 + 20 * usize::from(record[1]);
@@ -722,7 +723,7 @@ pub fn inflight_record(data: &[u8]) {
                     (local.held(), now),
                     "the VM's units, its reserve included"
                 );
-                assert!((1..=1 + floodgate::reserve::RESERVE_MAX).contains(&own[0].in_flight));
+                assert!((1..=1 + floodgate::primitives::inflight::RESERVE_MAX).contains(&own[0].in_flight));
                 assert!(written.entries.len() <= MAX_VMS);
                 assert!(written.total(now) >= 1);
             }
@@ -745,7 +746,7 @@ pub fn inflight_record(data: &[u8]) {
                     assert!(shed.in_flight >= threshold, "shed below the threshold: {shed:?}");
                 }
             }
-            check_reply(&response::shed(&shedder, &shed));
+            check_reply(&replies::shed(&shedder, &shed));
         }
     }
     let total = shedder.heartbeat(&store, vm, &local, now);
@@ -760,7 +761,7 @@ fn record_operations(mut record: InFlight, vm: u64, now: MonoMillis) {
     assert!(others <= total);
     let later = now.plus_ms(STALE_AFTER_MS);
     let _ = record.needs_heartbeat(vm, 0, now);
-    let _ = shed::admits(&record, vm, 0, 1, now);
+    let _ = inflight::admits(&record, vm, 0, 1, now);
     if record.publish(vm, 3, now) {
         assert_eq!(record.entries.iter().filter(|e| e.vm == vm).count(), 1);
         assert!(record.total(now) >= 3);
@@ -787,9 +788,9 @@ fn record_operations(mut record: InFlight, vm: u64, now: MonoMillis) {
 /// a well-formed `503`. With faults, only the absence of panics and the local count back at
 /// zero are required.
 pub fn cluster_record(data: &[u8]) {
-    use floodgate::select::record::ClusterRecord;
-    use floodgate::select::shuffle::SplitMix64;
-    use floodgate::select::{Selector, Timing, VmState};
+    use floodgate::selection::record::ClusterRecord;
+    use floodgate::selection::shuffle::SplitMix64;
+    use floodgate::selection::{Selector, Timing, VmState};
 
     let mut input = Input { data };
     let now = MonoMillis(input.u64());
@@ -855,7 +856,7 @@ pub fn cluster_record(data: &[u8]) {
                     locals[0].held(),
                     "the VM's units, its reserve included"
                 );
-                assert!((1..=1 + floodgate::reserve::RESERVE_MAX).contains(&own[0].in_flight));
+                assert!((1..=1 + floodgate::primitives::inflight::RESERVE_MAX).contains(&own[0].in_flight));
             }
             let timing = Timing { request_end: Some(now), response_headers: Some(now.plus_ms(status.into())) };
             let outcome = selector.classify(&lease, Some(status), response_flags, timing);
@@ -880,7 +881,7 @@ pub fn cluster_record(data: &[u8]) {
             if !with_faults && store.planted_cas {
                 assert!(decoded.is_ok(), "a record that does not decode refused a lease: {exhausted:?}");
             }
-            check_reply(&response::no_capacity(&selector, &exhausted));
+            check_reply(&replies::no_capacity(&selector, &exhausted));
         }
     }
     for cluster in selector
@@ -894,6 +895,6 @@ pub fn cluster_record(data: &[u8]) {
 }
 
 /// The health endpoint's answer for an in-flight count alone.
-fn health_of(shedder: &Shedder, in_flight: u32) -> response::Reply {
-    response::health(&response::LocalLoad { in_flight: Some((shedder, in_flight)), lag: None }, None)
+fn health_of(shedder: &Shedder, in_flight: u32) -> replies::Reply {
+    replies::health(&replies::LocalLoad { in_flight: Some((shedder, in_flight)), lag: None }, None)
 }

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use floodgate::bulkhead::Partitioner;
+use floodgate::selection::partition::Partitioner;
 use floodgate::config::Config;
 use floodgate_integration::faults::{hang_up, HangUp, UpstreamProcess};
 use floodgate_integration::*;

@@ -72,7 +72,7 @@ pub struct LoadShedding {
     /// Proxy-wide (all workers) in-flight limit.
     #[serde(default)]
     pub max_active_requests: Option<Positive>,
-    /// Shed on a worker while its event loop runs its timer this late ([`crate::lag`]).
+    /// Shed on a worker while its event loop runs its timer this late ([`crate::shedding::lag`]).
     #[serde(default)]
     pub max_loop_lag: Option<DurationMs>,
     /// How often each worker probes its event loop's lag (with `max_loop_lag`).

@@ -1,7 +1,7 @@
 //! What a rate-limit rule may say beyond its key, limit and window (issue 18): when it applies
 //! (`match`), a limit that varies by key (`tiers`, `overrides`) and what a request costs
 //! (`cost`). Parsed here, checked in [`validate_rule`]; compiled for the request path by
-//! [`crate::rules`].
+//! [`crate::ratelimit::rules`].
 
 use super::values::Positive;
 use super::{header_name, ConfigError, RateLimitRule};

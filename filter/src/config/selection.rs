@@ -50,7 +50,7 @@ pub struct ClusterSelection {
     /// Upstream statuses that count as failures: codes (`503`) or classes (`"5xx"`).
     #[serde(default = "default_failure_statuses")]
     pub failure_statuses: Vec<StatusMatch>,
-    /// The gRPC statuses of gRPC calls that count as failures (see [`crate::grpc`]).
+    /// The gRPC statuses of gRPC calls that count as failures (see [`crate::replies::grpc`]).
     #[serde(default = "default_failure_grpc_statuses")]
     pub failure_grpc_statuses: Vec<GrpcStatus>,
     /// The concurrency limit of each cluster.

@@ -17,8 +17,8 @@
 
 use super::outbox::Delta;
 use super::protocol::{self, Counter, ProtocolError, Totals};
-use crate::store::{write_back, SharedStore, StoreError};
-use crate::time::UnixMillis;
+use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::time::UnixMillis;
 
 /// A lease whose heartbeat is this many intervals old is taken over...
 pub const LEASE_STALE_INTERVALS: u64 = 5;
@@ -205,7 +205,7 @@ impl Flusher {
 mod tests {
     use super::*;
     use crate::global::FleetKey;
-    use crate::store::MemoryStore;
+    use crate::primitives::store::MemoryStore;
 
     fn delta(n: u32) -> Delta {
         Delta { rule: 1, fingerprint: 2, key: FleetKey(3), window_ms: 1000, bucket: 9, delta: n, requests: n }

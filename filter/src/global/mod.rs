@@ -58,8 +58,8 @@ pub mod view;
 use crate::config::{Config, Consistency, Scope};
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::Probe;
-use crate::store::{write_back, SharedStore, StoreError};
-use crate::time::UnixMillis;
+use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::time::UnixMillis;
 use flusher::{Answer, Failure, Flusher};
 use outbox::{Delta, Deltas, OUTBOXES, OUTBOX_CAPACITY};
 use siphasher::sip128::{Hasher128, SipHasher13};
@@ -100,7 +100,7 @@ impl FleetHasher {
     }
 
     /// The fleet-wide id of a key of rule `rule` (its name) with these parts (`None`: missing),
-    /// framed as [`crate::key::KeyHasher::hash`] frames them.
+    /// framed as [`crate::keys::KeyHasher::hash`] frames them.
     pub fn hash<'a>(&self, rule: &str, parts: impl IntoIterator<Item = Option<&'a [u8]>>) -> FleetKey {
         let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
         h.write_u64(rule.len() as u64);

@@ -13,7 +13,7 @@
 //! bucket `u64`, the delta `u32`, the requests `u32` (version 2).
 
 use super::FleetKey;
-use crate::key::MixMap;
+use crate::keys::MixMap;
 
 /// Outbox records per proxy.
 pub const OUTBOXES: u64 = 4;

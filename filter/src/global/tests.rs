@@ -9,7 +9,7 @@ use super::*;
 use crate::config::Config;
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::{Limiter, Verdict};
-use crate::store::MemoryStore;
+use crate::primitives::store::MemoryStore;
 use std::collections::HashMap;
 
 const T0: u64 = 1_700_000_000_000;
@@ -98,7 +98,7 @@ impl Proxy {
     /// One request of `key` on VM `vm`: admitted or not.
     fn request(&mut self, vm: usize, key: &str, now: UnixMillis) -> bool {
         let (_, node, reserves) = &mut self.vms[vm];
-        let local_hash = crate::key::KeyHasher::new([9; 16]).hash([Some(key.as_bytes())]);
+        let local_hash = crate::keys::KeyHasher::new([9; 16]).hash([Some(key.as_bytes())]);
         let mut probes = vec![Probe::new(0, local_hash)];
         probes[0].fleet = Some(self.scope.hasher.hash("per-key", [Some(key.as_bytes())]));
         self.scope.annotate(node, &mut probes, now);
@@ -219,7 +219,7 @@ fn with_the_store_down_decisions_go_on_and_counts_converge_once_it_is_back() {
         .map(|k| sync.total(a.scope.hasher.hash("per-key", [Some(format!("k{k}").as_bytes())]), 3_600_000, now.0 / 3_600_000))
         .sum();
     assert_eq!(total, 160, "every admission counted once fleet-wide");
-    let remote = b.vms[0].1.cache.remote(a.scope.rules[0].unwrap().id, crate::key::KeyHasher::new([9; 16]).hash([Some(&b"k0"[..])]), now.0 / 3_600_000);
+    let remote = b.vms[0].1.cache.remote(a.scope.rules[0].unwrap().id, crate::keys::KeyHasher::new([9; 16]).hash([Some(&b"k0"[..])]), now.0 / 3_600_000);
     let k0_by_a = (0..40).filter(|s| s % 3 == 0).count() as u32 * 2;
     assert_eq!(remote.current, k0_by_a, "B's view of k0 is A's share exactly");
 }
@@ -587,7 +587,7 @@ fn a_stopped_remote_costs_a_few_early_refusals_and_the_fleet_still_reaches_its_l
     let start = (T0 / 3_600_000 + 1) * 3_600_000;
     let stop_ms = 900;
     let rule = a.scope.rules[0].unwrap().id;
-    let fingerprint = crate::key::KeyHasher::new([9; 16]).hash([Some(&b"k"[..])]);
+    let fingerprint = crate::keys::KeyHasher::new([9; 16]).hash([Some(&b"k"[..])]);
     let (mut admitted, mut per_local_at_stop) = (0u32, 0);
     let (mut refused_by_a, mut admitted_by_a_after) = (Vec::new(), Vec::new());
     for ms in 0..3_000u64 {
@@ -670,11 +670,11 @@ struct Counting<'a> {
 }
 
 impl SharedStore for Counting<'_> {
-    fn get(&self, key: &str) -> Result<Option<crate::store::Stored>, StoreError> {
+    fn get(&self, key: &str) -> Result<Option<crate::primitives::store::Stored>, StoreError> {
         self.gets.set(self.gets.get() + 1);
         self.inner.get(key)
     }
-    fn set(&self, key: &str, value: &[u8], cas: Option<crate::store::Cas>) -> Result<(), StoreError> {
+    fn set(&self, key: &str, value: &[u8], cas: Option<crate::primitives::store::Cas>) -> Result<(), StoreError> {
         self.sets.set(self.sets.get() + 1);
         self.inner.set(key, value, cas)
     }

@@ -1,4 +1,4 @@
-//! The host's clocks, read once per callback (see [`crate::time`] for which clock serves what).
+//! The host's clocks, read once per callback (see [`crate::primitives::time`] for which clock serves what).
 //!
 //! The monotonic clock is WASI's `clock_time_get(CLOCK_MONOTONIC)`, which Envoy answers with its
 //! `monotonicTime()` (proxy-wasm-cpp-host `exports.cc`): one steady clock for every worker of the
@@ -8,7 +8,7 @@
 //! VM), so a callback that needs both reads one clock.
 #![allow(unsafe_code)]
 
-use crate::time::{MonoMillis, Now, UnixMillis, WallEstimate};
+use crate::primitives::time::{MonoMillis, Now, UnixMillis, WallEstimate};
 use proxy_wasm::hostcalls;
 use std::cell::Cell;
 use std::time::UNIX_EPOCH;

@@ -8,7 +8,7 @@ use super::store::EnvoyStore;
 use crate::config::SYNC_PATH;
 use crate::global::flusher::Failure;
 use crate::global::{GlobalScope, VmNode};
-use crate::time::UnixMillis;
+use crate::primitives::time::UnixMillis;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;

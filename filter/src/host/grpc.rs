@@ -1,8 +1,8 @@
-//! The gRPC part of the shell ([`crate::grpc`] decides): sends a refusal as a gRPC
+//! The gRPC part of the shell ([`crate::replies::grpc`] decides): sends a refusal as a gRPC
 //! trailers-only response, and reads the `grpc-status` a gRPC call ended with.
 
 use crate::config::GrpcStatus;
-use crate::grpc::{self, GrpcReply};
+use crate::replies::grpc::{self, GrpcReply};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{GrpcStatusCode, MapType};
 

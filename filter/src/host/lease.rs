@@ -27,13 +27,13 @@ use super::{header_map, FilterStream, Filter, RequestHeaders};
 use crate::config::{Config, Consistency, Scope};
 use crate::global::flusher::Answer;
 use crate::global::{FleetHasher, FleetKey};
-use crate::key;
+use crate::keys;
 use crate::lease::protocol::{self, LEASE_PATH};
 use crate::lease::{Ask, LeaseBook, LeaseSpec, Refusal, Take};
 use crate::ratelimit::window::{Counts, Window};
 use crate::ratelimit::{Cause, Probe, Standing, Verdict, Violation};
-use crate::response::{self, Reply};
-use crate::time::{MonoMillis, Now};
+use crate::replies::{self, Reply};
+use crate::primitives::time::{MonoMillis, Now};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::Action;
 use std::cell::{Cell, RefCell};
@@ -85,7 +85,7 @@ pub struct Taken {
     /// The keys and units, given back if a later stage refuses the request.
     pub units: Vec<(FleetKey, u32)>,
     /// When they were taken.
-    pub at: crate::time::UnixMillis,
+    pub at: crate::primitives::time::UnixMillis,
 }
 
 /// What the `lease` stage says of a request.
@@ -225,7 +225,7 @@ impl LeaseStage {
     fn probes(&self, filter: &Filter, headers: &RequestHeaders<'_, '_>) -> Vec<LeaseProbe> {
         let rules = &filter.rules;
         let mut skipped = Vec::new();
-        let probes = key::probes_where(
+        let probes = keys::probes_where(
             &filter.config,
             &filter.hasher,
             Some(&self.hasher),
@@ -247,7 +247,7 @@ impl LeaseStage {
                 if admission.invalid {
                     increment(filter.stats.rule(probe.rule).invalid_cost);
                 }
-                probe.cost = crate::rules::capped(admission.now, limit);
+                probe.cost = crate::ratelimit::rules::capped(admission.now, limit);
                 Some(LeaseProbe { probe, key, spec: LeaseSpec { window, limit } })
             })
             .collect()
@@ -293,14 +293,14 @@ impl LeaseStage {
                             Refusal::OverLimit => {
                                 let standing = self.standing(filter, lp, counts, now);
                                 let verdict = Verdict::Rejected { violations: vec![Violation { standing, cause: Cause::OverLimit }] };
-                                response::rate_limited(&filter.limiter, &verdict, now.wall)
+                                replies::rate_limited(&filter.limiter, &verdict, now.wall)
                             }
-                            Refusal::StoreDown => Some(response::quota_store_unavailable(&filter.limiter, lp.probe.rule)),
+                            Refusal::StoreDown => Some(replies::quota_store_unavailable(&filter.limiter, lp.probe.rule)),
                         };
                         let stats = filter.stats.rule(lp.probe.rule);
                         increment(stats.rejected);
                         break 'rules Outcome::Refused(
-                            reply.unwrap_or_else(|| response::quota_store_unavailable(&filter.limiter, lp.probe.rule)),
+                            reply.unwrap_or_else(|| replies::quota_store_unavailable(&filter.limiter, lp.probe.rule)),
                         );
                     }
                 }

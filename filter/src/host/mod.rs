@@ -32,23 +32,25 @@ mod lease;
 mod stats;
 mod store;
 
-use crate::bulkhead::{KeyLease, LocalKeys, Partitioner, PerKeyCap};
+use crate::selection::partition::Partitioner;
+use crate::shedding::per_key::{KeyLease, LocalKeys, PerKeyCap};
 use crate::config::{Config, Dependencies, KeyPart, RateLimitHeaders};
 use crate::global::{GlobalScope, VmNode};
-use crate::headers::{HeaderPlan, HeaderView, Lookup};
-use crate::key::{self, KeyHasher, Source};
+use crate::keys::headers::{HeaderPlan, HeaderView, Lookup};
+use crate::keys::{self, KeyHasher, Source};
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::{Cause, Limiter, Standing, Verdict};
-use crate::response::{self, AdmittedFields, Reply, Tightest};
-use crate::rules::{self, Attributes, Charges, Later, Rules};
-use crate::select::outcome::Outcome;
-use crate::select::shuffle::SplitMix64;
-use crate::select::{ClusterLease, Confinement, Selector, Timing, VmState};
-use crate::reserve::{Lease, LocalCount};
-use crate::lag::LagMonitor;
-use crate::shed::{Classes, Shedder, HEARTBEAT_MS};
-use crate::store::{write_back, SharedStore, StoreError};
-use crate::time::{MonoMillis, Now};
+use crate::replies::{self, AdmittedFields, Reply, Tightest};
+use crate::ratelimit::rules::{self, Attributes, Charges, Later, Rules};
+use crate::selection::outcome::Outcome;
+use crate::selection::shuffle::SplitMix64;
+use crate::selection::{ClusterLease, Confinement, Selector, Timing, VmState};
+use crate::primitives::inflight::{Lease, LocalCount};
+use crate::shedding::lag::LagMonitor;
+use crate::primitives::inflight::HEARTBEAT_MS;
+use crate::shedding::{Classes, Shedder};
+use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::time::{MonoMillis, Now};
 use lease::{LeaseStage, Parked, Step};
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -493,7 +495,7 @@ impl FilterStream {
             stage.untake(&std::mem::take(&mut self.lease_taken));
         }
         if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_lease.is_some() {
-            self.grpc.request = crate::grpc::is_grpc(headers.get("content-type").as_deref());
+            self.grpc.request = crate::replies::grpc::is_grpc(headers.get("content-type").as_deref());
         }
         match reply {
             Some(reply) => self.reply(&reply, now),
@@ -543,7 +545,7 @@ impl FilterStream {
     /// flow-control credit) must not hold a unit of the proxy's capacity meanwhile.
     fn reply(&mut self, reply: &Reply, now: Now) -> Action {
         self.release(now.mono);
-        if let Some(grpc) = crate::grpc::reply(reply, &self.filter.config.grpc).filter(|_| self.grpc.request) {
+        if let Some(grpc) = crate::replies::grpc::reply(reply, &self.filter.config.grpc).filter(|_| self.grpc.request) {
             self.replied = true;
             grpc::send(&grpc);
             return Action::Pause;
@@ -568,7 +570,7 @@ impl FilterStream {
         }
         // Read only for the health path (one host call there, none on the common path).
         let method = headers.get(":method")?;
-        if !response::is_health_method(&method) {
+        if !replies::is_health_method(&method) {
             return None;
         }
         let in_flight = filter
@@ -578,7 +580,7 @@ impl FilterStream {
         let lag = filter.lag.as_ref().map(|lag| {
             let lag = lag.borrow();
             let default_class = filter.classes.as_ref().map_or(0, |c| c.default_class);
-            response::LagStatus {
+            replies::LagStatus {
                 lag_ms: lag.lag_ms(),
                 max_loop_lag_ms: lag.max_loop_lag_ms(),
                 sheds_default_class: lag.sheds(default_class).is_some(),
@@ -595,7 +597,7 @@ impl FilterStream {
                     .zip(states)
                     .filter_map(|(cluster, state)| {
                         let state = state?;
-                        Some(response::ClusterHealth {
+                        Some(replies::ClusterHealth {
                             name: cluster.name.as_str().to_owned(),
                             success_rate: state.success_rate,
                             limit: state.limit,
@@ -603,14 +605,14 @@ impl FilterStream {
                         })
                     })
                     .collect();
-                Some(response::DependencyView {
+                Some(replies::DependencyView {
                     fail: mode == Dependencies::Fail,
                     min_success_rate: health.min_success_rate.get(),
                     clusters,
                 })
             }
         };
-        Some(response::health(&response::LocalLoad { in_flight, lag }, dependencies.as_ref()))
+        Some(replies::health(&replies::LocalLoad { in_flight, lag }, dependencies.as_ref()))
     }
 
     /// Load shedding: on this worker's loop lag, then on the proxy-wide in-flight count (taking
@@ -626,7 +628,7 @@ impl FilterStream {
                 increment(filter.stats.shed_by_lag.get(class).copied().flatten());
                 log::debug!("floodgate: shed for the loop lag {shed:?}");
                 let retry_after = filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
-                return Some(response::shed_by_lag(classes, &lag, &shed, retry_after));
+                return Some(replies::shed_by_lag(classes, &lag, &shed, retry_after));
             }
         }
         let shedder = filter.shedder.as_ref()?;
@@ -641,7 +643,7 @@ impl FilterStream {
                     increment(filter.stats.shed_contention);
                 }
                 log::debug!("floodgate: shed {shed:?}");
-                Some(response::shed(shedder, &shed))
+                Some(replies::shed(shedder, &shed))
             }
         }
     }
@@ -650,7 +652,7 @@ impl FilterStream {
     /// A request without the key is not capped.
     fn cap(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
         let cap = filter.per_key.as_ref()?;
-        let Some(key) = key::hash_key(&cap.key, &filter.hasher, |source| headers.fetch(source)) else {
+        let Some(key) = keys::hash_key(&cap.key, &filter.hasher, |source| headers.fetch(source)) else {
             increment(filter.stats.per_key_unkeyed);
             return None;
         };
@@ -661,25 +663,25 @@ impl FilterStream {
             }
             Err(refusal) => {
                 increment(match refusal {
-                    crate::bulkhead::CapRefusal::Full { .. } => filter.stats.per_key_refused,
-                    crate::bulkhead::CapRefusal::Untracked => filter.stats.per_key_untracked,
+                    crate::shedding::per_key::CapRefusal::Full { .. } => filter.stats.per_key_refused,
+                    crate::shedding::per_key::CapRefusal::Untracked => filter.stats.per_key_untracked,
                 });
                 log::debug!("floodgate: per-key cap {refusal:?}");
                 let retry_after = filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
-                Some(response::per_key_capped(cap, &refusal, retry_after))
+                Some(replies::per_key_capped(cap, &refusal, retry_after))
             }
         }
     }
 
     /// Rate limiting: records the admission in every applicable rule, or returns the 429.
-    fn rate_limit(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: crate::time::UnixMillis) -> Option<Reply> {
+    fn rate_limit(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: crate::primitives::time::UnixMillis) -> Option<Reply> {
         if filter.config.rate_limits.is_empty() {
             return None;
         }
         let mut skipped = Vec::new();
         let fleet = filter.global.as_ref().map(|g| &g.hasher);
         let rules = &filter.rules;
-        let mut probes = key::probes_where(
+        let mut probes = keys::probes_where(
             &filter.config,
             &filter.hasher,
             fleet,
@@ -693,7 +695,7 @@ impl FilterStream {
         for rule in skipped {
             increment(filter.stats.rule(rule).skipped);
         }
-        // Each rule's limit for the key and the request's cost against it (crate::rules).
+        // Each rule's limit for the key and the request's cost against it (crate::ratelimit::rules).
         let mut later = Vec::new();
         for probe in &mut probes {
             probe.limit = rules.limit(probe.rule, probe.key_hash, headers);
@@ -747,7 +749,7 @@ impl FilterStream {
                         increment(stats.contention);
                     }
                 }
-                let reply = response::rate_limited(&filter.limiter, &verdict, now)?;
+                let reply = replies::rate_limited(&filter.limiter, &verdict, now)?;
                 log::debug!("floodgate: 429 {}", reply.body);
                 Some(reply)
             }
@@ -758,7 +760,7 @@ impl FilterStream {
     /// whatever the client sent in the route header), or returns the 503 when none has room.
     fn select(&mut self, filter: &Filter, headers: &RequestHeaders<'_, '_>, now: MonoMillis) -> Option<Reply> {
         let selector = filter.selector.as_ref()?;
-        // The request's partition, when its key is confined to one (crate::bulkhead); a request
+        // The request's partition, when its key is confined to one (crate::shedding::per_key); a request
         // without the key may use every cluster.
         let confinement: Option<Confinement> = filter.partitioner.as_ref().and_then(|partitioner| {
             let confinement = partitioner.key_hash(|source| headers.fetch(source)).map(|hash| partitioner.confine(hash));
@@ -783,7 +785,7 @@ impl FilterStream {
                     increment(filter.stats.selection_contention);
                 }
                 log::debug!("floodgate: no cluster has room: {exhausted:?}");
-                return Some(response::no_capacity_within(selector, &exhausted, confinement.as_ref()));
+                return Some(replies::no_capacity_within(selector, &exhausted, confinement.as_ref()));
             }
         };
         let cluster = selector.clusters.get(lease.cluster)?;
@@ -793,7 +795,7 @@ impl FilterStream {
         if let Err(status) = routed {
             log::warn!("floodgate: cannot set {}: {status:?}", selector.route_header);
             selector.finish(&EnvoyStore, &mut filter.selection_vm.borrow_mut(), lease, Outcome::Ignored, now);
-            return Some(response::no_capacity(selector, &crate::select::Exhausted { clusters: Vec::new(), contention: true }));
+            return Some(replies::no_capacity(selector, &crate::selection::Exhausted { clusters: Vec::new(), contention: true }));
         }
         increment(filter.stats.cluster(lease.cluster).selected);
         if confinement.is_some_and(|c| !c.members.contains(&lease.cluster)) {
@@ -818,12 +820,12 @@ impl FilterStream {
         let failures = self.filter.config.cluster_selection.as_ref().map_or(&[][..], |s| &s.failure_grpc_statuses);
         let grpc = self.grpc.request.then_some(self.grpc.status);
         let flags = match status {
-            Some(code) if code < 500 && grpc.is_none_or(|s| !crate::grpc::needs_flags(s, failures)) => 0,
+            Some(code) if code < 500 && grpc.is_none_or(|s| !crate::replies::grpc::needs_flags(s, failures)) => 0,
             _ => property_u64(&["response", "flags"]).unwrap_or(0),
         };
         let mut outcome = selector.classify(&lease, status, flags, self.timing);
         if let Some(grpc) = grpc {
-            outcome = crate::grpc::outcome(outcome, crate::grpc::effective_status(grpc, status, flags), failures);
+            outcome = crate::replies::grpc::outcome(outcome, crate::replies::grpc::effective_status(grpc, status, flags), failures);
         }
         let finished = selector.finish(&EnvoyStore, &mut self.filter.selection_vm.borrow_mut(), lease, outcome, now);
         if self.filter.retired.get() {
@@ -845,7 +847,7 @@ impl FilterStream {
     }
 
     /// Charges costs the admitted request owes its rules, known after admission (see
-    /// [`crate::rules`]): into the keys' counters, and fleet-wide for rules in global scope.
+    /// [`crate::ratelimit::rules`]): into the keys' counters, and fleet-wide for rules in global scope.
     fn charge(&self, owed: Vec<(crate::ratelimit::Probe, u32)>) {
         if owed.iter().all(|(_, units)| *units == 0) {
             return;

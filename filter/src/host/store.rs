@@ -1,6 +1,6 @@
 //! Envoy's shared data as a [`SharedStore`].
 
-use crate::store::{Cas, SharedStore, StoreError, Stored};
+use crate::primitives::store::{Cas, SharedStore, StoreError, Stored};
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::Status;
 use std::num::NonZeroU32;

@@ -59,7 +59,7 @@ pub mod protocol;
 pub use crate::config::OnStoreFailure;
 use crate::global::FleetKey;
 use crate::ratelimit::window::{Counts, Window};
-use crate::time::UnixMillis;
+use crate::primitives::time::UnixMillis;
 use std::collections::HashMap;
 use std::num::NonZeroU32;
 

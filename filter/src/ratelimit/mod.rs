@@ -20,14 +20,15 @@
 //! requests of the same key through this VM.
 
 pub mod remote;
+pub mod rules;
 pub mod reserve;
 pub mod table;
 pub mod window;
 
 use crate::config::{Config, CostSource, Name};
 use crate::global::FleetKey;
-use crate::store::{write_back, SharedStore, Stored, StoreError};
-use crate::time::UnixMillis;
+use crate::primitives::store::{write_back, SharedStore, Stored, StoreError};
+use crate::primitives::time::UnixMillis;
 use remote::Remote;
 use reserve::{Leftover, Reserves};
 use std::num::{NonZeroU32, NonZeroU64};
@@ -88,7 +89,7 @@ pub struct Probe {
     /// For a rule in global scope: what the other proxies of the fleet add to the key's counts
     /// ([`remote`], [`crate::global`]), in every decision.
     pub remote: Remote,
-    /// The key's limit when it is not the rule's (a tier's, an override's: [`crate::rules`]).
+    /// The key's limit when it is not the rule's (a tier's, an override's: [`crate::ratelimit::rules`]).
     pub limit: Option<NonZeroU32>,
     /// The units the request counts at admission (1 unless the rule has a `cost`). It is
     /// admitted when its key has room for `max(cost, 1)`: a key whose quota is spent is
@@ -472,7 +473,7 @@ impl Limiter {
 
     /// Charges `units` to `probe`'s key in the current window bucket without a decision: a cost
     /// known after admission (a streamed request body, units the upstream reported; see
-    /// [`crate::rules`]). It can take the key past its limit; its later requests are then
+    /// [`crate::ratelimit::rules`]). It can take the key past its limit; its later requests are then
     /// refused until the window slides. Returns false if the counters could not be updated
     /// (the charge is lost, counted by the caller).
     pub fn charge<S: SharedStore + ?Sized>(&self, store: &S, probe: Probe, units: u32, now: UnixMillis) -> bool {

@@ -1,6 +1,6 @@
 //! Quota reserves: units of a key's current window bucket that this VM has already counted in
 //! shared data, and admits its next requests of that key from without reading shared data. The
-//! idea and its invariants are [`crate::reserve`]'s; this is its per-key, per-bucket shape.
+//! idea and its invariants are [`crate::primitives::inflight`]'s; this is its per-key, per-bucket shape.
 //!
 //! Why this stays exact. Within one window bucket a key's sliding estimate only falls as time
 //! passes (`previous × (1 − elapsed / w) + current`, with `elapsed` growing and the counters
@@ -19,9 +19,9 @@
 
 use super::window::Counts;
 use super::Probe;
-use crate::key::MixMap;
+use crate::keys::MixMap;
 
-use crate::reserve::RESERVE_MAX;
+use crate::primitives::inflight::RESERVE_MAX;
 /// A grant is at most this fraction (1 / n) of the room left under the limit.
 pub const QUOTA_SPREAD: u64 = 8;
 /// Keys one VM follows per configuration; a key not used for a heartbeat period is forgotten.

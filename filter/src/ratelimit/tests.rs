@@ -2,7 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 
 use super::*;
-use crate::store::{Cas, MemoryStore};
+use crate::primitives::store::{Cas, MemoryStore};
 use proptest::prelude::*;
 use std::cell::Cell;
 use std::collections::HashMap;
@@ -301,7 +301,7 @@ impl SharedStore for Interfering {
         self.inner.get(key)
     }
     fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
-        if cas.is_some() && key != crate::store::TOKEN_KEY && self.mismatches.get() > 0 {
+        if cas.is_some() && key != crate::primitives::store::TOKEN_KEY && self.mismatches.get() > 0 {
             self.mismatches.set(self.mismatches.get() - 1);
             // Another worker rewrites the key unchanged: its token moves on.
             if let Some(current) = self.inner.get(key)? {

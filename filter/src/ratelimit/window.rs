@@ -14,7 +14,7 @@
 //! exactly in integers, `previous × (w − elapsed) + (current + cost) × w ≤ limit × w`, so the
 //! admission decision and the `Retry-After` computed from it can never disagree by rounding.
 
-use crate::time::UnixMillis;
+use crate::primitives::time::UnixMillis;
 use std::num::{NonZeroU32, NonZeroU64};
 
 /// The two counters of one key, as of the bucket `bucket_index` (ms since epoch / window).

@@ -9,8 +9,8 @@ use super::record::ClusterRecord;
 use super::shuffle::{weighted_shuffle, Random, SplitMix64};
 use super::*;
 use crate::config::{Config, StatusMatch};
-use crate::shed::{DecodeError, HEARTBEAT_MS, STALE_AFTER_MS};
-use crate::store::{MemoryStore, SharedStore, StoreError, Stored};
+use crate::primitives::inflight::{DecodeError, HEARTBEAT_MS, STALE_AFTER_MS};
+use crate::primitives::store::{MemoryStore, SharedStore, StoreError, Stored};
 use std::cell::Cell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -562,7 +562,7 @@ impl SharedStore for CountingStore {
         self.gets.set(self.gets.get() + 1);
         self.inner.get(key)
     }
-    fn set(&self, key: &str, value: &[u8], cas: Option<crate::store::Cas>) -> Result<(), StoreError> {
+    fn set(&self, key: &str, value: &[u8], cas: Option<crate::primitives::store::Cas>) -> Result<(), StoreError> {
         self.inner.set(key, value, cas)
     }
 }
@@ -738,7 +738,7 @@ fn reserves_never_let_two_vms_past_a_cluster_limit() {
             assert!(published <= limit, "limit {limit}: {published} published");
         }
         assert!(
-            leases <= limit && leases + 2 * crate::reserve::RESERVE_MAX >= limit,
+            leases <= limit && leases + 2 * crate::primitives::inflight::RESERVE_MAX >= limit,
             "limit {limit}: {leases} leases"
         );
         drop(kept);
@@ -820,7 +820,7 @@ fn a_reserve_is_not_spent_past_a_limit_another_vm_lowered() {
     let (mut one, mut two) = (vm(1, &mine), vm(2, &theirs));
     let mut held = vec![s.choose(&store, &mut one, T0, &mut rng).unwrap()];
     let reserved = mine[0].held();
-    assert_eq!(reserved, 1 + crate::reserve::RESERVE_MAX, "a full reserve far below the limit");
+    assert_eq!(reserved, 1 + crate::primitives::inflight::RESERVE_MAX, "a full reserve far below the limit");
     // VM 2 sees timeouts until the limit is below what VM 1 holds (100, 50, 25, 12).
     while s.read(&store, 0, T0).unwrap().record.limit >= reserved {
         let lease = s.choose(&store, &mut two, T0, &mut rng).unwrap();
@@ -839,7 +839,7 @@ fn a_reserve_is_not_spent_past_a_limit_another_vm_lowered() {
     }
 }
 
-// ---- confinement to a partition (crate::bulkhead) ----
+// ---- confinement to a partition (crate::shedding::per_key) ----
 
 fn confinement(members: &[usize], n: usize, spill_below: Option<f64>) -> Confinement {
     Confinement {

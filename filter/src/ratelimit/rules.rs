@@ -29,7 +29,7 @@
 //! in use. Nothing wraps around.
 
 use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch};
-use crate::key::KeyHasher;
+use crate::keys::KeyHasher;
 use crate::ratelimit::Probe;
 use std::borrow::Cow;
 use std::num::NonZeroU32;
@@ -344,7 +344,7 @@ impl Rules {
     }
 
     /// The request headers the rules read, each with whether requests usually carry it (for
-    /// [`crate::headers::HeaderPlan`]).
+    /// [`crate::keys::headers::HeaderPlan`]).
     pub fn request_headers(config: &Config) -> Vec<(String, bool)> {
         let mut names = Vec::new();
         for rule in &config.rate_limits {

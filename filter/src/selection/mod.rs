@@ -19,18 +19,18 @@
 //! 5. when the stream ends, classify it ([`outcome`]), count it in its bucket, move the limit
 //!    (AIMD) and give the lease back.
 //!
-//! In-flight counts follow the load shedder's scheme ([`crate::shed`]): each VM counts its own
+//! In-flight counts follow the load shedder's scheme ([`crate::shedding`]): each VM counts its own
 //! leases locally and publishes them in the record with a heartbeat, so a VM that dies stops
-//! counting after [`crate::shed::STALE_AFTER_MS`], and a release whose write loses every race is
+//! counting after [`crate::primitives::inflight::STALE_AFTER_MS`], and a release whose write loses every race is
 //! published by the next heartbeat. Far below a cluster's limit a VM publishes a small reserve
-//! of units ([`crate::reserve::in_flight_units`], sized on the room below the limit) and takes the next
+//! of units ([`crate::primitives::inflight::in_flight_units`], sized on the room below the limit) and takes the next
 //! leases from it without touching shared data; the limit stays exact, since reserved units
 //! count as in flight.
 //!
 //! Outcomes are counted where the VM can afford it: a success goes into the VM's pending tally
 //! ([`Pending`], per bucket) and reaches the record with the VM's next write to it (its next
 //! lease that needs one, a release that gives units back, or the heartbeat, every
-//! [`crate::shed::HEARTBEAT_MS`]: buckets are seconds wide, so the weights lag by at most one
+//! [`crate::primitives::inflight::HEARTBEAT_MS`]: buckets are seconds wide, so the weights lag by at most one
 //! heartbeat). A failure, a timeout or a slow response is written at once, with whatever is
 //! pending, and the VM gives its reserve back: the cluster's weight and limit react within the
 //! request. A write that loses every race keeps its tally for the next one (only the limit move
@@ -39,6 +39,7 @@
 pub mod buckets;
 pub mod limit;
 pub mod outcome;
+pub mod partition;
 pub mod record;
 pub mod shuffle;
 
@@ -46,9 +47,9 @@ pub mod shuffle;
 mod tests;
 
 use crate::config::{ClusterName, ClusterSelection, FloorOn, StatusMatch};
-use crate::reserve::{in_flight_units, Lease, LocalCount};
-use crate::store::{write_back, SharedStore, StoreError, Stored};
-use crate::time::MonoMillis;
+use crate::primitives::inflight::{in_flight_units, Lease, LocalCount};
+use crate::primitives::store::{write_back, SharedStore, StoreError, Stored};
+use crate::primitives::time::MonoMillis;
 use buckets::{Basis, Tally};
 use limit::{Aimd, Sample};
 use outcome::{Ending, Outcome};
@@ -142,7 +143,7 @@ pub struct Exhausted {
 }
 
 /// The clusters a request may use when its key is confined to a partition
-/// ([`crate::bulkhead::Partitioner`]).
+/// ([`crate::selection::partition::Partitioner`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Confinement {
     /// The partition's clusters (indexes).
@@ -375,7 +376,7 @@ impl Selector {
         self.choose_in_tiers(store, state, now, rng, &[&all])
     }
 
-    /// Chooses the cluster of a request confined to a partition ([`crate::bulkhead`]): the same
+    /// Chooses the cluster of a request confined to a partition ([`crate::shedding::per_key`]): the same
     /// steps within its members; with `spill`, then among the other clusters (first, when
     /// every member is failing).
     pub fn choose_within<S: SharedStore + ?Sized, R: Random + ?Sized>(
@@ -571,7 +572,7 @@ impl Selector {
 
     /// Ends a lease with its outcome (module doc, step 5): the lease is released whatever
     /// happens. A success is counted locally; a failure, a timeout or a slow response, or a
-    /// release that gives units back (see [`crate::reserve::Local::idle_surplus`]), writes
+    /// release that gives units back (see [`crate::primitives::inflight::Local::idle_surplus`]), writes
     /// everything pending at once.
     pub fn finish<S: SharedStore + ?Sized>(
         &self,

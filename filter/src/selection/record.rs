@@ -7,7 +7,7 @@
 //! the same way, and last the in-flight entries as [`InFlight`] encodes them.
 
 use super::buckets::{Buckets, Tally};
-use crate::shed::{DecodeError, InFlight};
+use crate::primitives::inflight::{DecodeError, InFlight};
 
 const RECORD_VERSION: u8 = 1;
 const HEADER_LEN: usize = 4 + 4 + 8;

@@ -3,8 +3,8 @@
 //!
 //! | user | what is counted ahead | where |
 //! |---|---|---|
-//! | load shedding | in-flight units of the proxy-wide count | [`Local`], [`in_flight_units`], [`crate::shed`] |
-//! | cluster selection | in-flight units of a cluster's lease count | the same [`Local`], [`crate::select`] |
+//! | load shedding | in-flight units of the proxy-wide count | [`Local`], [`in_flight_units`], [`crate::shedding`] |
+//! | cluster selection | in-flight units of a cluster's lease count | the same [`Local`], [`crate::selection`] |
 //! | rate limiting | units of a key's quota in the current window bucket | [`crate::ratelimit::reserve`] |
 //!
 //! **Why.** Every read or write of shared data is a host call, about 11 000 instructions under V8
@@ -34,10 +34,164 @@
 //!
 //! This module holds the in-flight half ([`Local`], one per VM and shared record, and the
 //! [`Lease`] a request holds); the quota half is per key and per bucket, in
-//! [`crate::ratelimit::reserve`].
+//! [`crate::ratelimit::reserve`]. The proxy-wide in-flight
+//! record ([`InFlight`]) that load shedding, cluster selection and the per-key cap publish their
+//! counts in lives here too: an entry per VM with its count and its last heartbeat (monotonic
+//! ms), so a VM that dies stops counting after [`STALE_AFTER_MS`].
+//!
+//! Record layout (little-endian): version `u8`, entry count `u8`, 2 zero bytes, then per entry VM
+//! id `u64`, in-flight `u32`, last heartbeat (monotonic ms) `u64`.
 
+use crate::primitives::time::MonoMillis;
 use std::cell::Cell;
 use std::rc::Rc;
+
+/// A VM whose heartbeat is older than this is considered gone.
+pub const STALE_AFTER_MS: u64 = 10_000;
+/// How often a VM refreshes its heartbeat.
+pub const HEARTBEAT_MS: u64 = 1_000;
+/// Entries a record holds at most (workers plus replaced VMs not yet expired).
+pub const MAX_VMS: usize = 128;
+
+const RECORD_VERSION: u8 = 1;
+const HEADER_LEN: usize = 4;
+const ENTRY_LEN: usize = 8 + 4 + 8;
+
+/// One VM's share of the in-flight count.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VmEntry {
+    /// The VM's random id.
+    pub vm: u64,
+    /// Requests this VM admitted that have not ended.
+    pub in_flight: u32,
+    /// When the VM last proved it is alive.
+    pub heartbeat: MonoMillis,
+}
+
+/// The proxy-wide in-flight record.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InFlight {
+    /// Per-VM entries.
+    pub entries: Vec<VmEntry>,
+}
+
+/// Why a record could not be read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DecodeError {
+    /// Truncated, padded, or another version.
+    Malformed,
+}
+
+impl InFlight {
+    /// Reads a record, refusing anything malformed.
+    pub fn decode(bytes: &[u8]) -> Result<InFlight, DecodeError> {
+        let (header, body) = bytes.split_at_checked(HEADER_LEN).ok_or(DecodeError::Malformed)?;
+        let [version, count, _, _] = <[u8; HEADER_LEN]>::try_from(header).map_err(|_| DecodeError::Malformed)?;
+        if version != RECORD_VERSION || body.len() != usize::from(count).saturating_mul(ENTRY_LEN) {
+            return Err(DecodeError::Malformed);
+        }
+        let entries = body
+            .chunks_exact(ENTRY_LEN)
+            .map(|chunk| {
+                let (vm, rest) = chunk.split_at(8);
+                let (in_flight, heartbeat) = rest.split_at(4);
+                VmEntry {
+                    vm: u64::from_le_bytes(vm.try_into().unwrap_or_default()),
+                    in_flight: u32::from_le_bytes(in_flight.try_into().unwrap_or_default()),
+                    heartbeat: MonoMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
+                }
+            })
+            .collect();
+        Ok(InFlight { entries })
+    }
+
+    /// Writes the record.
+    pub fn encode(&self) -> Vec<u8> {
+        let count = self.entries.len().min(MAX_VMS);
+        let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(count.saturating_mul(ENTRY_LEN)));
+        out.extend_from_slice(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
+        for entry in self.entries.iter().take(count) {
+            out.extend_from_slice(&entry.vm.to_le_bytes());
+            out.extend_from_slice(&entry.in_flight.to_le_bytes());
+            out.extend_from_slice(&entry.heartbeat.0.to_le_bytes());
+        }
+        out
+    }
+
+    /// Requests in flight across every live VM.
+    pub fn total(&self, now: MonoMillis) -> u32 {
+        self.live_sum(now, None)
+    }
+
+    /// Requests in flight on live VMs other than `vm`.
+    pub fn others(&self, vm: u64, now: MonoMillis) -> u32 {
+        self.live_sum(now, Some(vm))
+    }
+
+    /// Live VMs other than `vm` that hold units.
+    pub fn other_vms(&self, vm: u64, now: MonoMillis) -> u32 {
+        let count = self
+            .entries
+            .iter()
+            .filter(|e| e.vm != vm && is_live(e, now))
+            .count();
+        u32::try_from(count).unwrap_or(u32::MAX)
+    }
+
+    fn live_sum(&self, now: MonoMillis, except: Option<u64>) -> u32 {
+        self.entries
+            .iter()
+            .filter(|e| Some(e.vm) != except && is_live(e, now))
+            .fold(0u32, |sum, e| sum.saturating_add(e.in_flight))
+    }
+
+    /// Publishes `vm`'s count as of `now`: drops dead and idle entries of other VMs, then sets
+    /// (or, when zero, removes) `vm`'s entry. Returns false if there was no room for it.
+    pub fn publish(&mut self, vm: u64, in_flight: u32, now: MonoMillis) -> bool {
+        self.entries
+            .retain(|e| e.vm != vm && is_live(e, now) && e.in_flight > 0);
+        if in_flight == 0 {
+            return true;
+        }
+        if self.entries.len() >= MAX_VMS {
+            return false;
+        }
+        self.entries.push(VmEntry {
+            vm,
+            in_flight,
+            heartbeat: now,
+        });
+        true
+    }
+
+    /// Whether a heartbeat of `vm` with local count `in_flight` would change anything worth a
+    /// write: its own entry is missing, stale-bound or wrong, or there are dead entries to drop.
+    pub fn needs_heartbeat(&self, vm: u64, in_flight: u32, now: MonoMillis) -> bool {
+        let own = self.entries.iter().find(|e| e.vm == vm);
+        let own_current = match own {
+            Some(e) => e.in_flight == in_flight && now.saturating_since(e.heartbeat) < HEARTBEAT_MS,
+            None => in_flight == 0,
+        };
+        !own_current || self.entries.iter().any(|e| !is_live(e, now))
+    }
+}
+
+/// The decision for one request, given the published record and this VM's local count.
+pub fn admits(record: &InFlight, vm: u64, local: u32, threshold: u32, now: MonoMillis) -> Result<u32, u32> {
+    let total = record.others(vm, now).saturating_add(local);
+    if total < threshold {
+        Ok(total)
+    } else {
+        Err(total)
+    }
+}
+
+/// A VM's entry counts while its heartbeat is recent: less than [`STALE_AFTER_MS`] old, and not
+/// more than that ahead of `now` either (a corrupt record, or a dead VM's entry after the wall
+/// clock stepped back, must not count forever; a live VM rewrites its entry within a heartbeat).
+fn is_live(entry: &VmEntry, now: MonoMillis) -> bool {
+    now.saturating_since(entry.heartbeat) < STALE_AFTER_MS && entry.heartbeat.saturating_since(now) < STALE_AFTER_MS
+}
 
 /// Units a worker may hold beyond what it uses, in any reserve.
 pub const RESERVE_MAX: u32 = 16;
@@ -150,7 +304,7 @@ impl Local {
 pub type LocalCount = Rc<Local>;
 
 /// A request's hold on one unit of the in-flight count, released exactly once: by
-/// [`crate::shed::Shedder::release`] (or `Selector::finish`) when the stream ends, or, should the stream vanish without that, by
+/// [`crate::shedding::Shedder::release`] (or `Selector::finish`) when the stream ends, or, should the stream vanish without that, by
 /// `Drop`, which lowers the local count (the next heartbeat publishes it).
 #[derive(Debug)]
 #[must_use = "an admitted request must release its lease when its stream ends"]

@@ -5,6 +5,8 @@
 //! with somebody else's. Parts are length-prefixed, so `("ab", "c")` and `("a", "bc")` differ,
 //! and a missing part hashes differently from an empty one.
 
+pub mod headers;
+
 use crate::config::{Config, KeyPart, MissingKey, Scope};
 use crate::global::FleetHasher;
 use crate::ratelimit::Probe;

@@ -30,7 +30,7 @@
 //! saturated proxy lags on all of them.
 
 use crate::config::LoadShedding;
-use crate::time::MonoMillis;
+use crate::primitives::time::MonoMillis;
 
 /// The probes the rules look at (module doc).
 pub const WINDOW: usize = 3;

@@ -25,7 +25,7 @@
 //! heartbeating, and after [`STALE_AFTER_MS`] its entry is ignored and then dropped, so its
 //! streams, which can no longer end, stop counting.
 //!
-//! **Reserves** ([`crate::reserve`], whose invariants apply here): far below the lowest class
+//! **Reserves** ([`crate::primitives::inflight`], whose invariants apply here): far below the lowest class
 //! threshold a VM publishes a few units more than it uses and admits its next requests from
 //! them without touching shared data:
 //!
@@ -43,162 +43,16 @@
 //! every release.
 //!
 //! Heartbeats are monotonic-clock readings ([`MonoMillis`]): a step of the wall clock cannot make
-//! a live VM's entry look dead, nor a dead one's look alive.
-//!
-//! Record layout (little-endian): version `u8`, entry count `u8`, 2 zero bytes, then per entry VM
-//! id `u64`, in-flight `u32`, last heartbeat (monotonic ms) `u64`.
+//! a live VM's entry look dead, nor a dead one's look alive. The record is
+//! [`crate::primitives::inflight::InFlight`], shared with cluster selection and the per-key cap.
+
+pub mod lag;
+pub mod per_key;
 
 use crate::config::{LoadShedding, Name};
-use crate::reserve::{in_flight_units, Lease, LocalCount};
-use crate::store::{write_back, SharedStore, StoreError};
-use crate::time::MonoMillis;
-
-/// A VM whose heartbeat is older than this is considered gone.
-pub const STALE_AFTER_MS: u64 = 10_000;
-/// How often a VM refreshes its heartbeat.
-pub const HEARTBEAT_MS: u64 = 1_000;
-/// Entries a record holds at most (workers plus replaced VMs not yet expired).
-pub const MAX_VMS: usize = 128;
-
-const RECORD_VERSION: u8 = 1;
-const HEADER_LEN: usize = 4;
-const ENTRY_LEN: usize = 8 + 4 + 8;
-
-/// One VM's share of the in-flight count.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct VmEntry {
-    /// The VM's random id.
-    pub vm: u64,
-    /// Requests this VM admitted that have not ended.
-    pub in_flight: u32,
-    /// When the VM last proved it is alive.
-    pub heartbeat: MonoMillis,
-}
-
-/// The proxy-wide in-flight record.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct InFlight {
-    /// Per-VM entries.
-    pub entries: Vec<VmEntry>,
-}
-
-/// Why a record could not be read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecodeError {
-    /// Truncated, padded, or another version.
-    Malformed,
-}
-
-impl InFlight {
-    /// Reads a record, refusing anything malformed.
-    pub fn decode(bytes: &[u8]) -> Result<InFlight, DecodeError> {
-        let (header, body) = bytes.split_at_checked(HEADER_LEN).ok_or(DecodeError::Malformed)?;
-        let [version, count, _, _] = <[u8; HEADER_LEN]>::try_from(header).map_err(|_| DecodeError::Malformed)?;
-        if version != RECORD_VERSION || body.len() != usize::from(count).saturating_mul(ENTRY_LEN) {
-            return Err(DecodeError::Malformed);
-        }
-        let entries = body
-            .chunks_exact(ENTRY_LEN)
-            .map(|chunk| {
-                let (vm, rest) = chunk.split_at(8);
-                let (in_flight, heartbeat) = rest.split_at(4);
-                VmEntry {
-                    vm: u64::from_le_bytes(vm.try_into().unwrap_or_default()),
-                    in_flight: u32::from_le_bytes(in_flight.try_into().unwrap_or_default()),
-                    heartbeat: MonoMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
-                }
-            })
-            .collect();
-        Ok(InFlight { entries })
-    }
-
-    /// Writes the record.
-    pub fn encode(&self) -> Vec<u8> {
-        let count = self.entries.len().min(MAX_VMS);
-        let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(count.saturating_mul(ENTRY_LEN)));
-        out.extend_from_slice(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
-        for entry in self.entries.iter().take(count) {
-            out.extend_from_slice(&entry.vm.to_le_bytes());
-            out.extend_from_slice(&entry.in_flight.to_le_bytes());
-            out.extend_from_slice(&entry.heartbeat.0.to_le_bytes());
-        }
-        out
-    }
-
-    /// Requests in flight across every live VM.
-    pub fn total(&self, now: MonoMillis) -> u32 {
-        self.live_sum(now, None)
-    }
-
-    /// Requests in flight on live VMs other than `vm`.
-    pub fn others(&self, vm: u64, now: MonoMillis) -> u32 {
-        self.live_sum(now, Some(vm))
-    }
-
-    /// Live VMs other than `vm` that hold units.
-    pub fn other_vms(&self, vm: u64, now: MonoMillis) -> u32 {
-        let count = self
-            .entries
-            .iter()
-            .filter(|e| e.vm != vm && is_live(e, now))
-            .count();
-        u32::try_from(count).unwrap_or(u32::MAX)
-    }
-
-    fn live_sum(&self, now: MonoMillis, except: Option<u64>) -> u32 {
-        self.entries
-            .iter()
-            .filter(|e| Some(e.vm) != except && is_live(e, now))
-            .fold(0u32, |sum, e| sum.saturating_add(e.in_flight))
-    }
-
-    /// Publishes `vm`'s count as of `now`: drops dead and idle entries of other VMs, then sets
-    /// (or, when zero, removes) `vm`'s entry. Returns false if there was no room for it.
-    pub fn publish(&mut self, vm: u64, in_flight: u32, now: MonoMillis) -> bool {
-        self.entries
-            .retain(|e| e.vm != vm && is_live(e, now) && e.in_flight > 0);
-        if in_flight == 0 {
-            return true;
-        }
-        if self.entries.len() >= MAX_VMS {
-            return false;
-        }
-        self.entries.push(VmEntry {
-            vm,
-            in_flight,
-            heartbeat: now,
-        });
-        true
-    }
-
-    /// Whether a heartbeat of `vm` with local count `in_flight` would change anything worth a
-    /// write: its own entry is missing, stale-bound or wrong, or there are dead entries to drop.
-    pub fn needs_heartbeat(&self, vm: u64, in_flight: u32, now: MonoMillis) -> bool {
-        let own = self.entries.iter().find(|e| e.vm == vm);
-        let own_current = match own {
-            Some(e) => e.in_flight == in_flight && now.saturating_since(e.heartbeat) < HEARTBEAT_MS,
-            None => in_flight == 0,
-        };
-        !own_current || self.entries.iter().any(|e| !is_live(e, now))
-    }
-}
-
-/// The decision for one request, given the published record and this VM's local count.
-pub fn admits(record: &InFlight, vm: u64, local: u32, threshold: u32, now: MonoMillis) -> Result<u32, u32> {
-    let total = record.others(vm, now).saturating_add(local);
-    if total < threshold {
-        Ok(total)
-    } else {
-        Err(total)
-    }
-}
-
-/// A VM's entry counts while its heartbeat is recent: less than [`STALE_AFTER_MS`] old, and not
-/// more than that ahead of `now` either (a corrupt record, or a dead VM's entry after the wall
-/// clock stepped back, must not count forever; a live VM rewrites its entry within a heartbeat).
-fn is_live(entry: &VmEntry, now: MonoMillis) -> bool {
-    now.saturating_since(entry.heartbeat) < STALE_AFTER_MS && entry.heartbeat.saturating_since(now) < STALE_AFTER_MS
-}
+use crate::primitives::inflight::{admits, in_flight_units, InFlight, Lease, LocalCount};
+use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::time::MonoMillis;
 
 /// The admission threshold of a class: `max(1, ⌊shed_at × max_active_requests⌋)`.
 pub fn threshold(shed_at: f64, max_active_requests: u32) -> u32 {
@@ -251,7 +105,7 @@ pub struct Shedder {
 }
 
 /// The priority classes of a configuration, and how a request names its class: what both
-/// shedding signals (the in-flight count here, the loop lag in [`crate::lag`]) share.
+/// shedding signals (the in-flight count here, the loop lag in [`crate::shedding::lag`]) share.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Classes {
     /// The class names, in configuration order.
@@ -326,7 +180,7 @@ impl Shedder {
             .unwrap_or(self.default_class)
     }
 
-    fn read<S: SharedStore + ?Sized>(&self, store: &S) -> Result<(Option<crate::store::Stored>, InFlight), StoreError> {
+    fn read<S: SharedStore + ?Sized>(&self, store: &S) -> Result<(Option<crate::primitives::store::Stored>, InFlight), StoreError> {
         let stored = store.get(&self.key)?;
         // A malformed record is not trusted: it is replaced by this VM's view at the next write.
         let record = stored
@@ -380,7 +234,7 @@ impl Shedder {
     }
 
     /// Ends an admitted request: lowers the local count, and publishes it when the VM holds
-    /// units it no longer uses (see [`crate::reserve::Local::idle_surplus`]); if that write loses every race,
+    /// units it no longer uses (see [`crate::primitives::inflight::Local::idle_surplus`]); if that write loses every race,
     /// the next heartbeat publishes it.
     pub fn release<S: SharedStore + ?Sized>(
         &self,
@@ -467,7 +321,8 @@ impl Shedder {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
-    use crate::reserve::RESERVE_MAX;
+    use crate::primitives::inflight::{DecodeError, STALE_AFTER_MS};
+    use crate::primitives::inflight::RESERVE_MAX;
     use std::cell::Cell;
     use std::rc::Rc;
 
@@ -583,7 +438,7 @@ mod tests {
 
     #[test]
     fn two_vms_share_one_exact_count_through_the_store() {
-        let store = crate::store::MemoryStore::new();
+        let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(10);
         let (a, b): (LocalCount, LocalCount) = (Rc::default(), Rc::default());
         let mut leases = Vec::new();
@@ -608,7 +463,7 @@ mod tests {
 
     #[test]
     fn a_dropped_lease_is_released_locally_and_published_by_the_heartbeat() {
-        let store = crate::store::MemoryStore::new();
+        let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(10);
         let local: LocalCount = Rc::default();
         let lease = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
@@ -626,7 +481,7 @@ mod tests {
 
     #[test]
     fn a_released_lease_is_not_released_again_on_drop() {
-        let store = crate::store::MemoryStore::new();
+        let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(10);
         let local: LocalCount = Rc::default();
         let first = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
@@ -655,12 +510,12 @@ mod tests {
     /// A store that counts its operations.
     #[derive(Default)]
     struct Counting {
-        inner: crate::store::MemoryStore,
+        inner: crate::primitives::store::MemoryStore,
         ops: Cell<u32>,
     }
 
     impl SharedStore for Counting {
-        fn get(&self, key: &str) -> Result<Option<crate::store::Stored>, StoreError> {
+        fn get(&self, key: &str) -> Result<Option<crate::primitives::store::Stored>, StoreError> {
             self.ops.set(self.ops.get() + 1);
             self.inner.get(key)
         }
@@ -668,7 +523,7 @@ mod tests {
             &self,
             key: &str,
             value: &[u8],
-            cas: Option<crate::store::Cas>,
+            cas: Option<crate::primitives::store::Cas>,
         ) -> Result<(), StoreError> {
             self.ops.set(self.ops.get() + 1);
             self.inner.set(key, value, cas)
@@ -709,7 +564,7 @@ mod tests {
     fn reserves_never_let_two_vms_past_the_limit() {
         // Two VMs alternate; whatever they reserve, the critical limit admits exactly max.
         for max in [1, 7, 64, 100, 1_000] {
-            let store = crate::store::MemoryStore::new();
+            let store = crate::primitives::store::MemoryStore::new();
             let shedder = shedder(max);
             let (a, b): (LocalCount, LocalCount) = (Rc::default(), Rc::default());
             let mut admitted = Vec::new();
@@ -738,7 +593,7 @@ mod tests {
 
     #[test]
     fn the_heartbeat_gives_an_idle_reserve_back() {
-        let store = crate::store::MemoryStore::new();
+        let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(100_000);
         let local: LocalCount = Rc::default();
         let lease = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
@@ -754,7 +609,7 @@ mod tests {
     /// checked before a reserved unit is used.
     #[test]
     fn a_reserve_is_not_spent_past_a_lowered_limit() {
-        let store = crate::store::MemoryStore::new();
+        let store = crate::primitives::store::MemoryStore::new();
         let local: LocalCount = Rc::default();
         let before = shedder(1_000);
         let mut leases = vec![before.try_acquire(&store, 1, &local, 0, T0).unwrap()];
@@ -777,7 +632,7 @@ mod tests {
     /// VM 1 counts for VM 2 until VM 1 has missed heartbeats for `STALE_AFTER_MS`.
     #[test]
     fn entries_expire_on_the_monotonic_clock_only() {
-        let store = crate::store::MemoryStore::new();
+        let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(10);
         let (a, b): (LocalCount, LocalCount) = (Rc::default(), Rc::default());
         let leases: Vec<Lease> = (0..10).map(|_| shedder.try_acquire(&store, 1, &a, 0, T0).unwrap()).collect();

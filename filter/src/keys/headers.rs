@@ -24,7 +24,7 @@
 //! the same joined value there too.
 
 use crate::config::Config;
-use crate::key::Source;
+use crate::keys::Source;
 
 /// The request header names a configuration reads, and how a stream fetches them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,11 +66,11 @@ impl HeaderPlan {
             }
         }
         if config.cluster_selection.is_some() {
-            // Whether a request with a cluster lease is gRPC (crate::grpc).
+            // Whether a request with a cluster lease is gRPC (crate::replies::grpc).
             want("content-type", false);
         }
         // The rules' conditions, tier headers and request cost headers.
-        for (name, usually_present) in crate::rules::Rules::request_headers(config) {
+        for (name, usually_present) in crate::ratelimit::rules::Rules::request_headers(config) {
             want(&name, usually_present);
         }
         let present = wanted.iter().filter(|(_, present)| *present).count();

@@ -8,12 +8,14 @@
 //! - Body: RFC 9457 problem details with the `quota-exceeded` problem type of the IANA HTTP
 //!   problem types registry, `violated-policies`, and the figures of each refusing rule.
 
+pub mod grpc;
+
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
-use crate::bulkhead::{CapRefusal, PerKeyCap};
-use crate::select::{Confinement, Exhausted, Selector};
-use crate::lag::{LagMonitor, LagShed};
-use crate::shed::{Classes, Shed, Shedder};
-use crate::time::UnixMillis;
+use crate::shedding::per_key::{CapRefusal, PerKeyCap};
+use crate::selection::{Confinement, Exhausted, Selector};
+use crate::shedding::lag::{LagMonitor, LagShed};
+use crate::shedding::{Classes, Shed, Shedder};
+use crate::primitives::time::UnixMillis;
 use serde_json::json;
 use std::borrow::Cow;
 use std::num::NonZeroU32;
@@ -34,7 +36,7 @@ pub struct Reply {
     pub headers: Vec<(&'static str, String)>,
     /// Response body.
     pub body: String,
-    /// What it refuses and for how long, for the gRPC form of a refusal ([`crate::grpc`]);
+    /// What it refuses and for how long, for the gRPC form of a refusal ([`crate::replies::grpc`]);
     /// `None` for an answer that refuses nothing (the health endpoint's).
     pub refusal: Option<Refusal>,
 }
@@ -313,7 +315,7 @@ pub fn no_capacity(selector: &Selector, exhausted: &Exhausted) -> Reply {
 }
 
 /// The `503` when no cluster the request may use had room: all of them, or, for a request
-/// confined to a partition ([`crate::bulkhead`]), the partition's clusters (it lists them).
+/// confined to a partition ([`crate::shedding::per_key`]), the partition's clusters (it lists them).
 pub fn no_capacity_within(selector: &Selector, exhausted: &Exhausted, confinement: Option<&Confinement>) -> Reply {
     let listed: Vec<usize> = match confinement {
         Some(c) if c.spill_below.is_none() => c.members.clone(),
@@ -522,7 +524,7 @@ pub fn health(load: &LocalLoad<'_>, dependencies: Option<&DependencyView>) -> Re
     }
 }
 
-/// The `503` when a worker's event loop lags (see [`crate::lag`]).
+/// The `503` when a worker's event loop lags (see [`crate::shedding::lag`]).
 pub fn shed_by_lag(classes: &Classes, monitor: &LagMonitor, shed: &LagShed, retry_after_secs: u64) -> Reply {
     let class_name = classes.name(shed.class);
     let detail = format!(
@@ -567,7 +569,7 @@ mod tests {
     use super::*;
     use crate::config::Config;
     use crate::ratelimit::Probe;
-    use crate::store::MemoryStore;
+    use crate::primitives::store::MemoryStore;
 
     fn limiter() -> Limiter {
         let config = Config::parse(

@@ -25,13 +25,13 @@
 //! status a gRPC client would see (gRPC's "HTTP to gRPC status code mapping" for a non-`200`
 //! HTTP status, `UNKNOWN` for a `200` without status), unless the client itself left first
 //! (Envoy's flags DR / DC): then the call is not counted, like an HTTP request the client
-//! abandoned. The HTTP classification ([`crate::select::outcome`]: flags, failure statuses,
+//! abandoned. The HTTP classification ([`crate::selection::outcome`]: flags, failure statuses,
 //! slowness) comes first; then a status in `failure_grpc_statuses` is a failure and
 //! `DEADLINE_EXCEEDED` a timeout, which backs the concurrency limit off.
 
 use crate::config::{Grpc, GrpcStatus};
-use crate::response::{RefusalKind, Reply};
-use crate::select::outcome::Outcome;
+use crate::replies::{RefusalKind, Reply};
+use crate::selection::outcome::Outcome;
 
 /// The trailer (here: header of the trailers-only response) of gRFC A6 that tells a client
 /// how long to wait before it retries, in milliseconds.
@@ -159,10 +159,10 @@ mod tests {
     use crate::config::{default_failure_grpc_statuses, Config};
     use crate::ratelimit::reserve::Reserves;
     use crate::ratelimit::{Limiter, Probe, Verdict};
-    use crate::response::{self, Refusal};
-    use crate::shed::{Shed, Shedder};
-    use crate::store::MemoryStore;
-    use crate::time::UnixMillis;
+    use crate::replies::{self, Refusal};
+    use crate::shedding::{Shed, Shedder};
+    use crate::primitives::store::MemoryStore;
+    use crate::primitives::time::UnixMillis;
 
     #[test]
     fn grpc_is_envoys_content_type_rule() {
@@ -199,7 +199,7 @@ mod tests {
         while matches!(verdict, Verdict::Admitted { .. }) {
             verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, now);
         }
-        response::rate_limited(&limiter, &verdict, now).unwrap()
+        replies::rate_limited(&limiter, &verdict, now).unwrap()
     }
 
     #[test]
@@ -237,7 +237,7 @@ mod tests {
 
         let shedding = Config::parse(br#"{"load_shedding":{"max_active_requests":4,"retry_after":"2500ms"}}"#).unwrap();
         let shedder = Shedder::new(shedding.load_shedding.as_ref().unwrap(), "t").unwrap();
-        let shed = response::shed(&shedder, &Shed { in_flight: 4, class: 1, contention: false });
+        let shed = replies::shed(&shedder, &Shed { in_flight: 4, class: 1, contention: false });
         let default = reply(&shed, &Grpc::default()).unwrap();
         assert_eq!(default.status, GrpcStatus::UNAVAILABLE);
         assert_eq!(default.message, "4 requests in flight; class \"normal\" is shed from 3 (limit 4); retry in 3 s");
@@ -246,9 +246,9 @@ mod tests {
         assert_eq!(reply(&shed, &config.grpc).unwrap().status, GrpcStatus::RESOURCE_EXHAUSTED);
 
         let selection = Config::parse(br#"{"cluster_selection":{"clusters":["a","b"]}}"#).unwrap();
-        let selector = crate::select::Selector::new(selection.cluster_selection.as_ref().unwrap(), "t");
-        let exhausted = crate::select::Exhausted { clusters: vec![Some((20, 20)), None], contention: false };
-        let none = response::no_capacity(&selector, &exhausted);
+        let selector = crate::selection::Selector::new(selection.cluster_selection.as_ref().unwrap(), "t");
+        let exhausted = crate::selection::Exhausted { clusters: vec![Some((20, 20)), None], contention: false };
+        let none = replies::no_capacity(&selector, &exhausted);
         let default = reply(&none, &Grpc::default()).unwrap();
         assert_eq!(default.status, GrpcStatus::UNAVAILABLE);
         assert_eq!(default.message, "every upstream cluster is at its concurrency limit; retry in 1 s");
@@ -256,7 +256,7 @@ mod tests {
         assert_eq!(reply(&none, &config.grpc).unwrap().status.code(), 10);
 
         // The health endpoint's answer refuses nothing.
-        assert_eq!(reply(&response::health(&response::LocalLoad::default(), None), &Grpc::default()), None);
+        assert_eq!(reply(&replies::health(&replies::LocalLoad::default(), None), &Grpc::default()), None);
     }
 
     #[test]
