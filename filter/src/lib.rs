@@ -19,6 +19,7 @@ pub mod config;
 pub mod global;
 pub mod keys;
 pub mod lease;
+pub mod pipeline;
 pub mod primitives;
 pub mod ratelimit;
 pub mod replies;

@@ -3,7 +3,8 @@
 //! everything).
 
 use super::call;
-use super::stats::{self, GlobalStats};
+use super::metrics::EnvoyMetrics;
+use crate::pipeline::stats::{self, GlobalStats};
 use super::store::EnvoyStore;
 use crate::config::SYNC_PATH;
 use crate::global::flusher::Failure;
@@ -37,23 +38,23 @@ pub fn node(namespace: &str, vm: u64) -> Rc<RefCell<VmNode>> {
 pub fn tick(scope: &GlobalScope, node: &RefCell<VmNode>, ids: &GlobalStats, vm: u64, now: UnixMillis) {
     let mut node = node.borrow_mut();
     let tick = scope.tick(&EnvoyStore, &mut node, vm, now);
-    stats::add_count(ids.dropped, tick.expired.saturating_add(tick.dropped));
-    stats::add_count(ids.errors, u64::from(tick.errors));
-    stats::set(ids.view_keys, u64::try_from(node.cache.keys()).unwrap_or(u64::MAX));
+    stats::add_count(&EnvoyMetrics, ids.dropped, tick.expired.saturating_add(tick.dropped));
+    stats::add_count(&EnvoyMetrics, ids.errors, u64::from(tick.errors));
+    stats::set(&EnvoyMetrics, ids.view_keys, u64::try_from(node.cache.keys()).unwrap_or(u64::MAX));
     if let Some(staleness) = tick.staleness_ms {
-        stats::set(ids.staleness_ms, staleness);
+        stats::set(&EnvoyMetrics, ids.staleness_ms, staleness);
     }
     let Some(body) = tick.send else { return };
     let timeout = Duration::from_millis(scope.timeout_ms);
     match call::post_json(&scope.cluster, &scope.authority, SYNC_PATH, &body, timeout) {
         Ok(token) => {
             node.flusher.sent(token, now);
-            stats::increment(ids.batches);
-            stats::add_count(ids.counters, u64::try_from(tick.counters).unwrap_or(u64::MAX));
+            stats::increment(&EnvoyMetrics, ids.batches);
+            stats::add_count(&EnvoyMetrics, ids.counters, u64::try_from(tick.counters).unwrap_or(u64::MAX));
         }
         Err(status) => {
             // No such cluster, or the host refused: the batch stays for the next tick.
-            stats::increment(ids.failures);
+            stats::increment(&EnvoyMetrics, ids.failures);
             log::warn!("floodgate: global sync to cluster {:?} not sent: {status:?}", scope.cluster);
         }
     }
@@ -76,11 +77,11 @@ pub fn answered(
     let answer = call::answer(num_headers, body_size);
     match scope.answered(&EnvoyStore, &mut node, token, answer, now) {
         Ok(counters) => {
-            stats::increment(ids.confirmed);
+            stats::increment(&EnvoyMetrics, ids.confirmed);
             log::debug!("floodgate: global batch of {counters} counters confirmed");
         }
         Err(failure) => {
-            stats::increment(ids.failures);
+            stats::increment(&EnvoyMetrics, ids.failures);
             match failure {
                 Failure::Status(status) => log::debug!("floodgate: global batch failed ({status:?}); sent again next tick"),
                 Failure::Protocol(e) => log::warn!("floodgate: global batch answer not understood: {e}"),

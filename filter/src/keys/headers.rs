@@ -66,7 +66,7 @@ impl HeaderPlan {
             }
         }
         if config.cluster_selection.is_some() {
-            // Whether a request with a cluster lease is gRPC (crate::replies::grpc).
+            // Whether a request with a cluster permit is gRPC (crate::replies::grpc).
             want("content-type", false);
         }
         // The rules' conditions, tier headers and request cost headers.

@@ -4,7 +4,7 @@
 //! | user | what is counted ahead | where |
 //! |---|---|---|
 //! | load shedding | in-flight units of the proxy-wide count | [`Local`], [`in_flight_units`], [`crate::shedding`] |
-//! | cluster selection | in-flight units of a cluster's lease count | the same [`Local`], [`crate::selection`] |
+//! | cluster selection | in-flight units of a cluster's permit count | the same [`Local`], [`crate::selection`] |
 //! | rate limiting | units of a key's quota in the current window bucket | [`crate::ratelimit::reserve`] |
 //!
 //! **Why.** Every read or write of shared data is a host call, about 11 000 instructions under V8
@@ -33,7 +33,7 @@
 //!    them is retired (`on_done`): nothing stays counted once traffic stops.
 //!
 //! This module holds the in-flight half ([`Local`], one per VM and shared record, and the
-//! [`Lease`] a request holds); the quota half is per key and per bucket, in
+//! [`Permit`] a request holds); the quota half is per key and per bucket, in
 //! [`crate::ratelimit::reserve`]. The proxy-wide in-flight
 //! record ([`InFlight`]) that load shedding, cluster selection and the per-key cap publish their
 //! counts in lives here too: an entry per VM with its count and its last heartbeat (monotonic
@@ -300,23 +300,23 @@ impl Local {
     }
 }
 
-/// A VM's [`Local`] count, shared by the configurations and leases that use it.
+/// A VM's [`Local`] count, shared by the configurations and permits that use it.
 pub type LocalCount = Rc<Local>;
 
 /// A request's hold on one unit of the in-flight count, released exactly once: by
 /// [`crate::shedding::Shedder::release`] (or `Selector::finish`) when the stream ends, or, should the stream vanish without that, by
 /// `Drop`, which lowers the local count (the next heartbeat publishes it).
 #[derive(Debug)]
-#[must_use = "an admitted request must release its lease when its stream ends"]
-pub struct Lease {
+#[must_use = "an admitted request must release its permit when its stream ends"]
+pub struct Permit {
     pub(crate) local: LocalCount,
     released: bool,
 }
 
-impl Lease {
-    /// A lease on one unit of `local`, whose count in use the caller has just raised.
-    pub(crate) fn taken(local: &LocalCount) -> Lease {
-        Lease { local: Rc::clone(local), released: false }
+impl Permit {
+    /// A permit on one unit of `local`, whose count in use the caller has just raised.
+    pub(crate) fn taken(local: &LocalCount) -> Permit {
+        Permit { local: Rc::clone(local), released: false }
     }
 
     /// Gives the unit back (once; later calls do nothing).
@@ -328,7 +328,7 @@ impl Lease {
     }
 }
 
-impl Drop for Lease {
+impl Drop for Permit {
     fn drop(&mut self) {
         self.end();
     }

@@ -341,7 +341,7 @@ pub fn no_capacity_within(selector: &Selector, exhausted: &Exhausted, confinemen
     };
     let detail = if exhausted.contention {
         format!(
-            "no {which} had room, or its lease count could not be updated under contention; retry in {} s",
+            "no {which} had room, or its permit count could not be updated under contention; retry in {} s",
             selector.retry_after_secs
         )
     } else {
@@ -453,7 +453,7 @@ pub struct ClusterHealth {
     pub success_rate: f64,
     /// Its concurrency limit.
     pub limit: u32,
-    /// Leases held on it, proxy-wide.
+    /// Permits held on it, proxy-wide.
     pub in_flight: u32,
 }
 

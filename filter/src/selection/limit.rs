@@ -6,7 +6,7 @@
 //! then                                          limit ← clamp(limit, min_limit, max_limit)
 //! ```
 //!
-//! `in_flight` is the cluster's count when the request took its lease (itself included): a limit
+//! `in_flight` is the cluster's count when the request took its permit (itself included): a limit
 //! only grows while at least half of it is in use, so an idle cluster's limit does not drift up.
 //! Other failures and ignored requests leave the limit alone (Netflix's `onIgnore`): they say
 //! nothing about the cluster's capacity.

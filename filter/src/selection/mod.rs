@@ -3,7 +3,7 @@
 //!
 //! Per request:
 //! 1. read each cluster's record ([`record`]): stat buckets ([`buckets`]), concurrency limit
-//!    ([`limit`]) and leases in flight per VM;
+//!    ([`limit`]) and permits in flight per VM;
 //! 2. success rate per cluster (see [`buckets`]: exponentially weighted bucket sums, the sticky
 //!    bucket floored at `no_data_floor / clusters`, or 1 with no data), weight = rate^exponent
 //!    (cubed by default). One deliberate reading of the seed: its floor exists to give a cluster
@@ -13,23 +13,23 @@
 //!    `no_data_floor / clusters` per request (`no_data_floor_on: "rate"` restores the literal
 //!    formula);
 //! 3. order the clusters by an exact weighted random shuffle ([`shuffle`]);
-//! 4. walk the order and take a lease from the first cluster whose proxy-wide in-flight count is
+//! 4. walk the order and take a permit from the first cluster whose proxy-wide in-flight count is
 //!    below its limit (a compare-and-swap on its record, re-read and re-checked on a mismatch);
 //!    none has room: fail fast (the shell answers `503`);
 //! 5. when the stream ends, classify it ([`outcome`]), count it in its bucket, move the limit
-//!    (AIMD) and give the lease back.
+//!    (AIMD) and give the permit back.
 //!
 //! In-flight counts follow the load shedder's scheme ([`crate::shedding`]): each VM counts its own
-//! leases locally and publishes them in the record with a heartbeat, so a VM that dies stops
+//! permits locally and publishes them in the record with a heartbeat, so a VM that dies stops
 //! counting after [`crate::primitives::inflight::STALE_AFTER_MS`], and a release whose write loses every race is
 //! published by the next heartbeat. Far below a cluster's limit a VM publishes a small reserve
 //! of units ([`crate::primitives::inflight::in_flight_units`], sized on the room below the limit) and takes the next
-//! leases from it without touching shared data; the limit stays exact, since reserved units
+//! permits from it without touching shared data; the limit stays exact, since reserved units
 //! count as in flight.
 //!
 //! Outcomes are counted where the VM can afford it: a success goes into the VM's pending tally
 //! ([`Pending`], per bucket) and reaches the record with the VM's next write to it (its next
-//! lease that needs one, a release that gives units back, or the heartbeat, every
+//! permit that needs one, a release that gives units back, or the heartbeat, every
 //! [`crate::primitives::inflight::HEARTBEAT_MS`]: buckets are seconds wide, so the weights lag by at most one
 //! heartbeat). A failure, a timeout or a slow response is written at once, with whatever is
 //! pending, and the VM gives its reserve back: the cluster's weight and limit react within the
@@ -47,7 +47,7 @@ pub mod shuffle;
 mod tests;
 
 use crate::config::{ClusterName, ClusterSelection, FloorOn, StatusMatch};
-use crate::primitives::inflight::{in_flight_units, Lease, LocalCount};
+use crate::primitives::inflight::{in_flight_units, Permit, LocalCount};
 use crate::primitives::store::{write_back, SharedStore, StoreError, Stored};
 use crate::primitives::time::MonoMillis;
 use buckets::{Basis, Tally};
@@ -60,7 +60,7 @@ use shuffle::{weighted_shuffle, Random};
 pub const MAX_ATTEMPTS: u32 = 32;
 /// How long a VM reuses a cluster's weight it computed from a record it read, instead of reading
 /// the record again just to weigh it. The chosen cluster's record is always read afresh for its
-/// lease, and every read (lease, finish, heartbeat) refreshes the weight, so under load a weight
+/// permit, and every read (permit, finish, heartbeat) refreshes the weight, so under load a weight
 /// is rarely older than a few requests; idle clusters are re-read after this long.
 pub const WEIGHT_TTL_MS: u64 = 100;
 
@@ -92,19 +92,19 @@ pub struct Selector {
     limit: Aimd,
 }
 
-/// A lease on one unit of a cluster's concurrency limit, held from selection to the end of the
+/// A permit on one unit of a cluster's concurrency limit, held from selection to the end of the
 /// stream and released exactly once by [`Selector::finish`] (or, should the stream vanish, by
 /// `Drop`, which lowers the local count for the next heartbeat to publish).
 #[derive(Debug)]
-#[must_use = "a chosen cluster's lease must be finished when the stream ends"]
-pub struct ClusterLease {
+#[must_use = "a chosen cluster's permit must be finished when the stream ends"]
+pub struct ClusterPermit {
     /// Index of the chosen cluster.
     pub cluster: usize,
     /// When it was taken.
     pub started: MonoMillis,
-    /// The cluster's proxy-wide in-flight count with this lease.
+    /// The cluster's proxy-wide in-flight count with this permit.
     pub in_flight: u32,
-    unit: Lease,
+    unit: Permit,
 }
 
 /// When a stream's milestones happened on the monotonic clock, as the shell saw them: what
@@ -120,7 +120,7 @@ pub struct Timing {
 }
 
 impl Timing {
-    /// Milliseconds from the end of the request (or `started`, the lease, when the response
+    /// Milliseconds from the end of the request (or `started`, the permit, when the response
     /// came first) to the response headers; `None` without response headers.
     pub fn upstream_latency_ms(&self, started: MonoMillis) -> Option<u64> {
         let headers = self.response_headers?;
@@ -156,7 +156,7 @@ pub struct Confinement {
     pub spill_below: Option<f64>,
 }
 
-/// What ending a lease did.
+/// What ending a permit did.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Finished {
     /// Index of the cluster.
@@ -164,7 +164,7 @@ pub struct Finished {
     /// How the request counted.
     pub outcome: Outcome,
     /// False when the record could not be updated (the stats and limit move were lost; the
-    /// lease itself is released regardless).
+    /// permit itself is released regardless).
     pub recorded: bool,
 }
 
@@ -175,7 +175,7 @@ pub struct ClusterState {
     pub success_rate: f64,
     /// The current concurrency limit.
     pub limit: u32,
-    /// Leases held proxy-wide.
+    /// Permits held proxy-wide.
     pub in_flight: u32,
 }
 
@@ -240,15 +240,15 @@ impl Pending {
     }
 }
 
-/// One VM's side of cluster selection: its id in the records, its lease count per cluster
+/// One VM's side of cluster selection: its id in the records, its permit count per cluster
 /// (configuration order; the truth that the records mirror), its pending outcomes and its recent
 /// weights.
 #[derive(Clone, Debug)]
 pub struct VmState {
     /// The VM's random id.
     pub vm: u64,
-    /// Leases held by this VM, per cluster.
-    pub leases: Vec<LocalCount>,
+    /// Permits held by this VM, per cluster.
+    pub permits: Vec<LocalCount>,
     /// Outcomes not yet written, per cluster.
     pub pending: Vec<Pending>,
     /// Recent weights.
@@ -256,12 +256,12 @@ pub struct VmState {
 }
 
 impl VmState {
-    /// The state of VM `vm` with the given lease counts.
-    pub fn new(vm: u64, leases: Vec<LocalCount>) -> VmState {
-        let pending = vec![Pending::default(); leases.len()];
+    /// The state of VM `vm` with the given permit counts.
+    pub fn new(vm: u64, permits: Vec<LocalCount>) -> VmState {
+        let pending = vec![Pending::default(); permits.len()];
         VmState {
             vm,
-            leases,
+            permits,
             pending,
             seen: Sightings::default(),
         }
@@ -363,7 +363,7 @@ impl Selector {
         record.limit = self.limit.clamp(record.limit.saturating_add(pending.grows));
     }
 
-    /// Chooses the cluster of a request among all the clusters and takes a lease on it (module
+    /// Chooses the cluster of a request among all the clusters and takes a permit on it (module
     /// doc, steps 1 to 4).
     pub fn choose<S: SharedStore + ?Sized, R: Random + ?Sized>(
         &self,
@@ -371,7 +371,7 @@ impl Selector {
         state: &mut VmState,
         now: MonoMillis,
         rng: &mut R,
-    ) -> Result<ClusterLease, Exhausted> {
+    ) -> Result<ClusterPermit, Exhausted> {
         let all: Vec<usize> = (0..self.clusters.len()).collect();
         self.choose_in_tiers(store, state, now, rng, &[&all])
     }
@@ -386,7 +386,7 @@ impl Selector {
         now: MonoMillis,
         rng: &mut R,
         confinement: &Confinement,
-    ) -> Result<ClusterLease, Exhausted> {
+    ) -> Result<ClusterPermit, Exhausted> {
         let Some(spill_below) = confinement.spill_below else {
             return self.choose_in_tiers(store, state, now, rng, &[&confinement.members]);
         };
@@ -415,7 +415,7 @@ impl Selector {
         now: MonoMillis,
         rng: &mut R,
         tiers: &[&[usize]],
-    ) -> Result<ClusterLease, Exhausted> {
+    ) -> Result<ClusterPermit, Exhausted> {
         let views = self.no_views();
         self.walk_tiers(store, state, now, rng, tiers, views)
     }
@@ -430,7 +430,7 @@ impl Selector {
         indices: &[usize],
         now: MonoMillis,
     ) -> Vec<f64> {
-        let VmState { vm, leases: locals, pending, seen } = state;
+        let VmState { vm, permits: locals, pending, seen } = state;
         let vm = *vm;
         indices
             .iter()
@@ -444,7 +444,7 @@ impl Selector {
                 }
                 let weight = slot.as_ref().map_or(0.0, |v| self.record_weight(&v.record));
                 if let (Some(view), Some(p), Some(local)) = (slot.as_ref(), pending.get_mut(index), locals.get(index)) {
-                    // What a lease from the reserve is checked against (`take_reserved`).
+                    // What a permit from the reserve is checked against (`take_reserved`).
                     p.limit_seen = view.record.limit;
                     local.saw(view.record.in_flight.others(vm, now));
                 }
@@ -454,7 +454,7 @@ impl Selector {
             .collect()
     }
 
-    /// Walks each tier in weighted random order and takes the first lease with room.
+    /// Walks each tier in weighted random order and takes the first permit with room.
     fn walk_tiers<S: SharedStore + ?Sized, R: Random + ?Sized>(
         &self,
         store: &S,
@@ -463,13 +463,13 @@ impl Selector {
         rng: &mut R,
         tiers: &[&[usize]],
         mut views: Vec<Option<View>>,
-    ) -> Result<ClusterLease, Exhausted> {
+    ) -> Result<ClusterPermit, Exhausted> {
         let mut contention = false;
         let mut order = Vec::with_capacity(self.clusters.len());
         for tier in tiers {
             let weights = self.weigh(store, state, &mut views, tier, now);
             weighted_shuffle(&weights, rng, &mut order);
-            let VmState { vm, leases: locals, pending, seen } = &mut *state;
+            let VmState { vm, permits: locals, pending, seen } = &mut *state;
             let vm = *vm;
             for &position in &order {
                 let Some(&index) = tier.get(position) else { continue };
@@ -477,28 +477,28 @@ impl Selector {
                     continue;
                 };
                 if local.take_reserved(p.limit_seen) {
-                    return Ok(ClusterLease {
+                    return Ok(ClusterPermit {
                         cluster: index,
                         started: now,
                         in_flight: local.others().saturating_add(local.in_use()),
-                        unit: Lease::taken(local),
+                        unit: Permit::taken(local),
                     });
                 }
                 if slot.is_none() {
                     *slot = self.read(store, index, now).ok();
                 }
-                let leased = self.try_lease(store, index, slot, vm, local, p, now);
+                let taken = self.try_permit(store, index, slot, vm, local, p, now);
                 if let Some(view) = slot.as_ref() {
                     seen.note(index, self.record_weight(&view.record), now);
                 }
-                match leased {
-                    Ok(Some(lease)) => return Ok(lease),
+                match taken {
+                    Ok(Some(permit)) => return Ok(permit),
                     Ok(None) => {}
                     Err(()) => contention = true,
                 }
             }
         }
-        let (vm, locals) = (state.vm, &state.leases);
+        let (vm, locals) = (state.vm, &state.permits);
         let clusters = views
             .iter()
             .zip(locals.iter())
@@ -509,11 +509,11 @@ impl Selector {
         Err(Exhausted { clusters, contention })
     }
 
-    /// Takes a lease on cluster `index` if it has room, writing the VM's pending outcomes and,
+    /// Takes a permit on cluster `index` if it has room, writing the VM's pending outcomes and,
     /// far below the limit, a reserve in the same compare-and-swap: `Ok(None)` when it is full,
     /// `Err` when its record could not be updated.
     #[allow(clippy::too_many_arguments)]
-    fn try_lease<S: SharedStore + ?Sized>(
+    fn try_permit<S: SharedStore + ?Sized>(
         &self,
         store: &S,
         index: usize,
@@ -522,7 +522,7 @@ impl Selector {
         local: &LocalCount,
         pending: &mut Pending,
         now: MonoMillis,
-    ) -> Result<Option<ClusterLease>, ()> {
+    ) -> Result<Option<ClusterPermit>, ()> {
         let key = self.record_key(index).ok_or(())?;
         for _ in 0..MAX_ATTEMPTS {
             let view = slot.as_mut().ok_or(())?;
@@ -546,11 +546,11 @@ impl Selector {
                         ..Pending::default()
                     };
                     local.admitted(wanted, others);
-                    return Ok(Some(ClusterLease {
+                    return Ok(Some(ClusterPermit {
                         cluster: index,
                         started: now,
                         in_flight: in_flight.saturating_add(1),
-                        unit: Lease::taken(local),
+                        unit: Permit::taken(local),
                     }));
                 }
                 Err(StoreError::CasMismatch) => *slot = self.read(store, index, now).ok(),
@@ -561,16 +561,16 @@ impl Selector {
     }
 
     /// Classifies how a stream ended, given when its milestones happened ([`Timing`]).
-    pub fn classify(&self, lease: &ClusterLease, status: Option<u16>, flags: u64, timing: Timing) -> Outcome {
+    pub fn classify(&self, permit: &ClusterPermit, status: Option<u16>, flags: u64, timing: Timing) -> Outcome {
         let ending = Ending {
             status,
             flags,
-            latency_ms: timing.upstream_latency_ms(lease.started),
+            latency_ms: timing.upstream_latency_ms(permit.started),
         };
         Outcome::classify(&ending, &self.failure_statuses, self.limit.timeout_ms)
     }
 
-    /// Ends a lease with its outcome (module doc, step 5): the lease is released whatever
+    /// Ends a permit with its outcome (module doc, step 5): the permit is released whatever
     /// happens. A success is counted locally; a failure, a timeout or a slow response, or a
     /// release that gives units back (see [`crate::primitives::inflight::Local::idle_surplus`]), writes
     /// everything pending at once.
@@ -578,19 +578,19 @@ impl Selector {
         &self,
         store: &S,
         state: &mut VmState,
-        mut lease: ClusterLease,
+        mut permit: ClusterPermit,
         outcome: Outcome,
         now: MonoMillis,
     ) -> Finished {
         let VmState {
             vm,
-            leases: locals,
+            permits: locals,
             pending,
             seen,
         } = state;
         let vm = *vm;
-        lease.unit.end();
-        let index = lease.cluster;
+        permit.unit.end();
+        let index = permit.cluster;
         let mut finished = Finished {
             cluster: index,
             outcome,
@@ -608,7 +608,7 @@ impl Selector {
         }
         let sample = outcome.sample();
         if sample == Sample::Success
-            && self.limit.update(p.limit_seen, lease.in_flight, sample) > p.limit_seen
+            && self.limit.update(p.limit_seen, permit.in_flight, sample) > p.limit_seen
         {
             p.grows = p.grows.saturating_add(1);
         }
@@ -625,7 +625,7 @@ impl Selector {
             if sample == Sample::Dropped {
                 view.record.limit = self
                     .limit
-                    .update(view.record.limit, lease.in_flight, sample);
+                    .update(view.record.limit, permit.in_flight, sample);
             }
             let others = view.record.in_flight.others(vm, now);
             // Lowering is safe before the write lands: the record holds at least as much.
@@ -654,7 +654,7 @@ impl Selector {
         (0..self.clusters.len())
             .map(|index| {
                 let view = self.read(store, index, now).ok()?;
-                let local = state.leases.get(index)?;
+                let local = state.permits.get(index)?;
                 Some(ClusterState {
                     success_rate: self.success_rate(&view.record),
                     limit: view.record.limit,
@@ -675,7 +675,7 @@ impl Selector {
     ) -> Vec<Option<ClusterState>> {
         let VmState {
             vm,
-            leases: locals,
+            permits: locals,
             pending,
             ..
         } = state;

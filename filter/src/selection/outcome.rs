@@ -8,7 +8,7 @@
 //! the headers).
 //!
 //! "Slow" is the **upstream's** latency, not the stream's: from the end of the request (when the
-//! upstream can start working on it; the lease, when the upstream answered before the request
+//! upstream can start working on it; the permit, when the upstream answered before the request
 //! ended) to the response headers. A slow upload, a slow reader, a long download, a WebSocket or
 //! a server-sent event stream says nothing about the upstream's capacity, and must not cut its
 //! concurrency limit: a client could otherwise shrink a healthy cluster on purpose.

@@ -1,5 +1,5 @@
 //! A cluster's shared-data record: its stat buckets, its concurrency limit and its in-flight
-//! count per VM, in one value so that taking a lease is one compare-and-swap and ending a
+//! count per VM, in one value so that taking a permit is one compare-and-swap and ending a
 //! request (stats, limit, release) is one more.
 //!
 //! Layout (little-endian): version `u8`, bucket count `u8`, 2 zero bytes, limit `u32`, epoch
@@ -20,7 +20,7 @@ pub struct ClusterRecord {
     pub limit: u32,
     /// Finished and successful requests.
     pub buckets: Buckets,
-    /// Leases held, per VM.
+    /// Permits held, per VM.
     pub in_flight: InFlight,
 }
 

@@ -30,7 +30,7 @@ fn locals(n: usize) -> Vec<LocalCount> {
     (0..n).map(|_| Rc::default()).collect()
 }
 
-/// VM `id` holding the lease counts `locals`, with nothing pending and no recent weights.
+/// VM `id` holding the permit counts `locals`, with nothing pending and no recent weights.
 fn vm(id: u64, locals: &[LocalCount]) -> VmState {
     VmState::new(id, locals.to_vec())
 }
@@ -293,33 +293,33 @@ fn the_cascade_takes_the_next_cluster_with_room_then_fails_fast() {
     let store = MemoryStore::new();
     let mut mine = vm(1, &locals(3));
     let mut rng = SplitMix64::new(3);
-    let mut leases = Vec::new();
+    let mut permits = Vec::new();
     for _ in 0..6 {
-        leases.push(s.choose(&store, &mut mine, T0, &mut rng).unwrap());
+        permits.push(s.choose(&store, &mut mine, T0, &mut rng).unwrap());
     }
-    let per_cluster: Vec<usize> = (0..3).map(|c| leases.iter().filter(|l| l.cluster == c).count()).collect();
+    let per_cluster: Vec<usize> = (0..3).map(|c| permits.iter().filter(|l| l.cluster == c).count()).collect();
     assert_eq!(per_cluster, vec![2, 2, 2], "each cluster up to its limit");
     let exhausted = s.choose(&store, &mut vm(2, &locals(3)), T0, &mut rng).unwrap_err();
     assert_eq!(exhausted.clusters, vec![Some((2, 2)); 3]);
     assert!(!exhausted.contention);
     // One release makes room again, on that cluster only.
-    let lease = leases.pop().unwrap();
-    let freed = lease.cluster;
-    let done = s.finish(&store, &mut mine, lease, Outcome::Failure, T0);
+    let permit = permits.pop().unwrap();
+    let freed = permit.cluster;
+    let done = s.finish(&store, &mut mine, permit, Outcome::Failure, T0);
     assert!(done.recorded);
     let again = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     assert_eq!(again.cluster, freed);
-    leases.push(again);
-    for lease in leases {
-        s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
+    permits.push(again);
+    for permit in permits {
+        s.finish(&store, &mut mine, permit, Outcome::Ignored, T0);
     }
-    assert!(mine.leases.iter().all(|l| l.in_use() == 0));
+    assert!(mine.permits.iter().all(|l| l.in_use() == 0));
     let states = s.heartbeat(&store, &mut mine, T0);
     assert!(states.iter().all(|st| st.unwrap().in_flight == 0));
 }
 
 #[test]
-fn leases_are_exact_across_vms_and_a_dead_vm_stops_counting() {
+fn permits_are_exact_across_vms_and_a_dead_vm_stops_counting() {
     let s = selector(r#"{"clusters":["only"],"concurrency_limit":{"initial_limit":3,"min_limit":3,"max_limit":3}}"#);
     let store = MemoryStore::new();
     let (mut one, mut two) = (vm(1, &locals(1)), vm(2, &locals(1)));
@@ -332,7 +332,7 @@ fn leases_are_exact_across_vms_and_a_dead_vm_stops_counting() {
         s.choose(&store, &mut two, T0, &mut rng).is_err(),
         "3 of 3 taken across two VMs"
     );
-    // VM 1 dies holding two leases (never finished, never heartbeats again).
+    // VM 1 dies holding two permits (never finished, never heartbeats again).
     std::mem::forget(a);
     std::mem::forget(c);
     let later = T0.plus_ms(STALE_AFTER_MS / 2);
@@ -343,7 +343,7 @@ fn leases_are_exact_across_vms_and_a_dead_vm_stops_counting() {
     );
     let stale = T0.plus_ms(STALE_AFTER_MS + 1);
     let d = s.choose(&store, &mut two, stale, &mut rng).unwrap();
-    assert_eq!(d.in_flight, 2, "only VM 2's leases count");
+    assert_eq!(d.in_flight, 2, "only VM 2's permits count");
     s.finish(&store, &mut two, d, Outcome::Success, stale);
     s.finish(&store, &mut two, b, Outcome::Success, stale);
     assert_eq!(
@@ -353,14 +353,14 @@ fn leases_are_exact_across_vms_and_a_dead_vm_stops_counting() {
 }
 
 #[test]
-fn a_dropped_lease_gives_its_unit_back_and_the_heartbeat_publishes_it() {
+fn a_dropped_permit_gives_its_unit_back_and_the_heartbeat_publishes_it() {
     let s = selector(r#"{"clusters":["only"],"concurrency_limit":{"initial_limit":1,"min_limit":1,"max_limit":1}}"#);
     let store = MemoryStore::new();
     let mut mine = vm(1, &locals(1));
     let mut rng = SplitMix64::new(5);
-    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
-    drop(lease);
-    assert_eq!(mine.leases[0].in_use(), 0);
+    let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+    drop(permit);
+    assert_eq!(mine.permits[0].in_use(), 0);
     assert!(
         s.choose(&store, &mut vm(2, &locals(1)), T0, &mut rng)
             .is_err(),
@@ -381,8 +381,8 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
     let mut mine = vm(1, &locals(1));
     let mut rng = SplitMix64::new(5);
     let mut finish = |outcome: Outcome| {
-        let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
-        s.finish(&store, &mut mine, lease, outcome, T0)
+        let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+        s.finish(&store, &mut mine, permit, outcome, T0)
     };
     finish(Outcome::Timeout);
     finish(Outcome::Failure);
@@ -391,13 +391,13 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(3, 1), "ignored is not counted");
     assert_eq!(view.record.limit, 16, "20 → 18 (timeout) → 18 (failure) → ⌊16.2⌋ (slow) → 16 (ignored)");
-    // Growth needs half the limit in use: hold 8 leases, then succeed.
+    // Growth needs half the limit in use: hold 8 permits, then succeed.
     let held: Vec<_> = (0..7)
         .map(|_| s.choose(&store, &mut mine, T0, &mut rng).unwrap())
         .collect();
-    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
-    assert_eq!(lease.in_flight, 8);
-    s.finish(&store, &mut mine, lease, Outcome::Success, T0);
+    let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+    assert_eq!(permit.in_flight, 8);
+    s.finish(&store, &mut mine, permit, Outcome::Success, T0);
     assert_eq!(
         s.read(&store, 0, T0).unwrap().record.limit,
         16,
@@ -409,15 +409,15 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.limit, 17, "8 × 2 ≥ 16: grows by one");
     assert_eq!(view.record.buckets.recent[0], tally(4, 2));
-    for lease in held {
-        s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
+    for permit in held {
+        s.finish(&store, &mut mine, permit, Outcome::Ignored, T0);
     }
-    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+    let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     let answered_after = |ms| Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(ms)) };
-    assert_eq!(s.classify(&lease, Some(200), 0, answered_after(1001)), Outcome::Slow);
-    assert_eq!(s.classify(&lease, Some(200), 0, answered_after(999)), Outcome::Success);
-    assert_eq!(s.classify(&lease, Some(502), 0, answered_after(0)), Outcome::Failure);
-    s.finish(&store, &mut mine, lease, Outcome::Success, T0);
+    assert_eq!(s.classify(&permit, Some(200), 0, answered_after(1001)), Outcome::Slow);
+    assert_eq!(s.classify(&permit, Some(200), 0, answered_after(999)), Outcome::Success);
+    assert_eq!(s.classify(&permit, Some(502), 0, answered_after(0)), Outcome::Failure);
+    s.finish(&store, &mut mine, permit, Outcome::Success, T0);
 }
 
 /// Runs `requests` requests at `rate_per_sec` through the selector, each finishing at once with
@@ -441,10 +441,10 @@ fn traffic(
             s.heartbeat(store, &mut state, now);
             next_tick = now.plus_ms(HEARTBEAT_MS);
         }
-        let lease = s.choose(store, &mut state, now, rng).unwrap();
-        per_cluster[lease.cluster] += 1;
-        let outcome = health(s.clusters[lease.cluster].name.as_str());
-        s.finish(store, &mut state, lease, outcome, now);
+        let permit = s.choose(store, &mut state, now, rng).unwrap();
+        per_cluster[permit.cluster] += 1;
+        let outcome = health(s.clusters[permit.cluster].name.as_str());
+        s.finish(store, &mut state, permit, outcome, now);
     }
     s.heartbeat(store, &mut state, start.plus_ms(requests * 1000 / rate_per_sec));
     per_cluster
@@ -504,31 +504,31 @@ fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
     let mut mine = vm(1, &locals(2));
     for i in 0..500u64 {
         let now = T0.plus_ms(i);
-        let lease = s.choose(&store, &mut mine, now, &mut rng).unwrap();
-        let outcome = if lease.cluster == 1 {
+        let permit = s.choose(&store, &mut mine, now, &mut rng).unwrap();
+        let outcome = if permit.cluster == 1 {
             Outcome::Slow
         } else {
             Outcome::Success
         };
-        s.finish(&store, &mut mine, lease, outcome, now);
+        s.finish(&store, &mut mine, permit, outcome, now);
     }
     assert_eq!(s.read(&store, 1, T0.plus_ms(500)).unwrap().record.limit, 1, "slow cluster at min_limit");
-    // With one lease held on the slow cluster, every further request goes to `a`.
+    // With one permit held on the slow cluster, every further request goes to `a`.
     let held = loop {
-        let lease = s
+        let permit = s
             .choose(&store, &mut mine, T0.plus_ms(600), &mut rng)
             .unwrap();
-        if lease.cluster == 1 {
-            break lease;
+        if permit.cluster == 1 {
+            break permit;
         }
-        s.finish(&store, &mut mine, lease, Outcome::Success, T0.plus_ms(600));
+        s.finish(&store, &mut mine, permit, Outcome::Success, T0.plus_ms(600));
     };
     for _ in 0..100 {
-        let lease = s
+        let permit = s
             .choose(&store, &mut mine, T0.plus_ms(601), &mut rng)
             .unwrap();
-        assert_eq!(lease.cluster, 0);
-        s.finish(&store, &mut mine, lease, Outcome::Success, T0.plus_ms(601));
+        assert_eq!(permit.cluster, 0);
+        s.finish(&store, &mut mine, permit, Outcome::Success, T0.plus_ms(601));
     }
     s.finish(&store, &mut mine, held, Outcome::Slow, T0.plus_ms(700));
 }
@@ -542,9 +542,9 @@ fn a_record_from_another_layout_or_corrupt_reads_as_fresh() {
         .unwrap();
     let mut mine = vm(1, &locals(1));
     let mut rng = SplitMix64::new(1);
-    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
-    assert_eq!(lease.in_flight, 1);
-    s.finish(&store, &mut mine, lease, Outcome::Success, T0);
+    let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+    assert_eq!(permit.in_flight, 1);
+    s.finish(&store, &mut mine, permit, Outcome::Success, T0);
     s.heartbeat(&store, &mut mine, T0);
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(1, 1));
@@ -589,8 +589,8 @@ fn recent_weights_spare_reading_every_record_on_every_request() {
         "stale weights are read again ({} reads)",
         store.gets.get()
     );
-    for lease in [first, second, third] {
-        s.finish(&store, &mut state, lease, Outcome::Success, T0);
+    for permit in [first, second, third] {
+        s.finish(&store, &mut state, permit, Outcome::Success, T0);
     }
 }
 
@@ -600,21 +600,21 @@ fn a_finish_on_this_vm_updates_its_weight_at_once() {
     let store = MemoryStore::new();
     let mut state = vm(1, &locals(2));
     let mut rng = SplitMix64::new(9);
-    let lease = s.choose(&store, &mut state, T0, &mut rng).unwrap();
-    let failed = lease.cluster;
-    s.finish(&store, &mut state, lease, Outcome::Failure, T0);
+    let permit = s.choose(&store, &mut state, T0, &mut rng).unwrap();
+    let failed = permit.cluster;
+    s.finish(&store, &mut state, permit, Outcome::Failure, T0);
     // Within the TTL, the failed cluster (weight 0 now) is never chosen first again.
     for i in 0..50 {
-        let lease = s.choose(&store, &mut state, T0.plus_ms(i), &mut rng).unwrap();
-        assert_ne!(lease.cluster, failed);
-        s.finish(&store, &mut state, lease, Outcome::Success, T0.plus_ms(i));
+        let permit = s.choose(&store, &mut state, T0.plus_ms(i), &mut rng).unwrap();
+        assert_ne!(permit.cluster, failed);
+        s.finish(&store, &mut state, permit, Outcome::Success, T0.plus_ms(i));
     }
 }
 
 // ---- reserves and pending outcomes ----
 
 #[test]
-fn far_below_the_limit_leases_come_from_a_reserve_and_successes_wait() {
+fn far_below_the_limit_permits_come_from_a_reserve_and_successes_wait() {
     let s = selector(
         r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":200,"min_limit":1,"max_limit":200}}"#,
     );
@@ -629,14 +629,14 @@ fn far_below_the_limit_leases_come_from_a_reserve_and_successes_wait() {
         .collect();
     assert!(
         store.gets.get() <= 12,
-        "{} reads for 50 leases",
+        "{} reads for 50 permits",
         store.gets.get()
     );
-    assert!(one.leases[0].held() >= 50);
+    assert!(one.permits[0].held() >= 50);
     store.gets.set(0);
     let mut held = held.into_iter();
-    for lease in held.by_ref().take(49) {
-        s.finish(&store, &mut one, lease, Outcome::Success, T0);
+    for permit in held.by_ref().take(49) {
+        s.finish(&store, &mut one, permit, Outcome::Success, T0);
     }
     // Successes are counted locally; the VM writes only to give back units it stopped using
     // (once more than RESERVE_MAX of them are idle), with whatever is pending.
@@ -666,17 +666,17 @@ fn a_failure_is_written_at_once_with_what_is_pending() {
     let store = MemoryStore::new();
     let mut one = vm(1, &locals(1));
     let mut rng = SplitMix64::new(4);
-    let leases: Vec<_> = (0..4)
+    let permits: Vec<_> = (0..4)
         .map(|_| s.choose(&store, &mut one, T0, &mut rng).unwrap())
         .collect();
-    let mut leases = leases.into_iter();
-    for lease in leases.by_ref().take(2) {
-        s.finish(&store, &mut one, lease, Outcome::Success, T0);
+    let mut permits = permits.into_iter();
+    for permit in permits.by_ref().take(2) {
+        s.finish(&store, &mut one, permit, Outcome::Success, T0);
     }
     s.finish(
         &store,
         &mut one,
-        leases.next().unwrap(),
+        permits.next().unwrap(),
         Outcome::Failure,
         T0.plus_ms(1),
     );
@@ -685,12 +685,12 @@ fn a_failure_is_written_at_once_with_what_is_pending() {
     assert_eq!(
         view.record.in_flight.total(T0),
         1,
-        "the reserve is given back: only the lease in use counts"
+        "the reserve is given back: only the permit in use counts"
     );
     s.finish(
         &store,
         &mut one,
-        leases.next().unwrap(),
+        permits.next().unwrap(),
         Outcome::Success,
         T0,
     );
@@ -726,20 +726,20 @@ fn reserves_never_let_two_vms_past_a_cluster_limit() {
         let store = MemoryStore::new();
         let (mut one, mut two) = (vm(1, &locals(1)), vm(2, &locals(1)));
         let mut rng = SplitMix64::new(8);
-        let mut leases = 0u32;
+        let mut permits = 0u32;
         let mut kept = Vec::new();
         for i in 0..(3 * limit + 10) {
             let state = if i % 3 == 0 { &mut one } else { &mut two };
-            if let Ok(lease) = s.choose(&store, state, T0, &mut rng) {
-                leases += 1;
-                kept.push(lease);
+            if let Ok(permit) = s.choose(&store, state, T0, &mut rng) {
+                permits += 1;
+                kept.push(permit);
             }
             let published = s.read(&store, 0, T0).unwrap().record.in_flight.total(T0);
             assert!(published <= limit, "limit {limit}: {published} published");
         }
         assert!(
-            leases <= limit && leases + 2 * crate::primitives::inflight::RESERVE_MAX >= limit,
-            "limit {limit}: {leases} leases"
+            permits <= limit && permits + 2 * crate::primitives::inflight::RESERVE_MAX >= limit,
+            "limit {limit}: {permits} permits"
         );
         drop(kept);
     }
@@ -751,7 +751,7 @@ fn reserves_never_let_two_vms_past_a_cluster_limit() {
 fn the_upstream_latency_runs_from_the_end_of_the_request_to_the_response_headers() {
     let at = |ms: u64| Some(T0.plus_ms(ms));
     let timing = |request_end, response_headers| Timing { request_end, response_headers };
-    // A slow upload: the request ended 6 s after the lease, the upstream answered 10 ms later.
+    // A slow upload: the request ended 6 s after the permit, the upstream answered 10 ms later.
     assert_eq!(timing(at(6_000), at(6_010)).upstream_latency_ms(T0), Some(10));
     // The upstream answered before the request ended (a streaming upload, an early 413).
     assert_eq!(timing(at(9_000), at(50)).upstream_latency_ms(T0), Some(50));
@@ -759,7 +759,7 @@ fn the_upstream_latency_runs_from_the_end_of_the_request_to_the_response_headers
     assert_eq!(timing(None, at(3)).upstream_latency_ms(T0), Some(3));
     // No response headers (the client left, a reset): no latency to judge.
     assert_eq!(timing(at(1), None).upstream_latency_ms(T0), None);
-    // A request that ended before its lease (its body passed before selection) starts at the lease.
+    // A request that ended before its permit (its body passed before selection) starts at the permit.
     assert_eq!(timing(Some(MonoMillis(0)), at(20)).upstream_latency_ms(T0), Some(20));
 }
 
@@ -774,13 +774,13 @@ fn slow_clients_do_not_shrink_a_healthy_cluster() {
     let store = MemoryStore::new();
     let mut rng = SplitMix64::new(5);
     let mut mine = vm(1, &locals(1));
-    let leases: Vec<_> = (0..20).map(|_| s.choose(&store, &mut mine, T0, &mut rng).unwrap()).collect();
+    let permits: Vec<_> = (0..20).map(|_| s.choose(&store, &mut mine, T0, &mut rng).unwrap()).collect();
     let stream_end = T0.plus_ms(6_000);
-    for lease in leases {
+    for permit in permits {
         let timing = Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(5)) };
-        let outcome = s.classify(&lease, Some(200), 0, timing);
+        let outcome = s.classify(&permit, Some(200), 0, timing);
         assert_eq!(outcome, Outcome::Success);
-        s.finish(&store, &mut mine, lease, outcome, stream_end);
+        s.finish(&store, &mut mine, permit, outcome, stream_end);
     }
     s.heartbeat(&store, &mut mine, stream_end);
     assert_eq!(s.read(&store, 0, stream_end).unwrap().record.limit, 200);
@@ -796,11 +796,11 @@ fn an_overflow_backs_the_limit_off() {
     let store = MemoryStore::new();
     let mut rng = SplitMix64::new(6);
     let mut mine = vm(1, &locals(1));
-    let lease = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
+    let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     let timing = Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(1)) };
-    let outcome = s.classify(&lease, Some(503), flags::UPSTREAM_OVERFLOW, timing);
+    let outcome = s.classify(&permit, Some(503), flags::UPSTREAM_OVERFLOW, timing);
     assert_eq!(outcome, Outcome::Overflow);
-    let finished = s.finish(&store, &mut mine, lease, outcome, T0);
+    let finished = s.finish(&store, &mut mine, permit, outcome, T0);
     assert!(finished.recorded, "written at once");
     let record = s.read(&store, 0, T0).unwrap().record;
     assert_eq!(record.limit, 90, "×0.9");
@@ -823,19 +823,19 @@ fn a_reserve_is_not_spent_past_a_limit_another_vm_lowered() {
     assert_eq!(reserved, 1 + crate::primitives::inflight::RESERVE_MAX, "a full reserve far below the limit");
     // VM 2 sees timeouts until the limit is below what VM 1 holds (100, 50, 25, 12).
     while s.read(&store, 0, T0).unwrap().record.limit >= reserved {
-        let lease = s.choose(&store, &mut two, T0, &mut rng).unwrap();
-        s.finish(&store, &mut two, lease, Outcome::Timeout, T0);
+        let permit = s.choose(&store, &mut two, T0, &mut rng).unwrap();
+        s.finish(&store, &mut two, permit, Outcome::Timeout, T0);
     }
     let limit = s.read(&store, 0, T0).unwrap().record.limit;
     assert_eq!(limit, 12);
-    // Once VM 1's weight is stale it reads the record, and takes no lease past the new limit.
+    // Once VM 1's weight is stale it reads the record, and takes no permit past the new limit.
     let later = T0.plus_ms(WEIGHT_TTL_MS);
-    while let Ok(lease) = s.choose(&store, &mut one, later, &mut rng) {
-        held.push(lease);
+    while let Ok(permit) = s.choose(&store, &mut one, later, &mut rng) {
+        held.push(permit);
     }
-    assert_eq!(held.len() as u32, limit, "{} leases against a limit of {limit}", held.len());
-    for lease in held {
-        s.finish(&store, &mut one, lease, Outcome::Ignored, later);
+    assert_eq!(held.len() as u32, limit, "{} permits against a limit of {limit}", held.len());
+    for permit in held {
+        s.finish(&store, &mut one, permit, Outcome::Ignored, later);
     }
 }
 
@@ -856,8 +856,8 @@ fn a_confined_request_stays_in_its_partition_and_is_refused_when_it_is_full() {
     let mut mine = vm(1, &locals(4));
     let mut rng = SplitMix64::new(5);
     let within = confinement(&[1, 3], 4, None);
-    let leases: Vec<ClusterLease> = (0..4).map(|_| s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap()).collect();
-    let per_cluster: Vec<usize> = (0..4).map(|c| leases.iter().filter(|l| l.cluster == c).count()).collect();
+    let permits: Vec<ClusterPermit> = (0..4).map(|_| s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap()).collect();
+    let per_cluster: Vec<usize> = (0..4).map(|c| permits.iter().filter(|l| l.cluster == c).count()).collect();
     assert_eq!(per_cluster, vec![0, 2, 0, 2]);
     let exhausted = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap_err();
     assert_eq!(exhausted.clusters, vec![None, Some((2, 2)), None, Some((2, 2))], "the others are not even read");
@@ -866,8 +866,8 @@ fn a_confined_request_stays_in_its_partition_and_is_refused_when_it_is_full() {
     assert_eq!(other.cluster, 0);
     // A failing member is still used when confined: the weights decide among members only.
     let failing = confinement(&[2], 4, None);
-    let lease = s.choose_within(&store, &mut mine, T0, &mut rng, &failing).unwrap();
-    s.finish(&store, &mut mine, lease, Outcome::Failure, T0);
+    let permit = s.choose_within(&store, &mut mine, T0, &mut rng, &failing).unwrap();
+    s.finish(&store, &mut mine, permit, Outcome::Failure, T0);
     assert_eq!(s.choose_within(&store, &mut mine, T0, &mut rng, &failing).unwrap().cluster, 2);
 }
 
@@ -882,16 +882,16 @@ fn a_spilling_request_borrows_the_others_when_its_partition_is_full_or_failing()
     assert_eq!(first.cluster, 0, "members first");
     let spilled = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
     assert_ne!(spilled.cluster, 0, "full: spills");
-    for lease in [first, spilled] {
-        s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
+    for permit in [first, spilled] {
+        s.finish(&store, &mut mine, permit, Outcome::Ignored, T0);
     }
     // Member 0 fails: its rate falls below spill_below, the others come first.
-    let lease = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
-    assert_eq!(lease.cluster, 0);
-    s.finish(&store, &mut mine, lease, Outcome::Failure, T0);
+    let permit = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
+    assert_eq!(permit.cluster, 0);
+    s.finish(&store, &mut mine, permit, Outcome::Failure, T0);
     for _ in 0..20 {
-        let lease = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
-        assert_ne!(lease.cluster, 0, "failing member tried last");
-        s.finish(&store, &mut mine, lease, Outcome::Ignored, T0);
+        let permit = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
+        assert_ne!(permit.cluster, 0, "failing member tried last");
+        s.finish(&store, &mut mine, permit, Outcome::Ignored, T0);
     }
 }

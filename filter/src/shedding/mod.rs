@@ -1,7 +1,7 @@
 //! Load shedding on the proxy-wide count of in-flight requests (seed `000_60c4a26782fd3f17.txt`
 //! §17.1; seed `003_15aff1c9dc55ed12.txt`, overload detection by concurrency).
 //!
-//! An admitted request holds a [`Lease`] from its request headers to the end of its stream. A
+//! An admitted request holds a [`Permit`] from its request headers to the end of its stream. A
 //! request of priority class `c` is admitted while
 //!
 //! ```text
@@ -50,7 +50,7 @@ pub mod lag;
 pub mod per_key;
 
 use crate::config::{LoadShedding, Name};
-use crate::primitives::inflight::{admits, in_flight_units, InFlight, Lease, LocalCount};
+use crate::primitives::inflight::{admits, in_flight_units, InFlight, Permit, LocalCount};
 use crate::primitives::store::{write_back, SharedStore, StoreError};
 use crate::primitives::time::MonoMillis;
 
@@ -199,10 +199,10 @@ impl Shedder {
         local: &LocalCount,
         class: usize,
         now: MonoMillis,
-    ) -> Result<Lease, Shed> {
+    ) -> Result<Permit, Shed> {
         let threshold = self.classes.get(class).map_or(0, |c| c.threshold);
         if local.take_reserved(threshold) {
-            return Ok(Lease::taken(local));
+            return Ok(Permit::taken(local));
         }
         let mut last_total = local.in_use();
         for _ in 0..MAX_ATTEMPTS {
@@ -224,7 +224,7 @@ impl Shedder {
             match write_back(store, &self.key, stored.as_ref(), &record.encode()) {
                 Ok(()) => {
                     local.admitted(wanted, others);
-                    return Ok(Lease::taken(local));
+                    return Ok(Permit::taken(local));
                 }
                 Err(StoreError::CasMismatch) => continue,
                 Err(StoreError::Host(_)) => break,
@@ -240,12 +240,12 @@ impl Shedder {
         &self,
         store: &S,
         vm: u64,
-        mut lease: Lease,
+        mut permit: Permit,
         now: MonoMillis,
     ) {
-        lease.end();
-        if lease.local.idle_surplus() {
-            self.publish(store, vm, &lease.local, now);
+        permit.end();
+        if permit.local.idle_surplus() {
+            self.publish(store, vm, &permit.local, now);
         }
     }
 
@@ -441,21 +441,21 @@ mod tests {
         let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(10);
         let (a, b): (LocalCount, LocalCount) = (Rc::default(), Rc::default());
-        let mut leases = Vec::new();
+        let mut permits = Vec::new();
         for i in 0..10 {
             let (vm, local) = if i % 2 == 0 { (1, &a) } else { (2, &b) };
-            leases.push((vm, shedder.try_acquire(&store, vm, local, 0, T0).unwrap()));
+            permits.push((vm, shedder.try_acquire(&store, vm, local, 0, T0).unwrap()));
         }
         let shed = shedder.try_acquire(&store, 1, &a, 0, T0).unwrap_err();
         assert_eq!(shed, Shed { in_flight: 10, class: 0, contention: false });
         assert!(shedder.overloaded(shedder.in_flight(&store, 1, &a, T0)));
-        let (vm, lease) = leases.pop().unwrap();
-        shedder.release(&store, vm, lease, T0);
+        let (vm, permit) = permits.pop().unwrap();
+        shedder.release(&store, vm, permit, T0);
         assert_eq!(shedder.in_flight(&store, 1, &a, T0), 9);
         assert!(shedder.try_acquire(&store, 1, &a, 2, T0).is_err(), "low sheds at 5");
-        leases.push((1, shedder.try_acquire(&store, 1, &a, 0, T0).unwrap()));
-        for (vm, lease) in leases {
-            shedder.release(&store, vm, lease, T0);
+        permits.push((1, shedder.try_acquire(&store, 1, &a, 0, T0).unwrap()));
+        for (vm, permit) in permits {
+            shedder.release(&store, vm, permit, T0);
         }
         assert_eq!(shedder.in_flight(&store, 1, &a, T0), 0);
         assert_eq!((a.in_use(), b.in_use()), (0, 0));
@@ -466,8 +466,8 @@ mod tests {
         let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(10);
         let local: LocalCount = Rc::default();
-        let lease = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
-        drop(lease);
+        let permit = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
+        drop(permit);
         assert_eq!(local.in_use(), 0);
         assert_eq!(
             shedder.in_flight(&store, 2, &Rc::default(), T0),
@@ -535,7 +535,7 @@ mod tests {
         let store = Counting::default();
         let shedder = shedder(100_000);
         let local: LocalCount = Rc::default();
-        let leases: Vec<Lease> = (0..170)
+        let permits: Vec<Permit> = (0..170)
             .map(|_| shedder.try_acquire(&store, 1, &local, 2, T0).unwrap())
             .collect();
         assert_eq!(local.in_use(), 170);
@@ -551,8 +551,8 @@ mod tests {
             170,
             "the reserve counts for other VMs"
         );
-        for lease in leases {
-            shedder.release(&store, 1, lease, T0);
+        for permit in permits {
+            shedder.release(&store, 1, permit, T0);
         }
         let idle = shedder.in_flight(&store, 2, &Rc::default(), T0);
         assert!(idle <= RESERVE_MAX, "at most a reserve stays published ({idle})");
@@ -570,8 +570,8 @@ mod tests {
             let mut admitted = Vec::new();
             for i in 0..(2 * max + 10) {
                 let (vm, local) = if i % 3 == 0 { (1, &a) } else { (2, &b) };
-                if let Ok(lease) = shedder.try_acquire(&store, vm, local, 0, T0) {
-                    admitted.push(lease);
+                if let Ok(permit) = shedder.try_acquire(&store, vm, local, 0, T0) {
+                    admitted.push(permit);
                 }
                 let published =
                     InFlight::decode(&store.get(shedder.record_key()).unwrap().unwrap().value)
@@ -596,12 +596,12 @@ mod tests {
         let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(100_000);
         let local: LocalCount = Rc::default();
-        let lease = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
+        let permit = shedder.try_acquire(&store, 1, &local, 0, T0).unwrap();
         assert_eq!(local.held(), 1 + RESERVE_MAX);
         assert_eq!(shedder.heartbeat(&store, 1, &local, T0), 1);
         assert_eq!(local.held(), 1);
         assert_eq!(shedder.in_flight(&store, 2, &Rc::default(), T0), 1);
-        shedder.release(&store, 1, lease, T0);
+        shedder.release(&store, 1, permit, T0);
     }
 
     /// Issue 15.6: a reload lowering `max_active_requests` from 1 000 to 16 while this VM holds
@@ -612,15 +612,15 @@ mod tests {
         let store = crate::primitives::store::MemoryStore::new();
         let local: LocalCount = Rc::default();
         let before = shedder(1_000);
-        let mut leases = vec![before.try_acquire(&store, 1, &local, 0, T0).unwrap()];
+        let mut permits = vec![before.try_acquire(&store, 1, &local, 0, T0).unwrap()];
         assert_eq!(local.held(), 1 + RESERVE_MAX, "a full reserve far below the old limit");
         let after = shedder(16);
-        while let Ok(lease) = after.try_acquire(&store, 1, &local, 0, T0) {
-            leases.push(lease);
+        while let Ok(permit) = after.try_acquire(&store, 1, &local, 0, T0) {
+            permits.push(permit);
         }
-        assert_eq!(leases.len(), 16, "the new limit holds");
-        for lease in leases {
-            after.release(&store, 1, lease, T0);
+        assert_eq!(permits.len(), 16, "the new limit holds");
+        for permit in permits {
+            after.release(&store, 1, permit, T0);
         }
         after.heartbeat(&store, 1, &local, T0);
         assert_eq!(after.in_flight(&store, 2, &Rc::default(), T0), 0);
@@ -635,7 +635,7 @@ mod tests {
         let store = crate::primitives::store::MemoryStore::new();
         let shedder = shedder(10);
         let (a, b): (LocalCount, LocalCount) = (Rc::default(), Rc::default());
-        let leases: Vec<Lease> = (0..10).map(|_| shedder.try_acquire(&store, 1, &a, 0, T0).unwrap()).collect();
+        let permits: Vec<Permit> = (0..10).map(|_| shedder.try_acquire(&store, 1, &a, 0, T0).unwrap()).collect();
         let soon = T0.plus_ms(1);
         assert!(shedder.try_acquire(&store, 2, &b, 0, soon).is_err(), "VM 1 holds all 10");
         let just_live = T0.plus_ms(STALE_AFTER_MS - 1);
@@ -643,8 +643,8 @@ mod tests {
         shedder.heartbeat(&store, 1, &a, just_live);
         let later = just_live.plus_ms(STALE_AFTER_MS - 1);
         assert!(shedder.try_acquire(&store, 2, &b, 0, later).is_err(), "its heartbeat keeps it live");
-        for lease in leases {
-            shedder.release(&store, 1, lease, later);
+        for permit in permits {
+            shedder.release(&store, 1, permit, later);
         }
     }
 }

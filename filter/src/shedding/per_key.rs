@@ -107,7 +107,7 @@ impl KeySet {
     }
 }
 
-/// This worker's own counts per key (exact: a worker is single-threaded), shared by the leases.
+/// This worker's own counts per key (exact: a worker is single-threaded), shared by the permits.
 pub type LocalKeys = Rc<RefCell<HashMap<u64, u32>>>;
 
 /// A request's hold on one unit of its key's cap, released exactly once: by
@@ -115,13 +115,13 @@ pub type LocalKeys = Rc<RefCell<HashMap<u64, u32>>>;
 /// vanish without that, by `Drop`, which lowers the worker's count for the heartbeat to publish.
 #[derive(Debug)]
 #[must_use = "an admitted request must release its key's unit when its stream ends"]
-pub struct KeyLease {
+pub struct KeyPermit {
     key: u64,
     local: LocalKeys,
     released: bool,
 }
 
-impl KeyLease {
+impl KeyPermit {
     fn end(&mut self) {
         if !self.released {
             self.released = true;
@@ -132,7 +132,7 @@ impl KeyLease {
     }
 }
 
-impl Drop for KeyLease {
+impl Drop for KeyPermit {
     fn drop(&mut self) {
         self.end();
     }
@@ -200,7 +200,7 @@ impl PerKeyCap {
         local: &LocalKeys,
         key: u64,
         now: MonoMillis,
-    ) -> Result<KeyLease, CapRefusal> {
+    ) -> Result<KeyPermit, CapRefusal> {
         let set_key = self.set_key(key);
         let mine = local.borrow().get(&key).copied().unwrap_or(0);
         for _ in 0..MAX_ATTEMPTS {
@@ -215,7 +215,7 @@ impl PerKeyCap {
             match write_back(store, &set_key, stored.as_ref(), &set.encode()) {
                 Ok(()) => {
                     *local.borrow_mut().entry(key).or_insert(0) = mine.saturating_add(1);
-                    return Ok(KeyLease { key, local: Rc::clone(local), released: false });
+                    return Ok(KeyPermit { key, local: Rc::clone(local), released: false });
                 }
                 Err(StoreError::CasMismatch) => continue,
                 Err(StoreError::Host(_)) => break,
@@ -226,11 +226,11 @@ impl PerKeyCap {
 
     /// Ends an admitted request: lowers the worker's count and publishes it (should the write
     /// fail, the heartbeat does).
-    pub fn release<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, mut lease: KeyLease, now: MonoMillis) {
-        lease.end();
-        let count = lease.local.borrow().get(&lease.key).copied().unwrap_or(0);
-        if self.publish(store, vm, lease.key, count, now) && count == 0 {
-            lease.local.borrow_mut().remove(&lease.key);
+    pub fn release<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, mut permit: KeyPermit, now: MonoMillis) {
+        permit.end();
+        let count = permit.local.borrow().get(&permit.key).copied().unwrap_or(0);
+        if self.publish(store, vm, permit.key, count, now) && count == 0 {
+            permit.local.borrow_mut().remove(&permit.key);
         }
     }
 
@@ -299,30 +299,30 @@ mod tests {
         let store = MemoryStore::new();
         let cap = cap(3);
         let (a, b): (LocalKeys, LocalKeys) = (LocalKeys::default(), LocalKeys::default());
-        let mut leases = Vec::new();
+        let mut permits = Vec::new();
         for i in 0..10 {
             let (vm, local) = if i % 2 == 0 { (1, &a) } else { (2, &b) };
-            if let Ok(lease) = cap.try_acquire(&store, vm, local, 42, T0) {
-                leases.push((vm, lease));
+            if let Ok(permit) = cap.try_acquire(&store, vm, local, 42, T0) {
+                permits.push((vm, permit));
             }
         }
-        assert_eq!(leases.len(), 3, "exactly the cap");
+        assert_eq!(permits.len(), 3, "exactly the cap");
         assert_eq!(cap.try_acquire(&store, 1, &a, 42, T0).unwrap_err(), CapRefusal::Full { in_flight: 3 });
         assert!(cap.try_acquire(&store, 1, &a, 43, T0).is_ok(), "another key is not affected");
-        for (vm, lease) in leases {
-            cap.release(&store, vm, lease, T0);
+        for (vm, permit) in permits {
+            cap.release(&store, vm, permit, T0);
         }
         assert_eq!(cap.in_flight(&store, 1, &a, 42, T0), 0);
         assert!(!a.borrow().contains_key(&42) && !b.borrow().contains_key(&42), "nothing left to follow");
     }
 
     #[test]
-    fn a_dropped_lease_is_published_by_the_heartbeat_and_a_dead_worker_expires() {
+    fn a_dropped_permit_is_published_by_the_heartbeat_and_a_dead_worker_expires() {
         let store = MemoryStore::new();
         let cap = cap(2);
         let (a, b): (LocalKeys, LocalKeys) = (LocalKeys::default(), LocalKeys::default());
-        let lease = cap.try_acquire(&store, 1, &a, 7, T0).unwrap();
-        drop(lease); // the stream vanished without its release
+        let permit = cap.try_acquire(&store, 1, &a, 7, T0).unwrap();
+        drop(permit); // the stream vanished without its release
         assert_eq!(cap.in_flight(&store, 2, &b, 7, T0), 1, "not yet published");
         cap.heartbeat(&store, 1, &a, T0);
         assert_eq!(cap.in_flight(&store, 2, &b, 7, T0), 0);

@@ -56,8 +56,56 @@
 //! metric names (`outbound|80||a.b` → `outbound_80__a.b`).
 
 use crate::config::{Config, Consistency, Scope};
-use proxy_wasm::hostcalls;
-use proxy_wasm::types::MetricType;
+
+/// What a metric is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only grows.
+    Counter,
+    /// Set, or moved by several VMs each by its share.
+    Gauge,
+    /// Samples.
+    Histogram,
+}
+
+/// The host's metrics: Envoy's stats through proxy-wasm in the module, a map in tests.
+pub trait Metrics {
+    /// Defines a metric (every VM that defines the same name gets the same stat); its id, or
+    /// `None` if the host refused.
+    fn define(&self, kind: MetricKind, name: &str) -> Option<u32>;
+    /// Adds `delta` to a counter (`delta` > 0) or a gauge.
+    fn add(&self, id: u32, delta: i64);
+    /// Sets a gauge, or records a histogram sample.
+    fn record(&self, id: u32, value: u64);
+}
+
+/// Adds `n` to a counter (nothing for 0).
+pub fn add_count(metrics: &dyn Metrics, id: Option<u32>, n: u64) {
+    if let (Some(id), Ok(n @ 1..)) = (id, i64::try_from(n)) {
+        metrics.add(id, n);
+    }
+}
+
+/// Adds one to a counter.
+pub fn increment(metrics: &dyn Metrics, id: Option<u32>) {
+    if let Some(id) = id {
+        metrics.add(id, 1);
+    }
+}
+
+/// Moves a gauge by `delta` (a gauge that several VMs feed, each with its own share).
+pub fn add(metrics: &dyn Metrics, id: Option<u32>, delta: i64) {
+    if let (Some(id), false) = (id, delta == 0) {
+        metrics.add(id, delta);
+    }
+}
+
+/// Sets a gauge, or records a histogram sample.
+pub fn set(metrics: &dyn Metrics, id: Option<u32>, value: u64) {
+    if let Some(id) = id {
+        metrics.record(id, value);
+    }
+}
 
 /// Metric ids of one rule.
 #[derive(Clone, Copy, Debug, Default)]
@@ -163,7 +211,8 @@ pub struct LeaseStats {
 
 impl LeaseStats {
     /// Defines them, when `config` has a leased rule.
-    pub fn define(config: &Config) -> LeaseStats {
+    pub fn define(config: &Config, metrics: &dyn Metrics) -> LeaseStats {
+        let d = Define(metrics);
         let leased = config.global.is_some()
             && config.rate_limits.iter().any(|r| r.scope == Scope::Global && r.consistency == Consistency::Leased);
         if !leased {
@@ -171,16 +220,16 @@ impl LeaseStats {
         }
         let name = |what: &str| format!("{}.lease.{what}", config.stat_prefix.as_str());
         LeaseStats {
-            calls: counter(&name("calls")),
-            failures: counter(&name("failures")),
-            waited: counter(&name("waited")),
-            wait_ms: histogram(&name("wait_ms")),
-            call_ms: histogram(&name("call_ms")),
-            without_store: counter(&name("without_store")),
-            granted: counter(&name("granted")),
-            returned: counter(&name("returned")),
-            held: gauge(&name("held")),
-            keys: gauge(&name("keys")),
+            calls: d.counter(&name("calls")),
+            failures: d.counter(&name("failures")),
+            waited: d.counter(&name("waited")),
+            wait_ms: d.histogram(&name("wait_ms")),
+            call_ms: d.histogram(&name("call_ms")),
+            without_store: d.counter(&name("without_store")),
+            granted: d.counter(&name("granted")),
+            returned: d.counter(&name("returned")),
+            held: d.gauge(&name("held")),
+            keys: d.gauge(&name("keys")),
         }
     }
 }
@@ -208,26 +257,19 @@ pub struct ClusterStats {
     pub in_flight: Option<u32>,
 }
 
-fn define(kind: MetricType, name: &str) -> Option<u32> {
-    match hostcalls::define_metric(kind, name) {
-        Ok(id) => Some(id),
-        Err(status) => {
-            log::warn!("metric {name} could not be defined: {status:?}");
-            None
-        }
+/// Defines metrics of one kind.
+struct Define<'m>(&'m dyn Metrics);
+
+impl Define<'_> {
+    fn counter(&self, name: &str) -> Option<u32> {
+        self.0.define(MetricKind::Counter, name)
     }
-}
-
-fn counter(name: &str) -> Option<u32> {
-    define(MetricType::Counter, name)
-}
-
-fn gauge(name: &str) -> Option<u32> {
-    define(MetricType::Gauge, name)
-}
-
-fn histogram(name: &str) -> Option<u32> {
-    define(MetricType::Histogram, name)
+    fn gauge(&self, name: &str) -> Option<u32> {
+        self.0.define(MetricKind::Gauge, name)
+    }
+    fn histogram(&self, name: &str) -> Option<u32> {
+        self.0.define(MetricKind::Histogram, name)
+    }
 }
 
 /// A cluster name as a metric-name segment: characters other than letters, digits, `-`, `_`
@@ -240,7 +282,8 @@ fn metric_safe(name: &str) -> String {
 
 impl Stats {
     /// Defines every metric of `config`.
-    pub fn define(config: &Config) -> Stats {
+    pub fn define(config: &Config, metrics: &dyn Metrics) -> Stats {
+        let d = Define(metrics);
         let prefix = config.stat_prefix.as_str();
         let rules = config
             .rate_limits
@@ -248,14 +291,14 @@ impl Stats {
             .map(|rule| {
                 let name = |what: &str| format!("{prefix}.rate_limit.{}.{what}", rule.name);
                 RuleStats {
-                    allowed: counter(&name("allowed")),
-                    rejected: counter(&name("rejected")),
-                    skipped: counter(&name("skipped")),
-                    contention: counter(&name("contention")),
-                    evictions: counter(&name("evictions")),
-                    reserved: gauge(&name("reserved")),
-                    invalid_cost: counter(&name("invalid_cost")),
-                    charged: counter(&name("charged")),
+                    allowed: d.counter(&name("allowed")),
+                    rejected: d.counter(&name("rejected")),
+                    skipped: d.counter(&name("skipped")),
+                    contention: d.counter(&name("contention")),
+                    evictions: d.counter(&name("evictions")),
+                    reserved: d.gauge(&name("reserved")),
+                    invalid_cost: d.counter(&name("invalid_cost")),
+                    charged: d.counter(&name("charged")),
                 }
             })
             .collect();
@@ -263,7 +306,7 @@ impl Stats {
         let shed = shedding.map_or_else(Vec::new, |s| {
             s.classes
                 .iter()
-                .map(|c| counter(&format!("{prefix}.load_shedding.{}.shed", c.name)))
+                .map(|c| d.counter(&format!("{prefix}.load_shedding.{}.shed", c.name)))
                 .collect()
         });
         // Defined whenever shedding is: a dashboard's series exist (at 0) before lag shedding is
@@ -272,13 +315,13 @@ impl Stats {
         let shed_by_lag = by_lag.map_or_else(Vec::new, |s| {
             s.classes
                 .iter()
-                .map(|c| counter(&format!("{prefix}.load_shedding.{}.shed_by_lag", c.name)))
+                .map(|c| d.counter(&format!("{prefix}.load_shedding.{}.shed_by_lag", c.name)))
                 .collect()
         });
-        let loop_lag_ms = by_lag.and_then(|_| histogram(&format!("{prefix}.load_shedding.loop_lag_ms")));
+        let loop_lag_ms = by_lag.and_then(|_| d.histogram(&format!("{prefix}.load_shedding.loop_lag_ms")));
         let in_flight_limit = shedding.filter(|s| s.max_active_requests.is_some());
-        let shed_contention = in_flight_limit.and_then(|_| counter(&format!("{prefix}.load_shedding.contention")));
-        let in_flight = in_flight_limit.and_then(|_| gauge(&format!("{prefix}.load_shedding.in_flight")));
+        let shed_contention = in_flight_limit.and_then(|_| d.counter(&format!("{prefix}.load_shedding.contention")));
+        let in_flight = in_flight_limit.and_then(|_| d.gauge(&format!("{prefix}.load_shedding.in_flight")));
         let selection = config.cluster_selection.as_ref();
         let clusters = selection.map_or_else(Vec::new, |s| {
             s.clusters
@@ -286,15 +329,15 @@ impl Stats {
                 .map(|cluster| {
                     let base = format!("{prefix}.cluster.{}", metric_safe(cluster.as_str()));
                     ClusterStats {
-                        selected: counter(&format!("{base}.selected")),
-                        success: counter(&format!("{base}.success")),
-                        slow: counter(&format!("{base}.slow")),
-                        failure: counter(&format!("{base}.failure")),
-                        timeout: counter(&format!("{base}.timeout")),
-                        ignored: counter(&format!("{base}.ignored")),
-                        success_rate_ppm: gauge(&format!("{base}.success_rate_ppm")),
-                        concurrency_limit: gauge(&format!("{base}.concurrency_limit")),
-                        in_flight: gauge(&format!("{base}.in_flight")),
+                        selected: d.counter(&format!("{base}.selected")),
+                        success: d.counter(&format!("{base}.success")),
+                        slow: d.counter(&format!("{base}.slow")),
+                        failure: d.counter(&format!("{base}.failure")),
+                        timeout: d.counter(&format!("{base}.timeout")),
+                        ignored: d.counter(&format!("{base}.ignored")),
+                        success_rate_ppm: d.gauge(&format!("{base}.success_rate_ppm")),
+                        concurrency_limit: d.gauge(&format!("{base}.concurrency_limit")),
+                        in_flight: d.gauge(&format!("{base}.in_flight")),
                     }
                 })
                 .collect()
@@ -304,14 +347,14 @@ impl Stats {
         {
             let name = |what: &str| format!("{prefix}.global.{what}");
             GlobalStats {
-                batches: counter(&name("batches")),
-                confirmed: counter(&name("confirmed")),
-                failures: counter(&name("failures")),
-                counters: counter(&name("counters")),
-                dropped: counter(&name("dropped")),
-                errors: counter(&name("errors")),
-                staleness_ms: gauge(&name("staleness_ms")),
-                view_keys: gauge(&name("view_keys")),
+                batches: d.counter(&name("batches")),
+                confirmed: d.counter(&name("confirmed")),
+                failures: d.counter(&name("failures")),
+                counters: d.counter(&name("counters")),
+                dropped: d.counter(&name("dropped")),
+                errors: d.counter(&name("errors")),
+                staleness_ms: d.gauge(&name("staleness_ms")),
+                view_keys: d.gauge(&name("view_keys")),
             }
         } else {
             GlobalStats::default()
@@ -328,13 +371,13 @@ impl Stats {
             shed_contention,
             in_flight,
             clusters,
-            exhausted: selection.and_then(|_| counter(&format!("{prefix}.cluster_selection.exhausted"))),
-            selection_contention: selection.and_then(|_| counter(&format!("{prefix}.cluster_selection.contention"))),
-            partition_spilled: partition.and_then(|_| counter(&format!("{prefix}.cluster_selection.partition.spilled"))),
-            partition_unkeyed: partition.and_then(|_| counter(&format!("{prefix}.cluster_selection.partition.unkeyed"))),
-            per_key_refused: per_key.and_then(|_| counter(&format!("{prefix}.load_shedding.per_key.refused"))),
-            per_key_untracked: per_key.and_then(|_| counter(&format!("{prefix}.load_shedding.per_key.untracked"))),
-            per_key_unkeyed: per_key.and_then(|_| counter(&format!("{prefix}.load_shedding.per_key.unkeyed"))),
+            exhausted: selection.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.exhausted"))),
+            selection_contention: selection.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.contention"))),
+            partition_spilled: partition.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.partition.spilled"))),
+            partition_unkeyed: partition.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.partition.unkeyed"))),
+            per_key_refused: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.refused"))),
+            per_key_untracked: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.untracked"))),
+            per_key_unkeyed: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.unkeyed"))),
         }
     }
 
@@ -346,46 +389,5 @@ impl Stats {
     /// The ids of rule `index` (all absent for an unknown index).
     pub fn rule(&self, index: usize) -> RuleStats {
         self.rules.get(index).copied().unwrap_or_default()
-    }
-}
-
-/// Adds `n` to a counter (nothing for 0).
-pub fn add_count(id: Option<u32>, n: u64) {
-    if let (Some(id), Ok(n @ 1..)) = (id, i64::try_from(n)) {
-        if let Err(status) = hostcalls::increment_metric(id, n) {
-            log::debug!("metric {id} not incremented: {status:?}");
-        }
-    }
-}
-
-/// Adds one to a counter.
-pub fn increment(id: Option<u32>) {
-    if let Some(id) = id {
-        if let Err(status) = hostcalls::increment_metric(id, 1) {
-            log::debug!("metric {id} not incremented: {status:?}");
-        }
-    }
-}
-
-/// Moves a gauge by `delta` (a gauge that several VMs feed, each with its own share).
-pub fn add(id: Option<u32>, delta: i64) {
-    if let (Some(id), false) = (id, delta == 0) {
-        if let Err(status) = hostcalls::increment_metric(id, delta) {
-            log::debug!("metric {id} not moved: {status:?}");
-        }
-    }
-}
-
-/// Records a histogram sample.
-pub fn record(id: Option<u32>, value: u64) {
-    set(id, value);
-}
-
-/// Sets a gauge.
-pub fn set(id: Option<u32>, value: u64) {
-    if let Some(id) = id {
-        if let Err(status) = hostcalls::record_metric(id, value) {
-            log::debug!("metric {id} not set: {status:?}");
-        }
     }
 }

@@ -1,0 +1,497 @@
+//! The `leased` stage: rules in `consistency: leased` ([`crate::lease`] keeps the worker's
+//! leases), the calls to `floodgate-sync`'s `POST /v1/lease` that refill them, and the requests
+//! that wait for an answer.
+//!
+//! A request whose key's lease is empty waits: its stream is listed under the key, in arrival
+//! order, and one call per key is on its way at a time. The host hands an answer to the context
+//! that sent the call and cancels a stream's calls when the stream ends, so a call goes from a
+//! context that outlives it: the waiting request's own stream for the call it waits on, the
+//! root context for everything else (a refill of a lease running low, give-backs, a second call
+//! for requests still waiting), queued and sent at the root's next tick. An answer wakes the
+//! requests waiting on its keys: each takes its units again ([`super::resume`]) and, decided,
+//! runs the rest of its pipeline on its own stream state.
+//!
+//! A stream that ends with its call on the way loses the answer: the root sends the call again
+//! at its next tick, which also decides the requests waiting past `lease_timeout` as
+//! `on_store_failure` says.
+//!
+//! Nothing here calls the host: calls to send are queued ([`LeasedStage::take_outgoing`]), and
+//! the host reports what became of them.
+
+use super::stats::{self, increment, LeaseStats, Metrics};
+use super::{Filter, Request, SharedStream};
+use crate::config::{Config, Consistency, Scope};
+use crate::global::flusher::Answer;
+use crate::global::{FleetHasher, FleetKey};
+use crate::keys;
+use crate::lease::protocol;
+use crate::lease::{Ask, LeaseBook, LeaseSpec, Refusal, Take};
+use crate::primitives::time::{MonoMillis, Now, UnixMillis};
+use crate::ratelimit::window::{Counts, Window};
+use crate::ratelimit::{Cause, Probe, Standing, Verdict, Violation};
+use crate::replies::{self, Reply};
+use std::cell::RefCell;
+use std::collections::{HashMap, VecDeque};
+use std::num::NonZeroU64;
+
+/// A request's key of one leased rule.
+#[derive(Clone, Copy, Debug)]
+pub struct LeaseProbe {
+    /// The rule, the key's limit and the request's cost (as for any rule).
+    pub probe: Probe,
+    /// The key's fleet-wide id.
+    pub key: FleetKey,
+    /// The window and the limit.
+    pub spec: LeaseSpec,
+}
+
+impl LeaseProbe {
+    /// The units the request takes: its cost, and at least one.
+    fn units(&self) -> u32 {
+        self.probe.needs()
+    }
+}
+
+/// A request waiting for the store (kept in its stream's state).
+#[derive(Clone, Debug)]
+pub struct Wait {
+    /// Its keys of the leased rules.
+    pub probes: Vec<LeaseProbe>,
+    /// When it started to wait.
+    pub since: MonoMillis,
+    /// The key it waits on, and the units it wants of it.
+    pub on: (FleetKey, u32),
+    /// Whether the request headers ended the request.
+    pub end_of_stream: bool,
+    /// Request body seen while waiting: bytes, and whether it ended.
+    pub body: (usize, bool),
+}
+
+/// The units a request took of the leased rules' keys.
+#[derive(Clone, Debug, Default)]
+pub struct Taken {
+    /// Their standings, for the `RateLimit` fields.
+    pub standings: Vec<Standing>,
+    /// The keys and units, given back if a later stage refuses the request.
+    pub units: Vec<(FleetKey, u32)>,
+    /// When they were taken.
+    pub at: UnixMillis,
+}
+
+/// How the leased rules took a request's units.
+pub enum Decision {
+    /// Every leased rule admitted it.
+    All(Taken),
+    /// Refused: the reply.
+    Refused(Reply),
+    /// It waits for the store, on this key, for these units.
+    Wait(FleetKey, u32),
+}
+
+/// A call to send, from `owner` (the context whose callback runs when the host sends it).
+#[derive(Clone, Debug)]
+pub struct Outgoing {
+    /// The context the call goes from.
+    pub owner: u32,
+    /// What it asks.
+    pub asks: Vec<Ask>,
+    /// Its body.
+    pub body: Vec<u8>,
+    /// Its timeout, ms.
+    pub timeout_ms: u64,
+}
+
+/// A call on its way.
+struct Call {
+    /// The context that sent it (the one the host answers).
+    owner: u32,
+    asks: Vec<Ask>,
+    sent: MonoMillis,
+}
+
+/// The requests waiting on one key: their context ids and streams, in arrival order.
+pub type Waiting = VecDeque<(u32, SharedStream)>;
+
+/// The leased rules of a configuration, and this worker's leases, calls and waiting requests.
+pub struct LeasedStage {
+    book: RefCell<LeaseBook>,
+    /// Per rule, in configuration order: the window of a leased rule.
+    windows: Vec<Option<Window>>,
+    hasher: FleetHasher,
+    /// The store's cluster and `:authority`.
+    pub cluster: String,
+    /// The `:authority` of the calls.
+    pub authority: String,
+    /// `lease_timeout`, ms: the timeout of the calls requests wait on.
+    pub timeout_ms: u64,
+    /// `timeout`, ms: the timeout of the calls the root sends (no request waits on them when
+    /// they go; a slow answer is better than a failure that makes the keys decide without the
+    /// store).
+    background_timeout_ms: u64,
+    /// The root context's id.
+    root: u32,
+    /// This VM's id, which names it in its calls.
+    vm: u64,
+    calls: RefCell<HashMap<u32, Call>>,
+    /// Calls for the host to send now (from the context whose callback runs).
+    outgoing: RefCell<Vec<Outgoing>>,
+    /// Calls the root sends at its next tick.
+    queued: RefCell<Vec<Ask>>,
+    /// Per key, the requests waiting on it.
+    waiting: RefCell<HashMap<FleetKey, Waiting>>,
+    /// Metric ids.
+    pub stats: LeaseStats,
+}
+
+impl LeasedStage {
+    /// The stage of `config`, if it has leased rules, under the root context `root` of VM `vm`.
+    pub fn new(config: &Config, stats: LeaseStats, root: u32, vm: u64) -> Option<LeasedStage> {
+        let global = config.global.as_ref()?;
+        let windows: Vec<Option<Window>> = config
+            .rate_limits
+            .iter()
+            .map(|r| {
+                (r.scope == Scope::Global && r.consistency == Consistency::Leased)
+                    .then(|| Window::new(NonZeroU64::new(r.window.get().get()).unwrap_or(NonZeroU64::MIN)))
+            })
+            .collect();
+        if windows.iter().all(Option::is_none) {
+            return None;
+        }
+        let max_keys = usize::try_from(global.max_keys.get().get()).unwrap_or(usize::MAX);
+        Some(LeasedStage {
+            book: RefCell::new(LeaseBook::new(
+                max_keys,
+                global.sync_interval.get().get(),
+                global.on_store_failure,
+                global.max_lease.map_or(u32::MAX, |m| m.get().get()),
+                global.lease_timeout.get().get(),
+            )),
+            windows,
+            hasher: FleetHasher::new(global.key_secret.as_deref()),
+            cluster: global.cluster.as_str().to_owned(),
+            authority: global.authority().to_owned(),
+            timeout_ms: global.lease_timeout.get().get(),
+            root,
+            vm,
+            background_timeout_ms: global.timeout.get().get().max(global.lease_timeout.get().get()),
+            calls: RefCell::new(HashMap::new()),
+            outgoing: RefCell::new(Vec::new()),
+            queued: RefCell::new(Vec::new()),
+            waiting: RefCell::new(HashMap::new()),
+            stats,
+        })
+    }
+
+    /// Whether rule `rule` is leased.
+    pub fn is_leased(&self, rule: usize) -> bool {
+        self.windows.get(rule).is_some_and(Option::is_some)
+    }
+
+    /// The request's keys of the leased rules that apply to it, with their limits and costs.
+    pub fn probes(&self, filter: &Filter, metrics: &dyn Metrics, request: &dyn Request) -> Vec<LeaseProbe> {
+        let rules = &filter.rules;
+        let mut skipped = Vec::new();
+        let probes = keys::probes_where(
+            &filter.config,
+            &filter.hasher,
+            Some(&self.hasher),
+            |source| request.fetch(source),
+            &mut skipped,
+            |rule| self.is_leased(rule) && rules.applies(rule, request.headers()),
+        );
+        for rule in skipped {
+            increment(metrics, filter.stats.rule(rule).skipped);
+        }
+        probes
+            .into_iter()
+            .filter_map(|mut probe| {
+                let window = self.windows.get(probe.rule).copied().flatten()?;
+                let key = probe.fleet?;
+                probe.limit = rules.limit(probe.rule, probe.key_hash, request.headers());
+                let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit))?;
+                let admission = rules.admission(probe.rule, request.headers());
+                if admission.invalid {
+                    increment(metrics, filter.stats.rule(probe.rule).invalid_cost);
+                }
+                probe.cost = crate::ratelimit::rules::capped(admission.now, limit);
+                Some(LeaseProbe { probe, key, spec: LeaseSpec { window, limit } })
+            })
+            .collect()
+    }
+
+    /// A new request: takes the units of every probe, or refuses it, or has it wait. The call
+    /// it would wait on goes from its own stream (`context`, alive until the answer); a refill
+    /// from the root.
+    pub fn admit(&self, filter: &Filter, metrics: &dyn Metrics, probes: &[LeaseProbe], context: u32, now: Now) -> Decision {
+        let mut sends = Vec::new();
+        let decision = self.take_all(filter, metrics, probes, None, false, now, &mut sends);
+        let waits_on = match &decision {
+            Decision::Wait(key, _) => Some(*key),
+            _ => None,
+        };
+        let (own, background): (Vec<Ask>, Vec<Ask>) = sends.into_iter().partition(|a| Some(a.key) == waits_on);
+        self.send(own, context);
+        self.queued.borrow_mut().extend(background);
+        if waits_on.is_some() {
+            increment(metrics, self.stats.waited);
+        }
+        decision
+    }
+
+    /// A waiting request, woken by an answer or a tick: takes its units again (`wait`: what it
+    /// waits for); past `lease_timeout` it is decided without the store. Calls it needs go from
+    /// the root.
+    pub fn decide(&self, filter: &Filter, metrics: &dyn Metrics, wait: &Wait, now: Now) -> Decision {
+        let expired = now.mono.saturating_since(wait.since) >= self.timeout_ms;
+        let mut sends = Vec::new();
+        let decision = self.take_all(filter, metrics, &wait.probes, Some(wait.on.0), expired, now, &mut sends);
+        self.queued.borrow_mut().extend(sends);
+        if matches!(decision, Decision::All(_)) {
+            stats::set(metrics, self.stats.wait_ms, now.mono.saturating_since(wait.since));
+        }
+        decision
+    }
+
+    /// Takes the units of every probe, or none (`waited_on`: the key the request waited for;
+    /// `fallback`: its wait is over, decide without the store). Calls to send go to `sends`.
+    #[allow(clippy::too_many_arguments)]
+    fn take_all(
+        &self,
+        filter: &Filter,
+        metrics: &dyn Metrics,
+        probes: &[LeaseProbe],
+        waited_on: Option<FleetKey>,
+        fallback: bool,
+        now: Now,
+        sends: &mut Vec<Ask>,
+    ) -> Decision {
+        let mut book = self.book.borrow_mut();
+        let mut standings = Vec::with_capacity(probes.len());
+        let mut taken: Vec<&LeaseProbe> = Vec::with_capacity(probes.len());
+        let decision = 'rules: {
+            for lp in probes {
+                let units = lp.units();
+                let take = if fallback {
+                    increment(metrics, self.stats.without_store);
+                    book.without_store(lp.key, lp.spec, units, now.wall)
+                } else {
+                    book.take(lp.key, lp.spec, units, waited_on == Some(lp.key), now.wall)
+                };
+                match take {
+                    Take::Admitted { counts, held, refill } => {
+                        sends.extend(refill);
+                        let mut standing = standing(filter, lp, counts, now.wall);
+                        standing.remaining = standing.remaining.saturating_add(u64::from(held));
+                        standings.push(standing);
+                        taken.push(lp);
+                    }
+                    Take::Wait { call } => {
+                        sends.extend(call);
+                        break 'rules Decision::Wait(lp.key, units);
+                    }
+                    Take::Refused { refusal, counts } => {
+                        let reply = match refusal {
+                            Refusal::OverLimit => {
+                                let standing = standing(filter, lp, counts, now.wall);
+                                let verdict = Verdict::Rejected { violations: vec![Violation { standing, cause: Cause::OverLimit }] };
+                                replies::rate_limited(&filter.limiter, &verdict, now.wall)
+                            }
+                            Refusal::StoreDown => None,
+                        };
+                        increment(metrics, filter.stats.rule(lp.probe.rule).rejected);
+                        break 'rules Decision::Refused(
+                            reply.unwrap_or_else(|| replies::quota_store_unavailable(&filter.limiter, lp.probe.rule)),
+                        );
+                    }
+                }
+            }
+            for lp in &taken {
+                increment(metrics, filter.stats.rule(lp.probe.rule).allowed);
+            }
+            let units = taken.iter().map(|lp| (lp.key, lp.units())).collect();
+            return Decision::All(Taken { standings, units, at: now.wall });
+        };
+        for lp in taken {
+            book.untake(lp.key, lp.units(), now.wall);
+        }
+        decision
+    }
+
+    /// Queues one call from `owner` (nothing for no asks).
+    fn send(&self, asks: Vec<Ask>, owner: u32) {
+        if asks.is_empty() {
+            return;
+        }
+        let body = protocol::body(&asks, self.vm);
+        let timeout_ms = if owner == self.root { self.background_timeout_ms } else { self.timeout_ms };
+        self.outgoing.borrow_mut().push(Outgoing { owner, asks, body, timeout_ms });
+    }
+
+    /// The calls for the host to send now, each from its owner.
+    pub fn take_outgoing(&self) -> Vec<Outgoing> {
+        std::mem::take(&mut *self.outgoing.borrow_mut())
+    }
+
+    /// Whether call `token` is a lease call of this stage.
+    pub fn owns(&self, token: u32) -> bool {
+        self.calls.borrow().contains_key(&token)
+    }
+
+    /// The host sent `call` as `token`.
+    pub fn sent(&self, metrics: &dyn Metrics, call: Outgoing, token: u32, now: Now) {
+        increment(metrics, self.stats.calls);
+        self.calls.borrow_mut().insert(token, Call { owner: call.owner, asks: call.asks, sent: now.mono });
+    }
+
+    /// The host could not send `call`: its keys decide without the store until they retry
+    /// (their waiting requests are decided at the next tick).
+    pub fn not_sent(&self, metrics: &dyn Metrics, call: &Outgoing, now: Now) {
+        increment(metrics, self.stats.failures);
+        let mut book = self.book.borrow_mut();
+        for ask in &call.asks {
+            book.answered(ask, None, now.wall);
+        }
+    }
+
+    /// The answer to call `token`: the keys whose waiting requests it wakes (`None`: not a
+    /// lease call).
+    pub fn answered(&self, metrics: &dyn Metrics, token: u32, answer: Answer, now: Now) -> Option<Vec<FleetKey>> {
+        let call = self.calls.borrow_mut().remove(&token)?;
+        let grants = match answer {
+            Answer::Ok(body) => protocol::decode(&body, call.asks.len()).map_err(|e| log::warn!("floodgate: {e}")).ok(),
+            Answer::Failed(other) => {
+                log::debug!("floodgate: lease call failed ({other:?}, after {} ms)", now.mono.saturating_since(call.sent));
+                None
+            }
+        };
+        {
+            let mut book = self.book.borrow_mut();
+            match &grants {
+                Some(grants) => {
+                    for (ask, grant) in call.asks.iter().zip(grants) {
+                        stats::add_count(metrics, self.stats.granted, u64::from(grant.granted));
+                        stats::add_count(metrics, self.stats.returned, u64::from(ask.returned).saturating_add(u64::from(ask.returned_previous)));
+                        book.answered(ask, Some(*grant), now.wall);
+                    }
+                }
+                None => {
+                    increment(metrics, self.stats.failures);
+                    for ask in &call.asks {
+                        book.answered(ask, None, now.wall);
+                    }
+                }
+            }
+        }
+        stats::set(metrics, self.stats.call_ms, now.mono.saturating_since(call.sent));
+        Some(call.asks.iter().filter(|a| a.want > 0).map(|a| a.key).collect())
+    }
+
+    /// Lists `stream` (context `context`) as waiting on `key`.
+    pub fn park(&self, key: FleetKey, context: u32, stream: SharedStream) {
+        self.waiting.borrow_mut().entry(key).or_default().push_back((context, stream));
+    }
+
+    /// Takes the requests waiting on `key`, to be decided again in order.
+    pub fn take_waiting(&self, key: FleetKey) -> Waiting {
+        self.waiting.borrow_mut().remove(&key).unwrap_or_default()
+    }
+
+    /// A waiting request will never be decided (its stream is gone): its units are not wanted.
+    pub fn abandon(&self, wait: &Wait) {
+        let (on, units) = wait.on;
+        self.book.borrow_mut().abandon(on, units);
+    }
+
+    /// Stream `context` ended (`wait`: what it still waited for): its request stops waiting,
+    /// and the calls it sent are lost (the host cancels them): their keys' waiting requests get
+    /// a new call at the next tick.
+    pub fn stream_ended(&self, context: u32, wait: Option<&Wait>) {
+        if let Some(wait) = wait {
+            self.abandon(wait);
+        }
+        let mut calls = self.calls.borrow_mut();
+        let lost: Vec<u32> = calls.iter().filter(|(_, c)| c.owner == context).map(|(t, _)| *t).collect();
+        let mut book = self.book.borrow_mut();
+        for token in lost {
+            if let Some(call) = calls.remove(&token) {
+                for ask in &call.asks {
+                    book.lost(ask);
+                }
+            }
+        }
+    }
+
+    /// The root's tick: a lease whose bucket ended is settled; the keys whose waiting requests
+    /// have no call on its way (it was lost) get one, and those with a request waiting past
+    /// `lease_timeout` are to be decided: returns the keys to wake. Their calls, and the
+    /// root's queued ones, are queued for the host (from the root).
+    pub fn tick(&self, metrics: &dyn Metrics, now: Now) -> Vec<FleetKey> {
+        if self.book.borrow().roll_due(now.wall) {
+            self.heartbeat(metrics, now);
+        }
+        let keys: Vec<FleetKey> = {
+            let waiting = self.waiting.borrow();
+            let calls = self.calls.borrow();
+            waiting
+                .iter()
+                .filter(|(key, queue)| {
+                    let expired = queue.iter().any(|(_, s)| s.borrow().waiting_since().is_some_and(|since| now.mono.saturating_since(since) >= self.timeout_ms));
+                    let on_its_way = calls.values().any(|c| c.asks.iter().any(|a| a.key == **key && a.want > 0));
+                    expired || !on_its_way
+                })
+                .map(|(key, _)| *key)
+                .collect()
+        };
+        for key in &keys {
+            let resend = self.book.borrow_mut().resend(*key, now.wall);
+            if let Some(ask) = resend {
+                self.send(vec![ask], self.root);
+            }
+        }
+        // Waiting lists of requests that are all gone.
+        self.waiting.borrow_mut().retain(|_, queue| queue.iter().any(|(_, s)| s.borrow().waiting_since().is_some()));
+        keys
+    }
+
+    /// The root's queued calls go out (at its tick, after the keys it woke queued theirs).
+    pub fn flush(&self) {
+        let queued = std::mem::take(&mut *self.queued.borrow_mut());
+        self.send(queued, self.root);
+    }
+
+    /// Once a second, and at the first tick of a bucket: the leases unused or of an ended
+    /// bucket go back, in one call from the root.
+    pub fn heartbeat(&self, metrics: &dyn Metrics, now: Now) {
+        let returns = self.book.borrow_mut().heartbeat(now.wall);
+        stats::set(metrics, self.stats.keys, u64::try_from(self.book.borrow().keys()).unwrap_or(u64::MAX));
+        stats::set(metrics, self.stats.held, self.book.borrow().held());
+        self.send(returns, self.root);
+    }
+
+    /// Gives back the units a request took, another stage having refused it.
+    pub fn untake(&self, taken: &Taken) {
+        let mut book = self.book.borrow_mut();
+        for (key, units) in &taken.units {
+            book.untake(*key, *units, taken.at);
+        }
+    }
+
+    /// Everything held goes back (the configuration is replaced), from the root.
+    pub fn drain(&self, now: Now) {
+        let returns = self.book.borrow_mut().drain(now.wall);
+        self.send(returns, self.root);
+    }
+}
+
+/// Where a key stands with the fleet's `counts`.
+fn standing(filter: &Filter, lp: &LeaseProbe, counts: Counts, now: UnixMillis) -> Standing {
+    filter.limiter.standing_of(&lp.probe, counts, now).unwrap_or(Standing {
+        rule: lp.probe.rule,
+        estimate: 0.0,
+        remaining: 0,
+        reset_ms: 0,
+        retry_at: None,
+        limit: lp.spec.limit,
+    })
+}

@@ -1,0 +1,984 @@
+//! The request pipeline: what floodgate does with a request, in pure code, stage by stage.
+//!
+//! ```text
+//! health → shed → cap → leased → rate_limit → select
+//! ```
+//!
+//! Each stage lets the request go on, possibly holding something (an in-flight [`Permit`], a
+//! [`KeyPermit`], units of a leased key, a [`ClusterPermit`]), or answers it with a reply. The
+//! first stage that answers ends the pipeline, and everything the stages before it hold goes
+//! back before its reply does: the permits are released, the leased units untaken. The
+//! `leased` stage may make the request wait for the store; the store's answer resumes it
+//! ([`resume`]) on the same stream state. The stream's later events (body, response, end) go
+//! through the same state ([`Stream`]): costs known after admission are charged, the chosen
+//! cluster's permit is finished with the stream's outcome, and every permit is released exactly
+//! once, whatever ended the stream.
+//!
+//! The host shell reads the host once per callback, calls one function here with what it read,
+//! and turns the answer ([`Step`]) into host calls. What the pipeline needs of the host besides
+//! the request is narrow: the shared store, metrics and the VM's id ([`Env`]), the request's
+//! attributes ([`Request`]), the response's ([`Attributes`], [`StreamEnd`]), and a random
+//! source for cluster selection.
+
+pub mod leased;
+pub mod stats;
+#[cfg(test)]
+mod tests;
+
+use crate::config::{Config, Dependencies, KeyPart, RateLimitHeaders};
+use crate::config::GrpcStatus;
+use crate::global::{GlobalScope, VmNode};
+use crate::keys::headers::HeaderPlan;
+use crate::keys::{self, KeyHasher, Source};
+use crate::primitives::inflight::{LocalCount, Permit, HEARTBEAT_MS};
+use crate::primitives::store::SharedStore;
+use crate::primitives::time::{MonoMillis, Now, UnixMillis};
+use crate::ratelimit::reserve::Reserves;
+use crate::ratelimit::rules::{self, Charges, Later, Rules};
+use crate::ratelimit::{Cause, Limiter, Probe, Standing, Verdict};
+use crate::replies::grpc::{self, GrpcReply};
+use crate::replies::{self, AdmittedFields, Reply, Tightest};
+use crate::selection::outcome::Outcome;
+use crate::selection::partition::Partitioner;
+use crate::selection::shuffle::Random;
+use crate::selection::{ClusterPermit, Confinement, Exhausted, Selector, Timing, VmState};
+use crate::shedding::lag::LagMonitor;
+use crate::shedding::per_key::{CapRefusal, KeyPermit, LocalKeys, PerKeyCap};
+use crate::shedding::{Classes, Shedder};
+use leased::{Decision, LeasedStage, Taken, Wait};
+pub use rules::Attributes;
+use stats::{increment, Metrics, Stats};
+use std::borrow::Cow;
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+
+/// What the pipeline needs of its host besides the request.
+#[derive(Clone, Copy)]
+pub struct Env<'a> {
+    /// Envoy's shared data (a map with Envoy's semantics in tests).
+    pub store: &'a dyn SharedStore,
+    /// Envoy's stats.
+    pub metrics: &'a dyn Metrics,
+    /// The clocks, read only when a stage needs them (the host reads them at most once per
+    /// callback).
+    pub clock: &'a dyn Clock,
+    /// This VM's random id in the shared records.
+    pub vm: u64,
+}
+
+/// The host's clocks.
+pub trait Clock {
+    /// Both clocks, now.
+    fn now(&self) -> Now;
+}
+
+/// A request's attributes, read from the host as the pipeline asks for them.
+pub trait Request {
+    /// Its headers.
+    fn headers(&self) -> &dyn Attributes;
+    /// The downstream address as Envoy settled it (`source_ip`), with its port.
+    fn source_address(&self) -> Option<Cow<'_, [u8]>>;
+    /// A key part's attribute.
+    fn fetch(&self, source: Source<'_>) -> Option<Cow<'_, [u8]>> {
+        match source {
+            Source::Header(name) => self.headers().get(name),
+            Source::SourceAddress => self.source_address(),
+        }
+    }
+}
+
+/// What ended a stream, read only when the pipeline needs it (each is a host call).
+pub trait StreamEnd {
+    /// The response's status, if one was sent.
+    fn status(&self) -> Option<u16>;
+    /// Envoy's response flags (`UT`, `UF`, ...).
+    fn flags(&self) -> u64;
+}
+
+/// A local reply, in the form the request's protocol needs.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LocalReply {
+    /// An HTTP reply.
+    Http(Reply),
+    /// A gRPC trailers-only reply, for a gRPC request.
+    Grpc(GrpcReply),
+}
+
+/// What the host does next with a request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Step {
+    /// The request goes on; with `route`, the cluster (an index in `cluster_selection.clusters`)
+    /// whose name the host sets in the route header first.
+    Continue {
+        /// The chosen cluster.
+        route: Option<usize>,
+    },
+    /// The request is answered here.
+    Reply(LocalReply),
+    /// The request waits for the store: the host pauses it, and resumes it when the leased stage
+    /// wakes it.
+    Wait,
+}
+
+/// Whether a body or trailers callback lets the data through.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    /// Let it through.
+    Continue,
+    /// Hold it: the request waits for the store.
+    Pause,
+}
+
+/// What a stream knows of gRPC.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GrpcCall {
+    /// The request is gRPC (known for a refused request and for one routed by selection).
+    pub request: bool,
+    /// The `grpc-status` the response ended with, once read.
+    pub status: Option<GrpcStatus>,
+}
+
+/// The per-VM parts a configuration shares with the other configurations of its VM.
+pub struct VmParts {
+    /// This VM's in-flight count under the shedder's record.
+    pub local: LocalCount,
+    /// This VM's requests in flight per key under the per-key cap's table.
+    pub key_counts: LocalKeys,
+    /// This VM's permit counts, one per cluster.
+    pub cluster_counts: Vec<LocalCount>,
+    /// This VM's side of the global scope (it outlives configurations).
+    pub global_node: Option<Rc<RefCell<VmNode>>>,
+}
+
+/// Everything a configuration needs to decide requests, built once per configuration in each
+/// VM and shared by its streams.
+pub struct Filter {
+    /// The configuration.
+    pub config: Config,
+    /// The request headers the configuration reads, and whether to fetch the whole map.
+    pub headers: HeaderPlan,
+    /// The rate-limit tables.
+    pub limiter: Limiter,
+    /// This VM's reserves of keys' quotas under `limiter`.
+    pub reserves: RefCell<Reserves>,
+    /// The units per rule this VM last added to the `reserved` gauges.
+    reserved_reported: RefCell<Vec<u64>>,
+    /// The `RateLimit` fields of admitted responses, formatted once per rule.
+    pub admitted_fields: AdmittedFields,
+    /// The keyed hash of keys.
+    pub hasher: KeyHasher,
+    /// The rules' conditions, limits by key and costs.
+    pub rules: Rules,
+    /// Metric ids.
+    pub stats: Stats,
+    /// The in-flight limit (`max_active_requests`).
+    pub shedder: Option<Shedder>,
+    /// The priority classes, for both shedding signals.
+    pub classes: Option<Classes>,
+    /// This VM's loop-lag probe (`max_loop_lag`).
+    pub lag: Option<RefCell<LagMonitor>>,
+    /// This VM's in-flight count for the filter's namespace.
+    pub local: LocalCount,
+    /// Cluster selection.
+    pub selector: Option<Selector>,
+    /// Each key's partition of the clusters (`cluster_selection.partition`).
+    pub partitioner: Option<Partitioner>,
+    /// The cap on each key's requests in flight (`load_shedding.per_key`).
+    pub per_key: Option<PerKeyCap>,
+    /// This VM's requests in flight per key under `per_key`.
+    pub key_counts: LocalKeys,
+    /// This VM's side of cluster selection (permit counts, recent weights).
+    pub selection_vm: RefCell<VmState>,
+    /// Rules in global scope: how they reach the fleet's store.
+    pub global: Option<GlobalScope>,
+    /// This VM's side of the global scope.
+    pub global_node: Option<Rc<RefCell<VmNode>>>,
+    /// Rules in leased consistency: this worker's leases and the requests waiting for them.
+    pub leased: Option<LeasedStage>,
+    /// The configuration was replaced or its root context retired ([`Filter::retire`]): streams
+    /// that still finish under it write their outcomes at once.
+    retired: Cell<bool>,
+}
+
+impl Filter {
+    /// The filter of `config` under `namespace` (the plugin's name), with the proxy's key seed,
+    /// in the VM whose parts are `vm` and whose id is `vm_id`, under the root context `root`.
+    pub fn new(config: Config, namespace: &str, seed: [u8; 16], vm_id: u64, root: u32, vm: VmParts, metrics: &dyn Metrics) -> Filter {
+        let limiter = Limiter::new(&config, namespace);
+        let shedder = config.load_shedding.as_ref().and_then(|s| Shedder::new(s, namespace));
+        let selector = config.cluster_selection.as_ref().map(|s| Selector::new(s, namespace));
+        let global = GlobalScope::new(&config, namespace);
+        Filter {
+            stats: Stats::define(&config, metrics),
+            rules: Rules::new(&config, &KeyHasher::new(seed)),
+            hasher: KeyHasher::new(seed),
+            headers: HeaderPlan::new(&config),
+            admitted_fields: AdmittedFields::new(&limiter),
+            reserves: RefCell::new(Reserves::new()),
+            reserved_reported: RefCell::new(vec![0; config.rate_limits.len()]),
+            limiter,
+            local: vm.local,
+            shedder,
+            classes: config.load_shedding.as_ref().map(Classes::new),
+            lag: config.load_shedding.as_ref().and_then(LagMonitor::new).map(RefCell::new),
+            partitioner: config.cluster_selection.as_ref().and_then(Partitioner::new),
+            selection_vm: RefCell::new(VmState::new(vm_id, vm.cluster_counts)),
+            selector,
+            per_key: config.load_shedding.as_ref().and_then(|s| s.per_key.as_ref()).map(|p| PerKeyCap::new(p, namespace)),
+            key_counts: vm.key_counts,
+            global_node: global.as_ref().and(vm.global_node),
+            global,
+            leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
+            config,
+            retired: Cell::new(false),
+        }
+    }
+
+    /// No quota reserves: the VM does not tick, and reserves need the heartbeat to come back
+    /// when unused.
+    pub fn without_reserves(&self) {
+        *self.reserves.borrow_mut() = Reserves::disabled();
+    }
+
+    /// Whether the configuration is retired.
+    pub fn is_retired(&self) -> bool {
+        self.retired.get()
+    }
+
+    /// Once a second: reserves unused for a second go back, in-flight entries and cluster
+    /// records are refreshed, and their gauges set.
+    pub fn heartbeat(&self, env: &Env<'_>) {
+        let now = env.clock.now();
+        if let Some(stage) = &self.leased {
+            stage.heartbeat(env.metrics, now);
+        }
+        self.limiter.heartbeat(env.store, &mut self.reserves.borrow_mut(), now.wall);
+        self.report_reserved(env.metrics);
+        if let Some(shedder) = &self.shedder {
+            let total = shedder.heartbeat(env.store, env.vm, &self.local, now.mono);
+            stats::set(env.metrics, self.stats.in_flight, u64::from(total));
+        }
+        if let Some(cap) = &self.per_key {
+            cap.heartbeat(env.store, env.vm, &self.key_counts, now.mono);
+        }
+        self.selection_heartbeat(env);
+    }
+
+    /// The loop-lag probe, when it is due: how late it ran.
+    pub fn probe_lag(&self, env: &Env<'_>) {
+        if let Some(lag) = &self.lag {
+            let lag_ms = lag.borrow_mut().probe(env.clock.now().mono);
+            stats::set(env.metrics, self.stats.loop_lag_ms, lag_ms);
+        }
+    }
+
+    /// Ends this configuration's claims on shared data, once it takes no new requests (its
+    /// root context was re-configured or retired): gives back its quota reserves (their units
+    /// were counted ahead in the keys' counters), the in-flight and cluster reserves, and
+    /// writes the cluster outcomes it counted locally (successes and AIMD growth). Without
+    /// this, a configuration change would leave those units counted for up to two windows,
+    /// and drop the pending outcomes. Streams still running under it write their outcomes at
+    /// once from now on.
+    pub fn retire(&self, env: &Env<'_>) {
+        let now = env.clock.now();
+        self.retired.set(true);
+        {
+            let mut reserves = self.reserves.borrow_mut();
+            self.limiter.drain(env.store, &mut reserves);
+            *reserves = Reserves::disabled();
+        }
+        self.report_reserved(env.metrics);
+        if let Some(shedder) = &self.shedder {
+            shedder.heartbeat(env.store, env.vm, &self.local, now.mono);
+        }
+        if let Some(cap) = &self.per_key {
+            cap.heartbeat(env.store, env.vm, &self.key_counts, now.mono);
+        }
+        if let Some(selector) = &self.selector {
+            selector.heartbeat(env.store, &mut self.selection_vm.borrow_mut(), now.mono);
+        }
+        if let Some(stage) = &self.leased {
+            stage.drain(now);
+        }
+    }
+
+    /// The selection's heartbeat (each cluster's in-flight count published, its shared state
+    /// read) and its gauges; also run once at configuration, so that the gauges show the
+    /// clusters' limits and success rates from the start rather than 0 until the first tick.
+    pub fn selection_heartbeat(&self, env: &Env<'_>) {
+        let Some(selector) = &self.selector else { return };
+        let now = env.clock.now().mono;
+        let states = selector.heartbeat(env.store, &mut self.selection_vm.borrow_mut(), now);
+        for (index, state) in states.into_iter().enumerate() {
+            let (Some(state), ids) = (state, self.stats.cluster(index)) else { continue };
+            // The rate is in [0, 1]: millionths fit.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let ppm = (state.success_rate * 1_000_000.0).round() as u64;
+            stats::set(env.metrics, ids.success_rate_ppm, ppm);
+            stats::set(env.metrics, ids.concurrency_limit, u64::from(state.limit));
+            stats::set(env.metrics, ids.in_flight, u64::from(state.in_flight));
+        }
+    }
+
+    /// Moves the `reserved` gauges by what this VM's reserves changed since it last reported.
+    fn report_reserved(&self, metrics: &dyn Metrics) {
+        let mut reported = self.reserved_reported.borrow_mut();
+        let held = self.reserves.borrow().held(reported.len());
+        for (rule, (units, before)) in held.into_iter().zip(reported.iter_mut()).enumerate() {
+            let delta = i64::try_from(units).unwrap_or(i64::MAX).saturating_sub(i64::try_from(*before).unwrap_or(i64::MAX));
+            stats::add(metrics, self.stats.rule(rule).reserved, delta);
+            *before = units;
+        }
+    }
+}
+
+/// When the root's periodic work is due: the heartbeat every second, the global scope's sync
+/// every `sync_interval`, the lag probe every `lag_probe_interval`, whatever the tick period
+/// (the fastest of them).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Schedule {
+    last_heartbeat: Option<MonoMillis>,
+    last_sync: Option<MonoMillis>,
+    last_lag_probe: Option<MonoMillis>,
+}
+
+/// What a tick is to do.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Due {
+    /// Probe the loop lag.
+    pub lag_probe: bool,
+    /// Run the global scope's tick.
+    pub sync: bool,
+    /// Run the heartbeat.
+    pub heartbeat: bool,
+}
+
+impl Schedule {
+    /// What is due at `now` for `filter` (and marks it done).
+    pub fn due(&mut self, filter: &Filter, now: MonoMillis) -> Due {
+        let take = |last: &mut Option<MonoMillis>, every_ms: u64| {
+            // A tick a few milliseconds early still counts: the timer's period is the interval.
+            let due = last.is_none_or(|at| now.saturating_since(at).saturating_add(5) >= every_ms || at > now);
+            if due {
+                *last = Some(now);
+            }
+            due
+        };
+        let lag_probe = filter.lag.as_ref().is_some_and(|lag| take(&mut self.last_lag_probe, lag.borrow().probe_ms()));
+        let sync = filter.global.as_ref().is_some_and(|g| take(&mut self.last_sync, g.interval_ms));
+        let heartbeat = take(&mut self.last_heartbeat, HEARTBEAT_MS);
+        Due { lag_probe, sync, heartbeat }
+    }
+}
+
+/// A request's state, from its request headers to the end of its stream.
+#[derive(Debug, Default)]
+pub struct Stream {
+    /// Its unit of the proxy-wide in-flight count (`load_shedding.max_active_requests`).
+    permit: Option<Permit>,
+    /// Its unit of its key's cap (`load_shedding.per_key`).
+    key_permit: Option<KeyPermit>,
+    /// The chosen cluster's permit.
+    cluster_permit: Option<ClusterPermit>,
+    /// The units it took of the leased rules' keys.
+    leased: Taken,
+    /// While it waits for the store.
+    waiting: Option<Wait>,
+    /// For an admitted request: the tightest rule and its `ratelimit` value.
+    fields: Option<Tightest>,
+    /// Costs it still owes its rules (a streamed body, a reported count).
+    charges: Charges,
+    /// It was answered locally.
+    replied: bool,
+    /// The stream ended (`end`).
+    ended: bool,
+    /// Whether it is gRPC, and the status its response ended with.
+    grpc: GrpcCall,
+    /// When the request ended and the response headers came (with a cluster permit): the
+    /// upstream's latency, which decides "slow".
+    timing: Timing,
+}
+
+/// A stream's state as its host context and the leased stage's waiting lists share it.
+pub type SharedStream = Rc<RefCell<Stream>>;
+
+/// The request headers came: runs the pipeline.
+#[allow(clippy::too_many_arguments)]
+pub fn request_headers(
+    filter: &Filter,
+    env: &Env<'_>,
+    shared: &SharedStream,
+    context: u32,
+    request: &dyn Request,
+    end_of_stream: bool,
+    rng: &mut dyn Random,
+) -> Step {
+    let now = env.clock.now();
+    let mut stream = shared.borrow_mut();
+    let mut reply = stream
+        .health(filter, env, request, now.mono)
+        .or_else(|| stream.shed(filter, env, request, now.mono))
+        .or_else(|| stream.cap(filter, env, request, now.mono));
+    if let (None, Some(stage)) = (&reply, &filter.leased) {
+        let probes = stage.probes(filter, env.metrics, request);
+        if !probes.is_empty() {
+            match stage.admit(filter, env.metrics, &probes, context, now) {
+                Decision::All(taken) => stream.leased = taken,
+                Decision::Refused(refusal) => reply = Some(refusal),
+                Decision::Wait(key, units) => {
+                    stream.waiting = Some(Wait { probes, since: now.mono, on: (key, units), end_of_stream, body: (0, false) });
+                    drop(stream);
+                    stage.park(key, context, Rc::clone(shared));
+                    return Step::Wait;
+                }
+            }
+        }
+    }
+    stream.finish_headers(filter, env, request, end_of_stream, reply, rng, now)
+}
+
+/// A request the leased stage woke (its stream `context`, made the host's effective context):
+/// takes its units again; decided, runs the rest of its pipeline; still short of units, waits
+/// again.
+pub fn resume(
+    filter: &Filter,
+    env: &Env<'_>,
+    shared: &SharedStream,
+    context: u32,
+    request: &dyn Request,
+    rng: &mut dyn Random,
+) -> Step {
+    let Some(stage) = &filter.leased else { return Step::Wait };
+    let now = env.clock.now();
+    let mut stream = shared.borrow_mut();
+    let Some(wait) = stream.waiting.take() else { return Step::Wait };
+    let reply = match stage.decide(filter, env.metrics, &wait, now) {
+        Decision::All(taken) => {
+            stream.leased = taken;
+            None
+        }
+        Decision::Refused(reply) => Some(reply),
+        Decision::Wait(key, units) => {
+            stream.waiting = Some(Wait { on: (key, units), ..wait });
+            drop(stream);
+            stage.park(key, context, Rc::clone(shared));
+            return Step::Wait;
+        }
+    };
+    let step = stream.finish_headers(filter, env, request, wait.end_of_stream, reply, rng, now);
+    // The body that came while it waited.
+    let (bytes, ended) = wait.body;
+    if stream.charges.counts_body() && bytes > 0 {
+        stream.charges.body(bytes);
+    }
+    if ended && stream.charges.counts_body() {
+        let owed = stream.charges.body_done();
+        stream.charge(filter, env, owed);
+    }
+    step
+}
+
+/// A woken request whose host context is gone: it will never be decided.
+pub fn abandon(filter: &Filter, shared: &SharedStream) {
+    let mut stream = shared.borrow_mut();
+    if let (Some(wait), Some(stage)) = (stream.waiting.take(), &filter.leased) {
+        stage.abandon(&wait);
+    }
+}
+
+impl Stream {
+    /// When it started to wait for the store, while it waits.
+    pub fn waiting_since(&self) -> Option<MonoMillis> {
+        self.waiting.as_ref().filter(|_| !self.ended).map(|w| w.since)
+    }
+
+    /// Whether it holds anything a stage gave it (for tests and the host's checks).
+    pub fn holds_permits(&self) -> bool {
+        self.permit.is_some() || self.key_permit.is_some() || self.cluster_permit.is_some()
+    }
+
+    /// The rest of the pipeline after the `leased` stage (`reply`: a refusal so far, if any):
+    /// `rate_limit → select`, then the local reply or the request goes on. A later stage's
+    /// refusal gives the leased units back.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_headers(
+        &mut self,
+        filter: &Filter,
+        env: &Env<'_>,
+        request: &dyn Request,
+        end_of_stream: bool,
+        reply: Option<Reply>,
+        rng: &mut dyn Random,
+        now: Now,
+    ) -> Step {
+        let refused_before = reply.is_some();
+        let mut route = None;
+        let reply = reply
+            .or_else(|| self.rate_limit(filter, env, request, now.wall))
+            .or_else(|| match self.select(filter, env, request, rng, now.mono) {
+                Ok(chosen) => {
+                    route = chosen;
+                    None
+                }
+                Err(reply) => Some(reply),
+            });
+        if let (Some(stage), false, true) = (&filter.leased, refused_before, reply.is_some()) {
+            stage.untake(&std::mem::take(&mut self.leased));
+        }
+        if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_permit.is_some() {
+            self.grpc.request = grpc::is_grpc(request.headers().get("content-type").as_deref());
+        }
+        match reply {
+            Some(reply) => Step::Reply(self.reply(filter, env, reply, now.mono)),
+            None => {
+                if end_of_stream && self.cluster_permit.is_some() {
+                    self.timing.request_end = Some(now.mono);
+                }
+                if end_of_stream && self.charges.counts_body() {
+                    // No body: nothing to count.
+                    let _ = self.charges.body_done();
+                }
+                Step::Continue { route }
+            }
+        }
+    }
+
+    /// The reply, in the request's protocol. A refused request gives its permits back at once:
+    /// it never reaches an upstream, and a client that reads its refusal slowly (an HTTP/2
+    /// client withholding flow-control credit) must not hold a unit of the proxy's capacity
+    /// meanwhile.
+    fn reply(&mut self, filter: &Filter, env: &Env<'_>, reply: Reply, now: MonoMillis) -> LocalReply {
+        self.release(filter, env, now);
+        self.replied = true;
+        match grpc::reply(&reply, &filter.config.grpc).filter(|_| self.grpc.request) {
+            Some(grpc) => LocalReply::Grpc(grpc),
+            None => LocalReply::Http(reply),
+        }
+    }
+
+    /// The health endpoint, if this request is for it: a `GET` or `HEAD` of its path. Other
+    /// methods on that path are ordinary requests (they go on to the upstream, through the
+    /// other stages). It reports the proxy-wide in-flight count and this worker's loop lag, and,
+    /// when configured, the clusters.
+    fn health(&self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
+        let health = filter.config.health.as_ref()?;
+        let path = request.headers().get(":path")?;
+        if KeyPart::Path.normalize(&path) != health.path.as_bytes() {
+            return None;
+        }
+        // Read only for the health path (one host call there, none on the common path).
+        let method = request.headers().get(":method")?;
+        if !replies::is_health_method(&method) {
+            return None;
+        }
+        let in_flight = filter.shedder.as_ref().map(|s| (s, s.in_flight(env.store, env.vm, &filter.local, now)));
+        let lag = filter.lag.as_ref().map(|lag| {
+            let lag = lag.borrow();
+            let default_class = filter.classes.as_ref().map_or(0, |c| c.default_class);
+            replies::LagStatus {
+                lag_ms: lag.lag_ms(),
+                max_loop_lag_ms: lag.max_loop_lag_ms(),
+                sheds_default_class: lag.sheds(default_class).is_some(),
+                shedding: lag.is_shedding(),
+            }
+        });
+        let dependencies = match (health.dependencies, filter.selector.as_ref()) {
+            (Dependencies::Off, _) | (_, None) => None,
+            (mode, Some(selector)) => {
+                let states = selector.states(env.store, &filter.selection_vm.borrow(), now);
+                let clusters = selector
+                    .clusters
+                    .iter()
+                    .zip(states)
+                    .filter_map(|(cluster, state)| {
+                        let state = state?;
+                        Some(replies::ClusterHealth {
+                            name: cluster.name.as_str().to_owned(),
+                            success_rate: state.success_rate,
+                            limit: state.limit,
+                            in_flight: state.in_flight,
+                        })
+                    })
+                    .collect();
+                Some(replies::DependencyView { fail: mode == Dependencies::Fail, min_success_rate: health.min_success_rate.get(), clusters })
+            }
+        };
+        Some(replies::health(&replies::LocalLoad { in_flight, lag }, dependencies.as_ref()))
+    }
+
+    /// Load shedding: on this worker's loop lag, then on the proxy-wide in-flight count (taking
+    /// a permit); returns the 503 of either.
+    fn shed(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
+        let classes = filter.classes.as_ref()?;
+        let value = request.headers().get(&classes.priority_header);
+        let class = classes.class_of(value.as_deref());
+        let retry_after = || filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
+        if let Some(lag) = &filter.lag {
+            let lag = lag.borrow();
+            if let Some(shed) = lag.sheds(class) {
+                increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
+                increment(env.metrics, filter.stats.shed_by_lag.get(class).copied().flatten());
+                log::debug!("floodgate: shed for the loop lag {shed:?}");
+                return Some(replies::shed_by_lag(classes, &lag, &shed, retry_after()));
+            }
+        }
+        let shedder = filter.shedder.as_ref()?;
+        match shedder.try_acquire(env.store, env.vm, &filter.local, class, now) {
+            Ok(permit) => {
+                self.permit = Some(permit);
+                None
+            }
+            Err(shed) => {
+                increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
+                if shed.contention {
+                    increment(env.metrics, filter.stats.shed_contention);
+                }
+                log::debug!("floodgate: shed {shed:?}");
+                Some(replies::shed(shedder, &shed))
+            }
+        }
+    }
+
+    /// The per-key cap: takes a unit of the request's key's in-flight cap, or returns its 503.
+    /// A request without the key is not capped.
+    fn cap(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
+        let cap = filter.per_key.as_ref()?;
+        let Some(key) = keys::hash_key(&cap.key, &filter.hasher, |source| request.fetch(source)) else {
+            increment(env.metrics, filter.stats.per_key_unkeyed);
+            return None;
+        };
+        match cap.try_acquire(env.store, env.vm, &filter.key_counts, key, now) {
+            Ok(permit) => {
+                self.key_permit = Some(permit);
+                None
+            }
+            Err(refusal) => {
+                increment(
+                    env.metrics,
+                    match refusal {
+                        CapRefusal::Full { .. } => filter.stats.per_key_refused,
+                        CapRefusal::Untracked => filter.stats.per_key_untracked,
+                    },
+                );
+                log::debug!("floodgate: per-key cap {refusal:?}");
+                let retry_after = filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
+                Some(replies::per_key_capped(cap, &refusal, retry_after))
+            }
+        }
+    }
+
+    /// Rate limiting: records the admission in every applicable rule, or returns the 429.
+    fn rate_limit(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: UnixMillis) -> Option<Reply> {
+        if filter.config.rate_limits.is_empty() {
+            return None;
+        }
+        let mut skipped = Vec::new();
+        let fleet = filter.global.as_ref().map(|g| &g.hasher);
+        let rules = &filter.rules;
+        let headers = request.headers();
+        let mut probes = keys::probes_where(
+            &filter.config,
+            &filter.hasher,
+            fleet,
+            |source| request.fetch(source),
+            &mut skipped,
+            |rule| !filter.leased.as_ref().is_some_and(|l| l.is_leased(rule)) && rules.applies(rule, headers),
+        );
+        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+            scope.annotate(&node.borrow(), &mut probes, now);
+        }
+        for rule in skipped {
+            increment(env.metrics, filter.stats.rule(rule).skipped);
+        }
+        // Each rule's limit for the key and the request's cost against it.
+        let mut later = Vec::new();
+        for probe in &mut probes {
+            probe.limit = rules.limit(probe.rule, probe.key_hash, headers);
+            let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit));
+            let admission = rules.admission(probe.rule, headers);
+            if admission.invalid {
+                increment(env.metrics, filter.stats.rule(probe.rule).invalid_cost);
+            }
+            probe.cost = limit.map_or(admission.now, |limit| rules::capped(admission.now, limit));
+            if let (Later::BodyBytes | Later::ResponseHeader, Some(limit)) = (admission.later, limit) {
+                later.push((*probe, admission.later, limit));
+            }
+        }
+        let verdict = filter.limiter.check(env.store, &mut filter.reserves.borrow_mut(), &probes, now);
+        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+            // An admission counts fleet-wide; a refusal asks for the key's fleet-wide count.
+            let admitted = matches!(verdict, Verdict::Admitted { .. });
+            let mut node = node.borrow_mut();
+            for probe in &probes {
+                let cost = if admitted { probe.cost } else { 0 };
+                let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, cost, 1);
+                stats::add_count(env.metrics, filter.stats.global.dropped, dropped);
+            }
+        }
+        match &verdict {
+            Verdict::Admitted { standings, evictions } => {
+                for (probe, when, limit) in later {
+                    self.charges.owe(probe, when, limit);
+                }
+                for standing in standings {
+                    increment(env.metrics, filter.stats.rule(standing.rule).allowed);
+                }
+                for rule in evictions {
+                    increment(env.metrics, filter.stats.rule(*rule).evictions);
+                }
+                if filter.config.ratelimit_headers == RateLimitHeaders::Always {
+                    self.fields = if self.leased.standings.is_empty() {
+                        filter.admitted_fields.tightest(standings)
+                    } else {
+                        let all: Vec<Standing> = standings.iter().chain(&self.leased.standings).copied().collect();
+                        filter.admitted_fields.tightest(&all)
+                    };
+                }
+                None
+            }
+            Verdict::Rejected { violations } => {
+                for violation in violations {
+                    let ids = filter.stats.rule(violation.standing.rule);
+                    increment(env.metrics, ids.rejected);
+                    if violation.cause == Cause::Contention {
+                        increment(env.metrics, ids.contention);
+                    }
+                }
+                let reply = replies::rate_limited(&filter.limiter, &verdict, now)?;
+                log::debug!("floodgate: 429 {}", reply.body);
+                Some(reply)
+            }
+        }
+    }
+
+    /// Cluster selection: takes a permit on a cluster (the request goes there: `Ok(Some(index))`),
+    /// or returns the 503 when none has room; `Ok(None)` without cluster selection.
+    fn select(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, rng: &mut dyn Random, now: MonoMillis) -> Result<Option<usize>, Reply> {
+        let Some(selector) = filter.selector.as_ref() else { return Ok(None) };
+        // The request's partition, when its key is confined to one; a request without the key
+        // may use every cluster.
+        let confinement: Option<Confinement> = filter.partitioner.as_ref().and_then(|partitioner| {
+            let confinement = partitioner.key_hash(|source| request.fetch(source)).map(|hash| partitioner.confine(hash));
+            if confinement.is_none() {
+                increment(env.metrics, filter.stats.partition_unkeyed);
+            }
+            confinement
+        });
+        let chosen = {
+            let mut state = filter.selection_vm.borrow_mut();
+            match &confinement {
+                Some(within) => selector.choose_within(env.store, &mut state, now, rng, within),
+                None => selector.choose(env.store, &mut state, now, rng),
+            }
+        };
+        let permit = match chosen {
+            Ok(permit) => permit,
+            Err(exhausted) => {
+                increment(env.metrics, filter.stats.exhausted);
+                if exhausted.contention {
+                    increment(env.metrics, filter.stats.selection_contention);
+                }
+                log::debug!("floodgate: no cluster has room: {exhausted:?}");
+                return Err(replies::no_capacity_within(selector, &exhausted, confinement.as_ref()));
+            }
+        };
+        increment(env.metrics, filter.stats.cluster(permit.cluster).selected);
+        if confinement.is_some_and(|c| !c.members.contains(&permit.cluster)) {
+            increment(env.metrics, filter.stats.partition_spilled);
+        }
+        log::debug!("floodgate: routed to cluster {} ({} in flight)", permit.cluster, permit.in_flight);
+        let cluster = permit.cluster;
+        self.cluster_permit = Some(permit);
+        Ok(Some(cluster))
+    }
+
+    /// The host could not set the route header: the request cannot reach its cluster, whose
+    /// permit ends unused; the 503 of no capacity.
+    pub fn unroutable(&mut self, filter: &Filter, env: &Env<'_>) -> LocalReply {
+        let now = env.clock.now().mono;
+        let selector = filter.selector.as_ref();
+        if let (Some(permit), Some(selector)) = (self.cluster_permit.take(), selector) {
+            selector.finish(env.store, &mut filter.selection_vm.borrow_mut(), permit, Outcome::Ignored, now);
+        }
+        let reply = match selector {
+            Some(selector) => replies::no_capacity(selector, &Exhausted { clusters: Vec::new(), contention: true }),
+            None => replies::health(&replies::LocalLoad::default(), None),
+        };
+        self.reply(filter, env, reply, now)
+    }
+
+    /// A request body frame (`bytes` of it; `end`: the last): held while the request waits for
+    /// the store, counted for a cost of body bytes.
+    pub fn request_body(&mut self, filter: &Filter, env: &Env<'_>, bytes: usize, end: bool) -> Flow {
+        if let Some(wait) = self.waiting.as_mut().filter(|_| !self.ended) {
+            // Held until the request is decided; counted then.
+            wait.body = (bytes, end);
+            return Flow::Pause;
+        }
+        if end && self.cluster_permit.is_some() && self.timing.request_end.is_none() {
+            self.timing.request_end = Some(env.clock.now().mono);
+        }
+        if self.charges.counts_body() {
+            self.charges.body(bytes);
+            if end {
+                let owed = self.charges.body_done();
+                self.charge(filter, env, owed);
+            }
+        }
+        Flow::Continue
+    }
+
+    /// The request trailers: the request ended.
+    pub fn request_trailers(&mut self, filter: &Filter, env: &Env<'_>) -> Flow {
+        if let Some(wait) = self.waiting.as_mut().filter(|_| !self.ended) {
+            wait.body.1 = true;
+            return Flow::Pause;
+        }
+        if self.cluster_permit.is_some() && self.timing.request_end.is_none() {
+            self.timing.request_end = Some(env.clock.now().mono);
+        }
+        if self.charges.counts_body() {
+            let owed = self.charges.body_done();
+            self.charge(filter, env, owed);
+        }
+        Flow::Continue
+    }
+
+    /// The response headers (`headers`; `end_of_stream`: they end the response): charges the
+    /// units the upstream reports, notes gRPC's status and the latency, and returns, for an
+    /// admitted request, the tightest rule whose `RateLimit` fields the response gets
+    /// ([`AdmittedFields::policy`] and [`Tightest::ratelimit`]).
+    pub fn response_headers(&mut self, filter: &Filter, env: &Env<'_>, headers: &dyn Attributes, end_of_stream: bool) -> Option<Tightest> {
+        if self.replied {
+            return None;
+        }
+        if self.cluster_permit.is_some() {
+            if self.grpc.request && end_of_stream {
+                self.grpc.status = headers.get("grpc-status").map(|v| grpc::parse_status(&v));
+            }
+            if self.timing.response_headers.is_none() {
+                self.timing.response_headers = Some(env.clock.now().mono);
+            }
+        }
+        if self.charges.awaits_response() {
+            let rules = &filter.rules;
+            let owed = self.charges.response(|rule| {
+                let raw = rules.response_header(rule).and_then(|name| headers.get(name));
+                let (units, invalid) = rules.response_units(rule, raw.as_deref());
+                if invalid {
+                    increment(env.metrics, filter.stats.rule(rule).invalid_cost);
+                }
+                units
+            });
+            self.charge(filter, env, owed);
+        }
+        self.fields.take()
+    }
+
+    /// The response trailers: a gRPC call's status.
+    pub fn response_trailers(&mut self, trailers: &dyn Attributes) {
+        if self.cluster_permit.is_some() && self.grpc.request {
+            self.grpc.status = trailers.get("grpc-status").map(|v| grpc::parse_status(&v));
+        }
+    }
+
+    /// Whether the stream still needs what [`Stream::end`] reads of the host.
+    pub fn needs_end(&self) -> bool {
+        !self.charges.is_empty() || self.holds_permits() || self.waiting.is_some()
+    }
+
+    /// The stream ended, whatever ended it (`context`: its host context): a waiting request
+    /// stops waiting, costs still owed are charged (what is known, or the rule's default), the
+    /// permits are released and the chosen cluster's is finished with the stream's outcome.
+    pub fn end(&mut self, filter: &Filter, env: &Env<'_>, context: u32, ended: &dyn StreamEnd) {
+        if self.ended {
+            return;
+        }
+        self.ended = true;
+        if let Some(stage) = &filter.leased {
+            stage.stream_ended(context, self.waiting.take().as_ref());
+        }
+        if !self.charges.is_empty() {
+            let rules = &filter.rules;
+            let owed = self.charges.end(|rule| rules.response_units(rule, None).0);
+            self.charge(filter, env, owed);
+        }
+        if self.holds_permits() {
+            let now = env.clock.now().mono;
+            self.release(filter, env, now);
+            self.finish_cluster(filter, env, ended, now);
+        }
+    }
+
+    /// Ends the chosen cluster's permit with the stream's outcome.
+    fn finish_cluster(&mut self, filter: &Filter, env: &Env<'_>, ended: &dyn StreamEnd, now: MonoMillis) {
+        let (Some(permit), Some(selector)) = (self.cluster_permit.take(), filter.selector.as_ref()) else {
+            return;
+        };
+        let status = ended.status().filter(|c| *c > 0);
+        // Flags change the outcome of a stream without a status or with a 5xx; a status below
+        // 500 already sent downstream stands (one host call saved on the common path), unless
+        // a gRPC call's status needs them.
+        let failures = filter.config.cluster_selection.as_ref().map_or(&[][..], |s| &s.failure_grpc_statuses);
+        let grpc_status = self.grpc.request.then_some(self.grpc.status);
+        let flags = match status {
+            Some(code) if code < 500 && grpc_status.is_none_or(|s| !grpc::needs_flags(s, failures)) => 0,
+            _ => ended.flags(),
+        };
+        let mut outcome = selector.classify(&permit, status, flags, self.timing);
+        if let Some(grpc_status) = grpc_status {
+            outcome = grpc::outcome(outcome, grpc::effective_status(grpc_status, status, flags), failures);
+        }
+        let finished = selector.finish(env.store, &mut filter.selection_vm.borrow_mut(), permit, outcome, now);
+        if filter.is_retired() {
+            // Its configuration is gone: no heartbeat of it will write what is pending.
+            selector.heartbeat(env.store, &mut filter.selection_vm.borrow_mut(), now);
+        }
+        let ids = filter.stats.cluster(finished.cluster);
+        increment(
+            env.metrics,
+            match outcome {
+                Outcome::Success => ids.success,
+                Outcome::Slow => ids.slow,
+                Outcome::Failure | Outcome::Overflow => ids.failure,
+                Outcome::Timeout => ids.timeout,
+                Outcome::Ignored => ids.ignored,
+            },
+        );
+        if !finished.recorded {
+            increment(env.metrics, filter.stats.selection_contention);
+        }
+        log::debug!("floodgate: {outcome:?} (status {status:?}, gRPC {grpc_status:?}, flags {flags:#x}) on cluster {}", finished.cluster);
+    }
+
+    /// Charges costs the admitted request owes its rules, known after admission: into the keys'
+    /// counters, and fleet-wide for rules in global scope.
+    fn charge(&self, filter: &Filter, env: &Env<'_>, owed: Vec<(Probe, u32)>) {
+        if owed.iter().all(|(_, units)| *units == 0) {
+            return;
+        }
+        let now = env.clock.now().wall;
+        for (probe, units) in owed {
+            let ids = filter.stats.rule(probe.rule);
+            if filter.limiter.charge(env.store, probe, units, now) {
+                stats::add_count(env.metrics, ids.charged, u64::from(units));
+            } else {
+                increment(env.metrics, ids.contention);
+            }
+            if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+                let dropped = scope.count(&mut node.borrow_mut(), std::slice::from_ref(&probe), now, units, 0);
+                stats::add_count(env.metrics, filter.stats.global.dropped, dropped);
+            }
+        }
+    }
+
+    /// Releases the in-flight and per-key permits (each once: taken out of the state).
+    fn release(&mut self, filter: &Filter, env: &Env<'_>, now: MonoMillis) {
+        if let (Some(permit), Some(shedder)) = (self.permit.take(), filter.shedder.as_ref()) {
+            shedder.release(env.store, env.vm, permit, now);
+        }
+        if let (Some(permit), Some(cap)) = (self.key_permit.take(), filter.per_key.as_ref()) {
+            cap.release(env.store, env.vm, permit, now);
+        }
+    }
+}
