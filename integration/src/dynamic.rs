@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::{http_get_blocking, rss_bytes_of, spawn_envoy, tail, wait_for_envoy, wasm_module, Error, Routing};
+use crate::envoy::{spawn_envoy, wait_for_envoy, Routing};
+use crate::logs::read_logs;
+use crate::{http_get_blocking, rss_bytes_of, tail, wasm_module, Error};
 
 /// How long a delivered configuration may take to be taken or refused.
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -325,7 +327,7 @@ impl DynamicEnvoy {
 
     /// Envoy's log so far.
     pub fn log(&self) -> String {
-        crate::read_logs(self.dir.path())
+        read_logs(self.dir.path())
     }
 
     /// `GET path` through the listener on a new connection; status and JSON body (`Null` if the

@@ -1,0 +1,547 @@
+//! A real Envoy with the floodgate filter in front of the router: [`EnvoyBuilder`] generates its
+//! bootstrap (clusters, routes, extra filters) and starts it, [`Envoy`] is the running process
+//! with its listener, admin API, stats, RSS and log.
+
+use std::collections::BTreeMap;
+use std::fmt::Display;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::artifacts::{envoy_binary, wasm_module};
+use crate::client::http_get_blocking;
+use crate::logs::{read_logs, tail};
+use crate::stats::{stats_of, wait_for_stat_of};
+use crate::upstream::Upstream;
+
+/// How long Envoy may take to become ready (V8 compiles the module once per VM).
+const ENVOY_START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long [`EnvoyBuilder::start_expecting_failure`] waits for Envoy to exit.
+const ENVOY_FAILURE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A static cluster with generous circuit breakers (tests measure floodgate, not Envoy's limits).
+fn static_cluster(name: &str, endpoints: Vec<Value>) -> Value {
+    json!({
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "2s",
+        "circuit_breakers": {"thresholds": [{
+            "max_connections": 100000,
+            "max_pending_requests": 100000,
+            "max_requests": 100000,
+            "max_retries": 100000
+        }]},
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [{"lb_endpoints": endpoints}]
+        }
+    })
+}
+
+/// The routes and extra clusters of a test Envoy, shared by [`EnvoyBuilder`] and
+/// [`crate::dynamic::DynamicEnvoyBuilder`].
+#[derive(Clone, Debug)]
+pub(crate) struct Routing {
+    /// Clusters by name, each with its endpoints (besides `upstream` in [`EnvoyBuilder`]).
+    pub(crate) clusters: Vec<(String, Vec<SocketAddr>)>,
+    /// Route by this request header (`cluster_header`) instead of to the `upstream` cluster.
+    pub(crate) route_header: Option<String>,
+    /// Without a route header: the cluster every request goes to (default `upstream`).
+    pub(crate) route_cluster: Option<String>,
+    /// The route's upstream timeout.
+    pub(crate) route_timeout: Duration,
+    /// Names of the clusters that speak HTTP/2 (cleartext, prior knowledge) to their endpoints.
+    pub(crate) http2: Vec<String>,
+}
+
+impl Default for Routing {
+    fn default() -> Routing {
+        Routing {
+            clusters: Vec::new(),
+            route_header: None,
+            route_cluster: None,
+            route_timeout: Duration::from_secs(30),
+            http2: Vec::new(),
+        }
+    }
+}
+
+impl Routing {
+    /// The one route's action: to the cluster the route header names, or to one cluster
+    /// (`upstream` unless [`EnvoyBuilder::route_to`] says another).
+    pub(crate) fn route(&self) -> Value {
+        let timeout = format!("{}s", self.route_timeout.as_secs_f64());
+        match &self.route_header {
+            Some(header) => json!({"cluster_header": header, "timeout": timeout}),
+            None => json!({"cluster": self.route_cluster.as_deref().unwrap_or("upstream"), "timeout": timeout}),
+        }
+    }
+
+    /// The clusters added by name.
+    pub(crate) fn clusters(&self) -> impl Iterator<Item = Value> + '_ {
+        self.clusters.iter().map(|(name, addrs)| {
+            let mut cluster = static_cluster(name, addrs.iter().map(|a| endpoint(*a)).collect());
+            if self.http2.contains(name) {
+                cluster["typed_extension_protocol_options"] = json!({
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}}
+                    }
+                });
+            }
+            cluster
+        })
+    }
+}
+
+/// Builds and starts an [`Envoy`]: the floodgate filter (with the given JSON configuration) in
+/// front of the router, routing every request to a cluster of the given upstreams.
+pub struct EnvoyBuilder {
+    filter_config: String,
+    upstreams: Vec<SocketAddr>,
+    concurrency: usize,
+    routing: Routing,
+    /// Extra environment of the Envoy process.
+    env: Vec<(String, String)>,
+    /// HTTP filters between floodgate and the router.
+    filters_after: Vec<Value>,
+}
+
+impl EnvoyBuilder {
+    /// A builder with the filter configuration `filter_config` (a `serde_json::Value` or a JSON
+    /// string; it is passed verbatim as the plugin's `StringValue` configuration).
+    pub fn new(filter_config: impl Display) -> EnvoyBuilder {
+        EnvoyBuilder {
+            filter_config: filter_config.to_string(),
+            upstreams: Vec::new(),
+            concurrency: 2,
+            routing: Routing::default(),
+            env: Vec::new(),
+            filters_after: Vec::new(),
+        }
+    }
+
+    /// Adds an Envoy Lua filter with `code` after floodgate (before the router): e.g. one that
+    /// burns CPU on the worker to make its event loop lag.
+    pub fn lua_after(mut self, code: &str) -> EnvoyBuilder {
+        self.filters_after.push(json!({
+            "name": "envoy.filters.http.lua",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.lua.v3.Lua",
+                "default_source_code": {"inline_string": code}
+            }
+        }));
+        self
+    }
+
+    /// Adds `vars` to the Envoy process's environment (e.g. [`crate::wallclock::SteppedWallClock::env`]).
+    pub fn env(mut self, vars: Vec<(String, String)>) -> EnvoyBuilder {
+        self.env.extend(vars);
+        self
+    }
+
+    /// Adds a cluster `name` whose endpoints are `addrs` (an address nothing listens on makes a
+    /// cluster that is down: Envoy answers 503 with flag UF).
+    pub fn cluster(mut self, name: &str, addrs: &[SocketAddr]) -> EnvoyBuilder {
+        self.routing.clusters.push((name.to_string(), addrs.to_vec()));
+        self
+    }
+
+    /// Adds a cluster `name` whose endpoints speak HTTP/2 without TLS (prior knowledge), as
+    /// `floodgate-sync` and gRPC servers do.
+    pub fn http2_cluster(mut self, name: &str, addrs: &[SocketAddr]) -> EnvoyBuilder {
+        self.routing.clusters.push((name.to_string(), addrs.to_vec()));
+        self.routing.http2.push(name.to_string());
+        self
+    }
+
+    /// Routes every request to the cluster named by request header `header` (the route's
+    /// `cluster_header`), as cluster selection needs.
+    pub fn route_by_header(mut self, header: &str) -> EnvoyBuilder {
+        self.routing.route_header = Some(header.to_string());
+        self
+    }
+
+    /// Routes every request to cluster `name` (added with [`EnvoyBuilder::cluster`] or
+    /// [`EnvoyBuilder::http2_cluster`]) instead of `upstream`.
+    pub fn route_to(mut self, name: &str) -> EnvoyBuilder {
+        self.routing.route_cluster = Some(name.to_string());
+        self
+    }
+
+    /// The route's upstream timeout (default 30 s); past it Envoy answers `504` itself.
+    pub fn route_timeout(mut self, timeout: Duration) -> EnvoyBuilder {
+        self.routing.route_timeout = timeout;
+        self
+    }
+
+    /// Adds an upstream to the `upstream` cluster.
+    pub fn upstream(mut self, upstream: &Upstream) -> EnvoyBuilder {
+        self.upstreams.push(upstream.addr());
+        self
+    }
+
+    /// Adds an endpoint to the `upstream` cluster by address (an upstream in another process).
+    pub fn upstream_at(mut self, addr: SocketAddr) -> EnvoyBuilder {
+        self.upstreams.push(addr);
+        self
+    }
+
+    /// Number of Envoy worker threads (`--concurrency`, default 2).
+    pub fn concurrency(mut self, n: usize) -> EnvoyBuilder {
+        self.concurrency = n;
+        self
+    }
+
+    /// The bootstrap configuration (JSON, which Envoy reads as YAML too).
+    pub fn bootstrap(&self) -> Value {
+        let endpoints: Vec<Value> = if self.upstreams.is_empty() {
+            // Nothing listens there: requests that reach the router get 503 (no test relies on it).
+            vec![endpoint("127.0.0.1:9".parse().expect("addr"))]
+        } else {
+            self.upstreams.iter().map(|a| endpoint(*a)).collect()
+        };
+        let route = self.routing.route();
+        let mut clusters = vec![static_cluster("upstream", endpoints)];
+        clusters.extend(self.routing.clusters());
+        let mut http_filters = vec![json!({
+            "name": "envoy.filters.http.wasm",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+                "config": {
+                    "name": "floodgate",
+                    "root_id": "floodgate",
+                    "failure_policy": "FAIL_CLOSED",
+                    "configuration": {
+                        "@type": "type.googleapis.com/google.protobuf.StringValue",
+                        "value": self.filter_config
+                    },
+                    "vm_config": {
+                        "vm_id": "floodgate",
+                        "runtime": "envoy.wasm.runtime.v8",
+                        "code": {"local": {"filename": wasm_module().display().to_string()}}
+                    }
+                }
+            }
+        })];
+        http_filters.extend(self.filters_after.iter().cloned());
+        http_filters.push(json!({
+            "name": "envoy.filters.http.router",
+            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
+        }));
+        json!({
+            "admin": {
+                "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
+            },
+            "static_resources": {
+                "listeners": [{
+                    "name": "front",
+                    "stat_prefix": "front",
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                    "filter_chains": [{
+                        "filters": [{
+                            "name": "envoy.filters.network.http_connection_manager",
+                            "typed_config": {
+                                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                                "stat_prefix": "front",
+                                "max_request_headers_kb": 96,
+                                "route_config": {
+                                    "name": "front",
+                                    "virtual_hosts": [{
+                                        "name": "all",
+                                        "domains": ["*"],
+                                        "routes": [{
+                                            "match": {"prefix": "/"},
+                                            "route": route
+                                        }]
+                                    }]
+                                },
+                                "http_filters": http_filters
+                            }
+                        }]
+                    }]
+                }],
+                "clusters": clusters
+            }
+        })
+    }
+
+    fn spawn(&self) -> (Child, tempfile::TempDir) {
+        let dir = tempfile::Builder::new()
+            .prefix("floodgate-envoy-")
+            .tempdir()
+            .expect("tempdir");
+        let child = spawn_envoy(dir.path(), &self.bootstrap(), self.concurrency, &self.env);
+        (child, dir)
+    }
+
+    /// Starts Envoy and waits (bounded) until it is ready and its listener's port is known.
+    /// Panics, showing the end of Envoy's log, if it exits or does not become ready.
+    pub fn start(self) -> Envoy {
+        let (child, dir) = self.spawn();
+        let mut envoy = Envoy {
+            child,
+            dir,
+            admin: None,
+            listener: None,
+        };
+        let (admin, listener) = wait_for_envoy(&mut envoy.child, envoy.dir.path());
+        envoy.admin = Some(admin);
+        envoy.listener = Some(listener);
+        envoy
+    }
+
+    /// Starts Envoy expecting it to refuse the configuration: waits (bounded) for it to exit with
+    /// a non-zero status and returns its log. Panics if it becomes ready or keeps running.
+    pub fn start_expecting_failure(self) -> String {
+        let (mut child, dir) = self.spawn();
+        let deadline = Instant::now() + ENVOY_FAILURE_TIMEOUT;
+        let read_log = |dir: &Path| read_logs(dir);
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                let log = read_log(dir.path());
+                assert!(
+                    !status.success(),
+                    "Envoy exited successfully; expected a configuration error. Log:\n{}",
+                    tail(&log, 40)
+                );
+                return log;
+            }
+            let ready = read_admin_address(dir.path())
+                .and_then(|a| http_get_blocking(a, "/ready").ok())
+                .is_some_and(|(s, b)| s == 200 && b.trim() == "LIVE");
+            if ready || Instant::now() >= deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                let log = read_log(dir.path());
+                panic!(
+                    "Envoy {} with a configuration that should be refused; end of its log:\n{}",
+                    if ready { "became ready" } else { "kept running" },
+                    tail(&log, 40)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn endpoint(addr: SocketAddr) -> Value {
+    json!({"endpoint": {"address": {"socket_address": {
+        "address": addr.ip().to_string(), "port_value": addr.port()
+    }}}})
+}
+
+/// Starts Envoy with `bootstrap`, written into `dir`, which also receives its log (`envoy.log`,
+/// line by line: `--log-path` would buffer for up to 10 s) and its admin address.
+pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize, env: &[(String, String)]) -> Child {
+    let path = dir.join("bootstrap.json");
+    std::fs::write(&path, serde_json::to_string_pretty(bootstrap).expect("bootstrap json")).expect("write bootstrap");
+    let log = std::fs::File::create(dir.join("envoy.log")).expect("log file");
+    Command::new(envoy_binary())
+        .arg("-c")
+        .arg(&path)
+        .arg("--concurrency")
+        .arg(concurrency.to_string())
+        .arg("--disable-hot-restart")
+        .arg("-l")
+        .arg("info")
+        .arg("--admin-address-path")
+        .arg(dir.join("admin-address"))
+        .current_dir(dir)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", envoy_binary().display()))
+}
+
+/// Waits (bounded) until the Envoy started by [`spawn_envoy`] in `dir` is ready; returns its
+/// admin address and the address of its listener `front`. Panics, showing the end of its log, if
+/// it exits or does not become ready.
+pub(crate) fn wait_for_envoy(child: &mut Child, dir: &Path) -> (SocketAddr, SocketAddr) {
+    let deadline = Instant::now() + ENVOY_START_TIMEOUT;
+    let admin = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            panic!("Envoy exited ({status}) instead of starting; end of its log:\n{}", tail(&read_logs(dir), 60));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "Envoy not ready after {ENVOY_START_TIMEOUT:?}; end of its log:\n{}",
+            tail(&read_logs(dir), 60)
+        );
+        if let Some(admin) = read_admin_address(dir) {
+            if let Ok((200, body)) = http_get_blocking(admin, "/ready") {
+                if body.trim() == "LIVE" {
+                    break admin;
+                }
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (status, body) = http_get_blocking(admin, "/listeners?format=json").expect("GET /listeners");
+    assert_eq!(status, 200, "GET /listeners: {body}");
+    let v: Value = serde_json::from_str(&body).expect("listeners json");
+    let port = v["listener_statuses"]
+        .as_array()
+        .and_then(|ls| ls.iter().find(|l| l["name"] == "front"))
+        .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
+        .and_then(|p| u16::try_from(p).ok())
+        .unwrap_or_else(|| panic!("no port for listener `front` in {body}"));
+    (admin, SocketAddr::from(([127, 0, 0, 1], port)))
+}
+
+fn read_admin_address(dir: &Path) -> Option<SocketAddr> {
+    std::fs::read_to_string(dir.join("admin-address"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+/// A running Envoy (see [`EnvoyBuilder`]); killed when dropped. If the test is panicking, the end
+/// of Envoy's log is printed first.
+pub struct Envoy {
+    child: Child,
+    dir: tempfile::TempDir,
+    admin: Option<SocketAddr>,
+    listener: Option<SocketAddr>,
+}
+
+impl Envoy {
+    /// Starts Envoy (2 workers) with the filter configuration `filter_config` in front of
+    /// `upstream`. See [`EnvoyBuilder`] for more options.
+    pub fn start(filter_config: impl Display, upstream: &Upstream) -> Envoy {
+        EnvoyBuilder::new(filter_config).upstream(upstream).start()
+    }
+
+    /// A builder, for more options.
+    pub fn builder(filter_config: impl Display) -> EnvoyBuilder {
+        EnvoyBuilder::new(filter_config)
+    }
+
+    /// Starts Envoy with `filter_config` expecting it to refuse it; returns Envoy's log.
+    pub fn start_expecting_failure(filter_config: impl Display) -> String {
+        EnvoyBuilder::new(filter_config).start_expecting_failure()
+    }
+
+    /// The address of the listener with the floodgate filter.
+    pub fn addr(&self) -> SocketAddr {
+        self.listener.expect("listener address")
+    }
+
+    /// `http://127.0.0.1:<port><path>` on the floodgate listener.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr(), path)
+    }
+
+    /// The admin API's address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin.expect("admin address")
+    }
+
+    /// `http://127.0.0.1:<admin port><path>`.
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin_addr(), path)
+    }
+
+    /// GET on the admin API (blocking); returns status and body.
+    pub fn admin_get(&self, path: &str) -> (u16, String) {
+        http_get_blocking(self.admin_addr(), path)
+            .unwrap_or_else(|e| panic!("admin GET {path}: {e}"))
+    }
+
+    /// Envoy's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Envoy's resident set size (`VmRSS` of `/proc/<pid>/status`), in bytes.
+    pub fn rss_bytes(&self) -> u64 {
+        rss_bytes_of(self.pid())
+    }
+
+    /// All counters and gauges of the admin `/stats` page, by name (histograms are left out).
+    ///
+    /// Envoy 1.40's `/stats` shows the module's metrics in their namespace, as
+    /// `wasmcustom.<name>` (only `/stats/prometheus` drops it); each such stat is also listed
+    /// under `<name>`, the name the module defined, which is what the tests use.
+    pub fn stats(&self) -> BTreeMap<String, u64> {
+        stats_of(self.admin_addr())
+    }
+
+    /// One stat by its full name, if Envoy has it.
+    pub fn stat(&self, name: &str) -> Option<u64> {
+        self.stats().get(name).copied()
+    }
+
+    /// Polls (at most `timeout`) until stat `name` equals `expected`; returns its last value.
+    /// Stats may lag the responses by a moment.
+    pub fn wait_for_stat(&self, name: &str, expected: u64, timeout: Duration) -> Option<u64> {
+        wait_for_stat_of(self.admin_addr(), name, expected, timeout)
+    }
+
+    /// All stats whose name starts with `prefix`, as `name: value` lines (for printing).
+    pub fn stats_matching(&self, prefix: &str) -> String {
+        self.stats()
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| format!("{k}: {v}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Downstream connections accepted by each worker on the floodgate listener
+    /// (`listener.front.worker_<n>.downstream_cx_total`), in worker order.
+    pub fn connections_per_worker(&self) -> Vec<u64> {
+        let stats = self.stats();
+        let prefix = "listener.front.worker_";
+        let mut v: Vec<(u64, u64)> = stats
+            .iter()
+            .filter_map(|(k, val)| {
+                let rest = k.strip_prefix(prefix)?;
+                let (n, stat) = rest.split_once('.')?;
+                (stat == "downstream_cx_total").then(|| Some((n.parse().ok()?, *val)))?
+            })
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, c)| c).collect()
+    }
+
+    /// Envoy's log so far (its stderr, at level info, kept in a file of the temporary directory).
+    pub fn log(&self) -> String {
+        read_logs(self.dir.path())
+    }
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "---- end of Envoy's log (pid {}) ----\n{}\n----",
+                self.child.id(),
+                tail(&self.log(), 60)
+            );
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The resident set size of process `pid` (`VmRSS` of `/proc/<pid>/status`), in bytes.
+pub fn rss_bytes_of(pid: u32) -> u64 {
+    let status =
+        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/<pid>/status");
+    let line = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .expect("VmRSS line");
+    let kb: u64 = line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS value");
+    kb * 1024
+}

@@ -1,0 +1,112 @@
+//! Loads over many [`Client`]s: a closed-loop one as fast as Envoy answers, and a paced one spread
+//! round-robin over several proxies.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::client::Client;
+
+/// A closed-loop load as fast as Envoy answers: `total` requests over `connections`
+/// keep-alive connections to `addr`, request `n` (each number sent once) carrying the headers
+/// `headers(n)`. Returns how many were answered with each status.
+pub async fn send_numbered(
+    addr: SocketAddr,
+    connections: usize,
+    total: u64,
+    headers: impl Fn(u64) -> Vec<(&'static str, String)> + Send + Sync + 'static,
+) -> BTreeMap<u16, u64> {
+    let next = Arc::new(AtomicU64::new(0));
+    let headers = Arc::new(headers);
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..connections {
+        let (next, headers) = (Arc::clone(&next), Arc::clone(&headers));
+        tasks.spawn(async move {
+            let mut statuses = BTreeMap::new();
+            let mut client = Client::connect(addr).await.expect("connect");
+            loop {
+                let n = next.fetch_add(1, Ordering::Relaxed);
+                if n >= total {
+                    return statuses;
+                }
+                let owned = headers(n);
+                let pairs: Vec<(&str, &str)> = owned.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                let status = client.get("/", &pairs).await.map_or(0, |r| r.status);
+                *statuses.entry(status).or_insert(0) += 1;
+            }
+        });
+    }
+    let mut statuses = BTreeMap::new();
+    while let Some(done) = tasks.join_next().await {
+        for (status, n) in done.expect("load task") {
+            *statuses.entry(status).or_insert(0) += n;
+        }
+    }
+    statuses
+}
+
+/// A paced load: `rate` requests a second in all for `duration`, request `n` sent when it is
+/// due to proxy `n % proxies.len()` (round-robin) over `per_proxy` keep-alive connections to
+/// each (another is opened when all are busy). `request(n)` gives what makes request `n` on a
+/// client, which hands the client back with its result; the results come in the order the
+/// requests ended. `during(elapsed)` runs about every 100 ms (to break things on cue).
+pub async fn paced_round_robin<T, MakeRequest, Fut>(
+    proxies: &[SocketAddr],
+    per_proxy: usize,
+    rate: u64,
+    duration: Duration,
+    mut during: impl FnMut(Duration),
+    request: impl Fn(u64) -> MakeRequest,
+) -> Vec<T>
+where
+    T: Send + 'static,
+    MakeRequest: FnOnce(Client) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = (Client, T)> + Send + 'static,
+{
+    let mut pools = Vec::new();
+    for addr in proxies {
+        let mut pool = Vec::new();
+        for _ in 0..per_proxy {
+            pool.push(Client::connect(*addr).await.expect("connect"));
+        }
+        pools.push(Arc::new(tokio::sync::Mutex::new(pool)));
+    }
+    let mut results = Vec::new();
+    let mut pending = tokio::task::JoinSet::new();
+    let started = Instant::now();
+    let gap = Duration::from_nanos(1_000_000_000 / rate.max(1));
+    let mut next_call = Duration::ZERO;
+    let mut sent = 0u64;
+    while started.elapsed() < duration {
+        let due = gap * u32::try_from(sent).expect("requests");
+        if let Some(wait) = due.checked_sub(started.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+        if started.elapsed() >= next_call {
+            during(started.elapsed());
+            next_call += Duration::from_millis(100);
+        }
+        let at = usize::try_from(sent % proxies.len() as u64).expect("a proxy");
+        let (pool, addr, request) = (Arc::clone(&pools[at]), proxies[at], request(sent));
+        pending.spawn(async move {
+            let client = pool.lock().await.pop();
+            let client = match client {
+                Some(c) => c,
+                None => Client::connect(addr).await.expect("connect"),
+            };
+            let (client, result) = request(client).await;
+            pool.lock().await.push(client);
+            result
+        });
+        sent += 1;
+        while let Some(done) = pending.try_join_next() {
+            results.push(done.expect("request task"));
+        }
+    }
+    while let Some(done) = pending.join_next().await {
+        results.push(done.expect("request task"));
+    }
+    results
+}
