@@ -4,7 +4,9 @@
 //! the fleet must admit about the limit once (not three times), decide every request without a
 //! 5xx whatever happens to the store, and leave in Redis exactly what it admitted.
 //!
-//! Also: costs (issue 18) in global scope, over two proxies.
+//! Also: costs (issue 18) in global scope, over two proxies; and a proxy whose first sync of a
+//! key races another proxy's batch, which refuses what fits the fleet's count for no longer than
+//! its projections count, and says when.
 //!
 //! Run through `./test.sh` (it installs Redis with scripts/redis.sh and builds floodgate-sync).
 
@@ -63,25 +65,30 @@ async fn steady_load(
     statuses
 }
 
-/// Sum of the counters `floodgate-sync` keeps in Redis (`fg:{shard}:<key>:<window_ms>:<bucket>`;
-/// the `seen` markers left out) whose window and bucket `keep` accepts, over `nodes` (every
-/// master of a cluster).
-fn redis_counters(nodes: &[&Redis], keep: impl Fn(u64, u64) -> bool) -> u64 {
-    let mut total = 0;
-    for node in nodes {
-        // SCAN may return a key twice (while Redis rehashes its table): each key once.
-        let listing = node.cli(&["--scan", "--pattern", "fg:*"]);
-        let keys: std::collections::BTreeSet<&str> = listing.lines().collect();
-        for key in keys {
+/// The counters `floodgate-sync` keeps in Redis on `node` (`fg:{shard}:<key>:<window_ms>:<bucket>`;
+/// the `seen` markers left out) whose window and bucket `keep` accepts.
+fn counter_keys(node: &Redis, keep: impl Fn(u64, u64) -> bool) -> std::collections::BTreeSet<String> {
+    // SCAN may return a key twice (while Redis rehashes its table): each key once.
+    let listing = node.cli(&["--scan", "--pattern", "fg:*"]);
+    listing
+        .lines()
+        .filter(|key| {
             let mut fields = key.rsplit(':').map(|f| f.parse::<u64>().ok());
-            if let (Some(Some(bucket)), Some(Some(window_ms))) = (fields.next(), fields.next()) {
-                if keep(window_ms, bucket) {
-                    total += node.cli(&["GET", key]).trim().parse::<u64>().unwrap_or(0);
-                }
-            }
-        }
-    }
-    total
+            matches!((fields.next(), fields.next()), (Some(Some(bucket)), Some(Some(window_ms))) if keep(window_ms, bucket))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A counter's value (0 when absent).
+fn counter(node: &Redis, key: &str) -> u64 {
+    node.cli(&["GET", key]).trim().parse::<u64>().unwrap_or(0)
+}
+
+/// Sum of the counters `floodgate-sync` keeps in Redis whose window and bucket `keep` accepts,
+/// over `nodes` (every master of a cluster).
+fn redis_counters(nodes: &[&Redis], keep: impl Fn(u64, u64) -> bool) -> u64 {
+    nodes.iter().map(|node| counter_keys(node, &keep).iter().map(|key| counter(node, key)).sum::<u64>()).sum()
 }
 
 /// Sum of the counters of bucket `bucket` of the 1 h window.
@@ -337,28 +344,21 @@ async fn costs_count_fleet_wide_in_global_scope() {
     // key to be refreshed (a proxy with no new deltas for it re-reads it within about a second)
     // and copied by its workers.
     let store = &redis;
-    let stored = |units: u64| async move {
+    let synced = |units: u64| async move {
         let deadline = Instant::now() + Duration::from_secs(10);
         while redis_total(&[store], hour_bucket()) < units && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    };
-    let synced = |units: u64| async move {
-        stored(units).await;
         tokio::time::sleep(Duration::from_millis(1500 + 3 * SYNC_INTERVAL_MS)).await;
         redis_total(&[store], hour_bucket())
     };
 
-    // A count in a request header: 40 + 40 on proxy A, in Redis before proxy B's first request
-    // (1), which makes B read the key's fleet count; then 30 more on B do not fit, 19 do, and A
-    // is refused too. (Were B's first read to race A's batch, B would see the others' part grow
-    // by 80 against its 1 and keep a share of the room too small for 19 while the key stays
-    // idle: see "Known limitation" in docs/global.md; not what this test checks.)
+    // A count in a request header: 40 + 40 on proxy A; proxy B's first request (1) makes it
+    // read the key's fleet count; then 30 more on B do not fit, 19 do, and A is refused too.
     let mut statuses = Vec::new();
     for cost in ["40", "40"] {
         statuses.push(send(a, "/units", ("x-cost", cost.into())).await.status);
     }
-    stored(80).await;
     statuses.push(send(b, "/units", ("x-cost", "1".into())).await.status);
     let in_redis = synced(81).await;
     let refused = send(b, "/units", ("x-cost", "30".into())).await;
@@ -386,4 +386,154 @@ async fn costs_count_fleet_wide_in_global_scope() {
     assert_eq!(llm, [200, 200, 429, 429], "reported costs count fleet-wide");
     assert_eq!(charged, 115);
     assert_eq!(after_b - 100, 115, "both charges in Redis once");
+}
+
+/// A proxy's first sync of a key races another proxy's batch, on purpose, over three proxies:
+/// proxy B admits one unit of a 100-unit quota and its batch reaches Redis first; proxy A admits
+/// 80, in Redis next; B admits one more (its view still holds none of A's), and the sync that
+/// brings it back finds the others' part grown by 80 against B's one: B learns 64 of their units
+/// per unit of its own (the cap), and their rate for the unseen part. A and C stay idle. B is
+/// then asked for what fits the fleet's 82 (18 units at once; or one unit, then 17 more), at
+/// some point after it learned: while its projections count (three sync intervals after the
+/// sync that found the others' part grown) it refuses, each `429` with a `retry-after` at which
+/// the same request, sent again with nothing else in between, is admitted; from three intervals
+/// on it admits at once; and the key ends at the limit exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_sync_racing_a_batch_elsewhere_admits_what_fits_once_the_others_are_seen_idle() {
+    wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
+    let redis = Redis::start();
+    let sync = SyncService::single(&redis.url());
+    let upstream = Upstream::start();
+    let config = json!({
+        "rate_limits": [
+            {"name": "units", "key": [{"header": "x-api-key"}], "limit": 100, "window": "1h", "scope": "global",
+             "match": {"path": {"prefix": "/units"}}, "cost": {"from": "request_header", "header": "x-cost"}},
+            {"name": "requests", "key": [{"header": "x-api-key"}], "limit": 100, "window": "1h", "scope": "global",
+             "match": {"path": {"prefix": "/requests"}}}
+        ],
+        "global": global_section()
+    });
+    let envoys = fleet(3, &config, sync.addr, &upstream);
+    let (a, b) = (envoys[0].addr(), envoys[1].addr());
+    // `units` of a key through `client`: one request of that cost on /units, or that many
+    // requests on /requests; their responses.
+    async fn send(client: &mut Client, path: &str, key: &str, units: u64) -> Vec<Response> {
+        let (count, cost) = if path == "/units" { (1, units) } else { (units, 1) };
+        let cost = cost.to_string();
+        let mut responses = Vec::new();
+        for _ in 0..count {
+            responses.push(client.get(path, &[("x-api-key", key), ("x-cost", cost.as_str())]).await.expect("request"));
+        }
+        responses
+    }
+    fn statuses(responses: Vec<Response>) -> Vec<u16> {
+        responses.iter().map(|r| r.status).collect()
+    }
+    // The 1 h counters in Redis; when the scenario's counter first holds `units` (one GET every
+    // 5 ms: the moment B's sync is answered, within a few milliseconds).
+    let store = &redis;
+    let hour = |window_ms: u64, bucket: u64| u128::from(window_ms) == WINDOW.as_millis() && bucket == hour_bucket();
+    let stored = |key: &str, units: u64| {
+        let key = key.to_owned();
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let held = counter(store, &key);
+                if held >= units {
+                    return (Instant::now(), held);
+                }
+                assert!(Instant::now() < deadline, "{key} holds {held}, not {units}");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    let hold = Duration::from_millis(3 * SYNC_INTERVAL_MS);
+    let run = std::process::id();
+    let mut outcomes = Vec::new();
+    for (path, fits) in [("/units", 18u64), ("/requests", 1)] {
+        // Right away (B's other worker may not have copied the view yet: it then decides on the
+        // counts it had, which fit), two intervals after (every worker has it), and three
+        // intervals after, plus what it takes the sync's answer to reach B once Redis applied it
+        // under this machine's load (a few milliseconds; 50 allowed).
+        for after in [Duration::ZERO, hold * 2 / 3, hold + Duration::from_millis(50)] {
+            let key = format!("race-{run}-{}-{}", &path[1..], after.as_millis());
+            let before = counter_keys(store, hour);
+            // Each proxy's requests over one connection, so on one worker: the units a worker
+            // counts ahead for its next requests of a key (quota reserves) are its own.
+            let mut at_b = Client::connect(b).await.expect("connect");
+            assert_eq!(statuses(send(&mut at_b, path, &key, 1).await), [200], "B's first unit, on its own counts");
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let stored_as = loop {
+                if let Some(new) = counter_keys(store, hour).difference(&before).next() {
+                    break new.clone();
+                }
+                assert!(Instant::now() < deadline, "B's first unit never reached Redis");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            };
+            stored(&stored_as, 1).await;
+            // A's 80 over 8 connections at once (10 units each), so that B's second unit follows
+            // its first within a second: B re-reads a key it has no new request for once a second,
+            // and that sync, not the one of its second unit, would then find A's units.
+            let mut from_a = tokio::task::JoinSet::new();
+            for _ in 0..8 {
+                let key = key.clone();
+                from_a.spawn(async move {
+                    let mut at_a = Client::connect(a).await.expect("connect");
+                    statuses(send(&mut at_a, path, &key, 10).await)
+                });
+            }
+            let mut admitted_on_a = Vec::new();
+            while let Some(done) = from_a.join_next().await {
+                admitted_on_a.extend(done.expect("A's requests"));
+            }
+            assert!(admitted_on_a.iter().all(|s| *s == 200), "A's 80: {admitted_on_a:?}");
+            stored(&stored_as, 81).await;
+            assert_eq!(statuses(send(&mut at_b, path, &key, 1).await), [200], "B's second unit: its view holds none of A's");
+            let (learned, _) = stored(&stored_as, 82).await;
+            tokio::time::sleep_until((learned + after).into()).await;
+            let first = send(&mut at_b, path, &key, fits).await.remove(0);
+            let sent = learned.elapsed();
+            let mut retried = None;
+            if first.status == 429 {
+                let retry_after: u64 = first.header("retry-after").and_then(|v| v.parse().ok()).expect("retry-after");
+                // What fits the fleet's count is admitted once the projections stop counting,
+                // within three intervals: the next whole second.
+                assert_eq!(retry_after, 1, "{path}, {after:?}: {}", first.text());
+                tokio::time::sleep(Duration::from_secs(retry_after)).await;
+                let again = send(&mut at_b, path, &key, fits).await.remove(0).status;
+                retried = Some((retry_after, first.json()["retry_after_ms"].clone(), first.json()["estimate"].clone(), again));
+            }
+            if path == "/requests" {
+                tokio::time::sleep_until((learned + hold + Duration::from_millis(50)).into()).await;
+                let rest = statuses(send(&mut at_b, path, &key, 17).await);
+                assert!(rest.iter().all(|s| *s == 200), "{after:?}: the 17 units left, one at a time, once the projections stopped: {rest:?}");
+            }
+            stored(&stored_as, 100).await;
+            tokio::time::sleep(Duration::from_millis(3 * SYNC_INTERVAL_MS)).await;
+            let end = counter(store, &stored_as);
+            println!(
+                "{path} asked {} ms after B learned (sent {} ms after): {}{}; the key ends at {} in Redis",
+                after.as_millis(),
+                sent.as_millis(),
+                first.status,
+                retried.as_ref().map_or(String::new(), |(secs, ms, estimate, status)| format!(
+                    " (estimate {estimate}, retry-after {secs}: {ms} ms), retried then: {status}"
+                )),
+                end
+            );
+            outcomes.push((path, after, first.status, retried, end));
+        }
+    }
+    for (path, after, status, retried, held) in outcomes {
+        if let Some((_, _, _, retried)) = retried {
+            assert_eq!(retried, 200, "{path}, {after:?}: the retry at retry-after is admitted");
+        }
+        if after == hold * 2 / 3 {
+            assert_eq!(status, 429, "{path}, {after:?}: while the projections count, what fits the fleet's count is refused");
+        }
+        if after > hold {
+            assert_eq!(status, 200, "{path}, {after:?}: three intervals after B learned, what fits is admitted at once");
+        }
+        assert_eq!(held, 100, "{path}, {after:?}: the key ends at its limit exactly");
+    }
 }

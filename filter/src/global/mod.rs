@@ -12,11 +12,14 @@
 //!               + remote counts (the fleet's total less this proxy's confirmed part, last sync)
 //!               + unseen        (the others' growth between the two last syncs of the key, over
 //!                                one interval: their traffic before the sync their batches had
-//!                                not brought yet; none once the view is 4 intervals old)
+//!                                not brought yet)
 //!               + in proportion (this proxy's units past its confirmed part × the others'
 //!                                growth per unit this proxy admitted (at least a quarter of
 //!                                its requests), averaged over recent syncs)
 //! ```
+//!
+//! The two projections count for 3 intervals after the last sync that found the others' part
+//! grown, and not after it until one does again ([`view::HOLD_INTERVALS`]).
 //!
 //! The last term makes each proxy take about its share of the room left, which is what keeps
 //! the fleet at its limit when every proxy nears it at once ([`view`]'s module doc,
@@ -37,13 +40,15 @@
 //! window: each proxy can admit what the others admitted during the last `D` before the limit
 //! was reached (measured: `L` + 135 at 1 000 req/s, 3 proxies, 100 ms). The two projections
 //! cover that delay; what is left is the error of the shares and of one interval's growth
-//! (a simulation with Poisson arrivals and jittered timers, `tests.rs`: `L − 1` to `L + 4` at
+//! (a simulation with Poisson arrivals and jittered timers, `tests.rs`: `L` to `L + 8` at
 //! 1 000 req/s and `L` = 1 000; measured in real Envoys: `docs/global.md`). Both need two syncs
 //! of the key, so a key that reaches its limit within about two intervals of its first request
-//! still overshoots as before. The price is the other way: a fleet may stop up to `P − 1`
-//! units short of the limit (each proxy needs room for a unit and the others' share of it), and
-//! when the other proxies' traffic stops, a proxy refuses early until its syncs show it (the
-//! ratio falls at each: about 2 intervals in the tests) and admits the rest of the quota after.
+//! still overshoots as before, and a key a proxy syncs less often than every 3 intervals is
+//! decided on the counts it last read. The price is the other way: while the others' part
+//! grows, a fleet may stop up to `P − 1` units short of the limit (each proxy needs room for a
+//! unit and the others' share of it), and when the other proxies' traffic stops, a proxy
+//! refuses early for at most 3 intervals after the last sync that found their part grown, and
+//! admits the rest of the quota after.
 //! Quota reserves (a worker's units counted ahead) are only used while the whole estimate fits.
 //!
 //! **Store down.** Batches fail and are sent again unchanged (exactly once: [`flusher`]); new

@@ -18,7 +18,7 @@
 //! fleet(local) = local + remote
 //!              + unseen                                  (their traffic before the sync)
 //!              + (local.current − confirmed)⁺ × r / l    (their traffic since, in proportion)
-//! unseen = grew_units × sync_interval / max(over_ms, sync_interval)   (none past 4 intervals)
+//! unseen = grew_units × sync_interval / max(over_ms, sync_interval)
 //! ```
 //!
 //! - *Unseen*: what the others admitted before this proxy's sync that their own batches had
@@ -27,8 +27,7 @@
 //!   this proxy reads (the outbox and the flusher's timer each hold admissions up to an
 //!   interval, against this proxy's own unconfirmed part which the next term scales). It is
 //!   their growth between the two last syncs of the key ([`RemoteRate`]) over one interval;
-//!   it vanishes with the first sync that shows no growth, and once the view of the key is
-//!   over [`LEAD_CAP_INTERVALS`] intervals old.
+//!   it vanishes with the first sync that shows no growth.
 //! - *In proportion*: what the others admitted since, estimated from what this proxy admitted
 //!   since (its units past its confirmed part) times `r / l`: the others' growth per unit this
 //!   proxy admitted, over the recent syncs ([`Share`], moving averages). With `s` this proxy's
@@ -40,17 +39,28 @@
 //!   every later race (learned from admissions alone, one proxy of three took every window and
 //!   the two others nothing: `a_saturated_key_is_shared_by_every_proxy`). The ratio is kept
 //!   as it is when a sync finds that nothing grew elsewhere while this proxy refused requests
-//!   (every proxy at the limit), so the room held back is not offered to all of them at once
-//!   (what decisions on a rate alone did: the rate goes to zero when everyone refuses). A proxy
-//!   whose traffic stops elsewhere sees the ratio fall at each sync.
+//!   (every proxy at the limit), so the room a window's decay frees is not offered to all of
+//!   them at once (what decisions on a rate alone did: the rate goes to zero when everyone
+//!   refuses). A proxy whose traffic stops elsewhere sees the ratio fall at each sync.
 //!
-//! Measured against the rate projection it replaces (`lead = age + interval` over the rate,
-//! 2026-11-25), in the same noisy simulation of three proxies at 1 000 req/s and `L` = 1 000
-//! (`tests.rs`, `a_noisy_fleet_stays_within_two_percent_of_its_limit`): from `L + 1` to
-//! `L + 42` over 20 seeds to `L − 1` to `L + 4` over 12. The price is granularity: near the
-//! limit a proxy needs room for a unit and the others' share of it, so a fleet of `P` proxies
-//! may stop up to `P − 1` units short of the limit in a window with nothing in its previous
-//! bucket.
+//! **How long they count.** Both are projections of the others' traffic, and both count until
+//! [`ViewEntry::projected_until`]: [`HOLD_INTERVALS`] intervals after the last sync that found
+//! the others' part grown ([`ViewEntry::grew_at`]), and not after it until a sync finds it grown
+//! again. A share learned from one sync can be far off (a first sync of a key that reached the
+//! store just before another proxy's batch learns, at the next, that batch against nothing of
+//! this proxy's: the cap), and nothing moves it while the key is idle; whatever it is, once the
+//! others are idle this proxy refuses what the counts as synced admit for at most that long. A
+//! refusal's retry time accounts for the moment the projections stop
+//! ([`Remote::earliest_admission`]).
+//!
+//! In the noisy simulation of three proxies at 1 000 req/s and `L` = 1 000 (`tests.rs`,
+//! `a_noisy_fleet_stays_within_two_percent_of_its_limit`) the fleet admits `L` to `L + 8` over 12
+//! seeds (the rate projection the shares replaced, `lead = age + interval` over the rate:
+//! `L + 1` to `L + 42` over 20). The price is granularity: near the limit a proxy needs room for
+//! a unit and the others' share of it, so while the others' part grows a fleet of `P` proxies
+//! may stop up to `P − 1` units short of the limit; once it has not grown for
+//! [`HOLD_INTERVALS`] intervals, every proxy takes what fits the counts as synced, and the last
+//! units may go to several at once.
 //!
 //! Entries live in [`VIEW_RECORDS`] shared-data records (by fingerprint), written only by the
 //! proxy's flusher, plus an index record with a version per record and the time of the last
@@ -88,11 +98,12 @@ pub const VIEW_RECORDS: usize = 4;
 pub const REFRESH_PER_BATCH: usize = 128;
 /// A key is re-read once it was not synced for this many intervals.
 pub const REFRESH_AFTER_INTERVALS: u64 = 5;
-/// A key's unseen part is projected for at most this many intervals after its last sync.
-pub const LEAD_CAP_INTERVALS: u64 = 4;
-const RECORD_VERSION: u8 = 4;
+/// A key's projections count for this many intervals after the last sync that found the other
+/// proxies' part grown, and no longer.
+pub const HOLD_INTERVALS: u64 = 3;
+const RECORD_VERSION: u8 = 5;
 const INDEX_VERSION: u8 = 3;
-const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8 + 4 + 4 + 4 + 4;
+const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8 + 4 + 4 + 4 + 4 + 8;
 const INDEX_LEN: usize = 16 + 8 * VIEW_RECORDS;
 
 /// What the proxy knows of one key's fleet-wide counts.
@@ -118,6 +129,8 @@ pub struct ViewEntry {
     pub rate: RemoteRate,
     /// How the key's growth splits between this proxy and the others, over the recent syncs.
     pub share: Share,
+    /// When a sync last found the other proxies' part grown (0: never).
+    pub grew_at: UnixMillis,
 }
 
 /// A key's recent traffic here and elsewhere: exponentially weighted moving averages, per sync,
@@ -200,30 +213,35 @@ impl ViewEntry {
         remote.rolled(self.bucket, bucket)
     }
 
-    /// What the other proxies admitted, as seen from bucket `bucket` at `now`: [`Self::remote_at`]
-    /// plus what their rate gives over one interval, the part of their traffic before this
-    /// proxy's last sync that the store had not seen yet (module doc), in the current bucket;
-    /// nothing more once the view of the key is over [`LEAD_CAP_INTERVALS`] intervals old.
-    /// Never below [`Self::remote_at`].
-    pub fn projected_at(&self, bucket: u64, now: UnixMillis, interval_ms: u64) -> Counts {
-        let remote = self.remote_at(bucket);
-        if now.saturating_since(self.synced) > interval_ms.saturating_mul(LEAD_CAP_INTERVALS) {
-            return remote;
-        }
-        let span_ms = u64::from(self.rate.over_ms).max(interval_ms).max(1);
-        let unseen = u64::from(self.rate.grew_units).saturating_mul(interval_ms).checked_div(span_ms).unwrap_or(0);
-        remote.plus(clamp(unseen))
+    /// The last millisecond the key's projections count if no sync finds the other proxies'
+    /// part grown again: [`HOLD_INTERVALS`] after the last sync that did (`None`: none did).
+    pub fn projected_until(&self, interval_ms: u64) -> Option<UnixMillis> {
+        let hold_ms = interval_ms.saturating_mul(HOLD_INTERVALS).saturating_sub(1);
+        (self.grew_at > UnixMillis(0)).then(|| self.grew_at.plus_ms(hold_ms))
     }
 
     /// What the other proxies add to this proxy's counts of the key in bucket `bucket` at `now`
-    /// ([`crate::ratelimit::remote`]): [`Self::projected_at`], and their growth since in
-    /// proportion to this proxy's growth past its confirmed part ([`Share`]).
+    /// ([`crate::ratelimit::remote`]): their counts as last synced ([`Self::remote_at`]) and,
+    /// until [`Self::projected_until`], two projections of their traffic (module doc): what
+    /// their rate gives over one interval, the part of it before this proxy's last sync that
+    /// the store had not seen yet (nothing when that sync found their part not grown), and
+    /// their growth since in proportion to this proxy's growth past its confirmed part
+    /// ([`Share`]).
     pub fn shared_at(&self, bucket: u64, now: UnixMillis, interval_ms: u64) -> Remote {
-        Remote {
-            synced: self.projected_at(bucket, now, interval_ms),
-            confirmed: self.applied.rolled(self.bucket, bucket).current,
-            per_local_q16: self.share.per_local_q16(),
-        }
+        let remote = Remote { synced: self.remote_at(bucket), confirmed: self.applied.rolled(self.bucket, bucket).current, ..Remote::NONE };
+        let Some(until) = self.projected_until(interval_ms).filter(|until| now <= *until) else {
+            return remote;
+        };
+        let span_ms = u64::from(self.rate.over_ms).max(interval_ms).max(1);
+        let unseen = u64::from(self.rate.grew_units).saturating_mul(interval_ms).checked_div(span_ms).unwrap_or(0);
+        Remote { unseen: clamp(unseen), per_local_q16: self.share.per_local_q16(), projected_until: until, ..remote }
+    }
+
+    /// The other proxies' counts with what the store had not seen of them ([`Self::shared_at`]).
+    #[cfg(test)]
+    pub fn projected_at(&self, bucket: u64, now: UnixMillis, interval_ms: u64) -> Counts {
+        let remote = self.shared_at(bucket, now, interval_ms);
+        remote.synced.plus(remote.unseen)
     }
 
     /// Takes the sample of the remote rate between the sync of `before` (this entry as it was)
@@ -241,6 +259,9 @@ impl ViewEntry {
                 let grew_units = growth(before.remote_at(self.bucket), self.remote_at(self.bucket));
                 let grew_here = growth(before.applied.rolled(before.bucket, self.bucket), self.applied);
                 self.rate = RemoteRate { grew_units, over_ms };
+                if grew_units > 0 {
+                    self.grew_at = now;
+                }
                 // Nothing admitted elsewhere while this proxy refused some of its own: every
                 // proxy is at the limit, and the ratio stays (the room held back is not offered
                 // to all of them at once).
@@ -332,6 +353,7 @@ impl ViewRecord {
                 synced: UnixMillis(u64_at(64)),
                 rate: RemoteRate { grew_units: u32_at(72), over_ms: u32_at(76) },
                 share: Share { local: f32::from_bits(u32_at(80)), remote: f32::from_bits(u32_at(84)) },
+                grew_at: UnixMillis(u64_at(88)),
             };
             if !entry.share.local.is_finite() || !entry.share.remote.is_finite() {
                 return Err(DecodeError::Malformed);
@@ -364,6 +386,7 @@ impl ViewRecord {
             out.extend_from_slice(&e.rate.over_ms.to_le_bytes());
             out.extend_from_slice(&e.share.local.to_bits().to_le_bytes());
             out.extend_from_slice(&e.share.remote.to_bits().to_le_bytes());
+            out.extend_from_slice(&e.grew_at.0.to_le_bytes());
         }
         out
     }
@@ -629,9 +652,9 @@ mod tests {
         assert_eq!(e.remote_at(10), Counts { previous: 0, current: 17 });
         // One interval at 10 units per 100 ms, whatever the view's age...
         assert_eq!(e.projected_at(10, UnixMillis(1_150), 100), Counts { previous: 0, current: 27 });
-        assert_eq!(e.projected_at(10, UnixMillis(1_500), 100).current, 17 + 10);
-        // ... and none once the view of the key is over four intervals old.
-        assert_eq!(e.projected_at(10, UnixMillis(1_501), 100), e.remote_at(10));
+        assert_eq!(e.projected_at(10, UnixMillis(1_399), 100).current, 17 + 10);
+        // ... and none once three intervals passed since that sync found their part grown.
+        assert_eq!(e.projected_at(10, UnixMillis(1_400), 100), e.remote_at(10));
         // In the next bucket the projection goes to the current bucket.
         assert_eq!(e.projected_at(11, UnixMillis(1_150), 100), Counts { previous: 17, current: 10 });
         // No growth: no rate.
@@ -670,18 +693,20 @@ mod tests {
     fn a_record_of_an_earlier_layout_reads_as_malformed() {
         let mut r = ViewRecord::default();
         r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
-        // Version 3: no share.
-        let mut old = r.encode();
-        old.truncate(old.len() - 8);
-        old[0] = 3;
-        assert_eq!(ViewRecord::decode(&old), Err(DecodeError::Malformed));
-        let mut other = r.encode();
-        other[0] = 3;
-        assert_eq!(ViewRecord::decode(&other), Err(DecodeError::Malformed));
+        // Version 3: no share; version 4: no time the others' part last grew.
+        for (version, fields) in [(3, 16), (4, 8)] {
+            let mut old = r.encode();
+            old.truncate(old.len() - fields);
+            old[0] = version;
+            assert_eq!(ViewRecord::decode(&old), Err(DecodeError::Malformed));
+            let mut other = r.encode();
+            other[0] = version;
+            assert_eq!(ViewRecord::decode(&other), Err(DecodeError::Malformed));
+        }
         // A share that is not a finite number.
         let mut nan = r.encode();
-        let at = nan.len() - 4;
-        nan[at..].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
+        let at = nan.len() - 8 - 4;
+        nan[at..at + 4].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
         assert_eq!(ViewRecord::decode(&nan), Err(DecodeError::Malformed));
     }
 
@@ -696,7 +721,8 @@ mod tests {
         let e = r.entries[&(1, 33)];
         assert_eq!(e.share, Share { local: 10.0, remote: 20.0 });
         let remote = e.shared_at(10, UnixMillis(1_150), 100);
-        assert_eq!(remote, Remote { synced: Counts { previous: 0, current: 20 + 20 }, confirmed: 20, per_local_q16: 2 << 16 });
+        let until = UnixMillis(1_100 + 3 * 100 - 1);
+        assert_eq!(remote, Remote { synced: Counts { previous: 0, current: 20 }, confirmed: 20, unseen: 20, per_local_q16: 2 << 16, projected_until: until });
         // 5 local units past the confirmed 20: 10 more remote ones.
         assert_eq!(remote.fleet(Counts { previous: 0, current: 25 }).current, 25 + 40 + 10);
         // Nothing grew anywhere (every proxy refusing): the ratio stays, whether this proxy had
@@ -740,6 +766,7 @@ mod tests {
                 synced: UnixMillis(synced),
                 rate: RemoteRate { grew_units, over_ms },
                 share: Share { local: f32::from(u16::try_from(grew_units % 60_000).unwrap()), remote: f32::from(u16::try_from(over_ms % 60_000).unwrap()) },
+                grew_at: UnixMillis(synced),
             },
         )
     }
@@ -778,6 +805,50 @@ mod tests {
                     prop_assert!(projected.previous == synced.previous && projected.current >= synced.current);
                 }
                 prop_assert_eq!(ViewRecord::decode(&r.encode()).unwrap(), r.clone());
+            }
+        }
+
+        /// A refusal's `retry_at` is the first millisecond at which the view, as it is, admits the
+        /// same request (nothing else arriving): every projection ending on its own time, the
+        /// buckets rolling.
+        #[test]
+        fn retry_at_is_the_first_millisecond_the_view_admits(
+            (window_ms, interval_ms, limit, cost) in (50..2_000u64, 10..200u64, 1..60u32, 1..20u32),
+            ([tp, tc, ap, ac], (previous, current)) in (any::<[u8; 4]>(), (0..40u32, 0..40u32)),
+            (grew_units, over_ms, share) in (0..60u32, 0..1_500u32, (0..20u8, 0..40u8)),
+            (synced_ago, quiet_for, behind, start) in (0..2_000u64, prop_oneof![Just(0u64), 1..400u64], 0..2u64, 0..10_000u64),
+        ) {
+            let now = UnixMillis(1_700_000_000_000 + start);
+            let window = crate::ratelimit::window::Window::new(std::num::NonZeroU64::new(window_ms).unwrap());
+            let bucket = now.0 / window_ms;
+            let synced = UnixMillis(now.0 - synced_ago);
+            let e = ViewEntry {
+                rule: 1,
+                fingerprint: 33,
+                key: FleetKey(5),
+                window_ms,
+                bucket: (synced.0 / window_ms).saturating_sub(behind),
+                total: Counts { previous: u32::from(tp) + u32::from(ap), current: u32::from(tc) + u32::from(ac) },
+                applied: Counts { previous: u32::from(ap), current: u32::from(ac) },
+                synced,
+                rate: RemoteRate { grew_units: if quiet_for > 0 { 0 } else { grew_units }, over_ms },
+                share: Share { local: f32::from(share.0), remote: f32::from(share.1) },
+                grew_at: UnixMillis(synced.0 - quiet_for),
+            };
+            let local = Counts { previous, current };
+            let limit = std::num::NonZeroU32::new(limit).unwrap();
+            let admits = |at: UnixMillis| {
+                let b = at.0 / window_ms;
+                let fleet = e.shared_at(b, at, interval_ms).fleet(local.rolled(bucket, b).plus(cost));
+                window.fits(fleet, window.phase(at).elapsed_ms, limit)
+            };
+            let retry_at = e.shared_at(bucket, now, interval_ms).earliest_admission(window, local, now, cost, limit);
+            let horizon = now.plus_ms(3 * window_ms + HOLD_INTERVALS * interval_ms);
+            let first = (now.0..=horizon.0).map(UnixMillis).find(|at| admits(*at));
+            match retry_at {
+                Some(at) if at <= horizon => prop_assert_eq!(Some(at), first),
+                Some(_) => prop_assert_eq!(first, None),
+                None => prop_assert!(cost > limit.get() && first.is_none()),
             }
         }
 

@@ -274,7 +274,7 @@ impl Limiter {
                     if (probe.remote.is_none() && probe.limit.is_none())
                         || table.window.fits(probe.remote.fleet(counts), phase.elapsed_ms, limit_of(table, probe)) =>
                 {
-                    standings.push(standing(table, probe, probe.remote.fleet(counts), now));
+                    standings.push(standing(table, probe, counts, now));
                     taken.push(*probe);
                 }
                 Some(_) => {
@@ -403,7 +403,7 @@ impl Limiter {
     /// request reports where it stands after counting (computed once, in [`Limiter::commit`]).
     fn standing_before(&self, read: &Read, now: UnixMillis) -> Standing {
         match self.table(read.probe.rule) {
-            Some(table) => standing(table, &read.probe, read.probe.remote.fleet(read.counts), now),
+            Some(table) => standing(table, &read.probe, read.counts, now),
             None => self.blank_standing(read.probe, now),
         }
     }
@@ -436,19 +436,19 @@ impl Limiter {
                 counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
                 if !table.window.fits(first.probe.remote.fleet(counts.plus(first.probe.needs())), phase.elapsed_ms, limit) {
                     return Err(Violation {
-                        standing: standing(table, &first.probe, first.probe.remote.fleet(counts), now),
+                        standing: standing(table, &first.probe, counts, now),
                         cause: Cause::OverLimit,
                     });
                 }
             }
-            let after = first.probe.remote.fleet(counts.plus(cost));
+            let after = counts.plus(cost);
             let added = set.add(fp, cost, table.window, phase.elapsed_ms);
             // Units are only reserved on an entry (they can be given back from there), and for
             // requests of cost 1: a reserve serves the next requests of the same cost, and a
             // key whose requests cost more, or whose cost comes later, would only hold room
             // others may need.
             let grant = if added.resident && cost == 1 {
-                let room = table.window.remaining(after, phase.elapsed_ms, limit);
+                let room = table.window.remaining(first.probe.remote.fleet(after), phase.elapsed_ms, limit);
                 reserves.grant(first.probe, room)
             } else {
                 0
@@ -517,8 +517,9 @@ impl Limiter {
         }
     }
 
-    /// Where `probe`'s key stands with `counts` (the fleet's, for a leased rule), against its
-    /// limit, for a request of its cost; `None` for an unknown rule.
+    /// Where `probe`'s key stands with this proxy's `counts` (the fleet's, for a leased rule,
+    /// whose probe adds no remote), against its limit, for a request of its cost; `None` for an
+    /// unknown rule.
     pub fn standing_of(&self, probe: &Probe, counts: Counts, now: UnixMillis) -> Option<Standing> {
         self.table(probe.rule).map(|table| standing(table, probe, counts, now))
     }
@@ -540,16 +541,18 @@ fn limit_of(table: &RuleTable, probe: &Probe) -> NonZeroU32 {
     probe.limit.unwrap_or(table.limit)
 }
 
-/// Where `probe`'s key stands with `counts`, against its limit, for a request of its cost.
-fn standing(table: &RuleTable, probe: &Probe, counts: Counts, now: UnixMillis) -> Standing {
+/// Where `probe`'s key stands with this proxy's `local` counts and what the rest of the fleet
+/// adds to them ([`Probe::remote`]), against its limit, for a request of its cost.
+fn standing(table: &RuleTable, probe: &Probe, local: Counts, now: UnixMillis) -> Standing {
     let phase = table.window.phase(now);
     let limit = limit_of(table, probe);
+    let counts = probe.remote.fleet(local);
     Standing {
         rule: probe.rule,
         estimate: table.window.estimate(counts, phase.elapsed_ms),
         remaining: table.window.remaining(counts, phase.elapsed_ms, limit),
         reset_ms: table.window.ms_until_reset(counts, now),
-        retry_at: table.window.earliest_admission(counts, now, probe.needs(), limit),
+        retry_at: probe.remote.earliest_admission(table.window, local, now, probe.needs(), limit),
         limit,
     }
 }
