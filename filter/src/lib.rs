@@ -16,9 +16,9 @@
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 pub mod config;
-pub mod global;
+
 pub mod keys;
-pub mod lease;
+pub mod fleet;
 pub mod pipeline;
 pub mod primitives;
 pub mod ratelimit;

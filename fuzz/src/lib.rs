@@ -21,7 +21,7 @@
 )]
 
 use floodgate::config::{Config, KeyPart, MissingKey};
-use floodgate::global::FleetHasher;
+use floodgate::keys::fleet::FleetHasher;
 use floodgate::keys::{self, KeyHasher, Source};
 use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN, RECORD_LEN_TWO_DOORS, RECORD_VERSION, RECORD_VERSION_TWO_DOORS, SHAPE_OFFSET};
 use floodgate::ratelimit::window::Window;

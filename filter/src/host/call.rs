@@ -1,7 +1,7 @@
 //! HTTP calls to `floodgate-sync` (the global scope's batches, the leased rules' leases): a JSON
 //! `POST` to the store's cluster, and its answer read once.
 
-use crate::global::flusher::Answer;
+use crate::fleet::Answer;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, Status};
 use std::time::Duration;

@@ -1,5 +1,5 @@
 //! The global scope's host side: the batch call to `floodgate-sync` and its answer, on the root
-//! context, and the VM's node, which outlives configurations ([`crate::global`] decides
+//! context, and the VM's node, which outlives configurations ([`crate::fleet::batched`] decides
 //! everything).
 
 use super::call;
@@ -7,8 +7,8 @@ use super::metrics::EnvoyMetrics;
 use crate::pipeline::stats::{self, GlobalStats};
 use super::store::EnvoyStore;
 use crate::config::SYNC_PATH;
-use crate::global::flusher::Failure;
-use crate::global::{GlobalScope, VmNode};
+use crate::fleet::batched::leadership::Failure;
+use crate::fleet::batched::{GlobalScope, VmNode};
 use crate::primitives::time::UnixMillis;
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -27,7 +27,7 @@ mod metrics;
 mod store;
 
 use crate::config::{Config};
-use crate::global::FleetKey;
+use crate::keys::fleet::FleetKey;
 use crate::keys::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
 use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Request, Schedule, SharedStream, Step, StreamEnd, VmParts};
@@ -201,7 +201,7 @@ impl RootContext for FilterRoot {
         let tick_ms = [
             filter.global.as_ref().map(|g| g.interval_ms),
             filter.lag.as_ref().map(|l| l.borrow().probe_ms()),
-            filter.leased.as_ref().map(|l| crate::lease::tick_ms(l.timeout_ms)),
+            filter.leased.as_ref().map(|l| crate::fleet::leased::tick_ms(l.timeout_ms)),
         ]
         .into_iter()
         .flatten()
@@ -265,7 +265,7 @@ fn send_calls(filter: &Filter, current: u32, clock: &CallbackClock) {
             log::debug!("floodgate: a lease call of context {} sent from {current}", call.owner);
         }
         let timeout = Duration::from_millis(call.timeout_ms);
-        match call::post_json(&stage.cluster, &stage.authority, crate::lease::protocol::LEASE_PATH, &call.body, timeout) {
+        match call::post_json(&stage.cluster, &stage.authority, crate::fleet::leased::protocol::LEASE_PATH, &call.body, timeout) {
             Ok(token) => stage.sent(&EnvoyMetrics, call, token, clock.now()),
             Err(status) => {
                 log::warn!("floodgate: lease call to cluster {:?} not sent: {status:?}", stage.cluster);

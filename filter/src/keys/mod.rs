@@ -5,10 +5,11 @@
 //! with somebody else's. Parts are length-prefixed, so `("ab", "c")` and `("a", "bc")` differ,
 //! and a missing part hashes differently from an empty one.
 
+pub mod fleet;
 pub mod headers;
 
 use crate::config::{Config, KeyPart, MissingKey, Scope};
-use crate::global::FleetHasher;
+use crate::keys::fleet::FleetHasher;
 use crate::ratelimit::Probe;
 use siphasher::sip::SipHasher13;
 use std::collections::HashMap;

@@ -1,4 +1,4 @@
-//! The `leased` stage: rules in `consistency: leased` ([`crate::lease`] keeps the worker's
+//! The `leased` stage: rules in `consistency: leased` ([`crate::fleet::leased`] keeps the worker's
 //! leases), the calls to `floodgate-sync`'s `POST /v1/lease` that refill them, and the requests
 //! that wait for an answer.
 //!
@@ -21,11 +21,11 @@
 use super::stats::{self, increment, LeaseStats, Metrics};
 use super::{Filter, Request, SharedStream};
 use crate::config::{Config, Consistency, Scope};
-use crate::global::flusher::Answer;
-use crate::global::{FleetHasher, FleetKey};
+use crate::fleet::Answer;
+use crate::keys::fleet::{FleetHasher, FleetKey};
 use crate::keys;
-use crate::lease::protocol;
-use crate::lease::{Ask, LeaseBook, LeaseSpec, Refusal, Take};
+use crate::fleet::leased::protocol;
+use crate::fleet::leased::{Ask, LeaseBook, LeaseSpec, Refusal, Take};
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::ratelimit::window::{Counts, Window};
 use crate::ratelimit::{Cause, Probe, Standing, Verdict, Violation};

@@ -27,7 +27,7 @@ mod tests;
 
 use crate::config::{Config, Dependencies, KeyPart, RateLimitHeaders};
 use crate::config::GrpcStatus;
-use crate::global::{GlobalScope, VmNode};
+use crate::fleet::batched::{GlobalScope, VmNode};
 use crate::keys::headers::HeaderPlan;
 use crate::keys::{self, KeyHasher, Source};
 use crate::primitives::inflight::{LocalCount, Permit, HEARTBEAT_MS};

@@ -26,7 +26,7 @@ pub mod table;
 pub mod window;
 
 use crate::config::{Config, CostSource, Name};
-use crate::global::FleetKey;
+use crate::keys::fleet::FleetKey;
 use crate::primitives::store::{write_back, SharedStore, Stored, StoreError};
 use crate::primitives::time::UnixMillis;
 use remote::Remote;
@@ -87,7 +87,7 @@ pub struct Probe {
     /// For a rule in global scope: the key's fleet-wide id.
     pub fleet: Option<FleetKey>,
     /// For a rule in global scope: what the other proxies of the fleet add to the key's counts
-    /// ([`remote`], [`crate::global`]), in every decision.
+    /// ([`remote`], [`crate::fleet::batched`]), in every decision.
     pub remote: Remote,
     /// The key's limit when it is not the rule's (a tier's, an override's: [`crate::ratelimit::rules`]).
     pub limit: Option<NonZeroU32>,

@@ -57,7 +57,7 @@
 pub mod protocol;
 
 pub use crate::config::OnStoreFailure;
-use crate::global::FleetKey;
+use crate::keys::fleet::FleetKey;
 use crate::ratelimit::window::{Counts, Window};
 use crate::primitives::time::UnixMillis;
 use std::collections::HashMap;

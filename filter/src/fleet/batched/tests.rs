@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 
 use super::*;
+use crate::keys::fleet::FleetKey;
 use crate::config::Config;
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::{Limiter, Verdict};

@@ -28,7 +28,7 @@
 //!
 //! The flow, once per `sync_interval`: every worker moves its admissions ([`outbox::Deltas`],
 //! merged per key and bucket) into a shared-data outbox; the proxy's one flusher
-//! ([`flusher`], elected through shared data) takes the outboxes, sends one batch to
+//! ([`leadership`], elected through shared data) takes the outboxes, sends one batch to
 //! `floodgate-sync` (`POST /v1/sync`, [`protocol`]), and writes the totals it gets back into the
 //! view, which every worker copies on its next tick. No request waits on the store.
 //!
@@ -51,24 +51,24 @@
 //! admits the rest of the quota after.
 //! Quota reserves (a worker's units counted ahead) are only used while the whole estimate fits.
 //!
-//! **Store down.** Batches fail and are sent again unchanged (exactly once: [`flusher`]); new
+//! **Store down.** Batches fail and are sent again unchanged (exactly once: [`leadership`]); new
 //! admissions wait in the outboxes, merged per key, and decisions use the last view. When the
 //! store is back, everything pending is applied once and the views catch up.
 
-pub mod flusher;
+pub mod leadership;
 pub mod outbox;
 pub mod protocol;
 pub mod view;
 
+use crate::keys::fleet::FleetHasher;
 use crate::config::{Config, Consistency, Scope};
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::Probe;
 use crate::primitives::store::{write_back, SharedStore, StoreError};
 use crate::primitives::time::UnixMillis;
-use flusher::{Answer, Failure, Flusher};
+use crate::fleet::Answer;
+use leadership::{Failure, Flusher};
 use outbox::{Delta, Deltas, OUTBOXES, OUTBOX_CAPACITY};
-use siphasher::sip128::{Hasher128, SipHasher13};
-use std::hash::Hasher;
 use view::{record_of, ViewCache, ViewIndex, ViewRecord, REFRESH_AFTER_INTERVALS, REFRESH_PER_BATCH, VIEW_RECORDS};
 
 /// Deltas a worker keeps in memory at most while its outbox is full.
@@ -78,50 +78,6 @@ pub const REFRESH_ONLY_EVERY_MS: u64 = 1000;
 /// Compare-and-swap attempts on one record.
 const MAX_ATTEMPTS: u32 = 16;
 
-/// A key's fleet-wide id: a 128-bit SipHash-1-3 of the rule name and the key's parts, under
-/// the fleet's `key_secret` (the same on every proxy, unlike each proxy's own key seed).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct FleetKey(pub u128);
-
-/// The keys of fleet-wide key hashes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct FleetHasher {
-    k0: u64,
-    k1: u64,
-}
-
-impl FleetHasher {
-    /// The hasher of a fleet with `secret` (or of every fleet without one).
-    pub fn new(secret: Option<&str>) -> FleetHasher {
-        let derive = |salt: u64| {
-            let mut h = SipHasher13::new_with_keys(salt, !salt);
-            h.write(secret.unwrap_or("").as_bytes());
-            h.finish()
-        };
-        FleetHasher {
-            k0: derive(0x666c_6f6f_6467_6174),
-            k1: derive(0x6669_656c_645f_6b65),
-        }
-    }
-
-    /// The fleet-wide id of a key of rule `rule` (its name) with these parts (`None`: missing),
-    /// framed as [`crate::keys::KeyHasher::hash`] frames them.
-    pub fn hash<'a>(&self, rule: &str, parts: impl IntoIterator<Item = Option<&'a [u8]>>) -> FleetKey {
-        let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
-        h.write_u64(rule.len() as u64);
-        h.write(rule.as_bytes());
-        for part in parts {
-            match part {
-                Some(bytes) => {
-                    h.write_u64(bytes.len() as u64);
-                    h.write(bytes);
-                }
-                None => h.write_u64(u64::MAX),
-            }
-        }
-        FleetKey(h.finish128().as_u128())
-    }
-}
 
 /// What a decision adds for the other proxies of the fleet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -218,7 +174,7 @@ pub struct Tick {
 
 impl GlobalScope {
     /// The global scope of `config` under `namespace`, if it has batched rules in global scope
-    /// (leased ones are [`crate::lease`]'s).
+    /// (leased ones are [`crate::fleet::leased`]'s).
     pub fn new(config: &Config, namespace: &str) -> Option<GlobalScope> {
         let global = config.global.as_ref()?;
         let rules: Vec<Option<GlobalRule>> = config
@@ -299,7 +255,7 @@ impl GlobalScope {
     /// unconfirmed batch again).
     pub fn tick<S: SharedStore + ?Sized>(&self, store: &S, node: &mut VmNode, vm: u64, now: UnixMillis) -> Tick {
         let mut tick = Tick { expired: node.deltas.drop_expired(|w| bucket_of(now, w)), ..Tick::default() };
-        node.leading = flusher::lead(store, &self.lease_key, vm, now, self.interval_ms).unwrap_or(false);
+        node.leading = leadership::lead(store, &self.lease_key, vm, now, self.interval_ms).unwrap_or(false);
         tick.leading = node.leading;
         // A VM that lost the lease still finishes its unconfirmed batch (module doc).
         let sends = (node.leading || node.flusher.pending().is_some()) && !node.flusher.busy(now, self.timeout_ms);

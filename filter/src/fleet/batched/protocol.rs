@@ -13,7 +13,7 @@
 //! order, the fleet-wide totals of its bucket (`current`) and of the bucket before (`previous`)
 //! after the batch.
 
-use super::FleetKey;
+use crate::keys::fleet::FleetKey;
 use serde::Deserialize;
 
 /// The protocol version this build speaks.

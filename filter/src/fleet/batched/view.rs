@@ -82,7 +82,7 @@
 //! 0 for never) `u64`, then [`VIEW_RECORDS`] versions `u64`.
 
 use super::outbox::Delta;
-use super::FleetKey;
+use crate::keys::fleet::FleetKey;
 use super::protocol::Totals;
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::window::Counts;
@@ -579,7 +579,7 @@ impl ViewCache {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
-    use crate::global::FleetKey;
+    use crate::keys::fleet::FleetKey;
 
     fn delta(bucket: u64, n: u32) -> Delta {
         Delta { rule: 1, fingerprint: 33, key: FleetKey(5), window_ms: 1000, bucket, delta: n, requests: n }

@@ -12,7 +12,7 @@
 //! rule id `u64`, the local fingerprint `u64`, the fleet key `u128`, the window `u64` (ms), the
 //! bucket `u64`, the delta `u32`, the requests `u32` (version 2).
 
-use super::FleetKey;
+use crate::keys::fleet::FleetKey;
 use crate::keys::MixMap;
 
 /// Outbox records per proxy.

@@ -1,9 +1,9 @@
 //! The body of `POST /v1/lease` and its answer (`sync/README.md`, "Leases"): written byte by
-//! byte like the batches ([`crate::global::protocol`]), read with serde_json (one small answer
+//! byte like the batches ([`crate::fleet::batched::protocol`]), read with serde_json (one small answer
 //! per call).
 
 use super::{Ask, Grant};
-use crate::global::protocol::{push_decimal, push_hex};
+use crate::fleet::batched::protocol::{push_decimal, push_hex};
 use crate::ratelimit::window::Counts;
 use serde::Deserialize;
 
@@ -81,7 +81,7 @@ pub fn decode(bytes: &[u8], asks: usize) -> Result<Vec<Grant>, String> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use crate::global::FleetKey;
+    use crate::keys::fleet::FleetKey;
 
     #[test]
     fn the_body_is_the_documented_json() {

@@ -1,8 +1,8 @@
 //! The flusher: the one worker VM per proxy that sends the proxy's batches, at most one per
 //! `sync_interval`.
 //!
-//! **Election.** Every worker ticks; one of them holds a lease in shared data (its VM id and a
-//! heartbeat) and renews it at each tick. A VM whose tick finds the lease's heartbeat older than
+//! **Election.** Every worker ticks; one of them holds a leadership record in shared data (its VM id and a
+//! heartbeat) and renews it at each tick. A VM whose tick finds the leadership's heartbeat older than
 //! [`LEASE_STALE_INTERVALS`] intervals (at least [`LEASE_STALE_MIN_MS`]) takes it over with a
 //! compare-and-swap, so a dead or replaced VM is replaced within about a second and two VMs
 //! never both think they lead after the same read.
@@ -12,33 +12,34 @@
 //! an unreadable answer, a timeout) is sent again **unchanged** at the next tick, until it is
 //! confirmed; the store applies a (source, seq) batch once, so a batch applied whose answer was
 //! lost counts once. Deltas that arrive meanwhile wait in the outboxes and go in the next
-//! batch. A VM that loses the lease while it still has an unconfirmed batch keeps sending it (its
+//! batch. A VM that loses the leadership while it still has an unconfirmed batch keeps sending it (its
 //! sequence numbers are its own, so the new flusher's batches cannot shadow it).
 
 use super::outbox::Delta;
 use super::protocol::{self, Counter, ProtocolError, Totals};
+use crate::fleet::Answer;
 use crate::primitives::store::{write_back, SharedStore, StoreError};
 use crate::primitives::time::UnixMillis;
 
-/// A lease whose heartbeat is this many intervals old is taken over...
+/// A leadership whose heartbeat is this many intervals old is taken over...
 pub const LEASE_STALE_INTERVALS: u64 = 5;
 /// ...and at least this old (ms).
 pub const LEASE_STALE_MIN_MS: u64 = 1000;
 
-/// The lease record: the leader's VM id and heartbeat (little-endian `u64`s).
+/// The leadership record: the leader's VM id and heartbeat (little-endian `u64`s).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Lease {
+pub struct Leadership {
     /// The leading VM.
     pub vm: u64,
     /// Its last renewal.
     pub heartbeat: UnixMillis,
 }
 
-impl Lease {
-    fn decode(bytes: &[u8]) -> Option<Lease> {
+impl Leadership {
+    fn decode(bytes: &[u8]) -> Option<Leadership> {
         let vm = <[u8; 8]>::try_from(bytes.get(..8)?).ok().map(u64::from_le_bytes)?;
         let heartbeat = <[u8; 8]>::try_from(bytes.get(8..16)?).ok().map(u64::from_le_bytes)?;
-        (bytes.len() == 16).then_some(Lease { vm, heartbeat: UnixMillis(heartbeat) })
+        (bytes.len() == 16).then_some(Leadership { vm, heartbeat: UnixMillis(heartbeat) })
     }
 
     fn encode(&self) -> [u8; 16] {
@@ -51,7 +52,7 @@ impl Lease {
     }
 }
 
-/// Renews or takes the lease under `key` for VM `vm` if it is free, its own, or stale; returns
+/// Renews or takes the leadership under `key` for VM `vm` if it is free, its own, or stale; returns
 /// whether `vm` leads. One read and at most one write.
 pub fn lead<S: SharedStore + ?Sized>(
     store: &S,
@@ -61,21 +62,21 @@ pub fn lead<S: SharedStore + ?Sized>(
     interval_ms: u64,
 ) -> Result<bool, StoreError> {
     let stored = store.get(key)?;
-    let current = stored.as_ref().and_then(|s| Lease::decode(&s.value));
+    let current = stored.as_ref().and_then(|s| Leadership::decode(&s.value));
     let stale_after = interval_ms.saturating_mul(LEASE_STALE_INTERVALS).max(LEASE_STALE_MIN_MS);
     let free = match current {
         None => true,
-        Some(lease) if lease.vm == vm => true,
+        Some(leader) if leader.vm == vm => true,
         // A heartbeat from the future (a clock step) counts as stale too, past the same margin.
-        Some(lease) => {
-            now.saturating_since(lease.heartbeat) >= stale_after
-                || lease.heartbeat.saturating_since(now) >= stale_after
+        Some(leader) => {
+            now.saturating_since(leader.heartbeat) >= stale_after
+                || leader.heartbeat.saturating_since(now) >= stale_after
         }
     };
     if !free {
         return Ok(false);
     }
-    match write_back(store, key, stored.as_ref(), &Lease { vm, heartbeat: now }.encode()) {
+    match write_back(store, key, stored.as_ref(), &Leadership { vm, heartbeat: now }.encode()) {
         Ok(()) => Ok(true),
         Err(StoreError::CasMismatch) => Ok(false),
         Err(e) => Err(e),
@@ -101,15 +102,6 @@ impl Batch {
             .collect();
         protocol::encode_request(source, self.seq, &counters)
     }
-}
-
-/// How a call ended.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Answer {
-    /// `200` and this body.
-    Ok(Vec<u8>),
-    /// Another status (`None`: no response at all: reset, timeout, no such cluster).
-    Failed(Option<u32>),
 }
 
 /// Why a batch was not confirmed.
@@ -204,7 +196,7 @@ impl Flusher {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing, clippy::panic)]
 mod tests {
     use super::*;
-    use crate::global::FleetKey;
+    use crate::keys::fleet::FleetKey;
     use crate::primitives::store::MemoryStore;
 
     fn delta(n: u32) -> Delta {
@@ -221,10 +213,10 @@ mod tests {
         assert!(!lead(&store, "l", 2, t0.plus_ms(1200), 100).unwrap(), "stale after 1 s, not before");
         assert!(lead(&store, "l", 2, t0.plus_ms(1300), 100).unwrap(), "taken over");
         assert!(!lead(&store, "l", 1, t0.plus_ms(1400), 100).unwrap(), "the old leader learns it lost");
-        // A heartbeat far in the future (the clock stepped back) does not pin the lease forever.
+        // A heartbeat far in the future (the clock stepped back) does not pin the leadership forever.
         assert!(lead(&store, "l", 3, t0.plus_ms(1300 - 1000), 100).unwrap());
         store.set("l", b"garbage", None).unwrap();
-        assert!(lead(&store, "l", 4, t0, 100).unwrap(), "an unreadable lease is free");
+        assert!(lead(&store, "l", 4, t0, 100).unwrap(), "an unreadable leadership is free");
     }
 
     #[test]
