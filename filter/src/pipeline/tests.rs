@@ -1,1 +1,550 @@
+//! The pipeline, natively: every stage combination the real-Envoy tests cover, against the
+//! in-memory store with Envoy's semantics, a fake clock and fake host attributes.
 
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
+
+use super::stats::{MetricKind, Metrics};
+use super::*;
+use crate::config::Config;
+use crate::fleet::Answer;
+use crate::primitives::inflight::InFlight;
+use crate::primitives::store::MemoryStore;
+use crate::selection::shuffle::SplitMix64;
+use std::collections::HashMap;
+
+const VM: u64 = 7;
+const ROOT: u32 = 1;
+/// A moment 2 s into a one-hour window bucket.
+const T0: u64 = 1_800_000_000_000 / 3_600_000 * 3_600_000 + 2_000;
+
+/// Metrics by name.
+#[derive(Default)]
+struct TestMetrics {
+    names: RefCell<Vec<String>>,
+    values: RefCell<HashMap<u32, i64>>,
+}
+
+impl Metrics for TestMetrics {
+    fn define(&self, _kind: MetricKind, name: &str) -> Option<u32> {
+        let mut names = self.names.borrow_mut();
+        let id = names.iter().position(|n| n == name).unwrap_or_else(|| {
+            names.push(name.to_owned());
+            names.len() - 1
+        });
+        Some(u32::try_from(id).unwrap())
+    }
+    fn add(&self, id: u32, delta: i64) {
+        *self.values.borrow_mut().entry(id).or_default() += delta;
+    }
+    fn record(&self, id: u32, value: u64) {
+        self.values.borrow_mut().insert(id, i64::try_from(value).unwrap());
+    }
+}
+
+impl TestMetrics {
+    fn get(&self, name: &str) -> i64 {
+        let id = self.names.borrow().iter().position(|n| n == name).unwrap_or_else(|| panic!("no metric {name}"));
+        self.values.borrow().get(&u32::try_from(id).unwrap()).copied().unwrap_or(0)
+    }
+}
+
+/// A clock the test moves.
+struct TestClock(Cell<Now>);
+
+impl Clock for TestClock {
+    fn now(&self) -> Now {
+        self.0.get()
+    }
+}
+
+impl TestClock {
+    fn at(ms: u64) -> TestClock {
+        TestClock(Cell::new(Now { wall: UnixMillis(ms), mono: MonoMillis(ms) }))
+    }
+    fn advance(&self, ms: u64) {
+        let now = self.0.get();
+        self.0.set(Now { wall: UnixMillis(now.wall.0 + ms), mono: MonoMillis(now.mono.0 + ms) });
+    }
+}
+
+/// A request's headers and address.
+#[derive(Default)]
+struct TestRequest {
+    headers: Vec<(&'static str, String)>,
+}
+
+impl TestRequest {
+    fn get(path: &str) -> TestRequest {
+        TestRequest { headers: vec![(":method", "GET".into()), (":path", path.into())] }
+    }
+    fn with(mut self, name: &'static str, value: &str) -> TestRequest {
+        self.headers.push((name, value.into()));
+        self
+    }
+}
+
+impl Attributes for TestRequest {
+    fn get(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+        self.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| Cow::Borrowed(v.as_bytes()))
+    }
+}
+
+impl Request for TestRequest {
+    fn headers(&self) -> &dyn Attributes {
+        self
+    }
+    fn source_address(&self) -> Option<Cow<'_, [u8]>> {
+        Some(Cow::Borrowed(b"10.0.0.1:5555"))
+    }
+}
+
+/// How the stream ended, as Envoy reports it.
+struct Ended {
+    status: Option<u16>,
+    flags: u64,
+}
+
+impl StreamEnd for Ended {
+    fn status(&self) -> Option<u16> {
+        self.status
+    }
+    fn flags(&self) -> u64 {
+        self.flags
+    }
+}
+
+const OK: Ended = Ended { status: Some(200), flags: 0 };
+
+/// One VM of one proxy under a configuration.
+struct Host {
+    filter: Filter,
+    store: MemoryStore,
+    metrics: TestMetrics,
+    clock: TestClock,
+    rng: RefCell<SplitMix64>,
+    next_context: Cell<u32>,
+}
+
+impl Host {
+    fn new(config: serde_json::Value) -> Host {
+        let config = Config::parse(config.to_string().as_bytes()).unwrap();
+        let metrics = TestMetrics::default();
+        let clusters = config.cluster_selection.as_ref().map_or(0, |s| s.clusters.len());
+        let vm = VmParts {
+            local: LocalCount::default(),
+            key_counts: LocalKeys::default(),
+            cluster_counts: (0..clusters).map(|_| LocalCount::default()).collect(),
+            global_node: config.global.as_ref().map(|_| Rc::new(RefCell::new(VmNode::new(VM)))),
+        };
+        let filter = Filter::new(config, "test", [3; 16], VM, ROOT, vm, &metrics);
+        Host {
+            filter,
+            store: MemoryStore::new(),
+            metrics,
+            clock: TestClock::at(T0),
+            rng: RefCell::new(SplitMix64::new(5)),
+            next_context: Cell::new(100),
+        }
+    }
+
+    fn env(&self) -> Env<'_> {
+        Env { store: &self.store, metrics: &self.metrics, clock: &self.clock, vm: VM }
+    }
+
+    /// A new stream: its context id and state.
+    fn stream(&self) -> (u32, SharedStream) {
+        let context = self.next_context.get();
+        self.next_context.set(context + 1);
+        (context, SharedStream::default())
+    }
+
+    /// The request headers of a new stream.
+    fn send(&self, request: &TestRequest) -> (u32, SharedStream, Step) {
+        let (context, stream) = self.stream();
+        let step = self.headers_of(&stream, context, request);
+        (context, stream, step)
+    }
+
+    fn headers_of(&self, stream: &SharedStream, context: u32, request: &TestRequest) -> Step {
+        request_headers(&self.filter, &self.env(), stream, context, request, true, &mut *self.rng.borrow_mut())
+    }
+
+    fn end(&self, context: u32, stream: &SharedStream, ended: &Ended) {
+        stream.borrow_mut().end(&self.filter, &self.env(), context, ended);
+    }
+
+    /// The proxy-wide in-flight count, as the shared record says.
+    fn in_flight(&self) -> u32 {
+        let shedder = self.filter.shedder.as_ref().unwrap();
+        let record = self.store.get(shedder.record_key()).unwrap().map(|s| InFlight::decode(&s.value).unwrap()).unwrap_or_default();
+        record.total(self.clock.now().mono)
+    }
+
+    fn metric(&self, name: &str) -> i64 {
+        self.metrics.get(name)
+    }
+}
+
+fn status(step: &Step) -> u32 {
+    match step {
+        Step::Continue { .. } => 0,
+        Step::Reply(LocalReply::Http(reply)) => reply.status,
+        Step::Reply(LocalReply::Grpc(reply)) => 1000 + u32::from(reply.status.code()),
+        Step::Wait => 1,
+    }
+}
+
+fn rule(limit: u32) -> serde_json::Value {
+    serde_json::json!({"name": "r", "key": [{"header": "x-key"}], "limit": limit, "window": "1h"})
+}
+
+fn keyed(key: &str) -> TestRequest {
+    TestRequest::get("/").with("x-key", key)
+}
+
+// ---- stage order ----
+
+#[test]
+fn the_health_endpoint_answers_first_and_counts_nowhere() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [rule(1)],
+        "load_shedding": {"max_active_requests": 1},
+        "health": {"path": "/health"},
+    }));
+    let (_, held, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    // In flight: 1 of 1. The health endpoint still answers, with its 503 of "shedding", and
+    // neither the rule nor the shedder counted it.
+    let (_, health, step) = host.send(&TestRequest::get("/health").with("x-key", "k"));
+    assert_eq!(status(&step), 503);
+    assert!(!health.borrow().holds_permits());
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shed"), 0);
+    host.end(100, &held, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn a_shed_request_consumes_no_quota_and_a_refused_one_gives_its_permits_back() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [rule(2)],
+        "load_shedding": {"max_active_requests": 1, "per_key": {"key": [{"header": "x-key"}], "max_active_requests": 5}},
+    }));
+    let (first, held, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    assert_eq!(host.in_flight(), 1);
+    // Shed before the rate limit: no quota counted, no key permit left behind.
+    let (_, shed, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 503);
+    assert!(!shed.borrow().holds_permits());
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 1);
+    host.end(first, &held, &OK);
+    assert_eq!(host.in_flight(), 0);
+    // Room for the second request of the quota, which is the last.
+    let (second, held, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    host.end(second, &held, &OK);
+    // Refused by the rate limit after shedding and the cap took their permits: both go back
+    // with the reply, before the stream ends.
+    let (_, refused, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 429);
+    assert!(!refused.borrow().holds_permits());
+    assert_eq!(host.in_flight(), 0);
+    assert_eq!(host.filter.per_key.as_ref().unwrap().in_flight(&host.store, VM, &host.filter.key_counts, 0, host.clock.now().mono), 0);
+    assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 1);
+}
+
+#[test]
+fn a_key_over_its_cap_is_refused_before_the_rate_limit_counts_it() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [rule(10)],
+        "load_shedding": {"per_key": {"key": [{"header": "x-key"}], "max_active_requests": 1}},
+    }));
+    let (first, held, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    let (_, _, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 503);
+    assert_eq!(host.metric("floodgate.load_shedding.per_key.refused"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 1, "the capped request counted no quota");
+    host.end(first, &held, &OK);
+    let (_, _, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0, "the cap came back at the end of the first stream");
+}
+
+fn selection(clusters: &[&str], max: u32) -> serde_json::Value {
+    serde_json::json!({
+        "route_header": "x-cluster",
+        "clusters": clusters,
+        "concurrency_limit": {"initial_limit": max, "min_limit": 1, "max_limit": max},
+    })
+}
+
+#[test]
+fn a_request_that_selection_cannot_place_holds_nothing_afterwards() {
+    let host = Host::new(serde_json::json!({
+        "load_shedding": {"max_active_requests": 10},
+        "cluster_selection": selection(&["a"], 1),
+    }));
+    let (first, held, step) = host.send(&TestRequest::get("/"));
+    assert_eq!(step, Step::Continue { route: Some(0) });
+    assert_eq!(host.in_flight(), 1);
+    let (_, refused, step) = host.send(&TestRequest::get("/"));
+    assert_eq!(status(&step), 503);
+    assert!(!refused.borrow().holds_permits());
+    assert_eq!(host.in_flight(), 1, "the refused request's in-flight unit went back");
+    assert_eq!(host.metric("floodgate.cluster_selection.exhausted"), 1);
+    host.end(first, &held, &OK);
+    assert_eq!(host.in_flight(), 0);
+    assert_eq!(host.metric("floodgate.cluster.a.success"), 1);
+}
+
+#[test]
+fn a_refused_grpc_request_gets_a_grpc_status() {
+    let host = Host::new(serde_json::json!({"rate_limits": [rule(1)]}));
+    let grpc = || keyed("k").with("content-type", "application/grpc");
+    assert_eq!(status(&host.send(&grpc()).2), 0);
+    let (_, _, step) = host.send(&grpc());
+    assert_eq!(status(&step), 1000 + 8, "RESOURCE_EXHAUSTED");
+    let (_, _, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 429, "the same refusal over HTTP");
+}
+
+// ---- the end of a stream, in every way it can end ----
+
+#[test]
+fn every_ending_releases_the_permits_once_and_finishes_the_cluster_with_its_outcome() {
+    let host = Host::new(serde_json::json!({
+        "load_shedding": {"max_active_requests": 10},
+        "cluster_selection": selection(&["a"], 10),
+    }));
+    let endings = [
+        (Ended { status: Some(200), flags: 0 }, "success"),
+        (Ended { status: Some(503), flags: 0 }, "failure"),
+        (Ended { status: Some(504), flags: 0 }, "timeout"),
+        // Reset by the upstream before any response: no status, Envoy's flag UR.
+        (Ended { status: None, flags: 0x10 }, "failure"),
+        // The client hung up first: no status, no flag.
+        (Ended { status: None, flags: 0 }, "ignored"),
+    ];
+    for (n, (ended, counter)) in endings.iter().enumerate() {
+        let (context, stream, step) = host.send(&TestRequest::get("/"));
+        assert_eq!(step, Step::Continue { route: Some(0) });
+        assert_eq!(host.in_flight(), 1);
+        host.end(context, &stream, ended);
+        assert_eq!(host.in_flight(), 0, "ending {n}");
+        assert!(!stream.borrow().holds_permits());
+        // A second end (Envoy calls on_log once; the state must not release twice anyway).
+        host.end(context, &stream, ended);
+        assert_eq!(host.in_flight(), 0);
+        assert!(host.metric(&format!("floodgate.cluster.a.{counter}")) >= 1, "ending {n} counted as {counter}");
+    }
+    assert_eq!(host.metric("floodgate.cluster.a.selected"), 5);
+}
+
+#[test]
+fn a_stream_dropped_without_an_end_gives_its_units_back_through_the_heartbeat() {
+    let host = Host::new(serde_json::json!({"load_shedding": {"max_active_requests": 10}}));
+    let (_, stream, _) = host.send(&TestRequest::get("/"));
+    assert_eq!(host.in_flight(), 1);
+    drop(stream);
+    host.clock.advance(1_000);
+    host.filter.heartbeat(&host.env());
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn costs_charged_after_admission_follow_the_stream_to_its_end() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 100, "window": "1h",
+                         "cost": {"from": "response_header", "header": "x-units", "default": 7}}],
+    }));
+    // Reported by the upstream.
+    let (context, stream, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    let fields = stream.borrow_mut().response_headers(&host.filter, &host.env(), &TestRequest::default().with("x-units", "30"), false);
+    assert!(fields.is_some(), "the admitted response gets its RateLimit fields");
+    host.end(context, &stream, &OK);
+    assert_eq!(host.metric("floodgate.rate_limit.r.charged"), 30);
+    // Never reported (the response never came): the rule's default.
+    let (context, stream, _) = host.send(&keyed("k"));
+    host.end(context, &stream, &Ended { status: None, flags: 0 });
+    assert_eq!(host.metric("floodgate.rate_limit.r.charged"), 37);
+}
+
+// ---- waiting for the store: pause and resume ----
+
+fn leased(limit: u32) -> serde_json::Value {
+    serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": limit, "window": "1h",
+                         "scope": "global", "consistency": "leased"}],
+        "load_shedding": {"max_active_requests": 10},
+        "global": {"cluster": "floodgate-sync", "sync_interval": "1s", "lease_timeout": "50ms"},
+    })
+}
+
+fn grant(granted: u32) -> Answer {
+    Answer::Ok(format!(r#"{{"version":1,"leases":[{{"granted":{granted},"current":{granted},"previous":0}}]}}"#).into_bytes())
+}
+
+/// Sends the stage's queued calls as the host would: the tokens, in order.
+fn send_calls(host: &Host, from: u32) -> Vec<u32> {
+    let stage = host.filter.leased.as_ref().unwrap();
+    stage
+        .take_outgoing()
+        .into_iter()
+        .enumerate()
+        .map(|(n, call)| {
+            assert_eq!(call.owner, from, "a call goes from the context whose callback runs");
+            let token = 500 + u32::try_from(n).unwrap() + from * 10;
+            stage.sent(&host.metrics, call, token, host.clock.now());
+            token
+        })
+        .collect()
+}
+
+/// The host's wake loop: each woken stream resumed in turn.
+fn wake(host: &Host, keys: Vec<crate::keys::fleet::FleetKey>, request: &TestRequest) -> Vec<(u32, Step)> {
+    let stage = host.filter.leased.as_ref().unwrap();
+    let mut steps = Vec::new();
+    for key in keys {
+        for (context, stream) in stage.take_waiting(key) {
+            if stream.borrow().waiting_since().is_none() {
+                continue;
+            }
+            steps.push((context, resume(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut())));
+        }
+    }
+    steps
+}
+
+#[test]
+fn a_request_waits_for_the_store_and_resumes_on_the_same_state() {
+    let host = Host::new(leased(10));
+    let (context, stream, step) = host.send(&keyed("k"));
+    assert_eq!(step, Step::Wait);
+    assert!(stream.borrow().holds_permits(), "the in-flight permit is held while it waits");
+    // A body that arrives meanwhile is held.
+    assert_eq!(stream.borrow_mut().request_body(&host.filter, &host.env(), 10, true), Flow::Pause);
+    let tokens = send_calls(&host, context);
+    assert_eq!(tokens.len(), 1, "one call, from the waiting stream itself");
+    host.clock.advance(5);
+    let stage = host.filter.leased.as_ref().unwrap();
+    let keys = stage.answered(&host.metrics, tokens[0], grant(3), host.clock.now()).unwrap();
+    let steps = wake(&host, keys, &keyed("k"));
+    assert_eq!(steps, vec![(context, Step::Continue { route: None })]);
+    assert!(stream.borrow().waiting_since().is_none());
+    assert_eq!(stream.borrow_mut().request_body(&host.filter, &host.env(), 10, true), Flow::Continue, "decided: bodies go through");
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 1);
+    assert_eq!(host.metric("floodgate.lease.waited"), 1);
+    // Served from the lease now: no wait.
+    let (other, held, step) = host.send(&keyed("k"));
+    assert_eq!(step, Step::Continue { route: None });
+    host.end(other, &held, &OK);
+    host.end(context, &stream, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn a_request_refused_after_its_wait_gives_back_its_permit_at_once() {
+    let host = Host::new(leased(10));
+    let (context, stream, _) = host.send(&keyed("k"));
+    let tokens = send_calls(&host, context);
+    let stage = host.filter.leased.as_ref().unwrap();
+    // The store has no room for the key: the fleet's counts are at the limit.
+    let full = Answer::Ok(br#"{"version":1,"leases":[{"granted":0,"current":10,"previous":0}]}"#.to_vec());
+    let keys = stage.answered(&host.metrics, tokens[0], full, host.clock.now()).unwrap();
+    let steps = wake(&host, keys, &keyed("k"));
+    assert_eq!(steps.len(), 1);
+    assert_eq!(status(&steps[0].1), 429);
+    assert!(!stream.borrow().holds_permits());
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn a_later_refusal_gives_the_leased_units_back() {
+    let mut config = leased(100);
+    config["rate_limits"].as_array_mut().unwrap().push(serde_json::json!({"name": "local", "key": [{"header": "x-key"}], "limit": 1, "window": "1h"}));
+    let host = Host::new(config);
+    let (context, stream, _) = host.send(&keyed("k"));
+    let tokens = send_calls(&host, context);
+    let stage = host.filter.leased.as_ref().unwrap();
+    let keys = stage.answered(&host.metrics, tokens[0], grant(10), host.clock.now()).unwrap();
+    assert_eq!(wake(&host, keys, &keyed("k")), vec![(context, Step::Continue { route: None })]);
+    host.end(context, &stream, &OK);
+    // The local rule refuses the next: the unit the leased rule took for it goes back to the
+    // lease.
+    let (_, refused, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 429);
+    assert!(refused.borrow().leased.units.is_empty(), "untaken");
+    assert_eq!(host.metric("floodgate.rate_limit.local.rejected"), 1);
+    // What the lease still holds: 10 granted − 1 used = 9, none lost to the refusal.
+    let returned = host.filter.leased.as_ref().unwrap();
+    returned.drain(host.clock.now());
+    let calls = returned.take_outgoing();
+    let given_back: u32 = calls.iter().flat_map(|c| c.asks.iter()).map(|a| a.returned).sum();
+    assert_eq!(given_back, 9);
+}
+
+#[test]
+fn a_stream_that_ends_while_waiting_leaves_nothing_behind() {
+    let host = Host::new(leased(10));
+    let (gone, gone_stream, _) = host.send(&keyed("k"));
+    let tokens = send_calls(&host, gone);
+    let (staying, stream, step) = host.send(&keyed("k"));
+    assert_eq!(step, Step::Wait, "it waits on the same call");
+    assert!(send_calls(&host, staying).is_empty(), "one call per key at a time");
+    // The first stream's client hangs up: its call is lost with it (the host cancels it).
+    host.end(gone, &gone_stream, &Ended { status: None, flags: 0 });
+    assert!(!gone_stream.borrow().holds_permits());
+    assert_eq!(host.in_flight(), 1);
+    let stage = host.filter.leased.as_ref().unwrap();
+    assert!(!stage.owns(tokens[0]), "its call is forgotten");
+    // The root's next tick sends the key's call again, for the request still waiting.
+    host.clock.advance(10);
+    let keys = stage.tick(&host.metrics, host.clock.now());
+    assert!(wake(&host, keys, &keyed("k")).iter().all(|(_, step)| *step == Step::Wait));
+    stage.flush();
+    let tokens = send_calls(&host, ROOT);
+    assert_eq!(tokens.len(), 1);
+    let keys = stage.answered(&host.metrics, tokens[0], grant(2), host.clock.now()).unwrap();
+    assert_eq!(wake(&host, keys, &keyed("k")), vec![(staying, Step::Continue { route: None })]);
+    host.end(staying, &stream, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn a_request_waiting_past_the_timeout_is_decided_without_the_store() {
+    let host = Host::new(leased(10));
+    let (context, stream, _) = host.send(&keyed("k"));
+    send_calls(&host, context);
+    // No answer: past lease_timeout (50 ms) the tick decides it as on_store_failure says
+    // (last_state: admitted on the last counts, none here).
+    host.clock.advance(60);
+    let stage = host.filter.leased.as_ref().unwrap();
+    let keys = stage.tick(&host.metrics, host.clock.now());
+    assert_eq!(wake(&host, keys, &keyed("k")), vec![(context, Step::Continue { route: None })]);
+    assert_eq!(host.metric("floodgate.lease.without_store"), 1);
+    host.end(context, &stream, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn a_woken_request_whose_context_is_gone_is_abandoned() {
+    let host = Host::new(leased(10));
+    let (context, stream, _) = host.send(&keyed("k"));
+    let tokens = send_calls(&host, context);
+    let stage = host.filter.leased.as_ref().unwrap();
+    let keys = stage.answered(&host.metrics, tokens[0], grant(1), host.clock.now()).unwrap();
+    for key in keys {
+        for (_, woken) in stage.take_waiting(key) {
+            abandon(&host.filter, &woken);
+        }
+    }
+    assert!(stream.borrow().waiting_since().is_none());
+    // Its permit goes back when its stream state goes (the host dropped it).
+    drop(stream);
+    host.clock.advance(1_000);
+    host.filter.heartbeat(&host.env());
+    assert_eq!(host.in_flight(), 0);
+}
