@@ -24,6 +24,7 @@ use floodgate::config::{Config, KeyPart, MissingKey};
 use floodgate::keys::fleet::FleetHasher;
 use floodgate::keys::{self, KeyHasher, Source};
 use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN, RECORD_LEN_TWO_DOORS, RECORD_VERSION, RECORD_VERSION_TWO_DOORS, SHAPE_OFFSET};
+use floodgate::ratelimit::probes;
 use floodgate::ratelimit::window::Window;
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
@@ -325,7 +326,7 @@ fn accepted_config(config: &Config) {
     let store = floodgate::primitives::store::MemoryStore::new();
     let hasher = KeyHasher::new([0x5a; 16]);
     let mut skipped = Vec::new();
-    let probes = keys::probes(config, &hasher, Some(&FleetHasher::new(None)), |_| Some(b"10.0.0.1:1234".to_vec()), &mut skipped);
+    let probes = probes::probes(config, &hasher, Some(&FleetHasher::new(None)), |_| Some(b"10.0.0.1:1234".to_vec()), &mut skipped);
     assert!(skipped.is_empty(), "every part is present");
     assert_eq!(probes.len(), config.rate_limits.len());
     let now = UnixMillis(1_700_000_000_123);
@@ -405,7 +406,7 @@ pub fn key(data: &[u8]) {
     let mut asked = Vec::new();
     let mut skipped = Vec::new();
     let fleet = FleetHasher::new(Some("fuzzing-fleet-secret"));
-    let probes = keys::probes(
+    let probes = probes::probes(
         config,
         &hasher,
         Some(&fleet),
@@ -451,7 +452,7 @@ pub fn key(data: &[u8]) {
         }
     }
     let mut again = Vec::new();
-    assert_eq!(keys::probes(config, &hasher, Some(&fleet), value_of, &mut again), probes, "deterministic");
+    assert_eq!(probes::probes(config, &hasher, Some(&fleet), value_of, &mut again), probes, "deterministic");
 
     let classes = floodgate::shedding::Classes::new(config.load_shedding.as_ref().expect("shedding"));
     let priority = values[5].as_deref();

@@ -474,7 +474,7 @@ fn prometheus_series(page: &str) -> BTreeMap<(String, String), (String, String)>
     series
 }
 
-/// What `/stats/prometheus` shows of every metric declared in filter/src/host/stats.rs (its
+/// What `/stats/prometheus` shows of every metric declared in filter/src/pipeline/stats.rs (its
 /// table, the one place the metrics are declared), for `prefix` and the given rules, classes
 /// and clusters (as metric-safe names), and the global scope's if `global`: (name, labels) →
 /// type, with or without the stats_tags.
@@ -487,7 +487,7 @@ fn expected_series(
     leased: bool,
     tagged: bool,
 ) -> BTreeMap<(String, String), String> {
-    let table = read(&workspace_root().join("filter/src/host/stats.rs"));
+    let table = read(&workspace_root().join("filter/src/pipeline/stats.rs"));
     let mut expected = BTreeMap::new();
     let rows: Vec<(String, String)> = table
         .lines()
@@ -498,7 +498,7 @@ fn expected_series(
             (name.to_owned(), kind)
         })
         .collect();
-    assert!(rows.len() >= 28, "filter/src/host/stats.rs: its metric table shrank: {rows:?}");
+    assert!(rows.len() >= 28, "filter/src/pipeline/stats.rs: its metric table shrank: {rows:?}");
     let flat = |name: &str| format!("{prefix}_{name}").replace(['.', '-'], "_");
     for (pattern, kind) in rows {
         if (pattern.starts_with("global.") && !global) || (pattern.starts_with("lease.") && !leased) {
@@ -567,7 +567,7 @@ fn shape(line: &str) -> String {
 /// The stats_tags block is the same in every place that ships it, and on Envoy 1.40 it turns
 /// the demo's per-rule, per-class and per-cluster metric names into one metric with a label in
 /// `/stats/prometheus` (and leaves `/stats` alone); docs/observability.md's examples, with and
-/// without it, are what the demo prints. Every metric of filter/src/host/stats.rs is checked in
+/// without it, are what the demo prints. Every metric of filter/src/pipeline/stats.rs is checked in
 /// both forms.
 #[test]
 fn stats_tags_give_one_metric_with_a_label_per_rule_class_and_cluster() {

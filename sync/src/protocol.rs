@@ -338,7 +338,7 @@ mod tests {
     }
 
     /// Compact, fields in declaration order: the filter reads exactly this form without a JSON
-    /// parser (`decode_compact` in `filter/src/global/protocol.rs`) and any other, more slowly,
+    /// parser (`decode_compact` in `filter/src/fleet/batched/protocol.rs`) and any other, more slowly,
     /// through serde_json.
     #[test]
     fn answers_serialize_as_the_protocol_says() {

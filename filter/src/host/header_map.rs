@@ -2,7 +2,7 @@
 //!
 //! The SDK's `hostcalls::get_map_bytes` copies every name into a `String` and every value into
 //! a `Vec` (and panics on a buffer it cannot parse); floodgate only needs a few values, which
-//! [`crate::keys::headers`] finds in place. So this module declares the ABI import itself, as the SDK
+//! [`crate::pipeline::headers`] finds in place. So this module declares the ABI import itself, as the SDK
 //! does (`proxy-wasm` 0.2 `src/hostcalls.rs`), and takes ownership of the buffer the host
 //! returns. It is the crate's only `unsafe` code.
 #![allow(unsafe_code)]

@@ -28,7 +28,7 @@ mod store;
 
 use crate::config::{Config};
 use crate::keys::fleet::FleetKey;
-use crate::keys::headers::{HeaderPlan, HeaderView, Lookup};
+use crate::pipeline::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
 use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Request, Schedule, SharedStream, Step, StreamEnd, VmParts};
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};

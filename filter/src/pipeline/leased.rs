@@ -23,7 +23,6 @@ use super::{Filter, Request, SharedStream};
 use crate::config::{Config, Consistency, Scope};
 use crate::fleet::Answer;
 use crate::keys::fleet::{FleetHasher, FleetKey};
-use crate::keys;
 use crate::fleet::leased::protocol;
 use crate::fleet::leased::{Ask, LeaseBook, LeaseSpec, Refusal, Take};
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
@@ -192,7 +191,7 @@ impl LeasedStage {
     pub fn probes(&self, filter: &Filter, metrics: &dyn Metrics, request: &dyn Request) -> Vec<LeaseProbe> {
         let rules = &filter.rules;
         let mut skipped = Vec::new();
-        let probes = keys::probes_where(
+        let probes = crate::ratelimit::probes::probes_where(
             &filter.config,
             &filter.hasher,
             Some(&self.hasher),

@@ -20,6 +20,7 @@
 //! attributes ([`Request`]), the response's ([`Attributes`], [`StreamEnd`]), and a random
 //! source for cluster selection.
 
+pub mod headers;
 pub mod leased;
 pub mod stats;
 #[cfg(test)]
@@ -28,7 +29,7 @@ mod tests;
 use crate::config::{Config, Dependencies, KeyPart, RateLimitHeaders};
 use crate::config::GrpcStatus;
 use crate::fleet::batched::{GlobalScope, VmNode};
-use crate::keys::headers::HeaderPlan;
+use headers::HeaderPlan;
 use crate::keys::{self, KeyHasher, Source};
 use crate::primitives::inflight::{LocalCount, Permit, HEARTBEAT_MS};
 use crate::primitives::store::SharedStore;
@@ -676,7 +677,7 @@ impl Stream {
         let fleet = filter.global.as_ref().map(|g| &g.hasher);
         let rules = &filter.rules;
         let headers = request.headers();
-        let mut probes = keys::probes_where(
+        let mut probes = crate::ratelimit::probes::probes_where(
             &filter.config,
             &filter.hasher,
             fleet,

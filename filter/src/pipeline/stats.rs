@@ -25,9 +25,9 @@
 //! | `<prefix>.cluster.<cluster>.ignored` | counter | ended without a response (client left first) |
 //! | `<prefix>.cluster.<cluster>.success_rate_ppm` | gauge | the success rate the shuffle uses, in millionths, set at configuration and refreshed every second |
 //! | `<prefix>.cluster.<cluster>.concurrency_limit` | gauge | the cluster's current concurrency limit, set at configuration and refreshed every second |
-//! | `<prefix>.cluster.<cluster>.in_flight` | gauge | leases held on the cluster, proxy-wide, set at configuration and refreshed every second |
+//! | `<prefix>.cluster.<cluster>.in_flight` | gauge | permits held on the cluster (requests routed to it and not ended), proxy-wide, set at configuration and refreshed every second |
 //! | `<prefix>.cluster_selection.exhausted` | counter | requests refused with 503: no cluster had room |
-//! | `<prefix>.cluster_selection.contention` | counter | lease or outcome writes that ran out of CAS attempts |
+//! | `<prefix>.cluster_selection.contention` | counter | permit or outcome writes that ran out of CAS attempts |
 //! | `<prefix>.cluster_selection.partition.spilled` | counter | requests routed outside their key's partition (`when_unavailable: spill`; 0 without `partition`) |
 //! | `<prefix>.cluster_selection.partition.unkeyed` | counter | requests without the partition's key: they may use every cluster (0 without `partition`) |
 //! | `<prefix>.load_shedding.per_key.refused` | counter | requests refused with 503: their key had `per_key.max_active_requests` in flight (0 without `per_key`) |
@@ -253,7 +253,7 @@ pub struct ClusterStats {
     pub success_rate_ppm: Option<u32>,
     /// Gauge: concurrency limit.
     pub concurrency_limit: Option<u32>,
-    /// Gauge: leases held proxy-wide.
+    /// Gauge: permits held proxy-wide.
     pub in_flight: Option<u32>,
 }
 

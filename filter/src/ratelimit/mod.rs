@@ -19,6 +19,7 @@
 //! touching shared data; a write that finds room to spare counts a few units more for the next
 //! requests of the same key through this VM.
 
+pub mod probes;
 pub mod remote;
 pub mod rules;
 pub mod reserve;

@@ -344,7 +344,7 @@ impl Rules {
     }
 
     /// The request headers the rules read, each with whether requests usually carry it (for
-    /// [`crate::keys::headers::HeaderPlan`]).
+    /// [`crate::pipeline::headers::HeaderPlan`]).
     pub fn request_headers(config: &Config) -> Vec<(String, bool)> {
         let mut names = Vec::new();
         for rule in &config.rate_limits {

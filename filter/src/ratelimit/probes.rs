@@ -1,0 +1,127 @@
+//! A request's probes: the rules that apply to it and its key's hash for each, read from its
+//! attributes.
+
+use super::Probe;
+use crate::config::{Config, KeyPart, MissingKey, Scope};
+use crate::keys::fleet::FleetHasher;
+use crate::keys::{KeyHasher, Source};
+
+/// The rules that apply to a request and its key hash for each, from the request's attributes.
+/// `fetch` is asked once per distinct attribute (host reads are not free) and may return the
+/// bytes owned or borrowed; a rule whose key part is missing is skipped (its index is pushed to
+/// `skipped`) unless it shares one counter for all such requests (`missing_key: "shared"`: one
+/// counter per rule, whichever parts are missing and whatever the present ones hold). Rules in
+/// global scope also get the key's fleet-wide id from `fleet` (the same parts, the same framing).
+pub fn probes<V: AsRef<[u8]>>(
+    config: &Config,
+    hasher: &KeyHasher,
+    fleet: Option<&FleetHasher>,
+    fetch: impl FnMut(Source<'_>) -> Option<V>,
+    skipped: &mut Vec<usize>,
+) -> Vec<Probe> {
+    probes_where(config, hasher, fleet, fetch, skipped, |_| true)
+}
+
+/// [`probes`] of the rules that `applies` (by index) says apply to the request: the others are
+/// passed over before any of their key parts is read.
+pub fn probes_where<V: AsRef<[u8]>>(
+    config: &Config,
+    hasher: &KeyHasher,
+    fleet: Option<&FleetHasher>,
+    mut fetch: impl FnMut(Source<'_>) -> Option<V>,
+    skipped: &mut Vec<usize>,
+    mut applies: impl FnMut(usize) -> bool,
+) -> Vec<Probe> {
+    let mut fetched: Vec<(Source<'_>, Option<V>)> = Vec::new();
+    let mut probes = Vec::with_capacity(config.rate_limits.len());
+    for (rule_index, rule) in config.rate_limits.iter().enumerate() {
+        if !applies(rule_index) {
+            continue;
+        }
+        for part in &rule.key {
+            let source = part.source();
+            if !fetched.iter().any(|(s, _)| *s == source) {
+                fetched.push((source, fetch(source)));
+            }
+        }
+        let value_of = |part: &KeyPart| -> Option<&[u8]> {
+            let source = part.source();
+            let raw = fetched.iter().find(|(s, _)| *s == source)?.1.as_ref()?.as_ref();
+            Some(part.normalize(raw))
+        };
+        let complete = rule.key.iter().all(|part| value_of(part).is_some());
+        if !complete && rule.missing_key == MissingKey::Skip {
+            skipped.push(rule_index);
+            continue;
+        }
+        // One counter for every request lacking any part, whatever the other parts hold.
+        let parts = || rule.key.iter().map(|part| if complete { value_of(part) } else { None });
+        let mut probe = Probe::new(rule_index, hasher.hash(parts()));
+        if let (Scope::Global, Some(fleet)) = (rule.scope, fleet) {
+            probe.fleet = Some(fleet.hash(rule.name.as_str(), parts()));
+        }
+        probes.push(probe);
+    }
+    probes
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+    fn probes_read_each_attribute_once_and_skip_or_share_missing_keys() {
+        let config = Config::parse(
+            br#"{"rate_limits":[
+              {"name":"a","key":[{"header":"x-key"},"source_ip"],"limit":1,"window":"1s"},
+              {"name":"b","key":["source_ip"],"limit":1,"window":"1s"},
+              {"name":"c","key":[{"header":"x-key"}],"limit":1,"window":"1s","missing_key":"shared"}]}"#,
+        )
+        .unwrap();
+        let hasher = KeyHasher::new([3; 16]);
+        let mut asked = Vec::new();
+        let mut skipped = Vec::new();
+        let probes = probes(&config, &hasher, None, |source| {
+            asked.push(format!("{source:?}"));
+            match source {
+                Source::SourceAddress => Some(b"10.1.2.3:5555".to_vec()),
+                Source::Header(_) => None,
+            }
+        }, &mut skipped);
+        assert_eq!(asked.len(), 2, "{asked:?}");
+        assert_eq!(skipped, vec![0]);
+        assert_eq!(probes.iter().map(|p| p.rule).collect::<Vec<_>>(), vec![1, 2]);
+        assert_eq!(probes[0].key_hash, hasher.hash([Some(&b"10.1.2.3"[..])]), "port stripped");
+        assert_eq!(probes[1].key_hash, hasher.hash([None]));
+    }
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn a_shared_missing_key_is_one_counter_whatever_parts_are_present() {
+        let config = Config::parse(
+            br#"{"rate_limits":[{"name":"a","key":[{"header":"x-key"},"source_ip"],"limit":1,
+                 "window":"1s","missing_key":"shared"}]}"#,
+        )
+        .unwrap();
+        let hasher = KeyHasher::new([5; 16]);
+        let hash_of = |key: Option<&'static [u8]>, address: Option<&'static [u8]>| {
+            let mut skipped = Vec::new();
+            let found = probes(&config, &hasher, None, |source| match source {
+                Source::Header(_) => key,
+                Source::SourceAddress => address,
+            }, &mut skipped);
+            assert!(skipped.is_empty());
+            found.iter().map(|p| p.key_hash).collect::<Vec<_>>()
+        };
+        let shared = hash_of(None, Some(b"10.0.0.1:1"));
+        assert_eq!(shared.len(), 1);
+        // No header, from another address, or with the header but no address: the same counter.
+        assert_eq!(hash_of(None, Some(b"10.0.0.2:2")), shared);
+        assert_eq!(hash_of(Some(b"k"), None), shared);
+        assert_eq!(hash_of(None, None), shared);
+        // A complete key has its own counter.
+        assert_ne!(hash_of(Some(b"k"), Some(b"10.0.0.1:1")), shared);
+    }
+}
