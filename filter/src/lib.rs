@@ -1,18 +1,25 @@
-//! floodgate: a proxy-wasm filter that protects a service behind Envoy from upstream pressure
-//! (see `SPEC.md`): per-key sliding-window rate limits kept in Envoy shared data, exact across
-//! worker threads and bounded in memory.
+//! floodgate: a proxy-wasm filter that protects a service behind Envoy from upstream pressure:
+//! rate limits per key (in one proxy or across a fleet), load shedding, cluster selection and a
+//! health endpoint, tuned by one JSON configuration. `docs/design.md` explains how a request
+//! flows and why each mechanism holds its invariants.
 //!
-//! Layout: a pure core that imports nothing from proxy-wasm and takes `now` as an argument —
-//! [`config`] (parsed once, validated), [`ratelimit`] (window, bounded table, limiter), [`key`]
-//! (key parts and the keyed hash), [`rules`] (conditions, tiers and costs of rules), [`reserve`]
-//! (units counted ahead of use), [`shed`] and [`lag`] (load shedding on the in-flight count and
-//! on the loop lag), [`bulkhead`] (partitions of the clusters and caps per key), [`select`]
-//! (cluster selection), [`global`] (the fleet-wide scope), [`lease`] (its leased consistency: units of
-//! a key's quota taken from the store ahead of use), [`headers`] (which request headers to
-//! read and how, and the serialized header map), [`store`] (shared data behind a trait, CAS
-//! discipline), [`response`] (the 429, the 503s and the `RateLimit` fields), [`grpc`] (the gRPC
-//! form of refusals, the outcome of gRPC calls), [`time`] — and `host`, the thin proxy-wasm
-//! shell, compiled for wasm only.
+//! Layout, in the order dependencies point (each module uses only those before it):
+//!
+//! | module | what it is |
+//! |---|---|
+//! | [`primitives`] | time, the shared store and its compare-and-swap discipline, the proxy-wide in-flight record |
+//! | [`config`] | the configuration, parsed once into typed, validated values |
+//! | [`keys`] | key parts, the keyed hash of a key, a key's fleet-wide id |
+//! | [`ratelimit`] | the local limiters: the sliding window, the bounded key table, quota reserves, the rules' conditions, tiers and costs |
+//! | [`fleet`] | global scope across proxies: batched and leased |
+//! | [`shedding`] | load shedding on the in-flight count and on the loop lag, the per-key cap |
+//! | [`selection`] | cluster selection and the partitions of the clusters |
+//! | [`replies`] | the `429`, the `503`s, the health answer, the `RateLimit` fields, the gRPC form |
+//! | [`pipeline`] | the request pipeline: the stages in order on one stream state |
+//! | `host` | the thin proxy-wasm shell (wasm only) |
+//!
+//! Everything but `host` imports nothing from proxy-wasm, takes `now` as an argument (or a
+//! clock from the pipeline's environment), and is unit-tested natively.
 #![cfg_attr(test, allow(clippy::arithmetic_side_effects))]
 
 pub mod config;
