@@ -11,7 +11,7 @@
 
 use crate::config::{KeyPart, PerKey};
 use crate::primitives::inflight::{HEARTBEAT_MS, STALE_AFTER_MS};
-use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::store::{update, Attempt, SharedStore, StoreError, Stored};
 use crate::primitives::time::MonoMillis;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -20,8 +20,6 @@ use std::rc::Rc;
 
 /// Entries of one set.
 pub const WAYS: usize = 8;
-/// Attempts to update one set before refusing on contention.
-pub const MAX_ATTEMPTS: u32 = 32;
 
 const RECORD_VERSION: u8 = 1;
 const HEADER_LEN: usize = 4;
@@ -107,6 +105,12 @@ impl KeySet {
     }
 }
 
+/// A set as read (`None`: absent). A malformed record is not trusted: it is replaced at the next
+/// write.
+fn set_of(stored: Option<&Stored>) -> KeySet {
+    stored.and_then(|s| KeySet::decode(&s.value)).unwrap_or_default()
+}
+
 /// This worker's own counts per key (exact: a worker is single-threaded), shared by the permits.
 pub type LocalKeys = Rc<RefCell<HashMap<u64, u32>>>;
 
@@ -184,11 +188,8 @@ impl PerKeyCap {
         format!("{}{}", self.key_prefix, key.checked_rem(self.sets.get()).unwrap_or(0))
     }
 
-    fn read<S: SharedStore + ?Sized>(&self, store: &S, set_key: &str) -> Result<(Option<crate::primitives::store::Stored>, KeySet), StoreError> {
-        let stored = store.get(set_key)?;
-        // A malformed record is not trusted: it is replaced at the next write.
-        let set = stored.as_ref().and_then(|s| KeySet::decode(&s.value)).unwrap_or_default();
-        Ok((stored, set))
+    fn read<S: SharedStore + ?Sized>(&self, store: &S, set_key: &str) -> Result<KeySet, StoreError> {
+        Ok(set_of(store.get(set_key)?.as_ref()))
     }
 
     /// Admits a request of the key of hash `key` on worker `vm` (its counts `local`), or
@@ -203,25 +204,25 @@ impl PerKeyCap {
     ) -> Result<KeyPermit, CapRefusal> {
         let set_key = self.set_key(key);
         let mine = local.borrow().get(&key).copied().unwrap_or(0);
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok((stored, mut set)) = self.read(store, &set_key) else { break };
+        let published = update(store, &set_key, |current| {
+            let mut set = set_of(current);
             let in_flight = set.others(key, vm, now).saturating_add(mine);
             if in_flight >= self.max_active_requests {
-                return Err(CapRefusal::Full { in_flight });
+                return Attempt::Done(Err(CapRefusal::Full { in_flight }));
             }
             if !set.publish(key, vm, mine.saturating_add(1), now) {
-                return Err(CapRefusal::Untracked);
+                return Attempt::Done(Err(CapRefusal::Untracked));
             }
-            match write_back(store, &set_key, stored.as_ref(), &set.encode()) {
-                Ok(()) => {
-                    *local.borrow_mut().entry(key).or_insert(0) = mine.saturating_add(1);
-                    return Ok(KeyPermit { key, local: Rc::clone(local), released: false });
-                }
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => break,
+            Attempt::Write(set.encode(), Ok(()))
+        });
+        match published {
+            Ok(Ok(())) => {
+                *local.borrow_mut().entry(key).or_insert(0) = mine.saturating_add(1);
+                Ok(KeyPermit { key, local: Rc::clone(local), released: false })
             }
+            Ok(Err(refusal)) => Err(refusal),
+            Err(_) => Err(CapRefusal::Untracked),
         }
-        Err(CapRefusal::Untracked)
     }
 
     /// Ends an admitted request: lowers the worker's count and publishes it (should the write
@@ -236,24 +237,20 @@ impl PerKeyCap {
 
     fn publish<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, key: u64, count: u32, now: MonoMillis) -> bool {
         let set_key = self.set_key(key);
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok((stored, mut set)) = self.read(store, &set_key) else { return false };
-            let current = match set.entries.iter().find(|e| e.key == key && e.vm == vm) {
+        update(store, &set_key, |current| {
+            let mut set = set_of(current);
+            let published = match set.entries.iter().find(|e| e.key == key && e.vm == vm) {
                 Some(e) => e.in_flight == count && now.saturating_since(e.heartbeat) < HEARTBEAT_MS,
                 None => count == 0,
             };
-            if current {
-                return true;
+            if published {
+                return Attempt::Done(true);
             }
             // Lowering always fits; a count the worker already holds was granted before.
             set.publish(key, vm, count, now);
-            match write_back(store, &set_key, stored.as_ref(), &set.encode()) {
-                Ok(()) => return true,
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => return false,
-            }
-        }
-        false
+            Attempt::Write(set.encode(), true)
+        })
+        .unwrap_or(false)
     }
 
     /// Once a second: refreshes this worker's entries (so they stay live), publishes counts whose
@@ -273,7 +270,7 @@ impl PerKeyCap {
     /// Requests of the key of hash `key` in flight proxy-wide, as this worker reads them.
     pub fn in_flight<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalKeys, key: u64, now: MonoMillis) -> u32 {
         let mine = local.borrow().get(&key).copied().unwrap_or(0);
-        self.read(store, &self.set_key(key)).map_or(mine, |(_, set)| set.others(key, vm, now).saturating_add(mine))
+        self.read(store, &self.set_key(key)).map_or(mine, |set| set.others(key, vm, now).saturating_add(mine))
     }
 }
 
