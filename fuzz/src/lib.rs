@@ -789,7 +789,7 @@ fn record_operations(mut record: InFlight, vm: u64, now: MonoMillis) {
 /// zero are required.
 pub fn cluster_record(data: &[u8]) {
     use floodgate::selection::record::ClusterRecord;
-    use floodgate::selection::shuffle::SplitMix64;
+    use floodgate::primitives::hash::SplitMix64;
     use floodgate::selection::{Selector, Timing, VmState};
 
     let mut input = Input { data };

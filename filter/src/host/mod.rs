@@ -34,7 +34,7 @@ use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Re
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::Now;
-use crate::selection::shuffle::SplitMix64;
+use crate::primitives::hash::SplitMix64;
 use crate::shedding::per_key::{LocalKeys, PerKeyCap};
 use metrics::EnvoyMetrics;
 use proxy_wasm::hostcalls;

@@ -27,6 +27,7 @@ pub mod window;
 
 use crate::config::{Config, CostSource, Name};
 use crate::keys::fleet::FleetKey;
+use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
 use crate::primitives::store::{update, update_from, Attempt, SharedStore, Stored, StoreError, MAX_ATTEMPTS};
 use crate::primitives::time::UnixMillis;
 use remote::Remote;
@@ -230,7 +231,7 @@ impl Limiter {
                     window: Window::new(rule.window.get()),
                     sets,
                     key_prefix: format!("floodgate/{namespace}/rl/{}/", rule.name),
-                    shape: fnv1a(identity.as_bytes()),
+                    shape: fnv1a(identity.as_bytes(), FNV1A_BASIS),
                 }
             })
             .collect();
@@ -556,13 +557,6 @@ fn decode_or_empty(stored: Option<&Stored>, shape: u64, bucket_index: u64) -> Se
         .and_then(|s| Set::decode(&s.value).ok())
         .filter(|set| set.shape == shape)
         .unwrap_or_else(|| Set::empty(shape, bucket_index))
-}
-
-/// FNV-1a, 64-bit: a stable, non-secret fingerprint of a rule's definition for key names.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 #[cfg(test)]

@@ -79,6 +79,7 @@
 //! counted ([`Set::decode`]).
 
 use super::window::{Counts, Window};
+use crate::primitives::hash::{mix64, GOLDEN_GAMMA};
 
 /// Entries per set.
 pub const WAYS: usize = 4;
@@ -203,15 +204,6 @@ fn set_all(doors: &mut [u8], bits: &[usize]) -> bool {
     true
 }
 
-/// SplitMix64's finalizer: every output bit depends on every input bit.
-fn mix(mut h: u64) -> u64 {
-    h ^= h >> 30;
-    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= h >> 27;
-    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
-}
-
 /// Hash bits handed out a few at a time: a 64-bit word, low bits first, then the next word,
 /// drawn from the previous one by a mixing step.
 struct HashBits {
@@ -224,14 +216,14 @@ struct HashBits {
 
 impl HashBits {
     fn new(seed: u64) -> HashBits {
-        let drawn = mix(seed);
+        let drawn = mix64(seed);
         HashBits { drawn, word: drawn, left: 64 }
     }
 
     /// The next `width` bits (`width` ≤ 32) as a position, from one word.
     fn take(&mut self, width: u32) -> usize {
         if self.left < width {
-            self.drawn = mix(self.drawn ^ 0x9e37_79b9_7f4a_7c15);
+            self.drawn = mix64(self.drawn ^ GOLDEN_GAMMA);
             self.word = self.drawn;
             self.left = 64;
         }

@@ -54,7 +54,8 @@ use buckets::{Basis, Tally};
 use limit::{Aimd, Sample};
 use outcome::{Ending, Outcome};
 use record::ClusterRecord;
-use shuffle::{weighted_shuffle, Random};
+use crate::primitives::hash::Random;
+use shuffle::weighted_shuffle;
 
 /// How long a VM reuses a cluster's weight it computed from a record it read, instead of reading
 /// the record again just to weigh it. The chosen cluster's record is always read afresh for its

@@ -62,6 +62,7 @@ pub mod view;
 
 use crate::keys::fleet::FleetHasher;
 use crate::config::{Config, Consistency, Scope};
+use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::Probe;
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
@@ -437,9 +438,7 @@ pub fn bucket_of(now: UnixMillis, window_ms: u64) -> u64 {
 
 /// A rule's stable id: FNV-1a of its name.
 pub fn rule_id(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    fnv1a(name.as_bytes(), FNV1A_BASIS)
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! bucket `u64`, the delta `u32`, the requests `u32` (version 2).
 
 use crate::keys::fleet::FleetKey;
-use crate::keys::MixMap;
+use crate::primitives::hash::MixMap;
 
 /// Outbox records per proxy.
 pub const OUTBOXES: u64 = 4;

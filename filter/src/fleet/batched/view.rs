@@ -87,7 +87,7 @@ use super::protocol::Totals;
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::window::Counts;
 use crate::primitives::time::UnixMillis;
-use crate::keys::MixMap;
+use crate::primitives::hash::MixMap;
 
 /// Records the view is spread over. Every worker reads the index and each record that changed
 /// at every tick, one host call each, and a batch of a busy proxy changes them all: few records
