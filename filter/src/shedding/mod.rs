@@ -309,7 +309,8 @@ fn record_of(stored: Option<&Stored>) -> InFlight {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
-    use crate::primitives::inflight::{DecodeError, STALE_AFTER_MS};
+    use crate::primitives::inflight::STALE_AFTER_MS;
+    use crate::primitives::record::DecodeError;
     use crate::primitives::inflight::RESERVE_MAX;
     use std::cell::Cell;
     use std::rc::Rc;

@@ -11,6 +11,7 @@
 
 use crate::config::{KeyPart, PerKey};
 use crate::primitives::inflight::{HEARTBEAT_MS, STALE_AFTER_MS};
+use crate::primitives::record::{DecodeError, Reader, Writer};
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError, Stored};
 use crate::primitives::time::MonoMillis;
 use std::cell::RefCell;
@@ -46,38 +47,31 @@ struct KeySet {
 }
 
 impl KeySet {
+    /// Reads a set; `None` for anything malformed (it is not trusted).
     fn decode(bytes: &[u8]) -> Option<KeySet> {
-        let (header, body) = bytes.split_at_checked(HEADER_LEN)?;
-        let [version, count, _, _] = <[u8; HEADER_LEN]>::try_from(header).ok()?;
-        if version != RECORD_VERSION || usize::from(count) > WAYS || body.len() != usize::from(count).saturating_mul(ENTRY_LEN) {
-            return None;
+        fn read(bytes: &[u8]) -> Result<KeySet, DecodeError> {
+            let mut reader = Reader::new(bytes);
+            let [version, count, _, _] = reader.array::<HEADER_LEN>()?;
+            if version != RECORD_VERSION || usize::from(count) > WAYS || reader.remaining() != usize::from(count).saturating_mul(ENTRY_LEN) {
+                return Err(DecodeError::Malformed);
+            }
+            let entries = (0..count)
+                .map(|_| Ok(Entry { key: reader.u64()?, vm: reader.u64()?, in_flight: reader.u32()?, heartbeat: MonoMillis(reader.u64()?) }))
+                .collect::<Result<_, DecodeError>>()?;
+            Ok(KeySet { entries })
         }
-        let entries = body
-            .chunks_exact(ENTRY_LEN)
-            .map(|chunk| {
-                let (key, rest) = chunk.split_at(8);
-                let (vm, rest) = rest.split_at(8);
-                let (in_flight, heartbeat) = rest.split_at(4);
-                Entry {
-                    key: u64::from_le_bytes(key.try_into().unwrap_or_default()),
-                    vm: u64::from_le_bytes(vm.try_into().unwrap_or_default()),
-                    in_flight: u32::from_le_bytes(in_flight.try_into().unwrap_or_default()),
-                    heartbeat: MonoMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
-                }
-            })
-            .collect();
-        Some(KeySet { entries })
+        read(bytes).ok()
     }
 
     fn encode(&self) -> Vec<u8> {
         let count = self.entries.len().min(WAYS);
         let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(count.saturating_mul(ENTRY_LEN)));
-        out.extend_from_slice(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
+        out.put(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
         for e in self.entries.iter().take(count) {
-            out.extend_from_slice(&e.key.to_le_bytes());
-            out.extend_from_slice(&e.vm.to_le_bytes());
-            out.extend_from_slice(&e.in_flight.to_le_bytes());
-            out.extend_from_slice(&e.heartbeat.0.to_le_bytes());
+            out.put_u64(e.key);
+            out.put_u64(e.vm);
+            out.put_u32(e.in_flight);
+            out.put_u64(e.heartbeat.0);
         }
         out
     }
