@@ -15,7 +15,7 @@ use floodgate::ratelimit::window::{Counts, Window};
 use floodgate::ratelimit::reserve::Reserves;
 use floodgate::ratelimit::{Limiter, Probe, Verdict};
 use floodgate::primitives::inflight::HEARTBEAT_MS;
-use floodgate::selection::shuffle::{Random, SplitMix64};
+use floodgate::primitives::hash::{Random, SplitMix64};
 use floodgate::primitives::store::MemoryStore;
 use floodgate::primitives::time::UnixMillis;
 use std::collections::VecDeque;

@@ -31,6 +31,7 @@ use floodgate::ratelimit::{Limiter, Probe, Verdict};
 use floodgate::replies::{self, Reply};
 use floodgate::primitives::inflight::LocalCount;
 use floodgate::primitives::inflight::{self, InFlight, MAX_VMS, STALE_AFTER_MS};
+use floodgate::primitives::record::DecodeError;
 use floodgate::shedding::Shedder;
 use floodgate::primitives::store::{Cas, SharedStore, StoreError, Stored, TOKEN_KEY};
 use floodgate::primitives::time::{MonoMillis, UnixMillis};
@@ -540,20 +541,21 @@ pub fn ratelimit_record(data: &[u8]) {
             assert_eq!(Set::decode(&encoded).as_ref(), Ok(set));
             set_operations(set.clone(), fingerprint(key_hash), window, phase.bucket_index, phase.elapsed_ms);
         }
-        Err(table::DecodeError::Length(len)) => {
+        Err(DecodeError::Length(len)) => {
             assert_eq!(*len, record.len());
             assert!(record.len() != RECORD_LEN && record.len() != RECORD_LEN_TWO_DOORS);
         }
-        Err(table::DecodeError::Version(version, ways)) => {
+        Err(DecodeError::Version(version, ways)) => {
             assert!(record.len() == RECORD_LEN || record.len() == RECORD_LEN_TWO_DOORS);
             assert_eq!((*version, *ways), (record[0], record[1]));
             let known = if record.len() == RECORD_LEN { RECORD_VERSION } else { RECORD_VERSION_TWO_DOORS };
             assert!(record[0] != known || usize::from(record[1]) != table::WAYS);
         }
-        Err(table::DecodeError::Duplicate(fingerprint)) => {
+        Err(DecodeError::Duplicate(fingerprint)) => {
             assert!(record.len() == RECORD_LEN || record.len() == RECORD_LEN_TWO_DOORS);
             assert_ne!(*fingerprint, 0);
         }
+        Err(DecodeError::Malformed) => panic!("a set is refused for its length, version or entries, never as malformed"),
     }
     // A record of another rule definition is not trusted either.
     let trusted = decoded.as_ref().is_ok_and(|set| set.shape == shape);
@@ -693,12 +695,13 @@ pub fn inflight_record(data: &[u8]) {
             assert!(reencoded.entries.len() <= MAX_VMS);
             record_operations(inflight.clone(), vm, now);
         }
-        Err(inflight::DecodeError::Malformed) => {
+        Err(DecodeError::Malformed) => {
             let well_formed = record.len() >= 4
                 && record[0] == 1
                 && record.len() == 4 + 20 * usize::from(record[1]);
             assert!(!well_formed, "a well-formed record was refused");
         }
+        Err(other) => panic!("an in-flight record is refused as malformed, not {other:?}"),
     }
 
     // 2. Through the shedder, the record planted in shared data.
@@ -790,7 +793,7 @@ fn record_operations(mut record: InFlight, vm: u64, now: MonoMillis) {
 /// zero are required.
 pub fn cluster_record(data: &[u8]) {
     use floodgate::selection::record::ClusterRecord;
-    use floodgate::selection::shuffle::SplitMix64;
+    use floodgate::primitives::hash::SplitMix64;
     use floodgate::selection::{Selector, Timing, VmState};
 
     let mut input = Input { data };

@@ -5,6 +5,7 @@
 
 pub mod batched;
 pub mod leased;
+pub mod protocol;
 
 /// How a call to `floodgate-sync` ended.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -32,9 +32,9 @@ use crate::pipeline::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
 use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Request, Schedule, SharedStream, Step, StreamEnd, VmParts};
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
-use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::Now;
-use crate::selection::shuffle::SplitMix64;
+use crate::primitives::hash::SplitMix64;
 use crate::shedding::per_key::{LocalKeys, PerKeyCap};
 use metrics::EnvoyMetrics;
 use proxy_wasm::hostcalls;
@@ -375,19 +375,21 @@ fn plugin_name() -> String {
 /// (corrupt, or from another version) is replaced, with a compare-and-swap, by a fresh seed.
 fn shared_seed(store: &dyn SharedStore, namespace: &str) -> Result<[u8; 16], String> {
     let key = format!("floodgate/{namespace}/seed");
-    for _ in 0..4 {
-        let stored = store.get(&key).map_err(|e| e.to_string())?;
-        if let Some(seed) = stored.as_ref().and_then(|s| <[u8; 16]>::try_from(s.value.as_slice()).ok()) {
-            return Ok(seed);
+    let seed = update(store, &key, |current| {
+        if let Some(seed) = current.and_then(|s| <[u8; 16]>::try_from(s.value.as_slice()).ok()) {
+            return Attempt::Done(Ok(seed));
         }
         let mut seed = [0u8; 16];
-        getrandom::fill(&mut seed).map_err(|e| format!("getrandom: {e}"))?;
-        match write_back(store, &key, stored.as_ref(), &seed) {
-            Ok(()) | Err(StoreError::CasMismatch) => continue,
-            Err(err) => return Err(err.to_string()),
+        match getrandom::fill(&mut seed) {
+            Ok(()) => Attempt::Write(seed, Ok(seed)),
+            Err(e) => Attempt::Done(Err(format!("getrandom: {e}"))),
         }
+    });
+    match seed {
+        Ok(seed) => seed,
+        Err(StoreError::CasMismatch) => Err(format!("shared key {key} could not be created")),
+        Err(err) => Err(err.to_string()),
     }
-    Err(format!("shared key {key} could not be created"))
 }
 
 

@@ -1,6 +1,7 @@
 //! A key's fleet-wide identity, for rules in global scope: the same key has the same id on
 //! every proxy of the fleet (unlike a proxy's own key hash, whose seed is each proxy's secret).
 
+use crate::primitives::hash::write_parts;
 use siphasher::sip128::{Hasher128, SipHasher13};
 use std::hash::Hasher;
 
@@ -34,17 +35,8 @@ impl FleetHasher {
     /// framed as [`crate::keys::KeyHasher::hash`] frames them.
     pub fn hash<'a>(&self, rule: &str, parts: impl IntoIterator<Item = Option<&'a [u8]>>) -> FleetKey {
         let mut h = SipHasher13::new_with_keys(self.k0, self.k1);
-        h.write_u64(rule.len() as u64);
-        h.write(rule.as_bytes());
-        for part in parts {
-            match part {
-                Some(bytes) => {
-                    h.write_u64(bytes.len() as u64);
-                    h.write(bytes);
-                }
-                None => h.write_u64(u64::MAX),
-            }
-        }
+        write_parts(&mut h, [Some(rule.as_bytes())]);
+        write_parts(&mut h, parts);
         FleetKey(h.finish128().as_u128())
     }
 }

@@ -8,9 +8,9 @@
 pub mod fleet;
 
 use crate::config::KeyPart;
+use crate::primitives::hash::write_parts;
 use siphasher::sip::SipHasher13;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::Hasher;
 
 /// The attribute a key part reads from the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,9 +67,6 @@ pub struct KeyHasher {
     k1: u64,
 }
 
-/// Length written for a missing part (a real part is never that long).
-const MISSING: u64 = u64::MAX;
-
 impl KeyHasher {
     /// A hasher under a 128-bit secret seed.
     pub fn new(seed: [u8; 16]) -> KeyHasher {
@@ -87,15 +84,7 @@ impl KeyHasher {
     /// Hashes the parts of a key in order (`None` for a missing part).
     pub fn hash<'a>(&self, parts: impl IntoIterator<Item = Option<&'a [u8]>>) -> u64 {
         let mut hasher = SipHasher13::new_with_keys(self.k0, self.k1);
-        for part in parts {
-            match part {
-                Some(bytes) => {
-                    hasher.write_u64(bytes.len() as u64);
-                    hasher.write(bytes);
-                }
-                None => hasher.write_u64(MISSING),
-            }
-        }
+        write_parts(&mut hasher, parts);
         hasher.finish()
     }
 }
@@ -107,32 +96,6 @@ pub fn hash_key<V: AsRef<[u8]>>(parts: &[KeyPart], hasher: &KeyHasher, mut fetch
     Some(hasher.hash(parts.iter().zip(&values).map(|(part, value)| Some(part.normalize(value.as_ref())))))
 }
 
-/// A hash map over values that are already keyed hashes (a key's fingerprint, a rule's id):
-/// [`MixHasher`] mixes them instead of hashing them again with SipHash, which the standard
-/// map's default would do on every lookup of the request path.
-pub type MixMap<K, V> = HashMap<K, V, BuildHasherDefault<MixHasher>>;
-
-/// The hasher of [`MixMap`]: a multiply-rotate mix of the key's words. Not collision-resistant
-/// by itself: only for keys a client cannot choose (they went through [`KeyHasher`] first).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct MixHasher(u64);
-
-impl Hasher for MixHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for byte in bytes {
-            self.write_u64(u64::from(*byte));
-        }
-    }
-    fn write_u64(&mut self, value: u64) {
-        self.0 = (self.0.rotate_left(23) ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-    fn write_usize(&mut self, value: usize) {
-        self.write_u64(value as u64);
-    }
-}
 
 #[cfg(test)]
 mod tests {

@@ -25,6 +25,7 @@
 
 use crate::config::Config;
 use crate::keys::Source;
+use crate::primitives::record::{DecodeError, Reader, Writer};
 
 /// The request header names a configuration reads, and how a stream fetches them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,6 +96,12 @@ impl HeaderPlan {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MalformedMap;
 
+impl From<DecodeError> for MalformedMap {
+    fn from(_: DecodeError) -> MalformedMap {
+        MalformedMap
+    }
+}
+
 /// What a [`HeaderView`] knows of one header name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lookup<'m> {
@@ -143,34 +150,29 @@ pub fn first_values<'m>(map: &'m [u8], names: &[String]) -> Result<Vec<Option<&'
     if map.is_empty() {
         return Ok(values);
     }
-    let (count, rest) = map.split_first_chunk::<4>().ok_or(MalformedMap)?;
-    let count = usize::try_from(u32::from_le_bytes(*count)).map_err(|_| MalformedMap)?;
-    let table_len = count.checked_mul(8).ok_or(MalformedMap)?;
-    let (mut lengths, mut data) = rest.split_at_checked(table_len).ok_or(MalformedMap)?;
-    while let Some((name_len, tail)) = lengths.split_first_chunk::<4>() {
-        let (value_len, tail) = tail.split_first_chunk::<4>().ok_or(MalformedMap)?;
-        lengths = tail;
-        let (name, tail) = field(data, *name_len)?;
-        let (value, tail) = field(tail, *value_len)?;
-        data = tail;
+    let mut map = Reader::new(map);
+    let count = usize::try_from(map.u32()?).map_err(|_| MalformedMap)?;
+    let mut lengths = Reader::new(map.bytes(count.checked_mul(8).ok_or(MalformedMap)?)?);
+    let mut data = map;
+    for _ in 0..count {
+        let (name_len, value_len) = (lengths.u32()?, lengths.u32()?);
+        let name = field(&mut data, name_len)?;
+        let value = field(&mut data, value_len)?;
         for (slot, wanted) in values.iter_mut().zip(names) {
             if slot.is_none() && name == wanted.as_bytes() {
                 *slot = Some(value);
             }
         }
     }
-    if !data.is_empty() {
-        return Err(MalformedMap);
-    }
+    data.end()?;
     Ok(values)
 }
 
-/// One name or value: `len` bytes then a NUL; returns it and what follows.
-fn field(data: &[u8], len: [u8; 4]) -> Result<(&[u8], &[u8]), MalformedMap> {
-    let len = usize::try_from(u32::from_le_bytes(len)).map_err(|_| MalformedMap)?;
-    let (bytes, rest) = data.split_at_checked(len).ok_or(MalformedMap)?;
-    match rest.split_first() {
-        Some((0, rest)) => Ok((bytes, rest)),
+/// One name or value: `len` bytes then a NUL.
+fn field<'m>(data: &mut Reader<'m>, len: u32) -> Result<&'m [u8], MalformedMap> {
+    let bytes = data.bytes(usize::try_from(len).map_err(|_| MalformedMap)?)?;
+    match data.array()? {
+        [0] => Ok(bytes),
         _ => Err(MalformedMap),
     }
 }
@@ -178,16 +180,16 @@ fn field(data: &[u8], len: [u8; 4]) -> Result<(&[u8], &[u8]), MalformedMap> {
 /// Serializes pairs the way the host does (for tests and fuzzing).
 pub fn serialize(pairs: &[(&[u8], &[u8])]) -> Vec<u8> {
     let mut out = Vec::new();
-    let len = |bytes: &[u8]| u32::try_from(bytes.len()).unwrap_or(u32::MAX).to_le_bytes();
-    out.extend_from_slice(&u32::try_from(pairs.len()).unwrap_or(u32::MAX).to_le_bytes());
+    let len = |bytes: &[u8]| u32::try_from(bytes.len()).unwrap_or(u32::MAX);
+    out.put_u32(u32::try_from(pairs.len()).unwrap_or(u32::MAX));
     for (name, value) in pairs {
-        out.extend_from_slice(&len(name));
-        out.extend_from_slice(&len(value));
+        out.put_u32(len(name));
+        out.put_u32(len(value));
     }
     for (name, value) in pairs {
         for bytes in [name, value] {
-            out.extend_from_slice(bytes);
-            out.push(0);
+            out.put(bytes);
+            out.put(&[0]);
         }
     }
     out

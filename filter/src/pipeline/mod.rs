@@ -41,7 +41,7 @@ use crate::replies::grpc::{self, GrpcReply};
 use crate::replies::{self, AdmittedFields, Reply, Tightest};
 use crate::selection::outcome::Outcome;
 use crate::selection::partition::Partitioner;
-use crate::selection::shuffle::Random;
+use crate::primitives::hash::Random;
 use crate::selection::{ClusterPermit, Confinement, Exhausted, Selector, Timing, VmState};
 use crate::shedding::lag::LagMonitor;
 use crate::shedding::per_key::{CapRefusal, KeyPermit, LocalKeys, PerKeyCap};

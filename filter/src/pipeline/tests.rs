@@ -9,7 +9,7 @@ use crate::config::Config;
 use crate::fleet::Answer;
 use crate::primitives::inflight::InFlight;
 use crate::primitives::store::MemoryStore;
-use crate::selection::shuffle::SplitMix64;
+use crate::primitives::hash::SplitMix64;
 use std::collections::HashMap;
 
 const VM: u64 = 7;

@@ -42,6 +42,7 @@
 //! Record layout (little-endian): version `u8`, entry count `u8`, 2 zero bytes, then per entry VM
 //! id `u64`, in-flight `u32`, last heartbeat (monotonic ms) `u64`.
 
+use crate::primitives::record::{DecodeError, Reader, Writer};
 use crate::primitives::time::MonoMillis;
 use std::cell::Cell;
 use std::rc::Rc;
@@ -75,33 +76,17 @@ pub struct InFlight {
     pub entries: Vec<VmEntry>,
 }
 
-/// Why a record could not be read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecodeError {
-    /// Truncated, padded, or another version.
-    Malformed,
-}
-
 impl InFlight {
     /// Reads a record, refusing anything malformed.
     pub fn decode(bytes: &[u8]) -> Result<InFlight, DecodeError> {
-        let (header, body) = bytes.split_at_checked(HEADER_LEN).ok_or(DecodeError::Malformed)?;
-        let [version, count, _, _] = <[u8; HEADER_LEN]>::try_from(header).map_err(|_| DecodeError::Malformed)?;
-        if version != RECORD_VERSION || body.len() != usize::from(count).saturating_mul(ENTRY_LEN) {
+        let mut reader = Reader::new(bytes);
+        let [version, count, _, _] = reader.array::<HEADER_LEN>()?;
+        if version != RECORD_VERSION || reader.remaining() != usize::from(count).saturating_mul(ENTRY_LEN) {
             return Err(DecodeError::Malformed);
         }
-        let entries = body
-            .chunks_exact(ENTRY_LEN)
-            .map(|chunk| {
-                let (vm, rest) = chunk.split_at(8);
-                let (in_flight, heartbeat) = rest.split_at(4);
-                VmEntry {
-                    vm: u64::from_le_bytes(vm.try_into().unwrap_or_default()),
-                    in_flight: u32::from_le_bytes(in_flight.try_into().unwrap_or_default()),
-                    heartbeat: MonoMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
-                }
-            })
-            .collect();
+        let entries = (0..count)
+            .map(|_| Ok(VmEntry { vm: reader.u64()?, in_flight: reader.u32()?, heartbeat: MonoMillis(reader.u64()?) }))
+            .collect::<Result<_, DecodeError>>()?;
         Ok(InFlight { entries })
     }
 
@@ -109,11 +94,11 @@ impl InFlight {
     pub fn encode(&self) -> Vec<u8> {
         let count = self.entries.len().min(MAX_VMS);
         let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(count.saturating_mul(ENTRY_LEN)));
-        out.extend_from_slice(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
+        out.put(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
         for entry in self.entries.iter().take(count) {
-            out.extend_from_slice(&entry.vm.to_le_bytes());
-            out.extend_from_slice(&entry.in_flight.to_le_bytes());
-            out.extend_from_slice(&entry.heartbeat.0.to_le_bytes());
+            out.put_u64(entry.vm);
+            out.put_u32(entry.in_flight);
+            out.put_u64(entry.heartbeat.0);
         }
         out
     }

@@ -1,6 +1,9 @@
 //! Primitives every mechanism builds on: time, the shared store and its compare-and-swap
-//! discipline, and the proxy-wide in-flight count.
+//! discipline, the byte codec of its records, the hashes and the random source, and the
+//! proxy-wide in-flight count.
 
+pub mod hash;
 pub mod inflight;
+pub mod record;
 pub mod store;
 pub mod time;

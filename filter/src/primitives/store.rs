@@ -1,5 +1,5 @@
 //! Envoy shared data behind a small trait, and the compare-and-swap discipline every writer
-//! follows.
+//! follows: [`update`] is the one read-modify-write loop of the filter.
 //!
 //! Shared data is one process-wide map per `vm_id` (every worker's VM sees it) with a CAS token
 //! per key, taken from one global counter that every successful write advances. Two host facts
@@ -13,6 +13,11 @@
 //! absent the host ignores the token and inserts; if anyone created the key in the meantime, its
 //! token was issued after ours, cannot be equal, and the write fails with a mismatch. So a key
 //! is created exactly once and every later write is a checked CAS.
+//!
+//! [`update`] reads a key, lets its caller decide on the value, writes the result back with the
+//! read's token ([`write_back`]) and, when another worker wrote the key meanwhile, reads it again
+//! and lets the caller decide again, at most [`MAX_ATTEMPTS`] times: a decision is always taken
+//! on the value it replaces, so no update is lost.
 //!
 //! [`MemoryStore`] reproduces those semantics over a map, for unit tests and native tools.
 
@@ -100,6 +105,64 @@ pub fn write_back<S: SharedStore + ?Sized>(
             false => Err(StoreError::CasMismatch),
         },
     }
+}
+
+/// Attempts of one [`update`] before it gives up on contention. Each lost race means another
+/// worker wrote the key in between, so this many in a row is extreme contention on one key; the
+/// caller then answers as its mechanism's contention says (a refusal, a lost best-effort write).
+pub const MAX_ATTEMPTS: u32 = 32;
+
+/// What one attempt of an [`update`] decided on the value it read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Attempt<B, T> {
+    /// Write these bytes over the value read, and answer `T` once the write lands.
+    Write(B, T),
+    /// Answer `T` without writing.
+    Done(T),
+}
+
+/// Reads `key` and updates it with a compare-and-swap: `attempt` gets the value read (`None`
+/// for an absent key) and decides; a write that finds the key changed since the read reads it
+/// again and asks `attempt` again, at most [`MAX_ATTEMPTS`] times. Returns the answer of the
+/// attempt that wrote (or decided not to), [`StoreError::CasMismatch`] when every attempt lost
+/// its race, or the host's error, which ends it at once.
+pub fn update<S, B, T, F>(store: &S, key: &str, attempt: F) -> Result<T, StoreError>
+where
+    S: SharedStore + ?Sized,
+    B: AsRef<[u8]>,
+    F: FnMut(Option<&Stored>) -> Attempt<B, T>,
+{
+    let mut read = store.get(key)?;
+    update_from(store, key, &mut read, MAX_ATTEMPTS, attempt)
+}
+
+/// [`update`] from a value the caller already read (`read`), in at most `attempts` attempts.
+/// `read` is left holding the value the last attempt saw; nothing is read after the last
+/// attempt.
+pub fn update_from<S, B, T, F>(
+    store: &S,
+    key: &str,
+    read: &mut Option<Stored>,
+    attempts: u32,
+    mut attempt: F,
+) -> Result<T, StoreError>
+where
+    S: SharedStore + ?Sized,
+    B: AsRef<[u8]>,
+    F: FnMut(Option<&Stored>) -> Attempt<B, T>,
+{
+    for left in (0..attempts).rev() {
+        let (bytes, answer) = match attempt(read.as_ref()) {
+            Attempt::Done(answer) => return Ok(answer),
+            Attempt::Write(bytes, answer) => (bytes, answer),
+        };
+        match write_back(store, key, read.as_ref(), bytes.as_ref()) {
+            Ok(()) => return Ok(answer),
+            Err(StoreError::CasMismatch) if left > 0 => *read = store.get(key)?,
+            Err(error) => return Err(error),
+        }
+    }
+    Err(StoreError::CasMismatch)
 }
 
 /// An in-memory [`SharedStore`] with Envoy's semantics: one global CAS counter starting at 1 and
@@ -195,5 +258,64 @@ mod tests {
         // A's write, based on "absent", must fail rather than clobber B's updates.
         assert_eq!(write_back(&store, "k", None, b"A1"), Err(StoreError::CasMismatch));
         assert_eq!(store.get("k").unwrap().unwrap().value, b"B2");
+    }
+
+    /// A store whose next `lost` compare-and-swap writes find the key rewritten by another worker.
+    struct Racing {
+        inner: MemoryStore,
+        lost: std::cell::Cell<u32>,
+    }
+
+    impl SharedStore for Racing {
+        fn get(&self, key: &str) -> Result<Option<Stored>, StoreError> {
+            self.inner.get(key)
+        }
+        fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
+            if cas.is_some() && key != TOKEN_KEY && self.lost.get() > 0 {
+                self.lost.set(self.lost.get() - 1);
+                let current = self.inner.get(key)?.map(|s| s.value).unwrap_or_default();
+                self.inner.set(key, &[current, b"+".to_vec()].concat(), None)?;
+            }
+            self.inner.set(key, value, cas)
+        }
+    }
+
+    fn append(current: Option<&Stored>) -> Attempt<Vec<u8>, usize> {
+        let mut value = current.map(|s| s.value.clone()).unwrap_or_default();
+        value.push(b'a');
+        let len = value.len();
+        Attempt::Write(value, len)
+    }
+
+    #[test]
+    fn an_update_decides_again_on_what_another_worker_wrote() {
+        let store = Racing { inner: MemoryStore::new(), lost: std::cell::Cell::new(0) };
+        assert_eq!(update(&store, "k", append), Ok(1));
+        store.lost.set(MAX_ATTEMPTS - 1);
+        assert_eq!(update(&store, "k", append), Ok(1 + MAX_ATTEMPTS as usize));
+        assert_eq!(store.get("k").unwrap().unwrap().value.iter().filter(|b| **b == b'a').count(), 2, "nothing lost");
+        store.lost.set(MAX_ATTEMPTS);
+        assert_eq!(update(&store, "k", append), Err(StoreError::CasMismatch));
+        assert_eq!(store.lost.get(), 0, "{MAX_ATTEMPTS} attempts, no more");
+        assert_eq!(update(&store, "k", |_| Attempt::<Vec<u8>, _>::Done("kept")), Ok("kept"));
+    }
+
+    #[test]
+    fn an_update_from_a_read_starts_on_it_and_leaves_the_last_one() {
+        let store = Racing { inner: MemoryStore::new(), lost: std::cell::Cell::new(1) };
+        store.inner.set("k", b"x", None).unwrap();
+        let mut read = store.get("k").unwrap();
+        let mut seen = Vec::new();
+        let written = update_from(&store, "k", &mut read, 2, |current| {
+            seen.push(current.map(|s| s.value.clone()));
+            Attempt::Write(b"y", ())
+        });
+        assert_eq!(written, Ok(()));
+        assert_eq!(seen, vec![Some(b"x".to_vec()), Some(b"x+".to_vec())]);
+        assert_eq!(read.unwrap().value, b"x+");
+        store.lost.set(1);
+        let mut read = store.get("k").unwrap();
+        assert_eq!(update_from(&store, "k", &mut read, 1, |_| Attempt::Write(b"z", ())), Err(StoreError::CasMismatch));
+        assert_eq!(read.unwrap().value, b"y", "nothing is read after the last attempt");
     }
 }

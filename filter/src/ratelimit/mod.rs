@@ -28,16 +28,14 @@ pub mod window;
 
 use crate::config::{Config, CostSource, Name};
 use crate::keys::fleet::FleetKey;
-use crate::primitives::store::{write_back, SharedStore, Stored, StoreError};
+use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
+use crate::primitives::store::{update, update_from, Attempt, SharedStore, Stored, StoreError, MAX_ATTEMPTS};
 use crate::primitives::time::UnixMillis;
 use remote::Remote;
 use reserve::{Leftover, Reserves};
 use std::num::{NonZeroU32, NonZeroU64};
 use table::{fingerprint, Set, WAYS};
 use window::{Counts, Window};
-
-/// Attempts to commit one rule's update before giving up on contention.
-pub const MAX_ATTEMPTS: u32 = 32;
 
 /// One rule's table: where its sets live and how it counts.
 #[derive(Clone, Debug)]
@@ -234,7 +232,7 @@ impl Limiter {
                     window: Window::new(rule.window.get()),
                     sets,
                     key_prefix: format!("floodgate/{namespace}/rl/{}/", rule.name),
-                    shape: fnv1a(identity.as_bytes()),
+                    shape: fnv1a(identity.as_bytes(), FNV1A_BASIS),
                 }
             })
             .collect();
@@ -426,22 +424,25 @@ impl Limiter {
         let (cost, limit) = (first.probe.cost, limit_of(table, &first.probe));
         let phase = table.window.phase(now);
         let fp = fingerprint(first.probe.key_hash);
+        // The first attempt decides on phase 1's read; each later one on the set as read again,
+        // where the decision is taken again on the fresh counts.
+        let mut phase_one = Some((first.set.clone(), first.counts));
         let mut stored = first.stored.clone();
-        let mut set = first.set.clone();
-        let mut counts = first.counts;
-        for attempt in 0..MAX_ATTEMPTS {
-            if attempt > 0 {
-                stored = store.get(&first.key).map_err(|_| contention())?;
-                set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index)
-                    .rolled_to(phase.bucket_index);
-                counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
-                if !table.window.fits(first.probe.remote.fleet(counts.plus(first.probe.needs())), phase.elapsed_ms, limit) {
-                    return Err(Violation {
-                        standing: standing(table, &first.probe, counts, now),
-                        cause: Cause::OverLimit,
-                    });
+        let written = update_from(store, &first.key, &mut stored, MAX_ATTEMPTS, |current| {
+            let (mut set, counts) = match phase_one.take() {
+                Some(read) => read,
+                None => {
+                    let set = decode_or_empty(current, table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
+                    let counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
+                    if !table.window.fits(first.probe.remote.fleet(counts.plus(first.probe.needs())), phase.elapsed_ms, limit) {
+                        return Attempt::Done(Err(Violation {
+                            standing: standing(table, &first.probe, counts, now),
+                            cause: Cause::OverLimit,
+                        }));
+                    }
+                    (set, counts)
                 }
-            }
+            };
             let after = counts.plus(cost);
             let added = set.add(fp, cost, table.window, phase.elapsed_ms);
             // Units are only reserved on an entry (they can be given back from there), and for
@@ -456,20 +457,21 @@ impl Limiter {
             };
             set.add_to_entry(fp, grant);
             set.subtract(fp, first.leftover.units, first.leftover.bucket_index);
-            match write_back(store, &first.key, stored.as_ref(), &set.encode()) {
-                Ok(()) => {
-                    reserves.record(first.probe, phase.bucket_index, grant, set.counts_of(fp));
-                    return Ok(Committed {
-                        standing: standing(table, &first.probe, after, now),
-                        evicted: added.evicted.is_some(),
-                        bucket_index: set.bucket_index,
-                    });
-                }
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => return Err(contention()),
+            let done = (after, added.evicted.is_some(), set.bucket_index, grant, set.counts_of(fp));
+            Attempt::Write(set.encode(), Ok(done))
+        });
+        match written {
+            Ok(Ok((after, evicted, bucket_index, grant, counts))) => {
+                reserves.record(first.probe, phase.bucket_index, grant, counts);
+                Ok(Committed {
+                    standing: standing(table, &first.probe, after, now),
+                    evicted,
+                    bucket_index,
+                })
             }
+            Ok(Err(violation)) => Err(violation),
+            Err(_) => Err(contention()),
         }
-        Err(contention())
     }
 
     /// Charges `units` to `probe`'s key in the current window bucket without a decision: a cost
@@ -484,17 +486,12 @@ impl Limiter {
         let Some((table, key)) = self.locate(probe) else { return false };
         let phase = table.window.phase(now);
         let fp = fingerprint(probe.key_hash);
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok(stored) = store.get(&key) else { return false };
-            let mut set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
+        update(store, &key, |current| {
+            let mut set = decode_or_empty(current, table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
             set.add(fp, units, table.window, phase.elapsed_ms);
-            match write_back(store, &key, stored.as_ref(), &set.encode()) {
-                Ok(()) => return true,
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => return false,
-            }
-        }
-        false
+            Attempt::Write(set.encode(), ())
+        })
+        .is_ok()
     }
 
     /// Takes `leftover` units of `probe`'s key back out of its counters (best effort: if it
@@ -502,20 +499,15 @@ impl Limiter {
     fn give_back<S: SharedStore + ?Sized>(&self, store: &S, probe: Probe, leftover: Leftover) {
         let Some((table, key)) = self.locate(probe) else { return };
         let fp = fingerprint(probe.key_hash);
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok(stored) = store.get(&key) else { return };
-            let Some(current) = stored.as_ref() else { return };
-            let Ok(set) = Set::decode(&current.value) else { return };
-            if set.shape != table.shape {
-                return;
-            }
+        // Best effort: a record that is gone, unreadable or of another definition is left as it is.
+        let _ = update(store, &key, |current| {
+            let Some(set) = current.and_then(|s| Set::decode(&s.value).ok()).filter(|set| set.shape == table.shape) else {
+                return Attempt::Done(());
+            };
             let mut set = set.rolled_to(leftover.bucket_index);
             set.subtract(fp, leftover.units, leftover.bucket_index);
-            match write_back(store, &key, stored.as_ref(), &set.encode()) {
-                Err(StoreError::CasMismatch) => continue,
-                _ => return,
-            }
-        }
+            Attempt::Write(set.encode(), ())
+        });
     }
 
     /// Where `probe`'s key stands with this proxy's `counts` (the fleet's, for a leased rule,
@@ -566,13 +558,6 @@ fn decode_or_empty(stored: Option<&Stored>, shape: u64, bucket_index: u64) -> Se
         .and_then(|s| Set::decode(&s.value).ok())
         .filter(|set| set.shape == shape)
         .unwrap_or_else(|| Set::empty(shape, bucket_index))
-}
-
-/// FNV-1a, 64-bit: a stable, non-secret fingerprint of a rule's definition for key names.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@
 
 use super::window::Counts;
 use super::Probe;
-use crate::keys::MixMap;
+use crate::primitives::hash::MixMap;
 
 use crate::primitives::inflight::RESERVE_MAX;
 /// A grant is at most this fraction (1 / n) of the room left under the limit.

@@ -79,6 +79,8 @@
 //! counted ([`Set::decode`]).
 
 use super::window::{Counts, Window};
+use crate::primitives::hash::{mix64, GOLDEN_GAMMA};
+use crate::primitives::record::{DecodeError, Fill, Reader, Writer};
 
 /// Entries per set.
 pub const WAYS: usize = 4;
@@ -203,15 +205,6 @@ fn set_all(doors: &mut [u8], bits: &[usize]) -> bool {
     true
 }
 
-/// SplitMix64's finalizer: every output bit depends on every input bit.
-fn mix(mut h: u64) -> u64 {
-    h ^= h >> 30;
-    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= h >> 27;
-    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
-}
-
 /// Hash bits handed out a few at a time: a 64-bit word, low bits first, then the next word,
 /// drawn from the previous one by a mixing step.
 struct HashBits {
@@ -224,14 +217,14 @@ struct HashBits {
 
 impl HashBits {
     fn new(seed: u64) -> HashBits {
-        let drawn = mix(seed);
+        let drawn = mix64(seed);
         HashBits { drawn, word: drawn, left: 64 }
     }
 
     /// The next `width` bits (`width` ≤ 32) as a position, from one word.
     fn take(&mut self, width: u32) -> usize {
         if self.left < width {
-            self.drawn = mix(self.drawn ^ 0x9e37_79b9_7f4a_7c15);
+            self.drawn = mix64(self.drawn ^ GOLDEN_GAMMA);
             self.word = self.drawn;
             self.left = 64;
         }
@@ -392,18 +385,6 @@ pub struct Added {
     pub evicted: Option<Entry>,
 }
 
-/// Why a stored record could not be read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecodeError {
-    /// Wrong length for this version.
-    Length(usize),
-    /// A version or layout this build does not know.
-    Version(u8, u8),
-    /// Two entries own the same key (no writer of this module makes such a record: it is
-    /// corrupt, and evicting one copy would expose the other's counts).
-    Duplicate(u64),
-}
-
 /// The fingerprint stored for a key hash: never 0, which marks a free entry.
 pub fn fingerprint(key_hash: u64) -> u64 {
     key_hash.max(1)
@@ -443,19 +424,22 @@ impl Set {
         if usize::from(ways) != WAYS {
             return Err(DecodeError::Version(version, ways));
         }
-        let mut reader = Reader { bytes, at: 4 };
-        let shape = reader.u64();
-        let bucket_index = reader.u64();
+        // The length is checked: every field below is there.
+        let mut reader = Reader::new(bytes);
+        reader.array::<4>()?;
+        let shape = reader.u64()?;
+        let bucket_index = reader.u64()?;
         let mut entries = [Entry::default(); WAYS];
         for entry in &mut entries {
-            entry.fingerprint = reader.u64();
-            entry.counts = reader.counts();
+            entry.fingerprint = reader.u64()?;
+            entry.counts = Counts { previous: reader.u32()?, current: reader.u32()? };
         }
         let (previous, current) = if current_layout {
-            (reader.overflow(), reader.overflow())
+            (Overflow(reader.array()?), Overflow(reader.array()?))
         } else {
-            (reader.two_doors_overflow(), reader.two_doors_overflow())
+            (two_doors_overflow(&mut reader)?, two_doors_overflow(&mut reader)?)
         };
+        // Evicting one copy of a key that owns two entries would expose the other's counts.
         for (i, entry) in entries.iter().enumerate() {
             let later = entries.iter().skip(i.saturating_add(1));
             if entry.fingerprint != 0 && later.clone().any(|e| e.fingerprint == entry.fingerprint) {
@@ -474,16 +458,17 @@ impl Set {
     /// Writes the record.
     pub fn encode(&self) -> [u8; RECORD_LEN] {
         let mut out = [0u8; RECORD_LEN];
-        let mut writer = Writer { bytes: &mut out, at: 0 };
+        let mut writer = Fill::new(&mut out);
         writer.put(&[RECORD_VERSION, WAYS as u8, 0, 0]);
-        writer.put(&self.shape.to_le_bytes());
-        writer.put(&self.bucket_index.to_le_bytes());
+        writer.put_u64(self.shape);
+        writer.put_u64(self.bucket_index);
         for entry in &self.entries {
-            writer.put(&entry.fingerprint.to_le_bytes());
-            writer.counts(entry.counts);
+            writer.put_u64(entry.fingerprint);
+            writer.put_u32(entry.counts.previous);
+            writer.put_u32(entry.counts.current);
         }
-        writer.overflow(&self.previous);
-        writer.overflow(&self.current);
+        writer.put(&self.previous.0);
+        writer.put(&self.current.0);
         out
     }
 
@@ -621,76 +606,27 @@ impl Set {
     }
 }
 
-struct Reader<'a> {
-    bytes: &'a [u8],
-    at: usize,
-}
-
-impl Reader<'_> {
-    fn take<const N: usize>(&mut self) -> [u8; N] {
-        let mut out = [0u8; N];
-        if let Some(src) = self.bytes.get(self.at..self.at.saturating_add(N)) {
-            out.copy_from_slice(src);
-        }
-        self.at = self.at.saturating_add(N);
-        out
+/// An overflow of the previous layout, converted ([`Set::decode`]).
+fn two_doors_overflow(reader: &mut Reader<'_>) -> Result<Overflow, DecodeError> {
+    let first: [u8; 1024 / 8] = reader.array()?;
+    let second: [u8; 256 / 8] = reader.array()?;
+    let cells: [u8; 4 * SKETCH_CELLS] = reader.array()?;
+    let mut overflow = Overflow::default();
+    if let Some(stored) = overflow.0.get_mut(DOOR_BYTES..) {
+        stored.copy_from_slice(&cells);
     }
-    fn u64(&mut self) -> u64 {
-        u64::from_le_bytes(self.take())
-    }
-    fn counts(&mut self) -> Counts {
-        let previous = u32::from_le_bytes(self.take());
-        let current = u32::from_le_bytes(self.take());
-        Counts { previous, current }
-    }
-    fn overflow(&mut self) -> Overflow {
-        Overflow(self.take())
-    }
-
-    /// An overflow of the previous layout, converted ([`Set::decode`]).
-    fn two_doors_overflow(&mut self) -> Overflow {
-        let first: [u8; 1024 / 8] = self.take();
-        let second: [u8; 256 / 8] = self.take();
-        let cells: [u8; 4 * SKETCH_CELLS] = self.take();
-        let mut overflow = Overflow::default();
-        if let Some(stored) = overflow.0.get_mut(DOOR_BYTES..) {
-            stored.copy_from_slice(&cells);
-        }
-        let holds = |bytes: &[u8]| bytes.iter().any(|&byte| byte != 0);
-        let ranks = if overflow.any_cell_counted() {
-            DOORS
-        } else if holds(&second) {
-            2
-        } else if holds(&first) {
-            1
-        } else {
-            0
-        };
-        overflow.fill_doors(0..ranks);
-        overflow
-    }
-}
-
-struct Writer<'a> {
-    bytes: &'a mut [u8; RECORD_LEN],
-    at: usize,
-}
-
-impl Writer<'_> {
-    fn put(&mut self, src: &[u8]) {
-        let end = self.at.saturating_add(src.len());
-        if let Some(dst) = self.bytes.get_mut(self.at..end) {
-            dst.copy_from_slice(src);
-        }
-        self.at = end;
-    }
-    fn counts(&mut self, counts: Counts) {
-        self.put(&counts.previous.to_le_bytes());
-        self.put(&counts.current.to_le_bytes());
-    }
-    fn overflow(&mut self, overflow: &Overflow) {
-        self.put(&overflow.0);
-    }
+    let holds = |bytes: &[u8]| bytes.iter().any(|&byte| byte != 0);
+    let ranks = if overflow.any_cell_counted() {
+        DOORS
+    } else if holds(&second) {
+        2
+    } else if holds(&first) {
+        1
+    } else {
+        0
+    };
+    overflow.fill_doors(0..ranks);
+    Ok(overflow)
 }
 
 #[cfg(test)]

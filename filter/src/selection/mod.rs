@@ -48,16 +48,15 @@ mod tests;
 
 use crate::config::{ClusterName, ClusterSelection, FloorOn, StatusMatch};
 use crate::primitives::inflight::{in_flight_units, Permit, LocalCount};
-use crate::primitives::store::{write_back, SharedStore, StoreError, Stored};
+use crate::primitives::store::{update, update_from, Attempt, SharedStore, StoreError, Stored, MAX_ATTEMPTS};
 use crate::primitives::time::MonoMillis;
 use buckets::{Basis, Tally};
 use limit::{Aimd, Sample};
 use outcome::{Ending, Outcome};
 use record::ClusterRecord;
-use shuffle::{weighted_shuffle, Random};
+use crate::primitives::hash::Random;
+use shuffle::weighted_shuffle;
 
-/// Compare-and-swap attempts on one record before giving up on it.
-pub const MAX_ATTEMPTS: u32 = 32;
 /// How long a VM reuses a cluster's weight it computed from a record it read, instead of reading
 /// the record again just to weigh it. The chosen cluster's record is always read afresh for its
 /// permit, and every read (permit, finish, heartbeat) refreshes the weight, so under load a weight
@@ -323,14 +322,20 @@ impl Selector {
     fn read<S: SharedStore + ?Sized>(&self, store: &S, index: usize, now: MonoMillis) -> Result<View, StoreError> {
         let key = self.record_key(index).ok_or(StoreError::Host(0))?;
         let stored = store.get(key)?;
+        let record = self.record_of(stored.as_ref(), now);
+        Ok(View { stored, record })
+    }
+
+    /// A record as read (`None`: absent), aged to `now`; a missing or malformed one is a fresh
+    /// one.
+    fn record_of(&self, stored: Option<&Stored>, now: MonoMillis) -> ClusterRecord {
         let epoch = self.epoch(now);
         let mut record = stored
-            .as_ref()
             .and_then(|s| ClusterRecord::decode(&s.value, self.bucket_count).ok())
             .unwrap_or_else(|| ClusterRecord::new(self.bucket_count, epoch, self.limit.initial));
         record.buckets.advance_to(epoch);
         record.limit = self.limit.clamp(record.limit);
-        Ok(View { stored, record })
+        record
     }
 
     /// The success rate of a record.
@@ -524,40 +529,51 @@ impl Selector {
         now: MonoMillis,
     ) -> Result<Option<ClusterPermit>, ()> {
         let key = self.record_key(index).ok_or(())?;
-        for _ in 0..MAX_ATTEMPTS {
-            let view = slot.as_mut().ok_or(())?;
-            self.apply(&mut view.record, pending);
-            pending.limit_seen = view.record.limit;
+        let View { stored, record } = slot.as_mut().ok_or(())?;
+        // The first attempt decides on the record in `slot`, a later one on the record read again.
+        let mut fresh = false;
+        let taken = update_from(store, key, stored, MAX_ATTEMPTS, |current| {
+            if fresh {
+                *record = self.record_of(current, now);
+            }
+            fresh = true;
+            self.apply(record, pending);
+            pending.limit_seen = record.limit;
             let mine = local.in_use();
-            let others = view.record.in_flight.others(vm, now);
+            let others = record.in_flight.others(vm, now);
             let in_flight = others.saturating_add(mine);
-            if in_flight >= view.record.limit {
-                return Ok(None);
+            if in_flight >= record.limit {
+                return Attempt::Done(Ok(None));
             }
-            let other_vms = view.record.in_flight.other_vms(vm, now);
-            let wanted = in_flight_units(mine.saturating_add(1), others, other_vms, view.record.limit);
-            if !view.record.in_flight.publish(vm, wanted, now) {
-                return Err(());
+            let other_vms = record.in_flight.other_vms(vm, now);
+            let wanted = in_flight_units(mine.saturating_add(1), others, other_vms, record.limit);
+            if !record.in_flight.publish(vm, wanted, now) {
+                return Attempt::Done(Err(()));
             }
-            match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
-                Ok(()) => {
-                    *pending = Pending {
-                        limit_seen: view.record.limit,
-                        ..Pending::default()
-                    };
-                    local.admitted(wanted, others);
-                    return Ok(Some(ClusterPermit {
-                        cluster: index,
-                        started: now,
-                        in_flight: in_flight.saturating_add(1),
-                        unit: Permit::taken(local),
-                    }));
-                }
-                Err(StoreError::CasMismatch) => *slot = self.read(store, index, now).ok(),
-                Err(StoreError::Host(_)) => return Err(()),
+            Attempt::Write(record.encode(), Ok(Some((wanted, others, in_flight, record.limit))))
+        });
+        match taken {
+            Ok(Ok(Some((wanted, others, in_flight, limit)))) => {
+                *pending = Pending {
+                    limit_seen: limit,
+                    ..Pending::default()
+                };
+                local.admitted(wanted, others);
+                Ok(Some(ClusterPermit {
+                    cluster: index,
+                    started: now,
+                    in_flight: in_flight.saturating_add(1),
+                    unit: Permit::taken(local),
+                }))
+            }
+            Ok(Ok(None)) => Ok(None),
+            Ok(Err(())) | Err(StoreError::Host(_)) => Err(()),
+            Err(StoreError::CasMismatch) => {
+                // Every race lost: the record as it is now, for the weight and the answer.
+                *slot = self.read(store, index, now).ok();
+                Err(())
             }
         }
-        Err(())
     }
 
     /// Classifies how a stream ended, given when its milestones happened ([`Timing`]).
@@ -617,33 +633,25 @@ impl Selector {
             finished.recorded = true;
             return finished;
         }
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok(mut view) = self.read(store, index, now) else {
-                break;
-            };
-            self.apply(&mut view.record, p);
+        let written = update(store, key, |current| {
+            let mut record = self.record_of(current, now);
+            self.apply(&mut record, p);
             if sample == Sample::Dropped {
-                view.record.limit = self
-                    .limit
-                    .update(view.record.limit, permit.in_flight, sample);
+                record.limit = self.limit.update(record.limit, permit.in_flight, sample);
             }
-            let others = view.record.in_flight.others(vm, now);
+            let others = record.in_flight.others(vm, now);
             // Lowering is safe before the write lands: the record holds at least as much.
             local.published(local.in_use(), others);
-            view.record.in_flight.publish(vm, local.in_use(), now);
-            match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
-                Ok(()) => {
-                    finished.recorded = true;
-                    *p = Pending {
-                        limit_seen: view.record.limit,
-                        ..Pending::default()
-                    };
-                    seen.note(index, self.record_weight(&view.record), now);
-                    break;
-                }
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => break,
-            }
+            record.in_flight.publish(vm, local.in_use(), now);
+            Attempt::Write(record.encode(), record)
+        });
+        if let Ok(record) = written {
+            finished.recorded = true;
+            *p = Pending {
+                limit_seen: record.limit,
+                ..Pending::default()
+            };
+            seen.note(index, self.record_weight(&record), now);
         }
         finished
     }
@@ -685,25 +693,30 @@ impl Selector {
                 let (local, p) = (locals.get(index)?, pending.get_mut(index)?);
                 let key = self.record_key(index)?;
                 let mut view = self.read(store, index, now).ok()?;
-                for _ in 0..MAX_ATTEMPTS {
+                let View { stored, record } = &mut view;
+                // The first attempt decides on the record just read, a later one on the record
+                // read again.
+                let mut fresh = false;
+                let written = update_from(store, key, stored, MAX_ATTEMPTS, |current| {
+                    if fresh {
+                        *record = self.record_of(current, now);
+                    }
+                    fresh = true;
                     let mine = local.in_use();
-                    local.published(mine, view.record.in_flight.others(vm, now));
-                    let stale = view.record.in_flight.needs_heartbeat(vm, mine, now);
-                    if (!stale && p.is_empty())
-                        || (view.stored.is_none() && mine == 0 && p.is_empty())
-                    {
-                        break;
+                    local.published(mine, record.in_flight.others(vm, now));
+                    let stale = record.in_flight.needs_heartbeat(vm, mine, now);
+                    if (!stale && p.is_empty()) || (current.is_none() && mine == 0 && p.is_empty()) {
+                        return Attempt::Done(false);
                     }
-                    self.apply(&mut view.record, p);
-                    view.record.in_flight.publish(vm, mine, now);
-                    match write_back(store, key, view.stored.as_ref(), &view.record.encode()) {
-                        Ok(()) => {
-                            *p = Pending::default();
-                            break;
-                        }
-                        Err(StoreError::CasMismatch) => view = self.read(store, index, now).ok()?,
-                        Err(StoreError::Host(_)) => break,
-                    }
+                    self.apply(record, p);
+                    record.in_flight.publish(vm, mine, now);
+                    Attempt::Write(record.encode(), true)
+                });
+                match written {
+                    Ok(true) => *p = Pending::default(),
+                    Ok(false) | Err(StoreError::Host(_)) => {}
+                    // Every race lost: the record as it is now, for the gauges.
+                    Err(StoreError::CasMismatch) => view = self.read(store, index, now).ok()?,
                 }
                 p.limit_seen = view.record.limit;
                 Some(ClusterState {

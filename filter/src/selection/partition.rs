@@ -13,7 +13,7 @@
 
 use crate::config::{ClusterSelection, KeyPart};
 use crate::keys::{hash_key, KeyHasher, Source};
-use crate::selection::shuffle::{Random, SplitMix64};
+use crate::primitives::hash::{fnv1a, Random, SplitMix64, FNV1A_BASIS};
 use crate::selection::Confinement;
 
 /// Confines each key to a stable subset of the clusters.
@@ -27,11 +27,6 @@ pub struct Partitioner {
     spill_below: Option<f64>,
 }
 
-/// FNV-1a, 64-bit: a stable, non-secret digest of the configuration.
-fn fnv1a(bytes: &[u8], seed: u64) -> u64 {
-    bytes.iter().fold(seed, |hash, byte| (hash ^ u64::from(*byte)).wrapping_mul(0x0000_0100_0000_01b3))
-}
-
 impl Partitioner {
     /// The partitioner of `config`, if it has a `partition`.
     pub fn new(config: &ClusterSelection) -> Option<Partitioner> {
@@ -42,7 +37,7 @@ impl Partitioner {
             partition.key,
             config.clusters.iter().map(|c| c.as_str()).collect::<Vec<_>>().join(",")
         );
-        let low = fnv1a(identity.as_bytes(), 0xcbf2_9ce4_8422_2325);
+        let low = fnv1a(identity.as_bytes(), FNV1A_BASIS);
         let high = fnv1a(identity.as_bytes(), low);
         let mut seed = [0u8; 16];
         seed[..8].copy_from_slice(&low.to_le_bytes());

@@ -7,7 +7,8 @@
 //! the same way, and last the in-flight entries as [`InFlight`] encodes them.
 
 use super::buckets::{Buckets, Tally};
-use crate::primitives::inflight::{DecodeError, InFlight};
+use crate::primitives::inflight::InFlight;
+use crate::primitives::record::{DecodeError, Reader, Writer};
 
 const RECORD_VERSION: u8 = 1;
 const HEADER_LEN: usize = 4 + 4 + 8;
@@ -24,21 +25,9 @@ pub struct ClusterRecord {
     pub in_flight: InFlight,
 }
 
-fn u32_at(bytes: &[u8], at: usize) -> Result<u32, DecodeError> {
-    let end = at.checked_add(4).ok_or(DecodeError::Malformed)?;
-    let slice = bytes.get(at..end).ok_or(DecodeError::Malformed)?;
-    <[u8; 4]>::try_from(slice).map(u32::from_le_bytes).map_err(|_| DecodeError::Malformed)
-}
-
-fn u64_at(bytes: &[u8], at: usize) -> Result<u64, DecodeError> {
-    let end = at.checked_add(8).ok_or(DecodeError::Malformed)?;
-    let slice = bytes.get(at..end).ok_or(DecodeError::Malformed)?;
-    <[u8; 8]>::try_from(slice).map(u64::from_le_bytes).map_err(|_| DecodeError::Malformed)
-}
-
-fn tally_at(bytes: &[u8], at: usize) -> Result<Tally, DecodeError> {
-    let finished = u32_at(bytes, at)?;
-    let succeeded = u32_at(bytes, at.saturating_add(4))?;
+fn tally(reader: &mut Reader<'_>) -> Result<Tally, DecodeError> {
+    let finished = reader.u32()?;
+    let succeeded = reader.u32()?;
     if succeeded > finished {
         return Err(DecodeError::Malformed);
     }
@@ -58,25 +47,19 @@ impl ClusterRecord {
     /// Reads a record written with `buckets` buckets, refusing anything malformed (truncated,
     /// padded, another version or bucket count, more successes than requests).
     pub fn decode(bytes: &[u8], buckets: usize) -> Result<ClusterRecord, DecodeError> {
-        let [version, count, _, _] = <[u8; 4]>::try_from(bytes.get(..4).ok_or(DecodeError::Malformed)?)
-            .map_err(|_| DecodeError::Malformed)?;
+        let mut reader = Reader::new(bytes);
+        let [version, count, _, _] = reader.array::<4>()?;
         if version != RECORD_VERSION || usize::from(count) != buckets {
             return Err(DecodeError::Malformed);
         }
-        let limit = u32_at(bytes, 4)?;
-        let epoch = u64_at(bytes, 8)?;
-        let mut recent = Vec::with_capacity(buckets);
-        let mut at = HEADER_LEN;
-        for _ in 0..buckets {
-            recent.push(tally_at(bytes, at)?);
-            at = at.saturating_add(TALLY_LEN);
-        }
-        let sticky = tally_at(bytes, at)?;
-        let rest = bytes.get(at.saturating_add(TALLY_LEN)..).ok_or(DecodeError::Malformed)?;
+        let limit = reader.u32()?;
+        let epoch = reader.u64()?;
+        let recent = (0..buckets).map(|_| tally(&mut reader)).collect::<Result<_, _>>()?;
+        let sticky = tally(&mut reader)?;
         Ok(ClusterRecord {
             limit,
             buckets: Buckets { epoch, recent, sticky },
-            in_flight: InFlight::decode(rest)?,
+            in_flight: InFlight::decode(reader.rest())?,
         })
     }
 
@@ -89,14 +72,14 @@ impl ClusterRecord {
                 .saturating_add(count.saturating_add(1).saturating_mul(TALLY_LEN))
                 .saturating_add(in_flight.len()),
         );
-        out.extend_from_slice(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
-        out.extend_from_slice(&self.limit.to_le_bytes());
-        out.extend_from_slice(&self.buckets.epoch.to_le_bytes());
+        out.put(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
+        out.put_u32(self.limit);
+        out.put_u64(self.buckets.epoch);
         for tally in self.buckets.recent.iter().take(count).chain(std::iter::once(&self.buckets.sticky)) {
-            out.extend_from_slice(&tally.finished.to_le_bytes());
-            out.extend_from_slice(&tally.succeeded.to_le_bytes());
+            out.put_u32(tally.finished);
+            out.put_u32(tally.succeeded);
         }
-        out.extend_from_slice(&in_flight);
+        out.put(&in_flight);
         out
     }
 }

@@ -51,7 +51,7 @@ pub mod per_key;
 
 use crate::config::{LoadShedding, Name};
 use crate::primitives::inflight::{admits, in_flight_units, InFlight, Permit, LocalCount};
-use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::store::{update, Attempt, SharedStore, StoreError, Stored};
 use crate::primitives::time::MonoMillis;
 
 /// The admission threshold of a class: `max(1, ⌊shed_at × max_active_requests⌋)`.
@@ -82,9 +82,6 @@ pub struct Shed {
     /// True when the shared count could not be updated (CAS attempts ran out).
     pub contention: bool,
 }
-
-/// Attempts to publish an admission before shedding on contention.
-pub const MAX_ATTEMPTS: u32 = 32;
 
 /// The proxy-wide in-flight limit of one filter instance.
 #[derive(Clone, Debug)]
@@ -180,14 +177,8 @@ impl Shedder {
             .unwrap_or(self.default_class)
     }
 
-    fn read<S: SharedStore + ?Sized>(&self, store: &S) -> Result<(Option<crate::primitives::store::Stored>, InFlight), StoreError> {
-        let stored = store.get(&self.key)?;
-        // A malformed record is not trusted: it is replaced by this VM's view at the next write.
-        let record = stored
-            .as_ref()
-            .and_then(|s| InFlight::decode(&s.value).ok())
-            .unwrap_or_default();
-        Ok((stored, record))
+    fn read<S: SharedStore + ?Sized>(&self, store: &S) -> Result<InFlight, StoreError> {
+        Ok(record_of(store.get(&self.key)?.as_ref()))
     }
 
     /// Admits a request of `class` on VM `vm` whose local count is `local`, or sheds it: from
@@ -205,32 +196,30 @@ impl Shedder {
             return Ok(Permit::taken(local));
         }
         let mut last_total = local.in_use();
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok((stored, mut record)) = self.read(store) else {
-                break;
-            };
+        let published = update(store, &self.key, |current| {
+            let mut record = record_of(current);
             let mine = local.in_use();
             let others = record.others(vm, now);
             last_total = match admits(&record, vm, mine, threshold, now) {
                 Ok(total) => total,
-                Err(total) => return Err(Shed { in_flight: total, class, contention: false }),
+                Err(total) => return Attempt::Done(Err(Shed { in_flight: total, class, contention: false })),
             };
             // The reserve is sized on the lowest threshold (≤ this class's), so it never takes
             // the count past any class's: `in_flight_units` stays within `lowest − others`.
             let wanted = in_flight_units(mine.saturating_add(1), others, record.other_vms(vm, now), self.lowest_threshold);
             if !record.publish(vm, wanted, now) {
-                break;
+                return Attempt::Done(Err(Shed { in_flight: last_total, class, contention: true }));
             }
-            match write_back(store, &self.key, stored.as_ref(), &record.encode()) {
-                Ok(()) => {
-                    local.admitted(wanted, others);
-                    return Ok(Permit::taken(local));
-                }
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => break,
+            Attempt::Write(record.encode(), Ok((wanted, others)))
+        });
+        match published {
+            Ok(Ok((wanted, others))) => {
+                local.admitted(wanted, others);
+                Ok(Permit::taken(local))
             }
+            Ok(Err(shed)) => Err(shed),
+            Err(_) => Err(Shed { in_flight: last_total, class, contention: true }),
         }
-        Err(Shed { in_flight: last_total, class, contention: true })
     }
 
     /// Ends an admitted request: lowers the local count, and publishes it when the VM holds
@@ -270,7 +259,7 @@ impl Shedder {
         local: &LocalCount,
         now: MonoMillis,
     ) -> u32 {
-        self.read(store).map_or(local.in_use(), |(_, record)| {
+        self.read(store).map_or(local.in_use(), |record| {
             record.others(vm, now).saturating_add(local.in_use())
         })
     }
@@ -292,36 +281,36 @@ impl Shedder {
         now: MonoMillis,
     ) -> u32 {
         let mut total = local.in_use();
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok((stored, mut record)) = self.read(store) else {
-                break;
-            };
+        // Best effort: a write that loses every race is made by the next heartbeat.
+        let _ = update(store, &self.key, |current| {
+            let mut record = record_of(current);
             let mine = local.in_use();
             let others = record.others(vm, now);
             total = others.saturating_add(mine);
             // Lowering is safe before the write lands: the record holds at least as much.
             local.published(mine, others);
-            if !record.needs_heartbeat(vm, mine, now) {
-                break;
-            }
-            if stored.is_none() && mine == 0 {
-                break;
+            if !record.needs_heartbeat(vm, mine, now) || (current.is_none() && mine == 0) {
+                return Attempt::Done(());
             }
             record.publish(vm, mine, now);
-            match write_back(store, &self.key, stored.as_ref(), &record.encode()) {
-                Err(StoreError::CasMismatch) => continue,
-                _ => break,
-            }
-        }
+            Attempt::Write(record.encode(), ())
+        });
         total
     }
+}
+
+/// The in-flight record as read (`None`: absent). A malformed record is not trusted: it is
+/// replaced by this VM's view at the next write.
+fn record_of(stored: Option<&Stored>) -> InFlight {
+    stored.and_then(|s| InFlight::decode(&s.value).ok()).unwrap_or_default()
 }
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
-    use crate::primitives::inflight::{DecodeError, STALE_AFTER_MS};
+    use crate::primitives::inflight::STALE_AFTER_MS;
+    use crate::primitives::record::DecodeError;
     use crate::primitives::inflight::RESERVE_MAX;
     use std::cell::Cell;
     use std::rc::Rc;

@@ -11,7 +11,8 @@
 
 use crate::config::{KeyPart, PerKey};
 use crate::primitives::inflight::{HEARTBEAT_MS, STALE_AFTER_MS};
-use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::record::{DecodeError, Reader, Writer};
+use crate::primitives::store::{update, Attempt, SharedStore, StoreError, Stored};
 use crate::primitives::time::MonoMillis;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -20,8 +21,6 @@ use std::rc::Rc;
 
 /// Entries of one set.
 pub const WAYS: usize = 8;
-/// Attempts to update one set before refusing on contention.
-pub const MAX_ATTEMPTS: u32 = 32;
 
 const RECORD_VERSION: u8 = 1;
 const HEADER_LEN: usize = 4;
@@ -48,38 +47,31 @@ struct KeySet {
 }
 
 impl KeySet {
+    /// Reads a set; `None` for anything malformed (it is not trusted).
     fn decode(bytes: &[u8]) -> Option<KeySet> {
-        let (header, body) = bytes.split_at_checked(HEADER_LEN)?;
-        let [version, count, _, _] = <[u8; HEADER_LEN]>::try_from(header).ok()?;
-        if version != RECORD_VERSION || usize::from(count) > WAYS || body.len() != usize::from(count).saturating_mul(ENTRY_LEN) {
-            return None;
+        fn read(bytes: &[u8]) -> Result<KeySet, DecodeError> {
+            let mut reader = Reader::new(bytes);
+            let [version, count, _, _] = reader.array::<HEADER_LEN>()?;
+            if version != RECORD_VERSION || usize::from(count) > WAYS || reader.remaining() != usize::from(count).saturating_mul(ENTRY_LEN) {
+                return Err(DecodeError::Malformed);
+            }
+            let entries = (0..count)
+                .map(|_| Ok(Entry { key: reader.u64()?, vm: reader.u64()?, in_flight: reader.u32()?, heartbeat: MonoMillis(reader.u64()?) }))
+                .collect::<Result<_, DecodeError>>()?;
+            Ok(KeySet { entries })
         }
-        let entries = body
-            .chunks_exact(ENTRY_LEN)
-            .map(|chunk| {
-                let (key, rest) = chunk.split_at(8);
-                let (vm, rest) = rest.split_at(8);
-                let (in_flight, heartbeat) = rest.split_at(4);
-                Entry {
-                    key: u64::from_le_bytes(key.try_into().unwrap_or_default()),
-                    vm: u64::from_le_bytes(vm.try_into().unwrap_or_default()),
-                    in_flight: u32::from_le_bytes(in_flight.try_into().unwrap_or_default()),
-                    heartbeat: MonoMillis(u64::from_le_bytes(heartbeat.try_into().unwrap_or_default())),
-                }
-            })
-            .collect();
-        Some(KeySet { entries })
+        read(bytes).ok()
     }
 
     fn encode(&self) -> Vec<u8> {
         let count = self.entries.len().min(WAYS);
         let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(count.saturating_mul(ENTRY_LEN)));
-        out.extend_from_slice(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
+        out.put(&[RECORD_VERSION, u8::try_from(count).unwrap_or(u8::MAX), 0, 0]);
         for e in self.entries.iter().take(count) {
-            out.extend_from_slice(&e.key.to_le_bytes());
-            out.extend_from_slice(&e.vm.to_le_bytes());
-            out.extend_from_slice(&e.in_flight.to_le_bytes());
-            out.extend_from_slice(&e.heartbeat.0.to_le_bytes());
+            out.put_u64(e.key);
+            out.put_u64(e.vm);
+            out.put_u32(e.in_flight);
+            out.put_u64(e.heartbeat.0);
         }
         out
     }
@@ -105,6 +97,12 @@ impl KeySet {
         self.entries.push(Entry { key, vm, in_flight, heartbeat: now });
         true
     }
+}
+
+/// A set as read (`None`: absent). A malformed record is not trusted: it is replaced at the next
+/// write.
+fn set_of(stored: Option<&Stored>) -> KeySet {
+    stored.and_then(|s| KeySet::decode(&s.value)).unwrap_or_default()
 }
 
 /// This worker's own counts per key (exact: a worker is single-threaded), shared by the permits.
@@ -184,11 +182,8 @@ impl PerKeyCap {
         format!("{}{}", self.key_prefix, key.checked_rem(self.sets.get()).unwrap_or(0))
     }
 
-    fn read<S: SharedStore + ?Sized>(&self, store: &S, set_key: &str) -> Result<(Option<crate::primitives::store::Stored>, KeySet), StoreError> {
-        let stored = store.get(set_key)?;
-        // A malformed record is not trusted: it is replaced at the next write.
-        let set = stored.as_ref().and_then(|s| KeySet::decode(&s.value)).unwrap_or_default();
-        Ok((stored, set))
+    fn read<S: SharedStore + ?Sized>(&self, store: &S, set_key: &str) -> Result<KeySet, StoreError> {
+        Ok(set_of(store.get(set_key)?.as_ref()))
     }
 
     /// Admits a request of the key of hash `key` on worker `vm` (its counts `local`), or
@@ -203,25 +198,25 @@ impl PerKeyCap {
     ) -> Result<KeyPermit, CapRefusal> {
         let set_key = self.set_key(key);
         let mine = local.borrow().get(&key).copied().unwrap_or(0);
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok((stored, mut set)) = self.read(store, &set_key) else { break };
+        let published = update(store, &set_key, |current| {
+            let mut set = set_of(current);
             let in_flight = set.others(key, vm, now).saturating_add(mine);
             if in_flight >= self.max_active_requests {
-                return Err(CapRefusal::Full { in_flight });
+                return Attempt::Done(Err(CapRefusal::Full { in_flight }));
             }
             if !set.publish(key, vm, mine.saturating_add(1), now) {
-                return Err(CapRefusal::Untracked);
+                return Attempt::Done(Err(CapRefusal::Untracked));
             }
-            match write_back(store, &set_key, stored.as_ref(), &set.encode()) {
-                Ok(()) => {
-                    *local.borrow_mut().entry(key).or_insert(0) = mine.saturating_add(1);
-                    return Ok(KeyPermit { key, local: Rc::clone(local), released: false });
-                }
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => break,
+            Attempt::Write(set.encode(), Ok(()))
+        });
+        match published {
+            Ok(Ok(())) => {
+                *local.borrow_mut().entry(key).or_insert(0) = mine.saturating_add(1);
+                Ok(KeyPermit { key, local: Rc::clone(local), released: false })
             }
+            Ok(Err(refusal)) => Err(refusal),
+            Err(_) => Err(CapRefusal::Untracked),
         }
-        Err(CapRefusal::Untracked)
     }
 
     /// Ends an admitted request: lowers the worker's count and publishes it (should the write
@@ -236,24 +231,20 @@ impl PerKeyCap {
 
     fn publish<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, key: u64, count: u32, now: MonoMillis) -> bool {
         let set_key = self.set_key(key);
-        for _ in 0..MAX_ATTEMPTS {
-            let Ok((stored, mut set)) = self.read(store, &set_key) else { return false };
-            let current = match set.entries.iter().find(|e| e.key == key && e.vm == vm) {
+        update(store, &set_key, |current| {
+            let mut set = set_of(current);
+            let published = match set.entries.iter().find(|e| e.key == key && e.vm == vm) {
                 Some(e) => e.in_flight == count && now.saturating_since(e.heartbeat) < HEARTBEAT_MS,
                 None => count == 0,
             };
-            if current {
-                return true;
+            if published {
+                return Attempt::Done(true);
             }
             // Lowering always fits; a count the worker already holds was granted before.
             set.publish(key, vm, count, now);
-            match write_back(store, &set_key, stored.as_ref(), &set.encode()) {
-                Ok(()) => return true,
-                Err(StoreError::CasMismatch) => continue,
-                Err(StoreError::Host(_)) => return false,
-            }
-        }
-        false
+            Attempt::Write(set.encode(), true)
+        })
+        .unwrap_or(false)
     }
 
     /// Once a second: refreshes this worker's entries (so they stay live), publishes counts whose
@@ -273,7 +264,7 @@ impl PerKeyCap {
     /// Requests of the key of hash `key` in flight proxy-wide, as this worker reads them.
     pub fn in_flight<S: SharedStore + ?Sized>(&self, store: &S, vm: u64, local: &LocalKeys, key: u64, now: MonoMillis) -> u32 {
         let mine = local.borrow().get(&key).copied().unwrap_or(0);
-        self.read(store, &self.set_key(key)).map_or(mine, |(_, set)| set.others(key, vm, now).saturating_add(mine))
+        self.read(store, &self.set_key(key)).map_or(mine, |set| set.others(key, vm, now).saturating_add(mine))
     }
 }
 

@@ -18,13 +18,17 @@
 use super::outbox::Delta;
 use super::protocol::{self, Counter, ProtocolError, Totals};
 use crate::fleet::Answer;
-use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::record::{DecodeError, Fill, Reader, Writer};
+use crate::primitives::store::{update_from, Attempt, SharedStore, StoreError};
 use crate::primitives::time::UnixMillis;
 
 /// A leadership whose heartbeat is this many intervals old is taken over...
 pub const LEASE_STALE_INTERVALS: u64 = 5;
 /// ...and at least this old (ms).
 pub const LEASE_STALE_MIN_MS: u64 = 1000;
+/// Compare-and-swap attempts of one claim: a lost race means another VM just wrote the
+/// leadership, which is the answer (it leads), so there is no second attempt.
+const CLAIM_ATTEMPTS: u32 = 1;
 
 /// The leadership record: the leader's VM id and heartbeat (little-endian `u64`s).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,18 +40,18 @@ pub struct Leadership {
 }
 
 impl Leadership {
-    fn decode(bytes: &[u8]) -> Option<Leadership> {
-        let vm = <[u8; 8]>::try_from(bytes.get(..8)?).ok().map(u64::from_le_bytes)?;
-        let heartbeat = <[u8; 8]>::try_from(bytes.get(8..16)?).ok().map(u64::from_le_bytes)?;
-        (bytes.len() == 16).then_some(Leadership { vm, heartbeat: UnixMillis(heartbeat) })
+    fn decode(bytes: &[u8]) -> Result<Leadership, DecodeError> {
+        let mut reader = Reader::new(bytes);
+        let leadership = Leadership { vm: reader.u64()?, heartbeat: UnixMillis(reader.u64()?) };
+        reader.end()?;
+        Ok(leadership)
     }
 
     fn encode(&self) -> [u8; 16] {
         let mut out = [0u8; 16];
-        let bytes = self.vm.to_le_bytes().into_iter().chain(self.heartbeat.0.to_le_bytes());
-        for (dst, src) in out.iter_mut().zip(bytes) {
-            *dst = src;
-        }
+        let mut writer = Fill::new(&mut out);
+        writer.put_u64(self.vm);
+        writer.put_u64(self.heartbeat.0);
         out
     }
 }
@@ -61,25 +65,27 @@ pub fn lead<S: SharedStore + ?Sized>(
     now: UnixMillis,
     interval_ms: u64,
 ) -> Result<bool, StoreError> {
-    let stored = store.get(key)?;
-    let current = stored.as_ref().and_then(|s| Leadership::decode(&s.value));
     let stale_after = interval_ms.saturating_mul(LEASE_STALE_INTERVALS).max(LEASE_STALE_MIN_MS);
-    let free = match current {
-        None => true,
-        Some(leader) if leader.vm == vm => true,
-        // A heartbeat from the future (a clock step) counts as stale too, past the same margin.
-        Some(leader) => {
-            now.saturating_since(leader.heartbeat) >= stale_after
-                || leader.heartbeat.saturating_since(now) >= stale_after
+    let mut read = store.get(key)?;
+    let claimed = update_from(store, key, &mut read, CLAIM_ATTEMPTS, |current| {
+        let free = match current.and_then(|s| Leadership::decode(&s.value).ok()) {
+            None => true,
+            Some(leader) if leader.vm == vm => true,
+            // A heartbeat from the future (a clock step) counts as stale too, past the same margin.
+            Some(leader) => {
+                now.saturating_since(leader.heartbeat) >= stale_after
+                    || leader.heartbeat.saturating_since(now) >= stale_after
+            }
+        };
+        if free {
+            Attempt::Write(Leadership { vm, heartbeat: now }.encode(), true)
+        } else {
+            Attempt::Done(false)
         }
-    };
-    if !free {
-        return Ok(false);
-    }
-    match write_back(store, key, stored.as_ref(), &Leadership { vm, heartbeat: now }.encode()) {
-        Ok(()) => Ok(true),
+    });
+    match claimed {
         Err(StoreError::CasMismatch) => Ok(false),
-        Err(e) => Err(e),
+        other => other,
     }
 }
 

@@ -62,9 +62,10 @@ pub mod view;
 
 use crate::keys::fleet::FleetHasher;
 use crate::config::{Config, Consistency, Scope};
+use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::Probe;
-use crate::primitives::store::{write_back, SharedStore, StoreError};
+use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::UnixMillis;
 use crate::fleet::Answer;
 use leadership::{Failure, Flusher};
@@ -75,8 +76,6 @@ use view::{record_of, ViewCache, ViewIndex, ViewRecord, REFRESH_AFTER_INTERVALS,
 pub const MAX_VM_DELTAS: usize = 4096;
 /// A batch with nothing but refreshes goes out at most this often (ms).
 pub const REFRESH_ONLY_EVERY_MS: u64 = 1000;
-/// Compare-and-swap attempts on one record.
-const MAX_ATTEMPTS: u32 = 16;
 
 
 /// What a decision adds for the other proxies of the fleet.
@@ -351,29 +350,17 @@ impl GlobalScope {
     }
 
     fn move_to_outbox<S: SharedStore + ?Sized>(&self, store: &S, key: &str, deltas: &mut Deltas) -> Result<(), StoreError> {
-        for _ in 0..MAX_ATTEMPTS {
-            let stored = store.get(key)?;
-            let mut outbox = stored
-                .as_ref()
+        let left = update(store, key, |current| {
+            let mut outbox = current
                 .and_then(|s| Deltas::decode(&s.value, OUTBOX_CAPACITY).ok())
                 .unwrap_or_else(|| Deltas::new(OUTBOX_CAPACITY));
-            let pending = deltas.take();
-            let left = outbox.absorb(pending.iter().copied());
-            match write_back(store, key, stored.as_ref(), &outbox.encode()) {
-                Ok(()) => {
-                    deltas.absorb(left);
-                    return Ok(());
-                }
-                Err(StoreError::CasMismatch) => {
-                    deltas.absorb(pending);
-                }
-                Err(e) => {
-                    deltas.absorb(pending);
-                    return Err(e);
-                }
-            }
-        }
-        Err(StoreError::CasMismatch)
+            let left = outbox.absorb(deltas.iter().copied());
+            Attempt::Write(outbox.encode(), left)
+        })?;
+        // What the outbox had no room for stays in the VM.
+        deltas.take();
+        deltas.absorb(left);
+        Ok(())
     }
 
     /// Takes every outbox's deltas, leaving them empty; returns them and the host errors met.
@@ -381,25 +368,15 @@ impl GlobalScope {
         let mut taken = Vec::new();
         let mut errors = 0u32;
         for key in &self.outbox_keys {
-            for _ in 0..MAX_ATTEMPTS {
-                let Ok(stored) = store.get(key) else {
-                    errors = errors.saturating_add(1);
-                    break;
-                };
-                let Some(current) = stored.as_ref().filter(|s| !s.value.is_empty()) else { break };
+            let emptied = update(store, key, |current| match current.filter(|s| !s.value.is_empty()) {
+                None => Attempt::Done(None),
                 // An unreadable outbox is emptied all the same (nothing in it can be trusted).
-                let outbox = Deltas::decode(&current.value, OUTBOX_CAPACITY).unwrap_or_default();
-                match write_back(store, key, stored.as_ref(), &[]) {
-                    Ok(()) => {
-                        taken.extend(outbox.iter().copied());
-                        break;
-                    }
-                    Err(StoreError::CasMismatch) => continue,
-                    Err(_) => {
-                        errors = errors.saturating_add(1);
-                        break;
-                    }
-                }
+                Some(current) => Attempt::Write(Vec::new(), Some(Deltas::decode(&current.value, OUTBOX_CAPACITY).unwrap_or_default())),
+            });
+            match emptied {
+                Ok(Some(outbox)) => taken.extend(outbox.iter().copied()),
+                Ok(None) | Err(StoreError::CasMismatch) => {}
+                Err(StoreError::Host(_)) => errors = errors.saturating_add(1),
             }
         }
         (taken, errors)
@@ -429,31 +406,18 @@ impl GlobalScope {
         list: &[(Delta, protocol::Totals)],
         now: UnixMillis,
     ) -> Result<ViewRecord, StoreError> {
-        for _ in 0..MAX_ATTEMPTS {
-            let stored = store.get(key)?;
-            let mut record = stored
-                .as_ref()
-                .and_then(|s| ViewRecord::decode(&s.value).ok())
-                .unwrap_or_default();
+        update(store, key, |current| {
+            let mut record = current.and_then(|s| ViewRecord::decode(&s.value).ok()).unwrap_or_default();
             record.apply_batch(list, now, self.view_capacity);
-            match write_back(store, key, stored.as_ref(), &record.encode()) {
-                Err(StoreError::CasMismatch) => continue,
-                Ok(()) => return Ok(record),
-                Err(e) => return Err(e),
-            }
-        }
-        Err(StoreError::CasMismatch)
+            Attempt::Write(record.encode(), record)
+        })
     }
 
     /// Moves the versions of the records `written` and the time of the last success; returns
     /// the index as read and as written.
     fn bump_index<S: SharedStore + ?Sized>(&self, store: &S, written: &[usize], now: UnixMillis) -> Option<(ViewIndex, ViewIndex)> {
-        for _ in 0..MAX_ATTEMPTS {
-            let stored = store.get(&self.index_key).ok()?;
-            let before = stored
-                .as_ref()
-                .and_then(|s| ViewIndex::decode(&s.value).ok())
-                .unwrap_or_default();
+        update(store, &self.index_key, |current| {
+            let before = current.and_then(|s| ViewIndex::decode(&s.value).ok()).unwrap_or_default();
             let mut index = before;
             for &i in written {
                 if let Some(v) = index.versions.get_mut(i) {
@@ -461,13 +425,9 @@ impl GlobalScope {
                 }
             }
             index.last_success = Some(now);
-            match write_back(store, &self.index_key, stored.as_ref(), &index.encode()) {
-                Err(StoreError::CasMismatch) => continue,
-                Ok(()) => return Some((before, index)),
-                Err(_) => return None,
-            }
-        }
-        None
+            Attempt::Write(index.encode(), (before, index))
+        })
+        .ok()
     }
 }
 
@@ -478,9 +438,7 @@ pub fn bucket_of(now: UnixMillis, window_ms: u64) -> u64 {
 
 /// A rule's stable id: FNV-1a of its name.
 pub fn rule_id(name: &str) -> u64 {
-    name.bytes().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
-        (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    fnv1a(name.as_bytes(), FNV1A_BASIS)
 }
 
 #[cfg(test)]

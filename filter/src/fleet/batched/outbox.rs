@@ -13,7 +13,8 @@
 //! bucket `u64`, the delta `u32`, the requests `u32` (version 2).
 
 use crate::keys::fleet::FleetKey;
-use crate::keys::MixMap;
+use crate::primitives::hash::MixMap;
+use crate::primitives::record::{DecodeError, Reader, Writer};
 
 /// Outbox records per proxy.
 pub const OUTBOXES: u64 = 4;
@@ -47,13 +48,6 @@ impl Delta {
     fn slot(&self) -> (u64, u64, u64) {
         (self.rule, self.fingerprint, self.bucket)
     }
-}
-
-/// Why a record could not be read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecodeError {
-    /// Truncated, padded, another version, or more deltas than allowed.
-    Malformed,
 }
 
 /// Deltas merged by rule, key and bucket, at most `max` of them, in arrival order.
@@ -144,16 +138,15 @@ impl Deltas {
     /// The outbox record of these deltas.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(self.entries.len().saturating_mul(DELTA_LEN)));
-        out.extend_from_slice(&[RECORD_VERSION, 0, 0, 0]);
-        out.extend_from_slice(&u32::try_from(self.entries.len()).unwrap_or(u32::MAX).to_le_bytes());
+        out.put_list_header(RECORD_VERSION, self.entries.len());
         for d in &self.entries {
-            out.extend_from_slice(&d.rule.to_le_bytes());
-            out.extend_from_slice(&d.fingerprint.to_le_bytes());
-            out.extend_from_slice(&d.key.0.to_le_bytes());
-            out.extend_from_slice(&d.window_ms.to_le_bytes());
-            out.extend_from_slice(&d.bucket.to_le_bytes());
-            out.extend_from_slice(&d.delta.to_le_bytes());
-            out.extend_from_slice(&d.requests.to_le_bytes());
+            out.put_u64(d.rule);
+            out.put_u64(d.fingerprint);
+            out.put_u128(d.key.0);
+            out.put_u64(d.window_ms);
+            out.put_u64(d.bucket);
+            out.put_u32(d.delta);
+            out.put_u32(d.requests);
         }
         out
     }
@@ -164,36 +157,26 @@ impl Deltas {
         if bytes.is_empty() {
             return Ok(deltas);
         }
-        let (header, body) = bytes.split_at_checked(HEADER_LEN).ok_or(DecodeError::Malformed)?;
-        let count = header
-            .get(4..8)
-            .and_then(|b| <[u8; 4]>::try_from(b).ok())
-            .map(u32::from_le_bytes)
-            .and_then(|c| usize::try_from(c).ok())
-            .ok_or(DecodeError::Malformed)?;
-        if header.first() != Some(&RECORD_VERSION) || count > max || body.len() != count.saturating_mul(DELTA_LEN) {
+        let mut reader = Reader::new(bytes);
+        let (version, count) = reader.list_header(DELTA_LEN)?;
+        if version != RECORD_VERSION || count > max {
             return Err(DecodeError::Malformed);
         }
         deltas.reserve(count);
-        for chunk in body.chunks_exact(DELTA_LEN) {
-            let mut at = 0usize;
-            let mut field = |n: usize| {
-                let slice = chunk.get(at..at.saturating_add(n)).unwrap_or_default();
-                at = at.saturating_add(n);
-                slice
+        for _ in 0..count {
+            let delta = Delta {
+                rule: reader.u64()?,
+                fingerprint: reader.u64()?,
+                key: FleetKey(reader.u128()?),
+                window_ms: reader.u64()?,
+                bucket: reader.u64()?,
+                delta: reader.u32()?,
+                requests: reader.u32()?,
             };
-            let u64_of = |b: &[u8]| <[u8; 8]>::try_from(b).map(u64::from_le_bytes).unwrap_or(0);
-            let rule = u64_of(field(8));
-            let fingerprint = u64_of(field(8));
-            let key = FleetKey(<[u8; 16]>::try_from(field(16)).map(u128::from_le_bytes).unwrap_or(0));
-            let window_ms = u64_of(field(8));
-            let bucket = u64_of(field(8));
-            let delta = <[u8; 4]>::try_from(field(4)).map(u32::from_le_bytes).unwrap_or(0);
-            let requests = <[u8; 4]>::try_from(field(4)).map(u32::from_le_bytes).unwrap_or(0);
-            if window_ms == 0 {
+            if delta.window_ms == 0 {
                 return Err(DecodeError::Malformed);
             }
-            deltas.add(Delta { rule, fingerprint, key, window_ms, bucket, delta, requests });
+            deltas.add(delta);
         }
         Ok(deltas)
     }

@@ -13,6 +13,7 @@
 //! order, the fleet-wide totals of its bucket (`current`) and of the bucket before (`previous`)
 //! after the batch.
 
+use crate::fleet::protocol::{push_decimal, push_hex};
 use crate::keys::fleet::FleetKey;
 use serde::Deserialize;
 
@@ -109,33 +110,6 @@ pub fn encode_request(source: u64, seq: u64, counters: &[Counter]) -> Vec<u8> {
     out
 }
 
-/// Appends the `digits` (≤ 32) low hex digits of `value`, lowercase, zero-padded.
-pub(crate) fn push_hex(out: &mut Vec<u8>, value: u128, digits: usize) {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut text = [b'0'; 32];
-    for (pair, byte) in text.chunks_exact_mut(2).zip(value.to_be_bytes()) {
-        let high = HEX.get(usize::from(byte >> 4)).copied().unwrap_or(b'0');
-        let low = HEX.get(usize::from(byte & 0xf)).copied().unwrap_or(b'0');
-        pair.copy_from_slice(&[high, low]);
-    }
-    out.extend_from_slice(text.get(text.len().saturating_sub(digits)..).unwrap_or_default());
-}
-
-/// Appends `value` in decimal.
-pub(crate) fn push_decimal(out: &mut Vec<u8>, mut value: u64) {
-    let mut text = [0u8; 20];
-    let mut start = text.len();
-    for slot in text.iter_mut().rev() {
-        *slot = b'0'.saturating_add(u8::try_from(value % 10).unwrap_or(0));
-        value /= 10;
-        start = start.saturating_sub(1);
-        if value == 0 {
-            break;
-        }
-    }
-    out.extend_from_slice(text.get(start..).unwrap_or_default());
-}
-
 /// The totals of a `200` response to a batch of `sent` counters. The compact form
 /// `floodgate-sync` writes is read by [`decode_compact`] (serde_json took about 1 200
 /// instructions per counter); anything else, other spacing included, by serde_json, which also
@@ -221,21 +195,6 @@ mod tests {
             ]})
         );
         assert_eq!(encode_request(1, 1, &[]), br#"{"version":1,"proxy":"0000000000000001","seq":1,"counters":[]}"#);
-    }
-
-    #[test]
-    fn numbers_are_written_whole_at_their_extremes() {
-        let mut out = Vec::new();
-        for (value, text) in [(0, "0"), (7, "7"), (10, "10"), (u64::MAX, "18446744073709551615")] {
-            out.clear();
-            push_decimal(&mut out, value);
-            assert_eq!(out, text.as_bytes());
-        }
-        out.clear();
-        push_hex(&mut out, u128::MAX, 32);
-        push_hex(&mut out, 0, 32);
-        push_hex(&mut out, 0xabc, 16);
-        assert_eq!(out, format!("{}{}{:016x}", "f".repeat(32), "0".repeat(32), 0xabc).as_bytes());
     }
 
     #[test]

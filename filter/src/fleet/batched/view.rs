@@ -87,7 +87,8 @@ use super::protocol::Totals;
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::window::Counts;
 use crate::primitives::time::UnixMillis;
-use crate::keys::MixMap;
+use crate::primitives::hash::MixMap;
+use crate::primitives::record::{DecodeError, Reader, Writer};
 
 /// Records the view is spread over. Every worker reads the index and each record that changed
 /// at every tick, one host call each, and a batch of a busy proxy changes them all: few records
@@ -310,13 +311,6 @@ pub fn record_of(fingerprint: u64) -> usize {
     usize::try_from(fingerprint.checked_rem(VIEW_RECORDS as u64).unwrap_or(0)).unwrap_or(0)
 }
 
-/// Why a record could not be read.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DecodeError {
-    /// Truncated, padded, or another version.
-    Malformed,
-}
-
 /// One view record's entries.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ViewRecord {
@@ -331,29 +325,25 @@ impl ViewRecord {
         if bytes.is_empty() {
             return Ok(record);
         }
-        let (header, body) = bytes.split_at_checked(8).ok_or(DecodeError::Malformed)?;
-        let count = header.get(4..8).and_then(|b| <[u8; 4]>::try_from(b).ok()).map(u32::from_le_bytes);
-        let count = usize::try_from(count.ok_or(DecodeError::Malformed)?).map_err(|_| DecodeError::Malformed)?;
-        if header.first() != Some(&RECORD_VERSION) || body.len() != count.saturating_mul(ENTRY_LEN) {
+        let mut reader = Reader::new(bytes);
+        let (version, count) = reader.list_header(ENTRY_LEN)?;
+        if version != RECORD_VERSION {
             return Err(DecodeError::Malformed);
         }
         record.entries.reserve(count);
-        for chunk in body.chunks_exact(ENTRY_LEN) {
-            let u64_at = |at: usize| chunk.get(at..at.saturating_add(8)).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes);
-            let u32_at = |at: usize| chunk.get(at..at.saturating_add(4)).and_then(|b| <[u8; 4]>::try_from(b).ok()).map_or(0, u32::from_le_bytes);
-            let key = chunk.get(16..32).and_then(|b| <[u8; 16]>::try_from(b).ok()).map_or(0, u128::from_le_bytes);
+        for _ in 0..count {
             let entry = ViewEntry {
-                rule: u64_at(0),
-                fingerprint: u64_at(8),
-                key: FleetKey(key),
-                window_ms: u64_at(32),
-                bucket: u64_at(40),
-                total: Counts { previous: u32_at(48), current: u32_at(52) },
-                applied: Counts { previous: u32_at(56), current: u32_at(60) },
-                synced: UnixMillis(u64_at(64)),
-                rate: RemoteRate { grew_units: u32_at(72), over_ms: u32_at(76) },
-                share: Share { local: f32::from_bits(u32_at(80)), remote: f32::from_bits(u32_at(84)) },
-                grew_at: UnixMillis(u64_at(88)),
+                rule: reader.u64()?,
+                fingerprint: reader.u64()?,
+                key: FleetKey(reader.u128()?),
+                window_ms: reader.u64()?,
+                bucket: reader.u64()?,
+                total: Counts { previous: reader.u32()?, current: reader.u32()? },
+                applied: Counts { previous: reader.u32()?, current: reader.u32()? },
+                synced: UnixMillis(reader.u64()?),
+                rate: RemoteRate { grew_units: reader.u32()?, over_ms: reader.u32()? },
+                share: Share { local: f32::from_bits(reader.u32()?), remote: f32::from_bits(reader.u32()?) },
+                grew_at: UnixMillis(reader.u64()?),
             };
             if !entry.share.local.is_finite() || !entry.share.remote.is_finite() {
                 return Err(DecodeError::Malformed);
@@ -370,23 +360,22 @@ impl ViewRecord {
     pub fn encode(&self) -> Vec<u8> {
         let count = self.entries.len().min(u32::MAX as usize);
         let mut out = Vec::with_capacity(8usize.saturating_add(count.saturating_mul(ENTRY_LEN)));
-        out.extend_from_slice(&[RECORD_VERSION, 0, 0, 0]);
-        out.extend_from_slice(&u32::try_from(count).unwrap_or(u32::MAX).to_le_bytes());
+        out.put_list_header(RECORD_VERSION, count);
         for e in self.entries.values().take(count) {
-            out.extend_from_slice(&e.rule.to_le_bytes());
-            out.extend_from_slice(&e.fingerprint.to_le_bytes());
-            out.extend_from_slice(&e.key.0.to_le_bytes());
-            out.extend_from_slice(&e.window_ms.to_le_bytes());
-            out.extend_from_slice(&e.bucket.to_le_bytes());
+            out.put_u64(e.rule);
+            out.put_u64(e.fingerprint);
+            out.put_u128(e.key.0);
+            out.put_u64(e.window_ms);
+            out.put_u64(e.bucket);
             for value in [e.total.previous, e.total.current, e.applied.previous, e.applied.current] {
-                out.extend_from_slice(&value.to_le_bytes());
+                out.put_u32(value);
             }
-            out.extend_from_slice(&e.synced.0.to_le_bytes());
-            out.extend_from_slice(&e.rate.grew_units.to_le_bytes());
-            out.extend_from_slice(&e.rate.over_ms.to_le_bytes());
-            out.extend_from_slice(&e.share.local.to_bits().to_le_bytes());
-            out.extend_from_slice(&e.share.remote.to_bits().to_le_bytes());
-            out.extend_from_slice(&e.grew_at.0.to_le_bytes());
+            out.put_u64(e.synced.0);
+            out.put_u32(e.rate.grew_units);
+            out.put_u32(e.rate.over_ms);
+            out.put_u32(e.share.local.to_bits());
+            out.put_u32(e.share.remote.to_bits());
+            out.put_u64(e.grew_at.0);
         }
         out
     }
@@ -456,22 +445,23 @@ impl ViewIndex {
         if bytes.len() != INDEX_LEN || bytes.first() != Some(&INDEX_VERSION) {
             return Err(DecodeError::Malformed);
         }
-        let u64_at = |at: usize| bytes.get(at..at.saturating_add(8)).and_then(|b| <[u8; 8]>::try_from(b).ok()).map_or(0, u64::from_le_bytes);
+        let mut reader = Reader::new(bytes);
+        reader.array::<8>()?;
+        let last = reader.u64()?;
         let mut versions = [0u64; VIEW_RECORDS];
-        for (i, v) in versions.iter_mut().enumerate() {
-            *v = u64_at(16usize.saturating_add(i.saturating_mul(8)));
+        for v in &mut versions {
+            *v = reader.u64()?;
         }
-        let last = u64_at(8);
         Ok(ViewIndex { last_success: (last > 0).then_some(UnixMillis(last)), versions })
     }
 
     /// Writes the index.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(INDEX_LEN);
-        out.extend_from_slice(&[INDEX_VERSION, 0, 0, 0, 0, 0, 0, 0]);
-        out.extend_from_slice(&self.last_success.map_or(0, |t| t.0).to_le_bytes());
+        out.put(&[INDEX_VERSION, 0, 0, 0, 0, 0, 0, 0]);
+        out.put_u64(self.last_success.map_or(0, |t| t.0));
         for v in &self.versions {
-            out.extend_from_slice(&v.to_le_bytes());
+            out.put_u64(*v);
         }
         out
     }

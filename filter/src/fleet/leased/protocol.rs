@@ -1,9 +1,9 @@
 //! The body of `POST /v1/lease` and its answer (`sync/README.md`, "Leases"): written byte by
-//! byte like the batches ([`crate::fleet::batched::protocol`]), read with serde_json (one small answer
+//! byte like the batches ([`crate::fleet::protocol`]), read with serde_json (one small answer
 //! per call).
 
 use super::{Ask, Grant};
-use crate::fleet::batched::protocol::{push_decimal, push_hex};
+use crate::fleet::protocol::{push_decimal, push_hex};
 use crate::ratelimit::window::Counts;
 use serde::Deserialize;
 
