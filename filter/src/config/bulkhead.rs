@@ -3,7 +3,7 @@
 //! requests in flight (`load_shedding.per_key`).
 
 use super::values::{Fraction, Positive};
-use super::{ConfigError, KeyPart};
+use super::{ConfigError, KeyPart, Mode};
 use serde::Deserialize;
 
 /// The most keys in flight a per-key cap tracks.
@@ -25,6 +25,10 @@ pub struct Partition {
     /// members all are tries the other clusters first (default 0.5).
     #[serde(default)]
     pub spill_below: Option<Fraction>,
+    /// `shadow`: a request whose partition has no room goes to any cluster with room, and is
+    /// counted as a would-be refusal.
+    #[serde(default)]
+    pub mode: Mode,
 }
 
 /// What a request does when its partition is unavailable: every member full, or failing.
@@ -67,6 +71,9 @@ pub struct PerKey {
     /// 228 bytes).
     #[serde(default = "default_per_key_capacity")]
     pub capacity: Positive,
+    /// `shadow`: the cap only counts the requests it would refuse.
+    #[serde(default)]
+    pub mode: Mode,
 }
 
 fn key_text(key: &[KeyPart]) -> String {

@@ -62,6 +62,34 @@ pub struct Config {
     /// The gRPC status codes of refusals of gRPC requests.
     #[serde(default)]
     pub grpc: Grpc,
+    /// `shadow`: every mechanism of the filter only counts what it would refuse (each
+    /// mechanism's own `mode` can also say so).
+    #[serde(default)]
+    pub mode: Mode,
+    /// Write each request's decision into Envoy filter state (`wasm.floodgate.*`), where
+    /// access logs read it.
+    #[serde(default)]
+    pub access_log: bool,
+}
+
+/// Whether a mechanism refuses what it would refuse, or only counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// It refuses (the default).
+    #[default]
+    Enforce,
+    /// It lets the request go on, consumes nothing for it, and counts it as a would-be
+    /// refusal.
+    Shadow,
+}
+
+impl Config {
+    /// Whether a mechanism whose own mode is `mode` is in shadow under this configuration (its
+    /// own mode, or the top-level one).
+    pub fn shadows(&self, mode: Mode) -> bool {
+        self.mode == Mode::Shadow || mode == Mode::Shadow
+    }
 }
 
 /// `load_shedding`: refuse new requests fast when the proxy already has this many in flight, or
@@ -93,6 +121,9 @@ pub struct LoadShedding {
     /// `retry-after` of a shed request (rounded up to whole seconds, at least 1).
     #[serde(default = "default_retry_after")]
     pub retry_after: DurationMs,
+    /// `shadow`: shedding (in-flight and loop lag) only counts what it would shed.
+    #[serde(default)]
+    pub mode: Mode,
 }
 
 /// A priority class.
@@ -215,6 +246,9 @@ pub struct RateLimitRule {
     /// In global scope: how the fleet shares the quota (default `batched`).
     #[serde(default)]
     pub consistency: Consistency,
+    /// `shadow`: the rule only counts the requests it would refuse.
+    #[serde(default)]
+    pub mode: Mode,
 }
 
 /// How the proxies of a fleet share a rule's quota in global scope (`docs/global.md`).
@@ -443,6 +477,12 @@ impl Config {
                         problem: "a leased rule takes its units before the request goes on: its cost must come from a request header".into(),
                     });
                 }
+            }
+            if self.cluster_selection.is_some() && rule.condition.as_ref().is_some_and(|m| m.routes.is_some()) {
+                return Err(ConfigError {
+                    path: at("match.routes"),
+                    problem: "cannot be used with \"cluster_selection\": Envoy picks the request's route after floodgate sets its cluster header, so the route floodgate would read is not the request's".into(),
+                });
             }
             if let Some(first) = earlier_duplicate(&self.rate_limits, index, |r| &r.name) {
                 return Err(ConfigError {

@@ -30,6 +30,10 @@ pub struct Match {
     /// The `:authority` without its port, compared case-insensitively.
     #[serde(default)]
     pub authority: Option<String>,
+    /// The name of the Envoy route the request matched is one of these (the route's `name`
+    /// in the route configuration; in Istio, the `VirtualService` route's `name`).
+    #[serde(default)]
+    pub routes: Option<Vec<String>>,
 }
 
 /// How the path is compared: exactly one of the three.
@@ -240,8 +244,26 @@ fn validate_match(condition: &mut Match, at: &str) -> Result<(), ConfigError> {
         }
         *authority = authority.to_ascii_lowercase();
     }
-    if condition.path.is_none() && condition.methods.is_none() && condition.headers.is_empty() && condition.authority.is_none() {
-        return Err(error(at.to_owned(), "must give at least one condition (path, methods, headers, authority)"));
+    if let Some(routes) = &condition.routes {
+        let here = format!("{at}.routes");
+        if routes.is_empty() || routes.len() > MAX_ENTRIES {
+            return Err(error(here, format!("must list 1 to {MAX_ENTRIES} route names")));
+        }
+        for (index, route) in routes.iter().enumerate() {
+            let here = format!("{here}[{index}]");
+            bounded(&here, route)?;
+            if route.is_empty() {
+                return Err(error(here, "must be a route's name, not empty"));
+            }
+        }
+    }
+    if condition.path.is_none()
+        && condition.methods.is_none()
+        && condition.headers.is_empty()
+        && condition.authority.is_none()
+        && condition.routes.is_none()
+    {
+        return Err(error(at.to_owned(), "must give at least one condition (path, methods, headers, authority, routes)"));
     }
     Ok(())
 }

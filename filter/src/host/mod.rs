@@ -41,7 +41,7 @@ use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType};
 use std::borrow::Cow;
-use std::cell::{Cell, RefCell};
+use std::cell::{Cell, OnceCell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::Duration;
@@ -515,6 +515,8 @@ fn fetch(source: Source<'_>) -> Option<Vec<u8>> {
 /// name only, or the host's map could not be read).
 struct RequestHeaders<'p, 'm> {
     view: Option<HeaderView<'p, 'm>>,
+    /// The matched route's name, once a rule asked for it.
+    route: OnceCell<Option<Vec<u8>>>,
 }
 
 impl<'p, 'm> RequestHeaders<'p, 'm> {
@@ -527,7 +529,7 @@ impl<'p, 'm> RequestHeaders<'p, 'm> {
                 None
             }
         });
-        RequestHeaders { view }
+        RequestHeaders { view, route: OnceCell::new() }
     }
 
     /// The value of request header `name` (the first, as `get_map_value` reads it).
@@ -543,6 +545,11 @@ impl<'p, 'm> RequestHeaders<'p, 'm> {
 impl Attributes for RequestHeaders<'_, '_> {
     fn get(&self, name: &str) -> Option<Cow<'_, [u8]>> {
         RequestHeaders::get(self, name)
+    }
+
+    fn route(&self) -> Option<Cow<'_, [u8]>> {
+        let route = self.route.get_or_init(|| hostcalls::get_property(vec!["xds", "route_name"]).ok().flatten().filter(|r| !r.is_empty()));
+        route.as_deref().map(Cow::Borrowed)
     }
 }
 

@@ -39,6 +39,12 @@ use std::num::NonZeroU32;
 pub trait Attributes {
     /// The (first) value of `name`, if the request has it.
     fn get(&self, name: &str) -> Option<Cow<'_, [u8]>>;
+
+    /// The name of the Envoy route the request matched, if it has one (read only by a rule
+    /// whose `match` names routes).
+    fn route(&self) -> Option<Cow<'_, [u8]>> {
+        None
+    }
 }
 
 /// One segment of a path template.
@@ -106,6 +112,7 @@ struct Condition {
     methods: Option<Vec<Vec<u8>>>,
     headers: Vec<(String, HeaderTest)>,
     authority: Option<Vec<u8>>,
+    routes: Option<Vec<Vec<u8>>>,
 }
 
 impl Condition {
@@ -137,6 +144,13 @@ impl Condition {
             let raw = request.get(":authority");
             let host = raw.as_deref().map(host_of);
             if !host.is_some_and(|h| h.eq_ignore_ascii_case(authority)) {
+                return false;
+            }
+        }
+        // Last: the route's name is a host call, read only when every other condition holds.
+        if let Some(routes) = &self.routes {
+            let route = request.route();
+            if !route.as_deref().is_some_and(|r| routes.iter().any(|name| name.as_slice() == r)) {
                 return false;
             }
         }
@@ -249,6 +263,7 @@ impl Rules {
                     methods: m.methods.as_ref().map(|ms| ms.iter().map(|x| x.as_bytes().to_vec()).collect()),
                     headers: m.headers.iter().map(|h| (h.name.clone(), header_test(h))).collect(),
                     authority: m.authority.as_ref().map(|a| a.as_bytes().to_vec()),
+                    routes: m.routes.as_ref().map(|rs| rs.iter().map(|r| r.as_bytes().to_vec()).collect()),
                 });
                 let tiers = rule.tiers.as_ref().map(|t| {
                     let limits = t.limits.iter().map(|(name, limit)| (name.as_bytes().to_vec(), limit.get())).collect();
