@@ -325,6 +325,21 @@ fn wake(filter: &Rc<Filter>, keys: Vec<FleetKey>, current: u32, clock: &Callback
 
 /// Turns the pipeline's step into host calls: the route header set, or the local reply sent.
 fn apply(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> Action {
+    let decided = step != Step::Wait;
+    let action = act(filter, env, shared, step);
+    if decided && filter.config.access_log {
+        // Filter state, which access logs read as %FILTER_STATE(wasm.floodgate.outcome:PLAIN)%.
+        for (name, value) in shared.borrow().decision().fields(filter) {
+            if let Err(status) = hostcalls::set_property(vec![name], Some(value.as_bytes())) {
+                log::debug!("floodgate: cannot set {name}: {status:?}");
+            }
+        }
+    }
+    action
+}
+
+/// Carries out a step.
+fn act(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> Action {
     match step {
         Step::Continue { route: None } => Action::Continue,
         Step::Continue { route: Some(cluster) } => {

@@ -75,14 +75,28 @@ pub struct Taken {
     pub units: Vec<(FleetKey, u32)>,
     /// When they were taken.
     pub at: UnixMillis,
+    /// The standings of the rules in shadow that would have refused the request (they took
+    /// nothing).
+    pub shadowed: Vec<Standing>,
+}
+
+/// A leased rule's refusal.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Refused {
+    /// The reply.
+    pub reply: Reply,
+    /// The refusing rule.
+    pub rule: usize,
+    /// Where its key stands, when the store could tell.
+    pub standing: Option<Standing>,
 }
 
 /// How the leased rules took a request's units.
 pub enum Decision {
     /// Every leased rule admitted it.
     All(Taken),
-    /// Refused: the reply.
-    Refused(Reply),
+    /// Refused by a rule.
+    Refused(Refused),
     /// It waits for the store, on this key, for these units.
     Wait(FleetKey, u32),
 }
@@ -268,6 +282,7 @@ impl LeasedStage {
         let mut book = self.book.borrow_mut();
         let mut standings = Vec::with_capacity(probes.len());
         let mut taken: Vec<&LeaseProbe> = Vec::with_capacity(probes.len());
+        let mut shadowed = Vec::new();
         let decision = 'rules: {
             for lp in probes {
                 let units = lp.units();
@@ -290,18 +305,27 @@ impl LeasedStage {
                         break 'rules Decision::Wait(lp.key, units);
                     }
                     Take::Refused { refusal, counts } => {
-                        let reply = match refusal {
+                        let rule = lp.probe.rule;
+                        let standing = standing(filter, lp, counts, now.wall);
+                        if filter.shadows.rule(rule) {
+                            // It takes nothing, as a refused request does; the others go on.
+                            increment(metrics, filter.stats.rule(rule).shadow_rejected);
+                            shadowed.push(standing);
+                            continue;
+                        }
+                        let (reply, standing) = match refusal {
                             Refusal::OverLimit => {
-                                let standing = standing(filter, lp, counts, now.wall);
                                 let verdict = Verdict::Rejected { violations: vec![Violation { standing, cause: Cause::OverLimit }] };
-                                replies::rate_limited(&filter.limiter, &verdict, now.wall)
+                                (replies::rate_limited(&filter.limiter, &verdict, now.wall), Some(standing))
                             }
-                            Refusal::StoreDown => None,
+                            Refusal::StoreDown => (None, None),
                         };
-                        increment(metrics, filter.stats.rule(lp.probe.rule).rejected);
-                        break 'rules Decision::Refused(
-                            reply.unwrap_or_else(|| replies::quota_store_unavailable(&filter.limiter, lp.probe.rule)),
-                        );
+                        increment(metrics, filter.stats.rule(rule).rejected);
+                        break 'rules Decision::Refused(Refused {
+                            reply: reply.unwrap_or_else(|| replies::quota_store_unavailable(&filter.limiter, rule)),
+                            rule,
+                            standing,
+                        });
                     }
                 }
             }
@@ -309,7 +333,7 @@ impl LeasedStage {
                 increment(metrics, filter.stats.rule(lp.probe.rule).allowed);
             }
             let units = taken.iter().map(|lp| (lp.key, lp.units())).collect();
-            return Decision::All(Taken { standings, units, at: now.wall });
+            return Decision::All(Taken { standings, units, at: now.wall, shadowed });
         };
         for lp in taken {
             book.untake(lp.key, lp.units(), now.wall);

@@ -20,6 +20,7 @@
 //! attributes ([`Request`]), the response's ([`Attributes`], [`StreamEnd`]), and a random
 //! source for cluster selection.
 
+pub mod decision;
 pub mod headers;
 pub mod leased;
 pub mod stats;
@@ -36,7 +37,7 @@ use crate::primitives::store::SharedStore;
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::rules::{self, Charges, Later, Rules};
-use crate::ratelimit::{Cause, Limiter, Probe, Standing, Verdict};
+use crate::ratelimit::{Cause, Limiter, Probe, Standing, Verdict, Violation};
 use crate::replies::grpc::{self, GrpcReply};
 use crate::replies::{self, AdmittedFields, Reply, Tightest};
 use crate::selection::outcome::Outcome;
@@ -46,7 +47,8 @@ use crate::selection::{ClusterPermit, Confinement, Exhausted, Selector, Timing, 
 use crate::shedding::lag::LagMonitor;
 use crate::shedding::per_key::{CapRefusal, KeyPermit, LocalKeys, PerKeyCap};
 use crate::shedding::{Classes, Shedder};
-use leased::{Decision, LeasedStage, Taken, Wait};
+use decision::{By, Decision};
+use leased::{LeasedStage, Taken, Wait};
 pub use rules::Attributes;
 use stats::{increment, Metrics, Stats};
 use std::borrow::Cow;
@@ -196,6 +198,8 @@ pub struct Filter {
     pub global_node: Option<Rc<RefCell<VmNode>>>,
     /// Rules in leased consistency: this worker's leases and the requests waiting for them.
     pub leased: Option<LeasedStage>,
+    /// Which mechanisms only count what they would refuse.
+    pub shadows: Shadows,
     /// The configuration was replaced or its root context retired ([`Filter::retire`]): streams
     /// that still finish under it write their outcomes at once.
     retired: Cell<bool>,
@@ -230,6 +234,7 @@ impl Filter {
             global_node: global.as_ref().and(vm.global_node),
             global,
             leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
+            shadows: Shadows::new(&config),
             config,
             retired: Cell::new(false),
         }
@@ -333,6 +338,51 @@ impl Filter {
     }
 }
 
+/// Which mechanisms are in shadow: they let through what they would refuse, consume nothing
+/// for it, and count it.
+#[derive(Clone, Debug, Default)]
+pub struct Shadows {
+    /// Per rate-limit rule.
+    rules: Vec<bool>,
+    /// Some rule is.
+    any_rule: bool,
+    /// Load shedding (in-flight and loop lag).
+    shedding: bool,
+    /// The per-key cap.
+    per_key: bool,
+    /// Partitions.
+    partition: bool,
+}
+
+impl Shadows {
+    /// The modes of `config`.
+    pub fn new(config: &Config) -> Shadows {
+        let rules: Vec<bool> = config.rate_limits.iter().map(|r| config.shadows(r.mode)).collect();
+        let shedding = config.load_shedding.as_ref();
+        Shadows {
+            any_rule: rules.iter().any(|s| *s),
+            rules,
+            shedding: shedding.is_some_and(|s| config.shadows(s.mode)),
+            per_key: shedding.and_then(|s| s.per_key.as_ref()).is_some_and(|p| config.shadows(p.mode)),
+            partition: config
+                .cluster_selection
+                .as_ref()
+                .and_then(|s| s.partition.as_ref())
+                .is_some_and(|p| config.shadows(p.mode)),
+        }
+    }
+
+    /// Whether rule `rule` is in shadow.
+    pub fn rule(&self, rule: usize) -> bool {
+        self.rules.get(rule).copied().unwrap_or(false)
+    }
+
+    /// Whether any rule is.
+    pub fn any_rule(&self) -> bool {
+        self.any_rule
+    }
+}
+
 /// When the root's periodic work is due: the heartbeat every second, the global scope's sync
 /// every `sync_interval`, the lag probe every `lag_probe_interval`, whatever the tick period
 /// (the fastest of them).
@@ -398,6 +448,8 @@ pub struct Stream {
     /// When the request ended and the response headers came (with a cluster permit): the
     /// upstream's latency, which decides "slow".
     timing: Timing,
+    /// How the request was decided, for the access log.
+    decision: Decision,
 }
 
 /// A stream's state as its host context and the leased stage's waiting lists share it.
@@ -424,9 +476,9 @@ pub fn request_headers(
         let probes = stage.probes(filter, env.metrics, request);
         if !probes.is_empty() {
             match stage.admit(filter, env.metrics, &probes, context, now) {
-                Decision::All(taken) => stream.leased = taken,
-                Decision::Refused(refusal) => reply = Some(refusal),
-                Decision::Wait(key, units) => {
+                leased::Decision::All(taken) => stream.took(taken),
+                leased::Decision::Refused(refusal) => reply = Some(stream.leased_refusal(refusal)),
+                leased::Decision::Wait(key, units) => {
                     stream.waiting = Some(Wait { probes, since: now.mono, on: (key, units), end_of_stream, body: (0, false) });
                     drop(stream);
                     stage.park(key, context, Rc::clone(shared));
@@ -454,12 +506,12 @@ pub fn resume(
     let mut stream = shared.borrow_mut();
     let Some(wait) = stream.waiting.take() else { return Step::Wait };
     let reply = match stage.decide(filter, env.metrics, &wait, now) {
-        Decision::All(taken) => {
-            stream.leased = taken;
+        leased::Decision::All(taken) => {
+            stream.took(taken);
             None
         }
-        Decision::Refused(reply) => Some(reply),
-        Decision::Wait(key, units) => {
+        leased::Decision::Refused(refusal) => Some(stream.leased_refusal(refusal)),
+        leased::Decision::Wait(key, units) => {
             stream.waiting = Some(Wait { on: (key, units), ..wait });
             drop(stream);
             stage.park(key, context, Rc::clone(shared));
@@ -488,6 +540,26 @@ pub fn abandon(filter: &Filter, shared: &SharedStream) {
 }
 
 impl Stream {
+    /// How the request was decided (complete once a step other than [`Step::Wait`] came).
+    pub fn decision(&self) -> &Decision {
+        &self.decision
+    }
+
+    /// The leased rules took the request's units (shadow rules that would have refused it
+    /// took none).
+    fn took(&mut self, taken: Taken) {
+        for standing in &taken.shadowed {
+            self.decision.shadow(By::Rule(standing.rule), Some(standing));
+        }
+        self.leased = taken;
+    }
+
+    /// A leased rule refused the request.
+    fn leased_refusal(&mut self, refusal: leased::Refused) -> Reply {
+        self.decision.refused(decision::Outcome::Refused, By::Rule(refusal.rule), refusal.standing.as_ref());
+        refusal.reply
+    }
+
     /// When it started to wait for the store, while it waits.
     pub fn waiting_since(&self) -> Option<MonoMillis> {
         self.waiting.as_ref().filter(|_| !self.ended).map(|w| w.since)
@@ -519,6 +591,7 @@ impl Stream {
             .or_else(|| match self.select(filter, env, request, rng, now.mono) {
                 Ok(chosen) => {
                     route = chosen;
+                    self.decision.cluster = chosen;
                     None
                 }
                 Err(reply) => Some(reply),
@@ -561,7 +634,7 @@ impl Stream {
     /// methods on that path are ordinary requests (they go on to the upstream, through the
     /// other stages). It reports the proxy-wide in-flight count and this worker's loop lag, and,
     /// when configured, the clusters.
-    fn health(&self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
+    fn health(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
         let health = filter.config.health.as_ref()?;
         let path = request.headers().get(":path")?;
         if KeyPart::Path.normalize(&path) != health.path.as_bytes() {
@@ -605,6 +678,7 @@ impl Stream {
             }
         };
         Some(replies::health(&replies::LocalLoad { in_flight, lag }, dependencies.as_ref()))
+            .inspect(|_| self.decision.outcome = decision::Outcome::Health)
     }
 
     /// Load shedding: on this worker's loop lag, then on the proxy-wide in-flight count (taking
@@ -614,12 +688,20 @@ impl Stream {
         let value = request.headers().get(&classes.priority_header);
         let class = classes.class_of(value.as_deref());
         let retry_after = || filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
+        let shadow = filter.shadows.shedding;
         if let Some(lag) = &filter.lag {
             let lag = lag.borrow();
             if let Some(shed) = lag.sheds(class) {
+                if shadow {
+                    // Shed requests hold no permit: neither does this one.
+                    increment(env.metrics, filter.stats.shadow_shed.get(class).copied().flatten());
+                    self.decision.shadow(By::LoopLag, None);
+                    return None;
+                }
                 increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
                 increment(env.metrics, filter.stats.shed_by_lag.get(class).copied().flatten());
                 log::debug!("floodgate: shed for the loop lag {shed:?}");
+                self.decision.refused(decision::Outcome::Shed, By::LoopLag, None);
                 return Some(replies::shed_by_lag(classes, &lag, &shed, retry_after()));
             }
         }
@@ -630,11 +712,17 @@ impl Stream {
                 None
             }
             Err(shed) => {
-                increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
                 if shed.contention {
                     increment(env.metrics, filter.stats.shed_contention);
                 }
+                if shadow {
+                    increment(env.metrics, filter.stats.shadow_shed.get(class).copied().flatten());
+                    self.decision.shadow(By::InFlight, None);
+                    return None;
+                }
+                increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
                 log::debug!("floodgate: shed {shed:?}");
+                self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
                 Some(replies::shed(shedder, &shed))
             }
         }
@@ -654,6 +742,11 @@ impl Stream {
                 None
             }
             Err(refusal) => {
+                if filter.shadows.per_key {
+                    increment(env.metrics, filter.stats.per_key_shadow_refused);
+                    self.decision.shadow(By::PerKey, None);
+                    return None;
+                }
                 increment(
                     env.metrics,
                     match refusal {
@@ -662,6 +755,7 @@ impl Stream {
                     },
                 );
                 log::debug!("floodgate: per-key cap {refusal:?}");
+                self.decision.refused(decision::Outcome::Capped, By::PerKey, None);
                 let retry_after = filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
                 Some(replies::per_key_capped(cap, &refusal, retry_after))
             }
@@ -705,7 +799,25 @@ impl Stream {
                 later.push((*probe, admission.later, limit));
             }
         }
-        let verdict = filter.limiter.check(env.store, &mut filter.reserves.borrow_mut(), &probes, now);
+        let mut verdict = filter.limiter.check(env.store, &mut filter.reserves.borrow_mut(), &probes, now);
+        // Rules in shadow: a request only they refuse goes on, counted by the other rules alone.
+        let mut shadowed = Vec::new();
+        if filter.shadows.any_rule() {
+            while let Verdict::Rejected { violations } = &verdict {
+                if !violations.iter().all(|v| filter.shadows.rule(v.standing.rule)) {
+                    break;
+                }
+                for violation in violations {
+                    increment(env.metrics, filter.stats.rule(violation.standing.rule).shadow_rejected);
+                    self.decision.shadow(By::Rule(violation.standing.rule), Some(&violation.standing));
+                }
+                let (refused, admitting): (Vec<Probe>, Vec<Probe>) =
+                    probes.iter().partition(|p| violations.iter().any(|v| v.standing.rule == p.rule));
+                shadowed.extend(refused);
+                probes = admitting;
+                verdict = filter.limiter.check(env.store, &mut filter.reserves.borrow_mut(), &probes, now);
+            }
+        }
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             // An admission counts fleet-wide; a refusal asks for the key's fleet-wide count.
             let admitted = matches!(verdict, Verdict::Admitted { .. });
@@ -713,6 +825,10 @@ impl Stream {
             for probe in &probes {
                 let cost = if admitted { probe.cost } else { 0 };
                 let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, cost, 1);
+                stats::add_count(env.metrics, filter.stats.global.dropped, dropped);
+            }
+            for probe in &shadowed {
+                let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, 0, 1);
                 stats::add_count(env.metrics, filter.stats.global.dropped, dropped);
             }
         }
@@ -727,6 +843,9 @@ impl Stream {
                 for rule in evictions {
                     increment(env.metrics, filter.stats.rule(*rule).evictions);
                 }
+                if filter.config.access_log {
+                    self.decision.admitted(standings.iter().chain(&self.leased.standings));
+                }
                 if filter.config.ratelimit_headers == RateLimitHeaders::Always {
                     self.fields = if self.leased.standings.is_empty() {
                         filter.admitted_fields.tightest(standings)
@@ -740,9 +859,25 @@ impl Stream {
             Verdict::Rejected { violations } => {
                 for violation in violations {
                     let ids = filter.stats.rule(violation.standing.rule);
+                    if filter.shadows.rule(violation.standing.rule) {
+                        // Refused by another rule; this one would have refused it too.
+                        increment(env.metrics, ids.shadow_rejected);
+                        continue;
+                    }
                     increment(env.metrics, ids.rejected);
                     if violation.cause == Cause::Contention {
                         increment(env.metrics, ids.contention);
+                    }
+                }
+                let enforced: Vec<Violation> = if filter.shadows.any_rule() {
+                    violations.iter().filter(|v| !filter.shadows.rule(v.standing.rule)).copied().collect()
+                } else {
+                    Vec::new()
+                };
+                let verdict = if enforced.is_empty() { verdict } else { Verdict::Rejected { violations: enforced } };
+                if let Verdict::Rejected { violations } = &verdict {
+                    if let Some(first) = violations.first() {
+                        self.decision.refused(decision::Outcome::Refused, By::Rule(first.standing.rule), Some(&first.standing));
                     }
                 }
                 let reply = replies::rate_limited(&filter.limiter, &verdict, now)?;
@@ -768,7 +903,18 @@ impl Stream {
         let chosen = {
             let mut state = filter.selection_vm.borrow_mut();
             match &confinement {
-                Some(within) => selector.choose_within(env.store, &mut state, now, rng, within),
+                Some(within) => selector.choose_within(env.store, &mut state, now, rng, within).or_else(|exhausted| {
+                    if !filter.shadows.partition || within.spill_below.is_some() {
+                        return Err(exhausted);
+                    }
+                    // In shadow, a request its partition would refuse may use every cluster.
+                    let anywhere = selector.choose(env.store, &mut state, now, rng);
+                    if anywhere.is_ok() {
+                        increment(env.metrics, filter.stats.partition_shadow_refused);
+                        self.decision.shadow(By::Partition, None);
+                    }
+                    anywhere
+                }),
                 None => selector.choose(env.store, &mut state, now, rng),
             }
         };
@@ -780,11 +926,13 @@ impl Stream {
                     increment(env.metrics, filter.stats.selection_contention);
                 }
                 log::debug!("floodgate: no cluster has room: {exhausted:?}");
+                let by = if confinement.as_ref().is_some_and(|c| c.spill_below.is_none()) { By::Partition } else { By::Selection };
+                self.decision.refused(decision::Outcome::NoCluster, by, None);
                 return Err(replies::no_capacity_within(selector, &exhausted, confinement.as_ref()));
             }
         };
         increment(env.metrics, filter.stats.cluster(permit.cluster).selected);
-        if confinement.is_some_and(|c| !c.members.contains(&permit.cluster)) {
+        if confinement.is_some_and(|c| !c.members.contains(&permit.cluster) && c.spill_below.is_some()) {
             increment(env.metrics, filter.stats.partition_spilled);
         }
         log::debug!("floodgate: routed to cluster {} ({} in flight)", permit.cluster, permit.in_flight);
@@ -801,6 +949,8 @@ impl Stream {
         if let (Some(permit), Some(selector)) = (self.cluster_permit.take(), selector) {
             selector.finish(env.store, &mut filter.selection_vm.borrow_mut(), permit, Outcome::Ignored, now);
         }
+        self.decision.refused(decision::Outcome::NoCluster, By::Selection, None);
+        self.decision.cluster = None;
         let reply = match selector {
             Some(selector) => replies::no_capacity(selector, &Exhausted { clusters: Vec::new(), contention: true }),
             None => replies::health(&replies::LocalLoad::default(), None),

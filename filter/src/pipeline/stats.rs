@@ -126,6 +126,8 @@ pub struct RuleStats {
     pub invalid_cost: Option<u32>,
     /// Units charged after admission.
     pub charged: Option<u32>,
+    /// Requests the rule would have refused, let through in shadow.
+    pub shadow_rejected: Option<u32>,
 }
 
 /// All metric ids, defined once per configuration.
@@ -137,6 +139,9 @@ pub struct Stats {
     pub shed: Vec<Option<u32>>,
     /// Per priority class: requests shed for the loop lag.
     pub shed_by_lag: Vec<Option<u32>>,
+    /// Per priority class: requests shedding would have refused (either signal), let through in
+    /// shadow.
+    pub shadow_shed: Vec<Option<u32>>,
     /// Histogram of the lag probes.
     pub loop_lag_ms: Option<u32>,
     /// Requests shed on contention.
@@ -159,6 +164,10 @@ pub struct Stats {
     pub per_key_untracked: Option<u32>,
     /// Requests without the cap's key.
     pub per_key_unkeyed: Option<u32>,
+    /// Requests the per-key cap would have refused, let through in shadow.
+    pub per_key_shadow_refused: Option<u32>,
+    /// Requests their partition would have refused, sent to another cluster in shadow.
+    pub partition_shadow_refused: Option<u32>,
     /// The global scope's, when a rule is in it.
     pub global: GlobalStats,
 }
@@ -299,6 +308,7 @@ impl Stats {
                     reserved: d.gauge(&name("reserved")),
                     invalid_cost: d.counter(&name("invalid_cost")),
                     charged: d.counter(&name("charged")),
+                    shadow_rejected: d.counter(&name("shadow_rejected")),
                 }
             })
             .collect();
@@ -316,6 +326,12 @@ impl Stats {
             s.classes
                 .iter()
                 .map(|c| d.counter(&format!("{prefix}.load_shedding.{}.shed_by_lag", c.name)))
+                .collect()
+        });
+        let shadow_shed = shedding.map_or_else(Vec::new, |s| {
+            s.classes
+                .iter()
+                .map(|c| d.counter(&format!("{prefix}.load_shedding.{}.shadow_shed", c.name)))
                 .collect()
         });
         let loop_lag_ms = by_lag.and_then(|_| d.histogram(&format!("{prefix}.load_shedding.loop_lag_ms")));
@@ -367,6 +383,7 @@ impl Stats {
             rules,
             shed,
             shed_by_lag,
+            shadow_shed,
             loop_lag_ms,
             shed_contention,
             in_flight,
@@ -378,6 +395,8 @@ impl Stats {
             per_key_refused: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.refused"))),
             per_key_untracked: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.untracked"))),
             per_key_unkeyed: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.unkeyed"))),
+            per_key_shadow_refused: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.shadow_refused"))),
+            partition_shadow_refused: partition.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.partition.shadow_refused"))),
         }
     }
 

@@ -548,3 +548,173 @@ fn a_woken_request_whose_context_is_gone_is_abandoned() {
     host.filter.heartbeat(&host.env());
     assert_eq!(host.in_flight(), 0);
 }
+
+// ---- shadow mode, and the decision the access log shows ----
+
+fn decision(stream: &SharedStream) -> Decision {
+    *stream.borrow().decision()
+}
+
+#[test]
+fn a_rule_in_shadow_lets_everything_through_and_counts_exactly_what_it_would_refuse() {
+    let mut shadow = rule(5);
+    shadow["mode"] = "shadow".into();
+    let host = Host::new(serde_json::json!({"rate_limits": [shadow], "access_log": true}));
+    let steps: Vec<u32> = (0..12).map(|_| status(&host.send(&keyed("k")).2)).collect();
+    assert_eq!(steps, vec![0; 12]);
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 5);
+    assert_eq!(host.metric("floodgate.rate_limit.r.shadow_rejected"), 7);
+    assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
+    let (_, stream, _) = host.send(&keyed("k"));
+    let d = decision(&stream);
+    assert_eq!((d.outcome, d.by, d.standing), (decision::Outcome::ShadowRefused, Some(By::Rule(0)), Some((5, 0))));
+    // Enforced under a new configuration on the same store: the counts stand, and the next
+    // request is refused at once.
+    let mut enforced = Host::new(serde_json::json!({"rate_limits": [rule(5)]}));
+    enforced.store = host.store;
+    assert_eq!(status(&enforced.send(&keyed("k")).2), 429);
+    assert_eq!(status(&enforced.send(&keyed("other")).2), 0);
+}
+
+#[test]
+fn a_request_only_a_shadow_rule_refuses_is_counted_by_the_enforced_rules() {
+    let mut shadow = rule(1);
+    shadow["mode"] = "shadow".into();
+    let host = Host::new(serde_json::json!({"rate_limits": [
+        shadow,
+        {"name": "e", "key": [{"header": "x-key"}], "limit": 3, "window": "1h"},
+    ]}));
+    let steps: Vec<u32> = (0..4).map(|_| status(&host.send(&keyed("k")).2)).collect();
+    assert_eq!(steps, vec![0, 0, 0, 429]);
+    assert_eq!(host.metric("floodgate.rate_limit.e.allowed"), 3);
+    assert_eq!(host.metric("floodgate.rate_limit.e.rejected"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 1);
+    // The second and third went on past the shadow rule; the fourth is refused by the enforced
+    // rule, and the shadow rule would have refused it as well.
+    assert_eq!(host.metric("floodgate.rate_limit.r.shadow_rejected"), 3);
+    assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
+}
+
+#[test]
+fn the_top_level_mode_puts_every_mechanism_in_shadow() {
+    let host = Host::new(serde_json::json!({
+        "mode": "shadow",
+        "rate_limits": [rule(1)],
+        "load_shedding": {
+            "max_active_requests": 1, "classes": [{"name": "normal", "shed_at": 1.0}],
+            "per_key": {"key": [{"header": "x-key"}], "max_active_requests": 1},
+        },
+    }));
+    let (first, held, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    let (second, other, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    // The second would have been shed: it holds nothing, so the cap and the rule never saw it.
+    assert!(!other.borrow().holds_permits());
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 1);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shed"), 0);
+    // It goes on to the upstream, so the later mechanisms see it: each counts it as it would
+    // if it alone were enforced.
+    assert_eq!(host.metric("floodgate.load_shedding.per_key.shadow_refused"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.shadow_rejected"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 1);
+    assert_eq!(decision(&other).by, Some(By::InFlight), "the first mechanism that would have refused it");
+    host.end(first, &held, &OK);
+    host.end(second, &other, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn shedding_in_shadow_admits_all_and_holds_only_the_permits_it_would_grant() {
+    let host = Host::new(serde_json::json!({"load_shedding": {
+        "max_active_requests": 4, "mode": "shadow", "classes": [{"name": "normal", "shed_at": 1.0}],
+    }}));
+    let streams: Vec<(u32, SharedStream, Step)> = (0..10).map(|_| host.send(&TestRequest::get("/"))).collect();
+    assert!(streams.iter().all(|(_, _, step)| status(step) == 0));
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 6);
+    assert_eq!(host.in_flight(), 4);
+    for (context, stream, _) in &streams {
+        host.end(*context, stream, &OK);
+    }
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn the_per_key_cap_in_shadow_counts_its_would_be_refusals() {
+    let host = Host::new(serde_json::json!({
+        "load_shedding": {"per_key": {"key": [{"header": "x-key"}], "max_active_requests": 1, "mode": "shadow"}},
+        "access_log": true,
+    }));
+    let (first, held, _) = host.send(&keyed("k"));
+    let (_, capped, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    assert!(!capped.borrow().holds_permits());
+    assert_eq!(host.metric("floodgate.load_shedding.per_key.shadow_refused"), 1);
+    assert_eq!(host.metric("floodgate.load_shedding.per_key.refused"), 0);
+    assert_eq!(decision(&capped).by, Some(By::PerKey));
+    host.end(first, &held, &OK);
+}
+
+#[test]
+fn a_partition_in_shadow_sends_a_request_it_would_refuse_to_another_cluster() {
+    let mut selection = selection(&["a", "b", "c"], 1);
+    selection["partition"] = serde_json::json!({"key": [{"header": "x-key"}], "size": 1, "mode": "shadow"});
+    let host = Host::new(serde_json::json!({"cluster_selection": selection, "access_log": true}));
+    let (_, _held, first) = host.send(&keyed("k"));
+    let (_, second, step) = host.send(&keyed("k"));
+    let (Step::Continue { route: Some(a) }, Step::Continue { route: Some(b) }) = (first, step) else { panic!("both routed") };
+    assert_ne!(a, b, "its partition is full");
+    assert_eq!(host.metric("floodgate.cluster_selection.partition.shadow_refused"), 1);
+    assert_eq!(host.metric("floodgate.cluster_selection.partition.spilled"), 0);
+    let d = decision(&second);
+    assert_eq!((d.outcome, d.by, d.cluster), (decision::Outcome::ShadowRefused, Some(By::Partition), Some(b)));
+}
+
+#[test]
+fn the_decision_names_the_outcome_the_mechanism_the_tightest_rule_and_the_cluster() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [rule(2), {"name": "wide", "key": [{"header": "x-key"}], "limit": 100, "window": "1h"}],
+        "cluster_selection": selection(&["a"], 10),
+        "access_log": true,
+    }));
+    let (_, admitted, _) = host.send(&keyed("k"));
+    let fields = decision(&admitted).fields(&host.filter);
+    assert_eq!(
+        fields,
+        vec![
+            ("floodgate.outcome", "admitted".to_owned()),
+            ("floodgate.limit", "2".to_owned()),
+            ("floodgate.remaining", "1".to_owned()),
+            ("floodgate.cluster", "a".to_owned()),
+        ]
+    );
+    host.send(&keyed("k"));
+    let (_, refused, _) = host.send(&keyed("k"));
+    let fields = decision(&refused).fields(&host.filter);
+    assert_eq!(
+        fields,
+        vec![
+            ("floodgate.outcome", "refused".to_owned()),
+            ("floodgate.by", "r".to_owned()),
+            ("floodgate.limit", "2".to_owned()),
+            ("floodgate.remaining", "0".to_owned()),
+        ]
+    );
+}
+
+#[test]
+fn a_leased_rule_in_shadow_takes_nothing_for_a_request_it_would_refuse() {
+    let mut config = leased(10);
+    config["rate_limits"][0]["mode"] = "shadow".into();
+    let host = Host::new(config);
+    let (context, stream, _) = host.send(&keyed("k"));
+    let tokens = send_calls(&host, context);
+    let stage = host.filter.leased.as_ref().unwrap();
+    let full = Answer::Ok(br#"{"version":1,"leases":[{"granted":0,"current":10,"previous":0}]}"#.to_vec());
+    let keys = stage.answered(&host.metrics, tokens[0], full, host.clock.now()).unwrap();
+    assert_eq!(wake(&host, keys, &keyed("k")), vec![(context, Step::Continue { route: None })]);
+    assert!(stream.borrow().leased.units.is_empty());
+    assert_eq!(host.metric("floodgate.rate_limit.r.shadow_rejected"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
+    assert_eq!(decision(&stream).outcome, decision::Outcome::ShadowRefused);
+}

@@ -1,0 +1,131 @@
+//! What floodgate decided about a request, as Envoy's access log shows it (`access_log`): the
+//! outcome, the mechanism or rule that decided it, the tightest rule's limit and remaining
+//! units, and the chosen cluster. The host writes [`Decision::fields`] into Envoy filter state
+//! (`wasm.floodgate.*`) once the request is decided. No key appears: keys can be secrets.
+
+use super::Filter;
+use crate::ratelimit::Standing;
+
+/// How a request was decided.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Outcome {
+    /// It went on: every mechanism admitted it.
+    #[default]
+    Admitted,
+    /// It went on, but a mechanism in shadow would have refused it.
+    ShadowRefused,
+    /// A rate-limit rule refused it (`429`, or the gRPC status of a refusal).
+    Refused,
+    /// Load shedding refused it: too many requests in flight, or the worker's loop lags.
+    Shed,
+    /// Its key's in-flight cap refused it.
+    Capped,
+    /// No cluster (of its partition) had room.
+    NoCluster,
+    /// A request for the health endpoint, answered by floodgate.
+    Health,
+}
+
+impl Outcome {
+    /// Its name in the access log.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Admitted => "admitted",
+            Outcome::ShadowRefused => "shadow_refused",
+            Outcome::Refused => "refused",
+            Outcome::Shed => "shed",
+            Outcome::Capped => "capped",
+            Outcome::NoCluster => "no_cluster",
+            Outcome::Health => "health",
+        }
+    }
+}
+
+/// The mechanism that decided (or, in shadow, would have).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum By {
+    /// A rate-limit rule (its index).
+    Rule(usize),
+    /// The proxy-wide in-flight limit (`load_shedding.max_active_requests`).
+    InFlight,
+    /// The worker's loop lag (`load_shedding.max_loop_lag`).
+    LoopLag,
+    /// The per-key in-flight cap (`load_shedding.per_key`).
+    PerKey,
+    /// The key's partition (`cluster_selection.partition`).
+    Partition,
+    /// Cluster selection: no cluster had room.
+    Selection,
+}
+
+/// A request's decision.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Decision {
+    /// The outcome.
+    pub outcome: Outcome,
+    /// What decided it.
+    pub by: Option<By>,
+    /// The tightest rule's standing (the refusing rule's, for a refusal).
+    pub standing: Option<(u32, u64)>,
+    /// The chosen cluster (an index in `cluster_selection.clusters`).
+    pub cluster: Option<usize>,
+}
+
+impl Decision {
+    /// A mechanism in shadow would have refused the request (the first such mechanism is kept).
+    pub fn shadow(&mut self, by: By, standing: Option<&Standing>) {
+        if self.outcome == Outcome::Admitted {
+            self.outcome = Outcome::ShadowRefused;
+            self.by = Some(by);
+            if let Some(standing) = standing {
+                self.standing = Some((standing.limit.get(), standing.remaining));
+            }
+        }
+    }
+
+    /// A mechanism refused the request.
+    pub fn refused(&mut self, outcome: Outcome, by: By, standing: Option<&Standing>) {
+        self.outcome = outcome;
+        self.by = Some(by);
+        if let Some(standing) = standing {
+            self.standing = Some((standing.limit.get(), standing.remaining));
+        }
+    }
+
+    /// The request was admitted by rules standing at `standings`: the tightest one's limit and
+    /// remaining, unless a shadow refusal already named one.
+    pub fn admitted<'s>(&mut self, standings: impl IntoIterator<Item = &'s Standing>) {
+        if self.standing.is_some() {
+            return;
+        }
+        self.standing = standings
+            .into_iter()
+            .min_by(|a, b| a.remaining.cmp(&b.remaining).then(a.limit.cmp(&b.limit)))
+            .map(|s| (s.limit.get(), s.remaining));
+    }
+
+    /// The filter-state fields, named without their `wasm.` prefix: those the decision has.
+    pub fn fields(&self, filter: &Filter) -> Vec<(&'static str, String)> {
+        let mut fields = vec![("floodgate.outcome", self.outcome.as_str().to_owned())];
+        if let Some(by) = self.by {
+            let name = match by {
+                By::Rule(rule) => filter.config.rate_limits.get(rule).map_or("rate_limits", |r| r.name.as_str()),
+                By::InFlight => "max_active_requests",
+                By::LoopLag => "max_loop_lag",
+                By::PerKey => "per_key",
+                By::Partition => "partition",
+                By::Selection => "cluster_selection",
+            };
+            fields.push(("floodgate.by", name.to_owned()));
+        }
+        if let Some((limit, remaining)) = self.standing {
+            fields.push(("floodgate.limit", limit.to_string()));
+            fields.push(("floodgate.remaining", remaining.to_string()));
+        }
+        let cluster = self.cluster.and_then(|c| filter.config.cluster_selection.as_ref()?.clusters.get(c));
+        if let Some(cluster) = cluster {
+            fields.push(("floodgate.cluster", cluster.as_str().to_owned()));
+        }
+        fields
+    }
+}
