@@ -158,6 +158,7 @@ impl DynamicEnvoyBuilder {
                                 "name": "all", "domains": ["*"],
                                 "routes": [{"match": {"prefix": "/"}, "route": route}]
                             }]},
+                            "access_log": crate::envoy::access_log(),
                             "http_filters": [
                                 {
                                     "name": FILTER_NAME,
@@ -232,6 +233,12 @@ pub struct DynamicEnvoy {
 }
 
 impl DynamicEnvoy {
+    /// The access log's lines ([`crate::envoy::access_log`]), once there are at least
+    /// `expected` (or after a bounded wait).
+    pub fn access_log(&self, expected: usize) -> Vec<Value> {
+        crate::envoy::access_log_lines(self.dir.path(), expected)
+    }
+
     /// A builder with `first` as the initial configuration.
     pub fn builder(first: FilterVersion) -> DynamicEnvoyBuilder {
         DynamicEnvoyBuilder::new(first)

@@ -109,6 +109,53 @@ pub struct EnvoyBuilder {
     env: Vec<(String, String)>,
     /// HTTP filters between floodgate and the router.
     filters_after: Vec<Value>,
+    /// Routes by path prefix, each with its name (none: one unnamed route for every path).
+    named_routes: Vec<(String, String)>,
+    /// Whether the connection manager writes floodgate's decisions to an access log.
+    access_log: bool,
+}
+
+/// The file access log's name, in Envoy's working directory.
+pub const ACCESS_LOG_FILE: &str = "access.log";
+
+/// An HTTP connection manager's `access_log`: one JSON line per request with its status, path,
+/// gRPC status and floodgate's decision fields (the filter state the `access_log` option
+/// writes; `null` where a field is absent).
+pub fn access_log() -> Value {
+    let state = |field: &str| format!("%FILTER_STATE(wasm.floodgate.{field}:PLAIN)%");
+    json!([{
+        "name": "envoy.access_loggers.file",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+            "path": ACCESS_LOG_FILE,
+            "log_format": {"json_format": {
+                "status": "%RESPONSE_CODE%",
+                "path": "%REQ(:PATH)%",
+                "grpc_status": "%GRPC_STATUS_NUMBER%",
+                "outcome": state("outcome"),
+                "by": state("by"),
+                "limit": state("limit"),
+                "remaining": state("remaining"),
+                "cluster": state("cluster"),
+            }}
+        }
+    }])
+}
+
+/// The lines of the access log in `dir` (waits, bounded, until there are at least `expected`).
+pub fn access_log_lines(dir: &Path, expected: usize) -> Vec<Value> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let lines: Vec<Value> = std::fs::read_to_string(dir.join(ACCESS_LOG_FILE))
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|line| serde_json::from_str(line).ok())
+            .collect();
+        if lines.len() >= expected || Instant::now() > deadline {
+            return lines;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 impl EnvoyBuilder {
@@ -122,7 +169,22 @@ impl EnvoyBuilder {
             routing: Routing::default(),
             env: Vec::new(),
             filters_after: Vec::new(),
+            named_routes: Vec::new(),
+            access_log: false,
         }
+    }
+
+    /// Routes by path prefix, each with a name (`(prefix, name)`, the first that matches wins).
+    pub fn named_routes(mut self, routes: &[(&str, &str)]) -> EnvoyBuilder {
+        self.named_routes = routes.iter().map(|(p, n)| ((*p).to_owned(), (*n).to_owned())).collect();
+        self
+    }
+
+    /// Writes an access log of floodgate's decisions ([`access_log`]; read with
+    /// [`Envoy::access_log`]).
+    pub fn with_access_log(mut self) -> EnvoyBuilder {
+        self.access_log = true;
+        self
     }
 
     /// Adds an Envoy Lua filter with `code` after floodgate (before the router): e.g. one that
@@ -206,6 +268,12 @@ impl EnvoyBuilder {
             self.upstreams.iter().map(|a| endpoint(*a)).collect()
         };
         let route = self.routing.route();
+        let routes: Vec<Value> = if self.named_routes.is_empty() {
+            vec![json!({"match": {"prefix": "/"}, "route": route})]
+        } else {
+            self.named_routes.iter().map(|(prefix, name)| json!({"name": name, "match": {"prefix": prefix}, "route": route})).collect()
+        };
+        let access_log = if self.access_log { access_log() } else { json!([]) };
         let mut clusters = vec![static_cluster("upstream", endpoints)];
         clusters.extend(self.routing.clusters());
         let mut http_filters = vec![json!({
@@ -254,12 +322,10 @@ impl EnvoyBuilder {
                                     "virtual_hosts": [{
                                         "name": "all",
                                         "domains": ["*"],
-                                        "routes": [{
-                                            "match": {"prefix": "/"},
-                                            "route": route
-                                        }]
+                                        "routes": routes
                                     }]
                                 },
+                                "access_log": access_log,
                                 "http_filters": http_filters
                             }
                         }]
@@ -347,6 +413,9 @@ pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize, env
         .arg("--concurrency")
         .arg(concurrency.to_string())
         .arg("--disable-hot-restart")
+        // Access logs reach their files within 100 ms (Envoy's default is 10 s).
+        .arg("--file-flush-interval-msec")
+        .arg("100")
         .arg("-l")
         .arg("info")
         .arg("--admin-address-path")
@@ -513,6 +582,12 @@ impl Envoy {
     /// Envoy's log so far (its stderr, at level info, kept in a file of the temporary directory).
     pub fn log(&self) -> String {
         read_logs(self.dir.path())
+    }
+
+    /// The access log's lines (with [`EnvoyBuilder::with_access_log`]), once there are at least
+    /// `expected` (or after a bounded wait).
+    pub fn access_log(&self, expected: usize) -> Vec<Value> {
+        access_log_lines(self.dir.path(), expected)
     }
 }
 
