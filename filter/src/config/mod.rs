@@ -66,7 +66,7 @@ pub struct Config {
     /// mechanism's own `mode` can also say so).
     #[serde(default)]
     pub mode: Mode,
-    /// Write each request's decision into Envoy filter state (`wasm.floodgate.*`), where
+    /// Write each request's decision into Envoy filter state (`wasm.<plugin name>.outcome`, ...), where
     /// access logs read it.
     #[serde(default)]
     pub access_log: bool,

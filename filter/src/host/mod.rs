@@ -329,7 +329,7 @@ fn apply(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> A
     let action = act(filter, env, shared, step);
     if decided && filter.config.access_log {
         // Filter state, which access logs read as %FILTER_STATE(wasm.floodgate.outcome:PLAIN)%.
-        for (name, value) in shared.borrow().decision().fields(filter) {
+        for (name, value) in shared.borrow().decision().fields(filter, &filter.decision_names) {
             if let Err(status) = hostcalls::set_property(vec![name], Some(value.as_bytes())) {
                 log::debug!("floodgate: cannot set {name}: {status:?}");
             }

@@ -1,7 +1,8 @@
 //! What floodgate decided about a request, as Envoy's access log shows it (`access_log`): the
 //! outcome, the mechanism or rule that decided it, the tightest rule's limit and remaining
 //! units, and the chosen cluster. The host writes [`Decision::fields`] into Envoy filter state
-//! (`wasm.floodgate.*`) once the request is decided. No key appears: keys can be secrets.
+//! (`wasm.<plugin name>.outcome`, ...) once the request is decided, so that two instances of the
+//! filter in one chain keep their own. No key appears: keys can be secrets.
 
 use super::Filter;
 use crate::ratelimit::Standing;
@@ -58,6 +59,25 @@ pub enum By {
     Selection,
 }
 
+/// The filter-state names of the fields, without Envoy's `wasm.` prefix: the plugin's name, a
+/// dot and the field's.
+#[derive(Clone, Debug, Default)]
+pub struct Names {
+    outcome: String,
+    by: String,
+    limit: String,
+    remaining: String,
+    cluster: String,
+}
+
+impl Names {
+    /// The names under plugin `namespace`.
+    pub fn new(namespace: &str) -> Names {
+        let name = |field: &str| format!("{namespace}.{field}");
+        Names { outcome: name("outcome"), by: name("by"), limit: name("limit"), remaining: name("remaining"), cluster: name("cluster") }
+    }
+}
+
 /// A request's decision.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Decision {
@@ -104,9 +124,9 @@ impl Decision {
             .map(|s| (s.limit.get(), s.remaining));
     }
 
-    /// The filter-state fields, named without their `wasm.` prefix: those the decision has.
-    pub fn fields(&self, filter: &Filter) -> Vec<(&'static str, String)> {
-        let mut fields = vec![("floodgate.outcome", self.outcome.as_str().to_owned())];
+    /// The filter-state fields the decision has, named as `names` says.
+    pub fn fields<'n>(&self, filter: &Filter, names: &'n Names) -> Vec<(&'n str, String)> {
+        let mut fields = vec![(names.outcome.as_str(), self.outcome.as_str().to_owned())];
         if let Some(by) = self.by {
             let name = match by {
                 By::Rule(rule) => filter.config.rate_limits.get(rule).map_or("rate_limits", |r| r.name.as_str()),
@@ -116,15 +136,15 @@ impl Decision {
                 By::Partition => "partition",
                 By::Selection => "cluster_selection",
             };
-            fields.push(("floodgate.by", name.to_owned()));
+            fields.push((names.by.as_str(), name.to_owned()));
         }
         if let Some((limit, remaining)) = self.standing {
-            fields.push(("floodgate.limit", limit.to_string()));
-            fields.push(("floodgate.remaining", remaining.to_string()));
+            fields.push((names.limit.as_str(), limit.to_string()));
+            fields.push((names.remaining.as_str(), remaining.to_string()));
         }
         let cluster = self.cluster.and_then(|c| filter.config.cluster_selection.as_ref()?.clusters.get(c));
         if let Some(cluster) = cluster {
-            fields.push(("floodgate.cluster", cluster.as_str().to_owned()));
+            fields.push((names.cluster.as_str(), cluster.as_str().to_owned()));
         }
         fields
     }

@@ -200,6 +200,8 @@ pub struct Filter {
     pub leased: Option<LeasedStage>,
     /// Which mechanisms only count what they would refuse.
     pub shadows: Shadows,
+    /// The filter-state names of a decision's fields (`access_log`).
+    pub decision_names: decision::Names,
     /// The configuration was replaced or its root context retired ([`Filter::retire`]): streams
     /// that still finish under it write their outcomes at once.
     retired: Cell<bool>,
@@ -235,6 +237,7 @@ impl Filter {
             global,
             leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
             shadows: Shadows::new(&config),
+            decision_names: if config.access_log { decision::Names::new(namespace) } else { decision::Names::default() },
             config,
             retired: Cell::new(false),
         }

@@ -678,26 +678,26 @@ fn the_decision_names_the_outcome_the_mechanism_the_tightest_rule_and_the_cluste
         "access_log": true,
     }));
     let (_, admitted, _) = host.send(&keyed("k"));
-    let fields = decision(&admitted).fields(&host.filter);
+    let fields = decision(&admitted).fields(&host.filter, &host.filter.decision_names);
     assert_eq!(
         fields,
         vec![
-            ("floodgate.outcome", "admitted".to_owned()),
-            ("floodgate.limit", "2".to_owned()),
-            ("floodgate.remaining", "1".to_owned()),
-            ("floodgate.cluster", "a".to_owned()),
+            ("test.outcome", "admitted".to_owned()),
+            ("test.limit", "2".to_owned()),
+            ("test.remaining", "1".to_owned()),
+            ("test.cluster", "a".to_owned()),
         ]
     );
     host.send(&keyed("k"));
     let (_, refused, _) = host.send(&keyed("k"));
-    let fields = decision(&refused).fields(&host.filter);
+    let fields = decision(&refused).fields(&host.filter, &host.filter.decision_names);
     assert_eq!(
         fields,
         vec![
-            ("floodgate.outcome", "refused".to_owned()),
-            ("floodgate.by", "r".to_owned()),
-            ("floodgate.limit", "2".to_owned()),
-            ("floodgate.remaining", "0".to_owned()),
+            ("test.outcome", "refused".to_owned()),
+            ("test.by", "r".to_owned()),
+            ("test.limit", "2".to_owned()),
+            ("test.remaining", "0".to_owned()),
         ]
     );
 }

@@ -115,19 +115,40 @@ struct Condition {
     routes: Option<Vec<Vec<u8>>>,
 }
 
+/// The condition of a rule's `match` that a request fails (the first, in the order the filter
+/// tests them), as [`Rules::unmet`] tells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unmet<'a> {
+    /// `match.path`.
+    Path,
+    /// `match.methods`.
+    Method,
+    /// `match.headers`: the condition on this header (lower-case name).
+    Header(&'a str),
+    /// `match.authority`.
+    Authority,
+    /// `match.routes`.
+    Route,
+}
+
 impl Condition {
     fn holds(&self, request: &dyn Attributes) -> bool {
+        self.unmet(request).is_none()
+    }
+
+    /// The first condition the request fails, if any.
+    fn unmet(&self, request: &dyn Attributes) -> Option<Unmet<'_>> {
         if let Some(path) = &self.path {
             let raw = request.get(":path");
-            let Some(raw) = raw.as_deref() else { return false };
+            let Some(raw) = raw.as_deref() else { return Some(Unmet::Path) };
             if !path.matches(KeyPart::Path.normalize(raw)) {
-                return false;
+                return Some(Unmet::Path);
             }
         }
         if let Some(methods) = &self.methods {
             let method = request.get(":method");
             if !method.as_deref().is_some_and(|m| methods.iter().any(|allowed| allowed.as_slice() == m)) {
-                return false;
+                return Some(Unmet::Method);
             }
         }
         for (name, test) in &self.headers {
@@ -137,24 +158,24 @@ impl Condition {
                 HeaderTest::Equals(expected) => value.as_deref() == Some(expected.as_slice()),
             };
             if !holds {
-                return false;
+                return Some(Unmet::Header(name));
             }
         }
         if let Some(authority) = &self.authority {
             let raw = request.get(":authority");
             let host = raw.as_deref().map(host_of);
             if !host.is_some_and(|h| h.eq_ignore_ascii_case(authority)) {
-                return false;
+                return Some(Unmet::Authority);
             }
         }
         // Last: the route's name is a host call, read only when every other condition holds.
         if let Some(routes) = &self.routes {
             let route = request.route();
             if !route.as_deref().is_some_and(|r| routes.iter().any(|name| name.as_slice() == r)) {
-                return false;
+                return Some(Unmet::Route);
             }
         }
-        true
+        None
     }
 }
 
@@ -238,6 +259,15 @@ struct Plan {
     cost: Option<CostPlan>,
 }
 
+/// Where a key's limit comes from, when not from the rule's `limit` ([`Rules::limit_from`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitFrom {
+    /// An entry of `overrides` (the key's).
+    Override,
+    /// A tier of `tiers` (the one the tier header names).
+    Tier,
+}
+
 /// Every rule's conditions, limits and costs, compiled for the request path.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Rules {
@@ -299,17 +329,28 @@ impl Rules {
             .is_none_or(|condition| condition.holds(request))
     }
 
+    /// The first condition of rule `rule`'s `match` that the request fails (`None`: the rule
+    /// applies), tested as [`Rules::applies`] tests them.
+    pub fn unmet(&self, rule: usize, request: &dyn Attributes) -> Option<Unmet<'_>> {
+        self.plan(rule)?.condition.as_ref()?.unmet(request)
+    }
+
     /// The limit of rule `rule` for the key of hash `key_hash`: an override's, else the tier's,
     /// else `None` (the rule's `limit`).
     pub fn limit(&self, rule: usize, key_hash: u64, request: &dyn Attributes) -> Option<NonZeroU32> {
+        self.limit_from(rule, key_hash, request).map(|(_, limit)| limit)
+    }
+
+    /// [`Rules::limit`], with where it comes from.
+    pub fn limit_from(&self, rule: usize, key_hash: u64, request: &dyn Attributes) -> Option<(LimitFrom, NonZeroU32)> {
         let plan = self.plan(rule)?;
         if let Ok(at) = plan.overrides.binary_search_by_key(&key_hash, |(hash, _)| *hash) {
-            return plan.overrides.get(at).map(|(_, limit)| *limit);
+            return plan.overrides.get(at).map(|(_, limit)| (LimitFrom::Override, *limit));
         }
         let (header, tiers) = plan.tiers.as_ref()?;
         let value = request.get(header)?;
         let at = tiers.binary_search_by(|(name, _)| name.as_slice().cmp(&value)).ok()?;
-        tiers.get(at).map(|(_, limit)| *limit)
+        tiers.get(at).map(|(_, limit)| (LimitFrom::Tier, *limit))
     }
 
     /// What a request costs against rule `rule` at admission, and later.
@@ -515,6 +556,40 @@ mod tests {
     }
 
     #[test]
+    fn unmet_names_the_first_condition_that_fails_as_applies_tests_them() {
+        let r = rules(
+            r#"[{"name":"a","key":["source_ip"],"limit":5,"window":"1m",
+                 "match":{"path":{"prefix":"/api/"},"methods":["POST"],"headers":[{"name":"X-Env","equals":"prod"}],
+                          "authority":"api.example.com","routes":["checkout"]}},
+                {"name":"b","key":["source_ip"],"limit":5,"window":"1m"}]"#,
+        );
+        let all = [(":path", "/api/x"), (":method", "POST"), ("x-env", "prod"), (":authority", "api.example.com")];
+        struct Routed(Request, Option<&'static str>);
+        impl Attributes for Routed {
+            fn get(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+                self.0.get(name)
+            }
+            fn route(&self) -> Option<Cow<'_, [u8]>> {
+                self.1.map(|r| Cow::Borrowed(r.as_bytes()))
+            }
+        }
+        let unmet = |drop: Option<&str>, route: Option<&'static str>| {
+            let pairs: Vec<_> = all.iter().copied().filter(|(name, _)| Some(*name) != drop).collect();
+            let request = Routed(request(&pairs), route);
+            let unmet = r.unmet(0, &request);
+            assert_eq!(unmet.is_none(), r.applies(0, &request));
+            unmet
+        };
+        assert_eq!(unmet(None, Some("checkout")), None);
+        assert_eq!(unmet(Some(":path"), Some("checkout")), Some(Unmet::Path));
+        assert_eq!(unmet(Some(":method"), None), Some(Unmet::Method), "the first that fails");
+        assert_eq!(unmet(Some("x-env"), Some("checkout")), Some(Unmet::Header("x-env")));
+        assert_eq!(unmet(Some(":authority"), Some("checkout")), Some(Unmet::Authority));
+        assert_eq!(unmet(None, Some("cart")), Some(Unmet::Route));
+        assert_eq!(r.unmet(1, &request(&[])), None, "no match: always applies");
+    }
+
+    #[test]
     fn limits_come_from_an_override_then_a_tier_then_the_rule() {
         let r = rules(
             r#"[{"name":"plan","key":[{"header":"x-api-key"}],"limit":10,"window":"1m",
@@ -529,6 +604,10 @@ mod tests {
         assert_eq!(limit("k", &[("x-plan", "silver")]), Some(100));
         assert_eq!(limit("k", &[("x-plan", "platinum")]), None, "unknown tier: the rule's limit");
         assert_eq!(limit("k", &[]), None);
+        let from = |key: &str, pairs: &[(&'static str, &'static str)]| r.limit_from(0, hash(key), &request(pairs)).map(|(from, _)| from);
+        assert_eq!(from("vip", &[("x-plan", "gold")]), Some(LimitFrom::Override));
+        assert_eq!(from("k", &[("x-plan", "gold")]), Some(LimitFrom::Tier));
+        assert_eq!(from("k", &[]), None);
     }
 
     #[test]
