@@ -48,6 +48,9 @@ GRPC_NAMES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEED
               "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
               "UNAUTHENTICATED"]
 
+def mode(desc):
+    return {"description": desc, "enum": ["enforce", "shadow"], "default": "enforce"}
+
 def positive(desc, default=None, maximum=4294967295):
     s = {"type": "integer", "minimum": 1, "maximum": maximum, "description": desc}
     if default is not None: s["default"] = default
@@ -59,8 +62,18 @@ schema = {
   "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, spill_below without when_unavailable spill, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
-  "if": {"required": ["rate_limits"], "properties": {"rate_limits": {"type": "array", "contains": {"type": "object", "required": ["scope"], "properties": {"scope": {"const": "global"}}}}}},
-  "then": {"required": ["global"], "properties": {"global": {"$ref": "#/$defs/global"}}},
+  "allOf": [
+    {
+      "description": "A rule with scope global needs the top-level global section.",
+      "if": {"required": ["rate_limits"], "properties": {"rate_limits": {"type": "array", "contains": {"type": "object", "required": ["scope"], "properties": {"scope": {"const": "global"}}}}}},
+      "then": {"required": ["global"], "properties": {"global": {"$ref": "#/$defs/global"}}}
+    },
+    {
+      "description": "match.routes cannot be used with cluster_selection: Envoy picks the request's route after floodgate sets its cluster header.",
+      "if": {"required": ["cluster_selection"], "properties": {"cluster_selection": {"type": "object"}}},
+      "then": {"properties": {"rate_limits": {"items": {"properties": {"match": {"properties": {"routes": {"type": "null"}}}}}}}}
+    }
+  ],
   "properties": {
     "rate_limits": {
       "description": "Rate-limit rules; every rule that applies to a request must admit it. Rule names must be unique.",
@@ -75,7 +88,9 @@ schema = {
     "cluster_selection": {"description": "Chooses the upstream cluster of each request (null: none).", "anyOf": [{"$ref": "#/$defs/clusterSelection"}, {"type": "null"}]},
     "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]},
     "global": {"description": "How rules with scope global reach the fleet-wide store through floodgate-sync (null: none).", "anyOf": [{"$ref": "#/$defs/global"}, {"type": "null"}]},
-    "grpc": {"$ref": "#/$defs/grpc"}
+    "grpc": {"$ref": "#/$defs/grpc"},
+    "mode": mode("shadow: every mechanism (rate limits, load shedding, the per-key cap, partitions) only counts what it would refuse, and lets the request go on; enforce: each mechanism as its own mode says."),
+    "access_log": {"description": "Write each request's decision into Envoy filter state (wasm.<plugin name>.outcome, ...), where access logs read it.", "type": "boolean", "default": False}
   },
   "$defs": {
     "name": {
@@ -116,7 +131,8 @@ schema = {
         "match": {"description": "The rule applies only to requests that meet every condition given (null: to every request).", "anyOf": [{"$ref": "#/$defs/match"}, {"type": "null"}], "default": None},
         "tiers": {"description": "A request header names the key's tier, and each tier its own limit (null: none).", "anyOf": [{"$ref": "#/$defs/tiers"}, {"type": "null"}], "default": None},
         "overrides": {"description": "Keys with a limit of their own (before any tier).", "type": "array", "maxItems": 1024, "items": {"$ref": "#/$defs/override"}, "default": []},
-        "cost": {"description": "What a request costs against the rule (null: 1).", "anyOf": [{"$ref": "#/$defs/cost"}, {"type": "null"}], "default": None}
+        "cost": {"description": "What a request costs against the rule (null: 1).", "anyOf": [{"$ref": "#/$defs/cost"}, {"type": "null"}], "default": None},
+        "mode": mode("shadow: the rule counts the requests it would refuse (a metric) and lets them go on, consuming nothing for them; enforce: it refuses them (unless the top-level mode is shadow).")
       }
     },
     "match": {
@@ -125,7 +141,8 @@ schema = {
         "path": {"description": "The request path without its query (null: any).", "anyOf": [{"$ref": "#/$defs/pathMatch"}, {"type": "null"}], "default": None},
         "methods": {"description": "The request method is one of these, exactly (upper case) (null: any).", "anyOf": [{"type": "array", "minItems": 1, "maxItems": 32, "items": {"type": "string", "pattern": "^[A-Z_-]+$"}}, {"type": "null"}], "default": None},
         "headers": {"description": "Conditions on request headers, all of which must hold.", "type": "array", "maxItems": 1024, "items": {"$ref": "#/$defs/headerCondition"}, "default": []},
-        "authority": {"description": "The :authority without its port, compared case-insensitively (null: any).", "anyOf": [{"type": "string", "pattern": "^[^/ :]{1,1024}$"}, {"type": "null"}], "default": None}
+        "authority": {"description": "The :authority without its port, compared case-insensitively (null: any).", "anyOf": [{"type": "string", "pattern": "^[^/ :]{1,1024}$"}, {"type": "null"}], "default": None},
+        "routes": {"description": "The name of the Envoy route the request matched (xds.route_name: the route's name in the route configuration; in Istio, the VirtualService route's name) is one of these (null: any). Not with cluster_selection.", "anyOf": [{"type": "array", "minItems": 1, "maxItems": 1024, "items": {"type": "string", "minLength": 1, "maxLength": 1024}}, {"type": "null"}], "default": None}
       }
     },
     "pathMatch": {
@@ -193,7 +210,8 @@ schema = {
           "default": [{"name": "critical", "shed_at": 1.0}, {"name": "normal", "shed_at": 0.9}, {"name": "low", "shed_at": 0.5}]
         },
         "default_class": {"description": "The class of requests without the header or with an unknown value; must be one of the classes.", "$ref": "#/$defs/name", "default": "normal"},
-        "retry_after": {"description": "retry-after of a shed request (rounded up to whole seconds, at least 1).", "$ref": "#/$defs/duration", "default": "1s"}
+        "retry_after": {"description": "retry-after of a shed request (rounded up to whole seconds, at least 1).", "$ref": "#/$defs/duration", "default": "1s"},
+        "mode": mode("shadow: shedding (on the in-flight count and on the loop lag) counts the requests it would shed and lets them go on; enforce: it sheds them (unless the top-level mode is shadow).")
       }
     },
     "perKey": {
@@ -202,7 +220,8 @@ schema = {
       "properties": {
         "key": {"description": "The parts of the request that make the key, as a rate limit's key; a request lacking one is not capped.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
         "max_active_requests": positive("Requests of one key in flight at most, proxy-wide; the next is refused with 503."),
-        "capacity": positive("(key, worker) pairs in flight the cap tracks at once, in sets of 8; a request whose set is full of other keys in flight is refused (untracked).", 4096, 1048576)
+        "capacity": positive("(key, worker) pairs in flight the cap tracks at once, in sets of 8; a request whose set is full of other keys in flight is refused (untracked).", 4096, 1048576),
+        "mode": mode("shadow: the cap counts the requests it would refuse and lets them go on; enforce: it refuses them (unless the top-level mode is shadow).")
       }
     },
     "partition": {
@@ -213,7 +232,8 @@ schema = {
         "key": {"description": "The parts of the request that make the key, as a rate limit's key; a request lacking one may use every cluster.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
         "size": positive("Clusters in each key's partition, at most the number of clusters.", None, 64),
         "when_unavailable": {"description": "refuse: members only, 503 when all are at their concurrency limit (a poison key never reaches more than its partition); spill: when all members are full, the other clusters too, and first when every member's success rate is below spill_below.", "enum": ["refuse", "spill"], "default": "refuse"},
-        "spill_below": {"description": "With spill: a member below this success rate is failing, in (0, 1] (null: 0.5).", "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}], "default": None}
+        "spill_below": {"description": "With spill: a member below this success rate is failing, in (0, 1] (null: 0.5).", "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}], "default": None},
+        "mode": mode("shadow: a request whose partition has no room goes to any cluster with room, and is counted as a would-be refusal; enforce: the partition holds (unless the top-level mode is shadow).")
       }
     },
     "priorityClass": {

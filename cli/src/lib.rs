@@ -6,7 +6,10 @@
 //! would receive in `on_configure`. [`check`] parses them with
 //! [`floodgate::config::Config::parse`], the very parser the module runs, so this command and the
 //! proxy accept and refuse the same configurations with the same field-named messages.
-//! [`run`] is the command line itself.
+//! [`explain`] tells what the module would do with one request. [`run`] is the command line
+//! itself.
+
+pub mod explain;
 
 use floodgate::selection::partition::Partitioner;
 use floodgate::config::{Config, KeyPart};
@@ -55,6 +58,8 @@ const FIELDS: &[&str] = &[
     "health",
     "global",
     "grpc",
+    "mode",
+    "access_log",
 ];
 
 /// How to find configurations.
@@ -255,6 +260,27 @@ pub fn check(found: &Found) -> Result<Checked, String> {
     Ok(Checked { config, warnings })
 }
 
+/// The configurations of a file ([`find_configurations`]), each with the prefix of its lines
+/// (`FILE: ` or `FILE: location: `); `None`, the problem written to `err`, when there are none.
+fn configurations(name: &str, contents: &[u8], options: Options, err: &mut dyn Write) -> Option<Vec<(String, Found)>> {
+    match find_configurations(name, contents, options) {
+        Ok(found) => Some(
+            found
+                .into_iter()
+                .map(|item| {
+                    let prefix =
+                        if item.location.is_empty() { format!("{name}: ") } else { format!("{name}: {}: ", item.location) };
+                    (prefix, item)
+                })
+                .collect(),
+        ),
+        Err(problem) => {
+            let _ = writeln!(err, "{name}: {problem}");
+            None
+        }
+    }
+}
+
 /// `1` → "1st", `2` → "2nd", `3` → "3rd", `4` → "4th", ...
 fn ordinal(n: u64) -> String {
     let suffix = match (n % 10, n % 100) {
@@ -270,20 +296,9 @@ fn ordinal(n: u64) -> String {
 /// Checks one file: every configuration in it, printed to `out` (valid) or `err` (invalid, with
 /// warnings). Returns whether every configuration is valid.
 pub fn validate_file(name: &str, contents: &[u8], options: Options, out: &mut dyn Write, err: &mut dyn Write) -> bool {
-    let found = match find_configurations(name, contents, options) {
-        Ok(found) => found,
-        Err(problem) => {
-            let _ = writeln!(err, "{name}: {problem}");
-            return false;
-        }
-    };
+    let Some(found) = configurations(name, contents, options, err) else { return false };
     let mut all_valid = true;
-    for item in &found {
-        let prefix = if item.location.is_empty() {
-            format!("{name}: ")
-        } else {
-            format!("{name}: {}: ", item.location)
-        };
+    for (prefix, item) in &found {
         match check(item) {
             Ok(checked) => {
                 let _ = writeln!(out, "{prefix}ok: {}", checked.config.summary());
@@ -318,6 +333,30 @@ usage:
       partition of the key made of these PARTs (the values of the partition's key parts, in
       order, as the request carries them). The mapping depends on the configuration only, so it
       is what every proxy running it computes. FILE as for validate.
+  floodgate explain CONFIG [--method M] [--path P] [--authority A] [--route NAME]
+                           [--header name:value]... [--source-ip IP[:PORT]]
+      Tells what the filter would do with the request described (by default GET /, without
+      authority, route name, headers or source address), with the module's own code. CONFIG
+      as FILE for validate; each configuration found is explained under a line
+      `CONFIG[: location]:`, then, indented:
+        request: the request as the filter sees it;
+        mode: shadow (top-level), when the whole filter is in shadow;
+        health: the health endpoint answers it (and then nothing else is listed);
+        rate_limits[i] \"name\": applies | does not apply: <the first condition that fails:
+          path, method, header, authority, route; or a key part missing, missing_key: skip>;
+          a rule that applies has the lines
+            mode: enforce | shadow (the rule's own mode or the top-level one);
+            key: each key part and its value as the rule reads it (a header's value,
+              source_ip without port, path without query);
+            limit: N per WINDOW (overrides[i] | tier \"T\" named by header H | the rule's limit);
+            cost: units now (1 per request | request header H | content-length),
+              or later (the request body's bytes, a response header), capped at the limit;
+            scope: proxy | global, consistency batched | leased;
+        partition: the key and its clusters (cluster_selection.partition), or
+          cluster selection: every cluster, without a partition;
+        priority class: the class (load_shedding) and the thresholds that shed it;
+        per-key cap: the key of load_shedding.per_key and its cap.
+      Exit status: 0 explained, 1 a configuration invalid or none found, 2 usage.
   floodgate schema
       Prints the JSON Schema (draft 2020-12) of the configuration.
   floodgate --version | --help
@@ -344,13 +383,7 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             let options = Options { any_wasm };
             let mut all_valid = true;
             for file in files {
-                let contents = if file == "-" {
-                    let mut buffer = Vec::new();
-                    std::io::stdin().read_to_end(&mut buffer).map(|_| buffer)
-                } else {
-                    std::fs::read(file)
-                };
-                match contents {
+                match read_input(file) {
                     Ok(contents) => all_valid &= validate_file(file, &contents, options, out, err),
                     Err(problem) => {
                         let _ = writeln!(err, "{file}: cannot read: {problem}");
@@ -365,14 +398,24 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
                 let _ = write!(err, "floodgate partition: no FILE given\n{USAGE}");
                 return 2;
             };
-            let contents = if file == "-" {
-                let mut buffer = Vec::new();
-                std::io::stdin().read_to_end(&mut buffer).map(|_| buffer)
-            } else {
-                std::fs::read(file)
-            };
-            match contents {
+            match read_input(file) {
                 Ok(contents) => partition(file, &contents, parts, out, err),
+                Err(problem) => {
+                    let _ = writeln!(err, "{file}: cannot read: {problem}");
+                    1
+                }
+            }
+        }
+        "explain" => {
+            let (file, request) = match explain::Request::from_args(rest) {
+                Ok(parsed) => parsed,
+                Err(problem) => {
+                    let _ = write!(err, "floodgate explain: {problem}\n{USAGE}");
+                    return 2;
+                }
+            };
+            match read_input(&file) {
+                Ok(contents) => explain_file(&file, &contents, &request, out, err),
                 Err(problem) => {
                     let _ = writeln!(err, "{file}: cannot read: {problem}");
                     1
@@ -398,19 +441,41 @@ pub fn run(args: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
     }
 }
 
+/// A file's contents, or standard input's for `-`.
+fn read_input(file: &str) -> std::io::Result<Vec<u8>> {
+    if file == "-" {
+        let mut buffer = Vec::new();
+        std::io::stdin().read_to_end(&mut buffer).map(|_| buffer)
+    } else {
+        std::fs::read(file)
+    }
+}
+
+/// `floodgate explain`: every configuration of the file, under its location, explained for
+/// `request` ([`explain::explain`]). Returns the exit status.
+fn explain_file(name: &str, contents: &[u8], request: &explain::Request, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
+    let Some(found) = configurations(name, contents, Options::default(), err) else { return 1 };
+    let mut status = 0;
+    for (prefix, item) in &found {
+        match check(item) {
+            Ok(checked) => {
+                let _ = write!(out, "{}:\n{}", prefix.trim_end_matches(": "), explain::explain(&checked.config, request));
+            }
+            Err(problem) => {
+                let _ = writeln!(err, "{prefix}{problem}");
+                status = 1;
+            }
+        }
+    }
+    status
+}
+
 /// `floodgate partition`: for each configuration of the file with partitions, the summary and
 /// the partition of the key made of `parts`, computed by the module's own code.
 fn partition(name: &str, contents: &[u8], parts: &[String], out: &mut dyn Write, err: &mut dyn Write) -> u8 {
-    let found = match find_configurations(name, contents, Options::default()) {
-        Ok(found) => found,
-        Err(problem) => {
-            let _ = writeln!(err, "{name}: {problem}");
-            return 1;
-        }
-    };
+    let Some(found) = configurations(name, contents, Options::default(), err) else { return 1 };
     let mut shown = 0;
-    for item in &found {
-        let prefix = if item.location.is_empty() { format!("{name}: ") } else { format!("{name}: {}: ", item.location) };
+    for (prefix, item) in &found {
         let config = match check(item) {
             Ok(checked) => checked.config,
             Err(problem) => {
@@ -994,7 +1059,7 @@ spec:
         let error = find_configurations("compose.yaml", b"services:\n  envoy: {}\n", Options::default()).unwrap_err();
         assert!(error.starts_with("no floodgate configuration found"), "{error}");
         let found = find("c.yaml", "health:\n  path: /h\nrate_limit: []\n");
-        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `load_shedding`, `cluster_selection`, `health`, `global`, `grpc`");
+        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `load_shedding`, `cluster_selection`, `health`, `global`, `grpc`, `mode`, `access_log`");
     }
 
     #[test]

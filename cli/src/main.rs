@@ -1,5 +1,6 @@
 //! `floodgate`: checks floodgate configurations with the module's own parser before they reach a
-//! proxy (`floodgate validate FILE...`), and prints the configuration's JSON Schema
+//! proxy (`floodgate validate FILE...`), tells what the module would do with a request
+//! (`floodgate explain FILE --path ...`), and prints the configuration's JSON Schema
 //! (`floodgate schema`). See `docs/configuration.md`.
 
 use std::process::ExitCode;

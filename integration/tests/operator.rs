@@ -11,7 +11,9 @@
 //! * every Envoy configuration in envoy/ and every Envoy snippet of the docs passes
 //!   `envoy --mode validate` with the built module;
 //! * the `floodgate validate` command on good and bad files, with the very message the module
-//!   logs in Envoy;
+//!   logs in Envoy, and the same field named by the parser, the command and the schema for an
+//!   unknown `mode` and for `match.routes` beside `cluster_selection`;
+//! * `floodgate explain` on an Envoy file of the repository;
 //! * the Istio manifests of floodgate-sync (Deployment, Service) agree with the WasmPlugin that
 //!   calls it and with the flags the built floodgate-sync reads;
 //! * envoy/docker-compose.yaml for real (scripts/compose-test.sh), envoy/docker-compose.global.yaml
@@ -434,16 +436,18 @@ fn everything() -> Value {
                        "headers": [{"name": "x-env", "equals": "prod"}], "authority": "api.example.com"},
              "tiers": {"header": "x-plan", "limits": {"gold": 1000}},
              "overrides": [{"key": ["vip", "10.0.0.1", "/users/1/orders", "POST", "api.example.com"], "limit": 5000}],
-             "cost": {"from": "response_header", "header": "x-tokens-used", "default": 1}},
+             "cost": {"from": "response_header", "header": "x-tokens-used", "default": 1}, "mode": "shadow"},
             {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s"}
         ],
         "stat_prefix": "edge",
         "ratelimit_headers": "on_reject",
+        "mode": "shadow",
+        "access_log": true,
         "load_shedding": {
             "max_active_requests": 500, "max_loop_lag": "50ms", "lag_probe_interval": "20ms", "priority_header": "x-priority",
             "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "batch", "shed_at": 0.5}],
-            "default_class": "batch", "retry_after": "2s",
-            "per_key": {"key": [{"header": "x-api-key"}, "source_ip"], "max_active_requests": 8, "capacity": 2048}
+            "default_class": "batch", "retry_after": "2s", "mode": "shadow",
+            "per_key": {"key": [{"header": "x-api-key"}, "source_ip"], "max_active_requests": 8, "capacity": 2048, "mode": "shadow"}
         },
         "cluster_selection": {
             "route_header": "x-cluster", "clusters": ["zone-a", "zone-b"], "bucket_width": "2s", "buckets": 10,
@@ -452,7 +456,7 @@ fn everything() -> Value {
             "concurrency_limit": {"algorithm": "aimd", "initial_limit": 10, "min_limit": 2, "max_limit": 100,
                                   "backoff_ratio": 0.8, "timeout": "2s"},
             "retry_after": "3s",
-            "partition": {"key": [{"header": "x-api-key"}], "size": 1, "when_unavailable": "spill", "spill_below": 0.25}
+            "partition": {"key": [{"header": "x-api-key"}], "size": 1, "when_unavailable": "spill", "spill_below": 0.25, "mode": "shadow"}
         },
         "health": {"path": "/healthz", "dependencies": "fail", "min_success_rate": 0.25},
         "global": {"cluster": "outbound|9090||floodgate-sync.floodgate.svc.cluster.local",
@@ -641,6 +645,50 @@ fn edge_cases() -> Vec<(Value, bool, bool)> {
             gap,
         ),
         (json!({"ratelimit_headers": "never"}), bad),
+        // modes and the access log
+        (json!({"mode": "shadow"}), ok),
+        (json!({"mode": "enforce"}), ok),
+        (json!({"mode": "dry_run"}), bad),
+        (json!({"mode": "Shadow"}), bad),
+        (json!({"mode": null}), bad),
+        (json!({"access_log": true}), ok),
+        (json!({"access_log": "yes"}), bad),
+        (json!({"access_log": null}), bad),
+        (rule("mode", json!("shadow")), ok),
+        (rule("mode", json!("observe")), bad),
+        (shedding("mode", json!("shadow")), ok),
+        (shedding("mode", json!("off")), bad),
+        (json!({"load_shedding": {"per_key": {"key": ["path"], "max_active_requests": 2, "mode": "shadow"}}}), ok),
+        (json!({"load_shedding": {"per_key": {"key": ["path"], "max_active_requests": 2, "mode": "log"}}}), bad),
+        (json!({"cluster_selection": {"clusters": ["a"], "partition": {"key": ["path"], "size": 1, "mode": "shadow"}}}), ok),
+        (json!({"cluster_selection": {"clusters": ["a"], "partition": {"key": ["path"], "size": 1, "mode": 1}}}), bad),
+        // routes, and not with cluster selection
+        (rule("match", json!({"routes": ["checkout"]})), ok),
+        (rule("match", json!({"routes": ["a", "b"], "methods": ["POST"]})), ok),
+        (rule("match", json!({"routes": ["x".repeat(1024)]})), ok),
+        (rule("match", json!({"routes": ["x".repeat(1025)]})), bad),
+        (rule("match", json!({"routes": (0..1024).map(|i| format!("r{i}")).collect::<Vec<_>>()})), ok),
+        (rule("match", json!({"routes": (0..1025).map(|i| format!("r{i}")).collect::<Vec<_>>()})), bad),
+        (rule("match", json!({"routes": []})), bad),
+        (rule("match", json!({"routes": [""]})), bad),
+        (rule("match", json!({"routes": "checkout"})), bad),
+        (rule("match", json!({"routes": [7]})), bad),
+        (rule("match", json!({"routes": null, "methods": ["GET"]})), ok),
+        (
+            json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"]}}],
+                   "cluster_selection": {"clusters": ["a"]}}),
+            bad,
+        ),
+        (
+            json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"]}}],
+                   "cluster_selection": null}),
+            ok,
+        ),
+        (
+            json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": null, "methods": ["GET"]}}],
+                   "cluster_selection": {"clusters": ["a"]}}),
+            ok,
+        ),
         // load shedding and health
         (shedding("retry_after", json!("5s")), ok),
         (shedding("priority_header", json!(":authority")), ok),
@@ -1377,6 +1425,104 @@ fn floodgate_schema_prints_the_schema_file() {
     assert_eq!(code, 0, "{err}");
     let on_disk = std::fs::read_to_string(workspace_root().join("schema/floodgate.schema.json")).expect("read");
     assert_eq!(out, on_disk);
+}
+
+/// A `mode` no mechanism knows, and `match.routes` beside `cluster_selection`: the parser, the
+/// `floodgate validate` command and the schema all refuse them, naming the same field.
+#[test]
+fn unknown_modes_and_routes_with_cluster_selection_are_refused_naming_the_field() {
+    let validator = validator();
+    let rule = json!({"name": "r", "key": ["path"], "limit": 5, "window": "1s"});
+    let with_rule = |field: &str, value: Value| {
+        let mut r = rule.clone();
+        r[field] = value;
+        json!({"rate_limits": [r]})
+    };
+    let cases: Vec<(Value, &str, &str)> = vec![
+        (json!({"mode": "dry_run"}), "mode", "unknown variant `dry_run`, expected `enforce` or `shadow`"),
+        (with_rule("mode", json!("observe")), "rate_limits[0].mode", "unknown variant `observe`, expected `enforce` or `shadow`"),
+        (
+            json!({"load_shedding": {"max_active_requests": 5, "mode": "off"}}),
+            "load_shedding.mode",
+            "unknown variant `off`, expected `enforce` or `shadow`",
+        ),
+        (
+            json!({"load_shedding": {"per_key": {"key": ["path"], "max_active_requests": 2, "mode": "log"}}}),
+            "load_shedding.per_key.mode",
+            "unknown variant `log`, expected `enforce` or `shadow`",
+        ),
+        (
+            json!({"cluster_selection": {"clusters": ["a"], "partition": {"key": ["path"], "size": 1, "mode": "Shadow"}}}),
+            "cluster_selection.partition.mode",
+            "unknown variant `Shadow`, expected `enforce` or `shadow`",
+        ),
+        (
+            json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"], "methods": ["POST"]}}],
+                   "cluster_selection": {"clusters": ["a"]}}),
+            "rate_limits[0].match.routes",
+            "cannot be used with \"cluster_selection\"",
+        ),
+    ];
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (index, (config, field, words)) in cases.iter().enumerate() {
+        let text = config.to_string();
+        // The parser.
+        let error = Config::parse(text.as_bytes()).expect_err("refused").to_string();
+        assert!(
+            error.starts_with(&format!("{field}: {words}")),
+            "{text}\n  parser: {error}\n  want: {field}: {words}..."
+        );
+        // floodgate validate: the parser's very words, after the file's name.
+        let file = dir.path().join(format!("case-{index}.json"));
+        std::fs::write(&file, &text).expect("write");
+        let name = file.display().to_string();
+        let (code, out, err) = floodgate(&["validate", &name], None);
+        assert_eq!((code, out.as_str(), err.as_str()), (1, "", format!("{name}: {error}\n").as_str()), "{text}");
+        // The schema: it refuses the configuration at the field or at a section that holds it
+        // (an `anyOf` of a nullable section reports there), and accepts it without the field.
+        let pointer = format!("/{}", field.replace('[', "/").replace(']', "").replace('.', "/"));
+        let errors: Vec<String> = validator.iter_errors(config).map(|e| e.instance_path().to_string()).collect();
+        assert!(
+            !errors.is_empty() && errors.iter().all(|at| pointer == *at || pointer.starts_with(&format!("{at}/"))),
+            "{text}: the schema does not refuse {pointer}: {:?}",
+            schema_errors(&validator, config)
+        );
+        let (parent, last) = pointer.rsplit_once('/').expect("a field");
+        let mut without = config.clone();
+        without.pointer_mut(parent).and_then(Value::as_object_mut).expect("an object").remove(last);
+        assert!(validator.is_valid(&without), "{without}: {:?}", schema_errors(&validator, &without));
+        assert!(Config::parse(without.to_string().as_bytes()).is_ok(), "{without}");
+    }
+    // Without cluster selection (or with `"cluster_selection": null`), routes are fine.
+    for config in [
+        json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"]}}]}),
+        json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"]}}],
+               "cluster_selection": null, "mode": "shadow", "access_log": true}),
+    ] {
+        assert!(Config::parse(config.to_string().as_bytes()).is_ok(), "{config}");
+        assert!(validator.is_valid(&config), "{config}: {:?}", schema_errors(&validator, &config));
+    }
+    println!("{} refusals named alike by the parser, floodgate validate and the schema", cases.len());
+}
+
+/// `floodgate explain` on an Envoy bootstrap of the repository: every floodgate configuration
+/// in it, each under its location, with the module's decisions for the request described.
+#[test]
+fn floodgate_explain_tells_each_configuration_of_an_envoy_file() {
+    let (code, out, err) = floodgate(
+        &["explain", "envoy/compose-envoy.yaml", "--path", "/api/orders", "--source-ip", "10.1.2.3:5555", "--header", "x-api-key:k-1"],
+        None,
+    );
+    print!("{out}{err}");
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("envoy/compose-envoy.yaml: listener \"front\", Wasm filter \"floodgate\":\n"), "{out}");
+    assert!(out.contains("\nenvoy/compose-envoy.yaml: listener \"front\", Wasm filter \"floodgate-clusters\":\n"), "{out}");
+    assert!(out.contains("  request: GET /api/orders"), "{out}");
+    assert!(out.contains("source_ip \"10.1.2.3\""), "the port is not part of the key: {out}");
+    let (code, _, err) = floodgate(&["explain", "envoy/compose-envoy.yaml", "--header", "no-colon"], None);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = floodgate(&["explain", "-"], Some(r#"{"mode": "dry_run"}"#));
+    assert_eq!((code, err.as_str()), (1, "-: mode: unknown variant `dry_run`, expected `enforce` or `shadow`\n"));
 }
 
 // ---------------------------------------------------------------------------------------------
