@@ -24,7 +24,7 @@ use std::num::{NonZeroU32, NonZeroU64};
 /// Requests per window every key is allowed (the flood traces say otherwise).
 const LIMIT: u64 = 100;
 /// One-shot keys per window in the flood traces: a scanner's or a fuzzer's few thousand requests
-/// per second, each with a new random key (issue 13).
+/// per second, each with a new random key.
 const FLOOD_PER_WINDOW: u64 = 300_000;
 /// The window, ms.
 const WINDOW_MS: u64 = 60_000;

@@ -56,8 +56,8 @@ fn wasm(module: &std::path::Path, config: impl Into<String>) -> Filter {
     Filter::Wasm { module: module.to_path_buf(), config: config.into() }
 }
 
-/// The five variants of the issue, the naive limiter enforcing `fg-rl`'s rule and floodgate
-/// with that rule and the naive limiter's output (`fg-rl-onreject`; issue 20), and the external
+/// The five variants compared, the naive limiter enforcing `fg-rl`'s rule and floodgate
+/// with that rule and the naive limiter's output (`fg-rl-onreject`), and the external
 /// modules given with `--extra-wasm` (`ext1`, `ext2`, … in the order given).
 fn main_variants(s: &Settings) -> Vec<Variant> {
     let fg = |config: String| wasm(&s.floodgate_wasm, config);
@@ -123,7 +123,7 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
             route: Route::Fixed,
         },
         Variant { id: "fg-rl-shed", label: "floodgate: rate limiting + shedding + health".into(), filter: fg(everything_config(false)), route: Route::Fixed },
-        // Issue 18: ten rules whose condition never matches, next to fg-rl's rule: what
+        // Ten rules whose condition never matches, next to fg-rl's rule: what
         // conditions cost a request they do not apply to.
         Variant {
             id: "fg-rl-10-unmatched",
@@ -139,7 +139,7 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
             )),
             route: Route::Fixed,
         },
-        // Issue 19: the bulkhead's cost. Cluster selection alone over a, b, c; the same with
+        // The bulkhead's cost. Cluster selection alone over a, b, c; the same with
         // each x-api-key confined to 2 of the 3 clusters (it weighs 2 records, not 3); and the
         // per-key in-flight cap alone (a compare-and-swap on the key's set at admission and at
         // the end of the stream).

@@ -1,4 +1,4 @@
-//! Measurement 5: the global scope (issue 16; docs/global.md). Three Envoys (2 workers each,
+//! Measurement 5: the global scope (docs/global.md). Three Envoys (2 workers each,
 //! pinned to core 0), one `floodgate-sync` and one `redis-server` (on the last core, with the
 //! load generator and the upstream), all on 127.0.0.1:
 //!
@@ -45,7 +45,7 @@ const KEYS: usize = 100;
 /// tables differently).
 const E_RATE: f64 = 100.0 / 3.0;
 /// Part (e): the requests per interval of the regimes measured (100 and 333: 1 000 and 3 330
-/// req/s per proxy at 100 ms, the second the issue's 10 000 req/s over three proxies), each at
+/// req/s per proxy at 100 ms, the second 10 000 req/s over three proxies), each at
 /// the `sync_interval` that gives them at [`E_RATE`].
 const E_PER_INTERVAL: [u64; 2] = [100, 333];
 /// Part (e): Envoys per scope and regime.
@@ -827,7 +827,7 @@ async fn counted<F: std::future::Future<Output = Vec<Sent>>>(envoy: &Envoy, load
 }
 
 /// Part (e): instructions per request, global scope against proxy scope, at the regimes of the
-/// issue's target, Envoys of 2 workers (as deployed) under callgrind. Under callgrind an Envoy
+/// target, Envoys of 2 workers (as deployed) under callgrind. Under callgrind an Envoy
 /// answers only some tens of requests a second, so the measurement keeps a busy proxy's regime
 /// by stretching time: what costs the global scope per interval (every worker's tick, the batch,
 /// the answer, the view) depends on the keys and requests per interval, so `n` requests per

@@ -1,7 +1,7 @@
-//! Measurement 6: what an idle proxy costs, ticks included (issue 22: "measure what the tick
-//! costs when idle"). Each variant's Envoy (2 workers, as deployed) runs with no traffic at
-//! all; its CPU time over a quiet stretch, per second, is what its timers cost: the module's
-//! heartbeat (every second), the loop-lag probe (every `lag_probe_interval`), and Envoy's own.
+//! Measurement 6: what an idle proxy costs, ticks included. Each variant's Envoy (2 workers, as
+//! deployed) runs with no traffic at all; its CPU time over a quiet stretch, per second, is what
+//! its timers cost: the module's heartbeat (every second), the loop-lag probe (every
+//! `lag_probe_interval`), and Envoy's own.
 
 use crate::cpu::{self, Variant};
 use crate::envoy::{cpu_ns_of, Filter, Route, Spec};

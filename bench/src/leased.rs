@@ -1,4 +1,4 @@
-//! Measurement 5, part (f): the three ways a fleet can share a quota (issue 17), side by side on
+//! Measurement 5, part (f): the three ways a fleet can share a quota, side by side on
 //! the same traffic, one after the other in one run: `batched` (the default global scope),
 //! `leased` (units taken from the store ahead of use) and a store call on every request (leased
 //! with `max_lease: 1`, what Envoy's global rate limit service and Higress's cluster rate limit

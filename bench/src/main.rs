@@ -1,4 +1,4 @@
-//! floodgate's benchmark tool (issue 5; docs/benchmarks.md). Prints tables; asserts nothing
+//! floodgate's benchmark tool (docs/benchmarks.md). Prints tables; asserts nothing
 //! about time. Run it through `bench/run.sh`, which builds the modules and Envoy first.
 //!
 //! ```text

@@ -1,7 +1,7 @@
 //! Clients that are slow on purpose, as real ones are: a client that uploads its request body
 //! slowly, one that reads its response slowly, and an HTTP/2 client that grants no
 //! flow-control window at all. They exercise what the filter must not confuse with the
-//! upstream's behaviour (issue 15: "slow" is the upstream's latency; a refusal holds no unit).
+//! upstream's behaviour ("slow" is the upstream's latency; a refusal holds no unit).
 //!
 //! Everything connects to 127.0.0.1 and every wait is bounded.
 

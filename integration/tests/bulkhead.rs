@@ -1,4 +1,4 @@
-//! The bulkhead end to end (issue 19; seed `000_60c4a26782fd3f17.txt` §17.4): the built module in
+//! The bulkhead end to end: the built module in
 //! a real Envoy (2 workers) in front of 8 real upstream clusters.
 //!
 //! * Virtual partitions (`cluster_selection.partition`, 8 clusters in partitions of 2): each
@@ -262,7 +262,7 @@ fn split(normal: &HashMap<String, Outcomes>, same_as_poison: &BTreeSet<String>) 
     (others, sharing)
 }
 
-/// Issue 19: virtual partitions. Maps every key's partition through a real Envoy, checks they
+/// Virtual partitions. Maps every key's partition through a real Envoy, checks they
 /// are confined, stable and uniform, then lets a poison key crash the clusters it reaches.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_key_takes_down_only_its_own_partition() {
@@ -393,7 +393,7 @@ async fn a_poison_key_takes_down_only_its_own_partition() {
     );
 }
 
-/// Issue 19: a poison key whose requests hang until the route timeout holds at most its per-key
+/// A poison key whose requests hang until the route timeout holds at most its per-key
 /// cap in flight, so the clusters it shares keep room for everyone else; without the cap it
 /// fills its partition's limits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -490,7 +490,7 @@ fn count(results: &[(u16, Duration, String)], status: u16) -> usize {
     results.iter().filter(|(s, _, _)| *s == status).count()
 }
 
-/// Issue 19: the per-key cap is exact across workers under a burst, refuses fast with a 503
+/// The per-key cap is exact across workers under a burst, refuses fast with a 503
 /// naming the cap, leaves other keys alone, and is back to zero after hang-ups and resets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_per_key_cap_is_exact_and_comes_back_to_zero() {

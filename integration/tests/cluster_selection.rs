@@ -211,7 +211,7 @@ async fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
     assert!(slow_count >= 1, "slow answers are counted as `slow`");
 }
 
-/// Issue 15.3: "slow" is the upstream's latency, not the stream's. Clients that take seconds to
+/// "Slow" is the upstream's latency, not the stream's. Clients that take seconds to
 /// upload their request or to read their response (a big download through a small receive
 /// window) say nothing about the upstream, which answers at once: before, each of them was a
 /// "slow" success that cut the cluster's limit by ×0.9 (20 such requests cut 200 to 21), so a
@@ -335,7 +335,7 @@ async fn a_client_sent_route_header_cannot_steer() {
     assert_eq!(b.count_for("b"), b.total());
 }
 
-/// Issue 22: the health endpoint's dependency view. With `dependencies: "report"` the answer
+/// The health endpoint's dependency view. With `dependencies: "report"` the answer
 /// lists the clusters' success rates and limits but stays the proxy's own (200: every proxy of
 /// a fleet sees the same failing clusters, and would leave rotation at once); with `"fail"` it
 /// turns 503 while every cluster fails, and back to 200 when one recovers.

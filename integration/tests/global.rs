@@ -4,7 +4,7 @@
 //! the fleet must admit about the limit once (not three times), decide every request without a
 //! 5xx whatever happens to the store, and leave in Redis exactly what it admitted.
 //!
-//! Also: costs (issue 18) in global scope, over two proxies; and a proxy whose first sync of a
+//! Also: costs in global scope, over two proxies; and a proxy whose first sync of a
 //! key races another proxy's batch, which refuses what fits the fleet's count for no longer than
 //! its projections count, and says when.
 //!
@@ -311,7 +311,7 @@ async fn a_redis_cluster_keeps_one_quota_and_survives_a_master_failing_over() {
     assert_eq!(in_redis, sent, "after the failover every admission is in Redis exactly once");
 }
 
-/// Rules of issue 18 in global scope: a cost read from a request header, and units the upstream
+/// Rules with costs in global scope: a cost read from a request header, and units the upstream
 /// reports (charged when the response comes), count fleet-wide. Two proxies share a limit of
 /// 100 units per key; what one proxy admitted or was charged refuses the other's requests once
 /// it has synced, and Redis holds every unit once.

@@ -1,4 +1,4 @@
-//! gRPC end to end (issue 14): the built module in a real Envoy (2 workers) in front of real
+//! gRPC end to end: the built module in a real Envoy (2 workers) in front of real
 //! gRPC servers, called by a real gRPC client (grpcio, gRPC's C core: `integration/grpc/peer.py`)
 //! over HTTP/2, and loaded by h2load. Each test starts its own Envoy and servers. Figures are
 //! printed (`--nocapture`).
@@ -183,8 +183,8 @@ fn the_refusal_status_is_configurable_and_a_retrying_client_waits_as_told() {
     assert_eq!(server.started("Unary"), 2);
 }
 
-/// Two gRPC clusters, one answering every call UNAVAILABLE with HTTP 200 (the issue's second
-/// finding): its failures count, and it gets almost no calls.
+/// Two gRPC clusters, one answering every call UNAVAILABLE with HTTP 200 (a failure that
+/// HTTP's status hides): its failures count, and it gets almost no calls.
 #[test]
 fn cluster_selection_steers_away_from_a_cluster_failing_its_grpc_calls() {
     let good = GrpcServer::start(&[]);

@@ -1,4 +1,4 @@
-//! Leased global quotas (issue 17), end to end: three real Envoys (two workers each) with the
+//! Leased global quotas, end to end: three real Envoys (two workers each) with the
 //! built module, one `floodgate-sync` and a real Redis (one node, then a 3-master Redis Cluster),
 //! all on 127.0.0.1. A hot key well over its limit and many cold keys, spread over the proxies:
 //! the fleet admits at most the limit in the window, never more; requests of a key under its

@@ -215,7 +215,7 @@ async fn the_health_endpoint_never_reaches_the_upstream_nor_counts() {
     assert_eq!(upstream.total(), 1);
 }
 
-/// Issue 15.8: the health endpoint answers `GET` and `HEAD` of its path; any other method on
+/// The health endpoint answers `GET` and `HEAD` of its path; any other method on
 /// that path is an ordinary request, which reaches the upstream (before, `POST
 /// /floodgate/health` was answered by the filter and never reached it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,7 +241,7 @@ async fn the_health_endpoint_answers_get_and_head_only() {
     }
 }
 
-/// Issue 15.10: a request the filter refuses gives its in-flight unit back at once, not when
+/// A request the filter refuses gives its in-flight unit back at once, not when
 /// the client has read the refusal. HTTP/2 clients that grant no flow-control window
 /// (`SETTINGS_INITIAL_WINDOW_SIZE` 0) receive a refusal's headers but never its body, so the
 /// stream stays open; before, each such refused stream kept its unit of `max_active_requests`
@@ -276,7 +276,7 @@ async fn refused_requests_hold_no_in_flight_unit_while_the_client_reads_slowly()
     assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "{body}");
 }
 
-/// Issue 15.9: a step of the wall clock does not let the limit be exceeded. In-flight entries
+/// A step of the wall clock does not let the limit be exceeded. In-flight entries
 /// carried wall-clock heartbeats: a step of more than 10 s forward made every other worker's
 /// entries look dead until their next heartbeat, and the limit was exceeded (20 in flight at a
 /// limit of 10). Heartbeats are now on the monotonic clock. The step is real for Envoy alone:
@@ -371,7 +371,7 @@ async fn route_timeouts_and_later_refusals_give_the_limit_back() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Shedding on the event loop's lag (issue 22)
+// Shedding on the event loop's lag
 // ---------------------------------------------------------------------------------------------
 
 /// A Lua filter after floodgate that burns `x-burn` iterations of CPU on the worker per request
@@ -456,7 +456,7 @@ async fn burn_rate_per_ms(addr: std::net::SocketAddr) -> u64 {
     ((PROBE as f64 / ms) as u64).max(1)
 }
 
-/// Issue 22: shedding on the event loop's lag, with no in-flight limit at all. One worker; a
+/// Shedding on the event loop's lag, with no in-flight limit at all. One worker; a
 /// Lua filter after floodgate burns CPU per request. Low-priority load makes the loop lag past
 /// the low class's share of `max_loop_lag` (but far from the critical class's): low requests
 /// are shed, critical ones are not. Heavy critical load then makes it lag past the whole of it:

@@ -786,10 +786,10 @@ async fn memory_is_flat_under_distinct_keys() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Issue 13: a flood of one-shot keys locks no well-behaved key out
+// A flood of one-shot keys locks no well-behaved key out
 // ---------------------------------------------------------------------------------------------
 
-/// The report of issue 13, replayed: one rule (limit 5 per day, default capacity), one worker,
+/// A flood of one-shot keys: one rule (limit 5 per day, default capacity), one worker,
 /// a flood of 300 000 requests each with a new random key, an established key that sends now
 /// and then, and brand-new keys during and after the flood. Before frequency-aware admission,
 /// the flood raised every set's floor above 5, so every new key got `429` from its first request

@@ -487,7 +487,7 @@ async fn a_reload_keeps_unchanged_counters_and_applies_new_limits_at_once() {
     assert!(crashes.is_empty(), "the module failed:\n{}", crashes.join("\n"));
 }
 
-/// Issue 15.2: a configuration change gives the old configuration's quota reserves back. Envoy
+/// A configuration change gives the old configuration's quota reserves back. Envoy
 /// gives the new plugin configuration a new root context and retires the old one (`on_done`);
 /// the old one held units of the hot key counted ahead of use. Before, they stayed counted: one
 /// hot key, limit 1 000 → 1 001 mid-traffic, then idle: `ratelimit` said `r=916` where the

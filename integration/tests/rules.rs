@@ -1,4 +1,4 @@
-//! Rules that fit real APIs (issue 18), end to end in a real Envoy (2 workers): conditions
+//! Rules that fit real APIs, end to end in a real Envoy (2 workers): conditions
 //! (`match`), limits by tier and by key (`tiers`, `overrides`, a reload changing them), and
 //! costs (a request header, the request body, units the upstream reports), with bad cost values.
 //! Every rule has a 1 h window and the tests keep clear of the hour's end, so counts do not

@@ -17,6 +17,8 @@
 //! (`<counter>:h`, same slot). Once a bucket has ended and `grace_ms` passed, what a holder still
 //! has outstanding there is a stopped holder's (a proxy that died): it comes off the counter,
 //! so a dead proxy's leases stop weighing at the end of the bucket they were granted in.
+//!
+//! Rationale: docs/design.md, section "Leased consistency".
 
 use serde::de::Deserializer;
 use serde::{Deserialize, Serialize};

@@ -15,6 +15,8 @@
 //! - [`http`]: the HTTP/1.1 + HTTP/2 server and its routes.
 //! - [`metrics`]: counters and the latency histogram, as Prometheus text.
 //! - [`config`]: flags and environment variables.
+//!
+//! Rationale: docs/design.md, section "Rate limiting across a fleet".
 
 pub mod config;
 pub mod http;

@@ -1,6 +1,7 @@
-//! The bulkhead's configuration (issue 19; seed `000_60c4a26782fd3f17.txt` §17.4): virtual
-//! partitions of the clusters per key (`cluster_selection.partition`) and a cap on each key's
-//! requests in flight (`load_shedding.per_key`).
+//! The bulkhead's configuration: virtual partitions of the clusters per key
+//! (`cluster_selection.partition`) and a cap on each key's requests in flight
+//! (`load_shedding.per_key`). Rationale: docs/design.md, sections "The per-key cap (bulkhead)"
+//! and "Cluster selection".
 
 use super::values::{Fraction, Positive};
 use super::{ConfigError, KeyPart, Mode};
@@ -162,7 +163,7 @@ mod tests {
     #[test]
     fn subsets_count_the_partitions() {
         assert_eq!(subsets(8, 2), 28);
-        assert_eq!(subsets(10, 2), 45, "the seed's example");
+        assert_eq!(subsets(10, 2), 45, "C(10, 2)");
         assert_eq!(subsets(8, 8), 1);
         assert_eq!(subsets(64, 32), 1_832_624_140_942_590_534);
         assert_eq!(subsets(3, 0), 1);

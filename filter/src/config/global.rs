@@ -55,8 +55,8 @@ pub struct Global {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnStoreFailure {
-    /// Decide on the last counts read from the store, plus this worker's admissions since (the
-    /// seed's choice, §17.3.2).
+    /// Decide on the last counts read from the store, plus this worker's admissions since (keep
+    /// serving on the last state read, as *Understanding Distributed Systems* advises).
     #[default]
     LastState,
     /// Refuse (`503`).

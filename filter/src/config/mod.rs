@@ -5,6 +5,8 @@
 //! e.g. `rate_limits[0].window: "ten seconds" is not a duration ...`. Unknown fields, wrong
 //! types, zero or negative numbers, bad durations, empty key lists and duplicate rule names are
 //! all refused: nothing half-configured ever serves traffic.
+//!
+//! What each field does: docs/configuration.md; why: docs/design.md.
 
 mod bulkhead;
 mod global;

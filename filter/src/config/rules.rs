@@ -1,4 +1,4 @@
-//! What a rate-limit rule may say beyond its key, limit and window (issue 18): when it applies
+//! What a rate-limit rule may say beyond its key, limit and window: when it applies
 //! (`match`), a limit that varies by key (`tiers`, `overrides`) and what a request costs
 //! (`cost`). Parsed here, checked in [`validate_rule`]; compiled for the request path by
 //! [`crate::ratelimit::rules`].

@@ -1,5 +1,6 @@
-//! `cluster_selection`: the clusters the filter chooses among, and the tuning of the seed's
-//! algorithm (`seeds/001_29fb53a81823e255.txt`) with the seed's values as defaults.
+//! `cluster_selection`: the clusters the filter chooses among, and the tuning of the
+//! success-prioritized fallback cascade ([`crate::selection`]), with the published algorithm's
+//! values as defaults.
 
 use super::grpc::{default_failure_grpc_statuses, GrpcStatus};
 use super::values::{DurationMs, Positive};
@@ -41,8 +42,8 @@ pub struct ClusterSelection {
     /// number of clusters (seed: 0.0001); in [0, 1].
     #[serde(default = "default_no_data_floor")]
     pub no_data_floor: f64,
-    /// Whether the floor also bounds the weight (`"weight"`, the default) or, as the seed
-    /// literally says, only the rate before it is raised to `weight_exponent` (`"rate"`: a
+    /// Whether the floor also bounds the weight (`"weight"`, the default) or, as the published
+    /// algorithm literally says, only the rate before it is raised to `weight_exponent` (`"rate"`: a
     /// cubed floor of 0.0001/3 is a weight of 4e-14, so a recovered cluster is in practice never
     /// tried again until the others are at their limits).
     #[serde(default)]
@@ -112,7 +113,7 @@ pub enum FloorOn {
     /// `no_data_floor / clusters` per request to be tried again).
     #[default]
     Weight,
-    /// The success rate only (the seed's literal wording).
+    /// The success rate only (the published algorithm's literal wording).
     Rate,
 }
 

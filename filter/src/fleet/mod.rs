@@ -2,6 +2,8 @@
 //! `floodgate-sync` and Redis. Two consistencies: [`batched`] (every decision local, counts
 //! sent in one batch per proxy and interval) and [`leased`] (units of a key's quota taken from
 //! the store ahead of use, never over the limit).
+//!
+//! Rationale: docs/design.md, section "Rate limiting across a fleet".
 
 pub mod batched;
 pub mod leased;

@@ -3,20 +3,15 @@
 //! answer into host calls (a local reply, a route header, a paused or resumed request, calls to
 //! `floodgate-sync`). Nothing here decides anything.
 //!
-//! **Lifecycle, as Envoy drives it** (proxy-wasm-cpp-host):
-//! - one VM per worker thread and one for the main thread, plus a throw-away VM that validates
-//!   each new configuration; statics (`thread_local!` here) are per VM;
-//! - a configuration gets a root context ([`FilterRoot`]) in every VM: `on_configure` builds its
-//!   [`Filter`], `on_tick` runs its periodic work (every second, or faster with a global scope,
-//!   a lag probe or leased rules);
-//! - a stream ([`FilterStream`]) holds the `Filter` of the root context that created it, to its
-//!   end (`on_log`), even if the configuration changes meanwhile;
-//! - a changed plugin configuration gets a **new root context in the same VM**, and the old one
-//!   is retired with `on_done` (also when the filter is removed or the VM shuts down); a root
-//!   context configured a second time replaces its `Filter`. Either way the old `Filter` is
-//!   retired ([`Filter::retire`]): what it held ahead of use goes back, what it counted
-//!   locally is written;
-//! - a new VM (new code or `vm_config`) starts empty; shared data (same `vm_id`) survives it.
+//! Lifecycle, as Envoy drives it: one VM per worker thread (statics are per VM) and a throw-away VM
+//! that validates each configuration; a configuration gets a root context ([`FilterRoot`]) in every
+//! VM, whose `on_configure` builds its [`Filter`] and whose `on_tick` runs its periodic work; a
+//! stream ([`FilterStream`]) keeps the `Filter` that created it to its end, even if the
+//! configuration changes. A changed configuration gets a new root context in the same VM and the
+//! old `Filter` is retired ([`Filter::retire`]): what it held ahead of use goes back, what it
+//! counted locally is written. A new VM starts empty; shared data (same `vm_id`) survives it.
+//!
+//! Rationale: docs/design.md, section "A request's path".
 
 mod call;
 mod clock;

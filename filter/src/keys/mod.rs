@@ -4,6 +4,8 @@
 //! proxy from `getrandom` and kept in shared data), so a client cannot choose keys that collide
 //! with somebody else's. Parts are length-prefixed, so `("ab", "c")` and `("a", "bc")` differ,
 //! and a missing part hashes differently from an empty one.
+//!
+//! Rationale: docs/design.md, section "The bounded key table".
 
 pub mod fleet;
 
@@ -90,7 +92,7 @@ impl KeyHasher {
 }
 
 /// The keyed hash of one key (`parts` in order) from the request's attributes, as
-/// [`probes`] computes a rule's; `None` when a part is missing.
+/// [`crate::ratelimit::probes`] computes a rule's; `None` when a part is missing.
 pub fn hash_key<V: AsRef<[u8]>>(parts: &[KeyPart], hasher: &KeyHasher, mut fetch: impl FnMut(Source<'_>) -> Option<V>) -> Option<u64> {
     let values: Vec<V> = parts.iter().map(|part| fetch(part.source())).collect::<Option<_>>()?;
     Some(hasher.hash(parts.iter().zip(&values).map(|(part, value)| Some(part.normalize(value.as_ref())))))

@@ -1,27 +1,19 @@
-//! Request headers read once: which header names a configuration reads, whether a stream
-//! fetches them one by one or the whole request header map in one host call, and the parser of
-//! that map as the host serializes it.
+//! Request headers read once: which header names a configuration reads, whether a stream fetches
+//! them one by one or the whole request header map in one host call, and the parser of that map as
+//! the host serializes it (`proxy_get_header_map_pairs`: a little-endian `u32` count; per pair a
+//! `u32` name length and a `u32` value length; then the names and values in order, each followed by
+//! a NUL byte; an empty map may come as no bytes at all).
 //!
-//! **Why.** A host call that returns bytes costs about 10 800 instructions under V8 (the host
-//! calls back into the module's allocator); one that finds nothing about 2 000; the whole
-//! request map at once about 16 300 for ~8 headers (docs/benchmarks.md, 1b). Reading the map
-//! pays as soon as two of the headers read are present: the health endpoint's `:path`, the
-//! rate-limit key headers (`{"header": …}`, `path`, `method`, `authority`) usually are; the
-//! shedder's priority header usually is not (a client that sets it is the exception), so it
-//! does not count towards the two. `source_ip` is a property, not a header: never in the map.
+//! A host call that returns bytes costs about 10 800 instructions under V8, the whole map about 16
+//! 300 for ~8 headers (docs/benchmarks.md, 1b), so the map is read when two or more of the headers
+//! read are usually present (the shedder's priority header usually is not, and does not count;
+//! `source_ip` is a property, never in the map).
 //!
-//! **Format** (proxy-wasm ABI `proxy_get_header_map_pairs`, proxy-wasm-cpp-host `marshalPairs`):
-//! a little-endian `u32` count; then, per pair, a `u32` name length and a `u32` value length;
-//! then the names and values of the pairs in order, each followed by a NUL byte. An empty map
-//! may come as no bytes at all. Anything else (a length past the end, a missing NUL, bytes
-//! left over) is [`MalformedMap`], and the caller reads each header on its own instead.
+//! Invariant: both ways give the same value: the first entry of a repeated name, which is what
+//! Envoy's single read returns. A map that does not parse is [`MalformedMap`], and the caller reads
+//! each header on its own instead.
 //!
-//! **Repeated names.** Envoy's single read (`proxy_get_header_map_value`) returns the first
-//! entry of a name (`entry[0]` in Envoy's `Context::getHeaderMapValue`), and the map lists
-//! every entry in order, so the first entry of a name here is exactly what the single read
-//! returns. Envoy joins repeats of its inline headers (`:path`, `user-agent`, …: with `,`,
-//! cookies with `; `) when it builds the header map, before either read sees it, so both see
-//! the same joined value there too.
+//! Rationale: docs/design.md, section "A request's path".
 
 use crate::config::Config;
 use crate::keys::Source;

@@ -1,22 +1,16 @@
 //! The `leased` stage: rules in `consistency: leased` ([`crate::fleet::leased`] keeps the worker's
 //! leases), the calls to `floodgate-sync`'s `POST /v1/lease` that refill them, and the requests
-//! that wait for an answer.
+//! that wait for an answer, listed per key in arrival order.
 //!
-//! A request whose key's lease is empty waits: its stream is listed under the key, in arrival
-//! order, and one call per key is on its way at a time. The host hands an answer to the context
-//! that sent the call and cancels a stream's calls when the stream ends, so a call goes from a
-//! context that outlives it: the waiting request's own stream for the call it waits on, the
-//! root context for everything else (a refill of a lease running low, give-backs, a second call
-//! for requests still waiting), queued and sent at the root's next tick. An answer wakes the
-//! requests waiting on its keys: each takes its units again ([`super::resume`]) and, decided,
-//! runs the rest of its pipeline on its own stream state.
+//! Invariants: one call per key is on its way at a time. A call goes from a context that outlives
+//! it: the waiting request's own stream for the call it waits on, the root context for everything
+//! else (refills, give-backs, a call sent again after its stream ended), queued and sent at the
+//! root's next tick. An answer wakes the requests waiting on its keys: each takes its units again
+//! ([`super::resume`]) on its own stream state. A request waiting past `lease_timeout` is decided
+//! as `on_store_failure` says. Nothing here calls the host: calls to send are queued
+//! ([`LeasedStage::take_outgoing`]).
 //!
-//! A stream that ends with its call on the way loses the answer: the root sends the call again
-//! at its next tick, which also decides the requests waiting past `lease_timeout` as
-//! `on_store_failure` says.
-//!
-//! Nothing here calls the host: calls to send are queued ([`LeasedStage::take_outgoing`]), and
-//! the host reports what became of them.
+//! Rationale: docs/design.md, sections "A request's path" and "Leased consistency".
 
 use super::stats::{self, increment, LeaseStats, Metrics};
 use super::{Filter, Request, SharedStream};

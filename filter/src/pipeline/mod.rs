@@ -5,20 +5,17 @@
 //! ```
 //!
 //! Each stage lets the request go on, possibly holding something (an in-flight [`Permit`], a
-//! [`KeyPermit`], units of a leased key, a [`ClusterPermit`]), or answers it with a reply. The
-//! first stage that answers ends the pipeline, and everything the stages before it hold goes
-//! back before its reply does: the permits are released, the leased units untaken. The
-//! `leased` stage may make the request wait for the store; the store's answer resumes it
-//! ([`resume`]) on the same stream state. The stream's later events (body, response, end) go
-//! through the same state ([`Stream`]): costs known after admission are charged, the chosen
-//! cluster's permit is finished with the stream's outcome, and every permit is released exactly
-//! once, whatever ended the stream.
+//! [`KeyPermit`], units of a leased key, a [`ClusterPermit`]), or answers it; the host shell turns
+//! the answer ([`Step`]) into host calls. The `leased` stage may make the request wait; the store's
+//! answer resumes it ([`resume`]) on the same stream state ([`Stream`]), which also takes the
+//! stream's later events (body, response, end). What the pipeline needs of the host is narrow: the
+//! shared store, metrics and the VM's id ([`Env`]), the request's attributes ([`Request`]), the
+//! response's ([`Attributes`], [`StreamEnd`]), and a random source.
 //!
-//! The host shell reads the host once per callback, calls one function here with what it read,
-//! and turns the answer ([`Step`]) into host calls. What the pipeline needs of the host besides
-//! the request is narrow: the shared store, metrics and the VM's id ([`Env`]), the request's
-//! attributes ([`Request`]), the response's ([`Attributes`], [`StreamEnd`]), and a random
-//! source for cluster selection.
+//! Invariant: everything a stage holds goes back exactly once: before the reply when a later stage
+//! answers, otherwise when the stream ends, whatever ended it.
+//!
+//! Rationale: docs/design.md, section "A request's path".
 
 pub mod decision;
 pub mod headers;

@@ -1,46 +1,19 @@
-//! Reserves: units counted in shared data ahead of use, so a worker admits most requests without
-//! touching shared data, and the limit still holds exactly. One idea, used three times:
+//! The proxy-wide in-flight record ([`InFlight`]) that load shedding, cluster selection and the
+//! per-key cap publish their counts in: an entry per VM with its count and its last heartbeat
+//! (monotonic ms), so a VM that dies stops counting after [`STALE_AFTER_MS`]. And the in-flight
+//! half of reserves: [`Local`], one per VM and record, [`in_flight_units`], and the [`Permit`] a
+//! request holds (the quota half is [`crate::ratelimit::reserve`]).
 //!
-//! | user | what is counted ahead | where |
-//! |---|---|---|
-//! | load shedding | in-flight units of the proxy-wide count | [`Local`], [`in_flight_units`], [`crate::shedding`] |
-//! | cluster selection | in-flight units of a cluster's permit count | the same [`Local`], [`crate::selection`] |
-//! | rate limiting | units of a key's quota in the current window bucket | [`crate::ratelimit::reserve`] |
-//!
-//! **Why.** Every read or write of shared data is a host call, about 11 000 instructions under V8
-//! for a read (docs/benchmarks.md): reading and writing a record for every request and every
-//! release is most of the per-request cost. A worker that counts a few units more than it needs
-//! when it writes anyway serves the next requests from them.
-//!
-//! **The invariants**, the same for the three:
-//! 1. *Counted before used.* A unit is written to the shared record, by a compare-and-swap that
-//!    checked the limit, before any request uses it: every other worker decides with it counted.
-//!    So the sum of what all workers counted, used or not, never exceeds what the limit admitted
-//!    when it was counted.
-//! 2. *Used only while the limit still admits it.* A reserved in-flight unit is used only while
-//!    `others (as last read) + in use < the limit the request is admitted under now`
-//!    ([`Local::take_reserved`]): a limit lowered since (a reload, another worker's AIMD
-//!    back-off) applies to units reserved before. A quota unit is used only in the window bucket
-//!    it was counted in, where the sliding estimate only falls as time passes, and only while the
-//!    other proxies' counts (global scope) leave room.
-//! 3. *Small, and none near the limit.* A grant is at most [`RESERVE_MAX`] units and a fraction of
-//!    the room left ([`IN_FLIGHT_SPREAD`] × live workers for in-flight counts, 8 for quotas): near
-//!    the limit there is no reserve, and every admission is a compare-and-swap again. The price,
-//!    documented in docs/configuration.md (*Reserves*, *Quota reserves*): other workers see the
-//!    unused units as taken, and may refuse a little early, never late.
-//! 4. *Given back.* Unused units go back at the worker's heartbeat (every second), at once near
-//!    the limit (in-flight), when their bucket ends (quota), and when the configuration that holds
-//!    them is retired (`on_done`): nothing stays counted once traffic stops.
-//!
-//! This module holds the in-flight half ([`Local`], one per VM and shared record, and the
-//! [`Permit`] a request holds); the quota half is per key and per bucket, in
-//! [`crate::ratelimit::reserve`]. The proxy-wide in-flight
-//! record ([`InFlight`]) that load shedding, cluster selection and the per-key cap publish their
-//! counts in lives here too: an entry per VM with its count and its last heartbeat (monotonic
-//! ms), so a VM that dies stops counting after [`STALE_AFTER_MS`].
+//! Invariants: a unit is counted in the record, by a compare-and-swap that checked the limit,
+//! before any request uses it; a reserved unit is used only while the limit the request is admitted
+//! under now still admits it ([`Local::take_reserved`]); a grant is at most [`RESERVE_MAX`] units
+//! and a fraction of the room ([`IN_FLIGHT_SPREAD`] × live workers), none near the limit; unused
+//! units go back at the heartbeat and when their configuration is retired.
 //!
 //! Record layout (little-endian): version `u8`, entry count `u8`, 2 zero bytes, then per entry VM
 //! id `u64`, in-flight `u32`, last heartbeat (monotonic ms) `u64`.
+//!
+//! Rationale: docs/design.md, sections "Reserves" and "Load shedding".
 
 use crate::primitives::record::{DecodeError, Reader, Writer};
 use crate::primitives::time::MonoMillis;

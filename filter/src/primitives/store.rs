@@ -1,25 +1,13 @@
 //! Envoy shared data behind a small trait, and the compare-and-swap discipline every writer
-//! follows: [`update`] is the one read-modify-write loop of the filter.
+//! follows: [`update`] is the filter's one read-modify-write loop, and [`insert_if_absent`] creates
+//! a key exactly once (Envoy ignores the CAS token of a write to a key that does not exist, and has
+//! no insert-if-absent nor delete). [`MemoryStore`] reproduces those semantics for unit tests and
+//! native tools.
 //!
-//! Shared data is one process-wide map per `vm_id` (every worker's VM sees it) with a CAS token
-//! per key, taken from one global counter that every successful write advances. Two host facts
-//! shape this module (`notes/proxy-wasm-envoy.md` §2):
-//! - a write with a CAS token to a key that **does not exist** ignores the token and inserts, so
-//!   two workers that both saw a key absent would both "succeed" and one update would be lost;
-//! - there is no delete and no insert-if-absent.
+//! Invariant: a decision is always taken on the value it replaces: a write that loses a race reads
+//! again and decides again ([`write_back`]), at most [`MAX_ATTEMPTS`] times, so no update is lost.
 //!
-//! [`insert_if_absent`] builds the missing primitive: it first writes a scratch key to obtain a
-//! CAS token that was just issued, then writes the real key with that token. If the key is
-//! absent the host ignores the token and inserts; if anyone created the key in the meantime, its
-//! token was issued after ours, cannot be equal, and the write fails with a mismatch. So a key
-//! is created exactly once and every later write is a checked CAS.
-//!
-//! [`update`] reads a key, lets its caller decide on the value, writes the result back with the
-//! read's token ([`write_back`]) and, when another worker wrote the key meanwhile, reads it again
-//! and lets the caller decide again, at most [`MAX_ATTEMPTS`] times: a decision is always taken
-//! on the value it replaces, so no update is lost.
-//!
-//! [`MemoryStore`] reproduces those semantics over a map, for unit tests and native tools.
+//! Rationale: docs/design.md, section "Shared data and compare-and-swap".
 
 use std::collections::HashMap;
 use std::fmt;

@@ -1,18 +1,17 @@
-//! Time as the core sees it, passed in by the host shell (read once per callback), never read
-//! here. Two clocks, each named for what it is:
+//! Time as the core sees it, passed in by the host shell (read once per callback), never read here.
+//! Two clocks, each named for what it is:
 //!
-//! - [`UnixMillis`]: wall-clock milliseconds since the Unix epoch. Rate-limit windows are
-//!   aligned to it (SPEC: buckets aligned to multiples of the window since the epoch), and the
-//!   fleet's proxies agree on it.
-//! - [`MonoMillis`]: milliseconds of the host's monotonic clock (Envoy's `monotonicTime()`,
-//!   WASI `CLOCK_MONOTONIC`): one clock for every worker of the process, which never steps. What
-//!   only this process's workers share and what measures a duration uses it: in-flight
-//!   heartbeats, cluster-selection buckets and latencies. A wall-clock step (an NTP correction, a
-//!   VM resumed) therefore neither makes another worker's entries look dead nor a response look
-//!   slow.
+//! - [`UnixMillis`]: wall-clock milliseconds since the Unix epoch. Rate-limit windows are aligned
+//!   to it, and the fleet's proxies agree on it.
+//! - [`MonoMillis`]: the host's monotonic clock (Envoy's `monotonicTime()`, WASI
+//!   `CLOCK_MONOTONIC`), one for every worker of the process, which never steps: in-flight
+//!   heartbeats, cluster-selection buckets and latencies, so a wall-clock step neither makes a
+//!   worker's entries look dead nor a response look slow.
 //!
-//! Either clock can misbehave in a corrupt record or a test, so every difference saturates
-//! (governor's `Reference` contract).
+//! Invariant: every difference saturates (the contract of governor's `Reference`), so a corrupt
+//! record or a test clock cannot make it wrap.
+//!
+//! Rationale: docs/design.md, section "Shared data and compare-and-swap".
 
 /// A newtype of milliseconds on one clock, with the saturating arithmetic every user needs.
 macro_rules! millis {

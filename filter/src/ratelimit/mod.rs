@@ -1,23 +1,14 @@
-//! Rate limiting: per-key sliding-window counters ([`window`]) kept in bounded tables
-//! ([`table`]) in Envoy shared data, exact across worker threads.
+//! Rate limiting in one proxy: per-key sliding-window counters ([`window`]) kept in bounded tables
+//! ([`table`]) in Envoy shared data, exact across worker threads, with per-key quota reserves
+//! ([`reserve`]).
 //!
-//! A request is checked against every rule that applies to it, in two phases:
-//! 1. **Read**: each rule's set is read once and the sliding estimate decides. If any rule
-//!    refuses, the request is rejected and nothing is written: a refused request consumes no
-//!    quota of any rule.
-//! 2. **Commit**: each rule's set is written back with the CAS token of its read. On a CAS
-//!    mismatch (another worker wrote the set meanwhile) the set is read again, the decision is
-//!    re-taken on fresh counts, and the write retried, at most [`MAX_ATTEMPTS`] times. No
-//!    update is ever lost. If a re-taken decision refuses (another worker took the last unit),
-//!    the units already committed for earlier rules are taken back and the request is rejected.
+//! Invariants: a request is checked against every rule that applies before any counter is written
+//! (read, then commit with each read's CAS token, re-deciding on fresh counts on a mismatch, at
+//! most [`MAX_ATTEMPTS`] times), so a refused request consumes no quota of any rule, and units
+//! committed for earlier rules are taken back when a later one refuses. When the attempts run out
+//! the request is refused (`contention`): a quota is never looser than configured.
 //!
-//! When the attempts run out (extreme contention on one set), the request is **rejected** and
-//! counted as `contention`: a quota is never looser than configured.
-//!
-//! Before both phases, a rule for which this VM holds a [`reserve`] of the key's quota (units
-//! already counted in shared data, in the current window bucket) admits from it without
-//! touching shared data; a write that finds room to spare counts a few units more for the next
-//! requests of the same key through this VM.
+//! Rationale: docs/design.md, section "Rate limiting in one proxy".
 
 pub mod probes;
 pub mod remote;

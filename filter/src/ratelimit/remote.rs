@@ -1,23 +1,21 @@
-//! What the rest of a fleet adds to a key's counts in this proxy (a rule in global scope,
-//! [`crate::fleet::batched`]): the other proxies' counts as last synced, what the store had not seen of
-//! them at that sync, and what they likely admitted since, in proportion to what this proxy
-//! admitted since its own part was last confirmed.
+//! What the rest of a fleet adds to a key's counts in this proxy, for a rule in batched global
+//! scope ([`crate::fleet::batched`]): the other proxies' counts as last synced, what the store had
+//! not seen of them at that sync, and what they likely admitted since, in proportion to what this
+//! proxy admitted since its own part was last confirmed:
 //!
 //! ```text
 //! fleet(local) = local + synced + unseen + round((local.current − confirmed)⁺ × per_local)
 //! ```
 //!
-//! `per_local` is the other proxies' units per unit of this proxy over the recent syncs of the
-//! key ([`crate::fleet::batched::view`]): with this proxy's share `s` of the key's traffic, `(1 − s)/s`.
-//! A request is admitted when `fleet(local + cost)` fits the limit, so near the limit each proxy
-//! takes about its share `s` of the room left at its last sync and no more, whatever the others
-//! do meanwhile: the shares add up to one, and so do the parts of the room the fleet takes.
+//! `per_local` is `(1 − s)/s` for this proxy's share `s` of the key's traffic
+//! ([`crate::fleet::batched::view`]), so near the limit each proxy takes about its share of the
+//! room.
 //!
-//! `unseen` and `per_local` are projections of the others' traffic: they count until
-//! `projected_until` and no longer, unless a sync finds the others' part grown again
-//! ([`crate::fleet::batched::view`]). The estimate at a later time, with nothing else arriving, is
-//! therefore known now, and [`Remote::earliest_admission`] answers on it. A proxy scope rule's
+//! Invariant: the projections count until `projected_until` and no longer, so the estimate at a
+//! later time is known now and [`Remote::earliest_admission`] answers on it. A proxy-scope rule's
 //! remote is [`Remote::NONE`]: `fleet(local) = local`.
+//!
+//! Rationale: docs/design.md, section "Batched consistency".
 
 use super::window::{Counts, Window};
 use crate::primitives::time::UnixMillis;

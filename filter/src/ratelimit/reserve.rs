@@ -1,21 +1,15 @@
 //! Quota reserves: units of a key's current window bucket that this VM has already counted in
-//! shared data, and admits its next requests of that key from without reading shared data. The
-//! idea and its invariants are [`crate::primitives::inflight`]'s; this is its per-key, per-bucket shape.
+//! shared data, and admits its next requests of that key from without reading shared data: the
+//! per-key, per-bucket shape of [`crate::primitives::inflight`]'s reserves.
 //!
-//! Why this stays exact. Within one window bucket a key's sliding estimate only falls as time
-//! passes (`previous × (1 − elapsed / w) + current`, with `elapsed` growing and the counters
-//! fixed), so if `estimate + cost + units ≤ limit` held when the units were counted, each of
-//! those units is still admissible at any later instant of the same bucket, whatever the other
-//! workers did since: they saw the units counted and decided on top of them. A reserve is
-//! therefore only valid in the bucket it was counted in; once the bucket ends its unused units
-//! are given back (subtracted from the key's counters) at the key's next write or at the
-//! heartbeat.
+//! Invariants: a reserve is used only in the bucket it was counted in, where the sliding estimate
+//! only falls as time passes, so a unit that fitted when counted still fits whatever the other
+//! workers did since. Grants are small (nothing on a key's first request through a VM, then 1, 2,
+//! 4, … up to [`RESERVE_MAX`], never more than `1 / QUOTA_SPREAD` of the room: none near the
+//! limit), and unused units go back when their bucket ends, after a heartbeat period unused, and
+//! when their configuration is retired.
 //!
-//! Grants are kept small: a key gets nothing on its first request through a VM (one-off keys
-//! waste nothing), then 1, 2, 4, … up to [`RESERVE_MAX`] units on later writes, and never more
-//! than `1 / QUOTA_SPREAD` of the room left, so near the limit there is no reserve and every
-//! request is a compare-and-swap, as without reserves. A reserve left unused for a whole
-//! heartbeat period is given back, and so is every reserve of a configuration that is retired.
+//! Rationale: docs/design.md, section "Reserves".
 
 use super::window::Counts;
 use super::Probe;

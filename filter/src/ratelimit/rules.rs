@@ -1,32 +1,17 @@
-//! Rules that fit real APIs (issue 18): which rate-limit rules apply to a request (`match`),
-//! with which limit (`tiers`, `overrides`), and what the request costs (`cost`). Compiled once
-//! per configuration from [`crate::config`], and asked per request with the request's
-//! attributes ([`Attributes`]); the limiter ([`crate::ratelimit`]) then decides with each
-//! probe's limit and cost.
+//! Rules that fit real APIs: which rate-limit rules apply to a request (`match`: the path exactly,
+//! by prefix or by a template; the method; headers; the authority; no regular expression), with
+//! which limit (an override, then the tier, then the rule's `limit`), and what the request costs
+//! (`cost`). Compiled once per configuration from [`crate::config`], asked per request with the
+//! request's [`Attributes`]; the limiter ([`crate::ratelimit`]) decides with each probe's limit and
+//! cost.
 //!
-//! **Conditions** are plain comparisons (no regular expression on the request path): the path
-//! exactly, by prefix, or by a template whose `*` segments match any one segment; the method
-//! among a list; a header present, absent or equal to a value; the authority (host, without
-//! port, any case). A rule whose condition fails costs a few comparisons and nothing else: no
-//! key is read or hashed, no shared data is touched.
+//! Invariants: a rule whose condition fails reads no key and touches no shared data; a request is
+//! admitted only with room for its known cost and for at least one unit, and a cost known later is
+//! charged when known; a count is decimal digits up to `u32::MAX`, anything else is invalid and
+//! costs `cost.default`, and a cost above the limit is capped at it: nothing wraps. Limits and
+//! tiers are not part of a rule's identity, so changing them keeps the counters.
 //!
-//! **Limits**: an override (a key listed with its own limit: its keyed hash, computed once
-//! here, is compared with the request's) comes first, then the tier the tier header names,
-//! then the rule's `limit`. Neither is part of the rule's identity, so changing them in a
-//! reload keeps the counters, as changing `limit` does.
-//!
-//! **Costs**: a request is admitted when its key has room for its cost, and for at least one
-//! unit (a key whose quota is spent is refused, even for a request whose cost is not known
-//! yet), and its known cost is counted then. A cost known later (the request body's bytes when
-//! there is no `content-length`, units the upstream reports in a response header) is charged
-//! when it is known: it can take a key past its limit by what its requests already admitted are
-//! charged, and the key's later requests are then refused until the window slides.
-//!
-//! Bad cost values have one rule: a count is decimal digits only, at most `u32::MAX`; anything
-//! else (negative, fractional, not a number, too large) is *invalid*, and the request costs the
-//! rule's `cost.default` (counted in the `invalid_cost` metric). A cost above the limit is
-//! capped at the limit: such a request takes the whole window's quota, once the key has none
-//! in use. Nothing wraps around.
+//! Rationale: docs/design.md, section "Rules: conditions, limits by key, costs".
 
 use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch};
 use crate::keys::KeyHasher;

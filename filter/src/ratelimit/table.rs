@@ -1,82 +1,26 @@
-//! The bounded key table of one rule: memory fixed by `capacity`, whatever the number of keys,
-//! and fair to well-behaved keys whatever a flood of other keys does.
+//! The bounded key table of one rule: memory fixed by `capacity`, whatever the number of keys. A
+//! rule owns `capacity / WAYS` shared-data records ("sets"); a key's secret-keyed hash picks its
+//! set and is its fingerprint. A set holds, for the previous and the current window bucket,
+//! [`WAYS`] exact entries and an overflow for every other key: a ladder of [`DOORS`] doorkeepers
+//! (Bloom filters, a key's first units) then a count-min sketch of [`SKETCH_ROWS`] ×
+//! [`SKETCH_COLUMNS`] cells with conservative update. Which keys own the entries follows TinyLFU: a
+//! newcomer replaces the least frequent resident (frequency: its count over both buckets) only when
+//! it beats it by [`PROMOTION_MARGIN`].
 //!
-//! Envoy cannot delete shared-data keys, so one key per client key would grow without end under
-//! spoofed or random keys. Instead a rule owns `capacity / WAYS` shared-data records ("sets").
-//! A client key is hashed with a secret seed (so nobody can aim collisions at a victim); the hash
-//! picks the set and is the key's fingerprint. A set holds, for the previous and the current
-//! window bucket:
-//!
-//! - [`WAYS`] **entries**: a fingerprint and its two exact counters. A key that owns an entry
-//!   ("resident") counts exactly on it.
-//! - an **overflow** per bucket for every other key: a ladder of [`DOORS`] *doorkeepers* (Bloom
-//!   filters of [`DOOR_BITS`] bits, [`DOOR_HASHES`] per key), the first absorbing a key's first
-//!   unit, each next one its next unit, then a count-min *sketch* of [`SKETCH_ROWS`] ×
-//!   [`SKETCH_COLUMNS`] saturating 32-bit cells (as wide as an entry's counters, so an evicted
-//!   key's counts always fit) with conservative update for the units past the ladder. A
-//!   non-resident key's count in a bucket is estimated as
-//!
-//!   ```text
-//!   k                       if its bits are set in the first k doorkeepers and not in the next
-//!   ABSORBED + min over rows of its cells    if they are set in every doorkeeper
-//!   ```
-//!
-//!   where [`ABSORBED`] `= DOORS`. Every structure only grows within a bucket, and a key's
-//!   units always set the lowest doorkeeper its bits are not all set in, so the estimate is
-//!   **never below the key's true count** (Cormode and Muthukrishnan's count-min bound;
-//!   conservative update, Estan and Varghese 2002, keeps that bound and lowers the over-count).
-//!   A doorkeeper adds to a key's estimate only when all of its bits happen to be set by other
-//!   keys, a few times in a thousand at the documented flood size, where a sketch cell is
-//!   shared with an eighth of the keys: the ladder keeps a key's first units nearly exact
-//!   whatever the other keys of its set send, and leaves the sketch to keys that really repeat.
-//!
-//! **Admission (TinyLFU).** Einziger, Friedman and Manes, "TinyLFU: A Highly Efficient Cache
-//! Admission Policy" (2017), as Caffeine, Ristretto and moka apply it: a newcomer replaces an
-//! entry only when its frequency exceeds the victim's. Here a key's frequency is its count over
-//! the two buckets (`previous + current`, unweighted, so protection does not fade within the
-//! bucket after the key's last request); the victim is a free entry, or the resident with the
-//! lowest frequency. A newcomer's frequency is an over-estimate (a doorkeeper that mistakes it
-//! for a repeat adds one unit, the sketch its noise), so it must beat the victim by
-//! [`PROMOTION_MARGIN`]: a key waits in the overflow, counted there, until then. When a
-//! non-resident key is admitted by the limit:
-//!
-//! ```text
-//! candidate = overflow estimate of the key (both buckets) + the request's cost
-//! promote   ⇔  the victim is free  ∨  frequency(victim) + PROMOTION_MARGIN ≤ frequency(candidate)
-//! promoted: the overflow's estimate of the victim is raised to its counters; the key's entry starts at `candidate`
-//! otherwise: the request's cost is added to the key's overflow counts
-//! ```
-//!
-//! Guarantees, for every key at every moment (both buckets):
-//! - **never looser than configured**: a resident counts exactly since it entered, and it
-//!   entered with its overflow estimate (never below its true count); a non-resident's estimate
-//!   is never below its true count, an evicted key's counters going into the overflow.
-//! - **an active key keeps an exact count**: a one-shot key has frequency 1 (one more per bucket
-//!   whose first doorkeepers mistake it for a repeat), so a resident that sent 2 or more
-//!   requests in the two buckets is not replaced by one-shot keys unless the flood is large
-//!   enough for both buckets' doorkeepers to err on one key (docs/configuration.md, *Sizing*,
-//!   gives the measured rates), and a resident is only ever replaced by a key its set has seen
-//!   more often.
-//! - **a brand-new key gets its quota during a flood**: the flood's keys set doorkeeper bits,
-//!   and a new key's estimate starts above its true count only where every bit of a doorkeeper
-//!   is set by others: its first [`ABSORBED`] units are over-counted by one unit per such
-//!   doorkeeper, rarely more (docs/configuration.md, *Sizing*, gives the measured rates).
-//! - **a key at or near its limit is the last to be evicted** (lowest frequency goes first), and
-//!   an evicted key's counts stay in the overflow: no key escapes its limit through eviction.
-//! - A request that is refused writes nothing.
-//!
-//! What over-counts: a non-resident key's estimate carries the doorkeepers' false positives and
-//! the sketch's noise (other non-resident keys' units past the ladder sharing its cells in
-//! every row), so it may be refused early; never admitted late.
+//! Invariants: a key's count is never below its true count (an overflow estimate never is, a
+//! resident entered at its overflow estimate, and an evicted key's counters go into the overflow),
+//! so no quota is looser than configured and no key escapes its limit through eviction; a refused
+//! request writes nothing.
 //!
 //! Record layout (little-endian, [`RECORD_LEN`] bytes): version `u8`, ways `u8`, 2 zero bytes,
-//! shape `u64` (a stamp of the rule's key, window and capacity: a record of another shape reads
-//! as empty), bucket index `u64`, per entry fingerprint `u64` (0 = free), previous `u32`,
-//! current `u32`, then the previous bucket's overflow and the current one's, each every
-//! doorkeeper's bits in rank order ([`DOOR_BITS`] / 8 bytes each) and the sketch cells (`u32`
-//! each, row-major). Everything is kept rolled to the same window bucket. A record of the
-//! previous layout (version 2: two doorkeepers) is read as this one, never below what it
-//! counted ([`Set::decode`]).
+//! shape `u64` (a stamp of the rule's key, window and capacity: a record of another shape reads as
+//! empty), bucket index `u64`, per entry fingerprint `u64` (0 = free), previous `u32`, current
+//! `u32`, then the previous bucket's overflow and the current one's, each every doorkeeper's bits
+//! in rank order ([`DOOR_BITS`] / 8 bytes each) and the sketch cells (`u32` each, row-major).
+//! Everything is kept rolled to the same window bucket. A record of the previous layout (version 2:
+//! two doorkeepers) is read as this one, never below what it counted ([`Set::decode`]).
+//!
+//! Rationale: docs/design.md, section "The bounded key table".
 
 use super::window::{Counts, Window};
 use crate::primitives::hash::{mix64, GOLDEN_GAMMA};

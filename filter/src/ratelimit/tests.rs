@@ -20,7 +20,7 @@ fn admitted(verdict: &Verdict) -> bool {
     matches!(verdict, Verdict::Admitted { .. })
 }
 
-/// The exact sliding-window counter, one entry per key, as SPEC.md defines it.
+/// The exact sliding-window counter, one entry per key (docs/design.md, "Sliding window counter").
 #[derive(Default)]
 struct Reference {
     counters: HashMap<(usize, u64), (u64, Counts)>,
@@ -453,7 +453,7 @@ fn a_steady_key_keeps_its_quota_under_a_flood_of_other_keys() {
     }
 }
 
-/// Issue 13's report, through the limiter: limit 5, a flood of one-shot keys (120 per set, as
+/// A flood of one-shot keys through the limiter: limit 5, a flood of one-shot keys (120 per set, as
 /// 480 000 per window would be at the default capacity), an established key sending every now
 /// and then, and brand-new keys during and after the flood. Before frequency-aware admission,
 /// every new key started from the set's floor, above 5: all 7 of its requests got `429`.
@@ -522,8 +522,8 @@ fn namespaces_and_rule_definitions_separate_counters() {
     assert_eq!(store.len(), 2, "the rule's one record and the token key, whatever the changes");
 }
 
-/// Issue 15, item 4: shared data has no delete, so every definition change used to leave the
-/// old definition's records behind for good. Records are per rule name now.
+/// Shared data has no delete, so records are per rule name: a definition change reuses them
+/// rather than leaving the old definition's records behind.
 #[test]
 fn changing_a_rule_any_number_of_times_reuses_its_records() {
     let store = MemoryStore::new();
@@ -612,7 +612,7 @@ fn a_heartbeat_gives_back_a_bounded_number_of_reserves_and_the_next_one_the_rest
     }
 }
 
-// ---- issue 18: limits by key, costs other than 1, costs charged later ----
+// ---- limits by key, costs other than 1, costs charged later ----
 
 fn with(probe: Probe, limit: Option<u32>, cost: u32) -> Probe {
     Probe { limit: limit.and_then(NonZeroU32::new), cost, ..probe }

@@ -1,18 +1,23 @@
-//! The sliding-window counter (seed `000_60c4a26782fd3f17.txt` §17.3; Cloudflare, "How we built
-//! rate limiting capable of scaling to millions of domains", 2017; pingora-limits'
-//! `PROPORTIONAL_RATE_ESTIMATE_CALC_FN`).
-//!
-//! Time is cut into buckets one window long, aligned to multiples of the window since the Unix
-//! epoch. A key keeps two counters, the previous and the current bucket. At time `now`, with
-//! `elapsed` the time since the current bucket began and `w` the window length,
+//! The sliding-window counter: buckets one window long, aligned to multiples of the window since
+//! the Unix epoch; a key keeps the previous and the current bucket's counters, and at `now`, with
+//! `elapsed` the time since the current bucket began and `w` the window,
 //!
 //! ```text
 //! estimate = previous × (1 − elapsed / w) + current
 //! ```
 //!
-//! and a request of `cost` is admitted when `estimate + cost ≤ limit`. The comparison is done
-//! exactly in integers, `previous × (w − elapsed) + (current + cost) × w ≤ limit × w`, so the
-//! admission decision and the `Retry-After` computed from it can never disagree by rounding.
+//! A request of `cost` is admitted when `estimate + cost ≤ limit`.
+//!
+//! Invariant: the comparison is exact in integers,
+//!
+//! ```text
+//! previous × (w − elapsed) + (current + cost) × w ≤ limit × w
+//! ```
+//!
+//! so the decision and the `Retry-After` computed from it never disagree by rounding.
+//!
+//! Rationale: docs/design.md, section "Sliding window counter" (Cloudflare's sliding-window
+//! counter; pingora-limits' `PROPORTIONAL_RATE_ESTIMATE_CALC_FN`).
 
 use crate::primitives::time::UnixMillis;
 use std::num::{NonZeroU32, NonZeroU64};
@@ -226,7 +231,7 @@ mod tests {
     fn estimate_weights_the_previous_bucket_by_its_overlap() {
         let w = window(60_000);
         let counts = Counts { previous: 84, current: 36 };
-        // The seed's example: 15 s into the minute, 84 × 0.75 + 36 = 99.
+        // Cloudflare's example: 15 s into the minute, 84 × 0.75 + 36 = 99.
         assert_eq!(w.estimate(counts, 15_000), 99.0);
         assert!(w.admits(counts, 15_000, 1, limit(100)));
         assert!(!w.admits(counts, 15_000, 2, limit(100)));

@@ -1,33 +1,20 @@
 //! gRPC requests: the gRPC form of the filter's refusals, and the outcome of a gRPC call for
-//! cluster selection.
+//! cluster selection. A request is gRPC when its `content-type` is `application/grpc` or starts
+//! with `application/grpc+` (Envoy's own rule; `application/grpc-web…` is not).
 //!
-//! **Which requests.** A request is gRPC when its `content-type` is `application/grpc` or starts
-//! with `application/grpc+` (`application/grpc+proto`, `+json`, …): Envoy's own rule
-//! (`Grpc::Common::hasGrpcContentType`), the one that makes Envoy answer a local reply as gRPC.
-//! `application/grpc-web…` is not gRPC (Envoy's `grpc_web` filter, placed before floodgate,
-//! turns it into gRPC).
+//! Refusals ([`reply`]) carry their own gRPC status ([`crate::config::Grpc`]: `RESOURCE_EXHAUSTED`
+//! for a quota, `UNAVAILABLE` when shed or when no cluster has room), the problem's one-line
+//! `detail` as the message, and as metadata gRFC A6's `grpc-retry-pushback-ms` and the HTTP reply's
+//! `retry-after`, `ratelimit-policy` and `ratelimit`: left to itself, Envoy would make a `429`
+//! `UNAVAILABLE`, which gRPC clients retry by default, straight into their limit.
 //!
-//! **Refusals** ([`reply`]). Envoy answers a local reply to a gRPC request as a gRPC
-//! *trailers-only* response (HTTP `200`, `content-type: application/grpc`, the status in
-//! `grpc-status`, the message percent-encoded in `grpc-message`, and every extra header as
-//! metadata, in one HEADERS frame). Without a gRPC status it derives one from the HTTP status,
-//! and `429` and `503` both become `UNAVAILABLE`, the code gRPC clients retry by default: a
-//! rate-limited client would retry straight into its limit. So the filter gives the status
-//! itself (configurable, [`crate::config::Grpc`]): `RESOURCE_EXHAUSTED` for a quota,
-//! `UNAVAILABLE` when shed or when no cluster has room; the message is the problem document's
-//! one-line `detail`; the metadata is gRFC A6's `grpc-retry-pushback-ms` (how long a client
-//! that retries must wait) and the HTTP reply's `retry-after`, `ratelimit-policy` and
-//! `ratelimit`.
+//! Outcomes ([`effective_status`], [`outcome`]): a call counts by its `grpc-status` (the trailers,
+//! or a trailers-only response's headers; without one, the status its client would see), after the
+//! HTTP classification of [`crate::selection::outcome`]; `DEADLINE_EXCEEDED` is a timeout, a status
+//! in `failure_grpc_statuses` a failure, and a call whose client left first (flags DR / DC) is not
+//! counted.
 //!
-//! **Outcomes** ([`effective_status`], [`outcome`]). A gRPC call that fails usually still has
-//! HTTP status `200`: its status is `grpc-status`, in the trailers, or in the headers of a
-//! trailers-only response. The shell reads it there; a call that ended without one gets the
-//! status a gRPC client would see (gRPC's "HTTP to gRPC status code mapping" for a non-`200`
-//! HTTP status, `UNKNOWN` for a `200` without status), unless the client itself left first
-//! (Envoy's flags DR / DC): then the call is not counted, like an HTTP request the client
-//! abandoned. The HTTP classification ([`crate::selection::outcome`]: flags, failure statuses,
-//! slowness) comes first; then a status in `failure_grpc_statuses` is a failure and
-//! `DEADLINE_EXCEEDED` a timeout, which backs the concurrency limit off.
+//! Rationale: docs/design.md, section "Replies".
 
 use crate::config::{Grpc, GrpcStatus};
 use crate::replies::{RefusalKind, Reply};

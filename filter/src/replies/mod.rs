@@ -7,6 +7,8 @@
 //!   `"name";q=<limit>;w=<window seconds>` and `"name";r=<remaining>;t=<seconds>`.
 //! - Body: RFC 9457 problem details with the `quota-exceeded` problem type of the IANA HTTP
 //!   problem types registry, `violated-policies`, and the figures of each refusing rule.
+//!
+//! Rationale: docs/design.md, section "Replies".
 
 pub mod grpc;
 

@@ -1,10 +1,9 @@
-//! A cluster's request statistics: a rolling window of stat buckets plus the sticky bucket
-//! (seed `001_29fb53a81823e255.txt`, "State").
+//! A cluster's request statistics: a rolling window of stat buckets plus the sticky bucket.
 //!
-//! Buckets are aligned to multiples of the bucket width since the Unix epoch; `epoch` is the
-//! index of the newest one (`now / width`). Moving to a later epoch ages the oldest buckets out,
-//! one per elapsed width, and each that held data is copied over the sticky bucket, so after any
-//! gap the sticky bucket holds the newest data that ever left the window.
+//! Buckets are aligned to multiples of the bucket width on the clock they are read with; `epoch` is
+//! the index of the newest one (`now / width`). Moving to a later epoch ages the oldest buckets
+//! out, one per elapsed width, and each that held data is copied over the sticky bucket, so after
+//! any gap the sticky bucket holds the newest data that ever left the window.
 //!
 //! Success rate, with `f_i`, `s_i` the finished and successful counts of bucket `i` (0 = newest),
 //! `d` the decay factor and `n` the number of clusters:
@@ -14,6 +13,8 @@
 //!      = max(s_sticky / f_sticky, floor / n)        else if f_sticky > 0
 //!      = 1                                          otherwise
 //! ```
+//!
+//! Rationale: docs/design.md, section "Cluster selection".
 
 /// Which data a success rate is computed from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

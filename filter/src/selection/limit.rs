@@ -10,6 +10,8 @@
 //! only grows while at least half of it is in use, so an idle cluster's limit does not drift up.
 //! Other failures and ignored requests leave the limit alone (Netflix's `onIgnore`): they say
 //! nothing about the cluster's capacity.
+//!
+//! Rationale: docs/design.md, section "Cluster selection" (concurrency limit).
 
 use crate::config::ConcurrencyLimit;
 

@@ -1,40 +1,18 @@
-//! Cluster selection: the seed's "success-prioritized, concurrency-limited stochastic fallback
-//! cascade" (`seeds/001_29fb53a81823e255.txt`), shared by every worker of the proxy.
+//! Cluster selection, shared by every worker of the proxy: the "success-prioritized,
+//! concurrency-limited stochastic fallback cascade". Per request, each cluster's success rate
+//! ([`buckets`]) gives its weight, `rate^exponent` (cubed by default; the no-data floor bounds the
+//! weight unless `no_data_floor_on: "rate"`); an exact weighted [`shuffle`] orders the clusters;
+//! the request takes a permit on the first whose proxy-wide in-flight count is below its [`limit`]
+//! (a compare-and-swap on its [`record`]), or fails fast. At the stream's end its [`outcome`] is
+//! counted, the limit moves (AIMD) and the permit goes back.
 //!
-//! Per request:
-//! 1. read each cluster's record ([`record`]): stat buckets ([`buckets`]), concurrency limit
-//!    ([`limit`]) and permits in flight per VM;
-//! 2. success rate per cluster (see [`buckets`]: exponentially weighted bucket sums, the sticky
-//!    bucket floored at `no_data_floor / clusters`, or 1 with no data), weight = rate^exponent
-//!    (cubed by default). One deliberate reading of the seed: its floor exists to give a cluster
-//!    whose last data was bad "a slight chance to be picked again", but cubing a floor of
-//!    0.0001/3 leaves a weight of 4·10⁻¹⁴, no chance at all; so by default the floor bounds the
-//!    weight too, and a cluster with only sticky data is tried first with a probability of about
-//!    `no_data_floor / clusters` per request (`no_data_floor_on: "rate"` restores the literal
-//!    formula);
-//! 3. order the clusters by an exact weighted random shuffle ([`shuffle`]);
-//! 4. walk the order and take a permit from the first cluster whose proxy-wide in-flight count is
-//!    below its limit (a compare-and-swap on its record, re-read and re-checked on a mismatch);
-//!    none has room: fail fast (the shell answers `503`);
-//! 5. when the stream ends, classify it ([`outcome`]), count it in its bucket, move the limit
-//!    (AIMD) and give the permit back.
+//! Invariants: a cluster's in-flight count is exact across workers, like the shedder's
+//! ([`crate::primitives::inflight`]: reserves, heartbeats, a dead VM's entries expiring after
+//! [`crate::primitives::inflight::STALE_AFTER_MS`]). Successes wait in the VM's pending tally
+//! ([`Pending`]) until its next write to the record, at most a heartbeat; a failure, a timeout or a
+//! slow response is written at once, so the weight and the limit react within the request.
 //!
-//! In-flight counts follow the load shedder's scheme ([`crate::shedding`]): each VM counts its own
-//! permits locally and publishes them in the record with a heartbeat, so a VM that dies stops
-//! counting after [`crate::primitives::inflight::STALE_AFTER_MS`], and a release whose write loses every race is
-//! published by the next heartbeat. Far below a cluster's limit a VM publishes a small reserve
-//! of units ([`crate::primitives::inflight::in_flight_units`], sized on the room below the limit) and takes the next
-//! permits from it without touching shared data; the limit stays exact, since reserved units
-//! count as in flight.
-//!
-//! Outcomes are counted where the VM can afford it: a success goes into the VM's pending tally
-//! ([`Pending`], per bucket) and reaches the record with the VM's next write to it (its next
-//! permit that needs one, a release that gives units back, or the heartbeat, every
-//! [`crate::primitives::inflight::HEARTBEAT_MS`]: buckets are seconds wide, so the weights lag by at most one
-//! heartbeat). A failure, a timeout or a slow response is written at once, with whatever is
-//! pending, and the VM gives its reserve back: the cluster's weight and limit react within the
-//! request. A write that loses every race keeps its tally for the next one (only the limit move
-//! of a drop is then lost, counted as contention).
+//! Rationale: docs/design.md, section "Cluster selection".
 
 pub mod buckets;
 pub mod limit;

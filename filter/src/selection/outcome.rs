@@ -12,6 +12,8 @@
 //! ended) to the response headers. A slow upload, a slow reader, a long download, a WebSocket or
 //! a server-sent event stream says nothing about the upstream's capacity, and must not cut its
 //! concurrency limit: a client could otherwise shrink a healthy cluster on purpose.
+//!
+//! Rationale: docs/design.md, section "Cluster selection" (outcomes).
 
 use super::limit::Sample;
 use crate::config::StatusMatch;
@@ -79,7 +81,7 @@ pub enum Outcome {
     Timeout,
     /// Envoy's circuit breaker refused it (flag UO: the cluster's pending or request limit was
     /// reached): a failure for the success rate and a drop for the concurrency limit, which
-    /// backs off as on a timeout (the seed's cascade and Netflix's `onDropped`: the cluster
+    /// backs off as on a timeout (the fallback cascade's and Netflix's `onDropped`: the cluster
     /// has no room for more).
     Overflow,
     /// A failure status, a reset, a connection failure, overflow, or no such cluster.

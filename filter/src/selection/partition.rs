@@ -10,6 +10,8 @@
 //! `k` and the cluster names), not by a per-proxy secret, so a key has the same partition on
 //! every worker and every proxy of a fleet, across restarts, as long as the configuration is the
 //! same.
+//!
+//! Rationale: docs/design.md, section "Cluster selection" (partitions).
 
 use crate::config::{ClusterSelection, KeyPart};
 use crate::keys::{hash_key, KeyHasher, Source};

@@ -5,6 +5,8 @@
 //! Layout (little-endian): version `u8`, bucket count `u8`, 2 zero bytes, limit `u32`, epoch
 //! `u64`, then per bucket (newest first) finished `u32` and succeeded `u32`, the sticky bucket
 //! the same way, and last the in-flight entries as [`InFlight`] encodes them.
+//!
+//! Rationale: docs/design.md, section "Cluster selection" (state).
 
 use super::buckets::{Buckets, Tally};
 use crate::primitives::inflight::InFlight;

@@ -4,7 +4,9 @@
 //! next with probability `weight / (sum of remaining weights)`, so an order `(a, b, c)` has
 //! probability `w_a/W · w_b/(W − w_a) · 1`. Clusters of weight zero come after every weighted one,
 //! in uniform random order. With a handful of clusters this costs a few multiplications, so the
-//! seed's approximation (sort, then promote one) is not needed.
+//! published algorithm's approximation (sort, then promote one) is not needed.
+//!
+//! Rationale: docs/design.md, section "Cluster selection".
 
 use crate::primitives::hash::Random;
 

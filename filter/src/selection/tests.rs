@@ -41,7 +41,7 @@ fn close(a: f64, b: f64) -> bool {
     (a - b).abs() < 1e-12
 }
 
-// ---- success rate and weight: every case of the seed ----
+// ---- success rate and weight: every case of the published algorithm ----
 
 #[test]
 fn success_rate_weights_newer_buckets_by_the_decay_factor() {
@@ -747,7 +747,7 @@ fn reserves_never_let_two_vms_past_a_cluster_limit() {
     }
 }
 
-// ---- issue 15: what "slow" measures, overflows, reserves under a lowered limit ----
+// ---- what "slow" measures, overflows, reserves under a lowered limit ----
 
 #[test]
 fn the_upstream_latency_runs_from_the_end_of_the_request_to_the_response_headers() {
@@ -765,7 +765,7 @@ fn the_upstream_latency_runs_from_the_end_of_the_request_to_the_response_headers
     assert_eq!(timing(Some(MonoMillis(0)), at(20)).upstream_latency_ms(T0), Some(20));
 }
 
-/// Issue 15.3: 20 successful requests whose client took 6 s each (a slow reader: the response
+/// 20 successful requests whose client took 6 s each (a slow reader: the response
 /// headers came at once) cut a healthy cluster's limit from 200 to 21 when "slow" was the
 /// whole stream. The upstream answered in 5 ms: they are successes.
 #[test]
@@ -788,7 +788,7 @@ fn slow_clients_do_not_shrink_a_healthy_cluster() {
     assert_eq!(s.read(&store, 0, stream_end).unwrap().record.limit, 200);
 }
 
-/// Issue 15.5: an overflow (Envoy's circuit breaker, flag UO) backs the limit off as a timeout
+/// An overflow (Envoy's circuit breaker, flag UO) backs the limit off as a timeout
 /// does, and counts as a failure.
 #[test]
 fn an_overflow_backs_the_limit_off() {
@@ -809,7 +809,7 @@ fn an_overflow_backs_the_limit_off() {
     assert_eq!(record.buckets.recent[0], tally(1, 0), "a failure for the success rate");
 }
 
-/// Issue 15.6: units a VM reserved under a cluster's limit are not spent past a lower limit
+/// Units a VM reserved under a cluster's limit are not spent past a lower limit
 /// that another VM's back-off set, once this VM has read it (within `WEIGHT_TTL_MS`).
 #[test]
 fn a_reserve_is_not_spent_past_a_limit_another_vm_lowered() {

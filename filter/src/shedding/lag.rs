@@ -1,33 +1,20 @@
-//! Load shedding on scheduling lag: overload detected from the proxy itself, with no limit to
-//! guess (seed `003_15aff1c9dc55ed12.txt`, "Example of load shedding": a ticker measures how
-//! late it fires, and the server sheds while the lag is above a threshold).
-//!
-//! Inside Envoy each worker thread runs one event loop, and the module's timer (`on_tick`) is an
-//! event of that loop. A worker whose loop is saturated (more work queued than it can do) runs
-//! the timer late, by about the time the queued work takes. So every worker probes its own loop:
-//! it asks for a tick every `probe_ms` and measures, on the monotonic clock,
+//! Load shedding on scheduling lag: overload seen from the proxy itself, with no limit to guess.
+//! Each worker asks for a tick every `probe_ms` and measures how late it runs on the monotonic
+//! clock; a worker whose event loop has more work queued than it can do runs it late by about that
+//! much.
 //!
 //! ```text
 //! lag = (now − previous tick) − probe_ms          (0 when on time)
+//! shed c from when  median(last 3 lags) ≥ shed_at(c) × max_loop_lag
+//! until             max(last 3 lags) < shed_at(c) × max_loop_lag / 2
 //! ```
 //!
-//! A class is shed on that worker while the loop is persistently late by the class's share of
-//! `max_loop_lag`, the same shares as for in-flight shedding (`classes[].shed_at`), so low
-//! priority goes first and the critical class last, progressively as the lag grows:
+//! Invariant: a hysteresis band. One late tick does not start shedding (the median of three filters
+//! a spike out; not the least of three, since a saturated loop still runs some timers on time), and
+//! shedding does not stop at the first tick on time, so it does not flap. Each worker sheds on its
+//! own lag.
 //!
-//! ```text
-//! threshold(c) = shed_at(c) × max_loop_lag
-//! shed c from when  median(last 3 lags) ≥ threshold(c)    (2 of the last 3 probes that late)
-//! until             max(last 3 lags) < threshold(c) / 2   (3 probes in a row under half)
-//! ```
-//!
-//! The two rules make a hysteresis band: one late tick (a garbage collection, a burst) does not
-//! start shedding (the median of three filters a single spike out), and shedding does not stop
-//! at the first tick on time, so it does not flap. The median rather than the least of the
-//! three: a saturated loop still runs some timers on time, between two pieces of work, and must
-//! not be taken for a healthy one.
-//! Each worker sheds on its own lag: the workers of one Envoy share the connections, so a
-//! saturated proxy lags on all of them.
+//! Rationale: docs/design.md, section "On the loop lag".
 
 use crate::config::LoadShedding;
 use crate::primitives::time::MonoMillis;

@@ -1,50 +1,24 @@
-//! Load shedding on the proxy-wide count of in-flight requests (seed `000_60c4a26782fd3f17.txt`
-//! §17.1; seed `003_15aff1c9dc55ed12.txt`, overload detection by concurrency).
-//!
-//! An admitted request holds a [`Permit`] from its request headers to the end of its stream. A
-//! request of priority class `c` is admitted while
+//! Load shedding on the proxy-wide count of in-flight requests. An admitted request holds a
+//! [`Permit`] from its request headers to the end of its stream; a request of priority class `c` is
+//! admitted while
 //!
 //! ```text
 //! in_flight < threshold(c) = max(1, ⌊shed_at(c) × max_active_requests⌋)
 //! ```
 //!
-//! so low classes are shed first and the critical class (`shed_at` 1.0) is admitted up to the full
-//! limit. The count is exact across workers: it lives in one shared-data record updated by CAS.
+//! so low classes are shed first. Each VM counts its own requests in memory and publishes the
+//! count, with a heartbeat, in the shared [`crate::primitives::inflight::InFlight`] record; to
+//! admit, it adds the other VMs' published counts and publishes its own plus one with a
+//! compare-and-swap.
 //!
-//! Each worker VM counts its own admitted, unfinished requests in a VM-local counter (exact:
-//! a VM is single-threaded) and publishes it in one shared-data record holding an entry per VM
-//! (a random id drawn when the VM starts), with the VM's count and its last heartbeat. To admit,
-//! a VM reads the record, adds the other VMs' published counts to its own, and publishes its
-//! count plus one with a compare-and-swap; on a mismatch (another VM published meanwhile) it
-//! reads again. So no two VMs can both take the last unit: the count is exact.
+//! Invariants: the count is exact across workers (no two VMs take the last unit); a release whose
+//! write fails is published by the next heartbeat (every
+//! [`HEARTBEAT_MS`](crate::primitives::inflight::HEARTBEAT_MS)), so the figure errs only on the
+//! safe side; a VM that stops heartbeating stops counting after
+//! [`STALE_AFTER_MS`](crate::primitives::inflight::STALE_AFTER_MS); heartbeats are monotonic
+//! ([`MonoMillis`]). Reserves follow [`crate::primitives::inflight`].
 //!
-//! A release lowers the local counter and publishes it; should that write fail, the next
-//! heartbeat (every [`HEARTBEAT_MS`]) publishes the true local count, so nothing is ever lost and
-//! the published figure errs only on the safe side, for at most a heartbeat. The total counts
-//! **live** entries only: a VM that died or was replaced (`FAIL_RELOAD`, a code update) stops
-//! heartbeating, and after [`STALE_AFTER_MS`] its entry is ignored and then dropped, so its
-//! streams, which can no longer end, stop counting.
-//!
-//! **Reserves** ([`crate::primitives::inflight`], whose invariants apply here): far below the lowest class
-//! threshold a VM publishes a few units more than it uses and admits its next requests from
-//! them without touching shared data:
-//!
-//! ```text
-//! held = in_use + min(RESERVE_MAX, ⌊room / (IN_FLIGHT_SPREAD × live VMs)⌋)
-//! room = lowest class threshold − (other VMs' units + in_use)
-//! ```
-//!
-//! Reserved units count as in flight for everybody, so the published units of all VMs never
-//! exceed the threshold of the class that wrote them. The price is bounded: a VM's idle reserve
-//! can make another VM shed early by that much, and a surge from far below the lowest threshold
-//! to above it can admit up to `RESERVE_MAX` lower-class requests per VM from reserves taken
-//! before it. Releases far below the threshold stay in the VM's reserve; a VM gives its reserve
-//! back on every heartbeat, when the reserve outgrows `RESERVE_MAX`, and, near the threshold, at
-//! every release.
-//!
-//! Heartbeats are monotonic-clock readings ([`MonoMillis`]): a step of the wall clock cannot make
-//! a live VM's entry look dead, nor a dead one's look alive. The record is
-//! [`crate::primitives::inflight::InFlight`], shared with cluster selection and the per-key cap.
+//! Rationale: docs/design.md, section "Load shedding".
 
 pub mod lag;
 pub mod per_key;
@@ -593,7 +567,7 @@ mod tests {
         shedder.release(&store, 1, permit, T0);
     }
 
-    /// Issue 15.6: a reload lowering `max_active_requests` from 1 000 to 16 while this VM holds
+    /// A reload lowering `max_active_requests` from 1 000 to 16 while this VM holds
     /// a reserve sized on the old limit let it admit 17 from the reserve. The new threshold is
     /// checked before a reserved unit is used.
     #[test]
@@ -615,7 +589,7 @@ mod tests {
         assert_eq!(after.in_flight(&store, 2, &Rc::default(), T0), 0);
     }
 
-    /// Issue 15.9: heartbeats are monotonic-clock readings, so a step of the wall clock (which
+    /// Heartbeats are monotonic-clock readings, so a step of the wall clock (which
     /// the shedder never sees) cannot make a live VM's entry look dead. Both VMs below read the
     /// same monotonic clock, 1 ms apart, whatever the wall clock did meanwhile; the entry of
     /// VM 1 counts for VM 2 until VM 1 has missed heartbeats for `STALE_AFTER_MS`.

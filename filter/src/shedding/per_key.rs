@@ -1,13 +1,14 @@
-//! Per-key caps, the bulkhead of load shedding (`load_shedding.per_key`): one key holds at most
-//! `max_active_requests` requests in flight proxy-wide, exactly across workers, so one client's
-//! slow requests cannot take the whole concurrency. The counts live in a bounded table of
-//! shared-data records ("sets", [`WAYS`] entries each): an entry is one key's requests on one
-//! worker, with that worker's heartbeat, so a worker that dies stops counting after
-//! [`STALE_AFTER_MS`] as for the proxy-wide count ([`crate::shedding`]). Each worker also keeps its
-//! own exact count per key, which the entries mirror; a release whose write is lost is
-//! published again by the heartbeat. A set whose entries are all taken by keys in flight
-//! cannot track one more: that request is refused (never looser), counted as `untracked`;
-//! `capacity` sizes the table for the keys in flight at once.
+//! The per-key cap, the bulkhead of load shedding (`load_shedding.per_key`): one key holds at most
+//! `max_active_requests` requests in flight proxy-wide, so one client's slow requests cannot take
+//! the whole concurrency. The counts live in a bounded table of shared-data sets of [`WAYS`]
+//! entries, each one key's requests on one worker with that worker's heartbeat; each worker also
+//! keeps its own exact count per key, which the entries mirror.
+//!
+//! Invariants: exact across workers, and never looser: a request whose set has no free entry is
+//! refused (`untracked`); a worker that dies stops counting after [`STALE_AFTER_MS`]; a release
+//! whose write is lost is published again by the heartbeat.
+//!
+//! Rationale: docs/design.md, section "The per-key cap (bulkhead)".
 
 use crate::config::{KeyPart, PerKey};
 use crate::primitives::inflight::{HEARTBEAT_MS, STALE_AFTER_MS};

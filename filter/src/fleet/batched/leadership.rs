@@ -1,19 +1,15 @@
-//! The flusher: the one worker VM per proxy that sends the proxy's batches, at most one per
-//! `sync_interval`.
-//!
-//! **Election.** Every worker ticks; one of them holds a leadership record in shared data (its VM id and a
-//! heartbeat) and renews it at each tick. A VM whose tick finds the leadership's heartbeat older than
+//! Leadership of the flusher: the one worker VM per proxy that sends the proxy's batches, at most
+//! one per `sync_interval`. The leader renews a leadership record in shared data (its VM id and a
+//! heartbeat) at each tick; a VM whose tick finds the heartbeat older than
 //! [`LEASE_STALE_INTERVALS`] intervals (at least [`LEASE_STALE_MIN_MS`]) takes it over with a
-//! compare-and-swap, so a dead or replaced VM is replaced within about a second and two VMs
-//! never both think they lead after the same read.
+//! compare-and-swap, so a dead or replaced VM is replaced within about a second.
 //!
-//! **Batches, exactly once.** The flusher sends one batch at a time: its own source id (its VM
-//! id) and a sequence number, strictly increasing per source. A batch that fails (a non-`200`,
-//! an unreadable answer, a timeout) is sent again **unchanged** at the next tick, until it is
-//! confirmed; the store applies a (source, seq) batch once, so a batch applied whose answer was
-//! lost counts once. Deltas that arrive meanwhile wait in the outboxes and go in the next
-//! batch. A VM that loses the leadership while it still has an unconfirmed batch keeps sending it (its
-//! sequence numbers are its own, so the new flusher's batches cannot shadow it).
+//! Invariants: two VMs never both lead after the same read. A batch names its source (the VM id)
+//! and a sequence number strictly increasing per source; a batch that fails is sent again unchanged
+//! at the next tick until confirmed, also by a VM that lost the leadership meanwhile, so the store
+//! applies each batch exactly once and a new leader's batches cannot shadow it.
+//!
+//! Rationale: docs/design.md, section "Batched consistency".
 
 use super::outbox::Delta;
 use super::protocol::{self, Counter, ProtocolError, Totals};

@@ -1,59 +1,18 @@
-//! Global scope: one quota across every proxy of the fleet (seed `000_60c4a26782fd3f17.txt`
-//! §17.3.2, "Distributed implementation"): the counts live in Redis, reached through the
-//! `floodgate-sync` ambassador; updates are batched in memory and flushed asynchronously; when the
-//! store is unreachable, decisions go on on the last state read from it.
+//! Batched global scope: one quota across every proxy of the fleet, every decision local. Each
+//! worker moves its admissions into a shared-data outbox ([`outbox`]); the proxy's one flusher
+//! ([`leadership`]) sends them to `floodgate-sync` in one batch per `sync_interval` ([`protocol`])
+//! and writes the fleet totals it gets back into the [`view`], which every worker copies at its
+//! tick. A decision adds to the proxy's own exact counts the other proxies' counts and their
+//! projections ([`crate::ratelimit::remote`]).
 //!
-//! Decisions stay local and exact within the proxy: a rule in global scope counts this proxy's
-//! admissions in its table as a rule in proxy scope does, and adds what the other proxies
-//! admitted, as last synced, and what they likely admitted since ([`view`], issue 16):
+//! Invariants: no request waits on the store; every admission reaches the store exactly once
+//! (batches are sent again unchanged until confirmed, and the store applies a (source, seq) batch
+//! once); projected units only weigh in decisions, never in the table, a batch or the store; with
+//! the store down, decisions go on on the last view, and admissions wait in the outboxes. Quota
+//! reserves are used only while the whole estimate fits.
 //!
-//! ```text
-//! estimate(key) = local counts (this proxy, exact across its workers)
-//!               + remote counts (the fleet's total less this proxy's confirmed part, last sync)
-//!               + unseen        (the others' growth between the two last syncs of the key, over
-//!                                one interval: their traffic before the sync their batches had
-//!                                not brought yet)
-//!               + in proportion (this proxy's units past its confirmed part × the others'
-//!                                growth per unit this proxy admitted (at least a quarter of
-//!                                its requests), averaged over recent syncs)
-//! ```
-//!
-//! The two projections count for 3 intervals after the last sync that found the others' part
-//! grown, and not after it until one does again ([`view::HOLD_INTERVALS`]).
-//!
-//! The last term makes each proxy take about its share of the room left, which is what keeps
-//! the fleet at its limit when every proxy nears it at once ([`view`]'s module doc,
-//! [`crate::ratelimit::remote`]). Projected units only enter decisions (and so the `ratelimit`
-//! header's remaining): they are never counted in the store, the table, nor a batch.
-//!
-//! The flow, once per `sync_interval`: every worker moves its admissions ([`outbox::Deltas`],
-//! merged per key and bucket) into a shared-data outbox; the proxy's one flusher
-//! ([`leadership`], elected through shared data) takes the outboxes, sends one batch to
-//! `floodgate-sync` (`POST /v1/sync`, [`protocol`]), and writes the totals it gets back into the
-//! view, which every worker copies on its next tick. No request waits on the store.
-//!
-//! **Overshoot.** A proxy learns of the other proxies' admissions one sync later: an outbox
-//! move (≤ 1 interval), the flusher's next send (≤ 1 interval), the call, and the workers' next
-//! view refresh (≤ 1 interval). With `D` that delay (about 2 intervals on average, 3 plus the
-//! call's round trip at most) and `R` the key's fleet-wide rate, spread over `P` proxies,
-//! decisions on the counts as synced let the fleet admit about `limit + R·D·(P − 1)/P` per
-//! window: each proxy can admit what the others admitted during the last `D` before the limit
-//! was reached (measured: `L` + 135 at 1 000 req/s, 3 proxies, 100 ms). The two projections
-//! cover that delay; what is left is the error of the shares and of one interval's growth
-//! (a simulation with Poisson arrivals and jittered timers, `tests.rs`: `L` to `L + 8` at
-//! 1 000 req/s and `L` = 1 000; measured in real Envoys: `docs/global.md`). Both need two syncs
-//! of the key, so a key that reaches its limit within about two intervals of its first request
-//! still overshoots as before, and a key a proxy syncs less often than every 3 intervals is
-//! decided on the counts it last read. The price is the other way: while the others' part
-//! grows, a fleet may stop up to `P − 1` units short of the limit (each proxy needs room for a
-//! unit and the others' share of it), and when the other proxies' traffic stops, a proxy
-//! refuses early for at most 3 intervals after the last sync that found their part grown, and
-//! admits the rest of the quota after.
-//! Quota reserves (a worker's units counted ahead) are only used while the whole estimate fits.
-//!
-//! **Store down.** Batches fail and are sent again unchanged (exactly once: [`leadership`]); new
-//! admissions wait in the outboxes, merged per key, and decisions use the last view. When the
-//! store is back, everything pending is applied once and the views catch up.
+//! Rationale: docs/design.md, section "Batched consistency"; bounds and measurements:
+//! docs/global.md.
 
 pub mod leadership;
 pub mod outbox;
@@ -81,7 +40,7 @@ pub const REFRESH_ONLY_EVERY_MS: u64 = 1000;
 /// What a decision adds for the other proxies of the fleet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Projection {
-    /// Their counts as last synced (the behaviour before issue 16, kept to compare against).
+    /// Their counts as last synced, without projections (kept to compare against).
     AsSynced,
     /// Their counts as last synced, what the store had not seen of them yet, and their likely
     /// growth since, in proportion to this proxy's ([`view`], [`crate::ratelimit::remote`]).
@@ -133,7 +92,7 @@ pub struct VmNode {
     pub cache: ViewCache,
     /// The sending side (used while this VM leads, and until its last batch is confirmed).
     pub flusher: Flusher,
-    /// Whether this VM held the lease at its last tick.
+    /// Whether this VM held the leadership at its last tick.
     pub leading: bool,
     /// When this VM last sent a new batch.
     pub last_batch: UnixMillis,
@@ -256,7 +215,7 @@ impl GlobalScope {
         let mut tick = Tick { expired: node.deltas.drop_expired(|w| bucket_of(now, w)), ..Tick::default() };
         node.leading = leadership::lead(store, &self.lease_key, vm, now, self.interval_ms).unwrap_or(false);
         tick.leading = node.leading;
-        // A VM that lost the lease still finishes its unconfirmed batch (module doc).
+        // A VM that lost the leadership still finishes its unconfirmed batch (module doc).
         let sends = (node.leading || node.flusher.pending().is_some()) && !node.flusher.busy(now, self.timeout_ms);
         // The leader's own admissions go straight into its next batch, not through its outbox.
         let keeps_own = node.leading && sends && node.flusher.pending().is_none();

@@ -1,16 +1,18 @@
 //! Deltas: requests a proxy admitted under global rules and has not sent to the store yet, merged
-//! per key and window bucket, so that their size follows the number of active keys, not the
-//! request rate.
+//! per key and window bucket, so that their size follows the number of active keys, not the request
+//! rate. Each worker VM adds its admissions to its own [`Deltas`] (no host call), and once per
+//! `sync_interval` moves them into one of [`OUTBOXES`] shared-data records (chosen by its VM id)
+//! with a compare-and-swap; the flusher takes every outbox (a compare-and-swap that leaves it
+//! empty).
 //!
-//! Each worker VM adds its admissions to its own [`Deltas`] (no host call). Once per
-//! `sync_interval` it moves them into one of [`OUTBOXES`] shared-data records (chosen by its VM
-//! id, so workers rarely contend), with a compare-and-swap; the proxy's flusher takes every
-//! outbox (a compare-and-swap that leaves it empty) and sends one batch. A delta is thus always in
-//! exactly one place: a VM's memory, an outbox, or the flusher's batch.
+//! Invariant: a delta is always in exactly one place: a VM's memory, an outbox, or the flusher's
+//! batch.
 //!
-//! Record layout (little-endian): version `u8`, 3 zero bytes, count `u32`, then per delta the
-//! rule id `u64`, the local fingerprint `u64`, the fleet key `u128`, the window `u64` (ms), the
-//! bucket `u64`, the delta `u32`, the requests `u32` (version 2).
+//! Record layout (little-endian): version `u8`, 3 zero bytes, count `u32`, then per delta the rule
+//! id `u64`, the local fingerprint `u64`, the fleet key `u128`, the window `u64` (ms), the bucket
+//! `u64`, the delta `u32`, the requests `u32` (version 2).
+//!
+//! Rationale: docs/design.md, section "Batched consistency".
 
 use crate::keys::fleet::FleetKey;
 use crate::primitives::hash::MixMap;

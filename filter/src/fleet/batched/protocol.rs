@@ -12,6 +12,8 @@
 //! answer was lost is sent again unchanged. The response gives, per counter and in request
 //! order, the fleet-wide totals of its bucket (`current`) and of the bucket before (`previous`)
 //! after the batch.
+//!
+//! Rationale: docs/design.md, section "Batched consistency".
 
 use crate::fleet::protocol::{push_decimal, push_hex};
 use crate::keys::fleet::FleetKey;
@@ -111,7 +113,7 @@ pub fn encode_request(source: u64, seq: u64, counters: &[Counter]) -> Vec<u8> {
 }
 
 /// The totals of a `200` response to a batch of `sent` counters. The compact form
-/// `floodgate-sync` writes is read by [`decode_compact`] (serde_json took about 1 200
+/// `floodgate-sync` writes is read by `decode_compact` (serde_json took about 1 200
 /// instructions per counter); anything else, other spacing included, by serde_json, which also
 /// names what is wrong.
 pub fn decode_response(body: &[u8], sent: usize) -> Result<Vec<Totals>, ProtocolError> {

@@ -309,7 +309,7 @@ fn a_vm_that_lost_the_lease_still_finishes_its_batch() {
     let leader = p.vms.iter().position(|(_, n, _)| n.leading).unwrap();
     let other = 1 - leader;
     assert!(p.vms[leader].1.flusher.pending().is_some());
-    // The leader is silent long enough to lose the lease; the store comes back.
+    // The leader is silent long enough to lose the leadership; the store comes back.
     sync.down = false;
     let later = now.plus_ms(2_000);
     {
@@ -433,7 +433,7 @@ fn paced_fleet(limit: u32, rate_per_s: u32, projection: Projection, phase_ms: u6
     admitted
 }
 
-/// Issue 16's target: at 1 000 req/s over three proxies and `sync_interval` 100 ms, the fleet
+/// The target: at 1 000 req/s over three proxies and `sync_interval` 100 ms, the fleet
 /// admits at most 1.02 × `L` at `L` = 1 000, where decisions on the counts as synced admit
 /// about `L` + 0.135 s of traffic (1.13 × `L` measured in a real fleet). Paced traffic, round
 /// robin: the projection keeps it within 2 %, and within 1 % at `L` = 20 000 and 3 000 req/s.
@@ -484,7 +484,7 @@ fn noisy_fleet(limit: u32, rate_per_s: u32, seed: u64) -> u32 {
     noisy_slices(limit, rate_per_s, seed, "1h", duration_ms).iter().sum()
 }
 
-/// Issue 16's target with noise: at 1 000 req/s and `L` = 1 000, and at 3 000 req/s and
+/// The target with noise: at 1 000 req/s and `L` = 1 000, and at 3 000 req/s and
 /// `L` = 20 000, every seed's fleet admits at most 1.02 × `L` (1.01 × at 20 000), and at most 2
 /// units short of it.
 #[test]

@@ -1,85 +1,29 @@
-//! The view: what a proxy last learned of its keys' fleet-wide counts, how much of them is its
-//! own, how fast the rest grew, and how the key's traffic splits between this proxy and the
-//! others.
+//! The view: what a proxy last learned of its keys' fleet-wide counts. For each key the flusher
+//! synced, a [`ViewEntry`] keeps the fleet totals of the key's bucket and of the one before, this
+//! proxy's confirmed part of them, how fast the others' part grew ([`RemoteRate`]) and this proxy's
+//! share of the key's traffic ([`Share`]). Entries live in [`VIEW_RECORDS`] shared-data records
+//! written only by the flusher, plus an index of versions; every worker keeps a copy
+//! ([`ViewCache`]), refreshed by the records whose version moved, so a request finds its key's
+//! counts without a host call.
 //!
-//! For each key the flusher synced, a [`ViewEntry`] keeps the fleet totals of the key's bucket
-//! and of the one before (as the store answered), and this proxy's own part of them (the deltas
-//! the store confirmed). What the *other* proxies admitted is the difference:
-//!
-//! ```text
-//! remote = total − applied                      (per bucket, never below zero)
-//! ```
-//!
-//! **What the last sync could not see** (issue 16). `remote` is what the store held at the last
-//! sync, and the other proxies went on admitting since. A decision adds two projections, never
-//! stored as counts nor sent ([`ViewEntry::shared_at`], [`crate::ratelimit::remote`]):
-//!
-//! ```text
-//! fleet(local) = local + remote
-//!              + unseen                                  (their traffic before the sync)
-//!              + (local.current − confirmed)⁺ × r / l    (their traffic since, in proportion)
-//! unseen = grew_units × sync_interval / max(over_ms, sync_interval)
-//! ```
-//!
-//! - *Unseen*: what the others admitted before this proxy's sync that their own batches had
-//!   not brought to the store yet. Their batches land at other moments of the interval than
-//!   this proxy's, so on average about one interval of their traffic is missing from the total
-//!   this proxy reads (the outbox and the flusher's timer each hold admissions up to an
-//!   interval, against this proxy's own unconfirmed part which the next term scales). It is
-//!   their growth between the two last syncs of the key ([`RemoteRate`]) over one interval;
-//!   it vanishes with the first sync that shows no growth.
-//! - *In proportion*: what the others admitted since, estimated from what this proxy admitted
-//!   since (its units past its confirmed part) times `r / l`: the others' growth per unit this
-//!   proxy admitted, over the recent syncs ([`Share`], moving averages). With `s` this proxy's
-//!   share of the key's traffic, `r / l = (1 − s)/s`, and a request is admitted when
-//!   `fleet(local + cost)` fits: near the limit each proxy takes about its share `s` of the
-//!   room left at its sync, and the shares add up to one. `l` is at least a quarter of this
-//!   proxy's *requests*, refused ones included ([`DEMAND_WEIGHT`]): a proxy that loses the race
-//!   for a saturated key's refill would otherwise see its `l` fall, its ratio grow, and lose
-//!   every later race (learned from admissions alone, one proxy of three took every window and
-//!   the two others nothing: `a_saturated_key_is_shared_by_every_proxy`). The ratio is kept
-//!   as it is when a sync finds that nothing grew elsewhere while this proxy refused requests
-//!   (every proxy at the limit), so the room a window's decay frees is not offered to all of
-//!   them at once (what decisions on a rate alone did: the rate goes to zero when everyone
-//!   refuses). A proxy whose traffic stops elsewhere sees the ratio fall at each sync.
-//!
-//! **How long they count.** Both are projections of the others' traffic, and both count until
-//! [`ViewEntry::projected_until`]: [`HOLD_INTERVALS`] intervals after the last sync that found
-//! the others' part grown ([`ViewEntry::grew_at`]), and not after it until a sync finds it grown
-//! again. A share learned from one sync can be far off (a first sync of a key that reached the
-//! store just before another proxy's batch learns, at the next, that batch against nothing of
-//! this proxy's: the cap), and nothing moves it while the key is idle; whatever it is, once the
-//! others are idle this proxy refuses what the counts as synced admit for at most that long. A
-//! refusal's retry time accounts for the moment the projections stop
-//! ([`Remote::earliest_admission`]).
-//!
-//! In the noisy simulation of three proxies at 1 000 req/s and `L` = 1 000 (`tests.rs`,
-//! `a_noisy_fleet_stays_within_two_percent_of_its_limit`) the fleet admits `L` to `L + 8` over 12
-//! seeds (the rate projection the shares replaced, `lead = age + interval` over the rate:
-//! `L + 1` to `L + 42` over 20). The price is granularity: near the limit a proxy needs room for
-//! a unit and the others' share of it, so while the others' part grows a fleet of `P` proxies
-//! may stop up to `P − 1` units short of the limit; once it has not grown for
-//! [`HOLD_INTERVALS`] intervals, every proxy takes what fits the counts as synced, and the last
-//! units may go to several at once.
-//!
-//! Entries live in [`VIEW_RECORDS`] shared-data records (by fingerprint), written only by the
-//! proxy's flusher, plus an index record with a version per record and the time of the last
-//! successful sync. Every worker keeps a copy ([`ViewCache`]): on its tick it reads the index and
-//! then only the records whose version moved, so a request finds its key's remote counts without
-//! a host call.
-//!
-//! A key the proxy stops sending deltas for is still refreshed: each batch also reads the
-//! fleet totals of up to [`REFRESH_PER_BATCH`] of the view's keys synced longest ago (and not
-//! for [`REFRESH_AFTER_INTERVALS`] intervals), so a key whose traffic moves from proxy to proxy
-//! is decided on a view at most about a second old.
+//! Invariants: `remote = total − applied`, never below zero. The two projections (one interval of
+//! the others' growth, and their traffic since in proportion to this proxy's:
+//! [`ViewEntry::shared_at`]) count until [`ViewEntry::projected_until`], [`HOLD_INTERVALS`]
+//! intervals after the last sync that found the others' part grown ([`ViewEntry::grew_at`]), and
+//! not after it. A proxy's part counts at least a quarter of its requests, refused ones included
+//! ([`DEMAND_WEIGHT`]), so a proxy that loses a race for a saturated key keeps its share. A key the
+//! proxy stops sending is still refreshed: each batch reads up to [`REFRESH_PER_BATCH`] keys synced
+//! longest ago (and not for [`REFRESH_AFTER_INTERVALS`] intervals).
 //!
 //! Record layout (little-endian, version 4; a record of another version reads as empty): version
 //! `u8`, 3 zero bytes, count `u32`, then per entry the rule id `u64`, the fingerprint `u64`, the
 //! fleet key `u128`, the window (ms) `u64`, the bucket `u64`, total previous and current `u32`,
-//! applied previous and current `u32`, when it was last synced (ms) `u64`, the remote rate's
-//! units and milliseconds `u32`, and the share's local and remote averages (`f32` bits, finite).
-//! Index (version 3): version `u8`, 7 zero bytes, last success (ms,
-//! 0 for never) `u64`, then [`VIEW_RECORDS`] versions `u64`.
+//! applied previous and current `u32`, when it was last synced (ms) `u64`, the remote rate's units
+//! and milliseconds `u32`, and the share's local and remote averages (`f32` bits, finite). Index
+//! (version 3): version `u8`, 7 zero bytes, last success (ms, 0 for never) `u64`, then
+//! [`VIEW_RECORDS`] versions `u64`.
+//!
+//! Rationale: docs/design.md, section "Batched consistency".
 
 use super::outbox::Delta;
 use crate::keys::fleet::FleetKey;

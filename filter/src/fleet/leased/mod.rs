@@ -1,58 +1,20 @@
-//! Leased global quotas (issue 17): a rule in global scope with `"consistency": "leased"` never
-//! admits more than its limit across the fleet. Each worker (VM) takes units of a key's quota
-//! from the store ahead of use, admits locally from them, and gives back what it did not use;
-//! a request waits on the store only when its key's local lease is empty.
+//! Leased global scope (`"consistency": "leased"`): each worker takes units of a key's quota from
+//! the store ahead of use (`floodgate-sync`'s `POST /v1/lease`), admits locally from its lease, and
+//! gives back what it did not use; a request waits on the store only when its key's lease is empty.
+//! A worker asks for about its own rate of the key over a `sync_interval` ([`LeaseBook::take`]),
+//! and refills a lease below half of that in the background.
 //!
-//! The store (`floodgate-sync`'s `POST /v1/lease`, script `lease.lua`) counts in a key's bucket
-//! every unit it granted and was not given back, and grants only what the sliding window
-//! (`ratelimit::window`) has room for:
+//! Invariants: the store grants only what the key's sliding window has room for (at most a quarter
+//! of the room, at least one unit while there is any), so the units held or used across the fleet
+//! in a bucket always fit the limit. A unit belongs to the bucket it was granted in; what is left
+//! goes back at its end. A give-back is sent once and a grant whose answer is lost stays counted: a
+//! lost message makes the fleet admit less, never more. A worker names itself in its calls, so once
+//! a bucket has ended and a grace passed, a dead worker's outstanding units come off its counter.
+//! With the store down, `on_store_failure` decides (the last counts plus this worker's admissions
+//! since, reported with its next call; or refuse), and a failed key asks again after
+//! `RETRY_AFTER_FAILURE_MS`.
 //!
-//! ```text
-//! room    = limit − ⌈previous × (window − elapsed) / window⌉ − current
-//! granted = min(want, max(1, ⌊room / 4⌋))  while room > 0
-//! ```
-//!
-//! so the units held or used across the fleet in a bucket always fit the window: 0 over.
-//! A worker sizes what it asks for on its own rate of the key ([`LeaseBook::take`]):
-//!
-//! ```text
-//! want = clamp(⌈rate × period⌉, cost, limit)   (rate: units per ms, an average over periods)
-//! ```
-//!
-//! with `period` the `sync_interval`: large for hot keys, one unit for a key seen once in a
-//! while, none for an idle key (its units go back after two periods unused). Near the limit the
-//! store's quarter gives single units. A lease that falls below half of `want` is refilled in
-//! the background, so a hot key's requests do not wait.
-//!
-//! A unit belongs to the bucket it was granted in: at the bucket's end what is left goes back
-//! (to what is then the previous bucket, which still weighs in the window) with the units used
-//! since the last call, at the first tick of the next bucket. Give-backs are sent once and never
-//! again (a lost one makes the fleet admit less, never more); a grant whose answer is lost
-//! likewise stays counted.
-//!
-//! **A worker that dies.** Each worker names itself in its calls (its VM id) and reports the
-//! units it used since its last call, so the store knows what each holds in a bucket
-//! (`lease.lua`, "Holders"). Once a bucket has ended and the grace
-//!
-//! ```text
-//! grace = min(window / 4, 4 × lease_timeout)   (0: never, when below lease_timeout + a tick,
-//!                                               i.e. windows under 240 ms by default)
-//! ```
-//!
-//! passed by the store's clock (live workers settle their ended bucket within it; proxies'
-//! clocks must agree within it), what is still outstanding belongs
-//! to a worker that stopped and comes off the bucket's counter: a dead proxy's leases stop
-//! weighing at the end of the bucket they were granted in, plus the grace, rather than through
-//! the whole next window. The units it used after its last report come off too, so the
-//! previous bucket weighs a little less than it should; no bucket admits more than its limit.
-//! Units granted to requests that wait for them (`at_once`) count as used at once, so a cold
-//! key's single unit leaves nothing to report.
-//!
-//! **Store down** (`on_store_failure`): with `last_state` (the default, the seed's §17.3.2) a
-//! key decides on the last counts the store gave plus what this worker admitted since without
-//! the store; those units are sent as `consumed` with the next call, so the store's counts
-//! include them once it is back. With `refuse` a request that needs the store is refused. After
-//! a failure a key does not wait on the store again until `RETRY_AFTER_FAILURE_MS` passed.
+//! Rationale: docs/design.md, section "Leased consistency".
 
 pub mod protocol;
 
