@@ -33,6 +33,10 @@
 //! | `<prefix>.load_shedding.per_key.refused` | counter | requests refused with 503: their key had `per_key.max_active_requests` in flight (0 without `per_key`) |
 //! | `<prefix>.load_shedding.per_key.untracked` | counter | requests refused with 503: their key could not be counted (no free entry in its set, or contention) |
 //! | `<prefix>.load_shedding.per_key.unkeyed` | counter | requests without the cap's key: not capped |
+//! | `<prefix>.rate_limit.<rule>.shadow_rejected` | counter | requests the rule, in shadow, would have refused |
+//! | `<prefix>.load_shedding.<class>.shadow_shed` | counter | requests of the class shedding, in shadow, would have refused (either signal) |
+//! | `<prefix>.load_shedding.per_key.shadow_refused` | counter | requests the per-key cap, in shadow, would have refused |
+//! | `<prefix>.cluster_selection.partition.shadow_refused` | counter | requests their partition, in shadow, had no room for |
 //! | `<prefix>.global.batches` | counter | batches sent to `floodgate-sync` (retries included) |
 //! | `<prefix>.global.confirmed` | counter | batches the store confirmed |
 //! | `<prefix>.global.failures` | counter | batches that failed (a non-`200`, no answer, an unreadable answer), to be sent again |
