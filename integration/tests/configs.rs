@@ -147,6 +147,27 @@ fn bad_configurations_are_refused_with_the_field_named() {
             Some("not one of the classes"),
         ),
         bad(
+            "unknown rule mode",
+            json!({"rate_limits": [rule(json!({"mode": "sometimes"}))]}),
+            "rate_limits[0].mode",
+            Some("shadow"),
+        ),
+        bad(
+            "unknown top-level mode",
+            json!({"mode": "dry-run"}),
+            "mode",
+            Some("enforce"),
+        ),
+        bad(
+            "routes beside cluster selection",
+            json!({
+                "rate_limits": [rule(json!({"match": {"routes": ["api"]}}))],
+                "cluster_selection": {"route_header": "x-cluster", "clusters": ["a"]},
+            }),
+            "rate_limits[0].match.routes",
+            Some("cluster_selection"),
+        ),
+        bad(
             "health path without a leading slash",
             json!({"health": {"path": "health"}}),
             "health.path",
