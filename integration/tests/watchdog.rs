@@ -211,3 +211,63 @@ async fn overload_the_proxy_sheds_does_not_fail_liveness() {
     assert!(answers.len() >= 15, "{answers:?}");
     assert!(answers.iter().all(|s| *s == 200), "liveness stays 200 under overload: {answers:?}");
 }
+
+/// A configuration change (a new root context in each VM; the old one retired) and new VMs (a
+/// new VM configuration: Envoy starts new VMs and retires the old ones) are no stuck workers:
+/// liveness stays `200` through both, and counts as many workers after as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configuration_change_and_new_vms_leave_liveness_green() {
+    use floodgate_integration::dynamic::{Delivery, DynamicEnvoy, FilterVersion};
+    let upstream = Upstream::start();
+    let config = |lag_for: &str| {
+        json!({"health": {"path": HEALTH_PATH}, "watchdog": {"path": ALIVE, "worker_silence": "3s", "lag_for": lag_for}}).to_string()
+    };
+    let mut envoy = DynamicEnvoy::builder(FilterVersion::new(config("30s"))).cluster("upstream", &[upstream.addr()]).start();
+    let addr = envoy.addr();
+    let seen = poll_until(addr, Duration::from_secs(15), |status, body| {
+        status == 200 && body["workers"].as_array().is_some_and(|w| w.len() >= 2)
+    })
+    .await;
+    assert!(seen.last().is_some_and(|(_, status, _)| *status == 200), "{seen:?}");
+    // Every VM that beats (the main thread's too) counts once it has beaten for 2 s.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (status, body) = ask(addr, ALIVE, Duration::from_secs(2)).await.expect("liveness answers");
+    assert_eq!(status, 200, "{body}");
+    let workers = body["workers"].as_array().map_or(0, Vec::len);
+    let vms = envoy.vms_created();
+    // Watches liveness for `seconds`: (answers, how many were not 200, the last body).
+    async fn watch(addr: std::net::SocketAddr, seconds: u64) -> (usize, Vec<Value>, Value) {
+        let started = Instant::now();
+        let (mut answers, mut red, mut last) = (0, Vec::new(), Value::Null);
+        while started.elapsed() < Duration::from_secs(seconds) {
+            if let Some((status, body)) = ask(addr, ALIVE, Duration::from_secs(2)).await {
+                answers += 1;
+                if status != 200 {
+                    red.push(body.clone());
+                }
+                last = body;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        (answers, red, last)
+    }
+
+    assert_eq!(envoy.deliver(&FilterVersion::new(config("20s"))), Delivery::Taken);
+    let (answers, red, last) = watch(addr, 8).await;
+    println!("after a configuration change: {answers} answers, {} not 200; {last}", red.len());
+    assert!(answers >= 10 && red.is_empty(), "{red:?}");
+    assert_eq!(last["lag_for_ms"], 20_000, "the new configuration answers: {last}");
+    assert_eq!(last["workers"].as_array().map_or(0, Vec::len), workers, "the same workers: {last}");
+
+    assert_eq!(envoy.deliver(&FilterVersion::new(config("20s")).vm_generation(2)), Delivery::Taken);
+    let (answers, red, last) = watch(addr, 10).await;
+    println!(
+        "after new VMs ({} VMs created before, {} after): {answers} answers, {} not 200; {last}",
+        vms,
+        envoy.vms_created(),
+        red.len()
+    );
+    assert!(envoy.vms_created() > vms, "Envoy made new VMs");
+    assert!(answers >= 10 && red.is_empty(), "{red:?}");
+    assert_eq!(last["workers"].as_array().map_or(0, Vec::len), workers, "as many workers as before: {last}");
+}
