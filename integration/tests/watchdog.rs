@@ -271,3 +271,49 @@ async fn a_configuration_change_and_new_vms_leave_liveness_green() {
     assert!(answers >= 10 && red.is_empty(), "{red:?}");
     assert_eq!(last["workers"].as_array().map_or(0, Vec::len), workers, "as many workers as before: {last}");
 }
+
+/// A loop that keeps lagging: one worker, four clients sending requests that burn ~1 s each,
+/// with `max_loop_lag: 300ms` and `lag_for: 4s` (and a `worker_silence` too long to matter).
+/// Liveness fails with the worker `lagging` once the lag has lasted `lag_for`, and is alive
+/// again once the load stops and `recover_after` heartbeats came on time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loop_lagging_past_max_loop_lag_for_lag_for_fails_liveness_then_recovers() {
+    let upstream = Upstream::start();
+    let config = json!({
+        "watchdog": {"path": ALIVE, "worker_silence": "60s", "max_loop_lag": "300ms", "lag_for": "4s"}
+    });
+    let envoy = Envoy::builder(config).upstream(&upstream).concurrency(1).lua_after(BURN_LUA).start();
+    let addr = envoy.addr();
+    let seen = poll_until(addr, Duration::from_secs(15), |status, body| {
+        status == 200 && body["workers"].as_array().is_some_and(|w| !w.is_empty())
+    })
+    .await;
+    assert!(seen.last().is_some_and(|(_, status, _)| *status == 200), "{seen:?}");
+    let per_ms = burn_rate_per_ms(addr).await;
+    let heavy = Burners::start(addr, 4, "critical", 1000 * per_ms);
+    let loaded = Instant::now();
+    // The probe waits its turn behind the burning requests: a few seconds each.
+    let mut red = None;
+    let mut statuses = Vec::new();
+    while loaded.elapsed() < Duration::from_secs(40) && red.is_none() {
+        if let Some((status, body)) = ask(addr, ALIVE, Duration::from_secs(10)).await {
+            statuses.push(status);
+            if status == 503 {
+                red = Some((loaded.elapsed(), body));
+            }
+        }
+    }
+    let burnt = heavy.stop();
+    println!("under load: liveness {statuses:?}; burning requests (admitted, shed) {burnt:?}");
+    let (after, body) = red.unwrap_or_else(|| panic!("a loop lagging for longer than lag_for fails liveness: {statuses:?}"));
+    println!("failing after {after:?}: {body}");
+    assert!(after >= Duration::from_secs(4), "not before lag_for: {after:?}");
+    let lagging: Vec<&Value> = body["workers"].as_array().expect("workers").iter().filter(|w| w["state"] == "lagging").collect();
+    assert!(!lagging.is_empty(), "{body}");
+    assert!(body["reasons"].to_string().contains("lagged past 300 ms"), "{body}");
+    // The load stops: alive again after recover_after (3) heartbeats on time.
+    let calm = Instant::now();
+    let green = poll_until(addr, Duration::from_secs(20), |status, _| status == 200).await;
+    println!("alive again after {:?}: {:?}", calm.elapsed(), green.last().map(|(_, s, b)| (s, b.to_string())));
+    assert!(green.last().is_some_and(|(_, status, _)| *status == 200), "{green:?}");
+}
