@@ -59,7 +59,7 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, spill_below without when_unavailable spill, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
   "allOf": [
@@ -87,6 +87,7 @@ schema = {
     "load_shedding": {"description": "Shedding on the proxy-wide in-flight count, on each worker's event-loop lag, or both, by priority class (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
     "cluster_selection": {"description": "Chooses the upstream cluster of each request (null: none).", "anyOf": [{"$ref": "#/$defs/clusterSelection"}, {"type": "null"}]},
     "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]},
+    "watchdog": {"description": "A liveness path the filter answers itself, failing (503) while the proxy is degraded in ways a restart cures: a silent worker, a loop lag that lasts, memory past a bound (null: none).", "anyOf": [{"$ref": "#/$defs/watchdog"}, {"type": "null"}]},
     "global": {"description": "How rules with scope global reach the fleet-wide store through floodgate-sync (null: none).", "anyOf": [{"$ref": "#/$defs/global"}, {"type": "null"}]},
     "grpc": {"$ref": "#/$defs/grpc"},
     "mode": mode("shadow: every mechanism (rate limits, load shedding, the per-key cap, partitions) only counts what it would refuse, and lets the request go on; enforce: each mechanism as its own mode says."),
@@ -251,6 +252,18 @@ schema = {
         "path": {"description": "The path the filter answers for GET and HEAD (matched without the query).", "type": "string", "pattern": "^/[^?#]*$"},
         "dependencies": {"description": "off: the proxy's own load only; report: also the clusters' success rates and limits (needs cluster_selection); fail: as report, and 503 while every cluster's success rate is below min_success_rate.", "enum": ["off", "report", "fail"], "default": "off"},
         "min_success_rate": {"description": "With dependencies fail: a cluster below this success rate counts as failing, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 0.5}
+      }
+    },
+    "watchdog": {
+      "type": "object", "additionalProperties": False,
+      "required": ["path"],
+      "properties": {
+        "path": {"description": "The liveness path the filter answers for GET and HEAD (matched without the query); not health.path.", "type": "string", "pattern": "^/[^?#]*$"},
+        "worker_silence": {"description": "A worker whose last heartbeat is older than this, while another worker beats, fails liveness; at least 3s.", "$ref": "#/$defs/duration", "default": "5s"},
+        "max_loop_lag": {"description": "A worker's event-loop lag from which it counts as lagging; at least 100ms.", "$ref": "#/$defs/duration", "default": "2s"},
+        "lag_for": {"description": "How long a worker must lag past max_loop_lag before liveness fails.", "$ref": "#/$defs/duration", "default": "30s"},
+        "max_memory_mb": {"description": "A worker's Wasm linear memory past this many MiB fails liveness (null: not checked).", "anyOf": [{"type": "integer", "minimum": 1, "maximum": 4294967295}, {"type": "null"}], "default": None},
+        "recover_after": positive("Heartbeats on time in a row a worker needs, after a silence or a lag, before liveness counts it recovered.", 3, 60)
       }
     },
     "global": {

@@ -268,11 +268,15 @@ pub fn explain(config: &Config, request: &Request) -> String {
     if config.mode == Mode::Shadow {
         line("mode: shadow (top-level): every mechanism only counts what it would refuse".into());
     }
-    if let Some(health) = &config.health {
-        if KeyPart::Path.normalize(request.path.as_bytes()) == health.path.as_bytes() && is_health_method(request.method.as_bytes()) {
+    let endpoints = [
+        config.health.as_ref().map(|h| ("health", h.path.as_str(), "the health endpoint")),
+        config.watchdog.as_ref().map(|w| ("watchdog", w.path.as_str(), "the watchdog's liveness path")),
+    ];
+    for (section, path, what) in endpoints.into_iter().flatten() {
+        if KeyPart::Path.normalize(request.path.as_bytes()) == path.as_bytes() && is_health_method(request.method.as_bytes()) {
             line(format!(
-                "health: {} {} is the health endpoint: the filter answers it itself, nothing else applies",
-                request.method, health.path
+                "{section}: {} {path} is {what}: the filter answers it itself, nothing else applies",
+                request.method
             ));
             return out;
         }
@@ -642,6 +646,10 @@ mod tests {
         let text = explained(json, &["--path", "/healthz?full=1"]);
         assert!(text.ends_with("  health: GET /healthz is the health endpoint: the filter answers it itself, nothing else applies\n"), "{text}");
         assert!(explained(json, &["--path", "/healthz", "--method", "POST"]).contains("\"a\": applies"));
+        let json = r#"{"health": {"path": "/healthz"}, "watchdog": {"path": "/livez"}, "rate_limits": [{"name": "a", "key": ["path"], "limit": 1, "window": "1s"}]}"#;
+        let text = explained(json, &["--path", "/livez", "--method", "HEAD"]);
+        assert!(text.ends_with("  watchdog: HEAD /livez is the watchdog's liveness path: the filter answers it itself, nothing else applies\n"), "{text}");
+        assert!(explained(json, &["--path", "/livez", "--method", "POST"]).contains("\"a\": applies"));
     }
 
     #[test]

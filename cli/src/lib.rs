@@ -634,7 +634,7 @@ impl Walker {
         if config.get("failure_policy").is_none() && config.get("fail_open").is_none() {
             warnings.push(
                 "failure_policy is not set: set it explicitly (FAIL_CLOSED answers 503 if the VM fails; \
-                 FAIL_OPEN lets traffic through unprotected)"
+                 FAIL_OPEN lets traffic through unprotected; FAIL_RELOAD starts a new VM)"
                     .to_owned(),
             );
         }
@@ -1059,7 +1059,7 @@ spec:
         let error = find_configurations("compose.yaml", b"services:\n  envoy: {}\n", Options::default()).unwrap_err();
         assert!(error.starts_with("no floodgate configuration found"), "{error}");
         let found = find("c.yaml", "health:\n  path: /h\nrate_limit: []\n");
-        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `load_shedding`, `cluster_selection`, `health`, `global`, `grpc`, `mode`, `access_log`");
+        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `load_shedding`, `cluster_selection`, `health`, `watchdog`, `global`, `grpc`, `mode`, `access_log`");
     }
 
     #[test]

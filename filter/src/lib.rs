@@ -13,8 +13,9 @@
 //! | [`ratelimit`] | the local limiters: the sliding window, the bounded key table, quota reserves, the rules' conditions, tiers and costs |
 //! | [`fleet`] | global scope across proxies: batched and leased |
 //! | [`shedding`] | load shedding on the in-flight count and on the loop lag, the per-key cap |
+//! | [`watchdog`] | the liveness answer: every worker's heartbeat in a shared record, and what fails it |
 //! | [`selection`] | cluster selection and the partitions of the clusters |
-//! | [`replies`] | the `429`, the `503`s, the health answer, the `RateLimit` fields, the gRPC form |
+//! | [`replies`] | the `429`, the `503`s, the health and liveness answers, the `RateLimit` fields, the gRPC form |
 //! | [`pipeline`] | the request pipeline: the stages in order on one stream state |
 //! | `host` | the thin proxy-wasm shell (wasm only) |
 //!
@@ -32,6 +33,7 @@ pub mod ratelimit;
 pub mod replies;
 pub mod selection;
 pub mod shedding;
+pub mod watchdog;
 
 #[cfg(target_arch = "wasm32")]
 mod host;

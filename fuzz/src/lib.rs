@@ -52,6 +52,7 @@ pub const TARGETS: &[(&str, Entry)] = &[
     ("ratelimit_record", ratelimit_record),
     ("inflight_record", inflight_record),
     ("cluster_record", cluster_record),
+    ("watchdog_record", watchdog_record),
 ];
 
 // -------------------------------------------------------------------------------------------
@@ -901,4 +902,69 @@ pub fn cluster_record(data: &[u8]) {
 /// The health endpoint's answer for an in-flight count alone.
 fn health_of(shedder: &Shedder, in_flight: u32) -> replies::Reply {
     replies::health(&replies::LocalLoad { in_flight: Some((shedder, in_flight)), lag: None }, None)
+}
+
+// -------------------------------------------------------------------------------------------
+// watchdog_record: the watchdog's heartbeat record as read from shared data
+// -------------------------------------------------------------------------------------------
+
+/// Watchdog configurations the target picks from.
+const WATCHDOGS: [&str; 3] = [
+    r#"{"watchdog":{"path":"/alive"}}"#,
+    r#"{"watchdog":{"path":"/alive","worker_silence":"3s","max_loop_lag":"100ms","lag_for":"1ms","recover_after":1}}"#,
+    r#"{"watchdog":{"path":"/alive","max_memory_mb":1,"recover_after":60,"lag_for":"8784h"}}"#,
+];
+
+/// Layout: `now` (u64 LE), this VM's id (u64), the lag probe's lag (u32), a configuration
+/// selector, then the record bytes.
+///
+/// Checks: decoding never panics, and what it accepts re-encodes to a record that decodes to the
+/// same entries; the verdict on any record (planted in shared data) names only VMs of the record
+/// and its answer is a well-formed `200` or `503` that agrees with it; a heartbeat over any
+/// record leaves a record that decodes, holds this VM exactly once (live, as of `now`) and at
+/// most [`MAX_VMS`] entries; a retirement marks it retired, and the verdict then leaves it out.
+pub fn watchdog_record(data: &[u8]) {
+    use floodgate::primitives::store::MemoryStore;
+    use floodgate::watchdog::{Record, Watchdog, WorkerState};
+    let mut input = Input { data };
+    let now = MonoMillis(input.u64());
+    let vm = input.u64();
+    let lag_hint = u64::from(input.u32());
+    let pick = usize::from(input.u8()) % WATCHDOGS.len();
+    let bytes = input.rest();
+    let config = Config::parse(WATCHDOGS[pick].as_bytes()).expect("a valid configuration");
+    let dog = Watchdog::new(config.watchdog.as_ref().expect("a watchdog"), "fuzz");
+
+    // 1. The decoder alone.
+    let decoded = Record::decode(bytes);
+    if let Ok(record) = &decoded {
+        assert!(record.beats.len() <= MAX_VMS);
+        assert_eq!(Record::decode(&record.encode()).as_ref(), Ok(record), "an encoded record decodes to itself");
+    }
+
+    // 2. The verdict, from the record as planted in shared data.
+    let store = MemoryStore::new();
+    store.set(dog.record_key(), bytes, None).expect("plant the record");
+    let verdict = dog.verdict(&store, now);
+    let known = decoded.as_ref().map(|r| r.beats.iter().map(|b| b.vm).collect::<Vec<_>>()).unwrap_or_default();
+    assert!(verdict.workers.iter().all(|w| known.contains(&w.vm)), "{verdict:?}");
+    let reply = replies::liveness(&dog, &verdict);
+    check_reply(&reply);
+    assert_eq!(reply.status, if verdict.alive() { 200 } else { 503 });
+
+    // 3. A heartbeat of this VM over it, then its retirement.
+    let mut state = WorkerState::default();
+    dog.heartbeat(&store, vm, &mut state, now, lag_hint, Some(1 << 20)).expect("a heartbeat is written");
+    let stored = store.get(dog.record_key()).expect("read").expect("the record exists");
+    let after = Record::decode(&stored.value).expect("a heartbeat leaves a record that decodes");
+    assert!(after.beats.len() <= MAX_VMS);
+    let own: Vec<_> = after.beats.iter().filter(|b| b.vm == vm).collect();
+    assert_eq!(own.len(), 1, "this VM once: {after:?}");
+    assert!(!own[0].retired && own[0].last == now, "{:?}", own[0]);
+    let _ = dog.verdict(&store, now);
+    dog.retire(&store, vm, now).expect("a retirement is written");
+    let stored = store.get(dog.record_key()).expect("read").expect("the record exists");
+    let retired = Record::decode(&stored.value).expect("a retirement leaves a record that decodes");
+    assert!(retired.beats.iter().filter(|b| b.vm == vm).all(|b| b.retired));
+    assert!(dog.verdict(&store, now).workers.iter().all(|w| w.vm != vm), "a retired VM is no worker");
 }

@@ -59,6 +59,9 @@ const KNOWN_GAPS: &[&str] = &[
     "reports the clusters of cluster_selection, which is not configured",
     "must be at most the number of clusters",
     "applies only with \"when_unavailable\": \"spill\"",
+    "watchdog.worker_silence: must be at least",
+    "watchdog.max_loop_lag: must be at least",
+    "is health.path too",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -280,6 +283,7 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         r#"{"load_shedding": {"max_active_requests": 5, "classes": [{"name": "normal", "shed_at": 1}]}}"#,
     ),
     ("/health", "health", r#"{"health": {"path": "/h"}}"#),
+    ("/watchdog", "watchdog", r#"{"watchdog": {"path": "/alive"}}"#),
     (
         "/rate_limits/0/match",
         "match",
@@ -459,6 +463,8 @@ fn everything() -> Value {
             "partition": {"key": [{"header": "x-api-key"}], "size": 1, "when_unavailable": "spill", "spill_below": 0.25, "mode": "shadow"}
         },
         "health": {"path": "/healthz", "dependencies": "fail", "min_success_rate": 0.25},
+        "watchdog": {"path": "/livez", "worker_silence": "8s", "max_loop_lag": "1s", "lag_for": "1m",
+                     "max_memory_mb": 512, "recover_after": 5},
         "global": {"cluster": "outbound|9090||floodgate-sync.floodgate.svc.cluster.local",
                    "authority": "floodgate-sync.floodgate.svc.cluster.local", "sync_interval": "250ms",
                    "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours"},
@@ -1463,6 +1469,24 @@ fn unknown_modes_and_routes_with_cluster_selection_are_refused_naming_the_field(
             "cannot be used with \"cluster_selection\"",
         ),
     ];
+    refused_alike(&validator, &cases);
+    // Without cluster selection (or with `"cluster_selection": null`), routes are fine.
+    for config in [
+        json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"]}}]}),
+        json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"]}}],
+               "cluster_selection": null, "mode": "shadow", "access_log": true}),
+    ] {
+        assert!(Config::parse(config.to_string().as_bytes()).is_ok(), "{config}");
+        assert!(validator.is_valid(&config), "{config}: {:?}", schema_errors(&validator, &config));
+    }
+    println!("{} refusals named alike by the parser, floodgate validate and the schema", cases.len());
+}
+
+/// Each case (a configuration, the field, the words): the parser refuses it naming the field
+/// with those words; `floodgate validate` says the parser's very words after the file's name;
+/// the schema refuses it at the field or at a section that holds it, and accepts it, as the
+/// parser does, without the field.
+fn refused_alike(validator: &jsonschema::Validator, cases: &[(Value, &str, &str)]) {
     let dir = tempfile::tempdir().expect("tempdir");
     for (index, (config, field, words)) in cases.iter().enumerate() {
         let text = config.to_string();
@@ -1485,24 +1509,34 @@ fn unknown_modes_and_routes_with_cluster_selection_are_refused_naming_the_field(
         assert!(
             !errors.is_empty() && errors.iter().all(|at| pointer == *at || pointer.starts_with(&format!("{at}/"))),
             "{text}: the schema does not refuse {pointer}: {:?}",
-            schema_errors(&validator, config)
+            schema_errors(validator, config)
         );
         let (parent, last) = pointer.rsplit_once('/').expect("a field");
         let mut without = config.clone();
         without.pointer_mut(parent).and_then(Value::as_object_mut).expect("an object").remove(last);
-        assert!(validator.is_valid(&without), "{without}: {:?}", schema_errors(&validator, &without));
+        assert!(validator.is_valid(&without), "{without}: {:?}", schema_errors(validator, &without));
         assert!(Config::parse(without.to_string().as_bytes()).is_ok(), "{without}");
     }
-    // Without cluster selection (or with `"cluster_selection": null`), routes are fine.
-    for config in [
-        json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"]}}]}),
-        json!({"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "match": {"routes": ["checkout"]}}],
-               "cluster_selection": null, "mode": "shadow", "access_log": true}),
-    ] {
-        assert!(Config::parse(config.to_string().as_bytes()).is_ok(), "{config}");
-        assert!(validator.is_valid(&config), "{config}: {:?}", schema_errors(&validator, &config));
-    }
-    println!("{} refusals named alike by the parser, floodgate validate and the schema", cases.len());
+}
+
+#[test]
+fn the_schema_validate_and_the_parser_refuse_a_zero_watchdog_threshold_naming_it() {
+    let validator = validator();
+    let with = |field: &str, value: Value| {
+        let mut dog = json!({"path": "/floodgate/alive"});
+        dog[field] = value;
+        json!({"watchdog": dog})
+    };
+    let cases: Vec<(Value, &str, &str)> = vec![
+        (with("worker_silence", json!("0s")), "watchdog.worker_silence", "\"0s\" must be longer than zero"),
+        (with("max_loop_lag", json!("0ms")), "watchdog.max_loop_lag", "\"0ms\" must be longer than zero"),
+        (with("lag_for", json!("0s")), "watchdog.lag_for", "\"0s\" must be longer than zero"),
+        (with("max_memory_mb", json!(0)), "watchdog.max_memory_mb", "must be a positive integer"),
+        (with("recover_after", json!(0)), "watchdog.recover_after", "must be a positive integer"),
+        (with("recover_after", json!(61)), "watchdog.recover_after", "must be at most 60, got 61"),
+    ];
+    refused_alike(&validator, &cases);
+    println!("{} watchdog refusals named alike by the parser, floodgate validate and the schema", cases.len());
 }
 
 /// `floodgate explain` on an Envoy bootstrap of the repository: every floodgate configuration

@@ -58,6 +58,9 @@ pub struct Config {
     /// The health endpoint.
     #[serde(default)]
     pub health: Option<Health>,
+    /// The liveness endpoint: fails when the proxy is degraded in ways a restart cures.
+    #[serde(default)]
+    pub watchdog: Option<Watchdog>,
     /// How rules with `"scope": "global"` reach the fleet-wide store.
     #[serde(default)]
     pub global: Option<Global>,
@@ -151,6 +154,56 @@ pub struct Health {
     /// below this.
     #[serde(default = "default_min_success_rate")]
     pub min_success_rate: Fraction,
+}
+
+/// `watchdog`: a liveness path the filter answers itself, failing (`503`) while the proxy is
+/// degraded in ways a restart cures ([`crate::watchdog`]).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Watchdog {
+    /// The path (matched without its query), e.g. `/floodgate/alive`.
+    pub path: String,
+    /// A worker whose heartbeat is older than this, while another worker's is recent, fails
+    /// the answer.
+    #[serde(default = "default_worker_silence")]
+    pub worker_silence: DurationMs,
+    /// A worker's loop lag from which it counts as lagging.
+    #[serde(default = "default_watchdog_lag")]
+    pub max_loop_lag: DurationMs,
+    /// How long a worker must lag past `max_loop_lag` (without `recover_after` good heartbeats
+    /// in a row) before the answer fails.
+    #[serde(default = "default_lag_for")]
+    pub lag_for: DurationMs,
+    /// A worker's Wasm linear memory past this many MiB fails the answer (none: not checked).
+    #[serde(default)]
+    pub max_memory_mb: Option<Positive>,
+    /// Good heartbeats in a row a worker needs to count as recovered, after a silence or a lag.
+    #[serde(default = "default_recover_after")]
+    pub recover_after: Positive,
+}
+
+/// The shortest `watchdog.worker_silence`: three heartbeats (a heartbeat is every second, a
+/// little later on a busy loop), so that a worker between two heartbeats is never silent.
+pub const MIN_WORKER_SILENCE_MS: u64 = 3_000;
+/// The shortest `watchdog.max_loop_lag`: what the heartbeat measures the lag to.
+pub const MIN_WATCHDOG_LAG_MS: u64 = 100;
+/// The most heartbeats `watchdog.recover_after` may ask for.
+pub const MAX_RECOVER_AFTER: u32 = 60;
+
+fn default_worker_silence() -> DurationMs {
+    DurationMs::from_ms(5_000).unwrap_or(DurationMs::MIN)
+}
+
+fn default_watchdog_lag() -> DurationMs {
+    DurationMs::from_ms(2_000).unwrap_or(DurationMs::MIN)
+}
+
+fn default_lag_for() -> DurationMs {
+    DurationMs::from_ms(30_000).unwrap_or(DurationMs::MIN)
+}
+
+fn default_recover_after() -> Positive {
+    Positive::new(3).unwrap_or(Positive::ONE)
 }
 
 /// What the health endpoint says of the upstream clusters.
@@ -506,22 +559,45 @@ impl Config {
             global.validate()?;
         }
         if let Some(health) = &self.health {
-            let odd = |c: char| c.is_control() || c.is_whitespace() || c == '?' || c == '#';
-            if !health.path.starts_with('/') || health.path.contains(odd) {
-                return Err(ConfigError {
-                    path: "health.path".into(),
-                    problem: format!(
-                        "{:?} must be a path starting with '/', without query, spaces or control characters",
-                        health.path
-                    ),
-                });
-            }
+            check_path(&health.path, "health.path")?;
             if health.dependencies != Dependencies::Off && self.cluster_selection.is_none() {
                 return Err(ConfigError {
                     path: "health.dependencies".into(),
                     problem: "reports the clusters of cluster_selection, which is not configured".into(),
                 });
             }
+        }
+        if let Some(watchdog) = &self.watchdog {
+            self.validate_watchdog(watchdog)?;
+        }
+        Ok(())
+    }
+
+    fn validate_watchdog(&self, watchdog: &Watchdog) -> Result<(), ConfigError> {
+        check_path(&watchdog.path, "watchdog.path")?;
+        if self.health.as_ref().is_some_and(|h| h.path == watchdog.path) {
+            return Err(ConfigError {
+                path: "watchdog.path".into(),
+                problem: format!("{:?} is health.path too: liveness and readiness need paths of their own", watchdog.path),
+            });
+        }
+        let at_least = |field: &str, value: DurationMs, min_ms: u64, why: &str| {
+            if value.get().get() < min_ms {
+                return Err(ConfigError {
+                    path: format!("watchdog.{field}"),
+                    problem: format!("must be at least {min_ms}ms ({why}), got {value}"),
+                });
+            }
+            Ok(())
+        };
+        at_least("worker_silence", watchdog.worker_silence, MIN_WORKER_SILENCE_MS, "three heartbeats")?;
+        at_least("max_loop_lag", watchdog.max_loop_lag, MIN_WATCHDOG_LAG_MS, "the heartbeat measures the lag to that")?;
+        let recover_after = watchdog.recover_after.get().get();
+        if recover_after > MAX_RECOVER_AFTER {
+            return Err(ConfigError {
+                path: "watchdog.recover_after".into(),
+                problem: format!("must be at most {MAX_RECOVER_AFTER}, got {recover_after}"),
+            });
         }
         Ok(())
     }
@@ -603,6 +679,16 @@ impl Config {
         if let Some(health) = &self.health {
             parts.push(format!("health endpoint {}", health.path));
         }
+        if let Some(watchdog) = &self.watchdog {
+            parts.push(format!(
+                "watchdog {}: a worker silent {}, or lagging past {} for {}{}",
+                watchdog.path,
+                watchdog.worker_silence,
+                watchdog.max_loop_lag,
+                watchdog.lag_for,
+                watchdog.max_memory_mb.map_or_else(String::new, |mb| format!(", or past {} MiB of memory", mb.get()))
+            ));
+        }
         if let Some(global) = &self.global {
             parts.push(global.summary());
         }
@@ -640,6 +726,18 @@ impl Config {
     }
 }
 
+/// Checks a path the filter answers itself (`field`: where it is in the configuration).
+fn check_path(path: &str, field: &str) -> Result<(), ConfigError> {
+    let odd = |c: char| c.is_control() || c.is_whitespace() || c == '?' || c == '#';
+    if !path.starts_with('/') || path.contains(odd) {
+        return Err(ConfigError {
+            path: field.into(),
+            problem: format!("{path:?} must be a path starting with '/', without query, spaces or control characters"),
+        });
+    }
+    Ok(())
+}
+
 /// The index of the first item before `index` with the same name as item `index`.
 fn earlier_duplicate<T>(items: &[T], index: usize, name: impl Fn(&T) -> &Name) -> Option<usize> {
     let wanted = name(items.get(index)?);
@@ -658,6 +756,7 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
     let sections = [
         ("load_shedding", top.get("load_shedding")),
         ("health", top.get("health")),
+        ("watchdog", top.get("watchdog")),
         ("global", top.get("global")),
         ("grpc", top.get("grpc")),
         ("cluster_selection", selection),
@@ -858,6 +957,17 @@ mod tests {
     }
 
     #[test]
+    fn the_watchdog_parses_with_defaults() {
+        let config = Config::parse(br#"{"watchdog":{"path":"/floodgate/alive"}}"#).unwrap();
+        let dog = config.watchdog.as_ref().unwrap();
+        assert_eq!(
+            (dog.worker_silence.get().get(), dog.max_loop_lag.get().get(), dog.lag_for.get().get(), dog.max_memory_mb, dog.recover_after.get().get()),
+            (5_000, 2_000, 30_000, None, 3)
+        );
+        assert!(config.summary().contains("watchdog /floodgate/alive: a worker silent 5s, or lagging past 2s for 30s"), "{}", config.summary());
+    }
+
+    #[test]
     fn load_shedding_errors_are_named() {
         for (json, expected) in [
             (r#"{"load_shedding":{}}"#, "load_shedding: needs max_active_requests (an in-flight limit), max_loop_lag (a lag limit) or per_key (a cap per key), or several"),
@@ -892,6 +1002,19 @@ mod tests {
             (r#"{"load_shedding":[5]}"#, "load_shedding: must be a JSON object"),
             (r#"{"health":{"path":"health"}}"#, r#"health.path: "health" must be a path"#),
             (r#"{"health":{"path":"/h","port":1}}"#, "health.port: unknown field `port`"),
+            (r#"{"watchdog":{"path":"/alive","worker_silence":"0s"}}"#, r#"watchdog.worker_silence: "0s" must be longer than zero"#),
+            (r#"{"watchdog":{"path":"/alive","max_loop_lag":"0ms"}}"#, r#"watchdog.max_loop_lag: "0ms" must be longer than zero"#),
+            (r#"{"watchdog":{"path":"/alive","lag_for":"0s"}}"#, r#"watchdog.lag_for: "0s" must be longer than zero"#),
+            (r#"{"watchdog":{"path":"/alive","max_memory_mb":0}}"#, "watchdog.max_memory_mb: must be a positive integer"),
+            (r#"{"watchdog":{"path":"/alive","recover_after":0}}"#, "watchdog.recover_after: must be a positive integer"),
+            (r#"{"watchdog":{"path":"/alive","recover_after":61}}"#, "watchdog.recover_after: must be at most 60, got 61"),
+            (r#"{"watchdog":{"path":"/alive","worker_silence":"2s"}}"#, "watchdog.worker_silence: must be at least 3000ms (three heartbeats), got 2s"),
+            (r#"{"watchdog":{"path":"/alive","max_loop_lag":"50ms"}}"#, "watchdog.max_loop_lag: must be at least 100ms"),
+            (r#"{"watchdog":{"path":"alive"}}"#, r#"watchdog.path: "alive" must be a path"#),
+            (r#"{"watchdog":{"path":"/h"},"health":{"path":"/h"}}"#, r#"watchdog.path: "/h" is health.path too"#),
+            (r#"{"watchdog":{}}"#, "watchdog: missing field `path`"),
+            (r#"{"watchdog":{"path":"/alive","silence":"5s"}}"#, "watchdog.silence: unknown field `silence`"),
+            (r#"{"watchdog":"/alive"}"#, "watchdog: must be a JSON object"),
         ] {
             let err = error_of(json);
             assert!(err.starts_with(expected), "{json}\n  got: {err}\n want: {expected}");

@@ -202,7 +202,7 @@ impl RootContext for FilterRoot {
         .flatten()
         .fold(HEARTBEAT_MS, u64::min);
         let config = &filter.config;
-        if filter.shedder.is_some() || filter.lag.is_some() || filter.selector.is_some() || !config.rate_limits.is_empty() {
+        if filter.shedder.is_some() || filter.lag.is_some() || filter.selector.is_some() || filter.watchdog.is_some() || !config.rate_limits.is_empty() {
             if let Err(status) = hostcalls::set_tick_period(Duration::from_millis(tick_ms)) {
                 log::warn!("floodgate: no tick ({status:?}): in-flight heartbeats and quota reserves disabled");
                 // Reserves need the heartbeat to come back when unused.

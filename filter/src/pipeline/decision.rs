@@ -25,6 +25,8 @@ pub enum Outcome {
     NoCluster,
     /// A request for the health endpoint, answered by floodgate.
     Health,
+    /// A request for the watchdog's liveness path, answered by floodgate.
+    Watchdog,
 }
 
 impl Outcome {
@@ -38,6 +40,7 @@ impl Outcome {
             Outcome::Capped => "capped",
             Outcome::NoCluster => "no_cluster",
             Outcome::Health => "health",
+            Outcome::Watchdog => "watchdog",
         }
     }
 }

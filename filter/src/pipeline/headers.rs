@@ -29,7 +29,7 @@ pub struct HeaderPlan {
 }
 
 impl HeaderPlan {
-    /// The plan for `config`: the health endpoint's `:path`, the shedder's priority header,
+    /// The plan for `config`: the health endpoint's and the watchdog's `:path`, the shedder's priority header,
     /// every header a rate-limit key reads, and those the rules' conditions, tiers and costs
     /// read.
     pub fn new(config: &Config) -> HeaderPlan {
@@ -42,7 +42,7 @@ impl HeaderPlan {
                 None => wanted.push((name, usually_present)),
             }
         };
-        if config.health.is_some() {
+        if config.health.is_some() || config.watchdog.is_some() {
             want(":path", true);
         }
         if let Some(shedding) = &config.load_shedding {

@@ -1,7 +1,7 @@
 //! The request pipeline: what floodgate does with a request, in pure code, stage by stage.
 //!
 //! ```text
-//! health → shed → cap → leased → rate_limit → select
+//! endpoints → shed → cap → leased → rate_limit → select
 //! ```
 //!
 //! Each stage lets the request go on, possibly holding something (an in-flight [`Permit`], a
@@ -44,6 +44,7 @@ use crate::selection::{ClusterPermit, Confinement, Exhausted, Selector, Timing, 
 use crate::shedding::lag::LagMonitor;
 use crate::shedding::per_key::{CapRefusal, KeyPermit, LocalKeys, PerKeyCap};
 use crate::shedding::{Classes, Shedder};
+use crate::watchdog::{self, Watchdog, WorkerState};
 use decision::{By, Decision};
 use leased::{LeasedStage, Taken, Wait};
 pub use rules::Attributes;
@@ -199,6 +200,10 @@ pub struct Filter {
     pub shadows: Shadows,
     /// The filter-state names of a decision's fields (`access_log`).
     pub decision_names: decision::Names,
+    /// The liveness answer (`watchdog`).
+    pub watchdog: Option<Watchdog>,
+    /// This VM's side of the watchdog: its heartbeats, lag and recovery.
+    watchdog_state: RefCell<WorkerState>,
     /// The configuration was replaced or its root context retired ([`Filter::retire`]): streams
     /// that still finish under it write their outcomes at once.
     retired: Cell<bool>,
@@ -235,6 +240,8 @@ impl Filter {
             leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
             shadows: Shadows::new(&config),
             decision_names: if config.access_log { decision::Names::new(namespace) } else { decision::Names::default() },
+            watchdog: config.watchdog.as_ref().map(|w| Watchdog::new(w, namespace)),
+            watchdog_state: RefCell::new(WorkerState::default()),
             config,
             retired: Cell::new(false),
         }
@@ -268,6 +275,13 @@ impl Filter {
             cap.heartbeat(env.store, env.vm, &self.key_counts, now.mono);
         }
         self.selection_heartbeat(env);
+        if let Some(dog) = &self.watchdog {
+            let lag_hint = self.lag.as_ref().map_or(0, |lag| lag.borrow().lag_ms());
+            let memory = watchdog::linear_memory_bytes();
+            if let Err(err) = dog.heartbeat(env.store, env.vm, &mut self.watchdog_state.borrow_mut(), now.mono, lag_hint, memory) {
+                log::debug!("floodgate: watchdog heartbeat not written: {err}");
+            }
+        }
     }
 
     /// The loop-lag probe, when it is due: how late it ran.
@@ -305,6 +319,11 @@ impl Filter {
         }
         if let Some(stage) = &self.leased {
             stage.drain(now);
+        }
+        if let Some(dog) = &self.watchdog {
+            if let Err(err) = dog.retire(env.store, env.vm, now.mono) {
+                log::debug!("floodgate: watchdog entry not retired: {err}");
+            }
         }
     }
 
@@ -469,7 +488,7 @@ pub fn request_headers(
     let now = env.clock.now();
     let mut stream = shared.borrow_mut();
     let mut reply = stream
-        .health(filter, env, request, now.mono)
+        .endpoints(filter, env, request, now.mono)
         .or_else(|| stream.shed(filter, env, request, now.mono))
         .or_else(|| stream.cap(filter, env, request, now.mono));
     if let (None, Some(stage)) = (&reply, &filter.leased) {
@@ -630,21 +649,41 @@ impl Stream {
         }
     }
 
-    /// The health endpoint, if this request is for it: a `GET` or `HEAD` of its path. Other
-    /// methods on that path are ordinary requests (they go on to the upstream, through the
-    /// other stages). It reports the proxy-wide in-flight count and this worker's loop lag, and,
-    /// when configured, the clusters.
-    fn health(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
-        let health = filter.config.health.as_ref()?;
-        let path = request.headers().get(":path")?;
-        if KeyPart::Path.normalize(&path) != health.path.as_bytes() {
+    /// The paths the filter answers itself, if this request is for one: a `GET` or `HEAD` of
+    /// the health endpoint's or the watchdog's path. Other methods on those paths are ordinary
+    /// requests (they go on to the upstream, through the other stages). Without either, nothing
+    /// is read; with them, `:path` is (one lookup, and one comparison per path).
+    fn endpoints(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
+        if filter.config.health.is_none() && filter.watchdog.is_none() {
             return None;
         }
-        // Read only for the health path (one host call there, none on the common path).
+        let path = request.headers().get(":path")?;
+        let path = KeyPart::Path.normalize(&path);
+        let health = filter.config.health.as_ref().filter(|h| path == h.path.as_bytes());
+        let dog = filter.watchdog.as_ref().filter(|w| health.is_none() && path == w.path.as_bytes());
+        if health.is_none() && dog.is_none() {
+            return None;
+        }
+        // Read only for those paths (one host call there, none on the common path).
         let method = request.headers().get(":method")?;
         if !replies::is_health_method(&method) {
             return None;
         }
+        if let Some(dog) = dog {
+            let verdict = dog.verdict(env.store, now);
+            if !verdict.alive() {
+                log::warn!("floodgate: the watchdog fails liveness: {verdict:?}");
+            }
+            self.decision.outcome = decision::Outcome::Watchdog;
+            return Some(replies::liveness(dog, &verdict));
+        }
+        self.health(filter, env, now)
+    }
+
+    /// The health endpoint's answer: the proxy-wide in-flight count and this worker's loop
+    /// lag, and, when configured, the clusters.
+    fn health(&mut self, filter: &Filter, env: &Env<'_>, now: MonoMillis) -> Option<Reply> {
+        let health = filter.config.health.as_ref()?;
         let in_flight = filter.shedder.as_ref().map(|s| (s, s.in_flight(env.store, env.vm, &filter.local, now)));
         let lag = filter.lag.as_ref().map(|lag| {
             let lag = lag.borrow();

@@ -718,3 +718,107 @@ fn a_leased_rule_in_shadow_takes_nothing_for_a_request_it_would_refuse() {
     assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
     assert_eq!(decision(&stream).outcome, decision::Outcome::ShadowRefused);
 }
+
+// ---- the watchdog ----
+
+#[test]
+fn the_watchdog_answers_liveness_from_every_worker_s_heartbeat_and_counts_nowhere() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [rule(1)],
+        "load_shedding": {"max_active_requests": 1},
+        "health": {"path": "/health"},
+        "watchdog": {"path": "/alive", "worker_silence": "5s", "max_loop_lag": "2s", "lag_for": "30s"},
+    }));
+    // Another worker of the same proxy: its own VM id, its own state, the same record.
+    let other = crate::watchdog::Watchdog::new(host.filter.config.watchdog.as_ref().unwrap(), "test");
+    let mut other_state = crate::watchdog::WorkerState::default();
+    let beat = |host: &Host, other_state: &mut crate::watchdog::WorkerState, other_beats: bool| {
+        host.clock.advance(1_000);
+        host.filter.heartbeat(&host.env());
+        if other_beats {
+            other.heartbeat(&host.store, 99, other_state, host.clock.now().mono, 0, None).unwrap();
+        }
+    };
+    for _ in 0..5 {
+        beat(&host, &mut other_state, true);
+    }
+    // The one in-flight unit is taken: readiness says 503, liveness 200.
+    let (held_context, held, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    let (_, _, step) = host.send(&TestRequest::get("/health"));
+    assert_eq!(status(&step), 503, "readiness: shedding");
+    let (_, alive, step) = host.send(&TestRequest::get("/alive?probe=1").with("x-key", "k"));
+    let Step::Reply(LocalReply::Http(reply)) = &step else { panic!("{step:?}") };
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    assert_eq!(body["status"], "alive");
+    assert_eq!(body["workers"].as_array().unwrap().len(), 2, "{body}");
+    assert!(!alive.borrow().holds_permits());
+    assert_eq!(alive.borrow().decision().outcome, decision::Outcome::Watchdog);
+    // The other worker stops beating: 5 s of silence are tolerated, the sixth fails.
+    for _ in 0..5 {
+        beat(&host, &mut other_state, false);
+    }
+    assert_eq!(status(&host.send(&TestRequest::get("/alive")).2), 200);
+    beat(&host, &mut other_state, false);
+    let (_, _, step) = host.send(&TestRequest::get("/alive"));
+    let Step::Reply(LocalReply::Http(reply)) = &step else { panic!("{step:?}") };
+    assert_eq!(reply.status, 503, "{}", reply.body);
+    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    assert_eq!(body["status"], "failing");
+    assert!(body["reasons"][0].as_str().unwrap().contains("0000000000000063 has not beaten for 6000 ms"), "{body}");
+    // HEAD too; another method on the path is an ordinary request.
+    let head = TestRequest { headers: vec![(":method", "HEAD".into()), (":path", "/alive".into())] };
+    assert_eq!(status(&host.send(&head).2), 503);
+    host.end(held_context, &held, &OK);
+    let post = TestRequest { headers: vec![(":method", "POST".into()), (":path", "/alive".into())] };
+    let (post_context, post_stream, step) = host.send(&post);
+    assert_eq!(status(&step), 0, "POST /alive goes to the upstream");
+    host.end(post_context, &post_stream, &OK);
+    // None of the answers was counted by a rule or the shedder.
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shed"), 0);
+    // The other worker comes back: failing until it has beaten recover_after (3) times on time.
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        beat(&host, &mut other_state, true);
+        seen.push(status(&host.send(&TestRequest::get("/alive")).2));
+    }
+    assert_eq!(seen, [503, 503, 503, 200]);
+    // This worker's configuration is retired: its entry no longer counts, even once silent.
+    host.filter.retire(&host.env());
+    for _ in 0..10 {
+        host.clock.advance(1_000);
+        other.heartbeat(&host.store, 99, &mut other_state, host.clock.now().mono, 0, None).unwrap();
+    }
+    let verdict = other.verdict(&host.store, host.clock.now().mono);
+    assert!(verdict.alive(), "{verdict:?}");
+    assert_eq!(verdict.workers.len(), 1);
+}
+
+#[test]
+fn without_a_watchdog_or_a_health_endpoint_no_path_is_read() {
+    /// A request that fails the test if its `:path` is read.
+    struct NoPath;
+    impl Attributes for NoPath {
+        fn get(&self, name: &str) -> Option<Cow<'_, [u8]>> {
+            assert_ne!(name, ":path", "the common path reads no :path");
+            None
+        }
+    }
+    impl Request for NoPath {
+        fn headers(&self) -> &dyn Attributes {
+            self
+        }
+        fn source_address(&self) -> Option<Cow<'_, [u8]>> {
+            None
+        }
+    }
+    let host = Host::new(serde_json::json!({"load_shedding": {"max_active_requests": 5}}));
+    let (context, stream) = host.stream();
+    let step = request_headers(&host.filter, &host.env(), &stream, context, &NoPath, true, &mut *host.rng.borrow_mut());
+    assert_eq!(status(&step), 0);
+    host.end(context, &stream, &OK);
+    assert!(HeaderPlan::new(&Config::parse(br#"{"watchdog":{"path":"/alive"}}"#).unwrap()).names().iter().any(|n| n == ":path"));
+}

@@ -18,6 +18,7 @@ use crate::selection::{Confinement, Exhausted, Selector};
 use crate::shedding::lag::{LagMonitor, LagShed};
 use crate::shedding::{Classes, Shed, Shedder};
 use crate::primitives::time::UnixMillis;
+use crate::watchdog::{Liveness, Problem, Watchdog};
 use serde_json::json;
 use std::borrow::Cow;
 use std::num::NonZeroU32;
@@ -526,6 +527,75 @@ pub fn health(load: &LocalLoad<'_>, dependencies: Option<&DependencyView>) -> Re
     }
 }
 
+/// The watchdog's liveness answer: `200` while no worker fails ([`crate::watchdog`]), `503`
+/// while one does; the same JSON either way: `status` (`alive` or `failing`), the reasons
+/// (one line per failing worker), the thresholds, and each worker that counts.
+pub fn liveness(watchdog: &Watchdog, verdict: &Liveness) -> Reply {
+    let alive = verdict.alive();
+    let worker_id = |vm: u64| format!("{vm:016x}");
+    let reasons: Vec<String> = verdict
+        .workers
+        .iter()
+        .filter_map(|w| {
+            let id = worker_id(w.vm);
+            Some(match w.problem? {
+                Problem::Silent { for_ms } => {
+                    format!("worker {id} has not beaten for {for_ms} ms (worker_silence {} ms) while another worker runs", watchdog.silence_ms)
+                }
+                Problem::Recovering { heartbeats_left } => {
+                    format!("worker {id} is back from a silence and needs {heartbeats_left} more heartbeats on time")
+                }
+                Problem::Lagging { for_ms } => format!(
+                    "worker {id}'s event loop has lagged past {} ms for {for_ms} ms (lag_for {} ms)",
+                    watchdog.max_lag_ms, watchdog.lag_for_ms
+                ),
+                Problem::Memory { bytes } => format!(
+                    "worker {id}'s linear memory is {bytes} bytes, past {} bytes",
+                    watchdog.max_memory_bytes.unwrap_or(0)
+                ),
+            })
+        })
+        .collect();
+    let workers: Vec<serde_json::Value> = verdict
+        .workers
+        .iter()
+        .map(|w| {
+            let state = match w.problem {
+                None => "ok",
+                Some(Problem::Silent { .. }) => "silent",
+                Some(Problem::Recovering { .. }) => "recovering",
+                Some(Problem::Lagging { .. }) => "lagging",
+                Some(Problem::Memory { .. }) => "memory",
+            };
+            json!({
+                "worker": worker_id(w.vm),
+                "state": state,
+                "heartbeat_age_ms": w.heartbeat_age_ms,
+                "loop_lag_ms": w.lag_ms,
+                "memory_bytes": w.memory_bytes,
+            })
+        })
+        .collect();
+    let body = json!({
+        "status": if alive { "alive" } else { "failing" },
+        "reasons": reasons,
+        "workers": workers,
+        "worker_silence_ms": watchdog.silence_ms,
+        "max_loop_lag_ms": watchdog.max_lag_ms,
+        "lag_for_ms": watchdog.lag_for_ms,
+        "max_memory_bytes": watchdog.max_memory_bytes,
+    });
+    Reply {
+        status: if alive { 200 } else { 503 },
+        headers: vec![
+            ("content-type", "application/json".into()),
+            ("cache-control", "no-store".into()),
+        ],
+        body: body.to_string(),
+        refusal: None,
+    }
+}
+
 /// The `503` when a worker's event loop lags (see [`crate::shedding::lag`]).
 pub fn shed_by_lag(classes: &Classes, monitor: &LagMonitor, shed: &LagShed, retry_after_secs: u64) -> Reply {
     let class_name = classes.name(shed.class);
@@ -679,6 +749,42 @@ mod tests {
         let body: serde_json::Value = serde_json::from_str(&busy.body).unwrap();
         assert_eq!(body, serde_json::json!({"status": "overloaded", "shedding": true, "in_flight": 9, "max_active_requests": 10, "default_class_threshold": 9}));
         assert_eq!(health(&LocalLoad::default(), None).body, r#"{"status":"ok"}"#);
+    }
+
+    #[test]
+    fn the_liveness_answer_says_why_in_the_same_shape_alive_or_failing() {
+        let config = crate::config::Config::parse(br#"{"watchdog":{"path":"/alive","max_memory_mb":1}}"#).unwrap();
+        let dog = Watchdog::new(config.watchdog.as_ref().unwrap(), "t");
+        let worker = |vm, problem| crate::watchdog::WorkerView { vm, heartbeat_age_ms: 300, lag_ms: 4, memory_bytes: Some(1 << 20), problem };
+        let alive = liveness(&dog, &Liveness { workers: vec![worker(1, None), worker(2, None)] });
+        assert_eq!(alive.status, 200);
+        let body: serde_json::Value = serde_json::from_str(&alive.body).unwrap();
+        assert_eq!((&body["status"], &body["reasons"]), (&json!("alive"), &json!([])));
+        assert_eq!(body["workers"][1], json!({"worker": "0000000000000002", "state": "ok", "heartbeat_age_ms": 300, "loop_lag_ms": 4, "memory_bytes": 1048576}));
+        let failing = liveness(&dog, &Liveness {
+            workers: vec![
+                worker(1, Some(Problem::Silent { for_ms: 6000 })),
+                worker(2, Some(Problem::Lagging { for_ms: 31000 })),
+                worker(3, Some(Problem::Recovering { heartbeats_left: 2 })),
+                worker(4, Some(Problem::Memory { bytes: 2 << 20 })),
+                worker(5, None),
+            ],
+        });
+        assert_eq!(failing.status, 503);
+        assert!(failing.refusal.is_none());
+        let body: serde_json::Value = serde_json::from_str(&failing.body).unwrap();
+        let keys = |v: &serde_json::Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        let alive_body: serde_json::Value = serde_json::from_str(&alive.body).unwrap();
+        assert_eq!(keys(&body), keys(&alive_body), "one shape");
+        assert_eq!(body["status"], "failing");
+        let reasons: Vec<&str> = body["reasons"].as_array().unwrap().iter().filter_map(|r| r.as_str()).collect();
+        assert_eq!(reasons.len(), 4, "{reasons:?}");
+        assert!(reasons[0].contains("0000000000000001 has not beaten for 6000 ms (worker_silence 5000 ms)"), "{reasons:?}");
+        assert!(reasons[1].contains("lagged past 2000 ms for 31000 ms (lag_for 30000 ms)"), "{reasons:?}");
+        assert!(reasons[2].contains("needs 2 more heartbeats"), "{reasons:?}");
+        assert!(reasons[3].contains("past 1048576 bytes"), "{reasons:?}");
+        let states: Vec<&str> = body["workers"].as_array().unwrap().iter().filter_map(|w| w["state"].as_str()).collect();
+        assert_eq!(states, ["silent", "lagging", "recovering", "memory", "ok"]);
     }
 
     #[test]
