@@ -301,7 +301,7 @@ fn lease_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size
 /// effective one), then gives the effective context back to `current`.
 fn wake(filter: &Rc<Filter>, keys: Vec<FleetKey>, current: u32, clock: &CallbackClock) {
     let Some(stage) = &filter.leased else { return };
-    let streams: Vec<(u32, SharedStream)> = keys.into_iter().flat_map(|key| stage.take_waiting(key)).collect();
+    let streams = keys.into_iter().flat_map(|key| stage.take_waiting(key));
     resume_streams(filter, streams, current, clock, Resume::Store);
 }
 
@@ -316,7 +316,7 @@ enum Resume {
 
 /// Resumes the paused `streams`, in order, each from its own context (made the effective one),
 /// then gives the effective context back to `current`.
-fn resume_streams(filter: &Rc<Filter>, streams: Vec<(u32, SharedStream)>, current: u32, clock: &CallbackClock, what: Resume) {
+fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, SharedStream)>, current: u32, clock: &CallbackClock, what: Resume) {
     for (context, shared) in streams {
         let waits = match what {
             Resume::Store => shared.borrow().waiting_since().is_some(),
