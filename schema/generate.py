@@ -59,7 +59,7 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, a max_delay above 60s, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
   "allOf": [
@@ -133,8 +133,21 @@ schema = {
         "tiers": {"description": "A request header names the key's tier, and each tier its own limit (null: none).", "anyOf": [{"$ref": "#/$defs/tiers"}, {"type": "null"}], "default": None},
         "overrides": {"description": "Keys with a limit of their own (before any tier).", "type": "array", "maxItems": 1024, "items": {"$ref": "#/$defs/override"}, "default": []},
         "cost": {"description": "What a request costs against the rule (null: 1).", "anyOf": [{"$ref": "#/$defs/cost"}, {"type": "null"}], "default": None},
-        "mode": mode("shadow: the rule counts the requests it would refuse (a metric) and lets them go on, consuming nothing for them; enforce: it refuses them (unless the top-level mode is shadow).")
-      }
+        "mode": mode("shadow: the rule counts the requests it would refuse (a metric) and lets them go on, consuming nothing for them; enforce: it refuses them (unless the top-level mode is shadow)."),
+        "algorithm": {
+          "description": "How the rule counts: sliding_window = at most limit units per sliding window; token_bucket = a bucket of burst units per key, refilled at limit per window (GCRA), which needs burst and holds in proxy scope only.",
+          "enum": ["sliding_window", "token_bucket"], "default": "sliding_window"
+        },
+        "burst": {"description": "token_bucket (required there, refused otherwise): the units a key may spend at once.", "anyOf": [{"type": "integer", "minimum": 1, "maximum": 1048576}, {"type": "null"}], "default": None},
+        "max_delay": {"description": "token_bucket only: a request over the rate whose turn comes within this waits for it instead of being refused (at most 60s; null: refused at once).", "anyOf": [{"$ref": "#/$defs/duration"}, {"type": "null"}], "default": None}
+      },
+      "allOf": [
+        {
+          "if": {"required": ["algorithm"], "properties": {"algorithm": {"const": "token_bucket"}}},
+          "then": {"required": ["burst"], "properties": {"burst": {"type": "integer"}, "scope": {"const": "proxy"}}},
+          "else": {"properties": {"burst": {"type": "null"}, "max_delay": {"type": "null"}}}
+        }
+      ]
     },
     "match": {
       "type": "object", "additionalProperties": False,

@@ -10,7 +10,7 @@
 //! | [`primitives`] | time, the shared store and its compare-and-swap discipline, the proxy-wide in-flight record |
 //! | [`config`] | the configuration, parsed once into typed, validated values |
 //! | [`keys`] | key parts, the keyed hash of a key, a key's fleet-wide id |
-//! | [`ratelimit`] | the local limiters: the sliding window, the bounded key table, quota reserves, the rules' conditions, tiers and costs |
+//! | [`ratelimit`] | the local limiters: the sliding window, the token bucket (GCRA), the bounded key table, quota reserves, the rules' conditions, tiers and costs |
 //! | [`fleet`] | global scope across proxies: batched and leased |
 //! | [`shedding`] | load shedding on the in-flight count and on the loop lag, the per-key cap |
 //! | [`watchdog`] | the liveness answer: every worker's heartbeat in a shared record, and what fails it |

@@ -128,6 +128,8 @@ struct UpstreamState {
     crashed_until: Mutex<Option<std::time::Instant>>,
     /// Poison requests received.
     poisoned: AtomicU64,
+    /// When each request arrived, in arrival order.
+    arrivals: Mutex<Vec<std::time::Instant>>,
 }
 
 /// Counts a hanging request while it hangs (its future is dropped when the connection goes).
@@ -197,6 +199,7 @@ impl Upstream {
             }),
             crashed_until: Mutex::new(None),
             poisoned: AtomicU64::new(0),
+            arrivals: Mutex::new(Vec::new()),
             echo: options.echo.as_ref().map(|(from, to)| {
                 (
                     HeaderName::from_bytes(from.as_bytes()).expect("a header name"),
@@ -277,6 +280,11 @@ impl Upstream {
         map.get(value).copied().unwrap_or(0)
     }
 
+    /// When each request received so far arrived, in arrival order.
+    pub fn arrivals(&self) -> Vec<std::time::Instant> {
+        self.state.arrivals.lock().expect("upstream arrivals").clone()
+    }
+
     /// Poison requests received so far.
     pub fn poisoned(&self) -> u64 {
         self.state.poisoned.load(Ordering::SeqCst)
@@ -307,6 +315,7 @@ async fn handle_upstream(
             *map.entry(v.as_bytes().to_vec()).or_insert(0) += 1;
         }
     }
+    state.arrivals.lock().expect("upstream arrivals").push(std::time::Instant::now());
     state.total.fetch_add(1, Ordering::SeqCst);
     let echoed = state.echo.as_ref().and_then(|(from, to)| Some((to.clone(), req.headers().get(from)?.clone())));
     let poison = state

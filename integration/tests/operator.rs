@@ -62,6 +62,7 @@ const KNOWN_GAPS: &[&str] = &[
     "watchdog.worker_silence: must be at least",
     "watchdog.max_loop_lag: must be at least",
     "is health.path too",
+    "(a request waits in the proxy, holding its connection)",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -601,6 +602,16 @@ fn edge_cases() -> Vec<(Value, bool, bool)> {
         (json!({"stat_prefix": null}), bad),
         (json!({"rate_limits": []}), ok),
         (json!({"$schema": "x"}), bad),
+        (json!({"rate_limits": [{"name": "b", "key": ["path"], "limit": 5, "window": "1s", "algorithm": "token_bucket", "burst": 3, "max_delay": "2s"}]}), ok),
+        (json!({"rate_limits": [{"name": "b", "key": ["path"], "limit": 5, "window": "1s", "algorithm": "token_bucket", "burst": 3, "max_delay": null}]}), ok),
+        (json!({"rate_limits": [{"name": "b", "key": ["path"], "limit": 5, "window": "1s", "algorithm": "token_bucket", "burst": null}]}), bad),
+        (json!({"rate_limits": [{"name": "b", "key": ["path"], "limit": 5, "window": "1s", "algorithm": "token_bucket", "burst": 3, "max_delay": "61s"}]}), gap),
+        (json!({"global": {"cluster": "s"}, "rate_limits": [{"name": "b", "key": ["path"], "limit": 5, "window": "1s", "algorithm": "token_bucket", "burst": 3, "scope": "global"}]}), bad),
+        (rule("algorithm", json!("sliding_window")), ok),
+        (rule("algorithm", json!("token_bucket")), bad),
+        (rule("burst", json!(3)), bad),
+        (rule("burst", json!(null)), ok),
+        (rule("max_delay", json!("1s")), bad),
         // durations
         (rule("window", json!("250ms")), ok),
         (rule("window", json!("010s")), ok),

@@ -33,6 +33,10 @@ use std::fmt;
 pub const DEFAULT_CAPACITY: u32 = 16_384;
 /// The largest accepted `capacity` (tracked keys per rule).
 pub const MAX_CAPACITY: u32 = 1 << 24;
+/// The largest accepted token-bucket `burst`.
+pub const MAX_BURST: u32 = 1 << 20;
+/// The longest accepted `max_delay`: a minute.
+pub const MAX_DELAY_MS: u64 = 60_000;
 /// The metric name prefix when `stat_prefix` is not given.
 pub const DEFAULT_STAT_PREFIX: &str = "floodgate";
 
@@ -304,6 +308,29 @@ pub struct RateLimitRule {
     /// `shadow`: the rule only counts the requests it would refuse.
     #[serde(default)]
     pub mode: Mode,
+    /// How the rule counts: a sliding window (the default) or a token bucket whose sustained
+    /// rate is `limit` per `window`.
+    #[serde(default)]
+    pub algorithm: Algorithm,
+    /// Token bucket: the bucket's size, the units a key may spend at once (required with
+    /// `"algorithm": "token_bucket"`, refused otherwise).
+    #[serde(default)]
+    pub burst: Option<Positive>,
+    /// Token bucket: a request over the rate whose turn comes within this waits for its turn
+    /// instead of being refused (absent: refused at once).
+    #[serde(default)]
+    pub max_delay: Option<DurationMs>,
+}
+
+/// How a rule counts ([`crate::ratelimit::window`], [`crate::ratelimit::bucket`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    /// `limit` units per sliding `window` (the default).
+    #[default]
+    SlidingWindow,
+    /// A token bucket of `burst` units refilled at `limit` per `window` (GCRA).
+    TokenBucket,
 }
 
 /// How the proxies of a fleet share a rule's quota in global scope (`docs/global.md`).
@@ -519,6 +546,7 @@ impl Config {
                     problem: "\"global\" needs the top-level \"global\" section (the Envoy cluster of floodgate-sync)".into(),
                 });
             }
+            self.validate_algorithm(rule, &at)?;
             if rule.consistency == Consistency::Leased {
                 if rule.scope != Scope::Global {
                     return Err(ConfigError {
@@ -598,6 +626,36 @@ impl Config {
                 path: "watchdog.recover_after".into(),
                 problem: format!("must be at most {MAX_RECOVER_AFTER}, got {recover_after}"),
             });
+        }
+        Ok(())
+    }
+
+    /// A token bucket's fields, only with the token bucket, and only in proxy scope.
+    fn validate_algorithm(&self, rule: &RateLimitRule, at: &dyn Fn(&str) -> String) -> Result<(), ConfigError> {
+        let error = |field: &str, problem: &str| Err(ConfigError { path: at(field), problem: problem.into() });
+        match rule.algorithm {
+            Algorithm::SlidingWindow => {
+                if rule.burst.is_some() {
+                    return error("burst", "needs \"algorithm\": \"token_bucket\" (a sliding window has no burst: its limit is the most a key may send in one window)");
+                }
+                if rule.max_delay.is_some() {
+                    return error("max_delay", "needs \"algorithm\": \"token_bucket\" (a request waits for its turn in a bucket; a sliding window has no turns)");
+                }
+            }
+            Algorithm::TokenBucket => {
+                let Some(burst) = rule.burst else {
+                    return error("burst", "is required with \"algorithm\": \"token_bucket\" (the units a key may spend at once, at least 1)");
+                };
+                if burst.get().get() > MAX_BURST {
+                    return error("burst", &format!("must be at most {MAX_BURST}, got {}", burst.get()));
+                }
+                if rule.max_delay.is_some_and(|d| d.get().get() > MAX_DELAY_MS) {
+                    return error("max_delay", &format!("must be at most {}s (a request waits in the proxy, holding its connection)", MAX_DELAY_MS / 1000));
+                }
+                if rule.scope == Scope::Global {
+                    return error("scope", "a token bucket holds in proxy scope only: its state is one instant per key, which neither the batched sync (counts added across proxies) nor leases (units taken ahead) can share");
+                }
+            }
         }
         Ok(())
     }
@@ -707,8 +765,15 @@ impl Config {
             .iter()
             .map(|r| {
                 let key: Vec<String> = r.key.iter().map(ToString::to_string).collect();
+                let bucket = match (r.algorithm, r.burst) {
+                    (Algorithm::TokenBucket, Some(burst)) => match r.max_delay {
+                        Some(delay) => format!(" (token bucket of {}, waits up to {delay})", burst.get()),
+                        None => format!(" (token bucket of {})", burst.get()),
+                    },
+                    _ => String::new(),
+                };
                 format!(
-                    "{} = {} per {} by [{}] ({} keys{})",
+                    "{} = {} per {}{bucket} by [{}] ({} keys{})",
                     r.name,
                     r.limit.get(),
                     r.window,
@@ -798,6 +863,24 @@ mod tests {
 
     fn error_of(json: &str) -> String {
         Config::parse(json.as_bytes()).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn token_bucket_fields_are_checked_and_named() {
+        let rule = |extra: &str| format!(r#"{{"rate_limits":[{{"name":"b","key":["path"],"limit":10,"window":"1s"{extra}}}]}}"#);
+        let ok = Config::parse(rule(r#","algorithm":"token_bucket","burst":5,"max_delay":"3s""#).as_bytes()).unwrap();
+        let parsed = &ok.rate_limits[0];
+        assert_eq!((parsed.algorithm, parsed.burst.map(|b| b.get().get()), parsed.max_delay.map(|d| d.get().get())), (Algorithm::TokenBucket, Some(5), Some(3000)));
+        assert!(ok.summary().contains("b = 10 per 1s (token bucket of 5, waits up to 3s)"), "{}", ok.summary());
+        assert!(error_of(&rule(r#","algorithm":"token_bucket","burst":0"#)).starts_with("rate_limits[0].burst: "));
+        assert!(error_of(&rule(r#","algorithm":"token_bucket""#)).starts_with("rate_limits[0].burst: is required"));
+        assert!(error_of(&rule(r#","burst":5"#)).starts_with("rate_limits[0].burst: needs \"algorithm\": \"token_bucket\""));
+        assert!(error_of(&rule(r#","max_delay":"1s""#)).starts_with("rate_limits[0].max_delay: needs \"algorithm\": \"token_bucket\""));
+        assert!(error_of(&rule(r#","algorithm":"token_bucket","burst":5,"max_delay":"0s""#)).starts_with("rate_limits[0].max_delay: "));
+        assert!(error_of(&rule(r#","algorithm":"token_bucket","burst":5,"max_delay":"2m""#)).starts_with("rate_limits[0].max_delay: must be at most 60s"));
+        assert!(error_of(&rule(r#","algorithm":"leaky""#)).starts_with("rate_limits[0].algorithm: unknown variant `leaky`"));
+        let global = r#"{"global":{"cluster":"sync"},"rate_limits":[{"name":"b","key":["path"],"limit":10,"window":"1s","algorithm":"token_bucket","burst":5,"scope":"global"}]}"#;
+        assert!(error_of(global).starts_with("rate_limits[0].scope: a token bucket holds in proxy scope only"), "{}", error_of(global));
     }
 
     const RULE: &str = r#"{"name":"a","key":[{"header":"X-Api-Key"}],"limit":5,"window":"10s"}"#;

@@ -5,7 +5,8 @@
 //!
 //! Lifecycle, as Envoy drives it: one VM per worker thread (statics are per VM) and a throw-away VM
 //! that validates each configuration; a configuration gets a root context ([`FilterRoot`]) in every
-//! VM, whose `on_configure` builds its [`Filter`] and whose `on_tick` runs its periodic work; a
+//! VM, whose `on_configure` builds its [`Filter`] and whose `on_tick` runs its periodic work (every second, or faster with a global scope, a lag
+//! probe, leased rules or a token bucket that delays requests); a
 //! stream ([`FilterStream`]) keeps the `Filter` that created it to its end, even if the
 //! configuration changes. A changed configuration gets a new root context in the same VM and the
 //! old `Filter` is retired ([`Filter::retire`]): what it held ahead of use goes back, what it
@@ -197,6 +198,7 @@ impl RootContext for FilterRoot {
             filter.global.as_ref().map(|g| g.interval_ms),
             filter.lag.as_ref().map(|l| l.borrow().probe_ms()),
             filter.leased.as_ref().map(|l| crate::fleet::leased::tick_ms(l.timeout_ms)),
+            filter.delays.as_ref().map(|_| pipeline::delay::TICK_MS),
         ]
         .into_iter()
         .flatten()
@@ -235,6 +237,12 @@ impl RootContext for FilterRoot {
             let keys = stage.tick(&EnvoyMetrics, now);
             wake(&filter, keys, self.id, &clock);
             stage.flush();
+        }
+        if let Some(stage) = &filter.delays {
+            let due = stage.take_due(now.mono);
+            if !due.is_empty() {
+                resume_streams(&filter, due, self.id, &clock, Resume::Turn);
+            }
         }
         if due.heartbeat {
             filter.heartbeat(&env);
@@ -289,27 +297,52 @@ fn lease_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size
 /// effective one), then gives the effective context back to `current`.
 fn wake(filter: &Rc<Filter>, keys: Vec<FleetKey>, current: u32, clock: &CallbackClock) {
     let Some(stage) = &filter.leased else { return };
-    for key in keys {
-        for (context, shared) in stage.take_waiting(key) {
-            if shared.borrow().waiting_since().is_none() {
-                continue;
+    // Every stream the answer wakes is taken before any is resumed: a resumed request that goes
+    // on to wait on another of these keys waits for that key's next answer.
+    let streams: Vec<(u32, SharedStream)> = keys.into_iter().flat_map(|key| stage.take_waiting(key)).collect();
+    resume_streams(filter, streams, current, clock, Resume::Store);
+}
+
+/// What a paused request waited for.
+#[derive(Clone, Copy)]
+enum Resume {
+    /// The store (the leased stage).
+    Store,
+    /// Its turn (the delay stage).
+    Turn,
+}
+
+/// Resumes the paused `streams`, in order, each from its own context (made the effective one),
+/// then gives the effective context back to `current`.
+fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, SharedStream)>, current: u32, clock: &CallbackClock, what: Resume) {
+    for (context, shared) in streams {
+        let waits = match what {
+            Resume::Store => shared.borrow().waiting_since().is_some(),
+            Resume::Turn => shared.borrow().delayed_until().is_some(),
+        };
+        if !waits {
+            continue;
+        }
+        let env = env(clock);
+        if hostcalls::set_effective_context(context).is_err() {
+            match what {
+                Resume::Store => pipeline::abandon(filter, &shared),
+                Resume::Turn => pipeline::abandon_delayed(filter, &env, &shared),
             }
-            if hostcalls::set_effective_context(context).is_err() {
-                pipeline::abandon(filter, &shared);
-                continue;
+            continue;
+        }
+        let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
+        let request = RequestHeaders::new(&filter.headers, map.as_deref());
+        let step = RNG.with(|rng| {
+            let rng = &mut *rng.borrow_mut();
+            match what {
+                Resume::Store => pipeline::resume(filter, &env, &shared, context, &request, rng),
+                Resume::Turn => pipeline::resume_delayed(filter, &env, &shared, &request, rng),
             }
-            let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
-            let request = RequestHeaders::new(&filter.headers, map.as_deref());
-            let env = env(clock);
-            let step = RNG.with(|rng| pipeline::resume(filter, &env, &shared, context, &request, &mut *rng.borrow_mut()));
-            match apply(filter, &env, &shared, step) {
-                Action::Continue => {
-                    if let Err(status) = hostcalls::resume_http_request() {
-                        log::debug!("floodgate: cannot resume a request: {status:?}");
-                    }
-                }
-                Action::Pause => {}
-                _ => {}
+        });
+        if apply(filter, &env, &shared, step) == Action::Continue {
+            if let Err(status) = hostcalls::resume_http_request() {
+                log::debug!("floodgate: cannot resume a request: {status:?}");
             }
         }
     }

@@ -510,5 +510,6 @@ fn standing(filter: &Filter, lp: &LeaseProbe, counts: Counts, now: UnixMillis) -
         reset_ms: 0,
         retry_at: None,
         limit: lp.spec.limit,
+        go_at: None,
     })
 }

@@ -1,13 +1,15 @@
 //! The request pipeline: what floodgate does with a request, in pure code, stage by stage.
 //!
 //! ```text
-//! endpoints → shed → cap → leased → rate_limit → select
+//! endpoints → shed → cap → leased → rate_limit → delay → select
 //! ```
 //!
 //! Each stage lets the request go on, possibly holding something (an in-flight [`Permit`], a
 //! [`KeyPermit`], units of a leased key, a [`ClusterPermit`]), or answers it; the host shell turns
 //! the answer ([`Step`]) into host calls. The `leased` stage may make the request wait; the store's
-//! answer resumes it ([`resume`]) on the same stream state ([`Stream`]), which also takes the
+//! answer resumes it ([`resume`]) on the same stream state ([`Stream`]); the `delay` stage parks
+//! a request a token bucket let in to wait for its turn, and the root's tick resumes it
+//! ([`resume_delayed`]). The stream state also takes the
 //! stream's later events (body, response, end). What the pipeline needs of the host is narrow: the
 //! shared store, metrics and the VM's id ([`Env`]), the request's attributes ([`Request`]), the
 //! response's ([`Attributes`], [`StreamEnd`]), and a random source.
@@ -18,6 +20,7 @@
 //! Rationale: docs/design.md, section "A request's path".
 
 pub mod decision;
+pub mod delay;
 pub mod headers;
 pub mod leased;
 pub mod stats;
@@ -46,6 +49,7 @@ use crate::shedding::per_key::{CapRefusal, KeyPermit, LocalKeys, PerKeyCap};
 use crate::shedding::{Classes, Shedder};
 use crate::watchdog::{self, Watchdog, WorkerState};
 use decision::{By, Decision};
+use delay::{DelayStage, Delayed};
 use leased::{LeasedStage, Taken, Wait};
 pub use rules::Attributes;
 use stats::{increment, Metrics, Stats};
@@ -196,6 +200,8 @@ pub struct Filter {
     pub global_node: Option<Rc<RefCell<VmNode>>>,
     /// Rules in leased consistency: this worker's leases and the requests waiting for them.
     pub leased: Option<LeasedStage>,
+    /// Token buckets with `max_delay`: the requests waiting for their turn.
+    pub delays: Option<DelayStage>,
     /// Which mechanisms only count what they would refuse.
     pub shadows: Shadows,
     /// The filter-state names of a decision's fields (`access_log`).
@@ -238,6 +244,7 @@ impl Filter {
             global_node: global.as_ref().and(vm.global_node),
             global,
             leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
+            delays: DelayStage::new(&config),
             shadows: Shadows::new(&config),
             decision_names: if config.access_log { decision::Names::new(namespace) } else { decision::Names::default() },
             watchdog: config.watchdog.as_ref().map(|w| Watchdog::new(w, namespace)),
@@ -454,6 +461,8 @@ pub struct Stream {
     leased: Taken,
     /// While it waits for the store.
     waiting: Option<Wait>,
+    /// While it waits for its turn (a token bucket's `max_delay`).
+    delayed: Option<Delayed>,
     /// For an admitted request: the tightest rule and its `ratelimit` value.
     fields: Option<Tightest>,
     /// Costs it still owes its rules (a streamed body, a reported count).
@@ -506,7 +515,32 @@ pub fn request_headers(
             }
         }
     }
-    stream.finish_headers(filter, env, request, end_of_stream, reply, rng, now)
+    let step = stream.finish_headers(filter, env, request, end_of_stream, reply, rng, now);
+    stream.park(filter, context, shared, step)
+}
+
+/// A request whose turn came (its stream `context`, made the host's effective context): the
+/// rest of its pipeline after the `delay` stage, and the body that came while it waited.
+pub fn resume_delayed(
+    filter: &Filter,
+    env: &Env<'_>,
+    shared: &SharedStream,
+    request: &dyn Request,
+    rng: &mut dyn Random,
+) -> Step {
+    let mut stream = shared.borrow_mut();
+    let Some(delayed) = stream.delayed.take().filter(|_| !stream.ended) else { return Step::Wait };
+    let step = stream.finish_selected(filter, env, request, delayed.end_of_stream, None, false, rng, env.clock.now());
+    stream.body_held(filter, env, delayed.body);
+    step
+}
+
+/// A request whose turn came and whose host context is gone: its slots go back.
+pub fn abandon_delayed(filter: &Filter, env: &Env<'_>, shared: &SharedStream) {
+    let mut stream = shared.borrow_mut();
+    if let Some(delayed) = stream.delayed.take() {
+        stream.give_back_slots(filter, env, &delayed);
+    }
 }
 
 /// A request the leased stage woke (its stream `context`, made the host's effective context):
@@ -538,16 +572,12 @@ pub fn resume(
         }
     };
     let step = stream.finish_headers(filter, env, request, wait.end_of_stream, reply, rng, now);
-    // The body that came while it waited.
-    let (bytes, ended) = wait.body;
-    if stream.charges.counts_body() && bytes > 0 {
-        stream.charges.body(bytes);
+    match stream.delayed.as_mut() {
+        // It waits for its turn now: the body waits with it.
+        Some(delayed) if step == Step::Wait => delayed.body = wait.body,
+        _ => stream.body_held(filter, env, wait.body),
     }
-    if ended && stream.charges.counts_body() {
-        let owed = stream.charges.body_done();
-        stream.charge(filter, env, owed);
-    }
-    step
+    stream.park(filter, context, shared, step)
 }
 
 /// A woken request whose host context is gone: it will never be decided.
@@ -562,6 +592,52 @@ impl Stream {
     /// How the request was decided (complete once a step other than [`Step::Wait`] came).
     pub fn decision(&self) -> &Decision {
         &self.decision
+    }
+
+    /// A request the `delay` stage holds (`step` is [`Step::Wait`] and it waits for its turn)
+    /// is parked there under its stream `context`; returns `step`.
+    fn park(&self, filter: &Filter, context: u32, shared: &SharedStream, step: Step) -> Step {
+        if let (Step::Wait, Some(stage), Some(delayed)) = (&step, &filter.delays, &self.delayed) {
+            stage.park(delayed.until, context, Rc::clone(shared));
+        }
+        step
+    }
+
+    /// The body that came while the request waited (bytes, and whether it ended), counted now
+    /// that it goes on.
+    fn body_held(&mut self, filter: &Filter, env: &Env<'_>, (bytes, ended): (usize, bool)) {
+        if self.charges.counts_body() && bytes > 0 {
+            self.charges.body(bytes);
+        }
+        if ended && self.charges.counts_body() {
+            let owed = self.charges.body_done();
+            self.charge(filter, env, owed);
+        }
+    }
+
+    /// The slots a request waiting for its turn took go back (its client went away).
+    fn give_back_slots(&self, filter: &Filter, env: &Env<'_>, delayed: &Delayed) {
+        for probe in &delayed.slots {
+            filter.limiter.give_back_turn(env.store, *probe);
+            increment(env.metrics, filter.stats.rule(probe.rule).delay_abandoned);
+        }
+    }
+
+    /// When it goes, while it waits for its turn.
+    pub fn delayed_until(&self) -> Option<MonoMillis> {
+        self.delayed.as_ref().filter(|_| !self.ended).map(|d| d.until)
+    }
+
+    /// The body slot of a request that waits (for the store or its turn).
+    fn held_body(&mut self) -> Option<&mut (usize, bool)> {
+        if self.ended {
+            return None;
+        }
+        match (&mut self.waiting, &mut self.delayed) {
+            (Some(wait), _) => Some(&mut wait.body),
+            (None, Some(delayed)) => Some(&mut delayed.body),
+            (None, None) => None,
+        }
     }
 
     /// The leased rules took the request's units (shadow rules that would have refused it
@@ -590,8 +666,9 @@ impl Stream {
     }
 
     /// The rest of the pipeline after the `leased` stage (`reply`: a refusal so far, if any):
-    /// `rate_limit → select`, then the local reply or the request goes on. A later stage's
-    /// refusal gives the leased units back.
+    /// `rate_limit → delay → select`, then the local reply or the request goes on; or it
+    /// waits for its turn ([`Step::Wait`], the stream to park in the `delay` stage). A later
+    /// stage's refusal gives the leased units back.
     #[allow(clippy::too_many_arguments)]
     fn finish_headers(
         &mut self,
@@ -604,9 +681,33 @@ impl Stream {
         now: Now,
     ) -> Step {
         let refused_before = reply.is_some();
+        let reply = reply.or_else(|| self.rate_limit(filter, env, request, now.wall));
+        if let (None, Some(delayed)) = (&reply, self.delayed.as_mut()) {
+            // The delay stage: it goes at its turn.
+            delayed.until = now.mono.plus_ms(delayed.go_at.saturating_since(now.wall));
+            delayed.end_of_stream = end_of_stream;
+            return Step::Wait;
+        }
+        self.finish_selected(filter, env, request, end_of_stream, reply, refused_before, rng, now)
+    }
+
+    /// The rest of the pipeline after the `delay` stage (`reply`: a refusal so far, if any;
+    /// `refused_before`: by a stage before `rate_limit`): `select`, then the local reply or the
+    /// request goes on. A later stage's refusal gives the leased units back.
+    #[allow(clippy::too_many_arguments)]
+    fn finish_selected(
+        &mut self,
+        filter: &Filter,
+        env: &Env<'_>,
+        request: &dyn Request,
+        end_of_stream: bool,
+        reply: Option<Reply>,
+        refused_before: bool,
+        rng: &mut dyn Random,
+        now: Now,
+    ) -> Step {
         let mut route = None;
         let reply = reply
-            .or_else(|| self.rate_limit(filter, env, request, now.wall))
             .or_else(|| match self.select(filter, env, request, rng, now.mono) {
                 Ok(chosen) => {
                     route = chosen;
@@ -879,6 +980,9 @@ impl Stream {
                 for standing in standings {
                     increment(env.metrics, filter.stats.rule(standing.rule).allowed);
                 }
+                if filter.delays.is_some() {
+                    self.delay_for_turn(filter, env, standings, &probes);
+                }
                 for rule in evictions {
                     increment(env.metrics, filter.stats.rule(*rule).evictions);
                 }
@@ -924,6 +1028,20 @@ impl Stream {
                 Some(reply)
             }
         }
+    }
+
+    /// The `delay` stage's part of an admission: the latest turn of the enforced token buckets
+    /// that let the request in to wait (a bucket in shadow lets it go at once), and the slots
+    /// it took of every bucket, to give back if its client goes away while it waits.
+    fn delay_for_turn(&mut self, filter: &Filter, env: &Env<'_>, standings: &[Standing], probes: &[Probe]) {
+        let waits = standings.iter().filter(|s| s.go_at.is_some() && !filter.shadows.rule(s.rule));
+        let Some(go_at) = waits.clone().filter_map(|s| s.go_at).max() else { return };
+        for standing in waits {
+            increment(env.metrics, filter.stats.rule(standing.rule).delayed);
+        }
+        let tables = filter.limiter.tables();
+        let slots = probes.iter().filter(|p| tables.get(p.rule).is_some_and(|t| t.bucket.is_some())).copied().collect();
+        self.delayed = Some(Delayed { go_at, slots, ..Delayed::default() });
     }
 
     /// Cluster selection: takes a permit on a cluster (the request goes there: `Ok(Some(index))`),
@@ -1000,9 +1118,9 @@ impl Stream {
     /// A request body frame (`bytes` of it; `end`: the last): held while the request waits for
     /// the store, counted for a cost of body bytes.
     pub fn request_body(&mut self, filter: &Filter, env: &Env<'_>, bytes: usize, end: bool) -> Flow {
-        if let Some(wait) = self.waiting.as_mut().filter(|_| !self.ended) {
-            // Held until the request is decided; counted then.
-            wait.body = (bytes, end);
+        if let Some(body) = self.held_body() {
+            // Held until the request is decided or its turn comes; counted then.
+            *body = (bytes, end);
             return Flow::Pause;
         }
         if end && self.cluster_permit.is_some() && self.timing.request_end.is_none() {
@@ -1020,8 +1138,8 @@ impl Stream {
 
     /// The request trailers: the request ended.
     pub fn request_trailers(&mut self, filter: &Filter, env: &Env<'_>) -> Flow {
-        if let Some(wait) = self.waiting.as_mut().filter(|_| !self.ended) {
-            wait.body.1 = true;
+        if let Some(body) = self.held_body() {
+            body.1 = true;
             return Flow::Pause;
         }
         if self.cluster_permit.is_some() && self.timing.request_end.is_none() {
@@ -1074,7 +1192,7 @@ impl Stream {
 
     /// Whether the stream still needs what [`Stream::end`] reads of the host.
     pub fn needs_end(&self) -> bool {
-        !self.charges.is_empty() || self.holds_permits() || self.waiting.is_some()
+        !self.charges.is_empty() || self.holds_permits() || self.waiting.is_some() || self.delayed.is_some()
     }
 
     /// The stream ended, whatever ended it (`context`: its host context): a waiting request
@@ -1087,6 +1205,10 @@ impl Stream {
         self.ended = true;
         if let Some(stage) = &filter.leased {
             stage.stream_ended(context, self.waiting.take().as_ref());
+        }
+        if let Some(delayed) = self.delayed.take() {
+            // Its client went away while it waited for its turn.
+            self.give_back_slots(filter, env, &delayed);
         }
         if !self.charges.is_empty() {
             let rules = &filter.rules;

@@ -11,6 +11,8 @@
 //! | `<prefix>.rate_limit.<rule>.evictions` | counter | keys with live counts that lost their exact entry to a more frequent key (counts moved to the set's overflow) |
 //! | `<prefix>.rate_limit.<rule>.invalid_cost` | counter | requests (or responses) whose cost header held no valid count: the rule's `cost.default` was charged |
 //! | `<prefix>.rate_limit.<rule>.charged` | counter | units charged after admission (a streamed request body, a count the upstream reported) |
+//! | `<prefix>.rate_limit.<rule>.delayed` | counter | requests a token bucket with `max_delay` let in to wait for their turn (defined only for such a rule) |
+//! | `<prefix>.rate_limit.<rule>.delay_abandoned` | counter | of those, requests whose client went away before their turn: their slot went back (defined only for such a rule) |
 //! | `<prefix>.rate_limit.<rule>.reserved` | gauge | quota units workers counted ahead for their next requests and have not used yet, as of each worker's last heartbeat |
 //! | `<prefix>.load_shedding.<class>.shed` | counter | requests of the class refused with 503 (for the in-flight count or the loop lag) |
 //! | `<prefix>.load_shedding.<class>.shed_by_lag` | counter | of those, refused because this worker's event loop lagged (`max_loop_lag`; 0 without it) |
@@ -132,6 +134,10 @@ pub struct RuleStats {
     pub charged: Option<u32>,
     /// Requests the rule would have refused, let through in shadow.
     pub shadow_rejected: Option<u32>,
+    /// Requests let in to wait for their turn (`max_delay`).
+    pub delayed: Option<u32>,
+    /// Of those, requests whose client went away first.
+    pub delay_abandoned: Option<u32>,
 }
 
 /// All metric ids, defined once per configuration.
@@ -313,6 +319,8 @@ impl Stats {
                     invalid_cost: d.counter(&name("invalid_cost")),
                     charged: d.counter(&name("charged")),
                     shadow_rejected: d.counter(&name("shadow_rejected")),
+                    delayed: rule.max_delay.and_then(|_| d.counter(&name("delayed"))),
+                    delay_abandoned: rule.max_delay.and_then(|_| d.counter(&name("delay_abandoned"))),
                 }
             })
             .collect();

@@ -822,3 +822,112 @@ fn without_a_watchdog_or_a_health_endpoint_no_path_is_read() {
     host.end(context, &stream, &OK);
     assert!(HeaderPlan::new(&Config::parse(br#"{"watchdog":{"path":"/alive"}}"#).unwrap()).names().iter().any(|n| n == ":path"));
 }
+
+// ---- token buckets: waiting for a turn ----
+
+fn bucket_rule(max_delay: Option<&str>) -> serde_json::Value {
+    let mut rule = serde_json::json!({"name": "b", "key": [{"header": "x-key"}], "limit": 10, "window": "1s", "algorithm": "token_bucket", "burst": 5});
+    if let Some(delay) = max_delay {
+        rule["max_delay"] = delay.into();
+    }
+    rule
+}
+
+/// The host's tick: the streams whose turn came, resumed in turn.
+fn tick(host: &Host) -> Vec<(u32, Step)> {
+    let stage = host.filter.delays.as_ref().unwrap();
+    let mut steps = Vec::new();
+    for (context, stream) in stage.take_due(host.clock.now().mono) {
+        if stream.borrow().delayed_until().is_none() {
+            continue;
+        }
+        let request = keyed("k");
+        steps.push((context, resume_delayed(&host.filter, &host.env(), &stream, &request, &mut *host.rng.borrow_mut())));
+    }
+    steps
+}
+
+#[test]
+fn without_max_delay_there_is_no_delay_stage_and_a_bucket_refuses_with_its_fields() {
+    let host = Host::new(serde_json::json!({"rate_limits": [bucket_rule(None)], "ratelimit_headers": "always"}));
+    assert!(host.filter.delays.is_none());
+    let steps: Vec<u32> = (0..8).map(|_| status(&host.send(&keyed("k")).2)).collect();
+    assert_eq!(steps, [0, 0, 0, 0, 0, 429, 429, 429]);
+    let Step::Reply(LocalReply::Http(reply)) = host.send(&keyed("k")).2 else { panic!() };
+    let header = |name: &str| reply.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone()).unwrap();
+    assert_eq!(header("retry-after"), "1");
+    assert_eq!(header("ratelimit-policy"), "\"b\";q=5;w=1");
+    assert_eq!(header("ratelimit"), "\"b\";r=0;t=1");
+    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    assert_eq!((body["retry_after_ms"].as_u64(), body["burst"].as_u64(), body["algorithm"].as_str()), (Some(100), Some(5), Some("token_bucket")));
+    assert_eq!(host.metric("floodgate.rate_limit.b.allowed"), 5);
+    assert_eq!(host.metric("floodgate.rate_limit.b.rejected"), 4);
+    // gRPC: RESOURCE_EXHAUSTED.
+    let grpc = keyed("k").with("content-type", "application/grpc");
+    assert_eq!(status(&host.send(&grpc).2), 1008);
+}
+
+#[test]
+fn a_request_over_the_rate_waits_for_its_turn_and_the_tick_resumes_it() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [bucket_rule(Some("500ms"))],
+        "load_shedding": {"max_active_requests": 100},
+    }));
+    let sent: Vec<(u32, SharedStream, Step)> = (0..12).map(|_| host.send(&keyed("k"))).collect();
+    let statuses: Vec<u32> = sent.iter().map(|(_, _, step)| status(step)).collect();
+    assert_eq!(statuses, [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 429, 429], "5 go, 5 wait, 2 refused");
+    let Step::Reply(LocalReply::Http(refused)) = &sent[10].2 else { panic!() };
+    let body: serde_json::Value = serde_json::from_str(&refused.body).unwrap();
+    assert_eq!(body["retry_after_ms"], 100, "let in to wait 100 ms later");
+    assert_eq!(host.metric("floodgate.rate_limit.b.delayed"), 5);
+    // Waiting requests hold their in-flight permit; the body waits with them.
+    assert!(sent[..10].iter().all(|(_, stream, _)| stream.borrow().holds_permits()));
+    assert!(!sent[10].1.borrow().holds_permits());
+    assert_eq!(sent[5].1.borrow_mut().request_body(&host.filter, &host.env(), 10, true), Flow::Pause);
+    // Each goes at its turn, 100 ms apart.
+    let mut went = Vec::new();
+    for _ in 0..60 {
+        host.clock.advance(10);
+        for (context, step) in tick(&host) {
+            assert_eq!(step, Step::Continue { route: None });
+            went.push((context, host.clock.now().mono.0 - T0));
+        }
+    }
+    let first = sent[5].0;
+    assert_eq!(went, (0..5).map(|i| (first + i, 100 * (u64::from(i) + 1))).collect::<Vec<_>>());
+    assert!(host.filter.delays.as_ref().unwrap().is_empty());
+    for (context, stream, _) in &sent {
+        host.end(*context, stream, &OK);
+    }
+    let shedder = host.filter.shedder.as_ref().unwrap();
+    assert_eq!(shedder.in_flight(&host.store, VM, &host.filter.local, host.clock.now().mono), 0);
+}
+
+#[test]
+fn a_client_that_leaves_while_it_waits_gives_its_slot_back() {
+    let host = Host::new(serde_json::json!({"rate_limits": [bucket_rule(Some("1s"))]}));
+    let sent: Vec<(u32, SharedStream, Step)> = (0..7).map(|_| host.send(&keyed("k"))).collect();
+    assert_eq!(status(&sent[6].2), 1);
+    // The last waiting client goes away: its slot (at 200 ms) comes back.
+    let (context, stream, _) = &sent[6];
+    host.end(*context, stream, &Ended { status: None, flags: 0 });
+    assert_eq!(host.metric("floodgate.rate_limit.b.delay_abandoned"), 1);
+    let (_, _, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.b.delayed"), 3);
+    // The tick skips the stream that ended.
+    host.clock.advance(200);
+    let resumed: Vec<u32> = tick(&host).into_iter().map(|(c, _)| c).collect();
+    assert_eq!(resumed, [sent[5].0, sent[6].0 + 1], "the one that left is skipped");
+}
+
+#[test]
+fn a_bucket_in_shadow_neither_delays_nor_refuses() {
+    let mut rule = bucket_rule(Some("200ms"));
+    rule["mode"] = "shadow".into();
+    let host = Host::new(serde_json::json!({"rate_limits": [rule]}));
+    let statuses: Vec<u32> = (0..10).map(|_| status(&host.send(&keyed("k")).2)).collect();
+    assert_eq!(statuses, [0; 10]);
+    assert_eq!(host.metric("floodgate.rate_limit.b.shadow_rejected"), 3);
+    assert_eq!(host.metric("floodgate.rate_limit.b.delayed"), 0);
+}

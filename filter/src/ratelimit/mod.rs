@@ -15,13 +15,15 @@ pub mod remote;
 pub mod rules;
 pub mod reserve;
 pub mod table;
+pub mod bucket;
 pub mod window;
 
-use crate::config::{Config, CostSource, Name};
+use crate::config::{Algorithm, Config, CostSource, Name};
 use crate::keys::fleet::FleetKey;
 use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
 use crate::primitives::store::{update, update_from, Attempt, SharedStore, Stored, StoreError, MAX_ATTEMPTS};
 use crate::primitives::time::UnixMillis;
+use bucket::{micros, Bucket, Turn};
 use remote::Remote;
 use reserve::{Leftover, Reserves};
 use std::num::{NonZeroU32, NonZeroU64};
@@ -48,6 +50,29 @@ pub struct RuleTable {
     /// A stamp of the rule's key, window and capacity, kept in its records: a record stamped
     /// otherwise belongs to an earlier definition and reads as empty.
     shape: u64,
+    /// A token-bucket rule's bucket (`None`: a sliding window).
+    pub bucket: Option<BucketSpec>,
+}
+
+/// A token-bucket rule's bucket, whatever the key's limit (the rate is `limit` per `window`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketSpec {
+    /// Units the bucket holds.
+    pub burst: NonZeroU32,
+    /// The longest wait for a turn, ms (0: none).
+    pub max_delay_ms: u64,
+    /// The period the table's overflow rolls by: at least the horizon of the rule's smallest
+    /// limit ([`table`], "token-bucket rule's set").
+    period: Window,
+    /// The emission interval of the rule's largest limit, µs: levels are compared in it.
+    unit_us: u64,
+}
+
+impl RuleTable {
+    /// The bucket of a key of limit `limit`, for a token-bucket rule.
+    pub fn bucket_of(&self, limit: NonZeroU32) -> Option<Bucket> {
+        self.bucket.map(|spec| Bucket::new(self.window, limit, spec.burst, spec.max_delay_ms))
+    }
 }
 
 impl RuleTable {
@@ -114,6 +139,9 @@ pub struct Standing {
     pub retry_at: Option<UnixMillis>,
     /// The key's limit (the rule's, a tier's or an override's).
     pub limit: NonZeroU32,
+    /// For an admitted request that waits for its turn (a token bucket with `max_delay`): when
+    /// it goes.
+    pub go_at: Option<UnixMillis>,
 }
 
 /// Why a rule refused.
@@ -181,6 +209,8 @@ struct Read {
     leftover: Leftover,
     /// The key's counts in `set` before this request, without `leftover`.
     counts: Counts,
+    /// A token-bucket rule's: the key's TAT before this request, µs.
+    tat: u64,
     admits: bool,
 }
 
@@ -206,12 +236,15 @@ impl Limiter {
             .map(|rule| {
                 let capacity = u64::from(rule.capacity.get().get());
                 let sets = NonZeroU64::new(capacity.div_ceil(WAYS as u64)).unwrap_or(NonZeroU64::MIN);
-                let identity = format!(
-                    "{:?}|{}|{}",
-                    rule.key,
-                    rule.window.get(),
-                    capacity
-                );
+                let window = Window::new(rule.window.get());
+                let bucket = match (rule.algorithm, rule.burst) {
+                    (Algorithm::TokenBucket, Some(burst)) => Some(bucket_spec(rule, window, burst.get())),
+                    _ => None,
+                };
+                let identity = match &bucket {
+                    None => format!("{:?}|{}|{}", rule.key, rule.window.get(), capacity),
+                    Some(spec) => format!("{:?}|{}|{}|token_bucket|{}", rule.key, rule.window.get(), capacity, spec.period.length_ms()),
+                };
                 RuleTable {
                     name: rule.name.clone(),
                     limit: rule.limit.get(),
@@ -220,7 +253,8 @@ impl Limiter {
                         Some(CostSource::RequestBody) => "bytes",
                         Some(CostSource::RequestHeader | CostSource::ResponseHeader) => "units",
                     },
-                    window: Window::new(rule.window.get()),
+                    window,
+                    bucket,
                     sets,
                     key_prefix: format!("floodgate/{namespace}/rl/{}/", rule.name),
                     shape: fnv1a(identity.as_bytes(), FNV1A_BASIS),
@@ -248,7 +282,7 @@ impl Limiter {
         let mut taken = Vec::new();
         let mut pending = Vec::new();
         for probe in probes {
-            let Some(table) = self.table(probe.rule) else {
+            let Some(table) = self.table(probe.rule).filter(|t| t.bucket.is_none()) else {
                 pending.push(*probe);
                 continue;
             };
@@ -373,6 +407,13 @@ impl Limiter {
     ) -> Result<Read, StoreError> {
         let (table, key) = self.locate(probe).ok_or(StoreError::Host(0))?;
         let stored = store.get(&key)?;
+        if let Some(spec) = &table.bucket {
+            let set = decode_or_empty(stored.as_ref(), table.shape, 0).rolled_overflow_to(spec.period.phase(now).bucket_index);
+            let bucket = Bucket::new(table.window, limit_of(table, &probe), spec.burst, spec.max_delay_ms);
+            let tat = set.tat_of(fingerprint(probe.key_hash), micros(now), bucket.interval_us());
+            let admits = matches!(bucket.decide(tat, now, probe.cost, probe.needs()), Turn::Go { .. });
+            return Ok(Read { probe, key, stored, set, leftover: Leftover::default(), counts: Counts::default(), tat, admits });
+        }
         let phase = table.window.phase(now);
         let set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
         let leftover = reserves.leftover(probe, phase.bucket_index);
@@ -385,6 +426,7 @@ impl Limiter {
             set,
             leftover,
             counts,
+            tat: 0,
             admits,
         })
     }
@@ -393,6 +435,7 @@ impl Limiter {
     /// request reports where it stands after counting (computed once, in [`Limiter::commit`]).
     fn standing_before(&self, read: &Read, now: UnixMillis) -> Standing {
         match self.table(read.probe.rule) {
+            Some(table) if table.bucket.is_some() => bucket_standing(table, &read.probe, read.tat, now, None),
             Some(table) => standing(table, &read.probe, read.counts, now),
             None => self.blank_standing(read.probe, now),
         }
@@ -412,6 +455,9 @@ impl Limiter {
             cause: Cause::Contention,
         };
         let table = self.table(first.probe.rule).ok_or_else(contention)?;
+        if let Some(spec) = &table.bucket {
+            return self.commit_bucket(store, first, table, spec, now).map_err(|over| over.unwrap_or_else(contention));
+        }
         let (cost, limit) = (first.probe.cost, limit_of(table, &first.probe));
         let phase = table.window.phase(now);
         let fp = fingerprint(first.probe.key_hash);
@@ -465,6 +511,57 @@ impl Limiter {
         }
     }
 
+    /// Phase 2 for a token-bucket rule: takes the request's slot (the key's TAT moves on by its
+    /// cost), deciding again on a fresh read when another worker wrote the set meanwhile.
+    /// `Err(None)` on contention.
+    fn commit_bucket<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        first: &Read,
+        table: &RuleTable,
+        spec: &BucketSpec,
+        now: UnixMillis,
+    ) -> Result<Committed, Option<Violation>> {
+        let probe = first.probe;
+        let bucket = Bucket::new(table.window, limit_of(table, &probe), spec.burst, spec.max_delay_ms);
+        let (fp, now_us, period) = (fingerprint(probe.key_hash), micros(now), spec.period.phase(now).bucket_index);
+        let mut phase_one = Some((first.set.clone(), first.tat));
+        let mut stored = first.stored.clone();
+        let written = update_from(store, &first.key, &mut stored, MAX_ATTEMPTS, |current| {
+            let (mut set, tat) = phase_one.take().unwrap_or_else(|| {
+                let set = decode_or_empty(current, table.shape, period).rolled_overflow_to(period);
+                let tat = set.tat_of(fp, now_us, bucket.interval_us());
+                (set, tat)
+            });
+            match bucket.decide(tat, now, probe.cost, probe.needs()) {
+                Turn::Go { tat: after, at } => {
+                    let added = set.put_tat(fp, after, probe.cost, now_us, spec.unit_us);
+                    Attempt::Write(set.encode(), Ok((after, at, added.evicted.is_some())))
+                }
+                Turn::Refuse { .. } => Attempt::Done(Err(Violation {
+                    standing: bucket_standing(table, &probe, tat, now, None),
+                    cause: Cause::OverLimit,
+                })),
+            }
+        });
+        match written {
+            Ok(Ok((after, at, evicted))) => Ok(Committed {
+                standing: bucket_standing(table, &probe, after, now, Some(at).filter(|at| *at > now)),
+                evicted,
+                bucket_index: period,
+            }),
+            Ok(Err(violation)) => Err(Some(violation)),
+            Err(_) => Err(None),
+        }
+    }
+
+    /// Gives back the slot an admitted request took of a token-bucket rule (it waited for its
+    /// turn and its client went away): the key's TAT moves back by the request's cost, if the
+    /// key still owns its entry.
+    pub fn give_back_turn<S: SharedStore + ?Sized>(&self, store: &S, probe: Probe) {
+        self.give_back(store, probe, Leftover { bucket_index: 0, units: probe.cost });
+    }
+
     /// Charges `units` to `probe`'s key in the current window bucket without a decision: a cost
     /// known after admission (a streamed request body, units the upstream reported; see
     /// [`crate::ratelimit::rules`]). It can take the key past its limit; its later requests are then
@@ -475,8 +572,18 @@ impl Limiter {
             return true;
         }
         let Some((table, key)) = self.locate(probe) else { return false };
-        let phase = table.window.phase(now);
         let fp = fingerprint(probe.key_hash);
+        if let (Some(spec), Some(bucket)) = (&table.bucket, table.bucket_of(limit_of(table, &probe))) {
+            let (now_us, period) = (micros(now), spec.period.phase(now).bucket_index);
+            return update(store, &key, |current| {
+                let mut set = decode_or_empty(current, table.shape, period).rolled_overflow_to(period);
+                let tat = bucket.charged(set.tat_of(fp, now_us, bucket.interval_us()), now, units);
+                set.put_tat(fp, tat, units, now_us, spec.unit_us);
+                Attempt::Write(set.encode(), ())
+            })
+            .is_ok();
+        }
+        let phase = table.window.phase(now);
         update(store, &key, |current| {
             let mut set = decode_or_empty(current, table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
             set.add(fp, units, table.window, phase.elapsed_ms);
@@ -495,8 +602,14 @@ impl Limiter {
             let Some(set) = current.and_then(|s| Set::decode(&s.value).ok()).filter(|set| set.shape == table.shape) else {
                 return Attempt::Done(());
             };
-            let mut set = set.rolled_to(leftover.bucket_index);
-            set.subtract(fp, leftover.units, leftover.bucket_index);
+            let mut set = set;
+            match table.bucket_of(limit_of(table, &probe)) {
+                Some(bucket) => set.untake_tat(fp, bucket.span_us(leftover.units)),
+                None => {
+                    set = set.rolled_to(leftover.bucket_index);
+                    set.subtract(fp, leftover.units, leftover.bucket_index);
+                }
+            }
             Attempt::Write(set.encode(), ())
         });
     }
@@ -516,6 +629,7 @@ impl Limiter {
             reset_ms: 0,
             retry_at: Some(now),
             limit: self.table(probe.rule).map_or(NonZeroU32::MIN, |t| limit_of(t, &probe)),
+            go_at: None,
         }
     }
 }
@@ -538,6 +652,47 @@ fn standing(table: &RuleTable, probe: &Probe, local: Counts, now: UnixMillis) ->
         reset_ms: table.window.ms_until_reset(counts, now),
         retry_at: probe.remote.earliest_admission(table.window, local, now, probe.needs(), limit),
         limit,
+        go_at: None,
+    }
+}
+
+/// Where `probe`'s key of a token-bucket rule stands with its TAT `tat` (µs): its level as the
+/// estimate, the requests that would go at once, the time until its bucket is full again, and
+/// when a request of its cost would go (at once or within `max_delay`).
+fn bucket_standing(table: &RuleTable, probe: &Probe, tat: u64, now: UnixMillis, go_at: Option<UnixMillis>) -> Standing {
+    let limit = limit_of(table, probe);
+    match table.bucket_of(limit) {
+        Some(bucket) => Standing {
+            rule: probe.rule,
+            estimate: bucket.level(tat, now),
+            remaining: bucket.remaining(tat, now),
+            reset_ms: bucket.ms_until_full(tat, now),
+            retry_at: bucket.earliest_admission(tat, now, probe.needs()),
+            limit,
+            go_at,
+        },
+        None => standing(table, probe, Counts::default(), now),
+    }
+}
+
+/// The bucket of a token-bucket rule: its overflow's period is the horizon (`τ + max_delay`)
+/// of its smallest limit (whole milliseconds, at least one), its levels compared in the
+/// emission interval of its largest.
+fn bucket_spec(rule: &crate::config::RateLimitRule, window: Window, burst: NonZeroU32) -> BucketSpec {
+    let limits = || {
+        std::iter::once(rule.limit.get())
+            .chain(rule.tiers.iter().flat_map(|t| t.limits.values().map(|l| l.get())))
+            .chain(rule.overrides.iter().map(|o| o.limit.get()))
+    };
+    let max_delay_ms = rule.max_delay.map_or(0, |d| d.get().get());
+    let slowest = Bucket::new(window, limits().min().unwrap_or(NonZeroU32::MIN), burst, max_delay_ms);
+    let fastest = Bucket::new(window, limits().max().unwrap_or(NonZeroU32::MIN), burst, max_delay_ms);
+    let period_ms = slowest.horizon_us().div_ceil(1000);
+    BucketSpec {
+        burst,
+        max_delay_ms,
+        period: Window::new(NonZeroU64::new(period_ms).unwrap_or(NonZeroU64::MIN)),
+        unit_us: fastest.interval_us(),
     }
 }
 

@@ -707,3 +707,163 @@ fn a_cost_larger_than_one_needs_room_for_all_of_it_and_retry_after_says_when() {
     // 400 fit once 700 × (1 − f) + 400 ≤ 1000: f ≥ 1/7, 8.572 s in (rounded up to the ms).
     assert_eq!(violations[0].standing.retry_at, Some(now.plus_ms(60_000 + 8_572)));
 }
+
+mod token_bucket {
+    use super::*;
+    use crate::ratelimit::bucket::{micros, Bucket, Turn};
+    use crate::ratelimit::reserve::Reserves;
+
+    fn bucket_rule(name: &str, limit: u32, window: &str, burst: u32, extra: &str) -> String {
+        format!(
+            r#"{{"name":"{name}","key":["path"],"limit":{limit},"window":"{window}","algorithm":"token_bucket","burst":{burst}{extra}}}"#
+        )
+    }
+
+    fn check(limiter: &Limiter, store: &MemoryStore, probes: &[Probe], now: u64) -> Verdict {
+        limiter.check(store, &mut Reserves::new(), probes, UnixMillis(now))
+    }
+
+    const NOW: u64 = 1_800_000_000_000;
+
+    #[test]
+    fn burst_then_the_rate_with_a_tight_retry_at() {
+        let limiter = Limiter::new(&config(&bucket_rule("b", 10, "1s", 5, "")), "t");
+        let store = MemoryStore::default();
+        let probe = [Probe::new(0, 42)];
+        let verdicts: Vec<Verdict> = (0..40).map(|_| check(&limiter, &store, &probe, NOW)).collect();
+        assert_eq!(verdicts.iter().filter(|v| admitted(v)).count(), 5);
+        let Verdict::Admitted { standings, .. } = &verdicts[4] else { panic!() };
+        assert_eq!((standings[0].remaining, standings[0].reset_ms, standings[0].go_at), (0, 500, None));
+        assert_eq!(verdicts[5].retry_at(), Some(UnixMillis(NOW + 100)));
+        assert!(!admitted(&check(&limiter, &store, &probe, NOW + 99)));
+        assert!(admitted(&check(&limiter, &store, &probe, NOW + 100)));
+        // Then 10 per second: one every 100 ms, exactly.
+        let mut admitted_per_second = vec![0; 5];
+        for ms in (101..5101).step_by(10) {
+            if admitted(&check(&limiter, &store, &probe, NOW + ms)) {
+                admitted_per_second[((ms - 101) / 1000) as usize] += 1;
+            }
+        }
+        // The first second's first unit went at NOW + 100, above.
+        assert_eq!(admitted_per_second, vec![9, 10, 10, 10, 10]);
+    }
+
+    #[test]
+    fn a_request_over_the_rate_waits_for_its_turn_within_max_delay() {
+        let limiter = Limiter::new(&config(&bucket_rule("b", 10, "1s", 5, r#","max_delay":"500ms""#)), "t");
+        let store = MemoryStore::default();
+        let probe = [Probe::new(0, 42)];
+        let mut turns = Vec::new();
+        for _ in 0..30 {
+            match check(&limiter, &store, &probe, NOW) {
+                Verdict::Admitted { standings, .. } => turns.push(standings[0].go_at),
+                refused => {
+                    // Let in to wait from the moment the tenth slot is 500 ms away.
+                    assert_eq!(refused.retry_at(), Some(UnixMillis(NOW + 100)));
+                }
+            }
+        }
+        let expected: Vec<Option<UnixMillis>> =
+            (0..10).map(|i: u64| (i >= 5).then(|| UnixMillis(NOW + (i - 4) * 100))).collect();
+        assert_eq!(turns, expected);
+        // A waiting client goes away: its slot comes back.
+        limiter.give_back_turn(&store, probe[0]);
+        assert!(admitted(&check(&limiter, &store, &probe, NOW)));
+        assert!(!admitted(&check(&limiter, &store, &probe, NOW)));
+    }
+
+    #[test]
+    fn all_or_nothing_with_a_window_rule_and_costs() {
+        let rules = format!("{},{}", bucket_rule("b", 10, "1s", 5, r#","cost":{"from":"request_header","header":"x-cost"}"#), rule("w", 2, "1m", 64));
+        let limiter = Limiter::new(&config(&rules), "t");
+        let store = MemoryStore::default();
+        let probes = |cost| [Probe { cost, ..Probe::new(0, 7) }, Probe::new(1, 7)];
+        assert!(admitted(&check(&limiter, &store, &probes(3), NOW)));
+        assert!(admitted(&check(&limiter, &store, &probes(1), NOW)));
+        // The window refuses the third: the bucket's unit is not taken.
+        assert!(!admitted(&check(&limiter, &store, &probes(1), NOW)));
+        let Verdict::Admitted { standings, .. } = check(&limiter, &store, &[Probe::new(0, 7)], NOW) else { panic!() };
+        assert_eq!(standings[0].remaining, 0, "3 + 1 + this one of 5");
+        // A cost above the burst never goes.
+        let verdict = check(&limiter, &store, &[Probe { cost: 6, ..Probe::new(0, 8) }], NOW);
+        assert_eq!(verdict.retry_at(), None);
+        // A cost charged later moves the TAT.
+        assert!(limiter.charge(&store, Probe::new(0, 9), 5, UnixMillis(NOW)));
+        assert_eq!(check(&limiter, &store, &[Probe::new(0, 9)], NOW).retry_at(), Some(UnixMillis(NOW + 100)));
+    }
+
+    /// Two VMs (workers) on one store: the bucket holds across them, whatever the interleaving.
+    #[test]
+    fn exact_across_workers() {
+        let config = config(&bucket_rule("b", 10, "1s", 5, ""));
+        let (a, b) = (Limiter::new(&config, "t"), Limiter::new(&config, "t"));
+        let store = MemoryStore::default();
+        let probe = [Probe::new(0, 1)];
+        let mut admitted_count = 0;
+        for step in 0..400u64 {
+            let limiter = if step % 3 == 0 { &a } else { &b };
+            if admitted(&check(limiter, &store, &probe, NOW + step * 5)) {
+                admitted_count += 1;
+            }
+        }
+        // Arrivals over 0..2 s: 5 at once, then one at each 100 ms up to 1.9 s.
+        assert_eq!(admitted_count, 5 + 19);
+    }
+
+    /// The bounded table: a flood of one-shot keys neither evicts a key at its limit nor lets
+    /// an evicted or non-resident key past its bucket.
+    #[test]
+    fn a_flood_of_keys_keeps_every_key_within_its_bucket() {
+        let rules = r#"{"name":"b","key":["path"],"limit":10,"window":"1s","algorithm":"token_bucket","burst":5,"capacity":4}"#;
+        let limiter = Limiter::new(&config(rules), "t");
+        let store = MemoryStore::default();
+        let heavy = [Probe::new(0, 1)];
+        for _ in 0..5 {
+            assert!(admitted(&check(&limiter, &store, &heavy, NOW)));
+        }
+        for n in 0..500u64 {
+            check(&limiter, &store, &[Probe::new(0, 1000 + n)], NOW + n % 50);
+        }
+        assert!(!admitted(&check(&limiter, &store, &heavy, NOW + 50)), "the heavy key's bucket is still empty");
+        // Every flooding key that came back at once is refused or within its burst.
+        let mut per_key: HashMap<u64, u32> = HashMap::new();
+        for round in 0..8u64 {
+            for n in 0..40u64 {
+                if admitted(&check(&limiter, &store, &[Probe::new(0, 5000 + n)], NOW + 60 + round)) {
+                    *per_key.entry(n).or_default() += 1;
+                }
+            }
+        }
+        assert!(per_key.values().all(|&count| count <= 5), "{per_key:?}");
+    }
+
+    proptest! {
+        /// Whatever the arrivals of two keys through two workers, each key's decisions are
+        /// those of its own exact bucket (room for every key in the table).
+        #[test]
+        fn decisions_match_the_exact_bucket(
+            arrivals in proptest::collection::vec((0u64..2, 0u64..2, 0u64..80, 1u32..3), 1..200),
+        ) {
+            let config = config(&bucket_rule("b", 7, "1s", 4, r#","max_delay":"300ms","cost":{"from":"request_header","header":"x-cost"}"#));
+            let workers = [Limiter::new(&config, "t"), Limiter::new(&config, "t")];
+            let store = MemoryStore::default();
+            let reference = Bucket::new(workers[0].tables()[0].window, NonZeroU32::new(7).unwrap(), NonZeroU32::new(4).unwrap(), 300);
+            let mut tats = [0u64; 2];
+            let mut now = NOW;
+            for (worker, key, gap, cost) in arrivals {
+                now += gap;
+                let probe = Probe { cost, ..Probe::new(0, 100 + key) };
+                let verdict = check(&workers[worker as usize], &store, &[probe], now);
+                let expected = reference.decide(tats[key as usize], UnixMillis(now), cost, cost);
+                match (&verdict, expected) {
+                    (Verdict::Admitted { standings, .. }, Turn::Go { tat, at }) => {
+                        tats[key as usize] = tat;
+                        prop_assert_eq!(standings[0].go_at, Some(at).filter(|at| at.0 > now));
+                    }
+                    (Verdict::Rejected { .. }, Turn::Refuse { retry_at }) => prop_assert_eq!(verdict.retry_at(), retry_at),
+                    (got, want) => prop_assert!(false, "{:?} where the bucket says {:?} at {}", got, want, micros(UnixMillis(now))),
+                }
+            }
+        }
+    }
+}

@@ -4,7 +4,10 @@
 //!   earliest admission, so a request at `now + retry-after` is admitted and one a second
 //!   earlier is not.
 //! - `ratelimit-policy` / `ratelimit` (draft-ietf-httpapi-ratelimit-headers, structured fields):
-//!   `"name";q=<limit>;w=<window seconds>` and `"name";r=<remaining>;t=<seconds>`.
+//!   `"name";q=<limit>;w=<window seconds>` and `"name";r=<remaining>;t=<seconds>`. A token
+//!   bucket says `q=<burst>;w=<seconds an empty bucket takes to fill>` (rounded up: a client
+//!   that spends `q` per `w` is never refused), `r` the units that would go at once, `t` the
+//!   seconds until the bucket is full again (docs/configuration.md, *Token bucket*).
 //! - Body: RFC 9457 problem details with the `quota-exceeded` problem type of the IANA HTTP
 //!   problem types registry, `violated-policies`, and the figures of each refusing rule.
 //!
@@ -69,6 +72,9 @@ pub enum RefusalKind {
 
 /// The `ratelimit-policy` value of one rule for a key of limit `limit` (in the rule's units).
 pub fn policy_field(table: &RuleTable, limit: NonZeroU32) -> String {
+    if let Some(bucket) = table.bucket_of(limit) {
+        return format!("\"{}\";q={};w={}", table.name, bucket.burst(), bucket.tolerance_us().div_ceil(1_000_000).max(1));
+    }
     format!("\"{}\";q={limit};w={}", table.name, table.window.length_ms().div_ceil(1000))
 }
 
@@ -187,7 +193,15 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
     let limit = violation.standing.limit;
     let (policy, ratelimit) = ratelimit_fields(table, limit, violation.standing.remaining, retry_after_secs);
     let estimate = round3(violation.standing.estimate);
+    let bucket = table.bucket;
     let detail = match violation.cause {
+        Cause::OverLimit if bucket.is_some() => format!(
+            "quota \"{}\" of {limit} {} per {} (a bucket of {}) is exhausted (current level {estimate}); retry in {retry_after_secs} s",
+            table.name,
+            table.unit,
+            window_text(table),
+            bucket.map_or(0, |b| b.burst.get()),
+        ),
         Cause::OverLimit => format!(
             "quota \"{}\" of {limit} {} per {} is exhausted (current estimate {estimate}); retry in {retry_after_secs} s",
             table.name,
@@ -217,7 +231,7 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         .iter()
         .filter_map(|v| limiter.tables().get(v.standing.rule).map(|t| t.name.as_str()))
         .collect();
-    let body = json!({
+    let mut body = json!({
         "type": QUOTA_EXCEEDED,
         "title": "Too Many Requests",
         "status": 429,
@@ -233,6 +247,10 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         "retry_after_ms": retry_after_ms,
         "quotas": quotas,
     });
+    if let (Some(bucket), Some(fields)) = (bucket, body.as_object_mut()) {
+        fields.insert("algorithm".into(), "token_bucket".into());
+        fields.insert("burst".into(), bucket.burst.get().into());
+    }
     Some(Reply {
         status: 429,
         headers: vec![
@@ -852,6 +870,7 @@ mod tests {
             reset_ms,
             retry_at: None,
             limit: limiter.tables()[rule].limit,
+            go_at: None,
         };
         let mut values = vec![0, 1, 9, 10, 99, 100, 999, 1000, 1001, 12_345, u64::from(u32::MAX)];
         values.extend([u64::MAX - 1, u64::MAX]);
