@@ -461,7 +461,8 @@ fn everything() -> Value {
         "health": {"path": "/healthz", "dependencies": "fail", "min_success_rate": 0.25},
         "global": {"cluster": "outbound|9090||floodgate-sync.floodgate.svc.cluster.local",
                    "authority": "floodgate-sync.floodgate.svc.cluster.local", "sync_interval": "250ms",
-                   "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours"},
+                   "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours",
+                   "token": "a-fleet-token-0123456789"},
         "grpc": {"rate_limited_status": "UNAVAILABLE", "shed_status": 8, "no_capacity_status": "ABORTED"}
     })
 }
