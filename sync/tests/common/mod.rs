@@ -25,6 +25,8 @@ use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{json, Value};
 
+/// The test PKI, shared with the integration tests.
+#[path = "../../../integration/src/tls.rs"]
 pub mod tls;
 
 /// `redis-server` (from PATH, or $REDIS_SERVER; scripts/redis.sh installs it).

@@ -1,6 +1,7 @@
 //! Certificates made for a test (rcgen): a CA, a server certificate for 127.0.0.1 and
 //! localhost, and a client certificate, as PEM files in a temporary directory; the arguments
-//! that make a `redis-server` serve TLS with them, and those of `redis-cli` to reach it.
+//! that make a `redis-server` serve TLS with them, and those of `redis-cli` and
+//! `floodgate-sync` to reach it. (floodgate-sync's own tests include this file too.)
 
 use std::path::PathBuf;
 
@@ -16,6 +17,7 @@ pub struct Pki {
 
 impl Pki {
     /// A fresh CA, and a server and a client certificate signed by it.
+    #[allow(clippy::new_without_default)]
     pub fn new() -> Pki {
         let dir = tempfile::tempdir().unwrap();
         let ca_key = KeyPair::generate().unwrap();
