@@ -21,6 +21,12 @@ case "$(uname -m)" in aarch64) musl=aarch64-unknown-linux-musl ;; esac
 bin=${FLOODGATE_SYNC_BIN:-}
 if [[ -z "$bin" ]]; then
   if rustup target list --installed 2>/dev/null | grep -qx "$musl" || rustup target add "$musl" >&2; then
+    # ring (rustls' cryptography, for rediss://) compiles some C: without a musl cross
+    # compiler, the host's cc builds it (its C is freestanding: no libc headers).
+    cc_var=CC_${musl//-/_}
+    if [[ -z "${!cc_var:-}" ]] && ! command -v "${musl%%-*}-linux-musl-gcc" >/dev/null && ! command -v musl-gcc >/dev/null; then
+      export "$cc_var"=cc
+    fi
     echo "scripts/sync-image.sh: cargo build -p floodgate-sync --release --target $musl" >&2
     cargo build -p floodgate-sync --release --target "$musl" >&2
     bin=target/$musl/release/floodgate-sync

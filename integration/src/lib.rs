@@ -23,7 +23,7 @@
 //! * [`wallclock`]: a wall clock of Envoy's own that a test can step.
 //! * [`dynamic`], [`faults`], [`grpc`], [`store`]: an Envoy whose filter configuration changes
 //!   while it runs, misbehaving upstreams and clients, real gRPC peers, and Redis with
-//!   `floodgate-sync` for the global scope.
+//!   `floodgate-sync` for the global scope; [`tls`], certificates for Redis over TLS.
 //!
 //! Every wait in here is bounded; every server binds 127.0.0.1.
 
@@ -43,6 +43,7 @@ pub mod shedding;
 pub mod slow_clients;
 pub mod stats;
 pub mod store;
+pub mod tls;
 pub mod upstream;
 pub mod wallclock;
 pub mod window;

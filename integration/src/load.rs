@@ -110,3 +110,29 @@ where
     }
     results
 }
+
+/// Statuses of a steady load: `rate` requests per second in all, spread round-robin over the
+/// proxies, each with header `(name, value)`, for `duration`, over a few keep-alive connections
+/// per proxy. `during(elapsed)` is called about every 100 ms (to break things on cue).
+pub async fn steady_load(
+    proxies: &[SocketAddr],
+    header: (&str, &str),
+    rate: u64,
+    duration: Duration,
+    during: impl FnMut(Duration),
+) -> BTreeMap<u16, u64> {
+    let (name, value) = (header.0.to_owned(), header.1.to_owned());
+    let ended = paced_round_robin(proxies, 4, rate, duration, during, |_| {
+        let (name, value) = (name.clone(), value.clone());
+        move |mut client: Client| async move {
+            let status = client.get("/", &[(name.as_str(), value.as_str())]).await.map(|r| r.status).unwrap_or(0);
+            (client, status)
+        }
+    })
+    .await;
+    let mut statuses = BTreeMap::new();
+    for status in ended {
+        *statuses.entry(status).or_insert(0) += 1;
+    }
+    statuses
+}

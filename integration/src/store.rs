@@ -66,6 +66,8 @@ pub struct Redis {
     pub port: u16,
     dir: tempfile::TempDir,
     extra: Vec<String>,
+    /// `redis-cli`'s arguments beyond host and port (TLS, credentials).
+    cli_args: Vec<String>,
 }
 
 impl Redis {
@@ -77,8 +79,25 @@ impl Redis {
     /// A node on a free port with extra `redis-server` arguments.
     pub fn with_args(extra: &[&str]) -> Redis {
         let port = free_ports(1)[0];
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        Redis::launch(port, extra, Vec::new())
+    }
+
+    /// A node that serves only TLS, with `pki`'s certificates (client certificates required),
+    /// and `extra` arguments (an ACL user, say); `cli_auth` are `redis-cli`'s credentials
+    /// (`-a PASSWORD`) when the default user has a password.
+    pub fn with_tls(pki: &crate::tls::Pki, extra: &[&str], cli_auth: &[&str]) -> Redis {
+        let port = free_ports(1)[0];
+        let mut args = pki.redis_args(port);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut cli_args = pki.cli_args();
+        cli_args.extend(cli_auth.iter().map(|s| s.to_string()));
+        Redis::launch(port, args, cli_args)
+    }
+
+    fn launch(port: u16, extra: Vec<String>, cli_args: Vec<String>) -> Redis {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut redis = Redis { child: None, port, dir, extra: extra.iter().map(|s| s.to_string()).collect() };
+        let mut redis = Redis { child: None, port, dir, extra, cli_args };
         redis.spawn();
         redis
     }
@@ -96,8 +115,7 @@ impl Redis {
             .spawn()
             .expect("start redis-server");
         self.child = Some(child);
-        let port = self.port;
-        wait_until("redis-server", Duration::from_secs(10), || cli(port, &["PING"]).is_ok_and(|o| o.trim() == "PONG"));
+        wait_until("redis-server", Duration::from_secs(10), || self.try_cli(&["PING"]).is_ok_and(|o| o.trim() == "PONG"));
     }
 
     /// `redis://127.0.0.1:<port>`.
@@ -107,7 +125,13 @@ impl Redis {
 
     /// `redis-cli` against this node.
     pub fn cli(&self, args: &[&str]) -> String {
-        cli(self.port, args).unwrap_or_else(|e| panic!("redis-cli {args:?}: {e}"))
+        self.try_cli(args).unwrap_or_else(|e| panic!("redis-cli {args:?}: {e}"))
+    }
+
+    fn try_cli(&self, args: &[&str]) -> Result<String, String> {
+        let mut all: Vec<&str> = self.cli_args.iter().map(String::as_str).collect();
+        all.extend_from_slice(args);
+        cli(self.port, &all)
     }
 
     /// Stops the process (SIGSTOP): the node neither answers nor closes connections.
@@ -259,7 +283,9 @@ impl SyncService {
         SyncService::start(vec!["--cluster".into(), "--redis".into(), seeds.join(",")])
     }
 
-    fn start(mut args: Vec<String>) -> SyncService {
+    /// Starts it with these arguments (`--redis` and the rest; the address and the Redis
+    /// timeout are added).
+    pub fn start(mut args: Vec<String>) -> SyncService {
         let port = free_ports(1)[0];
         let addr = SocketAddr::from(([127, 0, 0, 1], port));
         args.extend(["--listen".into(), addr.to_string(), "--redis-timeout".into(), "500ms".into()]);

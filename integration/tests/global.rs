@@ -39,32 +39,6 @@ fn proxies(limit: u64, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
     fleet(3, &config(limit), sync, upstream)
 }
 
-/// Statuses of a steady load: `rate` requests per second in all, spread round-robin over the
-/// proxies, each with header `(name, value)`, for `duration`, over a few keep-alive connections
-/// per proxy. `during(elapsed)` is called about every 100 ms (to break things on cue).
-async fn steady_load(
-    proxies: &[SocketAddr],
-    header: (&str, &str),
-    rate: u64,
-    duration: Duration,
-    during: impl FnMut(Duration),
-) -> BTreeMap<u16, u64> {
-    let (name, value) = (header.0.to_owned(), header.1.to_owned());
-    let ended = paced_round_robin(proxies, 4, rate, duration, during, |_| {
-        let (name, value) = (name.clone(), value.clone());
-        move |mut client: Client| async move {
-            let status = client.get("/", &[(name.as_str(), value.as_str())]).await.map(|r| r.status).unwrap_or(0);
-            (client, status)
-        }
-    })
-    .await;
-    let mut statuses = BTreeMap::new();
-    for status in ended {
-        *statuses.entry(status).or_insert(0) += 1;
-    }
-    statuses
-}
-
 /// The counters `floodgate-sync` keeps in Redis on `node` (`fg:{shard}:<key>:<window_ms>:<bucket>`;
 /// the `seen` markers left out) whose window and bucket `keep` accepts.
 fn counter_keys(node: &Redis, keep: impl Fn(u64, u64) -> bool) -> std::collections::BTreeSet<String> {
@@ -166,7 +140,8 @@ async fn three_proxies_keep_one_quota_through_redis_where_proxy_scope_gives_thre
 /// Envoy whose cluster for floodgate-sync has the name Istio gives the Service of
 /// envoy/istio/floodgate-sync.yaml (`outbound|9090||…`) and speaks HTTP/2 as `appProtocol: http2`
 /// makes it: the batches reach Redis (the plugin's `authority` is one an HTTP/2 server accepts;
-/// the cluster name, the default, holds `|`).
+/// the cluster name, the default, holds `|`), through a floodgate-sync that needs the plugin's
+/// token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_istio_plugin_config_syncs_through_the_cluster_istio_names() {
     let manifest = std::fs::read_to_string(workspace_root().join("envoy/istio/global-wasmplugin.yaml")).expect("read");
@@ -181,7 +156,9 @@ async fn the_istio_plugin_config_syncs_through_the_cluster_istio_names() {
         .expect("a global rule");
     let header = rule["key"][0]["header"].as_str().expect("a rule keyed on a header").to_owned();
     let redis = Redis::start();
-    let sync = SyncService::single(&redis.url());
+    // floodgate-sync accepts only the plugin's token (the manifest's Secret holds the same).
+    let token = config["global"]["token"].as_str().expect("global.token").to_owned();
+    let sync = SyncService::start(vec!["--redis".into(), redis.url(), "--token".into(), token]);
     let upstream = Upstream::start();
     let envoy = Envoy::builder(config.clone()).upstream(&upstream).http2_cluster(&cluster, &[sync.addr]).start();
     let key = format!("tenant-{}", std::process::id());

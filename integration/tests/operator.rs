@@ -468,7 +468,8 @@ fn everything() -> Value {
                      "max_memory_mb": 512, "recover_after": 5},
         "global": {"cluster": "outbound|9090||floodgate-sync.floodgate.svc.cluster.local",
                    "authority": "floodgate-sync.floodgate.svc.cluster.local", "sync_interval": "250ms",
-                   "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours"},
+                   "timeout": "2s", "max_keys": 1000, "key_secret": "a fleet-wide secret of ours",
+                   "token": "a-fleet-token-0123456789"},
         "grpc": {"rate_limited_status": "UNAVAILABLE", "shed_status": 8, "no_capacity_status": "ABORTED"}
     })
 }
@@ -1582,6 +1583,7 @@ fn floodgate_explain_tells_each_configuration_of_an_envoy_file() {
 /// `--help` names each), and the built binary starts with the manifest's values.
 #[test]
 fn istio_floodgate_sync_manifest_is_what_the_plugin_calls_and_what_the_binary_reads() {
+    let documents_of = |text: &str| parse_documents(text).expect("YAML");
     let text = std::fs::read_to_string(workspace_root().join("envoy/istio/floodgate-sync.yaml")).expect("read");
     let documents = parse_documents(&text).expect("YAML");
     let of_kind = |kind: &str| {
@@ -1627,20 +1629,61 @@ fn istio_floodgate_sync_manifest_is_what_the_plugin_calls_and_what_the_binary_re
     let binary = floodgate_integration::store::sync_binary();
     let help = Command::new(&binary).arg("--help").output().expect("floodgate-sync --help");
     let help = String::from_utf8_lossy(&help.stdout).into_owned();
+    // A value, or one from a Secret of the manifest.
     let env: Vec<(String, String)> = container["env"]
         .as_array()
         .expect("env")
         .iter()
         .map(|e| {
             let name = e["name"].as_str().expect("env name").to_owned();
-            (name, e["value"].as_str().unwrap_or_else(|| panic!("a plain value")).to_owned())
+            if let Some(value) = e["value"].as_str() {
+                return (name, value.to_owned());
+            }
+            let reference = &e["valueFrom"]["secretKeyRef"];
+            let secret = documents
+                .iter()
+                .find(|d| d["kind"] == "Secret" && d["metadata"]["name"] == reference["name"])
+                .unwrap_or_else(|| panic!("{name}: no Secret {} in the manifest", reference["name"]));
+            assert_eq!(secret["metadata"]["namespace"], namespace);
+            let key = reference["key"].as_str().expect("secretKeyRef.key");
+            (name, secret["stringData"][key].as_str().unwrap_or_else(|| panic!("Secret key {key}")).to_owned())
         })
         .collect();
     for (name, _) in &env {
         assert!(
-            name == "RUST_LOG" || (name.starts_with("FLOODGATE_SYNC_") && help.contains(&format!("[env: {name}="))),
+            name == "RUST_LOG"
+                || (name.starts_with("FLOODGATE_SYNC_")
+                    && (help.contains(&format!("[env: {name}=")) || help.contains(&format!("[env: {name}]")))),
             "{name} is not a variable floodgate-sync reads"
         );
+    }
+    // The plugin's token is the one floodgate-sync accepts.
+    let token = &env.iter().find(|(n, _)| n == "FLOODGATE_SYNC_TOKEN").expect("FLOODGATE_SYNC_TOKEN").1;
+    assert_eq!(global.token.as_deref(), Some(token.as_str()), "global.token is the Secret's token");
+    assert!(global.key_secret.is_some(), "the plugin sets a key_secret");
+    // Only the plugin's workload may call the port, and only the POST routes.
+    let policy = of_kind("AuthorizationPolicy");
+    assert_eq!(policy["apiVersion"], "security.istio.io/v1");
+    assert_eq!(policy["metadata"]["namespace"], namespace);
+    assert_eq!(policy["spec"]["action"], "ALLOW");
+    for (label, value) in selector {
+        assert_eq!(&policy["spec"]["selector"]["matchLabels"][label], value, "the policy selects floodgate-sync's pods");
+    }
+    let plugin_namespace = documents_of(&plugin)[0]["metadata"]["namespace"].as_str().expect("plugin namespace").to_owned();
+    for rule in policy["spec"]["rules"].as_array().expect("rules") {
+        for source in rule["from"].as_array().expect("from") {
+            let principals = source["source"]["principals"].as_array().expect("principals only");
+            assert!(!principals.is_empty());
+            for principal in principals {
+                let principal = principal.as_str().expect("a principal");
+                assert!(principal.starts_with(&format!("cluster.local/ns/{plugin_namespace}/sa/")), "{principal}");
+            }
+        }
+        for operation in rule["to"].as_array().expect("to") {
+            assert_eq!(operation["operation"]["ports"], json!([port["port"].to_string()]));
+            assert_eq!(operation["operation"]["methods"], json!(["POST"]));
+            assert_eq!(operation["operation"]["paths"], json!(["/v1/sync", "/v1/lease"]));
+        }
     }
     let listen = &env.iter().find(|(n, _)| n == "FLOODGATE_SYNC_LISTEN").expect("FLOODGATE_SYNC_LISTEN").1;
     let listen: std::net::SocketAddr = listen.parse().expect("an address");

@@ -1,6 +1,7 @@
 //! Command-line flags, each also read from an environment variable (for containers).
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
@@ -20,8 +21,11 @@ pub struct Args {
     #[arg(long, env = "FLOODGATE_SYNC_LISTEN", default_value = "127.0.0.1:9090")]
     pub listen: SocketAddr,
 
-    /// A Redis URL (redis://[user:password@]host:port[/db]). A single node takes exactly one;
-    /// with --cluster, give one or more seed nodes (repeat the flag, or separate with commas).
+    /// A Redis URL: redis://[user:password@]host:port[/db], or rediss://... for TLS (with an ACL
+    /// user, or only a password: redis://:password@host). A single node takes exactly one; with
+    /// --cluster, give one or more seed nodes (repeat the flag, or separate with commas), all
+    /// redis:// or all rediss://. Put it in the environment rather than on the command line when
+    /// it holds a password.
     #[arg(
         long,
         env = "FLOODGATE_SYNC_REDIS",
@@ -63,9 +67,81 @@ pub struct Args {
     #[arg(long, env = "FLOODGATE_SYNC_REDIS_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub redis_timeout: Duration,
 
+    /// With rediss:// URLs: the CA certificates (PEM) that Redis's certificate must chain to,
+    /// instead of the built-in public roots (Mozilla's, through webpki-roots).
+    #[arg(long, env = "FLOODGATE_SYNC_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
+
+    /// With rediss:// URLs: a client certificate (PEM, chain first) for Redis servers that ask
+    /// for one (redis-server's tls-auth-clients, on by default). Needs --redis-key.
+    #[arg(long, env = "FLOODGATE_SYNC_REDIS_CERT", requires = "redis_key")]
+    pub redis_cert: Option<PathBuf>,
+
+    /// The private key (PEM) of --redis-cert.
+    #[arg(long, env = "FLOODGATE_SYNC_REDIS_KEY", requires = "redis_cert")]
+    pub redis_key: Option<PathBuf>,
+
+    /// A token the proxies must present (`authorization: Bearer TOKEN`, the filter's
+    /// global.token) on POST /v1/sync and /v1/lease: without one the answer is 401, with
+    /// another 403, and nothing reaches Redis. At most two (repeat the flag, or separate with a
+    /// comma), so that a new token can be rolled out while the old one is still in use. 16 to
+    /// 512 characters among A-Z a-z 0-9 - . _ ~ + / =. Without any token (nor --token-file),
+    /// every caller that reaches the port may write counters.
+    #[arg(long = "token", env = "FLOODGATE_SYNC_TOKEN", value_delimiter = ',',
+          value_parser = parse_token, hide_env_values = true)]
+    pub tokens: Vec<String>,
+
+    /// A file of tokens, one per line (blank lines and lines starting with # skipped), taken
+    /// with --token's (at most two in all); read at startup. E.g. a Kubernetes Secret mounted
+    /// as a volume.
+    #[arg(long, env = "FLOODGATE_SYNC_TOKEN_FILE")]
+    pub token_file: Option<PathBuf>,
+
     /// How long a shutdown (SIGTERM, SIGINT) waits for open requests to finish. E.g. 10s.
     #[arg(long, env = "FLOODGATE_SYNC_SHUTDOWN_GRACE", default_value = "10s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
+}
+
+/// The most tokens accepted at once: the one in use and the next.
+pub const MAX_TOKENS: usize = 2;
+
+/// A bearer token: 16 to 512 characters of RFC 6750's `b64token` (A-Z a-z 0-9 - . _ ~ + / and
+/// `=`), the same rule as the filter's `global.token`.
+pub fn parse_token(text: &str) -> Result<String, String> {
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "-._~+/=".contains(c);
+    if !(16..=512).contains(&text.len()) {
+        Err(format!("a token has 16 to 512 characters, this one {}", text.len()))
+    } else if !text.chars().all(allowed) {
+        Err("a token has only the characters A-Z a-z 0-9 - . _ ~ + / =".into())
+    } else {
+        Ok(text.to_string())
+    }
+}
+
+impl Args {
+    /// The tokens of --token and --token-file together (empty: calls are not authenticated).
+    pub fn all_tokens(&self) -> Result<Vec<String>, String> {
+        let mut tokens = self.tokens.clone();
+        if let Some(path) = &self.token_file {
+            let text = std::fs::read_to_string(path)
+                .map_err(|err| format!("--token-file {}: {err}", path.display()))?;
+            for line in text.lines().map(str::trim) {
+                if line.is_empty() || line.starts_with('#') {
+                    continue;
+                }
+                tokens.push(
+                    parse_token(line).map_err(|err| format!("--token-file {}: {err}", path.display()))?,
+                );
+            }
+        }
+        if tokens.len() > MAX_TOKENS {
+            return Err(format!(
+                "at most {MAX_TOKENS} tokens (the one in use and the next), got {}",
+                tokens.len()
+            ));
+        }
+        Ok(tokens)
+    }
 }
 
 fn parse_prefix(text: &str) -> Result<String, String> {
@@ -137,6 +213,33 @@ mod tests {
         assert_eq!(args.max_counters, 10_000);
         assert_eq!(args.max_body_bytes, 1_048_576);
         assert_eq!(args.redis_timeout, Duration::from_secs(1));
+        assert!(args.tokens.is_empty() && args.token_file.is_none());
+        assert!(args.redis_ca.is_none() && args.redis_cert.is_none());
+    }
+
+    #[test]
+    fn tokens_come_from_flags_and_a_file_at_most_two() {
+        let a = "a".repeat(16);
+        let b = "Bb0-._~+/=".repeat(2);
+        let args = Args::try_parse_from(["floodgate-sync", "--token", &format!("{a},{b}")]).unwrap();
+        assert_eq!(args.all_tokens().unwrap(), vec![a.clone(), b.clone()]);
+        for bad in ["short", &"x".repeat(513), &format!("{a} b"), &format!("{a}:")] {
+            assert!(
+                Args::try_parse_from(["floodgate-sync", "--token", bad]).is_err(),
+                "{bad}"
+            );
+        }
+        let file = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(file.path(), format!("# rotation\n{b}\n\n")).unwrap();
+        let path = file.path().to_str().unwrap();
+        let args = Args::try_parse_from(["floodgate-sync", "--token", &a, "--token-file", path]).unwrap();
+        assert_eq!(args.all_tokens().unwrap(), vec![a.clone(), b.clone()]);
+        let args = Args::try_parse_from(["floodgate-sync", "--token", &format!("{a},{a}"), "--token-file", path]).unwrap();
+        assert!(args.all_tokens().unwrap_err().contains("at most 2"));
+        std::fs::write(file.path(), "bad token\n").unwrap();
+        let args = Args::try_parse_from(["floodgate-sync", "--token-file", path]).unwrap();
+        assert!(args.all_tokens().unwrap_err().starts_with("--token-file"));
+        assert!(Args::try_parse_from(["floodgate-sync", "--redis-cert", "c.pem"]).is_err(), "--redis-cert needs --redis-key");
     }
 
     #[test]

@@ -8,7 +8,9 @@
 //! | `GET /readyz` | 200 when Redis answers PING (every node of a cluster), else 503 |
 //! | `GET /metrics` | Prometheus text |
 //!
-//! Anything else is 404, or 405 (with `allow`) for a known path.
+//! Anything else is 404, or 405 (with `allow`) for a known path. With tokens configured, the
+//! two `POST` routes need one (`authorization: Bearer ...`): 401 without, 403 with another one,
+//! before the body is read; the `GET` routes stay open (probes, scraping).
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -17,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE, WWW_AUTHENTICATE};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use hyper::body::Incoming;
@@ -28,6 +30,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tracing::{debug, info, warn};
 
+use crate::auth::{Tokens, Verdict};
 use crate::layout::{plan, Layout};
 use crate::lease::{parse_lease_request, plan_lease, LeaseResponse};
 use crate::metrics::{ErrorKind, Metrics};
@@ -46,6 +49,8 @@ pub struct App {
     pub max_counters: usize,
     /// `--max-body-bytes`.
     pub max_body_bytes: usize,
+    /// `--token`, `--token-file`: the tokens the `POST` routes need (none: open).
+    pub tokens: Tokens,
 }
 
 type Answer = Response<Full<Bytes>>;
@@ -81,6 +86,26 @@ fn method_not_allowed(app: &App, allow: &'static str) -> Answer {
     answer
 }
 
+/// The refusal of a call without the right token (nothing read beyond its headers), if it is
+/// one.
+fn refused(app: &App, request: &Request<Incoming>) -> Option<Answer> {
+    match app.tokens.check(request.headers()) {
+        Verdict::Allowed => None,
+        Verdict::Missing => {
+            debug!("401: {} without a bearer token", request.uri().path());
+            let mut answer = error(app, ErrorKind::Unauthorized, "authorization: a bearer token is required");
+            answer
+                .headers_mut()
+                .insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            Some(answer)
+        }
+        Verdict::Wrong => {
+            debug!("403: {} with a token that is not one of --token's", request.uri().path());
+            Some(error(app, ErrorKind::Forbidden, "authorization: the bearer token is not accepted"))
+        }
+    }
+}
+
 /// Routes one request.
 pub async fn handle(app: Arc<App>, request: Request<Incoming>) -> Result<Answer, Infallible> {
     let path = request.uri().path();
@@ -88,14 +113,20 @@ pub async fn handle(app: Arc<App>, request: Request<Incoming>) -> Result<Answer,
     let answer = match path {
         "/v1/sync" if method == Method::POST => {
             let started = Instant::now();
-            let answer = sync(&app, request).await;
+            let answer = match refused(&app, &request) {
+                Some(answer) => answer,
+                None => sync(&app, request).await,
+            };
             app.metrics.sync_latency(started.elapsed());
             answer
         }
         "/v1/sync" => method_not_allowed(&app, "POST"),
         "/v1/lease" if method == Method::POST => {
             let started = Instant::now();
-            let answer = lease(&app, request).await;
+            let answer = match refused(&app, &request) {
+                Some(answer) => answer,
+                None => lease(&app, request).await,
+            };
             app.metrics.lease_latency(started.elapsed());
             answer
         }

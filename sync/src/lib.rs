@@ -7,6 +7,7 @@
 //! answers with the fleet totals of the current and previous window buckets. Everything durable
 //! is in Redis, so any number of instances may serve one fleet.
 //!
+//! - [`auth`]: the proxies' bearer token (`--token`), compared in constant time.
 //! - [`protocol`]: the request and answer types, strict validation.
 //! - [`layout`]: shards, key names, expiries, and a batch's [`layout::Plan`].
 //! - [`lease`]: `POST /v1/lease`, units of a key's quota granted ahead of use (leased rules),
@@ -18,6 +19,7 @@
 //!
 //! Rationale: docs/design.md, section "Rate limiting across a fleet".
 
+pub mod auth;
 pub mod config;
 pub mod http;
 pub mod layout;
@@ -29,22 +31,44 @@ pub mod store;
 use std::sync::Arc;
 
 use tokio::net::TcpListener;
-use tracing::info;
+use tracing::{info, warn};
 
+use crate::auth::Tokens;
 use crate::config::Args;
 use crate::http::App;
 use crate::layout::Layout;
 use crate::metrics::Metrics;
-use crate::store::{redact, Store, StoreConfig};
+use crate::store::{is_tls, redact, Store, StoreConfig, StoreTls};
+
+/// A PEM file of a flag.
+fn read_pem(flag: &str, path: Option<&std::path::PathBuf>) -> Result<Option<Vec<u8>>, String> {
+    path.map(|path| std::fs::read(path).map_err(|err| format!("{flag} {}: {err}", path.display())))
+        .transpose()
+}
 
 /// Runs the service until SIGTERM or SIGINT, then shuts down gracefully.
 pub async fn run(args: Args) -> Result<(), String> {
+    // rediss:// goes through rustls; its crypto is ring's (already set: by an embedding program).
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let tokens = args.all_tokens()?;
+    let client = match (
+        read_pem("--redis-cert", args.redis_cert.as_ref())?,
+        read_pem("--redis-key", args.redis_key.as_ref())?,
+    ) {
+        (Some(cert), Some(key)) => Some((cert, key)),
+        _ => None,
+    };
+    let tls = StoreTls {
+        ca: read_pem("--redis-ca", args.redis_ca.as_ref())?,
+        client,
+    };
     let metrics = Arc::new(Metrics::default());
     let store = Store::connect(
         &StoreConfig {
             urls: args.redis.clone(),
             cluster: args.cluster,
             timeout: args.redis_timeout,
+            tls: tls.clone(),
         },
         metrics.clone(),
     )?;
@@ -60,25 +84,41 @@ pub async fn run(args: Args) -> Result<(), String> {
         metrics,
         max_counters: usize::try_from(args.max_counters).unwrap_or(usize::MAX),
         max_body_bytes: usize::try_from(args.max_body_bytes).unwrap_or(usize::MAX),
+        tokens: Tokens::new(&tokens),
     });
     let redis: Vec<String> = args.redis.iter().map(|url| redact(url)).collect();
+    let tls_summary = if !args.redis.iter().any(|url| is_tls(url)) {
+        "no TLS"
+    } else if tls.ca.is_some() {
+        "TLS, CA of --redis-ca"
+    } else {
+        "TLS, public roots"
+    };
     info!(
         "floodgate-sync {} serving POST /v1/sync /v1/lease, GET /healthz /readyz /metrics on http://{local} \
-         (HTTP/1.1 and h2c); redis {} {}; shards {} prefix {:?}; max {} counters, {} bytes per \
-         batch; redis timeout {:?}",
+         (HTTP/1.1 and h2c); calls {}; redis {} {} ({tls_summary}{}); shards {} prefix {:?}; max {} counters, \
+         {} bytes per batch; redis timeout {:?}",
         env!("CARGO_PKG_VERSION"),
+        match tokens.len() {
+            0 => "not authenticated".to_string(),
+            n => format!("need a bearer token ({n} accepted)"),
+        },
         if args.cluster {
             "cluster, seeds"
         } else {
             "single node"
         },
         redis.join(","),
+        if tls.client.is_some() { ", client certificate" } else { "" },
         args.shards,
         args.prefix,
         args.max_counters,
         args.max_body_bytes,
         args.redis_timeout,
     );
+    if tokens.is_empty() {
+        warn!("no --token: POST /v1/sync and /v1/lease accept any caller that reaches {local}");
+    }
     http::serve(listener, app, shutdown_signal(), args.shutdown_grace).await;
     info!("stopped");
     Ok(())

@@ -11,6 +11,10 @@ use std::time::Duration;
 pub enum ErrorKind {
     /// 400: the body is not a valid batch.
     BadRequest,
+    /// 401: no bearer token, while tokens are configured.
+    Unauthorized,
+    /// 403: a bearer token that is none of the configured ones.
+    Forbidden,
     /// 404: no such path.
     NotFound,
     /// 405: the path exists, the method does not.
@@ -26,8 +30,10 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    const ALL: [ErrorKind; 7] = [
+    const ALL: [ErrorKind; 9] = [
         ErrorKind::BadRequest,
+        ErrorKind::Unauthorized,
+        ErrorKind::Forbidden,
         ErrorKind::NotFound,
         ErrorKind::MethodNotAllowed,
         ErrorKind::PayloadTooLarge,
@@ -40,6 +46,8 @@ impl ErrorKind {
     pub fn status(self) -> u16 {
         match self {
             ErrorKind::BadRequest => 400,
+            ErrorKind::Unauthorized => 401,
+            ErrorKind::Forbidden => 403,
             ErrorKind::NotFound => 404,
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::PayloadTooLarge => 413,
@@ -52,6 +60,8 @@ impl ErrorKind {
     pub fn label(self) -> &'static str {
         match self {
             ErrorKind::BadRequest => "bad_request",
+            ErrorKind::Unauthorized => "unauthorized",
+            ErrorKind::Forbidden => "forbidden",
             ErrorKind::NotFound => "not_found",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::PayloadTooLarge => "payload_too_large",
@@ -70,6 +80,8 @@ impl ErrorKind {
             ErrorKind::UnsupportedMediaType => 4,
             ErrorKind::StoreTimeout => 5,
             ErrorKind::StoreError => 6,
+            ErrorKind::Unauthorized => 7,
+            ErrorKind::Forbidden => 8,
         }
     }
 }
@@ -92,7 +104,7 @@ pub struct Metrics {
     leases_received: AtomicU64,
     lease_units_granted: AtomicU64,
     lease_units_reclaimed: AtomicU64,
-    errors: [AtomicU64; 7],
+    errors: [AtomicU64; 9],
     sync_latency: Histogram,
     lease_latency: Histogram,
 }
@@ -315,6 +327,7 @@ mod tests {
         metrics.batch_done(2, 1);
         metrics.redis_round_trip();
         metrics.error(ErrorKind::PayloadTooLarge);
+        metrics.error(ErrorKind::Forbidden);
         metrics.sync_latency(Duration::from_micros(700));
         metrics.sync_latency(Duration::from_secs(3));
         let text = metrics.render();
@@ -328,6 +341,8 @@ mod tests {
             "floodgate_sync_redis_round_trips_total 1",
             "floodgate_sync_errors_total{status=\"413\",kind=\"payload_too_large\"} 1",
             "floodgate_sync_errors_total{status=\"503\",kind=\"store_timeout\"} 0",
+            "floodgate_sync_errors_total{status=\"401\",kind=\"unauthorized\"} 0",
+            "floodgate_sync_errors_total{status=\"403\",kind=\"forbidden\"} 1",
             "floodgate_sync_request_duration_seconds_bucket{le=\"0.0005\"} 0",
             "floodgate_sync_request_duration_seconds_bucket{le=\"0.001\"} 1",
             "floodgate_sync_request_duration_seconds_bucket{le=\"2.5\"} 1",

@@ -8,6 +8,11 @@
 //!
 //! Scripts go as EVALSHA; on NOSCRIPT (a restarted or promoted node) the same call goes again as
 //! EVAL with the source. Everything a batch does is bounded by `--redis-timeout`.
+//!
+//! `rediss://` URLs connect over TLS (rustls): the server's certificate is checked against
+//! `--redis-ca` when given, else against the built-in public roots, and its name against the
+//! URL's host; `--redis-cert`/`--redis-key` answer servers that ask for a client certificate.
+//! ACL users and passwords come in the URL (`redis://user:password@host`).
 
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -18,7 +23,7 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
-use redis::{Cmd, RedisError, Script, ServerErrorKind, Value};
+use redis::{ClientTlsConfig, Cmd, RedisError, Script, ServerErrorKind, TlsCertificates, Value};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
@@ -42,6 +47,65 @@ pub struct StoreConfig {
     pub cluster: bool,
     /// The bound on everything one request asks of Redis (connecting included).
     pub timeout: Duration,
+    /// Certificates for `rediss://` URLs.
+    pub tls: StoreTls,
+}
+
+/// Certificates for `rediss://` URLs, as PEM bytes; without any, the server's certificate is
+/// checked against the built-in public roots.
+#[derive(Clone, Default)]
+pub struct StoreTls {
+    /// `--redis-ca`: the CA certificates the server's certificate must chain to.
+    pub ca: Option<Vec<u8>>,
+    /// `--redis-cert` and `--redis-key`: a client certificate and its key.
+    pub client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl fmt::Debug for StoreTls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "StoreTls {{ ca: {}, client certificate: {} }}",
+            self.ca.is_some(),
+            self.client.is_some()
+        )
+    }
+}
+
+impl StoreTls {
+    /// redis-rs's form, when a CA or a client certificate is given.
+    fn certificates(&self) -> Option<TlsCertificates> {
+        if self.ca.is_none() && self.client.is_none() {
+            return None;
+        }
+        Some(TlsCertificates {
+            client_tls: self.client.clone().map(|(client_cert, client_key)| ClientTlsConfig {
+                client_cert,
+                client_key,
+            }),
+            root_cert: self.ca.clone(),
+        })
+    }
+}
+
+/// Whether a Redis URL asks for TLS.
+pub fn is_tls(url: &str) -> bool {
+    ["rediss://", "valkeys://"]
+        .iter()
+        .any(|scheme| url.get(..scheme.len()).is_some_and(|s| s.eq_ignore_ascii_case(scheme)))
+}
+
+/// The URLs' TLS mode (all TLS or none), and the certificates to use; errors name the flags.
+fn tls_of(config: &StoreConfig) -> Result<Option<TlsCertificates>, String> {
+    let tls = config.urls.iter().filter(|url| is_tls(url)).count();
+    if tls != 0 && tls != config.urls.len() {
+        return Err("--redis: either every URL is rediss:// (TLS) or none is".into());
+    }
+    let certificates = config.tls.certificates();
+    if certificates.is_some() && tls == 0 {
+        return Err("--redis-ca, --redis-cert and --redis-key need rediss:// URLs".into());
+    }
+    Ok(certificates)
 }
 
 /// Why Redis did not serve a request (answered 503).
@@ -154,20 +218,25 @@ impl Store {
     /// Sets up the connection (lazily: no Redis needs to be up yet). Fails only on a bad URL.
     pub fn connect(config: &StoreConfig, metrics: Arc<Metrics>) -> Result<Store, String> {
         let errors = Arc::new(ErrorLog::default());
+        let certificates = tls_of(config)?;
         let backend = if config.cluster {
             if config.urls.is_empty() {
                 return Err("--cluster needs at least one --redis seed URL".into());
             }
             let client = |retries: u32| {
-                ClusterClient::builder(config.urls.iter().map(String::as_str))
+                let builder = ClusterClient::builder(config.urls.iter().map(String::as_str))
                     .connection_timeout(config.timeout)
                     .response_timeout(config.timeout)
                     .overall_response_timeout(Some(config.timeout))
                     .retries(retries)
                     .min_retry_wait(20)
-                    .max_retry_wait(500)
-                    .build()
-                    .map_err(|err| format!("--redis: {err}"))
+                    .max_retry_wait(500);
+                match certificates.clone() {
+                    Some(certificates) => builder.certs(certificates),
+                    None => builder,
+                }
+                .build()
+                .map_err(|err| format!("--redis: {err}"))
             };
             let (sender, retrying) = watch::channel(None);
             tokio::spawn(connect_cluster(client(8)?, sender, errors.clone()));
@@ -181,8 +250,11 @@ impl Store {
                     config.urls.len()
                 ));
             };
-            let client = redis::Client::open(url.as_str())
-                .map_err(|err| format!("--redis {}: {err}", redact(url)))?;
+            let client = match certificates {
+                Some(certificates) => redis::Client::build_with_tls(url.as_str(), certificates),
+                None => redis::Client::open(url.as_str()),
+            }
+            .map_err(|err| format!("--redis {}: {err}", redact(url)))?;
             let manager_config = ConnectionManagerConfig::new()
                 .set_connection_timeout(Some(config.timeout))
                 .set_response_timeout(Some(config.timeout))
@@ -701,6 +773,31 @@ mod tests {
     }
 
     #[test]
+    fn tls_urls_and_certificates_go_together() {
+        let config = |urls: &[&str], ca: bool| StoreConfig {
+            urls: urls.iter().map(|u| u.to_string()).collect(),
+            cluster: urls.len() > 1,
+            timeout: Duration::from_secs(1),
+            tls: StoreTls {
+                ca: ca.then(|| b"pem".to_vec()),
+                client: None,
+            },
+        };
+        assert!(is_tls("rediss://h:1") && is_tls("REDISS://h") && is_tls("valkeys://h"));
+        assert!(!is_tls("redis://h:1") && !is_tls("redis"));
+        assert!(tls_of(&config(&["redis://a"], false)).unwrap().is_none());
+        assert!(tls_of(&config(&["rediss://a"], false)).unwrap().is_none());
+        assert!(tls_of(&config(&["rediss://a", "rediss://b"], true)).unwrap().is_some());
+        let error = |config: &StoreConfig| tls_of(config).err().unwrap_or_default();
+        assert!(error(&config(&["rediss://a", "redis://b"], false)).contains("every URL"));
+        assert!(error(&config(&["redis://a"], true)).contains("need rediss://"));
+        assert_eq!(
+            format!("{:?}", config(&["rediss://a"], true).tls),
+            "StoreTls { ca: true, client certificate: false }"
+        );
+    }
+
+    #[test]
     fn urls_lose_their_password_in_logs() {
         assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
         assert_eq!(
@@ -709,5 +806,9 @@ mod tests {
         );
         assert_eq!(redact("redis://:secret@host"), "redis://:***@host");
         assert_eq!(redact("redis://token@host"), "redis://***@host");
+        assert_eq!(
+            redact("rediss://floodgate:secret@redis.example:6380"),
+            "rediss://floodgate:***@redis.example:6380"
+        );
     }
 }

@@ -401,8 +401,9 @@ fn every_refusal_writes_nothing() {
         ),
         4
     );
-    // Nothing per request at info.
-    assert_eq!(sync.log().lines().count(), 1, "{}", sync.log());
+    // Nothing per request at info: the startup line and the warning that calls are open.
+    assert_eq!(sync.log().lines().count(), 2, "{}", sync.log());
+    assert!(sync.log().contains("WARN no --token"), "{}", sync.log());
 }
 
 #[test]

@@ -37,6 +37,10 @@ pub struct Global {
     /// that the store's key names do not reveal client keys to whoever can read the store.
     #[serde(default)]
     pub key_secret: Option<String>,
+    /// The bearer token of every call to floodgate-sync (`authorization: Bearer <token>`): one
+    /// of the tokens it accepts (its `--token`).
+    #[serde(default)]
+    pub token: Option<String>,
     /// Leased rules: the longest a request waits for the store (default 50 ms).
     #[serde(default = "default_lease_timeout")]
     pub lease_timeout: DurationMs,
@@ -82,10 +86,42 @@ fn default_max_keys() -> Positive {
     Positive::new(4096).unwrap_or(Positive::ONE)
 }
 
+/// Where and how the calls to floodgate-sync go, batches and leases alike.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreRoute {
+    /// The Envoy cluster.
+    pub cluster: String,
+    /// The calls' `:authority`.
+    pub authority: String,
+    /// The calls' `authorization` header (`Bearer <token>`), if `global.token` is set.
+    pub authorization: Option<String>,
+}
+
+/// The shortest accepted `token`.
+pub const MIN_TOKEN_LEN: usize = 16;
+/// The longest accepted `token`.
+pub const MAX_TOKEN_LEN: usize = 512;
+
+/// Whether `token` is a bearer token floodgate-sync accepts: 16 to 512 characters of RFC 6750's
+/// `b64token` (`A-Z a-z 0-9 - . _ ~ + /` and `=`).
+fn is_token(token: &str) -> bool {
+    (MIN_TOKEN_LEN..=MAX_TOKEN_LEN).contains(&token.len())
+        && token.chars().all(|c| c.is_ascii_alphanumeric() || "-._~+/=".contains(c))
+}
+
 impl Global {
     /// The `:authority` of the batch calls.
     pub fn authority(&self) -> &str {
         self.authority.as_deref().unwrap_or(self.cluster.as_str())
+    }
+
+    /// Where and how the calls go.
+    pub fn route(&self) -> StoreRoute {
+        StoreRoute {
+            cluster: self.cluster.as_str().to_owned(),
+            authority: self.authority().to_owned(),
+            authorization: self.token.as_ref().map(|token| format!("Bearer {token}")),
+        }
     }
 
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
@@ -139,18 +175,30 @@ impl Global {
                 ));
             }
         }
+        if let Some(token) = &self.token {
+            if !is_token(token) {
+                return Err(error(
+                    "token",
+                    format!(
+                        "must be {MIN_TOKEN_LEN} to {MAX_TOKEN_LEN} characters among A-Z a-z 0-9 - . _ ~ + / = (a bearer token floodgate-sync accepts), got {} characters",
+                        token.len()
+                    ),
+                ));
+            }
+        }
         Ok(())
     }
 
     /// A one-line summary for the configure-time log.
     pub fn summary(&self) -> String {
         format!(
-            "global store via cluster {} every {} (timeout {}, {} keys per rule{}; leases wait {} at most, on store failure {})",
+            "global store via cluster {} every {} (timeout {}, {} keys per rule{}{}; leases wait {} at most, on store failure {})",
             self.cluster,
             self.sync_interval,
             self.timeout,
             self.max_keys.get(),
             if self.key_secret.is_some() { ", keyed" } else { "" },
+            if self.token.is_some() { ", with a token" } else { "" },
             self.lease_timeout,
             match self.on_store_failure {
                 OnStoreFailure::LastState => "last_state",
@@ -181,11 +229,32 @@ mod tests {
         assert_eq!(global.timeout.get().get(), 1000);
         assert_eq!(global.max_keys.get().get(), 4096);
         assert_eq!(global.key_secret, None);
+        assert_eq!(global.token, None);
+        assert_eq!(global.route().authorization, None);
         assert_eq!(global.lease_timeout.get().get(), 50);
         assert_eq!(global.on_store_failure, super::OnStoreFailure::LastState);
         assert_eq!(global.max_lease, None);
         let proxy = Config::parse(br#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m"}]}"#).unwrap();
         assert_eq!(proxy.rate_limits[0].scope, Scope::Proxy);
+    }
+
+    #[test]
+    fn the_token_becomes_the_calls_authorization() {
+        let config = Config::parse(
+            format!(r#"{{"rate_limits":[{RULE}],"global":{{"cluster":"c","authority":"sync.local","token":"Ab0-._~+/=Ab0-._~+/="}}}}"#).as_bytes(),
+        )
+        .unwrap();
+        let global = config.global.unwrap();
+        assert_eq!(
+            global.route(),
+            super::StoreRoute {
+                cluster: "c".into(),
+                authority: "sync.local".into(),
+                authorization: Some("Bearer Ab0-._~+/=Ab0-._~+/=".into()),
+            }
+        );
+        assert!(global.summary().contains(", with a token"));
+        assert!(!global.summary().contains("Ab0"), "the log line shows no token");
     }
 
     #[test]
@@ -203,6 +272,10 @@ mod tests {
             (with(r#"{"cluster":"s","max_keys":70000}"#), "global.max_keys: must be at most 65536, got 70000"),
             (with(r#"{"cluster":"s","authority":"a b"}"#), r#"global.authority: "a b" is not a host"#),
             (with(r#"{"cluster":"s","key_secret":"short"}"#), "global.key_secret: must be at least 16 characters"),
+            (with(r#"{"cluster":"s","token":"short"}"#), "global.token: must be 16 to 512 characters among A-Z a-z 0-9 - . _ ~ + / = (a bearer token floodgate-sync accepts), got 5 characters"),
+            (with(r#"{"cluster":"s","token":"sixteen chars or more"}"#), "global.token: must be 16 to 512 characters"),
+            (with(r#"{"cluster":"s","token":"line\nbreak-0123456789"}"#), "global.token: must be 16 to 512 characters"),
+            (with(r#"{"cluster":"s","token":1234567890123456}"#), "global.token: invalid type"),
             (with(r#"{"cluster":"s","interval":"1s"}"#), "global.interval: unknown field `interval`"),
             (with(r#"{"cluster":"s","lease_timeout":"11s"}"#), "global.lease_timeout: must be at most 10s, got 11s"),
             (with(r#"{"cluster":"s","max_lease":0}"#), "global.max_lease: must be a positive integer"),

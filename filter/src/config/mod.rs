@@ -15,7 +15,7 @@ mod rules;
 mod selection;
 mod values;
 
-pub use global::{Global, OnStoreFailure, MAX_GLOBAL_KEYS, MAX_LEASE_TIMEOUT_MS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
+pub use global::{Global, OnStoreFailure, StoreRoute, MAX_GLOBAL_KEYS, MAX_LEASE_TIMEOUT_MS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
 pub use grpc::{default_failure_grpc_statuses, Grpc, GrpcStatus};
 pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,

@@ -1,21 +1,25 @@
 //! HTTP calls to `floodgate-sync` (the global scope's batches, the leased rules' leases): a JSON
 //! `POST` to the store's cluster, and its answer read once.
 
+use crate::config::StoreRoute;
 use crate::fleet::Answer;
 use proxy_wasm::hostcalls;
 use proxy_wasm::types::{BufferType, MapType, Status};
 use std::time::Duration;
 
-/// Sends `body` as a JSON `POST` to `path` on `cluster` (`authority`: its `:authority`); the
-/// token of the call, or why the host did not send it (no such cluster, say).
-pub fn post_json(cluster: &str, authority: &str, path: &str, body: &[u8], timeout: Duration) -> Result<u32, Status> {
-    let headers = vec![
+/// Sends `body` as a JSON `POST` to `path` on the route's cluster, with its `:authority` and
+/// `authorization`; the token of the call, or why the host did not send it (no such cluster, say).
+pub fn post_json(route: &StoreRoute, path: &str, body: &[u8], timeout: Duration) -> Result<u32, Status> {
+    let mut headers = vec![
         (":method", "POST"),
         (":path", path),
-        (":authority", authority),
+        (":authority", route.authority.as_str()),
         ("content-type", "application/json"),
     ];
-    hostcalls::dispatch_http_call(cluster, headers, Some(body), vec![], timeout)
+    if let Some(authorization) = &route.authorization {
+        headers.push(("authorization", authorization.as_str()));
+    }
+    hostcalls::dispatch_http_call(&route.cluster, headers, Some(body), vec![], timeout)
 }
 
 /// The answer to the call whose response callback runs: a `200`'s body, or the other status

@@ -46,7 +46,7 @@ pub fn tick(scope: &GlobalScope, node: &RefCell<VmNode>, ids: &GlobalStats, vm: 
     }
     let Some(body) = tick.send else { return };
     let timeout = Duration::from_millis(scope.timeout_ms);
-    match call::post_json(&scope.cluster, &scope.authority, SYNC_PATH, &body, timeout) {
+    match call::post_json(&scope.route, SYNC_PATH, &body, timeout) {
         Ok(token) => {
             node.flusher.sent(token, now);
             stats::increment(&EnvoyMetrics, ids.batches);
@@ -55,7 +55,7 @@ pub fn tick(scope: &GlobalScope, node: &RefCell<VmNode>, ids: &GlobalStats, vm: 
         Err(status) => {
             // No such cluster, or the host refused: the batch stays for the next tick.
             stats::increment(&EnvoyMetrics, ids.failures);
-            log::warn!("floodgate: global sync to cluster {:?} not sent: {status:?}", scope.cluster);
+            log::warn!("floodgate: global sync to cluster {:?} not sent: {status:?}", scope.route.cluster);
         }
     }
 }

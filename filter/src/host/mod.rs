@@ -268,10 +268,10 @@ fn send_calls(filter: &Filter, current: u32, clock: &CallbackClock) {
             log::debug!("floodgate: a lease call of context {} sent from {current}", call.owner);
         }
         let timeout = Duration::from_millis(call.timeout_ms);
-        match call::post_json(&stage.cluster, &stage.authority, crate::fleet::leased::protocol::LEASE_PATH, &call.body, timeout) {
+        match call::post_json(&stage.route, crate::fleet::leased::protocol::LEASE_PATH, &call.body, timeout) {
             Ok(token) => stage.sent(&EnvoyMetrics, call, token, clock.now()),
             Err(status) => {
-                log::warn!("floodgate: lease call to cluster {:?} not sent: {status:?}", stage.cluster);
+                log::warn!("floodgate: lease call to cluster {:?} not sent: {status:?}", stage.route.cluster);
                 stage.not_sent(&EnvoyMetrics, &call, clock.now());
             }
         }

@@ -14,7 +14,7 @@
 
 use super::stats::{self, increment, LeaseStats, Metrics};
 use super::{Filter, Request, SharedStream};
-use crate::config::{Config, Consistency, Scope};
+use crate::config::{Config, Consistency, Scope, StoreRoute};
 use crate::fleet::Answer;
 use crate::keys::fleet::{FleetHasher, FleetKey};
 use crate::fleet::leased::protocol;
@@ -125,10 +125,8 @@ pub struct LeasedStage {
     /// Per rule, in configuration order: the window of a leased rule.
     windows: Vec<Option<Window>>,
     hasher: FleetHasher,
-    /// The store's cluster and `:authority`.
-    pub cluster: String,
-    /// The `:authority` of the calls.
-    pub authority: String,
+    /// Where the calls to floodgate-sync go, and their credential.
+    pub route: StoreRoute,
     /// `lease_timeout`, ms: the timeout of the calls requests wait on.
     pub timeout_ms: u64,
     /// `timeout`, ms: the timeout of the calls the root sends (no request waits on them when
@@ -176,8 +174,7 @@ impl LeasedStage {
             )),
             windows,
             hasher: FleetHasher::new(global.key_secret.as_deref()),
-            cluster: global.cluster.as_str().to_owned(),
-            authority: global.authority().to_owned(),
+            route: global.route(),
             timeout_ms: global.lease_timeout.get().get(),
             root,
             vm,

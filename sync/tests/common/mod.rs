@@ -25,6 +25,10 @@ use hyper::Request;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{json, Value};
 
+/// The test PKI, shared with the integration tests.
+#[path = "../../../integration/src/tls.rs"]
+pub mod tls;
+
 /// `redis-server` (from PATH, or $REDIS_SERVER; scripts/redis.sh installs it).
 pub fn redis_server_bin() -> PathBuf {
     std::env::var_os("REDIS_SERVER")
@@ -91,17 +95,33 @@ pub struct Redis {
     child: Option<Child>,
     dir: tempfile::TempDir,
     cluster: bool,
+    /// More `redis-server` arguments (after the usual ones, so they override them).
+    extra: Vec<String>,
+    /// More `redis-cli` arguments (TLS, credentials), for [`Redis::cli`].
+    cli_args: Vec<String>,
 }
 
 impl Redis {
     /// Starts a node (cluster-enabled or not) on `port` and waits until it answers PING.
     pub fn start(port: u16, cluster: bool) -> Redis {
+        Redis::launch(port, cluster, &[], &[])
+    }
+
+    /// A node with more `redis-server` arguments (`extra`), reached by `redis-cli` with
+    /// `cli_args` (TLS and credentials: [`Redis::cli`] uses them, [`Redis::conn`] does not).
+    pub fn start_with(port: u16, extra: &[String], cli_args: &[String]) -> Redis {
+        Redis::launch(port, false, extra, cli_args)
+    }
+
+    fn launch(port: u16, cluster: bool, extra: &[String], cli_args: &[String]) -> Redis {
         let dir = tempfile::tempdir().unwrap();
         let mut redis = Redis {
             port,
             child: None,
             dir,
             cluster,
+            extra: extra.to_vec(),
+            cli_args: cli_args.to_vec(),
         };
         redis.spawn();
         redis
@@ -113,7 +133,8 @@ impl Redis {
             .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
             .args(["--dir", self.dir.path().to_str().unwrap()])
-            .args(["--logfile", "redis.log"]);
+            .args(["--logfile", "redis.log"])
+            .args(&self.extra);
         if self.cluster {
             command.args([
                 "--cluster-enabled",
@@ -175,6 +196,7 @@ impl Redis {
     pub fn cli(&self, args: &[&str]) -> Result<String, String> {
         let output = Command::new(redis_cli_bin())
             .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
+            .args(&self.cli_args)
             .args(args)
             .stdin(Stdio::null())
             .output()
@@ -423,6 +445,19 @@ pub fn request(
     body: impl Into<Bytes>,
     http2: bool,
 ) -> Answer {
+    let headers: Vec<(&str, &str)> = content_type.map(|t| ("content-type", t)).into_iter().collect();
+    request_with(port, method, path, &headers, body, http2)
+}
+
+/// [`request`] with any headers.
+pub fn request_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+    http2: bool,
+) -> Answer {
     let body = body.into();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -436,8 +471,8 @@ pub fn request(
         let mut builder = Request::builder()
             .method(method)
             .uri(format!("http://127.0.0.1:{port}{path}"));
-        if let Some(content_type) = content_type {
-            builder = builder.header("content-type", content_type);
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
         }
         let request = builder.body(Full::new(body)).unwrap();
         let response = tokio::time::timeout(Duration::from_secs(30), async {

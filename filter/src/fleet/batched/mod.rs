@@ -20,7 +20,7 @@ pub mod protocol;
 pub mod view;
 
 use crate::keys::fleet::FleetHasher;
-use crate::config::{Config, Consistency, Scope};
+use crate::config::{Config, Consistency, Scope, StoreRoute};
 use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
 use crate::ratelimit::remote::Remote;
 use crate::ratelimit::Probe;
@@ -64,10 +64,8 @@ pub struct GlobalScope {
     pub rules: Vec<Option<GlobalRule>>,
     /// The fleet-wide key hasher.
     pub hasher: FleetHasher,
-    /// The Envoy cluster of floodgate-sync.
-    pub cluster: String,
-    /// The calls' `:authority`.
-    pub authority: String,
+    /// Where the calls to floodgate-sync go, and their credential.
+    pub route: StoreRoute,
     /// The interval between syncs, ms.
     pub interval_ms: u64,
     /// A call's timeout, ms.
@@ -154,8 +152,7 @@ impl GlobalScope {
         Some(GlobalScope {
             rules,
             hasher: FleetHasher::new(global.key_secret.as_deref()),
-            cluster: global.cluster.as_str().to_owned(),
-            authority: global.authority().to_owned(),
+            route: global.route(),
             interval_ms: global.sync_interval.get().get(),
             timeout_ms: global.timeout.get().get(),
             projection: Projection::Ahead,
