@@ -8,7 +8,8 @@
 # floodgate-sync; needs a Docker engine with Compose; scripts/sync-image.sh adds the
 # x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build), and the
 # Prometheus rules and Grafana dashboard of observability/ (promtool, and a real Prometheus scraping
-# the demo); the smoke suite on the oldest supported Envoy minor as well.
+# the demo); the smoke suite on the oldest supported Envoy minor as well; last, the release
+# artifacts (scripts/release.sh) and the release's own `floodgate validate`.
 # First (after the history check), scripts/preflight.sh names everything this machine lacks that
 # no script installs (Rust with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with
 # Compose, apt-get with root or sudo unless Redis, h2load and Prometheus are installed) and stops
@@ -119,6 +120,23 @@ step "integration tests: the module in a real Envoy (cargo test -p floodgate-int
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
   GRPC_PYTHON="$grpc_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
   cargo test -p floodgate-integration -- --test-threads=1 --show-output 2>&1 | tee -a "$results"
+
+# The release artifacts (scripts/release.sh; most are built above already, so this adds the static
+# CLI's build and the image archives), and the release's own CLI on an example file and a bad one.
+step "release: scripts/release.sh into dist/, then the release's floodgate validate"
+# A release is cut from a clean clone (scripts/release.sh refuses changes to tracked files); here
+# the artifacts are checked whatever the tests left in the work tree.
+dist=$(RELEASE_ALLOW_DIRTY=1 scripts/release.sh | tail -n1)
+version=$(sed -n 's/^floodgate //p' "$dist/BUILDINFO")
+(cd "$dist" && sha256sum --check SHA256SUMS)
+"$dist/floodgate-$version-x86_64-unknown-linux-musl" validate envoy/demo.yaml
+bad=$(mktemp)
+echo '{"rate_limits": [{"name": "r", "key": ["source_ip"], "limit": 0, "window": "1s"}]}' >"$bad"
+if "$dist/floodgate-$version-x86_64-unknown-linux-musl" validate "$bad"; then
+  echo "the release's floodgate validate accepted a zero limit" >&2
+  exit 1
+fi
+rm -f "$bad"
 
 # One closing line over every test binary (pipefail has already stopped us on a failure).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }
