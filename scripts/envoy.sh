@@ -30,7 +30,7 @@ minor=${minor#v}
 [[ "$minor" =~ ^1\.[0-9]+$ ]] || minor=${minor%.*}
 ENVOY_VERSION=${WHEELS[$minor]:-}
 if [[ -z "$ENVOY_VERSION" ]]; then
-  echo "scripts/envoy.sh: Envoy $minor is not a supported minor (supported: $(printf '%s\n' "${!WHEELS[@]}" | sort -V | tr '\n' ' '))" >&2
+  echo "scripts/envoy.sh: Envoy $minor is not a supported minor (supported: $(printf '%s\n' "${!WHEELS[@]}" | sort -V | paste -sd' '))" >&2
   exit 2
 fi
 if [[ "$minor" == "$DEFAULT_MINOR" ]]; then
