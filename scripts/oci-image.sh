@@ -2,8 +2,8 @@
 # Packages the floodgate module as an OCI image for Istio's WasmPlugin (`url: oci://...`), in the
 # Docker format Istio reads: FROM scratch, one layer holding one file, `plugin.wasm`.
 #
-#   scripts/oci-image.sh registry.example.com/floodgate:0.1.0
-#   docker push registry.example.com/floodgate:0.1.0
+#   scripts/oci-image.sh registry.example.com/floodgate:0.2.0
+#   docker push registry.example.com/floodgate:0.2.0
 #
 # The module is $FLOODGATE_WASM, else the one ./wasm-build.sh builds. The LAST line printed is
 # the image tag. See docs/istio.md.
@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 die() { echo "scripts/oci-image.sh: $*" >&2; exit 1; }
-[[ $# -eq 1 && "$1" != -* ]] || die "usage: scripts/oci-image.sh IMAGE[:TAG]   (e.g. registry.example.com/floodgate:0.1.0)"
+[[ $# -eq 1 && "$1" != -* ]] || die "usage: scripts/oci-image.sh IMAGE[:TAG]   (e.g. registry.example.com/floodgate:0.2.0)"
 tag=$1
 command -v docker >/dev/null || die "docker is not installed (buildah, podman or kaniko can build the same Dockerfile: see docs/istio.md)"
 

@@ -1017,7 +1017,7 @@ apiVersion: extensions.istio.io/v1alpha1
 kind: WasmPlugin
 metadata: { name: floodgate, namespace: shop }
 spec:
-  url: oci://registry.example/floodgate:0.1.0
+  url: oci://registry.example/floodgate:0.2.0
   pluginConfig:
     rate_limits:
     - { name: per-ip, key: [source_ip], limit: 100, window: 1m }
@@ -1026,7 +1026,7 @@ apiVersion: extensions.istio.io/v1alpha1
 kind: WasmPlugin
 metadata: { name: limits }
 spec:
-  url: oci://registry.example/floodgate:0.1.0
+  url: oci://registry.example/floodgate:0.2.0
 "#;
         let found = find("istio.yaml", yaml);
         assert_eq!(found.len(), 2);

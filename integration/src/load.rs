@@ -1,10 +1,10 @@
-//! Loads over many [`Client`]s: a closed-loop one as fast as Envoy answers, and a paced one spread
-//! round-robin over several proxies.
+//! Loads over many [`Client`]s: closed-loop ones as fast as Envoy answers (a number of requests,
+//! or for a while), and a paced one spread round-robin over several proxies.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::client::Client;
@@ -135,4 +135,62 @@ pub async fn steady_load(
         *statuses.entry(status).or_insert(0) += 1;
     }
     statuses
+}
+
+/// Statuses seen by a closed-loop load: `clients` keep-alive connections, each sending one
+/// request after another for a while ([`closed_loop`]).
+#[derive(Default, Debug)]
+pub struct Tally {
+    /// Answers by status.
+    pub statuses: BTreeMap<u16, u64>,
+    /// Requests that got no answer (the connection failed; the client reconnects).
+    pub errors: u64,
+}
+
+impl Tally {
+    /// Every request sent.
+    pub fn total(&self) -> u64 {
+        self.statuses.values().sum::<u64>() + self.errors
+    }
+    /// Requests answered `200`.
+    pub fn ok(&self) -> u64 {
+        self.statuses.get(&200).copied().unwrap_or(0)
+    }
+    /// The share of requests answered `200`.
+    pub fn success_rate(&self) -> f64 {
+        self.ok() as f64 / self.total().max(1) as f64
+    }
+}
+
+/// Runs a closed loop of `GET /work` with `headers` for `duration` and returns what the clients saw.
+pub async fn closed_loop(addr: SocketAddr, clients: usize, duration: Duration, headers: &'static [(&'static str, &'static str)]) -> Tally {
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks: Vec<_> = (0..clients)
+        .map(|_| {
+            let (tally, stop) = (tally.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut client = None;
+                while !stop.load(Ordering::Relaxed) {
+                    if client.is_none() {
+                        client = Client::connect(addr).await.ok();
+                    }
+                    let Some(c) = client.as_mut() else { continue };
+                    match c.get("/work", headers).await {
+                        Ok(r) => *tally.lock().unwrap().statuses.entry(r.status).or_default() += 1,
+                        Err(_) => {
+                            tally.lock().unwrap().errors += 1;
+                            client = None;
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(duration).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in tasks {
+        t.await.expect("load task");
+    }
+    Arc::try_unwrap(tally).expect("tasks done").into_inner().unwrap()
 }

@@ -3,7 +3,10 @@
 //! by `curl` loops).
 
 use serde_json::{json, Value};
-use std::time::Instant;
+use std::time::{Duration, Instant};
+use tokio::task::JoinHandle;
+
+use crate::client::{get, Response};
 
 /// The health endpoint the shedding tests configure.
 pub const HEALTH_PATH: &str = "/floodgate/health";
@@ -106,4 +109,53 @@ pub async fn burn_rate_per_ms(addr: std::net::SocketAddr) -> u64 {
     let ms = samples[samples.len() / 2];
     println!("calibration: {PROBE} iterations in {ms:.1} ms (samples {samples:.1?})");
     ((PROBE as f64 / ms) as u64).max(1)
+}
+
+/// One request on its own connection: its status, latency and response.
+pub type Pending = JoinHandle<(u16, Duration, Response)>;
+
+/// `n` requests `GET /work` in the priority class `class`, each on its own connection, at once.
+pub fn send_prioritized(addr: std::net::SocketAddr, class: &'static str, n: usize) -> Vec<Pending> {
+    (0..n)
+        .map(|_| {
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let r = get(addr, "/work", &[("x-floodgate-priority", class)]).await;
+                (r.status, started.elapsed(), r)
+            })
+        })
+        .collect()
+}
+
+/// Waits for every request; returns (admitted 200s, shed 503s), checking every shed answer was
+/// fast (under a fifth of `upstream_delay`, the time an admitted request takes) and well-formed
+/// for [`shedding_config`].
+pub async fn shed_outcome(pending: Vec<Pending>, class: &str, upstream_delay: Duration) -> (usize, usize) {
+    let (mut ok, mut shed) = (0, 0);
+    for p in pending {
+        let (status, latency, r) = p.await.expect("request task");
+        match status {
+            200 => ok += 1,
+            503 => {
+                shed += 1;
+                assert!(
+                    latency < upstream_delay / 5,
+                    "a shed request must be refused fast: {latency:?} (upstream delay {upstream_delay:?})"
+                );
+                assert_eq!(r.header("content-type"), Some("application/problem+json"));
+                assert_eq!(r.header("retry-after"), Some("2"));
+                let body = r.json();
+                assert_eq!(
+                    body["type"],
+                    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
+                );
+                assert_eq!(body["status"], 503);
+                assert_eq!(body["class"], class);
+                assert!(body["in_flight"].as_u64().is_some(), "{body}");
+                assert!(body["max_active_requests"].as_u64().is_some(), "{body}");
+            }
+            other => panic!("unexpected status {other}: {}", r.text()),
+        }
+    }
+    (ok, shed)
 }

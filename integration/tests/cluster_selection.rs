@@ -2,10 +2,6 @@
 //! real upstream clusters through the route's `cluster_header`. Each test starts its own Envoy.
 //! Figures are printed (`--nocapture`) for the README and the closing notes.
 
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use floodgate_integration::*;
@@ -14,59 +10,6 @@ const ROUTE_HEADER: &str = "x-floodgate-cluster";
 
 fn cluster_stat(cluster: &str, what: &str) -> String {
     format!("{STAT_PREFIX}.cluster.{cluster}.{what}")
-}
-
-/// Statuses seen by a closed-loop load: `clients` keep-alive connections, each sending one
-/// request after another until `stop` is set.
-#[derive(Default, Debug)]
-struct Tally {
-    statuses: BTreeMap<u16, u64>,
-    errors: u64,
-}
-
-impl Tally {
-    fn total(&self) -> u64 {
-        self.statuses.values().sum::<u64>() + self.errors
-    }
-    fn ok(&self) -> u64 {
-        self.statuses.get(&200).copied().unwrap_or(0)
-    }
-    fn success_rate(&self) -> f64 {
-        self.ok() as f64 / self.total().max(1) as f64
-    }
-}
-
-/// Runs a closed loop for `duration` and returns what the clients saw.
-async fn load(addr: SocketAddr, clients: usize, duration: Duration, headers: &'static [(&'static str, &'static str)]) -> Tally {
-    let tally = Arc::new(Mutex::new(Tally::default()));
-    let stop = Arc::new(AtomicBool::new(false));
-    let tasks: Vec<_> = (0..clients)
-        .map(|_| {
-            let (tally, stop) = (tally.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut client = None;
-                while !stop.load(Ordering::Relaxed) {
-                    if client.is_none() {
-                        client = Client::connect(addr).await.ok();
-                    }
-                    let Some(c) = client.as_mut() else { continue };
-                    match c.get("/work", headers).await {
-                        Ok(r) => *tally.lock().unwrap().statuses.entry(r.status).or_default() += 1,
-                        Err(_) => {
-                            tally.lock().unwrap().errors += 1;
-                            client = None;
-                        }
-                    }
-                }
-            })
-        })
-        .collect();
-    tokio::time::sleep(duration).await;
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await.expect("load task");
-    }
-    Arc::try_unwrap(tally).expect("tasks done").into_inner().unwrap()
 }
 
 /// An upstream that counts requests per value of the route header it receives.
@@ -86,10 +29,10 @@ async fn a_failing_cluster_gets_almost_no_traffic_unlike_round_robin() {
         .cluster("c", &[c.addr()])
         .route_by_header(ROUTE_HEADER)
         .start();
-    let warmup = load(envoy.addr(), 8, Duration::from_secs(3), &[]).await;
+    let warmup = closed_loop(envoy.addr(), 8, Duration::from_secs(3), &[]).await;
     let c_before = c.total();
     let (a_before, b_before) = (a.total(), b.total());
-    let measured = load(envoy.addr(), 8, Duration::from_secs(5), &[]).await;
+    let measured = closed_loop(envoy.addr(), 8, Duration::from_secs(5), &[]).await;
     let to_c = c.total() - c_before;
     let upstream_total = to_c + (a.total() - a_before) + (b.total() - b_before);
     let share_c = to_c as f64 / upstream_total.max(1) as f64;
@@ -119,7 +62,7 @@ async fn a_failing_cluster_gets_almost_no_traffic_unlike_round_robin() {
 
     // The same three upstreams behind Envoy's own round-robin, no selection.
     let baseline = Envoy::builder("{}").upstream(&a).upstream(&b).upstream(&c).start();
-    let round_robin = load(baseline.addr(), 8, Duration::from_secs(5), &[]).await;
+    let round_robin = closed_loop(baseline.addr(), 8, Duration::from_secs(5), &[]).await;
     println!(
         "round-robin: {} requests, clients {:.3}% 200 ({:?})",
         round_robin.total(),
@@ -149,7 +92,7 @@ async fn a_recovered_cluster_gets_traffic_back() {
         .cluster("c", &[c.addr()])
         .route_by_header(ROUTE_HEADER)
         .start();
-    let failing = load(envoy.addr(), 8, Duration::from_secs(3), &[]).await;
+    let failing = closed_loop(envoy.addr(), 8, Duration::from_secs(3), &[]).await;
     let c_failed = c.total();
     println!("while c fails: {failing:?}, c received {c_failed}");
     c.set_status(200);
@@ -158,7 +101,7 @@ async fn a_recovered_cluster_gets_traffic_back() {
     let mut back_after = None;
     while Instant::now() < deadline {
         let before = (a.total() + b.total(), c.total());
-        let slice = load(envoy.addr(), 8, Duration::from_millis(500), &[]).await;
+        let slice = closed_loop(envoy.addr(), 8, Duration::from_millis(500), &[]).await;
         let to_c = c.total() - before.1;
         let total = (a.total() + b.total() - before.0) + to_c;
         if total > 0 && to_c as f64 / total as f64 >= 0.2 {
@@ -192,10 +135,10 @@ async fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
         .cluster("slow", &[slow.addr()])
         .route_by_header(ROUTE_HEADER)
         .start();
-    let first = load(envoy.addr(), 12, Duration::from_secs(4), &[]).await;
+    let first = closed_loop(envoy.addr(), 12, Duration::from_secs(4), &[]).await;
     let slow_before = slow.total();
     let fast_before = a.total() + b.total();
-    let second = load(envoy.addr(), 12, Duration::from_secs(4), &[]).await;
+    let second = closed_loop(envoy.addr(), 12, Duration::from_secs(4), &[]).await;
     let to_slow = slow.total() - slow_before;
     let to_fast = a.total() + b.total() - fast_before;
     let limit = envoy.wait_for_stat(&cluster_stat("slow", "concurrency_limit"), 1, Duration::from_secs(3));
@@ -323,8 +266,8 @@ async fn a_client_sent_route_header_cannot_steer() {
         .cluster("b", &[b.addr()])
         .route_by_header(ROUTE_HEADER)
         .start();
-    let steered = load(envoy.addr(), 4, Duration::from_secs(2), &[(ROUTE_HEADER, "upstream")]).await;
-    let only_b = load(envoy.addr(), 4, Duration::from_secs(2), &[(ROUTE_HEADER, "b")]).await;
+    let steered = closed_loop(envoy.addr(), 4, Duration::from_secs(2), &[(ROUTE_HEADER, "upstream")]).await;
+    let only_b = closed_loop(envoy.addr(), 4, Duration::from_secs(2), &[(ROUTE_HEADER, "b")]).await;
     println!("client-sent header: {steered:?} / {only_b:?}; a {} b {} forbidden {}", a.total(), b.total(), forbidden.total());
     assert_eq!(forbidden.total(), 0, "a client-named cluster outside the selection was never reached");
     assert_eq!(steered.ok(), steered.total());

@@ -4,7 +4,6 @@
 use std::time::{Duration, Instant};
 
 use floodgate_integration::*;
-use tokio::task::JoinHandle;
 
 const HEALTH: &str = HEALTH_PATH;
 const DELAY: Duration = Duration::from_millis(2500);
@@ -15,53 +14,6 @@ fn slow_upstream() -> Upstream {
         delay: Some(DELAY),
         ..UpstreamOptions::default()
     })
-}
-
-/// One request on its own connection, with its latency.
-type Pending = JoinHandle<(u16, Duration, Response)>;
-
-fn send(addr: std::net::SocketAddr, class: &'static str, n: usize) -> Vec<Pending> {
-    (0..n)
-        .map(|_| {
-            tokio::spawn(async move {
-                let started = Instant::now();
-                let r = get(addr, "/work", &[("x-floodgate-priority", class)]).await;
-                (r.status, started.elapsed(), r)
-            })
-        })
-        .collect()
-}
-
-/// Waits for every request; returns (admitted 200s, shed 503s), checking every shed answer was
-/// fast and well-formed.
-async fn outcome(pending: Vec<Pending>, class: &str) -> (usize, usize) {
-    let (mut ok, mut shed) = (0, 0);
-    for p in pending {
-        let (status, latency, r) = p.await.expect("request task");
-        match status {
-            200 => ok += 1,
-            503 => {
-                shed += 1;
-                assert!(
-                    latency < DELAY / 5,
-                    "a shed request must be refused fast: {latency:?} (upstream delay {DELAY:?})"
-                );
-                assert_eq!(r.header("content-type"), Some("application/problem+json"));
-                assert_eq!(r.header("retry-after"), Some("2"));
-                let body = r.json();
-                assert_eq!(
-                    body["type"],
-                    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity"
-                );
-                assert_eq!(body["status"], 503);
-                assert_eq!(body["class"], class);
-                assert!(body["in_flight"].as_u64().is_some(), "{body}");
-                assert!(body["max_active_requests"].as_u64().is_some(), "{body}");
-            }
-            other => panic!("unexpected status {other}: {}", r.text()),
-        }
-    }
-    (ok, shed)
 }
 
 async fn health(envoy: &Envoy) -> (u16, Value) {
@@ -89,14 +41,14 @@ async fn exactly_the_limit_is_admitted_and_the_rest_refused_fast() {
     let (status, body) = health(&envoy).await;
     assert_eq!((status, body["status"].as_str()), (200, Some("ok")), "{body}");
 
-    let pending = send(envoy.addr(), "critical", 5 * MAX);
+    let pending = send_prioritized(envoy.addr(), "critical", 5 * MAX);
     tokio::time::sleep(SETTLE).await;
     let (status, body) = health(&envoy).await;
     println!("health under load: {status} {body}");
     assert_eq!(status, 503, "the health endpoint flips under load: {body}");
     assert_eq!(body["in_flight"], MAX as u64);
 
-    let (ok, shed) = outcome(pending, "critical").await;
+    let (ok, shed) = shed_outcome(pending, "critical", DELAY).await;
     println!("admitted {ok}, shed {shed}, upstream saw {}", upstream.total());
     assert_eq!((ok, shed), (MAX, 4 * MAX));
     assert_eq!(upstream.total(), MAX as u64);
@@ -113,7 +65,7 @@ async fn exactly_the_limit_is_admitted_and_the_rest_refused_fast() {
     );
 
     // The whole limit is available again.
-    let (ok, shed) = outcome(send(envoy.addr(), "critical", 2 * MAX), "critical").await;
+    let (ok, shed) = shed_outcome(send_prioritized(envoy.addr(), "critical", 2 * MAX), "critical", DELAY).await;
     assert_eq!((ok, shed), (MAX, MAX));
 }
 
@@ -127,9 +79,9 @@ async fn priority_classes_are_shed_in_order() {
     let envoy = Envoy::start(shedding_config(10), &upstream);
     let addr = envoy.addr();
 
-    let low = send(addr, "low", 5);
+    let low = send_prioritized(addr, "low", 5);
     tokio::time::sleep(SETTLE).await;
-    let normal = send(addr, "normal", 5);
+    let normal = send_prioritized(addr, "normal", 5);
     tokio::time::sleep(SETTLE).await;
     let unnamed: Vec<Pending> = (0..2)
         .map(|_| {
@@ -141,12 +93,12 @@ async fn priority_classes_are_shed_in_order() {
         })
         .collect();
     tokio::time::sleep(SETTLE).await;
-    let critical = send(addr, "critical", 6);
+    let critical = send_prioritized(addr, "critical", 6);
 
-    let low = outcome(low, "low").await;
-    let normal = outcome(normal, "normal").await;
-    let unnamed = outcome(unnamed, "normal").await;
-    let critical = outcome(critical, "critical").await;
+    let low = shed_outcome(low, "low", DELAY).await;
+    let normal = shed_outcome(normal, "normal", DELAY).await;
+    let unnamed = shed_outcome(unnamed, "normal", DELAY).await;
+    let critical = shed_outcome(critical, "critical", DELAY).await;
     println!("admitted/shed: low {low:?}, normal {normal:?}, unknown class {unnamed:?}, critical {critical:?}");
     assert_eq!(low, (3, 2), "low fills to 3");
     assert_eq!(normal, (3, 2), "normal fills from 3 to 6");
@@ -167,7 +119,7 @@ async fn hung_up_clients_and_upstream_resets_give_the_limit_back() {
     let envoy = Envoy::start(shedding_config(MAX as u32), &upstream);
 
     // Clients that hang up mid-request.
-    let hanging = send(envoy.addr(), "critical", MAX);
+    let hanging = send_prioritized(envoy.addr(), "critical", MAX);
     tokio::time::sleep(SETTLE).await;
     let (status, body) = health(&envoy).await;
     assert_eq!((status, &body["in_flight"]), (503, &json!(MAX)), "{body}");
@@ -180,7 +132,7 @@ async fn hung_up_clients_and_upstream_resets_give_the_limit_back() {
     assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "{body}");
 
     // Upstream resets: the upstream goes away while requests are in flight.
-    let reset = send(envoy.addr(), "critical", MAX);
+    let reset = send_prioritized(envoy.addr(), "critical", MAX);
     tokio::time::sleep(SETTLE).await;
     let (_, body) = health(&envoy).await;
     assert_eq!(body["in_flight"], MAX as u64, "{body}");
@@ -290,7 +242,7 @@ async fn a_wall_clock_step_does_not_let_the_limit_be_exceeded() {
         ..UpstreamOptions::default()
     });
     let envoy = Envoy::builder(shedding_config(MAX as u32)).upstream(&upstream).env(clock.env()).start();
-    let held = send(envoy.addr(), "critical", MAX);
+    let held = send_prioritized(envoy.addr(), "critical", MAX);
     let (_, body) = wait_in_flight(&envoy, MAX as u64, Duration::from_secs(3)).await;
     assert_eq!(body["in_flight"], MAX as u64, "{body}");
     println!("connections per worker: {:?}", envoy.connections_per_worker());
@@ -313,7 +265,7 @@ async fn a_wall_clock_step_does_not_let_the_limit_be_exceeded() {
     println!("after the step: {refused} refused, {admitted} admitted; Envoy's date header: {date:?}");
     assert_eq!(admitted, 0, "a request was admitted past the limit of {MAX} after the wall clock stepped");
     assert!(refused > 50, "requests kept coming: {refused}");
-    let (ok, _) = outcome(held, "critical").await;
+    let (ok, _) = shed_outcome(held, "critical", DELAY).await;
     assert_eq!(ok, MAX);
     let (status, body) = wait_in_flight(&envoy, 0, Duration::from_secs(3)).await;
     assert_eq!((status, &body["in_flight"]), (200, &json!(0)), "{body}");
