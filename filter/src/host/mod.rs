@@ -25,7 +25,7 @@ use crate::config::{Config};
 use crate::keys::fleet::FleetKey;
 use crate::pipeline::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
-use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Request, Schedule, SharedStream, Step, StreamEnd, VmParts};
+use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Request, Schedule, Step, Stream, StreamCell, StreamEnd, VmParts};
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::Now;
@@ -248,7 +248,7 @@ impl RootContext for FilterRoot {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let filter = self.filter.clone()?;
-        Some(Box::new(FilterStream { filter, context_id, stream: SharedStream::default() }))
+        Some(Box::new(FilterStream { filter, context_id, stream: StreamCell::default() }))
     }
 }
 
@@ -319,7 +319,7 @@ fn wake(filter: &Rc<Filter>, keys: Vec<FleetKey>, current: u32, clock: &Callback
 }
 
 /// Turns the pipeline's step into host calls: the route header set, or the local reply sent.
-fn apply(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> Action {
+fn apply(filter: &Filter, env: &Env<'_>, shared: &RefCell<Stream>, step: Step) -> Action {
     let decided = step != Step::Wait;
     let action = act(filter, env, shared, step);
     if decided && filter.config.access_log {
@@ -334,7 +334,7 @@ fn apply(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> A
 }
 
 /// Carries out a step.
-fn act(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> Action {
+fn act(filter: &Filter, env: &Env<'_>, shared: &RefCell<Stream>, step: Step) -> Action {
     match step {
         Step::Continue { route: None } => Action::Continue,
         Step::Continue { route: Some(cluster) } => {
@@ -407,8 +407,8 @@ struct FilterStream {
     filter: Rc<Filter>,
     /// Its context id.
     context_id: u32,
-    /// The request's state, shared with the leased stage while it waits.
-    stream: SharedStream,
+    /// The request's state, shared with the leased stage once it waits.
+    stream: StreamCell,
 }
 
 impl Context for FilterStream {
@@ -452,7 +452,7 @@ impl HttpContext for FilterStream {
         let env = env(&clock);
         let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
         let request = RequestHeaders::new(&filter.headers, map.as_deref());
-        let step = RNG.with(|rng| pipeline::request_headers(&filter, &env, &self.stream, self.context_id, &request, end_of_stream, &mut *rng.borrow_mut()));
+        let step = RNG.with(|rng| pipeline::request_headers(&filter, &env, &mut self.stream, self.context_id, &request, end_of_stream, &mut *rng.borrow_mut()));
         send_calls(&filter, self.context_id, &clock);
         apply(&filter, &env, &self.stream, step)
     }

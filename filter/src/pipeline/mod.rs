@@ -455,19 +455,61 @@ pub struct Stream {
 /// A stream's state as its host context and the leased stage's waiting lists share it.
 pub type SharedStream = Rc<RefCell<Stream>>;
 
+/// A stream's state as its host context holds it: its own, until the leased stage parks the
+/// request ([`StreamCell::share`]); shared with the waiting list from then on. Most requests
+/// never wait, and their state is never allocated on its own.
+#[derive(Debug)]
+// Inline on purpose: the host context that holds it is on the heap already.
+#[allow(clippy::large_enum_variant)]
+pub enum StreamCell {
+    /// Held by the host context alone.
+    Own(RefCell<Stream>),
+    /// Shared with the leased stage.
+    Shared(SharedStream),
+}
+
+impl Default for StreamCell {
+    fn default() -> StreamCell {
+        StreamCell::Own(RefCell::default())
+    }
+}
+
+impl std::ops::Deref for StreamCell {
+    type Target = RefCell<Stream>;
+
+    fn deref(&self) -> &RefCell<Stream> {
+        match self {
+            StreamCell::Own(stream) => stream,
+            StreamCell::Shared(stream) => stream,
+        }
+    }
+}
+
+impl StreamCell {
+    /// The state, shared from now on (moved out of the host context the first time).
+    pub fn share(&mut self) -> SharedStream {
+        let shared = match self {
+            StreamCell::Shared(stream) => return Rc::clone(stream),
+            StreamCell::Own(stream) => Rc::new(RefCell::new(std::mem::take(stream.get_mut()))),
+        };
+        *self = StreamCell::Shared(Rc::clone(&shared));
+        shared
+    }
+}
+
 /// The request headers came: runs the pipeline.
 #[allow(clippy::too_many_arguments)]
 pub fn request_headers(
     filter: &Filter,
     env: &Env<'_>,
-    shared: &SharedStream,
+    cell: &mut StreamCell,
     context: u32,
     request: &dyn Request,
     end_of_stream: bool,
     rng: &mut dyn Random,
 ) -> Step {
     let now = env.clock.now();
-    let mut stream = shared.borrow_mut();
+    let mut stream = cell.borrow_mut();
     let mut reply = stream
         .health(filter, env, request, now.mono)
         .or_else(|| stream.shed(filter, env, request, now.mono))
@@ -481,7 +523,7 @@ pub fn request_headers(
                 leased::Decision::Wait(key, units) => {
                     stream.waiting = Some(Wait { probes, since: now.mono, on: (key, units), end_of_stream, body: (0, false) });
                     drop(stream);
-                    stage.park(key, context, Rc::clone(shared));
+                    stage.park(key, context, cell.share());
                     return Step::Wait;
                 }
             }

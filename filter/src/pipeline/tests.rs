@@ -152,24 +152,24 @@ impl Host {
     }
 
     /// A new stream: its context id and state.
-    fn stream(&self) -> (u32, SharedStream) {
+    fn stream(&self) -> (u32, StreamCell) {
         let context = self.next_context.get();
         self.next_context.set(context + 1);
-        (context, SharedStream::default())
+        (context, StreamCell::default())
     }
 
     /// The request headers of a new stream.
-    fn send(&self, request: &TestRequest) -> (u32, SharedStream, Step) {
-        let (context, stream) = self.stream();
-        let step = self.headers_of(&stream, context, request);
+    fn send(&self, request: &TestRequest) -> (u32, StreamCell, Step) {
+        let (context, mut stream) = self.stream();
+        let step = self.headers_of(&mut stream, context, request);
         (context, stream, step)
     }
 
-    fn headers_of(&self, stream: &SharedStream, context: u32, request: &TestRequest) -> Step {
+    fn headers_of(&self, stream: &mut StreamCell, context: u32, request: &TestRequest) -> Step {
         request_headers(&self.filter, &self.env(), stream, context, request, true, &mut *self.rng.borrow_mut())
     }
 
-    fn end(&self, context: u32, stream: &SharedStream, ended: &Ended) {
+    fn end(&self, context: u32, stream: &RefCell<Stream>, ended: &Ended) {
         stream.borrow_mut().end(&self.filter, &self.env(), context, ended);
     }
 
@@ -551,7 +551,7 @@ fn a_woken_request_whose_context_is_gone_is_abandoned() {
 
 // ---- shadow mode, and the decision the access log shows ----
 
-fn decision(stream: &SharedStream) -> Decision {
+fn decision(stream: &RefCell<Stream>) -> Decision {
     *stream.borrow().decision()
 }
 
@@ -629,7 +629,7 @@ fn shedding_in_shadow_admits_all_and_holds_only_the_permits_it_would_grant() {
     let host = Host::new(serde_json::json!({"load_shedding": {
         "max_active_requests": 4, "mode": "shadow", "classes": [{"name": "normal", "shed_at": 1.0}],
     }}));
-    let streams: Vec<(u32, SharedStream, Step)> = (0..10).map(|_| host.send(&TestRequest::get("/"))).collect();
+    let streams: Vec<(u32, StreamCell, Step)> = (0..10).map(|_| host.send(&TestRequest::get("/"))).collect();
     assert!(streams.iter().all(|(_, _, step)| status(step) == 0));
     assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 6);
     assert_eq!(host.in_flight(), 4);
