@@ -29,7 +29,7 @@ use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Re
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::Now;
-use crate::primitives::hash::SplitMix64;
+use crate::primitives::hash::{Random, SplitMix64};
 use crate::shedding::per_key::{LocalKeys, PerKeyCap};
 use metrics::EnvoyMetrics;
 use proxy_wasm::hostcalls;
@@ -78,6 +78,15 @@ thread_local! {
         }
         u64::from_le_bytes(bytes)
     }));
+}
+
+/// This VM's random source ([`RNG`]), reached only when a stage draws from it.
+struct VmRandom;
+
+impl Random for VmRandom {
+    fn next_u64(&mut self) -> u64 {
+        RNG.with(|rng| rng.borrow_mut().next_u64())
+    }
 }
 
 fn vm_id() -> u64 {
@@ -301,7 +310,7 @@ fn wake(filter: &Rc<Filter>, keys: Vec<FleetKey>, current: u32, clock: &Callback
             let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
             let request = RequestHeaders::new(&filter.headers, map.as_deref());
             let env = env(clock);
-            let step = RNG.with(|rng| pipeline::resume(filter, &env, &shared, context, &request, &mut *rng.borrow_mut()));
+            let step = pipeline::resume(filter, &env, &shared, context, &request, &mut VmRandom);
             match apply(filter, &env, &shared, step) {
                 Action::Continue => {
                     if let Err(status) = hostcalls::resume_http_request() {
@@ -452,7 +461,7 @@ impl HttpContext for FilterStream {
         let env = env(&clock);
         let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
         let request = RequestHeaders::new(&filter.headers, map.as_deref());
-        let step = RNG.with(|rng| pipeline::request_headers(&filter, &env, &mut self.stream, self.context_id, &request, end_of_stream, &mut *rng.borrow_mut()));
+        let step = pipeline::request_headers(&filter, &env, &mut self.stream, self.context_id, &request, end_of_stream, &mut VmRandom);
         send_calls(&filter, self.context_id, &clock);
         apply(&filter, &env, &self.stream, step)
     }
