@@ -25,7 +25,7 @@ use crate::config::{Config};
 use crate::keys::fleet::FleetKey;
 use crate::pipeline::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
-use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Request, Schedule, Step, Stream, StreamCell, StreamEnd, VmParts};
+use crate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Flow, LocalReply, Request, Schedule, Step, Stream, StreamCell, StreamEnd, VmParts};
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::Now;
@@ -119,8 +119,17 @@ impl Clock for CallbackClock {
     }
 }
 
+/// Envoy, as the pipeline sees it.
+struct Envoy;
+
+impl Host for Envoy {
+    type Store = EnvoyStore;
+    type Metrics = EnvoyMetrics;
+    type Clock = CallbackClock;
+}
+
 /// The pipeline's view of the host, for one callback.
-fn env(clock: &CallbackClock) -> Env<'_> {
+fn env(clock: &CallbackClock) -> Env<'_, Envoy> {
     Env { store: &EnvoyStore, metrics: &EnvoyMetrics, clock, vm: vm_id() }
 }
 
@@ -328,7 +337,7 @@ fn wake(filter: &Rc<Filter>, keys: Vec<FleetKey>, current: u32, clock: &Callback
 }
 
 /// Turns the pipeline's step into host calls: the route header set, or the local reply sent.
-fn apply(filter: &Filter, env: &Env<'_>, shared: &RefCell<Stream>, step: Step) -> Action {
+fn apply(filter: &Filter, env: &Env<'_, Envoy>, shared: &RefCell<Stream>, step: Step) -> Action {
     let decided = step != Step::Wait;
     let action = act(filter, env, shared, step);
     if decided && filter.config.access_log {
@@ -343,7 +352,7 @@ fn apply(filter: &Filter, env: &Env<'_>, shared: &RefCell<Stream>, step: Step) -
 }
 
 /// Carries out a step.
-fn act(filter: &Filter, env: &Env<'_>, shared: &RefCell<Stream>, step: Step) -> Action {
+fn act(filter: &Filter, env: &Env<'_, Envoy>, shared: &RefCell<Stream>, step: Step) -> Action {
     match step {
         Step::Continue { route: None } => Action::Continue,
         Step::Continue { route: Some(cluster) } => {
@@ -573,10 +582,6 @@ impl Attributes for RequestHeaders<'_, '_> {
 }
 
 impl Request for RequestHeaders<'_, '_> {
-    fn headers(&self) -> &dyn Attributes {
-        self
-    }
-
     fn source_address(&self) -> Option<Cow<'_, [u8]>> {
         fetch(Source::SourceAddress).map(Cow::Owned)
     }

@@ -89,11 +89,7 @@ impl Attributes for TestRequest {
     }
 }
 
-impl Request for TestRequest {
-    fn headers(&self) -> &dyn Attributes {
-        self
-    }
-    fn source_address(&self) -> Option<Cow<'_, [u8]>> {
+impl Request for TestRequest {    fn source_address(&self) -> Option<Cow<'_, [u8]>> {
         Some(Cow::Borrowed(b"10.0.0.1:5555"))
     }
 }
@@ -116,6 +112,15 @@ impl StreamEnd for Ended {
 const OK: Ended = Ended { status: Some(200), flags: 0 };
 
 /// One VM of one proxy under a configuration.
+/// The fakes, as the pipeline's host.
+struct TestHost;
+
+impl super::Host for TestHost {
+    type Store = MemoryStore;
+    type Metrics = TestMetrics;
+    type Clock = TestClock;
+}
+
 struct Host {
     filter: Filter,
     store: MemoryStore,
@@ -147,7 +152,7 @@ impl Host {
         }
     }
 
-    fn env(&self) -> Env<'_> {
+    fn env(&self) -> Env<'_, TestHost> {
         Env { store: &self.store, metrics: &self.metrics, clock: &self.clock, vm: VM }
     }
 
