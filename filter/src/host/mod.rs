@@ -26,11 +26,11 @@ use crate::config::{Config};
 use crate::keys::fleet::FleetKey;
 use crate::pipeline::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
-use crate::pipeline::{self, Attributes, Clock, Env, Filter, Flow, LocalReply, Request, Schedule, SharedStream, Step, StreamEnd, VmParts};
+use crate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Flow, LocalReply, Request, Schedule, SharedStream, Step, Stream, StreamCell, StreamEnd, VmParts};
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::Now;
-use crate::primitives::hash::SplitMix64;
+use crate::primitives::hash::{Random, SplitMix64};
 use crate::shedding::per_key::{LocalKeys, PerKeyCap};
 use metrics::EnvoyMetrics;
 use proxy_wasm::hostcalls;
@@ -81,6 +81,15 @@ thread_local! {
     }));
 }
 
+/// This VM's random source ([`RNG`]), reached only when a stage draws from it.
+struct VmRandom;
+
+impl Random for VmRandom {
+    fn next_u64(&mut self) -> u64 {
+        RNG.with(|rng| rng.borrow_mut().next_u64())
+    }
+}
+
 fn vm_id() -> u64 {
     VM_ID.with(|id| *id)
 }
@@ -111,8 +120,17 @@ impl Clock for CallbackClock {
     }
 }
 
+/// Envoy, as the pipeline sees it.
+struct Envoy;
+
+impl Host for Envoy {
+    type Store = EnvoyStore;
+    type Metrics = EnvoyMetrics;
+    type Clock = CallbackClock;
+}
+
 /// The pipeline's view of the host, for one callback.
-fn env(clock: &CallbackClock) -> Env<'_> {
+fn env(clock: &CallbackClock) -> Env<'_, Envoy> {
     Env { store: &EnvoyStore, metrics: &EnvoyMetrics, clock, vm: vm_id() }
 }
 
@@ -256,7 +274,7 @@ impl RootContext for FilterRoot {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let filter = self.filter.clone()?;
-        Some(Box::new(FilterStream { filter, context_id, stream: SharedStream::default() }))
+        Some(Box::new(FilterStream { filter, context_id, stream: StreamCell::default() }))
     }
 }
 
@@ -333,13 +351,10 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
         }
         let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
         let request = RequestHeaders::new(&filter.headers, map.as_deref());
-        let step = RNG.with(|rng| {
-            let rng = &mut *rng.borrow_mut();
-            match what {
-                Resume::Store => pipeline::resume(filter, &env, &shared, context, &request, rng),
-                Resume::Turn => pipeline::resume_delayed(filter, &env, &shared, &request, rng),
-            }
-        });
+        let step = match what {
+            Resume::Store => pipeline::resume(filter, &env, &shared, context, &request, &mut VmRandom),
+            Resume::Turn => pipeline::resume_delayed(filter, &env, &shared, &request, &mut VmRandom),
+        };
         if apply(filter, &env, &shared, step) == Action::Continue {
             if let Err(status) = hostcalls::resume_http_request() {
                 log::debug!("floodgate: cannot resume a request: {status:?}");
@@ -352,7 +367,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
 }
 
 /// Turns the pipeline's step into host calls: the route header set, or the local reply sent.
-fn apply(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> Action {
+fn apply(filter: &Filter, env: &Env<'_, Envoy>, shared: &RefCell<Stream>, step: Step) -> Action {
     let decided = step != Step::Wait;
     let action = act(filter, env, shared, step);
     if decided && filter.config.access_log {
@@ -367,7 +382,7 @@ fn apply(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> A
 }
 
 /// Carries out a step.
-fn act(filter: &Filter, env: &Env<'_>, shared: &SharedStream, step: Step) -> Action {
+fn act(filter: &Filter, env: &Env<'_, Envoy>, shared: &RefCell<Stream>, step: Step) -> Action {
     match step {
         Step::Continue { route: None } => Action::Continue,
         Step::Continue { route: Some(cluster) } => {
@@ -440,8 +455,8 @@ struct FilterStream {
     filter: Rc<Filter>,
     /// Its context id.
     context_id: u32,
-    /// The request's state, shared with the leased stage while it waits.
-    stream: SharedStream,
+    /// The request's state, shared with the leased stage once it waits.
+    stream: StreamCell,
 }
 
 impl Context for FilterStream {
@@ -485,7 +500,7 @@ impl HttpContext for FilterStream {
         let env = env(&clock);
         let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
         let request = RequestHeaders::new(&filter.headers, map.as_deref());
-        let step = RNG.with(|rng| pipeline::request_headers(&filter, &env, &self.stream, self.context_id, &request, end_of_stream, &mut *rng.borrow_mut()));
+        let step = pipeline::request_headers(&filter, &env, &mut self.stream, self.context_id, &request, end_of_stream, &mut VmRandom);
         send_calls(&filter, self.context_id, &clock);
         apply(&filter, &env, &self.stream, step)
     }
@@ -597,10 +612,6 @@ impl Attributes for RequestHeaders<'_, '_> {
 }
 
 impl Request for RequestHeaders<'_, '_> {
-    fn headers(&self) -> &dyn Attributes {
-        self
-    }
-
     fn source_address(&self) -> Option<Cow<'_, [u8]>> {
         fetch(Source::SourceAddress).map(Cow::Owned)
     }

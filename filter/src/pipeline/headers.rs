@@ -109,7 +109,55 @@ pub enum Lookup<'m> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HeaderView<'p, 'm> {
     names: &'p [String],
-    values: Vec<Option<&'m [u8]>>,
+    values: Values<'m>,
+}
+
+/// Plans with up to this many names keep a request's values without an allocation.
+const INLINE_VALUES: usize = 4;
+
+/// The value of each of a plan's names (`None`: absent), in the plan's order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Values<'m> {
+    /// The first `len` of `values`.
+    Inline {
+        /// The values, then unused slots.
+        values: [Option<&'m [u8]>; INLINE_VALUES],
+        /// How many are the plan's.
+        len: usize,
+    },
+    /// More names than fit inline.
+    Heap(Vec<Option<&'m [u8]>>),
+}
+
+impl<'m> Values<'m> {
+    /// `len` values, all absent.
+    fn absent(len: usize) -> Values<'m> {
+        if len <= INLINE_VALUES {
+            Values::Inline { values: [None; INLINE_VALUES], len }
+        } else {
+            Values::Heap(vec![None; len])
+        }
+    }
+}
+
+impl<'m> std::ops::Deref for Values<'m> {
+    type Target = [Option<&'m [u8]>];
+
+    fn deref(&self) -> &Self::Target {
+        match self {
+            Values::Inline { values, len } => values.get(..*len).unwrap_or_default(),
+            Values::Heap(values) => values,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Values<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        match self {
+            Values::Inline { values, len } => values.get_mut(..*len).unwrap_or_default(),
+            Values::Heap(values) => values,
+        }
+    }
 }
 
 impl<'p, 'm> HeaderView<'p, 'm> {
@@ -137,8 +185,8 @@ impl<'p, 'm> HeaderView<'p, 'm> {
 
 /// For each of `names` (lower-case), the value of its first entry in the serialized `map`.
 /// The whole map is checked, so a malformed one is refused whatever names it is asked for.
-pub fn first_values<'m>(map: &'m [u8], names: &[String]) -> Result<Vec<Option<&'m [u8]>>, MalformedMap> {
-    let mut values = vec![None; names.len()];
+pub fn first_values<'m>(map: &'m [u8], names: &[String]) -> Result<Values<'m>, MalformedMap> {
+    let mut values = Values::absent(names.len());
     if map.is_empty() {
         return Ok(values);
     }
@@ -193,6 +241,11 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The values of `names` in `map`, as a list.
+    fn first<'m>(map: &'m [u8], names: &[String]) -> Result<Vec<Option<&'m [u8]>>, MalformedMap> {
+        first_values(map, names).map(|values| values.to_vec())
+    }
+
     fn names(list: &[&str]) -> Vec<String> {
         list.iter().map(|n| (*n).to_owned()).collect()
     }
@@ -215,7 +268,7 @@ mod tests {
     fn the_first_entry_of_each_name_absent_as_none() {
         let map = serialize(REQUEST);
         let wanted = names(&[":path", "x-api-key", "x-floodgate-priority", "x-empty", ":method"]);
-        let values = first_values(&map, &wanted).unwrap();
+        let values = first(&map, &wanted).unwrap();
         assert_eq!(
             values,
             vec![Some(&b"/a?b=1"[..]), Some(&b"first"[..]), None, Some(&b""[..]), Some(&b"GET"[..])]
@@ -225,9 +278,9 @@ mod tests {
     #[test]
     fn empty_maps_have_no_headers() {
         let wanted = names(&[":path"]);
-        assert_eq!(first_values(&[], &wanted), Ok(vec![None]));
-        assert_eq!(first_values(&serialize(&[]), &wanted), Ok(vec![None]));
-        assert_eq!(first_values(&serialize(REQUEST), &[]), Ok(vec![]));
+        assert_eq!(first(&[], &wanted), Ok(vec![None]));
+        assert_eq!(first(&serialize(&[]), &wanted), Ok(vec![None]));
+        assert_eq!(first(&serialize(REQUEST), &[]), Ok(vec![]));
     }
 
     #[test]
@@ -236,25 +289,25 @@ mod tests {
         let wanted = names(&["x-api-key"]);
         // Every truncation, and one byte too many.
         for len in 1..good.len() {
-            assert_eq!(first_values(&good[..len], &wanted), Err(MalformedMap), "truncated to {len}");
+            assert_eq!(first(&good[..len], &wanted), Err(MalformedMap), "truncated to {len}");
         }
         let mut longer = good.clone();
         longer.push(0);
-        assert_eq!(first_values(&longer, &wanted), Err(MalformedMap));
+        assert_eq!(first(&longer, &wanted), Err(MalformedMap));
         // A missing NUL after a name.
         let mut no_nul = good.clone();
         let at = 4 + 8 * REQUEST.len() + b":authority".len();
         assert_eq!(no_nul[at], 0);
         no_nul[at] = b'x';
-        assert_eq!(first_values(&no_nul, &wanted), Err(MalformedMap));
+        assert_eq!(first(&no_nul, &wanted), Err(MalformedMap));
         // Lengths and counts far past the end.
         let mut huge_len = good.clone();
         huge_len[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(first_values(&huge_len, &wanted), Err(MalformedMap));
+        assert_eq!(first(&huge_len, &wanted), Err(MalformedMap));
         let mut huge_count = good;
         huge_count[..4].copy_from_slice(&u32::MAX.to_le_bytes());
-        assert_eq!(first_values(&huge_count, &wanted), Err(MalformedMap));
-        assert_eq!(first_values(&[1, 0, 0], &wanted), Err(MalformedMap));
+        assert_eq!(first(&huge_count, &wanted), Err(MalformedMap));
+        assert_eq!(first(&[1, 0, 0], &wanted), Err(MalformedMap));
     }
 
     #[test]
@@ -331,7 +384,7 @@ mod tests {
         /// Whatever the host sends, the parser answers without panicking.
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..64)) {
-            let _ = first_values(&bytes, &names(&["a", ""]));
+            let _ = first(&bytes, &names(&["a", ""]));
         }
 
         /// Serialized maps parse back to the first value of each name, and every truncation
@@ -347,9 +400,9 @@ mod tests {
                 .iter()
                 .map(|w| borrowed.iter().find(|(n, _)| *n == w.as_bytes()).map(|(_, v)| *v))
                 .collect();
-            prop_assert_eq!(first_values(&map, &wanted), Ok(expected));
+            prop_assert_eq!(first(&map, &wanted), Ok(expected));
             for len in 1..map.len() {
-                prop_assert_eq!(first_values(&map[..len], &wanted), Err(MalformedMap));
+                prop_assert_eq!(first(&map[..len], &wanted), Err(MalformedMap));
             }
         }
     }

@@ -193,7 +193,7 @@ impl LeasedStage {
     }
 
     /// The request's keys of the leased rules that apply to it, with their limits and costs.
-    pub fn probes(&self, filter: &Filter, metrics: &dyn Metrics, request: &dyn Request) -> Vec<LeaseProbe> {
+    pub fn probes<R: Request + ?Sized>(&self, filter: &Filter, metrics: &dyn Metrics, request: &R) -> Vec<LeaseProbe> {
         let rules = &filter.rules;
         let mut skipped = Vec::new();
         let probes = crate::ratelimit::probes::probes_where(
@@ -202,7 +202,7 @@ impl LeasedStage {
             Some(&self.hasher),
             |source| request.fetch(source),
             &mut skipped,
-            |rule| self.is_leased(rule) && rules.applies(rule, request.headers()),
+            |rule| self.is_leased(rule) && rules.applies(rule, request),
         );
         for rule in skipped {
             increment(metrics, filter.stats.rule(rule).skipped);
@@ -212,9 +212,9 @@ impl LeasedStage {
             .filter_map(|mut probe| {
                 let window = self.windows.get(probe.rule).copied().flatten()?;
                 let key = probe.fleet?;
-                probe.limit = rules.limit(probe.rule, probe.key_hash, request.headers());
+                probe.limit = rules.limit(probe.rule, probe.key_hash, request);
                 let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit))?;
-                let admission = rules.admission(probe.rule, request.headers());
+                let admission = rules.admission(probe.rule, request);
                 if admission.invalid {
                     increment(metrics, filter.stats.rule(probe.rule).invalid_cost);
                 }

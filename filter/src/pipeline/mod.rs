@@ -57,19 +57,37 @@ use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 
+/// The host's types the pipeline runs with: Envoy's in the module, fakes in the tests. The
+/// pipeline is compiled for each, so its calls to the host are direct.
+pub trait Host {
+    /// The shared data.
+    type Store: SharedStore;
+    /// The stats.
+    type Metrics: Metrics;
+    /// The clocks.
+    type Clock: Clock;
+}
+
 /// What the pipeline needs of its host besides the request.
-#[derive(Clone, Copy)]
-pub struct Env<'a> {
+pub struct Env<'a, H: Host> {
     /// Envoy's shared data (a map with Envoy's semantics in tests).
-    pub store: &'a dyn SharedStore,
+    pub store: &'a H::Store,
     /// Envoy's stats.
-    pub metrics: &'a dyn Metrics,
+    pub metrics: &'a H::Metrics,
     /// The clocks, read only when a stage needs them (the host reads them at most once per
     /// callback).
-    pub clock: &'a dyn Clock,
+    pub clock: &'a H::Clock,
     /// This VM's random id in the shared records.
     pub vm: u64,
 }
+
+impl<H: Host> Clone for Env<'_, H> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<H: Host> Copy for Env<'_, H> {}
 
 /// The host's clocks.
 pub trait Clock {
@@ -77,16 +95,15 @@ pub trait Clock {
     fn now(&self) -> Now;
 }
 
-/// A request's attributes, read from the host as the pipeline asks for them.
-pub trait Request {
-    /// Its headers.
-    fn headers(&self) -> &dyn Attributes;
+/// A request's attributes (its headers, and its source address), read from the host as the
+/// pipeline asks for them.
+pub trait Request: Attributes {
     /// The downstream address as Envoy settled it (`source_ip`), with its port.
     fn source_address(&self) -> Option<Cow<'_, [u8]>>;
     /// A key part's attribute.
     fn fetch(&self, source: Source<'_>) -> Option<Cow<'_, [u8]>> {
         match source {
-            Source::Header(name) => self.headers().get(name),
+            Source::Header(name) => self.get(name),
             Source::SourceAddress => self.source_address(),
         }
     }
@@ -267,7 +284,7 @@ impl Filter {
 
     /// Once a second: reserves unused for a second go back, in-flight entries and cluster
     /// records are refreshed, and their gauges set.
-    pub fn heartbeat(&self, env: &Env<'_>) {
+    pub fn heartbeat<H: Host>(&self, env: &Env<'_, H>) {
         let now = env.clock.now();
         if let Some(stage) = &self.leased {
             stage.heartbeat(env.metrics, now);
@@ -292,7 +309,7 @@ impl Filter {
     }
 
     /// The loop-lag probe, when it is due: how late it ran.
-    pub fn probe_lag(&self, env: &Env<'_>) {
+    pub fn probe_lag<H: Host>(&self, env: &Env<'_, H>) {
         if let Some(lag) = &self.lag {
             let lag_ms = lag.borrow_mut().probe(env.clock.now().mono);
             stats::set(env.metrics, self.stats.loop_lag_ms, lag_ms);
@@ -306,7 +323,7 @@ impl Filter {
     /// this, a configuration change would leave those units counted for up to two windows,
     /// and drop the pending outcomes. Streams still running under it write their outcomes at
     /// once from now on.
-    pub fn retire(&self, env: &Env<'_>) {
+    pub fn retire<H: Host>(&self, env: &Env<'_, H>) {
         let now = env.clock.now();
         self.retired.set(true);
         {
@@ -337,7 +354,7 @@ impl Filter {
     /// The selection's heartbeat (each cluster's in-flight count published, its shared state
     /// read) and its gauges; also run once at configuration, so that the gauges show the
     /// clusters' limits and success rates from the start rather than 0 until the first tick.
-    pub fn selection_heartbeat(&self, env: &Env<'_>) {
+    pub fn selection_heartbeat<H: Host>(&self, env: &Env<'_, H>) {
         let Some(selector) = &self.selector else { return };
         let now = env.clock.now().mono;
         let states = selector.heartbeat(env.store, &mut self.selection_vm.borrow_mut(), now);
@@ -483,19 +500,61 @@ pub struct Stream {
 /// A stream's state as its host context and the leased stage's waiting lists share it.
 pub type SharedStream = Rc<RefCell<Stream>>;
 
+/// A stream's state as its host context holds it: its own, until the leased stage parks the
+/// request ([`StreamCell::share`]); shared with the waiting list from then on. Most requests
+/// never wait, and their state is never allocated on its own.
+#[derive(Debug)]
+// Inline on purpose: the host context that holds it is on the heap already.
+#[allow(clippy::large_enum_variant)]
+pub enum StreamCell {
+    /// Held by the host context alone.
+    Own(RefCell<Stream>),
+    /// Shared with the leased stage.
+    Shared(SharedStream),
+}
+
+impl Default for StreamCell {
+    fn default() -> StreamCell {
+        StreamCell::Own(RefCell::default())
+    }
+}
+
+impl std::ops::Deref for StreamCell {
+    type Target = RefCell<Stream>;
+
+    fn deref(&self) -> &RefCell<Stream> {
+        match self {
+            StreamCell::Own(stream) => stream,
+            StreamCell::Shared(stream) => stream,
+        }
+    }
+}
+
+impl StreamCell {
+    /// The state, shared from now on (moved out of the host context the first time).
+    pub fn share(&mut self) -> SharedStream {
+        let shared = match self {
+            StreamCell::Shared(stream) => return Rc::clone(stream),
+            StreamCell::Own(stream) => Rc::new(RefCell::new(std::mem::take(stream.get_mut()))),
+        };
+        *self = StreamCell::Shared(Rc::clone(&shared));
+        shared
+    }
+}
+
 /// The request headers came: runs the pipeline.
 #[allow(clippy::too_many_arguments)]
-pub fn request_headers(
+pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
-    env: &Env<'_>,
-    shared: &SharedStream,
+    env: &Env<'_, H>,
+    cell: &mut StreamCell,
     context: u32,
-    request: &dyn Request,
+    request: &R,
     end_of_stream: bool,
-    rng: &mut dyn Random,
+    rng: &mut G,
 ) -> Step {
     let now = env.clock.now();
-    let mut stream = shared.borrow_mut();
+    let mut stream = cell.borrow_mut();
     let mut reply = stream
         .endpoints(filter, env, request, now.mono)
         .or_else(|| stream.shed(filter, env, request, now.mono))
@@ -509,24 +568,30 @@ pub fn request_headers(
                 leased::Decision::Wait(key, units) => {
                     stream.waiting = Some(Wait { probes, since: now.mono, on: (key, units), end_of_stream, body: (0, false) });
                     drop(stream);
-                    stage.park(key, context, Rc::clone(shared));
+                    stage.park(key, context, cell.share());
                     return Step::Wait;
                 }
             }
         }
     }
     let step = stream.finish_headers(filter, env, request, end_of_stream, reply, rng, now);
-    stream.park(filter, context, shared, step)
+    // A request the `delay` stage holds waits for its turn: its state is shared from now on.
+    let until = stream.delayed.as_ref().filter(|_| step == Step::Wait).map(|d| d.until);
+    drop(stream);
+    if let (Some(until), Some(stage)) = (until, &filter.delays) {
+        stage.park(until, context, cell.share());
+    }
+    step
 }
 
 /// A request whose turn came (its stream `context`, made the host's effective context): the
 /// rest of its pipeline after the `delay` stage, and the body that came while it waited.
-pub fn resume_delayed(
+pub fn resume_delayed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
-    env: &Env<'_>,
+    env: &Env<'_, H>,
     shared: &SharedStream,
-    request: &dyn Request,
-    rng: &mut dyn Random,
+    request: &R,
+    rng: &mut G,
 ) -> Step {
     let mut stream = shared.borrow_mut();
     let Some(delayed) = stream.delayed.take().filter(|_| !stream.ended) else { return Step::Wait };
@@ -536,7 +601,7 @@ pub fn resume_delayed(
 }
 
 /// A request whose turn came and whose host context is gone: its slots go back.
-pub fn abandon_delayed(filter: &Filter, env: &Env<'_>, shared: &SharedStream) {
+pub fn abandon_delayed<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if let Some(delayed) = stream.delayed.take() {
         stream.give_back_slots(filter, env, &delayed);
@@ -546,13 +611,13 @@ pub fn abandon_delayed(filter: &Filter, env: &Env<'_>, shared: &SharedStream) {
 /// A request the leased stage woke (its stream `context`, made the host's effective context):
 /// takes its units again; decided, runs the rest of its pipeline; still short of units, waits
 /// again.
-pub fn resume(
+pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
-    env: &Env<'_>,
+    env: &Env<'_, H>,
     shared: &SharedStream,
     context: u32,
-    request: &dyn Request,
-    rng: &mut dyn Random,
+    request: &R,
+    rng: &mut G,
 ) -> Step {
     let Some(stage) = &filter.leased else { return Step::Wait };
     let now = env.clock.now();
@@ -605,7 +670,7 @@ impl Stream {
 
     /// The body that came while the request waited (bytes, and whether it ended), counted now
     /// that it goes on.
-    fn body_held(&mut self, filter: &Filter, env: &Env<'_>, (bytes, ended): (usize, bool)) {
+    fn body_held<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, (bytes, ended): (usize, bool)) {
         if self.charges.counts_body() && bytes > 0 {
             self.charges.body(bytes);
         }
@@ -616,7 +681,7 @@ impl Stream {
     }
 
     /// The slots a request waiting for its turn took go back (its client went away).
-    fn give_back_slots(&self, filter: &Filter, env: &Env<'_>, delayed: &Delayed) {
+    fn give_back_slots<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, delayed: &Delayed) {
         for probe in &delayed.slots {
             filter.limiter.give_back_turn(env.store, *probe);
             increment(env.metrics, filter.stats.rule(probe.rule).delay_abandoned);
@@ -670,14 +735,14 @@ impl Stream {
     /// waits for its turn ([`Step::Wait`], the stream to park in the `delay` stage). A later
     /// stage's refusal gives the leased units back.
     #[allow(clippy::too_many_arguments)]
-    fn finish_headers(
+    fn finish_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         &mut self,
         filter: &Filter,
-        env: &Env<'_>,
-        request: &dyn Request,
+        env: &Env<'_, H>,
+        request: &R,
         end_of_stream: bool,
         reply: Option<Reply>,
-        rng: &mut dyn Random,
+        rng: &mut G,
         now: Now,
     ) -> Step {
         let refused_before = reply.is_some();
@@ -695,15 +760,15 @@ impl Stream {
     /// `refused_before`: by a stage before `rate_limit`): `select`, then the local reply or the
     /// request goes on. A later stage's refusal gives the leased units back.
     #[allow(clippy::too_many_arguments)]
-    fn finish_selected(
+    fn finish_selected<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         &mut self,
         filter: &Filter,
-        env: &Env<'_>,
-        request: &dyn Request,
+        env: &Env<'_, H>,
+        request: &R,
         end_of_stream: bool,
         reply: Option<Reply>,
         refused_before: bool,
-        rng: &mut dyn Random,
+        rng: &mut G,
         now: Now,
     ) -> Step {
         let mut route = None;
@@ -720,7 +785,7 @@ impl Stream {
             stage.untake(&std::mem::take(&mut self.leased));
         }
         if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_permit.is_some() {
-            self.grpc.request = grpc::is_grpc(request.headers().get("content-type").as_deref());
+            self.grpc.request = grpc::is_grpc(request.get("content-type").as_deref());
         }
         match reply {
             Some(reply) => Step::Reply(self.reply(filter, env, reply, now.mono)),
@@ -741,7 +806,7 @@ impl Stream {
     /// it never reaches an upstream, and a client that reads its refusal slowly (an HTTP/2
     /// client withholding flow-control credit) must not hold a unit of the proxy's capacity
     /// meanwhile.
-    fn reply(&mut self, filter: &Filter, env: &Env<'_>, reply: Reply, now: MonoMillis) -> LocalReply {
+    fn reply<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, reply: Reply, now: MonoMillis) -> LocalReply {
         self.release(filter, env, now);
         self.replied = true;
         match grpc::reply(&reply, &filter.config.grpc).filter(|_| self.grpc.request) {
@@ -754,11 +819,11 @@ impl Stream {
     /// the health endpoint's or the watchdog's path. Other methods on those paths are ordinary
     /// requests (they go on to the upstream, through the other stages). Without either, nothing
     /// is read; with them, `:path` is (one lookup, and one comparison per path).
-    fn endpoints(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
+    fn endpoints<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, now: MonoMillis) -> Option<Reply> {
         if filter.config.health.is_none() && filter.watchdog.is_none() {
             return None;
         }
-        let path = request.headers().get(":path")?;
+        let path = request.get(":path")?;
         let path = KeyPart::Path.normalize(&path);
         let health = filter.config.health.as_ref().filter(|h| path == h.path.as_bytes());
         let dog = filter.watchdog.as_ref().filter(|w| health.is_none() && path == w.path.as_bytes());
@@ -766,7 +831,7 @@ impl Stream {
             return None;
         }
         // Read only for those paths (one host call there, none on the common path).
-        let method = request.headers().get(":method")?;
+        let method = request.get(":method")?;
         if !replies::is_health_method(&method) {
             return None;
         }
@@ -783,7 +848,7 @@ impl Stream {
 
     /// The health endpoint's answer: the proxy-wide in-flight count and this worker's loop
     /// lag, and, when configured, the clusters.
-    fn health(&mut self, filter: &Filter, env: &Env<'_>, now: MonoMillis) -> Option<Reply> {
+    fn health<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, now: MonoMillis) -> Option<Reply> {
         let health = filter.config.health.as_ref()?;
         let in_flight = filter.shedder.as_ref().map(|s| (s, s.in_flight(env.store, env.vm, &filter.local, now)));
         let lag = filter.lag.as_ref().map(|lag| {
@@ -823,9 +888,9 @@ impl Stream {
 
     /// Load shedding: on this worker's loop lag, then on the proxy-wide in-flight count (taking
     /// a permit); returns the 503 of either.
-    fn shed(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
+    fn shed<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, now: MonoMillis) -> Option<Reply> {
         let classes = filter.classes.as_ref()?;
-        let value = request.headers().get(&classes.priority_header);
+        let value = request.get(&classes.priority_header);
         let class = classes.class_of(value.as_deref());
         let retry_after = || filter.config.load_shedding.as_ref().map_or(1, |s| s.retry_after.ceil_secs().max(1));
         let shadow = filter.shadows.shedding;
@@ -870,7 +935,7 @@ impl Stream {
 
     /// The per-key cap: takes a unit of the request's key's in-flight cap, or returns its 503.
     /// A request without the key is not capped.
-    fn cap(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: MonoMillis) -> Option<Reply> {
+    fn cap<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, now: MonoMillis) -> Option<Reply> {
         let cap = filter.per_key.as_ref()?;
         let Some(key) = keys::hash_key(&cap.key, &filter.hasher, |source| request.fetch(source)) else {
             increment(env.metrics, filter.stats.per_key_unkeyed);
@@ -903,14 +968,14 @@ impl Stream {
     }
 
     /// Rate limiting: records the admission in every applicable rule, or returns the 429.
-    fn rate_limit(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, now: UnixMillis) -> Option<Reply> {
+    fn rate_limit<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, now: UnixMillis) -> Option<Reply> {
         if filter.config.rate_limits.is_empty() {
             return None;
         }
         let mut skipped = Vec::new();
         let fleet = filter.global.as_ref().map(|g| &g.hasher);
         let rules = &filter.rules;
-        let headers = request.headers();
+        let headers = request;
         let mut probes = crate::ratelimit::probes::probes_where(
             &filter.config,
             &filter.hasher,
@@ -1033,7 +1098,7 @@ impl Stream {
     /// The `delay` stage's part of an admission: the latest turn of the enforced token buckets
     /// that let the request in to wait (a bucket in shadow lets it go at once), and the slots
     /// it took of every bucket, to give back if its client goes away while it waits.
-    fn delay_for_turn(&mut self, filter: &Filter, env: &Env<'_>, standings: &[Standing], probes: &[Probe]) {
+    fn delay_for_turn<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, standings: &[Standing], probes: &[Probe]) {
         let waits = standings.iter().filter(|s| s.go_at.is_some() && !filter.shadows.rule(s.rule));
         let Some(go_at) = waits.clone().filter_map(|s| s.go_at).max() else { return };
         for standing in waits {
@@ -1046,7 +1111,7 @@ impl Stream {
 
     /// Cluster selection: takes a permit on a cluster (the request goes there: `Ok(Some(index))`),
     /// or returns the 503 when none has room; `Ok(None)` without cluster selection.
-    fn select(&mut self, filter: &Filter, env: &Env<'_>, request: &dyn Request, rng: &mut dyn Random, now: MonoMillis) -> Result<Option<usize>, Reply> {
+    fn select<H: Host, R: Request + ?Sized, G: Random + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, rng: &mut G, now: MonoMillis) -> Result<Option<usize>, Reply> {
         let Some(selector) = filter.selector.as_ref() else { return Ok(None) };
         // The request's partition, when its key is confined to one; a request without the key
         // may use every cluster.
@@ -1100,7 +1165,7 @@ impl Stream {
 
     /// The host could not set the route header: the request cannot reach its cluster, whose
     /// permit ends unused; the 503 of no capacity.
-    pub fn unroutable(&mut self, filter: &Filter, env: &Env<'_>) -> LocalReply {
+    pub fn unroutable<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>) -> LocalReply {
         let now = env.clock.now().mono;
         let selector = filter.selector.as_ref();
         if let (Some(permit), Some(selector)) = (self.cluster_permit.take(), selector) {
@@ -1117,7 +1182,7 @@ impl Stream {
 
     /// A request body frame (`bytes` of it; `end`: the last): held while the request waits for
     /// the store, counted for a cost of body bytes.
-    pub fn request_body(&mut self, filter: &Filter, env: &Env<'_>, bytes: usize, end: bool) -> Flow {
+    pub fn request_body<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, bytes: usize, end: bool) -> Flow {
         if let Some(body) = self.held_body() {
             // Held until the request is decided or its turn comes; counted then.
             *body = (bytes, end);
@@ -1137,7 +1202,7 @@ impl Stream {
     }
 
     /// The request trailers: the request ended.
-    pub fn request_trailers(&mut self, filter: &Filter, env: &Env<'_>) -> Flow {
+    pub fn request_trailers<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>) -> Flow {
         if let Some(body) = self.held_body() {
             body.1 = true;
             return Flow::Pause;
@@ -1156,7 +1221,7 @@ impl Stream {
     /// units the upstream reports, notes gRPC's status and the latency, and returns, for an
     /// admitted request, the tightest rule whose `RateLimit` fields the response gets
     /// ([`AdmittedFields::policy`] and [`Tightest::ratelimit`]).
-    pub fn response_headers(&mut self, filter: &Filter, env: &Env<'_>, headers: &dyn Attributes, end_of_stream: bool) -> Option<Tightest> {
+    pub fn response_headers<H: Host, A: Attributes + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, headers: &A, end_of_stream: bool) -> Option<Tightest> {
         if self.replied {
             return None;
         }
@@ -1184,7 +1249,7 @@ impl Stream {
     }
 
     /// The response trailers: a gRPC call's status.
-    pub fn response_trailers(&mut self, trailers: &dyn Attributes) {
+    pub fn response_trailers<A: Attributes + ?Sized>(&mut self, trailers: &A) {
         if self.cluster_permit.is_some() && self.grpc.request {
             self.grpc.status = trailers.get("grpc-status").map(|v| grpc::parse_status(&v));
         }
@@ -1198,7 +1263,7 @@ impl Stream {
     /// The stream ended, whatever ended it (`context`: its host context): a waiting request
     /// stops waiting, costs still owed are charged (what is known, or the rule's default), the
     /// permits are released and the chosen cluster's is finished with the stream's outcome.
-    pub fn end(&mut self, filter: &Filter, env: &Env<'_>, context: u32, ended: &dyn StreamEnd) {
+    pub fn end<H: Host, E: StreamEnd + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, context: u32, ended: &E) {
         if self.ended {
             return;
         }
@@ -1223,7 +1288,7 @@ impl Stream {
     }
 
     /// Ends the chosen cluster's permit with the stream's outcome.
-    fn finish_cluster(&mut self, filter: &Filter, env: &Env<'_>, ended: &dyn StreamEnd, now: MonoMillis) {
+    fn finish_cluster<H: Host, E: StreamEnd + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, ended: &E, now: MonoMillis) {
         let (Some(permit), Some(selector)) = (self.cluster_permit.take(), filter.selector.as_ref()) else {
             return;
         };
@@ -1265,7 +1330,7 @@ impl Stream {
 
     /// Charges costs the admitted request owes its rules, known after admission: into the keys'
     /// counters, and fleet-wide for rules in global scope.
-    fn charge(&self, filter: &Filter, env: &Env<'_>, owed: Vec<(Probe, u32)>) {
+    fn charge<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, owed: Vec<(Probe, u32)>) {
         if owed.iter().all(|(_, units)| *units == 0) {
             return;
         }
@@ -1285,7 +1350,7 @@ impl Stream {
     }
 
     /// Releases the in-flight and per-key permits (each once: taken out of the state).
-    fn release(&mut self, filter: &Filter, env: &Env<'_>, now: MonoMillis) {
+    fn release<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, now: MonoMillis) {
         if let (Some(permit), Some(shedder)) = (self.permit.take(), filter.shedder.as_ref()) {
             shedder.release(env.store, env.vm, permit, now);
         }

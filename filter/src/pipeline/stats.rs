@@ -86,28 +86,28 @@ pub trait Metrics {
 }
 
 /// Adds `n` to a counter (nothing for 0).
-pub fn add_count(metrics: &dyn Metrics, id: Option<u32>, n: u64) {
+pub fn add_count<M: Metrics + ?Sized>(metrics: &M, id: Option<u32>, n: u64) {
     if let (Some(id), Ok(n @ 1..)) = (id, i64::try_from(n)) {
         metrics.add(id, n);
     }
 }
 
 /// Adds one to a counter.
-pub fn increment(metrics: &dyn Metrics, id: Option<u32>) {
+pub fn increment<M: Metrics + ?Sized>(metrics: &M, id: Option<u32>) {
     if let Some(id) = id {
         metrics.add(id, 1);
     }
 }
 
 /// Moves a gauge by `delta` (a gauge that several VMs feed, each with its own share).
-pub fn add(metrics: &dyn Metrics, id: Option<u32>, delta: i64) {
+pub fn add<M: Metrics + ?Sized>(metrics: &M, id: Option<u32>, delta: i64) {
     if let (Some(id), false) = (id, delta == 0) {
         metrics.add(id, delta);
     }
 }
 
 /// Sets a gauge, or records a histogram sample.
-pub fn set(metrics: &dyn Metrics, id: Option<u32>, value: u64) {
+pub fn set<M: Metrics + ?Sized>(metrics: &M, id: Option<u32>, value: u64) {
     if let Some(id) = id {
         metrics.record(id, value);
     }

@@ -89,11 +89,7 @@ impl Attributes for TestRequest {
     }
 }
 
-impl Request for TestRequest {
-    fn headers(&self) -> &dyn Attributes {
-        self
-    }
-    fn source_address(&self) -> Option<Cow<'_, [u8]>> {
+impl Request for TestRequest {    fn source_address(&self) -> Option<Cow<'_, [u8]>> {
         Some(Cow::Borrowed(b"10.0.0.1:5555"))
     }
 }
@@ -116,6 +112,15 @@ impl StreamEnd for Ended {
 const OK: Ended = Ended { status: Some(200), flags: 0 };
 
 /// One VM of one proxy under a configuration.
+/// The fakes, as the pipeline's host.
+struct TestHost;
+
+impl super::Host for TestHost {
+    type Store = MemoryStore;
+    type Metrics = TestMetrics;
+    type Clock = TestClock;
+}
+
 struct Host {
     filter: Filter,
     store: MemoryStore,
@@ -147,29 +152,29 @@ impl Host {
         }
     }
 
-    fn env(&self) -> Env<'_> {
+    fn env(&self) -> Env<'_, TestHost> {
         Env { store: &self.store, metrics: &self.metrics, clock: &self.clock, vm: VM }
     }
 
     /// A new stream: its context id and state.
-    fn stream(&self) -> (u32, SharedStream) {
+    fn stream(&self) -> (u32, StreamCell) {
         let context = self.next_context.get();
         self.next_context.set(context + 1);
-        (context, SharedStream::default())
+        (context, StreamCell::default())
     }
 
     /// The request headers of a new stream.
-    fn send(&self, request: &TestRequest) -> (u32, SharedStream, Step) {
-        let (context, stream) = self.stream();
-        let step = self.headers_of(&stream, context, request);
+    fn send(&self, request: &TestRequest) -> (u32, StreamCell, Step) {
+        let (context, mut stream) = self.stream();
+        let step = self.headers_of(&mut stream, context, request);
         (context, stream, step)
     }
 
-    fn headers_of(&self, stream: &SharedStream, context: u32, request: &TestRequest) -> Step {
+    fn headers_of(&self, stream: &mut StreamCell, context: u32, request: &TestRequest) -> Step {
         request_headers(&self.filter, &self.env(), stream, context, request, true, &mut *self.rng.borrow_mut())
     }
 
-    fn end(&self, context: u32, stream: &SharedStream, ended: &Ended) {
+    fn end(&self, context: u32, stream: &RefCell<Stream>, ended: &Ended) {
         stream.borrow_mut().end(&self.filter, &self.env(), context, ended);
     }
 
@@ -551,7 +556,7 @@ fn a_woken_request_whose_context_is_gone_is_abandoned() {
 
 // ---- shadow mode, and the decision the access log shows ----
 
-fn decision(stream: &SharedStream) -> Decision {
+fn decision(stream: &RefCell<Stream>) -> Decision {
     *stream.borrow().decision()
 }
 
@@ -629,7 +634,7 @@ fn shedding_in_shadow_admits_all_and_holds_only_the_permits_it_would_grant() {
     let host = Host::new(serde_json::json!({"load_shedding": {
         "max_active_requests": 4, "mode": "shadow", "classes": [{"name": "normal", "shed_at": 1.0}],
     }}));
-    let streams: Vec<(u32, SharedStream, Step)> = (0..10).map(|_| host.send(&TestRequest::get("/"))).collect();
+    let streams: Vec<(u32, StreamCell, Step)> = (0..10).map(|_| host.send(&TestRequest::get("/"))).collect();
     assert!(streams.iter().all(|(_, _, step)| status(step) == 0));
     assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 6);
     assert_eq!(host.in_flight(), 4);
@@ -808,16 +813,13 @@ fn without_a_watchdog_or_a_health_endpoint_no_path_is_read() {
         }
     }
     impl Request for NoPath {
-        fn headers(&self) -> &dyn Attributes {
-            self
-        }
         fn source_address(&self) -> Option<Cow<'_, [u8]>> {
             None
         }
     }
     let host = Host::new(serde_json::json!({"load_shedding": {"max_active_requests": 5}}));
-    let (context, stream) = host.stream();
-    let step = request_headers(&host.filter, &host.env(), &stream, context, &NoPath, true, &mut *host.rng.borrow_mut());
+    let (context, mut stream) = host.stream();
+    let step = request_headers(&host.filter, &host.env(), &mut stream, context, &NoPath, true, &mut *host.rng.borrow_mut());
     assert_eq!(status(&step), 0);
     host.end(context, &stream, &OK);
     assert!(HeaderPlan::new(&Config::parse(br#"{"watchdog":{"path":"/alive"}}"#).unwrap()).names().iter().any(|n| n == ":path"));
@@ -873,7 +875,7 @@ fn a_request_over_the_rate_waits_for_its_turn_and_the_tick_resumes_it() {
         "rate_limits": [bucket_rule(Some("500ms"))],
         "load_shedding": {"max_active_requests": 100},
     }));
-    let sent: Vec<(u32, SharedStream, Step)> = (0..12).map(|_| host.send(&keyed("k"))).collect();
+    let sent: Vec<(u32, StreamCell, Step)> = (0..12).map(|_| host.send(&keyed("k"))).collect();
     let statuses: Vec<u32> = sent.iter().map(|(_, _, step)| status(step)).collect();
     assert_eq!(statuses, [0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 429, 429], "5 go, 5 wait, 2 refused");
     let Step::Reply(LocalReply::Http(refused)) = &sent[10].2 else { panic!() };
@@ -906,7 +908,7 @@ fn a_request_over_the_rate_waits_for_its_turn_and_the_tick_resumes_it() {
 #[test]
 fn a_client_that_leaves_while_it_waits_gives_its_slot_back() {
     let host = Host::new(serde_json::json!({"rate_limits": [bucket_rule(Some("1s"))]}));
-    let sent: Vec<(u32, SharedStream, Step)> = (0..7).map(|_| host.send(&keyed("k"))).collect();
+    let sent: Vec<(u32, StreamCell, Step)> = (0..7).map(|_| host.send(&keyed("k"))).collect();
     assert_eq!(status(&sent[6].2), 1);
     // The last waiting client goes away: its slot (at 200 ms) comes back.
     let (context, stream, _) = &sent[6];

@@ -57,9 +57,10 @@ impl InFlight {
         if version != RECORD_VERSION || reader.remaining() != usize::from(count).saturating_mul(ENTRY_LEN) {
             return Err(DecodeError::Malformed);
         }
-        let entries = (0..count)
-            .map(|_| Ok(VmEntry { vm: reader.u64()?, in_flight: reader.u32()?, heartbeat: MonoMillis(reader.u64()?) }))
-            .collect::<Result<_, DecodeError>>()?;
+        let mut entries = Vec::with_capacity(usize::from(count));
+        for _ in 0..count {
+            entries.push(VmEntry { vm: reader.u64()?, in_flight: reader.u32()?, heartbeat: MonoMillis(reader.u64()?) });
+        }
         Ok(InFlight { entries })
     }
 

@@ -279,7 +279,8 @@ impl Limiter {
         now: UnixMillis,
     ) -> Verdict {
         let mut standings = Vec::with_capacity(probes.len());
-        let mut taken = Vec::new();
+        // What is not pending was taken from the reserves (in order: `pending` is a
+        // subsequence of `probes`).
         let mut pending = Vec::new();
         for probe in probes {
             let Some(table) = self.table(probe.rule).filter(|t| t.bucket.is_none()) else {
@@ -299,7 +300,6 @@ impl Limiter {
                         || table.window.fits(probe.remote.fleet(counts), phase.elapsed_ms, limit_of(table, probe)) =>
                 {
                     standings.push(standing(table, probe, counts, now));
-                    taken.push(*probe);
                 }
                 Some(_) => {
                     reserves.untake(*probe, probe.cost);
@@ -315,13 +315,16 @@ impl Limiter {
             };
         }
         let untake = |reserves: &mut Reserves| {
-            for probe in &taken {
-                reserves.untake(*probe, probe.cost);
+            let mut still_pending = pending.iter().peekable();
+            for probe in probes {
+                if still_pending.next_if_eq(&probe).is_none() {
+                    reserves.untake(*probe, probe.cost);
+                }
             }
         };
         let mut reads = Vec::with_capacity(pending.len());
         let mut violations = Vec::new();
-        for probe in pending {
+        for &probe in &pending {
             match self.read(store, reserves, probe, now) {
                 Ok(read) => {
                     if !read.admits {

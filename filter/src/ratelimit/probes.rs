@@ -32,7 +32,9 @@ pub fn probes_where<V: AsRef<[u8]>>(
     skipped: &mut Vec<usize>,
     mut applies: impl FnMut(usize) -> bool,
 ) -> Vec<Probe> {
-    let mut fetched: Vec<(Source<'_>, Option<V>)> = Vec::new();
+    // The attributes read so far: the first (most keys have one part) without an allocation.
+    let mut first: Option<(Source<'_>, Option<V>)> = None;
+    let mut more: Vec<(Source<'_>, Option<V>)> = Vec::new();
     let mut probes = Vec::with_capacity(config.rate_limits.len());
     for (rule_index, rule) in config.rate_limits.iter().enumerate() {
         if !applies(rule_index) {
@@ -40,13 +42,17 @@ pub fn probes_where<V: AsRef<[u8]>>(
         }
         for part in &rule.key {
             let source = part.source();
-            if !fetched.iter().any(|(s, _)| *s == source) {
-                fetched.push((source, fetch(source)));
+            if !first.iter().chain(&more).any(|(s, _)| *s == source) {
+                let value = Some((source, fetch(source)));
+                match first {
+                    None => first = value,
+                    Some(_) => more.extend(value),
+                }
             }
         }
         let value_of = |part: &KeyPart| -> Option<&[u8]> {
             let source = part.source();
-            let raw = fetched.iter().find(|(s, _)| *s == source)?.1.as_ref()?.as_ref();
+            let raw = first.iter().chain(&more).find(|(s, _)| *s == source)?.1.as_ref()?.as_ref();
             Some(part.normalize(raw))
         };
         let complete = rule.key.iter().all(|part| value_of(part).is_some());

@@ -117,12 +117,12 @@ pub enum Unmet<'a> {
 }
 
 impl Condition {
-    fn holds(&self, request: &dyn Attributes) -> bool {
+    fn holds<A: Attributes + ?Sized>(&self, request: &A) -> bool {
         self.unmet(request).is_none()
     }
 
     /// The first condition the request fails, if any.
-    fn unmet(&self, request: &dyn Attributes) -> Option<Unmet<'_>> {
+    fn unmet<A: Attributes + ?Sized>(&self, request: &A) -> Option<Unmet<'_>> {
         if let Some(path) = &self.path {
             let raw = request.get(":path");
             let Some(raw) = raw.as_deref() else { return Some(Unmet::Path) };
@@ -308,7 +308,7 @@ impl Rules {
     }
 
     /// Whether rule `rule` applies to the request (no condition: always).
-    pub fn applies(&self, rule: usize, request: &dyn Attributes) -> bool {
+    pub fn applies<A: Attributes + ?Sized>(&self, rule: usize, request: &A) -> bool {
         self.plan(rule)
             .and_then(|p| p.condition.as_ref())
             .is_none_or(|condition| condition.holds(request))
@@ -316,18 +316,18 @@ impl Rules {
 
     /// The first condition of rule `rule`'s `match` that the request fails (`None`: the rule
     /// applies), tested as [`Rules::applies`] tests them.
-    pub fn unmet(&self, rule: usize, request: &dyn Attributes) -> Option<Unmet<'_>> {
+    pub fn unmet<A: Attributes + ?Sized>(&self, rule: usize, request: &A) -> Option<Unmet<'_>> {
         self.plan(rule)?.condition.as_ref()?.unmet(request)
     }
 
     /// The limit of rule `rule` for the key of hash `key_hash`: an override's, else the tier's,
     /// else `None` (the rule's `limit`).
-    pub fn limit(&self, rule: usize, key_hash: u64, request: &dyn Attributes) -> Option<NonZeroU32> {
+    pub fn limit<A: Attributes + ?Sized>(&self, rule: usize, key_hash: u64, request: &A) -> Option<NonZeroU32> {
         self.limit_from(rule, key_hash, request).map(|(_, limit)| limit)
     }
 
     /// [`Rules::limit`], with where it comes from.
-    pub fn limit_from(&self, rule: usize, key_hash: u64, request: &dyn Attributes) -> Option<(LimitFrom, NonZeroU32)> {
+    pub fn limit_from<A: Attributes + ?Sized>(&self, rule: usize, key_hash: u64, request: &A) -> Option<(LimitFrom, NonZeroU32)> {
         let plan = self.plan(rule)?;
         if let Ok(at) = plan.overrides.binary_search_by_key(&key_hash, |(hash, _)| *hash) {
             return plan.overrides.get(at).map(|(_, limit)| (LimitFrom::Override, *limit));
@@ -339,7 +339,7 @@ impl Rules {
     }
 
     /// What a request costs against rule `rule` at admission, and later.
-    pub fn admission(&self, rule: usize, request: &dyn Attributes) -> Admission {
+    pub fn admission<A: Attributes + ?Sized>(&self, rule: usize, request: &A) -> Admission {
         let one = Admission { now: 1, later: Later::Nothing, invalid: false };
         let Some(cost) = self.plan(rule).and_then(|p| p.cost.as_ref()) else { return one };
         match cost {

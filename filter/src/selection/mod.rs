@@ -67,6 +67,8 @@ pub struct Selector {
     floor_on_weight: bool,
     failure_statuses: Vec<StatusMatch>,
     limit: Aimd,
+    /// Every cluster's index: the one tier of a request that may use them all.
+    all: Vec<usize>,
 }
 
 /// A permit on one unit of a cluster's concurrency limit, held from selection to the end of the
@@ -230,6 +232,15 @@ pub struct VmState {
     pub pending: Vec<Pending>,
     /// Recent weights.
     pub seen: Sightings,
+    /// Buffers a choice fills and empties, kept from one request to the next.
+    scratch: Scratch,
+}
+
+/// The weights and the order of a choice, reused across requests.
+#[derive(Clone, Debug, Default)]
+struct Scratch {
+    weights: Vec<f64>,
+    order: Vec<usize>,
 }
 
 impl VmState {
@@ -241,6 +252,7 @@ impl VmState {
             permits,
             pending,
             seen: Sightings::default(),
+            scratch: Scratch::default(),
         }
     }
 }
@@ -267,7 +279,6 @@ impl Selector {
         #[allow(clippy::cast_precision_loss)]
         let sticky_floor = config.no_data_floor / clusters.len().max(1) as f64;
         Selector {
-            clusters,
             route_header: config.route_header.clone(),
             retry_after_secs: config.retry_after.ceil_secs().max(1),
             bucket_width_ms: width,
@@ -278,6 +289,8 @@ impl Selector {
             floor_on_weight: config.no_data_floor_on == FloorOn::Weight,
             failure_statuses: config.failure_statuses.clone(),
             limit: Aimd::new(&config.concurrency_limit),
+            all: (0..clusters.len()).collect(),
+            clusters,
         }
     }
 
@@ -355,8 +368,7 @@ impl Selector {
         now: MonoMillis,
         rng: &mut R,
     ) -> Result<ClusterPermit, Exhausted> {
-        let all: Vec<usize> = (0..self.clusters.len()).collect();
-        self.choose_in_tiers(store, state, now, rng, &[&all])
+        self.walk_tiers(store, state, now, rng, &[&self.all], Vec::new())
     }
 
     /// Chooses the cluster of a request confined to a partition ([`crate::shedding::per_key`]): the same
@@ -371,14 +383,14 @@ impl Selector {
         confinement: &Confinement,
     ) -> Result<ClusterPermit, Exhausted> {
         let Some(spill_below) = confinement.spill_below else {
-            return self.choose_in_tiers(store, state, now, rng, &[&confinement.members]);
+            return self.walk_tiers(store, state, now, rng, &[&confinement.members], Vec::new());
         };
-        let mut views = self.no_views();
+        let mut views = Vec::new();
         let failing_weight = self.weight(spill_below);
-        let healthy = self
-            .weigh(store, state, &mut views, &confinement.members, now)
-            .iter()
-            .any(|weight| *weight >= failing_weight);
+        let mut weights = std::mem::take(&mut state.scratch.weights);
+        self.weigh(store, state, &mut views, &confinement.members, now, &mut weights);
+        let healthy = weights.iter().any(|weight| *weight >= failing_weight);
+        state.scratch.weights = weights;
         let tiers: [&[usize]; 2] = if healthy {
             [&confinement.members, &confinement.others]
         } else {
@@ -387,41 +399,34 @@ impl Selector {
         self.walk_tiers(store, state, now, rng, &tiers, views)
     }
 
-    fn no_views(&self) -> Vec<Option<View>> {
-        (0..self.clusters.len()).map(|_| None).collect()
+    /// Cluster `index`'s slot in `views` (which holds none until a record is read, then one
+    /// per cluster).
+    fn view_slot<'v>(&self, views: &'v mut Vec<Option<View>>, index: usize) -> Option<&'v mut Option<View>> {
+        if views.len() <= index {
+            views.resize_with(self.clusters.len(), || None);
+        }
+        views.get_mut(index)
     }
 
-    fn choose_in_tiers<S: SharedStore + ?Sized, R: Random + ?Sized>(
-        &self,
-        store: &S,
-        state: &mut VmState,
-        now: MonoMillis,
-        rng: &mut R,
-        tiers: &[&[usize]],
-    ) -> Result<ClusterPermit, Exhausted> {
-        let views = self.no_views();
-        self.walk_tiers(store, state, now, rng, tiers, views)
-    }
-
-    /// The weights of clusters `indices`: recent ones reused ([`WEIGHT_TTL_MS`]), the others
-    /// from their records, read into `views`.
+    /// The weights of clusters `indices`, into `weights`: recent ones reused
+    /// ([`WEIGHT_TTL_MS`]), the others from their records, read into `views`.
     fn weigh<S: SharedStore + ?Sized>(
         &self,
         store: &S,
         state: &mut VmState,
-        views: &mut [Option<View>],
+        views: &mut Vec<Option<View>>,
         indices: &[usize],
         now: MonoMillis,
-    ) -> Vec<f64> {
-        let VmState { vm, permits: locals, pending, seen } = state;
+        weights: &mut Vec<f64>,
+    ) {
+        let VmState { vm, permits: locals, pending, seen, .. } = state;
         let vm = *vm;
-        indices
-            .iter()
-            .map(|&index| {
+        weights.clear();
+        weights.extend(indices.iter().map(|&index| {
                 if let Some(weight) = seen.fresh(index, now) {
                     return weight;
                 }
-                let Some(slot) = views.get_mut(index) else { return 0.0 };
+                let Some(slot) = self.view_slot(views, index) else { return 0.0 };
                 if slot.is_none() {
                     *slot = self.read(store, index, now).ok();
                 }
@@ -433,8 +438,7 @@ impl Selector {
                 }
                 seen.note(index, weight, now);
                 weight
-            })
-            .collect()
+            }));
     }
 
     /// Walks each tier in weighted random order and takes the first permit with room.
@@ -447,49 +451,55 @@ impl Selector {
         tiers: &[&[usize]],
         mut views: Vec<Option<View>>,
     ) -> Result<ClusterPermit, Exhausted> {
-        let mut contention = false;
-        let mut order = Vec::with_capacity(self.clusters.len());
-        for tier in tiers {
-            let weights = self.weigh(store, state, &mut views, tier, now);
-            weighted_shuffle(&weights, rng, &mut order);
-            let VmState { vm, permits: locals, pending, seen } = &mut *state;
-            let vm = *vm;
-            for &position in &order {
-                let Some(&index) = tier.get(position) else { continue };
-                let (Some(slot), Some(local), Some(p)) = (views.get_mut(index), locals.get(index), pending.get_mut(index)) else {
-                    continue;
-                };
-                if local.take_reserved(p.limit_seen) {
-                    return Ok(ClusterPermit {
-                        cluster: index,
-                        started: now,
-                        in_flight: local.others().saturating_add(local.in_use()),
-                        unit: Permit::taken(local),
-                    });
-                }
-                if slot.is_none() {
-                    *slot = self.read(store, index, now).ok();
-                }
-                let taken = self.try_permit(store, index, slot, vm, local, p, now);
-                if let Some(view) = slot.as_ref() {
-                    seen.note(index, self.record_weight(&view.record), now);
-                }
-                match taken {
-                    Ok(Some(permit)) => return Ok(permit),
-                    Ok(None) => {}
-                    Err(()) => contention = true,
+        let Scratch { mut weights, mut order } = std::mem::take(&mut state.scratch);
+        let chosen = 'walk: {
+            let mut contention = false;
+            for tier in tiers {
+                self.weigh(store, state, &mut views, tier, now, &mut weights);
+                weighted_shuffle(&weights, rng, &mut order);
+                let VmState { vm, permits: locals, pending, seen, .. } = &mut *state;
+                let vm = *vm;
+                for &position in order.iter() {
+                    let Some(&index) = tier.get(position) else { continue };
+                    let (Some(local), Some(p)) = (locals.get(index), pending.get_mut(index)) else {
+                        continue;
+                    };
+                    if local.take_reserved(p.limit_seen) {
+                        break 'walk Ok(ClusterPermit {
+                            cluster: index,
+                            started: now,
+                            in_flight: local.others().saturating_add(local.in_use()),
+                            unit: Permit::taken(local),
+                        });
+                    }
+                    let Some(slot) = self.view_slot(&mut views, index) else { continue };
+                    if slot.is_none() {
+                        *slot = self.read(store, index, now).ok();
+                    }
+                    let taken = self.try_permit(store, index, slot, vm, local, p, now);
+                    if let Some(view) = slot.as_ref() {
+                        seen.note(index, self.record_weight(&view.record), now);
+                    }
+                    match taken {
+                        Ok(Some(permit)) => break 'walk Ok(permit),
+                        Ok(None) => {}
+                        Err(()) => contention = true,
+                    }
                 }
             }
-        }
-        let (vm, locals) = (state.vm, &state.permits);
-        let clusters = views
-            .iter()
-            .zip(locals.iter())
-            .map(|(view, local)| {
-                view.as_ref().map(|v| (v.record.in_flight.others(vm, now).saturating_add(local.in_use()), v.record.limit))
-            })
-            .collect();
-        Err(Exhausted { clusters, contention })
+            let (vm, locals) = (state.vm, &state.permits);
+            let clusters = locals
+                .iter()
+                .enumerate()
+                .map(|(index, local)| {
+                    let view = views.get(index).and_then(Option::as_ref);
+                    view.map(|v| (v.record.in_flight.others(vm, now).saturating_add(local.in_use()), v.record.limit))
+                })
+                .collect();
+            Err(Exhausted { clusters, contention })
+        };
+        state.scratch = Scratch { weights, order };
+        chosen
     }
 
     /// Takes a permit on cluster `index` if it has room, writing the VM's pending outcomes and,
@@ -581,6 +591,7 @@ impl Selector {
             permits: locals,
             pending,
             seen,
+            ..
         } = state;
         let vm = *vm;
         permit.unit.end();

@@ -56,7 +56,10 @@ impl ClusterRecord {
         }
         let limit = reader.u32()?;
         let epoch = reader.u64()?;
-        let recent = (0..buckets).map(|_| tally(&mut reader)).collect::<Result<_, _>>()?;
+        let mut recent = Vec::with_capacity(buckets);
+        for _ in 0..buckets {
+            recent.push(tally(&mut reader)?);
+        }
         let sticky = tally(&mut reader)?;
         Ok(ClusterRecord {
             limit,

@@ -11,23 +11,23 @@
 use crate::primitives::hash::Random;
 
 /// Fills `order` with the indices of `weights` in weighted random order. Negative or NaN weights
-/// count as zero.
+/// count as zero. The draw is done in `order` itself: its tail holds the indices not yet drawn,
+/// in their original order.
 pub fn weighted_shuffle<R: Random + ?Sized>(weights: &[f64], rng: &mut R, order: &mut Vec<usize>) {
+    let weight = |index: usize| weights.get(index).copied().filter(|w| *w > 0.0 && w.is_finite()).unwrap_or(0.0);
     order.clear();
-    let mut remaining: Vec<(usize, f64)> = weights
-        .iter()
-        .enumerate()
-        .map(|(index, w)| (index, if *w > 0.0 && w.is_finite() { *w } else { 0.0 }))
-        .collect();
-    while !remaining.is_empty() {
-        let total: f64 = remaining.iter().map(|(_, w)| w).sum();
+    order.extend(0..weights.len());
+    for next in 0..order.len() {
+        let Some(remaining) = order.get_mut(next..) else { break };
+        let total: f64 = remaining.iter().map(|&index| weight(index)).sum();
         let position = if total > 0.0 {
             let target = rng.next_unit() * total;
             let mut sum = 0.0;
             let mut chosen = None;
-            for (position, (_, weight)) in remaining.iter().enumerate() {
+            for (position, &index) in remaining.iter().enumerate() {
+                let weight = weight(index);
                 sum += weight;
-                if *weight > 0.0 {
+                if weight > 0.0 {
                     chosen = Some(position);
                     if target < sum {
                         break;
@@ -39,8 +39,10 @@ pub fn weighted_shuffle<R: Random + ?Sized>(weights: &[f64], rng: &mut R, order:
         } else {
             uniform_below(rng, remaining.len())
         };
-        let (index, _) = remaining.remove(position.min(remaining.len().saturating_sub(1)));
-        order.push(index);
+        // The drawn index comes next; the others keep their order.
+        if let Some(drawn) = remaining.get_mut(..=position) {
+            drawn.rotate_right(1);
+        }
     }
 }
 
