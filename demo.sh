@@ -36,7 +36,7 @@ In another terminal, try (README.md shows what each prints):
 
   # the health endpoint (503 while the proxy sheds), the filter's counters
   curl -s localhost:10000/floodgate/health
-  curl -s localhost:9901/stats | grep -E 'wasmcustom.*(allowed|rejected|shed):'
+  curl -s localhost:9901/stats | grep -E 'wasmcustom.*\.(allowed|rejected|shed):'
 
 Starting Envoy (Ctrl-C to stop)...
 TXT
