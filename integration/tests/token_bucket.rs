@@ -63,6 +63,8 @@ async fn the_burst_goes_at_once_then_the_rate_holds_across_workers() {
     let mut clients = [Client::connect(envoy.addr()).await.expect("connect"), Client::connect(envoy.addr()).await.expect("connect")];
     let start = Instant::now();
     let mut per_second = [0u64; 5];
+    // Every admission, a last one answered after the 5 s included.
+    let mut admitted_after = 0u64;
     let mut sent = 0u32;
     while start.elapsed() < Duration::from_secs(5) {
         let at = start + Duration::from_millis(20) * sent;
@@ -70,8 +72,11 @@ async fn the_burst_goes_at_once_then_the_rate_holds_across_workers() {
         let client = &mut clients[(sent % 2) as usize];
         let response = client.get("/", &[("x-api-key", KEY)]).await.expect("request");
         let second = start.elapsed().as_secs() as usize;
-        if response.status == 200 && second < 5 {
-            per_second[second] += 1;
+        if response.status == 200 {
+            admitted_after += 1;
+            if let Some(count) = per_second.get_mut(second) {
+                *count += 1;
+            }
         }
         sent += 1;
     }
@@ -81,9 +86,10 @@ async fn the_burst_goes_at_once_then_the_rate_holds_across_workers() {
     }
     let total: u64 = per_second.iter().sum();
     assert!((49..=51).contains(&total), "{total} admitted in 5 s");
-    assert_eq!(upstream.count_for(KEY), 5 + total);
-    let allowed = envoy.wait_for_stat(&rule_stat("tb", "allowed"), 5 + total, Duration::from_secs(5));
-    assert_eq!(allowed, Some(5 + total));
+    assert!(admitted_after - total <= 1, "{admitted_after} admitted, {total} of them within 5 s");
+    assert_eq!(upstream.count_for(KEY), 5 + admitted_after);
+    let allowed = envoy.wait_for_stat(&rule_stat("tb", "allowed"), 5 + admitted_after, Duration::from_secs(5));
+    assert_eq!(allowed, Some(5 + admitted_after));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
