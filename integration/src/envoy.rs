@@ -620,3 +620,19 @@ pub fn rss_bytes_of(pid: u32) -> u64 {
         .expect("VmRSS value");
     kb * 1024
 }
+
+/// Floodgate's cluster selection (default tuning) over clusters `a`, `b` and `c`, routed by
+/// `route_header`, each an upstream that counts the route header's values; `c` answers `503` to
+/// everything. Returns the Envoy and the upstreams `[a, b, c]`.
+pub fn three_clusters_one_failing(route_header: &str) -> (Envoy, [Upstream; 3]) {
+    let upstreams = [0, 1, 2].map(|_| Upstream::counting_header(route_header));
+    let [a, b, c] = &upstreams;
+    c.set_status(503);
+    let envoy = Envoy::builder(json!({"cluster_selection": {"route_header": route_header, "clusters": ["a", "b", "c"]}}))
+        .cluster("a", &[a.addr()])
+        .cluster("b", &[b.addr()])
+        .cluster("c", &[c.addr()])
+        .route_by_header(route_header)
+        .start();
+    (envoy, upstreams)
+}

@@ -21,14 +21,7 @@ fn counted() -> Upstream {
 /// it; plain round-robin over the same three upstreams does not.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_cluster_gets_almost_no_traffic_unlike_round_robin() {
-    let (a, b, c) = (counted(), counted(), counted());
-    c.set_status(503);
-    let envoy = Envoy::builder(json!({"cluster_selection": {"route_header": ROUTE_HEADER, "clusters": ["a", "b", "c"]}}))
-        .cluster("a", &[a.addr()])
-        .cluster("b", &[b.addr()])
-        .cluster("c", &[c.addr()])
-        .route_by_header(ROUTE_HEADER)
-        .start();
+    let (envoy, [a, b, c]) = three_clusters_one_failing(ROUTE_HEADER);
     let warmup = closed_loop(envoy.addr(), 8, Duration::from_secs(3), &[]).await;
     let c_before = c.total();
     let (a_before, b_before) = (a.total(), b.total());

@@ -162,18 +162,7 @@ async fn smoke_shedding_admits_its_limit_and_returns_to_zero() {
 async fn smoke_cluster_selection_avoids_a_failing_cluster() {
     const ROUTE_HEADER: &str = "x-floodgate-cluster";
     envoy_version();
-    let (a, b, c) = (
-        Upstream::counting_header(ROUTE_HEADER),
-        Upstream::counting_header(ROUTE_HEADER),
-        Upstream::counting_header(ROUTE_HEADER),
-    );
-    c.set_status(503);
-    let envoy = Envoy::builder(json!({"cluster_selection": {"route_header": ROUTE_HEADER, "clusters": ["a", "b", "c"]}}))
-        .cluster("a", &[a.addr()])
-        .cluster("b", &[b.addr()])
-        .cluster("c", &[c.addr()])
-        .route_by_header(ROUTE_HEADER)
-        .start();
+    let (envoy, [a, b, c]) = three_clusters_one_failing(ROUTE_HEADER);
     let warmup = closed_loop(envoy.addr(), 8, Duration::from_secs(2), &[]).await;
     let before = (a.total(), b.total(), c.total());
     let measured = closed_loop(envoy.addr(), 8, Duration::from_secs(3), &[]).await;
