@@ -2,7 +2,7 @@
 //!
 //! * README.md stays short (at most [`README_MAX_LINES`] lines), keeps the two commands (the demo
 //!   and the one `.ci/run` runs) and shows where to install floodgate (Envoy, Docker Compose,
-//!   Istio) among its first sections;
+//!   Istio) among its first sections, with the Envoy and Istio versions of docs/operations.md;
 //! * every relative link of README.md and docs/*.md reaches an existing file, and every `#anchor`
 //!   a heading of its page;
 //! * a code block marked `<!-- shipped: FILE -->` (or `FILE#key`, several allowed) holds what the
@@ -16,7 +16,9 @@
 //! * each field's default in the reference's tables is the schema's `default`, and each table
 //!   lists its object's fields;
 //! * the Docker Compose demo runs the demo's floodgate configuration, and its header lists the
-//!   walkthrough's commands.
+//!   walkthrough's commands;
+//! * the reference's contents link every section and object, and statements the product
+//!   contradicts (limits per process only, a second overshoot bound) do not come back.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -211,6 +213,36 @@ fn the_readme_is_short_keeps_its_two_commands_and_shows_where_to_install_first()
         assert!(body.contains(what), "README.md's install section says nothing of {what}");
         assert!(body.contains(&named), "README.md's install section does not use the release's {named} ({what})");
     }
+}
+
+#[test]
+fn the_readme_s_supported_versions_are_those_of_docs_operations() {
+    // docs/operations.md's table: | Envoy minor | tested with | status | Istio releases that embed it |
+    let operations = read("docs/operations.md");
+    let rows: Vec<Vec<String>> = operations
+        .lines()
+        .skip_while(|l| !l.starts_with("| Envoy minor |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(cells)
+        .collect();
+    assert!(rows.len() >= 2, "docs/operations.md: no compatibility table");
+    let minors: Vec<&str> = rows.iter().map(|r| r[0].as_str()).collect();
+    let readme = read("README.md").replace('\n', " ");
+    let range = format!("Envoy {} to {}", minors[0], minors[minors.len() - 1]);
+    assert!(readme.contains(&range), "README.md does not say \"{range}\"");
+    let istio: Vec<(String, &str)> =
+        rows.iter().filter_map(|r| r[3].strip_prefix("Istio ").map(|i| (i.to_owned(), r[0].as_str()))).collect();
+    assert!(!istio.is_empty());
+    let releases = istio.iter().map(|(i, _)| i.as_str()).collect::<Vec<_>>();
+    let envoys = istio.iter().map(|(_, e)| *e).collect::<Vec<_>>();
+    let said = |list: &[&str]| match list {
+        [one] => (*one).to_owned(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+        [] => String::new(),
+    };
+    let claim = format!("Istio {} embed Envoy {}", said(&releases), said(&envoys));
+    assert!(readme.contains(&claim), "README.md does not say \"{claim}\" (docs/operations.md's table)");
 }
 
 #[test]
