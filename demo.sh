@@ -17,7 +17,7 @@ POST /api/login per minute per client; "per-ip" 1000 per minute per client;
 at most 10 requests in flight (normal priority shed from 9); health endpoint /floodgate/health.
 Paths under /api/ go to zone-a alone; every other path goes through cluster selection over
 zone-a, zone-b and the flaky zone-c (90 % of its answers are 503).
-In another terminal, try (README.md shows what each prints):
+In another terminal, try (docs/getting-started.md shows what each prints):
 
   # cluster selection steers away from zone-c
   for i in $(seq 1 300); do curl -s -w '\n' localhost:10000/; done | grep . | sort | uniq -c

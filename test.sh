@@ -8,8 +8,10 @@
 # floodgate-sync; needs a Docker engine with Compose; scripts/sync-image.sh adds the
 # x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build), and the
 # Prometheus rules and Grafana dashboard of observability/ (promtool, and a real Prometheus scraping
-# the demo); the smoke suite on the oldest supported Envoy minor as well; last, the release
-# artifacts (scripts/release.sh) and the release's own `floodgate validate`.
+# the demo); the smoke suite on the oldest supported Envoy minor as well; the docs against the
+# product (integration/tests/docs.rs: the README's length, links and anchors, blocks that show
+# shipped files, every metric and default of the reference); last, the release artifacts
+# (scripts/release.sh) and the release's own `floodgate validate`.
 # First (after the history check), scripts/preflight.sh names everything this machine lacks that
 # no script installs (Rust with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with
 # Compose, apt-get with root or sudo unless Redis, h2load and Prometheus are installed) and stops

@@ -16,7 +16,7 @@ fn main() {
         .arg(&out)
         .arg(&source)
         .status()
-        .unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}` (a C compiler is a prerequisite, see README): {e}"));
+        .unwrap_or_else(|e| panic!("cannot run the C compiler `{cc}` (a C compiler is a prerequisite, see docs/getting-started.md): {e}"));
     assert!(status.success(), "`{cc}` failed to build {}", source.display());
     println!("cargo:rustc-env=FLOODGATE_WALLSHIFT_SO={}", out.display());
 }

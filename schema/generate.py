@@ -196,7 +196,7 @@ schema = {
       "properties": {
         "from": {"description": "request_header: a count in a request header, charged at admission; request_body: the body's bytes (content-length, or counted as it streams and charged when it ends); response_header: a count the upstream reports, charged when the response arrives.", "enum": ["request_header", "request_body", "response_header"]},
         "header": {"description": "The header, for request_header and response_header (null with request_body).", "anyOf": [{"$ref": "#/$defs/headerName"}, {"type": "null"}], "default": None},
-        "default": {"description": "The cost when the header is absent or holds no valid count (null: 1 for request_header, 0 for response_header; none with request_body).", "anyOf": [{"type": "integer", "minimum": 0, "maximum": 4294967295}, {"type": "null"}], "default": None}
+        "default": {"description": "The cost when the header is absent or holds no valid count. Its default depends on from, so the schema gives none: 1 for request_header, 0 for response_header (absent or null); not with request_body.", "anyOf": [{"type": "integer", "minimum": 0, "maximum": 4294967295}, {"type": "null"}]}
       }
     },
     "keyPart": {
@@ -246,7 +246,7 @@ schema = {
         "key": {"description": "The parts of the request that make the key, as a rate limit's key; a request lacking one may use every cluster.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
         "size": positive("Clusters in each key's partition, at most the number of clusters.", None, 64),
         "when_unavailable": {"description": "refuse: members only, 503 when all are at their concurrency limit (a poison key never reaches more than its partition); spill: when all members are full, the other clusters too, and first when every member's success rate is below spill_below.", "enum": ["refuse", "spill"], "default": "refuse"},
-        "spill_below": {"description": "With spill: a member below this success rate is failing, in (0, 1] (null: 0.5).", "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}], "default": None},
+        "spill_below": {"description": "With spill only: a member below this success rate is failing, in (0, 1] (null: the default, 0.5).", "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 1}, {"type": "null"}], "default": 0.5},
         "mode": mode("shadow: a request whose partition has no room goes to any cluster with room, and is counted as a would-be refusal; enforce: the partition holds (unless the top-level mode is shadow).")
       }
     },

@@ -63,7 +63,7 @@ for i in $(seq 1 20); do
 done
 if [[ -n "$ok200" ]]; then pass "200 from $ok200, through floodgate"; else fail "no 200 from an upstream in 20 tries (last status $status)"; fi
 
-# 3. The README's rate-limit step on /api/ (zone-a alone, no cluster selection): "per-api-key"
+# 3. The walkthrough's rate-limit step on /api/ (zone-a alone, no cluster selection): "per-api-key"
 #    admits 5 requests per 10 s, so exactly five 200s, then 429s.
 statuses=()
 for i in 1 2 3 4 5 6 7; do statuses+=("$(get limited "http://127.0.0.1:$port/api/" -H 'x-api-key: probe-429')"); done
@@ -91,7 +91,24 @@ assert body["limit"] == 5 and body["window"] == "10s" and body["retry_after"] >=
 PY
 then pass "429 body: problem+json quota-exceeded naming per-api-key"; else fail "429 body: $(cat "$work/limited.b")"; fi
 
-# 4. The README's load-shedding step on /api/: 12 concurrent slow requests (the upstream delays
+# 3b. The walkthrough's rules that fit the API: a gold key gets 10 of 12, and logins
+#     (POST /api/login only) 3 a minute per client address.
+statuses=()
+for i in $(seq 1 12); do statuses+=("$(get gold "http://127.0.0.1:$port/api/" -H 'x-api-key: probe-gold' -H 'x-plan: gold')"); done
+if [[ "${statuses[*]}" == "200 200 200 200 200 200 200 200 200 200 429 429" ]]; then
+  pass "x-plan: gold: ten 200s, then 429s (statuses: ${statuses[*]})"
+else
+  fail "expected ten 200s then two 429s for x-plan: gold, got: ${statuses[*]}"
+fi
+statuses=()
+for i in 1 2 3 4; do statuses+=("$(get login "http://127.0.0.1:$port/api/login" -X POST)"); done
+if [[ "${statuses[*]}" == "200 200 200 429" ]] && grep -q '"logins"' "$work/login.b"; then
+  pass "logins: three POST /api/login admitted, the fourth refused by \"logins\" (statuses: ${statuses[*]})"
+else
+  fail "expected 200 200 200 429 from \"logins\" on POST /api/login, got: ${statuses[*]} $(cat "$work/login.b")"
+fi
+
+# 4. The walkthrough's load-shedding step on /api/: 12 concurrent slow requests (the upstream delays
 #    them 2 s), 10 in flight at most and default-class requests shed from 9: exactly 3 get
 #    floodgate's problem+json 503, the other 9 a 200.
 for i in $(seq 1 12); do

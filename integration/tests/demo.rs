@@ -1,6 +1,6 @@
-//! The demo (`envoy/demo.yaml`, what `./demo.sh` runs) started for real: the README's walkthrough
-//! replayed command by command (with `bash` and `curl`, as a reader runs it) against the outputs
-//! the README prints, and the client address that floodgate's `source_ip` sees. The demo's fixed
+//! The demo (`envoy/demo.yaml`, what `./demo.sh` runs) started for real: the walkthrough of
+//! docs/getting-started.md replayed command by command (with `bash` and `curl`, as a reader runs
+//! it) against the outputs the page prints, and the client address that floodgate's `source_ip` sees. The demo's fixed
 //! ports are swapped for free ones.
 
 use std::net::SocketAddr;
@@ -63,7 +63,10 @@ fn log_of(dir: &Path) -> String {
     std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default()
 }
 
-/// One command of the README's walkthrough and the output the README prints for it.
+/// The page with the demo's walkthrough.
+const GUIDE: &str = "docs/getting-started.md";
+
+/// One command of the walkthrough and the output the page prints for it.
 #[derive(Debug)]
 struct Step {
     command: String,
@@ -71,10 +74,10 @@ struct Step {
 }
 
 /// The walkthrough: every `$ ` line of the ```console blocks between "With the demo running"
-/// and the README's next section, each with the lines the README prints after it.
+/// and the page's next section, each with the lines the page prints after it.
 fn readme_walkthrough() -> Vec<Step> {
-    let readme = std::fs::read_to_string(workspace_root().join("README.md")).expect("read README.md");
-    let start = readme.find("With the demo running").expect("README.md: no \"With the demo running\"");
+    let readme = std::fs::read_to_string(workspace_root().join(GUIDE)).expect("read docs/getting-started.md");
+    let start = readme.find("With the demo running").expect("docs/getting-started.md: no \"With the demo running\"");
     let section = &readme[start..];
     let section = &section[..section.find("\n## ").unwrap_or(section.len())];
     let mut steps: Vec<Step> = Vec::new();
@@ -90,21 +93,21 @@ fn readme_walkthrough() -> Vec<Step> {
         if let Some(command) = line.strip_prefix("$ ") {
             steps.push(Step { command: command.to_owned(), output: Vec::new() });
         } else {
-            steps.last_mut().expect("README.md: output before any command").output.push(line.to_owned());
+            steps.last_mut().expect("docs/getting-started.md: output before any command").output.push(line.to_owned());
         }
     }
     steps
 }
 
-/// How a step's output is checked against the README's.
+/// How a step's output is checked against the page's.
 #[derive(Clone, Copy, Debug)]
 enum Check {
     /// Line for line.
     Exact,
     /// `uniq -c` counts of 300 answers: zone-a and zone-b over 100 each, at most 5 zone-c
-    /// failures ("fault filter abort"); the README's example obeys the same bounds.
+    /// failures ("fault filter abort"); the page's example obeys the same bounds.
     ClusterCounts,
-    /// The same metric names as the README; zone-c's `failure` and `selected` agree with the
+    /// The same metric names as the page; zone-c's `failure` and `selected` agree with the
     /// previous step's counts.
     ZoneCStats,
     /// Line for line once every number is `#` and the `date` header's value `<date>` (the figures
@@ -112,7 +115,7 @@ enum Check {
     Shape,
 }
 
-/// The README's commands in order: a piece of each command, and how its output is checked.
+/// The walkthrough's commands in order: a piece of each command, and how its output is checked.
 const STEPS: &[(&str, Check)] = &[
     ("$(seq 1 300)", Check::ClusterCounts),
     ("grep 'floodgate.cluster.zone-c'", Check::ZoneCStats),
@@ -169,20 +172,20 @@ fn shape(line: &str) -> String {
     out
 }
 
-/// The README's walkthrough (the commands `./demo.sh` prints too), replayed with `bash` and
-/// `curl` against the demo in the README's order: each step prints what the README says it
+/// The walkthrough of docs/getting-started.md (the commands `./demo.sh` prints too), replayed with `bash` and
+/// `curl` against the demo in the page's order: each step prints what the page says it
 /// prints. Only the demo's ports are changed.
 #[test]
-fn the_readme_walkthrough_prints_what_the_readme_says() {
+fn the_walkthrough_prints_what_getting_started_says() {
     let steps = readme_walkthrough();
     let commands: Vec<&str> = steps.iter().map(|s| s.command.as_str()).collect();
-    assert_eq!(steps.len(), STEPS.len(), "README.md's walkthrough changed: {commands:?}");
+    assert_eq!(steps.len(), STEPS.len(), "docs/getting-started.md's walkthrough changed: {commands:?}");
     for (step, (piece, _)) in steps.iter().zip(STEPS) {
-        assert!(step.command.contains(piece), "README.md: expected a command with {piece:?}, found {:?}", step.command);
+        assert!(step.command.contains(piece), "docs/getting-started.md: expected a command with {piece:?}, found {:?}", step.command);
     }
     let demo_sh = std::fs::read_to_string(workspace_root().join("demo.sh")).expect("read demo.sh");
     for command in &commands {
-        assert!(demo_sh.contains(command), "demo.sh does not print the README's command {command}");
+        assert!(demo_sh.contains(command), "demo.sh does not print the walkthrough's command {command}");
     }
 
     let demo = start_demo();
@@ -195,7 +198,7 @@ fn the_readme_walkthrough_prints_what_the_readme_says() {
         assert_ne!(command, step.command, "{}: no demo address to point at", step.command);
         if step.command.contains("x-api-key: demo") && step.command.contains("$(seq 1 7)") {
             // The rate-limit steps within one 10 s window bucket, so that the refusal's estimate
-            // is a whole 5 as in the README (across a boundary it would be a fraction).
+            // is a whole 5 as on the page (across a boundary it would be a fraction).
             wait_for_window_phase(Duration::from_secs(10), Duration::from_millis(300), Duration::from_secs(7));
         }
         if step.command.contains("x-plan: gold") {
@@ -216,7 +219,7 @@ fn the_readme_walkthrough_prints_what_the_readme_says() {
         let printed: Vec<String> =
             String::from_utf8_lossy(&out.stdout).lines().map(|l| l.trim_end_matches('\r').to_owned()).collect();
         println!("$ {}\n{}", step.command, printed.join("\n"));
-        let context = format!("$ {}\nREADME:\n{}\ndemo:\n{}", step.command, step.output.join("\n"), printed.join("\n"));
+        let context = format!("$ {}\ndocs/getting-started.md:\n{}\ndemo:\n{}", step.command, step.output.join("\n"), printed.join("\n"));
         match check {
             Check::Exact => assert_eq!(printed, step.output, "{context}"),
             Check::Shape => {
@@ -224,12 +227,12 @@ fn the_readme_walkthrough_prints_what_the_readme_says() {
                 assert_eq!(shaped(&printed), shaped(&step.output), "{context}");
             }
             Check::ClusterCounts => {
-                cluster_counts(&step.output, "README.md");
+                cluster_counts(&step.output, GUIDE);
                 counts = cluster_counts(&printed, "the demo");
             }
             Check::ZoneCStats => {
                 for (origin, lines, counts) in [
-                    ("README.md", &step.output, cluster_counts(&steps[0].output, "README.md")),
+                    (GUIDE, &step.output, cluster_counts(&steps[0].output, GUIDE)),
                     ("the demo", &printed, counts.clone()),
                 ] {
                     let stats = stat_lines(lines);
