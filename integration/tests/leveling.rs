@@ -200,6 +200,41 @@ fn grpc_calls_wait_for_a_slot_the_same_way() {
     assert_back_to_zero(&envoy, "after the gRPC calls");
 }
 
+/// The access log says how long a request waited for a slot, whether it then went on or was
+/// shed; a request that did not wait has no such field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_says_how_long_a_request_waited() {
+    let upstream = Upstream::with_options(UpstreamOptions { delay: Some(Duration::from_secs(1)), ..UpstreamOptions::default() });
+    let envoy = Envoy::builder(json!({
+        "access_log": true,
+        "load_shedding": {
+            "max_active_requests": 1,
+            "classes": [{"name": "normal", "shed_at": 1.0}, {"name": "brief", "shed_at": 1.0, "queue": {"max_wait": "200ms"}}],
+            "default_class": "normal",
+            "queue": {"max_queued": 8, "max_wait": "5s", "interval": "5s"}
+        }
+    }))
+    .upstream(&upstream)
+    .with_access_log()
+    .start();
+    let addr = envoy.addr();
+    let first = tokio::spawn(async move { get(addr, "/first", &[]).await.status });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waits = tokio::spawn(async move { get(addr, "/waits", &[]).await.status });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let brief = get(addr, "/brief", &[("x-floodgate-priority", "brief")]).await.status;
+    assert_eq!((first.await.expect("request"), waits.await.expect("request"), brief), (200, 200, 503));
+    let lines = envoy.access_log(3);
+    let line = |path: &str| lines.iter().find(|l| l["path"] == path).unwrap_or_else(|| panic!("no {path} in {lines:?}")).clone();
+    let waited = |l: &Value| l["waited_ms"].as_str().and_then(|w| w.parse::<u64>().ok());
+    println!("access log: {lines:?}");
+    assert_eq!(waited(&line("/first")), None, "it did not wait");
+    let (admitted, shed) = (line("/waits"), line("/brief"));
+    assert_eq!((admitted["outcome"].as_str(), shed["outcome"].as_str(), shed["by"].as_str()), (Some("admitted"), Some("shed"), Some("max_active_requests")));
+    assert!(waited(&admitted).is_some_and(|w| (700..3_000).contains(&w)), "{admitted}");
+    assert!(waited(&shed).is_some_and(|w| (200..1_000).contains(&w)), "{shed}");
+}
+
 /// Bad queue settings stop the configuration in Envoy, with the field named in the log (the
 /// parser's own refusals, with `floodgate validate` and the schema, are in `operator.rs`).
 #[test]
