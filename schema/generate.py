@@ -59,7 +59,7 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, a max_delay above 60s, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, a max_delay above 60s, a queue max_wait above 60s, a queue target above max_wait or an interval below target, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
   "allOf": [
@@ -212,10 +212,17 @@ schema = {
         {"required": ["max_loop_lag"], "properties": {"max_loop_lag": {"not": {"type": "null"}}}},
         {"required": ["per_key"], "properties": {"per_key": {"not": {"type": "null"}}}}
       ],
+      "allOf": [
+        {"if": {"required": ["queue"], "properties": {"queue": {"type": "object"}}},
+         "then": {"required": ["max_active_requests"], "properties": {"max_active_requests": {"type": "integer"}}}},
+        {"if": {"required": ["classes"], "properties": {"classes": {"type": "array", "contains": {"type": "object", "required": ["queue"], "properties": {"queue": {"type": "object"}}}}}},
+         "then": {"required": ["queue"], "properties": {"queue": {"type": "object"}}}}
+      ],
       "properties": {
         "max_active_requests": {"description": "Proxy-wide (all workers) limit of requests in flight (null: none; at least one of max_active_requests, max_loop_lag and per_key).", "anyOf": [positive(""), {"type": "null"}], "default": None},
         "max_loop_lag": {"description": "Shed on a worker while its event loop runs timers this late: class c from shed_at(c) * max_loop_lag (null: none; at least one of max_active_requests, max_loop_lag and per_key).", "anyOf": [{"$ref": "#/$defs/duration"}, {"type": "null"}], "default": None},
         "per_key": {"description": "The bulkhead's cap on each key's requests in flight, proxy-wide (null: none).", "anyOf": [{"$ref": "#/$defs/perKey"}, {"type": "null"}], "default": None},
+        "queue": {"description": "Load leveling: a request max_active_requests would shed waits for a slot instead, in a bounded queue per class, for a bounded time (null: none, shed at once; needs max_active_requests).", "anyOf": [{"$ref": "#/$defs/queue"}, {"type": "null"}], "default": None},
         "lag_probe_interval": {"description": "How often each worker probes its event loop's lag, from 10ms to 1s (with max_loop_lag).", "$ref": "#/$defs/duration", "default": "100ms"},
         "priority_header": {"description": "The request header whose value names the priority class.", "$ref": "#/$defs/headerName", "default": "x-floodgate-priority"},
         "classes": {
@@ -255,7 +262,26 @@ schema = {
       "required": ["name", "shed_at"],
       "properties": {
         "name": {"description": "The priority header value that selects the class.", "$ref": "#/$defs/name"},
-        "shed_at": {"description": "Fraction of max_active_requests (and of max_loop_lag) from which the class is shed, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1}
+        "shed_at": {"description": "Fraction of max_active_requests (and of max_loop_lag) from which the class is shed, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "queue": {"description": "The class's own max_queued and max_wait, overriding load_shedding.queue's (null: the section's; needs load_shedding.queue).", "anyOf": [{"$ref": "#/$defs/classQueue"}, {"type": "null"}], "default": None}
+      }
+    },
+    "queue": {
+      "type": "object", "additionalProperties": False,
+      "required": ["max_queued", "max_wait"],
+      "properties": {
+        "max_queued": positive("Requests of one class waiting at most, proxy-wide; the next is shed at once.", None, 100000),
+        "max_wait": {"description": "How long a request waits for a slot at most (at most 60s); then it gets the shed 503.", "$ref": "#/$defs/duration"},
+        "order": {"description": "adaptive_lifo: first come first served, newest first once the class's queue has stood for interval; fifo: first come first served always.", "enum": ["adaptive_lifo", "fifo"], "default": "adaptive_lifo"},
+        "target": {"description": "CoDel's target: a request that joins a queue standing for interval waits at most this (at most max_wait).", "$ref": "#/$defs/duration", "default": "5ms"},
+        "interval": {"description": "CoDel's interval: a class's queue that has not been empty for this long is standing (at least target).", "$ref": "#/$defs/duration", "default": "100ms"}
+      }
+    },
+    "classQueue": {
+      "type": "object", "additionalProperties": False,
+      "properties": {
+        "max_queued": {"description": "The class's max_queued (null: the section's).", "anyOf": [positive("", None, 100000), {"type": "null"}], "default": None},
+        "max_wait": {"description": "The class's max_wait, at most 60s (null: the section's).", "anyOf": [{"$ref": "#/$defs/duration"}, {"type": "null"}], "default": None}
       }
     },
     "health": {

@@ -449,6 +449,13 @@ fn load_shedding(config: &Config, request: &Request, line: &mut impl FnMut(Strin
             mode_text(config, shedding.mode, "load_shedding.mode")
         ));
     }
+    if let (Some(queue), Some(_)) = (&shedding.queue, shedding.max_active_requests) {
+        let limits = queue.class(shedding, class);
+        line(format!(
+            "queue: over the in-flight threshold it waits for a slot up to {}ms ({} once the class's queue has stood for {}), behind at most {} others of its class; then shed",
+            limits.max_wait_ms, queue.target, queue.interval, limits.max_queued.saturating_sub(1)
+        ));
+    }
     if let Some(per_key) = &shedding.per_key {
         let (key, _) = key_values(&per_key.key, request);
         let mode = mode_text(config, per_key.mode, "load_shedding.per_key.mode");
@@ -638,6 +645,19 @@ mod tests {
         assert!(text.contains("  per-key cap: key header:x-api-key (missing): not capped (a part is missing)\n"), "{text}");
         let text = explained(json, &[]);
         assert!(text.contains("(the default class: no x-floodgate-priority header)"), "{text}");
+        assert!(!text.contains("queue:"), "{text}");
+    }
+
+    #[test]
+    fn a_queue_says_how_long_the_class_waits() {
+        let json = r#"{"load_shedding": {"max_active_requests": 10, "queue": {"max_queued": 50, "max_wait": "1s"},
+                        "classes": [{"name": "normal", "shed_at": 1.0}, {"name": "low", "shed_at": 0.5, "queue": {"max_wait": "200ms"}}]}}"#;
+        let text = explained(json, &["--header", "x-floodgate-priority:low"]);
+        assert!(
+            text.contains("  queue: over the in-flight threshold it waits for a slot up to 200ms (5ms once the class's queue has stood for 100ms), behind at most 49 others of its class; then shed\n"),
+            "{text}"
+        );
+        assert!(explained(json, &[]).contains("up to 1000ms"));
     }
 
     #[test]

@@ -137,6 +137,7 @@ pub fn access_log() -> Value {
                 "limit": state("limit"),
                 "remaining": state("remaining"),
                 "cluster": state("cluster"),
+                "waited_ms": state("waited_ms"),
             }}
         }
     }])

@@ -130,6 +130,26 @@ struct UpstreamState {
     poisoned: AtomicU64,
     /// When each request arrived, in arrival order.
     arrivals: Mutex<Vec<std::time::Instant>>,
+    /// Requests being handled now, and the most at once.
+    active: AtomicU64,
+    most_active: AtomicU64,
+}
+
+/// Counts a request while the upstream handles it (until answered, or its connection goes).
+struct Active(Arc<UpstreamState>);
+
+impl Active {
+    fn new(state: Arc<UpstreamState>) -> Active {
+        let now = state.active.fetch_add(1, Ordering::SeqCst) + 1;
+        state.most_active.fetch_max(now, Ordering::SeqCst);
+        Active(state)
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Counts a hanging request while it hangs (its future is dropped when the connection goes).
@@ -200,6 +220,8 @@ impl Upstream {
             crashed_until: Mutex::new(None),
             poisoned: AtomicU64::new(0),
             arrivals: Mutex::new(Vec::new()),
+            active: AtomicU64::new(0),
+            most_active: AtomicU64::new(0),
             echo: options.echo.as_ref().map(|(from, to)| {
                 (
                     HeaderName::from_bytes(from.as_bytes()).expect("a header name"),
@@ -285,6 +307,11 @@ impl Upstream {
         self.state.arrivals.lock().expect("upstream arrivals").clone()
     }
 
+    /// The most requests it handled at once (from their headers to their answer), so far.
+    pub fn most_concurrent(&self) -> u64 {
+        self.state.most_active.load(Ordering::SeqCst)
+    }
+
     /// Poison requests received so far.
     pub fn poisoned(&self) -> u64 {
         self.state.poisoned.load(Ordering::SeqCst)
@@ -317,6 +344,7 @@ async fn handle_upstream(
     }
     state.arrivals.lock().expect("upstream arrivals").push(std::time::Instant::now());
     state.total.fetch_add(1, Ordering::SeqCst);
+    let _active = Active::new(state.clone());
     let echoed = state.echo.as_ref().and_then(|(from, to)| Some((to.clone(), req.headers().get(from)?.clone())));
     let poison = state
         .poison

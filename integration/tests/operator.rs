@@ -63,6 +63,9 @@ const KNOWN_GAPS: &[&str] = &[
     "watchdog.max_loop_lag: must be at least",
     "is health.path too",
     "(a request waits in the proxy, holding its connection)",
+    "(a waiting request holds its connection)",
+    "must be at most max_wait",
+    "must be at least target",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -283,6 +286,16 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         "priorityClass",
         r#"{"load_shedding": {"max_active_requests": 5, "classes": [{"name": "normal", "shed_at": 1}]}}"#,
     ),
+    (
+        "/load_shedding/queue",
+        "queue",
+        r#"{"load_shedding": {"max_active_requests": 5, "queue": {"max_queued": 2, "max_wait": "1s"}}}"#,
+    ),
+    (
+        "/load_shedding/classes/0/queue",
+        "classQueue",
+        r#"{"load_shedding": {"max_active_requests": 5, "queue": {"max_queued": 2, "max_wait": "1s"}, "classes": [{"name": "normal", "shed_at": 1, "queue": {}}]}}"#,
+    ),
     ("/health", "health", r#"{"health": {"path": "/h"}}"#),
     ("/watchdog", "watchdog", r#"{"watchdog": {"path": "/alive"}}"#),
     (
@@ -460,8 +473,9 @@ fn everything() -> Value {
         "access_log": true,
         "load_shedding": {
             "max_active_requests": 500, "max_loop_lag": "50ms", "lag_probe_interval": "20ms", "priority_header": "x-priority",
-            "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "batch", "shed_at": 0.5}],
+            "classes": [{"name": "critical", "shed_at": 1.0, "queue": {"max_queued": 10, "max_wait": "500ms"}}, {"name": "batch", "shed_at": 0.5}],
             "default_class": "batch", "retry_after": "2s", "mode": "shadow",
+            "queue": {"max_queued": 100, "max_wait": "2s", "order": "fifo", "target": "10ms", "interval": "200ms"},
             "per_key": {"key": [{"header": "x-api-key"}, "source_ip"], "max_active_requests": 8, "capacity": 2048, "mode": "shadow"}
         },
         "cluster_selection": {
@@ -1509,6 +1523,48 @@ fn unknown_modes_and_routes_with_cluster_selection_are_refused_naming_the_field(
     println!("{} refusals named alike by the parser, floodgate validate and the schema", cases.len());
 }
 
+/// Load leveling's settings: a queue without a bound or a wait, a zero or negative wait, a
+/// class's wait without the section's queue, a queue without an in-flight limit: the parser,
+/// `floodgate validate` and the schema all refuse them, naming the same field.
+#[test]
+fn queue_settings_are_refused_naming_the_field() {
+    let validator = validator();
+    let shedding = |queue: Value| json!({"load_shedding": {"max_active_requests": 4, "queue": queue}});
+    // Required fields: without them the queue is refused too, so only the refusal is compared.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let required: Vec<(Value, &str, &str)> = vec![
+        (shedding(json!({"max_queued": 0, "max_wait": "1s"})), "load_shedding.queue.max_queued", "must be a positive integer"),
+        (shedding(json!({"max_queued": 5, "max_wait": "0s"})), "load_shedding.queue.max_wait", "\"0s\" must be longer than zero"),
+        (shedding(json!({"max_queued": 5, "max_wait": "-1s"})), "load_shedding.queue.max_wait", "\"-1s\" is not a duration"),
+        (shedding(json!({"max_wait": "1s"})), "load_shedding.queue", "missing field `max_queued`"),
+    ];
+    for (index, (config, field, words)) in required.iter().enumerate() {
+        refused_by_all(&validator, dir.path(), index, config, field, words);
+    }
+    let cases: Vec<(Value, &str, &str)> = vec![
+        (shedding(json!({"max_queued": 5, "max_wait": "1s", "order": "lifo"})), "load_shedding.queue.order", "unknown variant `lifo`"),
+        (shedding(json!({"max_queued": 5, "max_wait": "1s", "target": "0ms"})), "load_shedding.queue.target", "\"0ms\" must be longer than zero"),
+        (
+            json!({"load_shedding": {"max_active_requests": 4, "classes": [{"name": "normal", "shed_at": 1.0, "queue": {"max_wait": "1s"}}]}}),
+            "load_shedding.classes[0].queue",
+            "needs load_shedding.queue",
+        ),
+        (
+            json!({"load_shedding": {"max_loop_lag": "100ms", "queue": {"max_queued": 5, "max_wait": "1s"}}}),
+            "load_shedding.queue",
+            "needs max_active_requests",
+        ),
+        (
+            json!({"load_shedding": {"max_active_requests": 4, "queue": {"max_queued": 5, "max_wait": "1s"},
+                   "classes": [{"name": "normal", "shed_at": 1.0, "queue": {"max_queued": 0}}]}}),
+            "load_shedding.classes[0].queue.max_queued",
+            "must be a positive integer",
+        ),
+    ];
+    refused_alike(&validator, &cases);
+    println!("{} queue refusals named alike by the parser, floodgate validate and the schema", required.len() + cases.len());
+}
+
 /// Each case (a configuration, the field, the words): the parser refuses it naming the field
 /// with those words; `floodgate validate` says the parser's very words after the file's name;
 /// the schema refuses it at the field or at a section that holds it, and accepts it, as the
@@ -1516,34 +1572,43 @@ fn unknown_modes_and_routes_with_cluster_selection_are_refused_naming_the_field(
 fn refused_alike(validator: &jsonschema::Validator, cases: &[(Value, &str, &str)]) {
     let dir = tempfile::tempdir().expect("tempdir");
     for (index, (config, field, words)) in cases.iter().enumerate() {
-        let text = config.to_string();
-        // The parser.
-        let error = Config::parse(text.as_bytes()).expect_err("refused").to_string();
-        assert!(
-            error.starts_with(&format!("{field}: {words}")),
-            "{text}\n  parser: {error}\n  want: {field}: {words}..."
-        );
-        // floodgate validate: the parser's very words, after the file's name.
-        let file = dir.path().join(format!("case-{index}.json"));
-        std::fs::write(&file, &text).expect("write");
-        let name = file.display().to_string();
-        let (code, out, err) = floodgate(&["validate", &name], None);
-        assert_eq!((code, out.as_str(), err.as_str()), (1, "", format!("{name}: {error}\n").as_str()), "{text}");
-        // The schema: it refuses the configuration at the field or at a section that holds it
-        // (an `anyOf` of a nullable section reports there), and accepts it without the field.
-        let pointer = format!("/{}", field.replace('[', "/").replace(']', "").replace('.', "/"));
-        let errors: Vec<String> = validator.iter_errors(config).map(|e| e.instance_path().to_string()).collect();
-        assert!(
-            !errors.is_empty() && errors.iter().all(|at| pointer == *at || pointer.starts_with(&format!("{at}/"))),
-            "{text}: the schema does not refuse {pointer}: {:?}",
-            schema_errors(validator, config)
-        );
+        let pointer = refused_by_all(validator, dir.path(), index, config, field, words);
         let (parent, last) = pointer.rsplit_once('/').expect("a field");
         let mut without = config.clone();
         without.pointer_mut(parent).and_then(Value::as_object_mut).expect("an object").remove(last);
         assert!(validator.is_valid(&without), "{without}: {:?}", schema_errors(validator, &without));
         assert!(Config::parse(without.to_string().as_bytes()).is_ok(), "{without}");
     }
+}
+
+/// The parser refuses `config` naming `field` with `words`; `floodgate validate` (with the file
+/// written in `dir` as case `index`) says the parser's very words after the file's name; the
+/// schema refuses it at the field or at a section that holds it. Returns the field's JSON
+/// pointer.
+fn refused_by_all(validator: &jsonschema::Validator, dir: &Path, index: usize, config: &Value, field: &str, words: &str) -> String {
+    let text = config.to_string();
+    // The parser.
+    let error = Config::parse(text.as_bytes()).expect_err("refused").to_string();
+    assert!(
+        error.starts_with(&format!("{field}: {words}")),
+        "{text}\n  parser: {error}\n  want: {field}: {words}..."
+    );
+    // floodgate validate: the parser's very words, after the file's name.
+    let file = dir.join(format!("case-{index}.json"));
+    std::fs::write(&file, &text).expect("write");
+    let name = file.display().to_string();
+    let (code, out, err) = floodgate(&["validate", &name], None);
+    assert_eq!((code, out.as_str(), err.as_str()), (1, "", format!("{name}: {error}\n").as_str()), "{text}");
+    // The schema: it refuses the configuration at the field or at a section that holds it
+    // (an `anyOf` of a nullable section reports there).
+    let pointer = format!("/{}", field.replace('[', "/").replace(']', "").replace('.', "/"));
+    let errors: Vec<String> = validator.iter_errors(config).map(|e| e.instance_path().to_string()).collect();
+    assert!(
+        !errors.is_empty() && errors.iter().all(|at| pointer == *at || pointer.starts_with(&format!("{at}/"))),
+        "{text}: the schema does not refuse {pointer}: {:?}",
+        schema_errors(validator, config)
+    );
+    pointer
 }
 
 #[test]

@@ -11,12 +11,14 @@
 mod bulkhead;
 mod global;
 mod grpc;
+mod leveling;
 mod rules;
 mod selection;
 mod values;
 
 pub use global::{Global, OnStoreFailure, StoreRoute, MAX_GLOBAL_KEYS, MAX_LEASE_TIMEOUT_MS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
 pub use grpc::{default_failure_grpc_statuses, Grpc, GrpcStatus};
+pub use leveling::{ClassLimits, ClassQueue, Queue, QueueOrder, MAX_QUEUED, MAX_QUEUE_WAIT_MS};
 pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
     MAX_BUCKETS, MAX_CLUSTERS,
@@ -118,6 +120,9 @@ pub struct LoadShedding {
     /// A cap on each key's requests in flight (the bulkhead).
     #[serde(default)]
     pub per_key: Option<PerKey>,
+    /// Load leveling: a request the in-flight limit would shed waits for a slot instead.
+    #[serde(default)]
+    pub queue: Option<Queue>,
     /// The request header whose value names the priority class.
     #[serde(default = "default_priority_header")]
     pub priority_header: String,
@@ -143,6 +148,9 @@ pub struct PriorityClass {
     pub name: Name,
     /// Fraction of `max_active_requests` from which the class is shed, in (0, 1].
     pub shed_at: Fraction,
+    /// The class's overrides of `load_shedding.queue`.
+    #[serde(default)]
+    pub queue: Option<ClassQueue>,
 }
 
 /// `health`: a path the filter answers itself.
@@ -252,6 +260,7 @@ fn default_classes() -> Vec<PriorityClass> {
         .map(|(name, shed_at)| PriorityClass {
             name: Name::trusted(name),
             shed_at: Fraction::trusted(shed_at),
+            queue: None,
         })
         .collect()
 }
@@ -697,7 +706,7 @@ impl Config {
                 format!("\"{}\" is not one of the classes", shedding.default_class),
             ));
         }
-        Ok(())
+        leveling::validate(shedding)
     }
 
     /// A one-line summary of what the configuration enforces, for the configure-time log.
@@ -723,8 +732,9 @@ impl Config {
             if let Some(per_key) = &shedding.per_key {
                 limits.push(per_key.summary());
             }
+            let queue = shedding.queue.as_ref().map_or_else(String::new, |q| format!(", {}", q.summary()));
             parts.push(format!(
-                "load shedding: {}, classes by {} [{}], default {}",
+                "load shedding: {}{queue}, classes by {} [{}], default {}",
                 limits.join(" or "),
                 shedding.priority_header,
                 classes.join(", "),
@@ -828,6 +838,7 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
         ("cluster_selection.concurrency_limit", selection.and_then(|s| s.get("concurrency_limit"))),
         ("cluster_selection.partition", selection.and_then(|s| s.get("partition"))),
         ("load_shedding.per_key", top.get("load_shedding").and_then(|s| s.get("per_key"))),
+        ("load_shedding.queue", top.get("load_shedding").and_then(|s| s.get("queue"))),
     ];
     for (path, section) in sections {
         if section.is_some_and(|v| !v.is_object() && !v.is_null()) {
@@ -843,6 +854,12 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
             if let Some(index) = items.iter().position(|item| !item.is_object()) {
                 return Err(not_object(format!("{path}[{index}]")));
             }
+        }
+    }
+    if let Some(serde_json::Value::Array(classes)) = top.get("load_shedding").and_then(|s| s.get("classes")) {
+        let queue = |class: &serde_json::Value| class.get("queue").is_some_and(|q| !q.is_object() && !q.is_null());
+        if let Some(index) = classes.iter().position(queue) {
+            return Err(not_object(format!("load_shedding.classes[{index}].queue")));
         }
     }
     Ok(())

@@ -151,8 +151,7 @@ impl Context for FilterRoot {
     fn on_done(&mut self) -> bool {
         if let Some(filter) = self.filter.take() {
             let clock = CallbackClock::default();
-            filter.retire(&env(&clock));
-            send_calls(&filter, self.id, &clock);
+            retire(&filter, self.id, &clock);
             log::debug!("floodgate: root context retired; its reserves were given back");
         }
         true
@@ -196,8 +195,7 @@ impl RootContext for FilterRoot {
         };
         let clock = CallbackClock::default();
         if let Some(old) = self.filter.take() {
-            old.retire(&env(&clock));
-            send_calls(&old, self.id, &clock);
+            retire(&old, self.id, &clock);
         }
         let shedder_record = config.load_shedding.as_ref().and_then(|s| crate::shedding::Shedder::new(s, &namespace)).map(|s| s.record_key().to_owned());
         let selector = config.cluster_selection.as_ref().map(|s| crate::selection::Selector::new(s, &namespace));
@@ -217,6 +215,7 @@ impl RootContext for FilterRoot {
             filter.lag.as_ref().map(|l| l.borrow().probe_ms()),
             filter.leased.as_ref().map(|l| crate::fleet::leased::tick_ms(l.timeout_ms)),
             filter.delays.as_ref().map(|_| pipeline::delay::TICK_MS),
+            filter.queue.as_ref().map(|_| pipeline::queue::TICK_MS),
         ]
         .into_iter()
         .flatten()
@@ -262,6 +261,12 @@ impl RootContext for FilterRoot {
                 resume_streams(&filter, due, self.id, &clock, Resume::Turn);
             }
         }
+        if let Some(stage) = &filter.queue {
+            let ready = stage.tick(&filter, &env);
+            if !ready.is_empty() {
+                resume_streams(&filter, ready, self.id, &clock, Resume::Slot);
+            }
+        }
         if due.heartbeat {
             filter.heartbeat(&env);
         }
@@ -276,6 +281,20 @@ impl RootContext for FilterRoot {
         let filter = self.filter.clone()?;
         Some(Box::new(FilterStream { filter, context_id, stream: StreamCell::default() }))
     }
+}
+
+/// Retires a configuration ([`Filter::retire`]) from the root context `current`: the requests
+/// waiting for a slot under it are shed (no tick of it will run again), the calls it queued
+/// sent.
+fn retire(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
+    filter.retire(&env(clock));
+    if let Some(stage) = &filter.queue {
+        let ready = stage.drain(filter, &env(clock));
+        if !ready.is_empty() {
+            resume_streams(filter, ready, current, clock, Resume::Slot);
+        }
+    }
+    send_calls(filter, current, clock);
 }
 
 /// Sends the calls the leased stage queued, from `current` (the context whose callback runs).
@@ -328,6 +347,8 @@ enum Resume {
     Store,
     /// Its turn (the delay stage).
     Turn,
+    /// A slot, or the end of its wait (the queue stage).
+    Slot,
 }
 
 /// Resumes the paused `streams`, in order, each from its own context (made the effective one),
@@ -337,6 +358,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
         let waits = match what {
             Resume::Store => shared.borrow().waiting_since().is_some(),
             Resume::Turn => shared.borrow().delayed_until().is_some(),
+            Resume::Slot => shared.borrow().slot_decided(),
         };
         if !waits {
             continue;
@@ -346,6 +368,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
             match what {
                 Resume::Store => pipeline::abandon(filter, &shared),
                 Resume::Turn => pipeline::abandon_delayed(filter, &env, &shared),
+                Resume::Slot => pipeline::abandon_queued(filter, &env, &shared),
             }
             continue;
         }
@@ -354,6 +377,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
         let step = match what {
             Resume::Store => pipeline::resume(filter, &env, &shared, context, &request, &mut VmRandom),
             Resume::Turn => pipeline::resume_delayed(filter, &env, &shared, &request, &mut VmRandom),
+            Resume::Slot => pipeline::resume_queued(filter, &env, &shared, context, &request, &mut VmRandom),
         };
         if apply(filter, &env, &shared, step) == Action::Continue {
             if let Err(status) = hostcalls::resume_http_request() {

@@ -1,6 +1,6 @@
 //! What floodgate decided about a request, as Envoy's access log shows it (`access_log`): the
 //! outcome, the mechanism or rule that decided it, the tightest rule's limit and remaining
-//! units, and the chosen cluster. The host writes [`Decision::fields`] into Envoy filter state
+//! units, the chosen cluster, and how long it waited for a slot. The host writes [`Decision::fields`] into Envoy filter state
 //! (`wasm.<plugin name>.outcome`, ...) once the request is decided, so that two instances of the
 //! filter in one chain keep their own. No key appears: keys can be secrets.
 
@@ -71,13 +71,21 @@ pub struct Names {
     limit: String,
     remaining: String,
     cluster: String,
+    waited_ms: String,
 }
 
 impl Names {
     /// The names under plugin `namespace`.
     pub fn new(namespace: &str) -> Names {
         let name = |field: &str| format!("{namespace}.{field}");
-        Names { outcome: name("outcome"), by: name("by"), limit: name("limit"), remaining: name("remaining"), cluster: name("cluster") }
+        Names {
+            outcome: name("outcome"),
+            by: name("by"),
+            limit: name("limit"),
+            remaining: name("remaining"),
+            cluster: name("cluster"),
+            waited_ms: name("waited_ms"),
+        }
     }
 }
 
@@ -92,6 +100,8 @@ pub struct Decision {
     pub standing: Option<(u32, u64)>,
     /// The chosen cluster (an index in `cluster_selection.clusters`).
     pub cluster: Option<usize>,
+    /// How long it waited for a slot (`load_shedding.queue`), ms.
+    pub waited_ms: Option<u64>,
 }
 
 impl Decision {
@@ -148,6 +158,9 @@ impl Decision {
         let cluster = self.cluster.and_then(|c| filter.config.cluster_selection.as_ref()?.clusters.get(c));
         if let Some(cluster) = cluster {
             fields.push((names.cluster.as_str(), cluster.as_str().to_owned()));
+        }
+        if let Some(waited_ms) = self.waited_ms {
+            fields.push((names.waited_ms.as_str(), waited_ms.to_string()));
         }
         fields
     }

@@ -1,7 +1,7 @@
 //! The request pipeline: what floodgate does with a request, in pure code, stage by stage.
 //!
 //! ```text
-//! endpoints → shed → cap → leased → rate_limit → delay → select
+//! endpoints → shed (→ queue) → cap → leased → rate_limit → delay → select
 //! ```
 //!
 //! Each stage lets the request go on, possibly holding something (an in-flight [`Permit`], a
@@ -9,7 +9,9 @@
 //! the answer ([`Step`]) into host calls. The `leased` stage may make the request wait; the store's
 //! answer resumes it ([`resume`]) on the same stream state ([`Stream`]); the `delay` stage parks
 //! a request a token bucket let in to wait for its turn, and the root's tick resumes it
-//! ([`resume_delayed`]). The stream state also takes the
+//! ([`resume_delayed`]); with `load_shedding.queue`, a request the in-flight limit would shed
+//! waits in the `queue` stage for a slot, which the root's tick gives it ([`resume_queued`]).
+//! The stream state also takes the
 //! stream's later events (body, response, end). What the pipeline needs of the host is narrow: the
 //! shared store, metrics and the VM's id ([`Env`]), the request's attributes ([`Request`]), the
 //! response's ([`Attributes`], [`StreamEnd`]), and a random source.
@@ -23,6 +25,7 @@ pub mod decision;
 pub mod delay;
 pub mod headers;
 pub mod leased;
+pub mod queue;
 pub mod stats;
 #[cfg(test)]
 mod tests;
@@ -51,6 +54,7 @@ use crate::watchdog::{self, Watchdog, WorkerState};
 use decision::{By, Decision};
 use delay::{DelayStage, Delayed};
 use leased::{LeasedStage, Taken, Wait};
+use queue::{QueueStage, Queued, Ready};
 pub use rules::Attributes;
 use stats::{increment, Metrics, Stats};
 use std::borrow::Cow;
@@ -219,6 +223,8 @@ pub struct Filter {
     pub leased: Option<LeasedStage>,
     /// Token buckets with `max_delay`: the requests waiting for their turn.
     pub delays: Option<DelayStage>,
+    /// Load leveling (`load_shedding.queue`): the requests waiting for a slot.
+    pub queue: Option<QueueStage>,
     /// Which mechanisms only count what they would refuse.
     pub shadows: Shadows,
     /// The filter-state names of a decision's fields (`access_log`).
@@ -262,6 +268,7 @@ impl Filter {
             global,
             leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
             delays: DelayStage::new(&config),
+            queue: config.load_shedding.as_ref().and_then(|s| crate::shedding::queue::Leveler::new(s, namespace)).map(QueueStage::new),
             shadows: Shadows::new(&config),
             decision_names: if config.access_log { decision::Names::new(namespace) } else { decision::Names::default() },
             watchdog: config.watchdog.as_ref().map(|w| Watchdog::new(w, namespace)),
@@ -297,6 +304,9 @@ impl Filter {
         }
         if let Some(cap) = &self.per_key {
             cap.heartbeat(env.store, env.vm, &self.key_counts, now.mono);
+        }
+        if let Some(stage) = &self.queue {
+            stage.heartbeat(env, now.mono);
         }
         self.selection_heartbeat(env);
         if let Some(dog) = &self.watchdog {
@@ -480,6 +490,8 @@ pub struct Stream {
     waiting: Option<Wait>,
     /// While it waits for its turn (a token bucket's `max_delay`).
     delayed: Option<Delayed>,
+    /// While it waits for a slot (`load_shedding.queue`).
+    queued: Option<Queued>,
     /// For an admitted request: the tightest rule and its `ratelimit` value.
     fields: Option<Tightest>,
     /// Costs it still owes its rules (a streamed body, a reported count).
@@ -555,10 +567,36 @@ pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 ) -> Step {
     let now = env.clock.now();
     let mut stream = cell.borrow_mut();
-    let mut reply = stream
-        .endpoints(filter, env, request, now.mono)
-        .or_else(|| stream.shed(filter, env, request, now.mono))
-        .or_else(|| stream.cap(filter, env, request, now.mono));
+    let reply = stream.endpoints(filter, env, request, now.mono).or_else(|| stream.shed(filter, env, request, end_of_stream, now.mono));
+    if let Some(queued) = &stream.queued {
+        // The queue stage: it waits for a slot; its state is shared from now on.
+        let queued = queued.clone();
+        drop(stream);
+        if let Some(stage) = &filter.queue {
+            stage.park(&queued, context, cell.share());
+        }
+        return Step::Wait;
+    }
+    drop(stream);
+    after_shed(filter, env, cell, context, request, end_of_stream, reply, rng, now)
+}
+
+/// The pipeline after the `shed` stage (`reply`: a refusal so far, if any): `cap → leased →
+/// rate_limit → delay → select`, parking the stream where a stage makes it wait.
+#[allow(clippy::too_many_arguments)]
+fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    cell: &mut StreamCell,
+    context: u32,
+    request: &R,
+    end_of_stream: bool,
+    reply: Option<Reply>,
+    rng: &mut G,
+    now: Now,
+) -> Step {
+    let mut stream = cell.borrow_mut();
+    let mut reply = reply.or_else(|| stream.cap(filter, env, request, now.mono));
     if let (None, Some(stage)) = (&reply, &filter.leased) {
         let probes = stage.probes(filter, env.metrics, request);
         if !probes.is_empty() {
@@ -608,6 +646,46 @@ pub fn abandon_delayed<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &Shar
     }
 }
 
+/// A request whose wait for a slot is over (its stream `context`, made the host's effective
+/// context): admitted, the rest of its pipeline after the `shed` stage; its wait ended, the
+/// shed `503`. Then the body that came while it waited.
+pub fn resume_queued<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    shared: &SharedStream,
+    context: u32,
+    request: &R,
+    rng: &mut G,
+) -> Step {
+    let now = env.clock.now();
+    let (queued, reply) = {
+        let mut stream = shared.borrow_mut();
+        let Some(queued) = stream.queued.take_if(|q| q.ready.is_some()).filter(|_| !stream.ended) else { return Step::Wait };
+        let waited_ms = now.mono.saturating_since(queued.since);
+        stream.decision.waited_ms = Some(waited_ms);
+        stats::set(env.metrics, filter.stats.queue.wait_ms, waited_ms);
+        let reply = match queued.ready {
+            Some(Ready::Admitted) => None,
+            _ => stream.wait_ended(filter, env, &queued, waited_ms, now.mono),
+        };
+        (queued, reply)
+    };
+    let mut cell = StreamCell::Shared(Rc::clone(shared));
+    let step = after_shed(filter, env, &mut cell, context, request, queued.end_of_stream, reply, rng, now);
+    shared.borrow_mut().carry_body(filter, env, &step, queued.body);
+    step
+}
+
+/// A request whose wait for a slot is over and whose host context is gone: the slot it was
+/// given goes back.
+pub fn abandon_queued<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
+    let mut stream = shared.borrow_mut();
+    if stream.queued.take().is_some() {
+        let now = env.clock.now().mono;
+        stream.release(filter, env, now);
+    }
+}
+
 /// A request the leased stage woke (its stream `context`, made the host's effective context):
 /// takes its units again; decided, runs the rest of its pipeline; still short of units, waits
 /// again.
@@ -637,11 +715,7 @@ pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         }
     };
     let step = stream.finish_headers(filter, env, request, wait.end_of_stream, reply, rng, now);
-    match stream.delayed.as_mut() {
-        // It waits for its turn now: the body waits with it.
-        Some(delayed) if step == Step::Wait => delayed.body = wait.body,
-        _ => stream.body_held(filter, env, wait.body),
-    }
+    stream.carry_body(filter, env, &step, wait.body);
     stream.park(filter, context, shared, step)
 }
 
@@ -680,6 +754,17 @@ impl Stream {
         }
     }
 
+    /// The body that came while the request waited (bytes, and whether it ended), now that it
+    /// is decided (`step`): it waits on with the request if the request waits again (for the
+    /// store or its turn), else it is counted.
+    fn carry_body<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, step: &Step, body: (usize, bool)) {
+        match (step, &mut self.waiting, &mut self.delayed) {
+            (Step::Wait, Some(wait), _) => wait.body = body,
+            (Step::Wait, None, Some(delayed)) => delayed.body = body,
+            _ => self.body_held(filter, env, body),
+        }
+    }
+
     /// The slots a request waiting for its turn took go back (its client went away).
     fn give_back_slots<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, delayed: &Delayed) {
         for probe in &delayed.slots {
@@ -698,10 +783,11 @@ impl Stream {
         if self.ended {
             return None;
         }
-        match (&mut self.waiting, &mut self.delayed) {
-            (Some(wait), _) => Some(&mut wait.body),
-            (None, Some(delayed)) => Some(&mut delayed.body),
-            (None, None) => None,
+        match (&mut self.waiting, &mut self.delayed, &mut self.queued) {
+            (Some(wait), _, _) => Some(&mut wait.body),
+            (None, Some(delayed), _) => Some(&mut delayed.body),
+            (None, None, Some(queued)) => Some(&mut queued.body),
+            (None, None, None) => None,
         }
     }
 
@@ -887,8 +973,10 @@ impl Stream {
     }
 
     /// Load shedding: on this worker's loop lag, then on the proxy-wide in-flight count (taking
-    /// a permit); returns the 503 of either.
-    fn shed<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, now: MonoMillis) -> Option<Reply> {
+    /// a permit); returns the 503 of either. With a queue, a request the in-flight count would
+    /// shed, or that finds a waiter ahead of it, waits instead (`queued` set) while its class's
+    /// queue has room.
+    fn shed<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, end_of_stream: bool, now: MonoMillis) -> Option<Reply> {
         let classes = filter.classes.as_ref()?;
         let value = request.get(&classes.priority_header);
         let class = classes.class_of(value.as_deref());
@@ -911,6 +999,12 @@ impl Stream {
             }
         }
         let shedder = filter.shedder.as_ref()?;
+        let queue = filter.queue.as_ref().filter(|_| !shadow);
+        if let Some(stage) = queue.filter(|stage| stage.must_wait(env, class, now)) {
+            // Waiters come first: it waits behind them.
+            let in_flight = || shedder.in_flight(env.store, env.vm, &filter.local, now);
+            return self.wait_for_slot(filter, env, stage, class, end_of_stream, in_flight, now);
+        }
         match shedder.try_acquire(env.store, env.vm, &filter.local, class, now) {
             Ok(permit) => {
                 self.permit = Some(permit);
@@ -925,12 +1019,76 @@ impl Stream {
                     self.decision.shadow(By::InFlight, None);
                     return None;
                 }
+                if let Some(stage) = queue.filter(|_| !shed.contention) {
+                    return self.wait_for_slot(filter, env, stage, class, end_of_stream, || shed.in_flight, now);
+                }
                 increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
                 log::debug!("floodgate: shed {shed:?}");
                 self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
                 Some(replies::shed(shedder, &shed))
             }
         }
+    }
+
+    /// Load leveling: the request takes a ticket of its class and waits for a slot (`None`), or,
+    /// its class's queue full, is shed (`in_flight`: the count, for the reply).
+    #[allow(clippy::too_many_arguments)]
+    fn wait_for_slot<H: Host>(
+        &mut self,
+        filter: &Filter,
+        env: &Env<'_, H>,
+        stage: &QueueStage,
+        class: usize,
+        end_of_stream: bool,
+        in_flight: impl FnOnce() -> u32,
+        now: MonoMillis,
+    ) -> Option<Reply> {
+        let shedder = filter.shedder.as_ref()?;
+        match stage.enter(filter, env, class, end_of_stream, now) {
+            Ok(queued) => {
+                log::debug!("floodgate: waits for a slot {:?}", queued.ticket);
+                self.queued = Some(queued);
+                None
+            }
+            Err(no_room) => {
+                let contention = no_room == crate::shedding::queue::NoRoom::Contention;
+                if contention {
+                    increment(env.metrics, filter.stats.shed_contention);
+                }
+                increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
+                let shed = crate::shedding::Shed { in_flight: in_flight(), class, contention };
+                log::debug!("floodgate: shed, no room to wait ({no_room:?}) {shed:?}");
+                self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
+                Some(replies::shed(shedder, &shed))
+            }
+        }
+    }
+
+    /// A waiting request's wait is over (`ready`; with a slot, its in-flight `permit`): the
+    /// host resumes it next ([`resume_queued`]).
+    pub(crate) fn wait_over(&mut self, ready: Ready, permit: Option<Permit>) {
+        if let Some(queued) = self.queued.as_mut() {
+            queued.ready = Some(ready);
+        }
+        if permit.is_some() {
+            self.permit = permit;
+        }
+    }
+
+    /// Whether its wait for a slot is over and it awaits its resumption.
+    pub fn slot_decided(&self) -> bool {
+        !self.ended && self.queued.as_ref().is_some_and(|q| q.ready.is_some())
+    }
+
+    /// A request's wait for a slot ended without one (`waited_ms` long): the shed `503`.
+    fn wait_ended<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, queued: &Queued, waited_ms: u64, now: MonoMillis) -> Option<Reply> {
+        let shedder = filter.shedder.as_ref()?;
+        let class = queued.ticket.class;
+        increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
+        let shed = crate::shedding::Shed { in_flight: shedder.in_flight(env.store, env.vm, &filter.local, now), class, contention: false };
+        log::debug!("floodgate: shed after waiting {waited_ms} ms {shed:?}");
+        self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
+        Some(replies::shed_after_wait(shedder, &shed, waited_ms))
     }
 
     /// The per-key cap: takes a unit of the request's key's in-flight cap, or returns its 503.
@@ -1257,7 +1415,7 @@ impl Stream {
 
     /// Whether the stream still needs what [`Stream::end`] reads of the host.
     pub fn needs_end(&self) -> bool {
-        !self.charges.is_empty() || self.holds_permits() || self.waiting.is_some() || self.delayed.is_some()
+        !self.charges.is_empty() || self.holds_permits() || self.waiting.is_some() || self.delayed.is_some() || self.queued.is_some()
     }
 
     /// The stream ended, whatever ended it (`context`: its host context): a waiting request
@@ -1274,6 +1432,10 @@ impl Stream {
         if let Some(delayed) = self.delayed.take() {
             // Its client went away while it waited for its turn.
             self.give_back_slots(filter, env, &delayed);
+        }
+        if let (Some(queued), Some(stage)) = (self.queued.take(), &filter.queue) {
+            // Its client went away while it waited for a slot (or before its resumption).
+            stage.abandon(filter, env, &queued);
         }
         if !self.charges.is_empty() {
             let rules = &filter.rules;

@@ -19,6 +19,12 @@
 //! | `<prefix>.load_shedding.loop_lag_ms` | histogram | how late each worker's lag probe ran, in milliseconds, one sample per probe (`max_loop_lag`; no samples without it) |
 //! | `<prefix>.load_shedding.contention` | counter | requests shed because the in-flight count could not be updated |
 //! | `<prefix>.load_shedding.in_flight` | gauge | proxy-wide in-flight requests, refreshed every second (`max_active_requests`) |
+//! | `<prefix>.load_shedding.<class>.queued` | counter | requests of the class the in-flight limit would have shed that waited for a slot instead (`queue`) |
+//! | `<prefix>.load_shedding.<class>.dequeued` | counter | of those, admitted once a slot was theirs |
+//! | `<prefix>.load_shedding.<class>.queue_timeout` | counter | of those, shed with 503 when their wait ended (`max_wait`, or `target` in a standing queue) |
+//! | `<prefix>.load_shedding.<class>.queue_abandoned` | counter | of those, whose client went away while they waited |
+//! | `<prefix>.load_shedding.queue_length` | gauge | requests waiting for a slot now, proxy-wide (every worker moves it by its own waiters) |
+//! | `<prefix>.load_shedding.queue_wait_ms` | histogram | how long each waiting request waited, in milliseconds, until admitted or shed |
 //! | `<prefix>.cluster.<cluster>.selected` | counter | requests routed to the cluster |
 //! | `<prefix>.cluster.<cluster>.success` | counter | of those, answered in time with a non-failure status |
 //! | `<prefix>.cluster.<cluster>.slow` | counter | answered successfully, slower than `concurrency_limit.timeout` |
@@ -158,6 +164,8 @@ pub struct Stats {
     pub shed_contention: Option<u32>,
     /// The in-flight gauge.
     pub in_flight: Option<u32>,
+    /// Load leveling's (`queue`).
+    pub queue: QueueStats,
     /// Per cluster, in configuration order.
     pub clusters: Vec<ClusterStats>,
     /// Requests refused for lack of cluster capacity.
@@ -180,6 +188,37 @@ pub struct Stats {
     pub partition_shadow_refused: Option<u32>,
     /// The global scope's, when a rule is in it.
     pub global: GlobalStats,
+}
+
+/// Metric ids of load leveling (`load_shedding.queue`).
+#[derive(Clone, Debug, Default)]
+pub struct QueueStats {
+    /// Per priority class, in configuration order.
+    pub classes: Vec<QueueClassStats>,
+    /// Gauge: requests waiting, proxy-wide.
+    pub length: Option<u32>,
+    /// Histogram: each wait, ms.
+    pub wait_ms: Option<u32>,
+}
+
+/// Metric ids of one class's queue.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct QueueClassStats {
+    /// Requests that waited.
+    pub queued: Option<u32>,
+    /// Of those, admitted.
+    pub dequeued: Option<u32>,
+    /// Of those, shed when their wait ended.
+    pub timed_out: Option<u32>,
+    /// Of those, whose client went away.
+    pub abandoned: Option<u32>,
+}
+
+impl QueueStats {
+    /// The ids of class `index` (all absent for an unknown index).
+    pub fn class(&self, index: usize) -> QueueClassStats {
+        self.classes.get(index).copied().unwrap_or_default()
+    }
 }
 
 /// Metric ids of the global scope.
@@ -350,6 +389,23 @@ impl Stats {
         let in_flight_limit = shedding.filter(|s| s.max_active_requests.is_some());
         let shed_contention = in_flight_limit.and_then(|_| d.counter(&format!("{prefix}.load_shedding.contention")));
         let in_flight = in_flight_limit.and_then(|_| d.gauge(&format!("{prefix}.load_shedding.in_flight")));
+        let queue = shedding.filter(|s| s.queue.is_some() && s.max_active_requests.is_some()).map_or_else(QueueStats::default, |s| QueueStats {
+            classes: s
+                .classes
+                .iter()
+                .map(|c| {
+                    let name = |what: &str| format!("{prefix}.load_shedding.{}.{what}", c.name);
+                    QueueClassStats {
+                        queued: d.counter(&name("queued")),
+                        dequeued: d.counter(&name("dequeued")),
+                        timed_out: d.counter(&name("queue_timeout")),
+                        abandoned: d.counter(&name("queue_abandoned")),
+                    }
+                })
+                .collect(),
+            length: d.gauge(&format!("{prefix}.load_shedding.queue_length")),
+            wait_ms: d.histogram(&format!("{prefix}.load_shedding.queue_wait_ms")),
+        });
         let selection = config.cluster_selection.as_ref();
         let clusters = selection.map_or_else(Vec::new, |s| {
             s.clusters
@@ -399,6 +455,7 @@ impl Stats {
             loop_lag_ms,
             shed_contention,
             in_flight,
+            queue,
             clusters,
             exhausted: selection.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.exhausted"))),
             selection_contention: selection.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.contention"))),

@@ -933,3 +933,136 @@ fn a_bucket_in_shadow_neither_delays_nor_refuses() {
     assert_eq!(host.metric("floodgate.rate_limit.b.shadow_rejected"), 3);
     assert_eq!(host.metric("floodgate.rate_limit.b.delayed"), 0);
 }
+
+// ---- load leveling: waiting for a slot ----
+
+fn leveling(max_active: u32, queue: serde_json::Value) -> Host {
+    let classes = serde_json::json!([{"name": "normal", "shed_at": 1.0}]);
+    Host::new(serde_json::json!({"load_shedding": {"max_active_requests": max_active, "classes": classes, "queue": queue}}))
+}
+
+/// The host's tick: the waits that are over, resumed in order.
+fn slot_tick(host: &Host, request: &TestRequest) -> Vec<(u32, Step)> {
+    let stage = host.filter.queue.as_ref().unwrap();
+    let mut steps = Vec::new();
+    for (context, stream) in stage.tick(&host.filter, &host.env()) {
+        if !stream.borrow().slot_decided() {
+            continue;
+        }
+        steps.push((context, resume_queued(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut())));
+    }
+    steps
+}
+
+#[test]
+fn without_a_queue_there_is_no_queue_stage_and_the_limit_sheds_at_once() {
+    let host = Host::new(serde_json::json!({"load_shedding": {"max_active_requests": 1}}));
+    assert!(host.filter.queue.is_none());
+    let (_, _held, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+    assert_eq!(status(&host.send(&keyed("k")).2), 503);
+}
+
+#[test]
+fn requests_over_the_limit_wait_for_a_slot_in_order_and_the_queue_is_bounded() {
+    let host = leveling(2, serde_json::json!({"max_queued": 3, "max_wait": "1s", "order": "fifo"}));
+    let sent: Vec<(u32, StreamCell, Step)> = (0..6).map(|_| host.send(&keyed("k"))).collect();
+    let statuses: Vec<u32> = sent.iter().map(|(_, _, step)| status(step)).collect();
+    assert_eq!(statuses, [0, 0, 1, 1, 1, 503], "2 go, 3 wait, the queue is full for the sixth");
+    let Step::Reply(LocalReply::Http(full)) = &sent[5].2 else { panic!() };
+    let body: serde_json::Value = serde_json::from_str(&full.body).unwrap();
+    assert_eq!((body["type"].as_str(), body["max_active_requests"].as_u64()), (Some(crate::replies::TEMPORARY_REDUCED_CAPACITY), Some(2)));
+    assert_eq!(host.metric("floodgate.load_shedding.normal.queued"), 3);
+    assert_eq!(host.metric("floodgate.load_shedding.queue_length"), 3);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shed"), 1);
+    // Waiting requests hold no slot; a body that comes meanwhile waits with them.
+    assert!(!sent[2].1.borrow().holds_permits());
+    assert_eq!(sent[2].1.borrow_mut().request_body(&host.filter, &host.env(), 10, true), Flow::Pause);
+    host.clock.advance(10);
+    assert!(slot_tick(&host, &keyed("k")).is_empty(), "no slot is free");
+    // A slot frees: it goes to the first waiter, at the next tick.
+    host.end(sent[0].0, &sent[0].1, &OK);
+    host.clock.advance(10);
+    assert_eq!(slot_tick(&host, &keyed("k")), [(sent[2].0, Step::Continue { route: None })]);
+    assert!(sent[2].1.borrow().holds_permits());
+    assert_eq!(decision(&sent[2].1).waited_ms, Some(20));
+    // A newcomer finds a free slot but a waiter ahead of it: it waits behind.
+    host.end(sent[1].0, &sent[1].1, &OK);
+    let (late, late_stream, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 1);
+    host.clock.advance(10);
+    assert_eq!(slot_tick(&host, &keyed("k")), [(sent[3].0, Step::Continue { route: None })]);
+    for i in [2, 3] {
+        host.end(sent[i].0, &sent[i].1, &OK);
+    }
+    host.clock.advance(10);
+    let order: Vec<u32> = slot_tick(&host, &keyed("k")).into_iter().map(|(c, _)| c).collect();
+    assert_eq!(order, [sent[4].0, late]);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.dequeued"), 4);
+    assert_eq!(host.metric("floodgate.load_shedding.queue_length"), 0);
+    host.end(sent[4].0, &sent[4].1, &OK);
+    host.end(late, &late_stream, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn a_wait_that_ends_gets_the_shed_reply_saying_how_long_it_waited() {
+    let host = leveling(1, serde_json::json!({"max_queued": 10, "max_wait": "400ms"}));
+    let (first, held, _) = host.send(&keyed("k"));
+    let (_, http, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 1);
+    let (_, grpc, step) = host.send(&keyed("k").with("content-type", "application/grpc"));
+    assert_eq!(status(&step), 1);
+    let mut ended = Vec::new();
+    for _ in 0..45 {
+        host.clock.advance(10);
+        ended.extend(slot_tick(&host, &keyed("k").with("content-type", "application/grpc")).into_iter().map(|(_, step)| (host.clock.now().mono.0 - T0, step)));
+    }
+    assert_eq!(ended.len(), 2);
+    assert!(ended.iter().all(|(at, _)| *at == 400), "{ended:?}");
+    // Resumed with the gRPC request's headers: both replies are gRPC here; the reply's fields
+    // are the shed reply's.
+    assert!(ended.iter().all(|(_, step)| status(step) == 1014));
+    let Step::Reply(LocalReply::Grpc(reply)) = &ended[0].1 else { panic!() };
+    assert!(reply.message.contains("waited 400 ms for a slot"), "{}", reply.message);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.queue_timeout"), 2);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shed"), 2);
+    assert_eq!(decision(&http).outcome, decision::Outcome::Shed);
+    assert_eq!(decision(&grpc).waited_ms, Some(400));
+    assert!(!http.borrow().holds_permits() && !grpc.borrow().holds_permits());
+    assert_eq!(host.metric("floodgate.load_shedding.queue_length"), 0);
+    host.end(first, &held, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn clients_that_leave_while_queued_leave_nothing_behind() {
+    let host = leveling(1, serde_json::json!({"max_queued": 10, "max_wait": "5s"}));
+    let (first, held, _) = host.send(&keyed("k"));
+    let waiting: Vec<(u32, StreamCell, Step)> = (0..10).map(|_| host.send(&keyed("k"))).collect();
+    assert!(waiting.iter().all(|(_, _, step)| *step == Step::Wait));
+    assert!(waiting.iter().all(|(_, stream, _)| stream.borrow().needs_end()));
+    for (context, stream, _) in &waiting {
+        host.end(*context, stream, &Ended { status: None, flags: 0x4000 });
+    }
+    assert_eq!(host.metric("floodgate.load_shedding.normal.queue_abandoned"), 10);
+    assert_eq!(host.metric("floodgate.load_shedding.queue_length"), 0);
+    let stage = host.filter.queue.as_ref().unwrap();
+    assert!(stage.is_empty());
+    let record = stage.leveler.read(&host.store);
+    assert!(record.entries.is_empty() && record.lines.iter().all(|l| l.since.is_none()), "{record:?}");
+    host.end(first, &held, &OK);
+    assert_eq!(host.in_flight(), 0);
+    // Later requests are admitted at once.
+    let (_, _next, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 0);
+}
+
+#[test]
+fn shedding_in_shadow_never_queues() {
+    let host = Host::new(serde_json::json!({"load_shedding": {"max_active_requests": 1, "mode": "shadow", "queue": {"max_queued": 5, "max_wait": "1s"}}}));
+    let sent: Vec<(u32, StreamCell, Step)> = (0..3).map(|_| host.send(&keyed("k"))).collect();
+    assert!(sent.iter().all(|(_, _, step)| status(step) == 0));
+    assert_eq!(host.metric("floodgate.load_shedding.normal.queued"), 0);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 2);
+}

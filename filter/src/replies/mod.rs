@@ -293,6 +293,16 @@ pub fn quota_store_unavailable(limiter: &Limiter, rule: usize) -> Reply {
 
 /// The `503` of a shed request.
 pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
+    shed_reply(shedder, shed, None)
+}
+
+/// The `503` of a request that waited `waited_ms` for a slot (`load_shedding.queue`) and got
+/// none: the shed reply, saying how long it waited.
+pub fn shed_after_wait(shedder: &Shedder, shed: &Shed, waited_ms: u64) -> Reply {
+    shed_reply(shedder, shed, Some(waited_ms))
+}
+
+fn shed_reply(shedder: &Shedder, shed: &Shed, waited_ms: Option<u64>) -> Reply {
     let class = shedder.classes.get(shed.class);
     let class_name = class.map_or("", |c| c.name.as_str());
     let threshold = class.map_or(0, |c| c.threshold);
@@ -304,7 +314,11 @@ pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
             shed.in_flight, shedder.max_active_requests, shedder.retry_after_secs
         )
     };
-    let body = json!({
+    let detail = match waited_ms {
+        Some(waited) => format!("waited {waited} ms for a slot; {detail}"),
+        None => detail,
+    };
+    let mut body = json!({
         "type": TEMPORARY_REDUCED_CAPACITY,
         "title": "Service Unavailable",
         "status": 503,
@@ -315,6 +329,9 @@ pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
         "class_threshold": threshold,
         "retry_after": shedder.retry_after_secs,
     });
+    if let (Some(waited), Some(members)) = (waited_ms, body.as_object_mut()) {
+        members.insert("waited_ms".into(), waited.into());
+    }
     Reply {
         status: 503,
         headers: vec![

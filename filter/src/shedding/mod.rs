@@ -22,6 +22,7 @@
 
 pub mod lag;
 pub mod per_key;
+pub mod queue;
 
 use crate::config::{LoadShedding, Name};
 use crate::primitives::inflight::{admits, in_flight_units, InFlight, Permit, LocalCount};
@@ -71,7 +72,8 @@ pub struct Shedder {
     pub priority_header: String,
     /// `retry-after` of a shed request, in seconds.
     pub retry_after_secs: u64,
-    /// The lowest class threshold: reserves are sized on the room below it.
+    /// The lowest class threshold: reserves are sized on the room below it (0 with a queue:
+    /// no reserves).
     lowest_threshold: u32,
 }
 
@@ -128,8 +130,11 @@ impl Shedder {
             .iter()
             .position(|c| c.name == config.default_class)
             .unwrap_or(0);
+        // With a queue, no reserves: a unit reserved on one worker could admit a request there
+        // ahead of a waiter on another.
+        let lowest_threshold = if config.queue.is_some() { 0 } else { classes.iter().map(|c| c.threshold).min().unwrap_or(max) };
         Some(Shedder {
-            lowest_threshold: classes.iter().map(|c| c.threshold).min().unwrap_or(max),
+            lowest_threshold,
             key: format!("floodgate/{namespace}/in-flight"),
             max_active_requests: max,
             classes,
