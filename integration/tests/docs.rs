@@ -429,7 +429,7 @@ fn the_reference_and_the_module_source_list_the_same_metrics() {
 }
 
 /// A configuration with every feature that defines metrics: the rule `r` (and `tb`, a token
-/// bucket that delays), the classes `critical`, `normal`, `low`, the clusters `a` and `b`.
+/// bucket that delays), the classes `critical`, `normal`, `low` (with a queue), the clusters `a` and `b`.
 fn every_feature() -> Value {
     json!({
         "rate_limits": [
@@ -439,6 +439,7 @@ fn every_feature() -> Value {
         ],
         "global": {"cluster": "floodgate-sync", "sync_interval": "1s"},
         "load_shedding": {"max_active_requests": 100, "max_loop_lag": "1s",
+                          "queue": {"max_queued": 10, "max_wait": "1s"},
                           "per_key": {"key": [{"header": "x-k"}], "max_active_requests": 5}},
         "cluster_selection": {"route_header": "x-floodgate-cluster", "clusters": ["a", "b"],
                               "partition": {"key": [{"header": "x-k"}], "size": 1}},
@@ -585,6 +586,7 @@ const TABLES: &[(&str, &str)] = &[
     ("`rate_limits`", "rateLimitRule"),
     ("Costs (`cost`)", "cost"),
     ("`load_shedding`", "loadShedding"),
+    ("`load_shedding.queue`", "queue"),
     ("`load_shedding.per_key`", "perKey"),
     ("`cluster_selection`", "clusterSelection"),
     ("`cluster_selection.partition`", "partition"),
