@@ -63,6 +63,14 @@ const KNOWN_GAPS: &[&str] = &[
     "watchdog.max_loop_lag: must be at least",
     "is health.path too",
     "(a request waits in the proxy, holding its connection)",
+    "has no meaning with \"from\": \"response_body\"",
+    "is required with \"from\": \"response_body\"",
+    "has meaning only with \"from\": \"response_body\"",
+    "has meaning only for a cost the upstream reports",
+    "has meaning only with \"estimate\"",
+    "has no meaning with \"estimate\"",
+    "must be at most estimate.max",
+    "which the global scope does not carry yet",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -311,6 +319,12 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "overrides": [{"key": ["/a"], "limit": 9}]}]}"#,
     ),
     (
+        "/rate_limits/1/cost/estimate",
+        "estimate",
+        r#"{"rate_limits": [{"name": "q", "key": ["path"], "limit": 5, "window": "1s"},
+            {"name": "r", "key": ["path"], "limit": 5, "window": "1s", "cost": {"from": "response_body", "path": "a.b", "estimate": {"default": 1, "max": 2}}}]}"#,
+    ),
+    (
         "/rate_limits/0/cost",
         "cost",
         r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "cost": {"from": "request_body"}}]}"#,
@@ -442,7 +456,9 @@ fn everything() -> Value {
              "tiers": {"header": "x-plan", "limits": {"gold": 1000}},
              "overrides": [{"key": ["vip", "10.0.0.1", "/users/1/orders", "POST", "api.example.com"], "limit": 5000}],
              "cost": {"from": "response_header", "header": "x-tokens-used", "default": 1}, "mode": "shadow"},
-            {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s"}
+            {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s",
+             "cost": {"from": "response_body", "path": "usage.total_tokens", "max_body_bytes": 65536,
+                      "estimate": {"header": "x-max-tokens", "default": 100, "max": 1000}, "unreported": "refund"}}
         ],
         "stat_prefix": "edge",
         "ratelimit_headers": "on_reject",
