@@ -8,6 +8,8 @@
 //! Request headers it reads:
 //! * `x-test-usage`: the `total_tokens` to report (default 0); `x-test-prompt`: its
 //!   `prompt_tokens` (default 0; `completion_tokens` is the rest).
+//! * `x-test-pad`: about this many more bytes of content before the usage (a JSON string, or
+//!   content events of a stream, 64 bytes of content each).
 //! * `x-test-mode`: `json` (default), `sse`, `huge` (a 10 MiB JSON body, the usage at its end),
 //!   `truncated` (a JSON body cut before its usage), `sse-no-usage` (a stream that ends without
 //!   a usage event), `sse-hang` (a stream that sends two events and then nothing until the
@@ -135,6 +137,7 @@ async fn answer(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Ch
     state.arrived.fetch_add(1, Ordering::SeqCst);
     let total = header_number(&req, "x-test-usage");
     let prompt = header_number(&req, "x-test-prompt");
+    let pad = usize::try_from(header_number(&req, "x-test-pad")).unwrap_or(0);
     let mode = req.headers().get("x-test-mode").and_then(|v| v.to_str().ok()).unwrap_or("json").to_owned();
     // Read the request body (the chat request) to its end.
     let _ = http_body_util::BodyExt::collect(req.into_body()).await;
@@ -148,16 +151,20 @@ async fn answer(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Ch
     let (tx, body) = Channel::<Bytes>::new(4);
     let event_stream = mode.starts_with("sse");
     let content_type = if event_stream { "text/event-stream" } else { "application/json" };
-    tokio::spawn(send_body(state, tx, mode, total, prompt));
+    tokio::spawn(send_body(state, tx, mode, (total, prompt), pad));
     Ok(Response::builder().status(200).header("content-type", content_type).body(body).expect("a response"))
 }
 
-async fn send_body(state: Arc<State>, mut tx: Sender<Bytes>, mode: String, total: u64, prompt: u64) {
+async fn send_body(state: Arc<State>, mut tx: Sender<Bytes>, mode: String, (total, prompt): (u64, u64), pad: usize) {
     let usage = usage(total, prompt);
     let message = r#"{"id":"chatcmpl-test","object":"chat.completion","model":"test","choices":[{"index":0,"message":{"role":"assistant","content":"Hello"},"finish_reason":"stop"}],"#;
     let sent = match mode.as_str() {
         "sse" | "sse-no-usage" | "sse-hang" => {
             let mut ok = true;
+            let word = "w".repeat(64);
+            for _ in 0..pad / 64 {
+                ok &= tx.send_data(chunk(&word)).await.is_ok();
+            }
             for word in ["Hel", "lo", " there"] {
                 ok &= tx.send_data(chunk(word)).await.is_ok();
                 tokio::time::sleep(Duration::from_millis(5)).await;
@@ -184,7 +191,10 @@ async fn send_body(state: Arc<State>, mut tx: Sender<Bytes>, mode: String, total
             ok && tx.send_data(Bytes::from(format!("\",\"usage\":{usage}}}"))).await.is_ok()
         }
         "truncated" => tx.send_data(Bytes::from(message.get(..message.len() / 2).unwrap_or(message).to_owned())).await.is_ok(),
-        _ => tx.send_data(Bytes::from(format!("{message}\"usage\":{usage}}}"))).await.is_ok(),
+        _ => {
+            let padding = if pad == 0 { String::new() } else { format!("\"padding\":\"{}\",", "x".repeat(pad)) };
+            tx.send_data(Bytes::from(format!("{message}{padding}\"usage\":{usage}}}"))).await.is_ok()
+        }
     };
     if sent {
         state.answered.fetch_add(1, Ordering::SeqCst);

@@ -230,3 +230,27 @@ fn tail(log: &str, lines: usize) -> String {
     let all: Vec<&str> = log.lines().collect();
     all.get(all.len().saturating_sub(lines)..).unwrap_or_default().join("\n")
 }
+
+/// The shipped examples (envoy/llm.yaml, envoy/istio/llm-wasmplugin.yaml) hold the same
+/// configuration; loaded in Envoy in front of the test server, a request without `x-max-tokens`
+/// reserves the default (512) and settles to its usage: 482 come back, on both rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_shipped_examples_load_and_settle() {
+    let read = |path: &str| {
+        let text = std::fs::read_to_string(workspace_root().join(path)).expect("the example");
+        let found = floodgate_cli::find_configurations(path, text.as_bytes(), Default::default()).expect("configurations");
+        let bytes = found.into_iter().next().and_then(|f| f.bytes.ok()).expect("a floodgate configuration");
+        serde_json::from_slice::<Value>(&bytes).expect("JSON")
+    };
+    let config = read("envoy/llm.yaml");
+    assert_eq!(config, read("envoy/istio/llm-wasmplugin.yaml"), "the two examples agree");
+    let upstream = LlmUpstream::start();
+    let envoy = Envoy::builder(config).module(llm_wasm_module()).upstream_at(upstream.addr()).start();
+    let mut client = Client::connect(envoy.addr()).await.expect("connect");
+    let headers = [("authorization", "Bearer k"), ("x-test-usage", "30"), ("x-test-prompt", "10"), ("x-test-mode", "sse")];
+    let response = client.send("POST", "/v1/chat/completions", &headers, Bytes::from_static(b"{}")).await.expect("a response");
+    assert_eq!(response.status, 200);
+    for (rule, refunded) in [("tokens-per-minute", 512 - 30), ("completion-tokens-per-day", 512 - 20)] {
+        assert_eq!(envoy.wait_for_stat(&rule_stat(rule, "refunded"), refunded, Duration::from_secs(10)), Some(refunded), "{rule}");
+    }
+}

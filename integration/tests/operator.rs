@@ -235,6 +235,9 @@ fn every_example_configuration_in_the_repository_matches_the_schema_and_parses()
         "envoy/compose-global-envoy.yaml",
         "envoy/istio/wasmplugin.yaml",
         "envoy/istio/global-wasmplugin.yaml",
+        "envoy/istio/llm-wasmplugin.yaml",
+        "envoy/llm.yaml",
+        "docs/llm.md",
     ] {
         assert!(
             examples.iter().any(|(origin, _)| origin.starts_with(expected)),
@@ -902,12 +905,15 @@ fn the_schema_agrees_with_the_parser() {
 // envoy --mode validate
 // ---------------------------------------------------------------------------------------------
 
-/// Points every `vm_config.code.local.filename` of an Envoy document at the built module.
+/// Points every `vm_config.code.local.filename` of an Envoy document at the built module (the
+/// one that reads response bodies where the document names `floodgate-llm.wasm`).
 fn use_module(value: &mut Value, module: &str) {
     match value {
         Value::Object(map) => {
             if let Some(Value::Object(local)) = map.get_mut("local") {
+                let llm = local.get("filename").and_then(Value::as_str).is_some_and(|f| f.ends_with("floodgate-llm.wasm"));
                 if local.contains_key("filename") {
+                    let module = if llm { llm_wasm_module().display().to_string() } else { module.to_owned() };
                     local.insert("filename".into(), json!(module));
                 }
             }
@@ -987,6 +993,7 @@ fn every_envoy_configuration_passes_envoy_validate() {
         "envoy/compose-envoy.yaml",
         "envoy/compose-upstreams.yaml",
         "envoy/compose-global-envoy.yaml",
+        "envoy/llm.yaml",
         "README.md",
     ] {
         assert!(

@@ -6,8 +6,10 @@
 //! cost.
 //!
 //! Invariants: a rule whose condition fails reads no key and touches no shared data; a request is
-//! admitted only with room for its known cost and for at least one unit, and a cost known later is
-//! charged when known; a count is decimal digits up to `u32::MAX`, anything else is invalid and
+//! admitted only with room for its known cost (or its reservation, for a reported cost with an
+//! estimate) and for at least one unit, and a cost known later is settled once when known (what
+//! admission counted becomes the known cost: the difference charged or given back), or when the
+//! stream ends; a count is decimal digits up to `u32::MAX`, anything else is invalid and
 //! costs `cost.default`, and a cost above the limit is capped at it: nothing wraps. Limits and
 //! tiers are not part of a rule's identity, so changing them keeps the counters.
 //!
