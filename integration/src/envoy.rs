@@ -20,12 +20,6 @@ use crate::upstream::Upstream;
 /// How long Envoy may take to become ready (V8 compiles the module once per VM).
 const ENVOY_START_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// How long an Envoy may take to start: [`ENVOY_START_TIMEOUT`], or `$FLOODGATE_ENVOY_START_TIMEOUT_S`
-/// seconds (an Envoy under valgrind takes minutes).
-fn start_timeout() -> Duration {
-    std::env::var("FLOODGATE_ENVOY_START_TIMEOUT_S").ok().and_then(|s| s.parse().ok()).map_or(ENVOY_START_TIMEOUT, Duration::from_secs)
-}
-
 /// How long [`EnvoyBuilder::start_expecting_failure`] waits for Envoy to exit.
 const ENVOY_FAILURE_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -448,15 +442,14 @@ pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize, env
 /// admin address and the address of its listener `front`. Panics, showing the end of its log, if
 /// it exits or does not become ready.
 pub(crate) fn wait_for_envoy(child: &mut Child, dir: &Path) -> (SocketAddr, SocketAddr) {
-    let timeout = start_timeout();
-    let deadline = Instant::now() + timeout;
+    let deadline = Instant::now() + ENVOY_START_TIMEOUT;
     let admin = loop {
         if let Some(status) = child.try_wait().expect("try_wait") {
             panic!("Envoy exited ({status}) instead of starting; end of its log:\n{}", tail(&read_logs(dir), 60));
         }
         assert!(
             Instant::now() < deadline,
-            "Envoy not ready after {timeout:?}; end of its log:\n{}",
+            "Envoy not ready after {ENVOY_START_TIMEOUT:?}; end of its log:\n{}",
             tail(&read_logs(dir), 60)
         );
         if let Some(admin) = read_admin_address(dir) {

@@ -9,7 +9,7 @@
 //! * `x-test-usage`: the `total_tokens` to report (default 0); `x-test-prompt`: its
 //!   `prompt_tokens` (default 0; `completion_tokens` is the rest).
 //! * `x-test-pad`: about this many more bytes of content before the usage (a JSON string, or
-//!   content events of a stream, 64 bytes of content each).
+//!   content events of a stream, 64 bytes of content each): a long answer.
 //! * `x-test-mode`: `json` (default), `sse`, `huge` (a 10 MiB JSON body, the usage at its end),
 //!   `truncated` (a JSON body cut before its usage), `sse-no-usage` (a stream that ends without
 //!   a usage event), `sse-hang` (a stream that sends two events and then nothing until the

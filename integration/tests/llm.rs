@@ -40,10 +40,16 @@ fn clear_of_minute_end(seconds: u64) {
 
 /// One chat completion request; returns its status and body.
 async fn chat(envoy: &Envoy, key: &str, max_tokens: &str, usage: u64, mode: &str) -> (u16, Bytes) {
+    chat_padded(envoy, key, max_tokens, usage, mode, 0).await
+}
+
+/// [`chat`], the answer padded with `pad` more bytes of content.
+async fn chat_padded(envoy: &Envoy, key: &str, max_tokens: &str, usage: u64, mode: &str, pad: usize) -> (u16, Bytes) {
     let mut client = Client::connect(envoy.addr()).await.expect("connect");
     let body = format!(r#"{{"model":"test","max_tokens":{max_tokens:?},"messages":[{{"role":"user","content":"hi"}}]}}"#);
     let usage = usage.to_string();
-    let headers = [("x-api-key", key), ("x-max-tokens", max_tokens), ("x-test-usage", usage.as_str()), ("x-test-mode", mode), ("content-type", "application/json")];
+    let pad = pad.to_string();
+    let headers = [("x-api-key", key), ("x-max-tokens", max_tokens), ("x-test-usage", usage.as_str()), ("x-test-mode", mode), ("x-test-pad", pad.as_str()), ("content-type", "application/json")];
     let response = client.send("POST", "/v1/chat/completions", &headers, Bytes::from(body)).await.expect("a response");
     (response.status, response.body)
 }
@@ -177,7 +183,8 @@ async fn concurrent_requests_cannot_overrun_a_token_quota_sse() {
 }
 
 /// Bad answers and bad estimates, each on a key of its own: a 10 MiB body (past
-/// `max_body_bytes`), a truncated JSON, a stream without a usage event settle by the policy
+/// `max_body_bytes`), a truncated JSON, a stream without a usage event, a stream longer than
+/// `max_body_bytes` (its usage event past it) settle by the policy
 /// (the estimate, 100, stays) and are counted; a `max_tokens` of `-1`, `1e9` or `abc` reserves
 /// the rule's default (256), is counted as invalid, and settles to the reported 30. The VM
 /// lives on: a plain request after them all is settled exactly.
@@ -187,11 +194,11 @@ async fn bad_answers_and_estimates_settle_as_documented() {
     let envoy = Envoy::builder(config(json!({}))).module(llm_wasm_module()).upstream_at(upstream.addr()).start();
     clear_of_minute_end(40);
     let stat = |what: &str| envoy.stat(&rule_stat(RULE, what)).unwrap_or(0);
-    for (mode, unreadable) in [("huge", 1), ("truncated", 0), ("sse-no-usage", 0)] {
+    for (mode, unreadable, pad) in [("huge", 1, 0), ("truncated", 0, 0), ("sse-no-usage", 0, 0), ("sse", 1, 1 << 20)] {
         let key = fresh_key(mode);
         let before = (stat("unreported"), stat("unreadable"));
         let started = Instant::now();
-        let (status, body) = chat(&envoy, &key, "100", 30, mode).await;
+        let (status, body) = chat_padded(&envoy, &key, "100", 30, mode, pad).await;
         println!("{mode}: {status}, {} bytes in {:?}", body.len(), started.elapsed());
         assert_eq!(status, 200);
         if mode == "huge" {
