@@ -59,7 +59,7 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, a max_delay above 60s, a queue max_wait above 60s, a queue target above max_wait or an interval below target, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body or a response header, a partition size above the number of clusters, a max_delay above 60s, a queue max_wait above 60s, a queue target above max_wait or an interval below target, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, a response_body cost without path (or path, max_body_bytes with another source), estimate with a request source or in global scope, estimate.default above estimate.max, default beside estimate, unreported without estimate, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
   "allOf": [
@@ -194,9 +194,21 @@ schema = {
     "cost": {
       "type": "object", "additionalProperties": False, "required": ["from"],
       "properties": {
-        "from": {"description": "request_header: a count in a request header, charged at admission; request_body: the body's bytes (content-length, or counted as it streams and charged when it ends); response_header: a count the upstream reports, charged when the response arrives.", "enum": ["request_header", "request_body", "response_header"]},
-        "header": {"description": "The header, for request_header and response_header (null with request_body).", "anyOf": [{"$ref": "#/$defs/headerName"}, {"type": "null"}], "default": None},
-        "default": {"description": "The cost when the header is absent or holds no valid count. Its default depends on from, so the schema gives none: 1 for request_header, 0 for response_header (absent or null); not with request_body.", "anyOf": [{"type": "integer", "minimum": 0, "maximum": 4294967295}, {"type": "null"}]}
+        "from": {"description": "request_header: a count in a request header, charged at admission; request_body: the body's bytes (content-length, or counted as it streams and charged when it ends); response_header: a count the upstream reports in a header, charged when the response arrives; response_body: a count the upstream reports in its body (JSON, or the events of a text/event-stream), read as it streams (only floodgate-llm.wasm reads response bodies).", "enum": ["request_header", "request_body", "response_header", "response_body"]},
+        "header": {"description": "The header, for request_header and response_header (null with request_body and response_body).", "anyOf": [{"$ref": "#/$defs/headerName"}, {"type": "null"}], "default": None},
+        "default": {"description": "The cost when the header is absent or holds no valid count (null: 1 for request_header, 0 for response_header and response_body; none with request_body or with estimate).", "anyOf": [{"type": "integer", "minimum": 0, "maximum": 4294967295}, {"type": "null"}]},
+        "path": {"description": "For response_body: the count's place in the JSON body (or in each event of a text/event-stream), object keys joined by dots, e.g. usage.total_tokens.", "anyOf": [{"type": "string", "pattern": "^[^.\"\\\\\\u0000-\\u001f]{1,64}(\\.[^.\"\\\\\\u0000-\\u001f]{1,64}){0,7}$"}, {"type": "null"}], "default": None},
+        "max_body_bytes": {"description": "For response_body: the most bytes of a response read for its count (null: 1048576); a longer body is settled as unreported.", "anyOf": [{"$ref": "#/$defs/positive"}, {"type": "null"}], "default": None},
+        "estimate": {"description": "For response_header and response_body: what a request reserves at admission (which needs room for it), settled when the count comes.", "anyOf": [{"$ref": "#/$defs/estimate"}, {"type": "null"}], "default": None},
+        "unreported": {"description": "With estimate: how a response without a valid count settles (null: reservation). reservation: the estimate stays charged; refund: it is given back.", "anyOf": [{"enum": ["reservation", "refund"]}, {"type": "null"}], "default": None}
+      }
+    },
+    "estimate": {
+      "type": "object", "additionalProperties": False, "required": ["default", "max"],
+      "properties": {
+        "header": {"description": "A request header holding the estimate (e.g. the request's max_tokens); null: every request reserves default.", "anyOf": [{"$ref": "#/$defs/headerName"}, {"type": "null"}], "default": None},
+        "default": positive("The estimate when the header is absent or holds no valid count."),
+        "max": positive("The largest estimate: a header asking more reserves this.")
       }
     },
     "keyPart": {

@@ -3,6 +3,8 @@
 # with their SHA-256 checksums in dist/SHA256SUMS:
 #
 #   floodgate-<version>.wasm                          the trimmed module (./wasm-build.sh)
+#   floodgate-llm-<version>.wasm                      the module that reads response bodies
+#                                                     (token quotas for LLM APIs: docs/llm.md)
 #   floodgate-<version>-wasmplugin-image.tar          its OCI image for Istio's WasmPlugin
 #                                                     (scripts/oci-image.sh; `docker load` it,
 #                                                     then tag and push it to your registry)
@@ -63,6 +65,7 @@ check_binary() {
 if want wasm || want wasm-image; then
   wasm=$(./wasm-build.sh | tail -n1)
   cp "$wasm" "$dist/floodgate-$version.wasm"
+  want wasm && cp "$(dirname "$wasm")/floodgate-llm.wasm" "$dist/floodgate-llm-$version.wasm"
 fi
 if want wasm-image; then
   tag=floodgate:$version

@@ -384,11 +384,38 @@ fn cost_text(rule: &RateLimitRule, rules: &Rules, index: usize, request: &Reques
             format!("0 units now; later the request body's bytes, counted as it streams and charged when it ends ({why}), capped at the limit {limit}")
         }
         (CostSource::RequestBody, _) => format!("{} now (the request body's content-length{cap})", units(now)),
-        (CostSource::ResponseHeader, _) => format!(
-            "{} now; later the count in response header {header}, charged when the response arrives ({} without a valid count), capped at the limit {limit}",
-            units(now),
-            units(cost.default_units())
-        ),
+        (CostSource::ResponseHeader | CostSource::ResponseBody, _) => {
+            let place = match cost.from {
+                CostSource::ResponseBody => format!(
+                    "at {} in the response body (JSON, or the last event of a text/event-stream that has one), charged when read as the body streams",
+                    cost.path.clone().unwrap_or_default()
+                ),
+                _ => format!("in response header {header}, charged when the response arrives"),
+            };
+            match &cost.estimate {
+                Some(estimate) => {
+                    let from = match (&estimate.header, admission.invalid) {
+                        (Some(h), true) => format!("request header {h} is not a count: estimate.default"),
+                        (Some(h), false) if request.header(h).is_some() => format!("request header {h}, at most estimate.max {}", estimate.max.get()),
+                        (Some(h), false) => format!("request header {h} absent: estimate.default"),
+                        (None, _) => "estimate.default".to_owned(),
+                    };
+                    let unreported = match cost.unreported.unwrap_or_default() {
+                        floodgate::config::Unreported::Reservation => "the reservation stays charged",
+                        floodgate::config::Unreported::Refund => "the reservation is given back",
+                    };
+                    format!(
+                        "{} reserved now ({from}{cap}); later the count {place}, capped at the limit {limit}, settles it: the difference is given back or charged (without a valid count: {unreported})",
+                        units(now)
+                    )
+                }
+                None => format!(
+                    "{} now; later the count {place} ({} without a valid count), capped at the limit {limit}",
+                    units(now),
+                    units(cost.default_units())
+                ),
+            }
+        }
     }
 }
 
@@ -583,6 +610,17 @@ mod tests {
             "cost: 0 units now; later the count in response header x-tokens, charged when the response arrives (2 units without a valid count), capped at the limit 50"
         );
         assert_eq!(rule_lines(&later, "bytes")[4], "cost: 2048 units now (the request body's content-length)");
+        let llm = explained(
+            r#"{"rate_limits": [{"name": "tokens", "key": ["source_ip"], "limit": 1000, "window": "1m",
+                 "cost": {"from": "response_body", "path": "usage.total_tokens", "estimate": {"header": "x-max-tokens", "default": 256, "max": 4096}}}]}"#,
+            &["--source-ip", "10.0.0.1", "--header", "x-max-tokens:100"],
+        );
+        assert_eq!(
+            rule_lines(&llm, "tokens")[4],
+            "cost: 100 units reserved now (request header x-max-tokens, at most estimate.max 4096); later the count at usage.total_tokens in the response body \
+             (JSON, or the last event of a text/event-stream that has one), charged when read as the body streams, capped at the limit 1000, settles it: \
+             the difference is given back or charged (without a valid count: the reservation stays charged)"
+        );
     }
 
     #[test]

@@ -53,6 +53,7 @@ pub const TARGETS: &[(&str, Entry)] = &[
     ("inflight_record", inflight_record),
     ("cluster_record", cluster_record),
     ("watchdog_record", watchdog_record),
+    ("usage_body", usage_body),
 ];
 
 // -------------------------------------------------------------------------------------------
@@ -269,7 +270,12 @@ fn accepted_config(config: &Config) {
             let _ = rules.limit(rule, 42, request);
             let _ = rules.admission(rule, request);
         }
-        let _ = rules.response_units(rule, Some(b"12"));
+        let limit = std::num::NonZeroU32::MIN;
+        let _ = rules.settled_units(rule, floodgate::ratelimit::rules::Report::Missing, 7, limit);
+        if let Some(mut scan) = rules.body_scan(rule, Some(b"text/event-stream")) {
+            let _ = scan.feed(b"data: {\"usage\":{\"total_tokens\":3}}\n\n", rules.body_path(rule));
+            let _ = scan.end(rules.body_path(rule));
+        }
     }
     for (table, rule) in limiter.tables().iter().zip(&config.rate_limits) {
         let capacity = u64::from(rule.capacity.get().get());
@@ -914,6 +920,31 @@ const WATCHDOGS: [&str; 3] = [
     r#"{"watchdog":{"path":"/alive","worker_silence":"3s","max_loop_lag":"100ms","lag_for":"1ms","recover_after":1}}"#,
     r#"{"watchdog":{"path":"/alive","max_memory_mb":1,"recover_after":60,"lag_for":"8784h"}}"#,
 ];
+
+/// A response body read for a usage count (`cost.from: response_body`): the first byte picks
+/// JSON or an event stream and the byte bound, the second where the body is cut into chunks; a
+/// scan never panics, and chunking never changes its answer.
+pub fn usage_body(data: &[u8]) {
+    use floodgate::ratelimit::usage::{segments, Format, Scan, UsageScan};
+    let mut input = Input { data };
+    let flags = input.u8();
+    let cut = usize::from(input.u8());
+    let body = input.rest();
+    let format = if flags & 1 == 0 { Format::Json } else { Format::EventStream };
+    let max_bytes = if flags & 2 == 0 { u64::MAX } else { u64::from(flags >> 2) };
+    let path = segments("usage.total_tokens");
+    let mut whole = UsageScan::new(format, max_bytes);
+    whole.feed(body, &path);
+    let whole = whole.end(&path);
+    let mut chunked = UsageScan::new(format, max_bytes);
+    let (head, tail) = body.split_at(cut.min(body.len()));
+    chunked.feed(head, &path);
+    chunked.feed(tail, &path);
+    let chunked = chunked.end(&path);
+    if !matches!(whole, Scan::Gave(_)) {
+        assert_eq!(whole, chunked, "chunking changed the answer");
+    }
+}
 
 /// Layout: `now` (u64 LE), this VM's id (u64), the lag probe's lag (u32), a configuration
 /// selector, then the record bytes.

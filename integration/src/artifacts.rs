@@ -35,6 +35,15 @@ pub fn wasm_module() -> PathBuf {
     p
 }
 
+/// The module that reads response bodies (`cost.from: response_body`): `$FLOODGATE_LLM_WASM`,
+/// else `floodgate-llm.wasm` next to [`wasm_module`] (`./wasm-build.sh` builds both).
+pub fn llm_wasm_module() -> PathBuf {
+    let p = std::env::var_os("FLOODGATE_LLM_WASM")
+        .map_or_else(|| wasm_module().with_file_name("floodgate-llm.wasm"), PathBuf::from);
+    assert!(p.is_file(), "{} does not exist: run ./wasm-build.sh (it builds floodgate-llm.wasm too)", p.display());
+    absolute(&p)
+}
+
 /// The real Envoy binary: `$ENVOY_BIN`, else
 /// `<workspace>/.venv/lib/python3*/site-packages/envoy/_bin/envoy` (installed by
 /// `scripts/envoy.sh`). Panics with a clear message if it is missing.

@@ -113,6 +113,8 @@ pub struct EnvoyBuilder {
     named_routes: Vec<(String, String)>,
     /// Whether the connection manager writes floodgate's decisions to an access log.
     access_log: bool,
+    /// The module to load (default: [`wasm_module`]).
+    module: Option<std::path::PathBuf>,
 }
 
 /// The file access log's name, in Envoy's working directory.
@@ -172,7 +174,14 @@ impl EnvoyBuilder {
             filters_after: Vec::new(),
             named_routes: Vec::new(),
             access_log: false,
+            module: None,
         }
+    }
+
+    /// Loads `module` instead of [`wasm_module`] (e.g. [`crate::artifacts::llm_wasm_module`]).
+    pub fn module(mut self, module: std::path::PathBuf) -> EnvoyBuilder {
+        self.module = Some(module);
+        self
     }
 
     /// Routes by path prefix, each with a name (`(prefix, name)`, the first that matches wins).
@@ -292,7 +301,7 @@ impl EnvoyBuilder {
                     "vm_config": {
                         "vm_id": "floodgate",
                         "runtime": "envoy.wasm.runtime.v8",
-                        "code": {"local": {"filename": wasm_module().display().to_string()}}
+                        "code": {"local": {"filename": self.module.clone().unwrap_or_else(wasm_module).display().to_string()}}
                     }
                 }
             }

@@ -181,10 +181,76 @@ pub const UPSTREAM_BODY: &str = "upstream ok\n";
 /// [`UPSTREAM_BODY`] and counts the requests it received. It runs on its own thread and tokio
 /// runtime; dropping it stops it.
 pub struct Upstream {
-    addr: SocketAddr,
     state: Arc<UpstreamState>,
+    server: Server,
+}
+
+/// An HTTP/1.1 server (keep-alive) on `127.0.0.1:<ephemeral>` answering with `handle`, on its
+/// own thread and tokio runtime; dropping it stops it.
+pub struct Server {
+    /// Where it listens.
+    pub addr: SocketAddr,
     shutdown: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Server {
+    /// Starts it on a thread named `name`.
+    pub fn start<F, Fut, B, E>(name: &str, handle: F) -> Server
+    where
+        F: Fn(Request<Incoming>) -> Fut + Clone + Send + 'static,
+        Fut: std::future::Future<Output = Result<HyperResponse<B>, E>> + Send + 'static,
+        B: hyper::body::Body + Send + 'static,
+        B::Data: Send,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+        E: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind upstream");
+        listener.set_nonblocking(true).expect("nonblocking listener");
+        let addr = listener.local_addr().expect("upstream address");
+        let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(name.into())
+            .spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("upstream runtime");
+                rt.block_on(async move {
+                    let listener = TcpListener::from_std(listener).expect("tokio listener");
+                    loop {
+                        tokio::select! {
+                            _ = &mut rx => break,
+                            accepted = listener.accept() => {
+                                let Ok((stream, _)) = accepted else { continue };
+                                let _ = stream.set_nodelay(true);
+                                let handle = handle.clone();
+                                tokio::spawn(async move {
+                                    let _ = hyper::server::conn::http1::Builder::new()
+                                        .keep_alive(true)
+                                        .serve_connection(TokioIo::new(stream), service_fn(handle))
+                                        .await;
+                                });
+                            }
+                        }
+                    }
+                });
+                // Dropping the runtime here cancels the connection tasks.
+            })
+            .expect("spawn upstream thread");
+        Server { addr, shutdown: Some(tx), thread: Some(thread) }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl Upstream {
@@ -229,52 +295,14 @@ impl Upstream {
                 )
             }),
         });
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind upstream");
-        listener.set_nonblocking(true).expect("nonblocking listener");
-        let addr = listener.local_addr().expect("upstream address");
-        let (tx, mut rx) = tokio::sync::oneshot::channel::<()>();
-        let thread_state = state.clone();
-        let thread = std::thread::Builder::new()
-            .name("upstream".into())
-            .spawn(move || {
-                let rt = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("upstream runtime");
-                rt.block_on(async move {
-                    let listener = TcpListener::from_std(listener).expect("tokio listener");
-                    loop {
-                        tokio::select! {
-                            _ = &mut rx => break,
-                            accepted = listener.accept() => {
-                                let Ok((stream, _)) = accepted else { continue };
-                                let _ = stream.set_nodelay(true);
-                                let state = thread_state.clone();
-                                tokio::spawn(async move {
-                                    let svc = service_fn(move |req| handle_upstream(state.clone(), req));
-                                    let _ = hyper::server::conn::http1::Builder::new()
-                                        .keep_alive(true)
-                                        .serve_connection(TokioIo::new(stream), svc)
-                                        .await;
-                                });
-                            }
-                        }
-                    }
-                });
-                // Dropping the runtime here cancels the connection tasks.
-            })
-            .expect("spawn upstream thread");
-        Upstream {
-            addr,
-            state,
-            shutdown: Some(tx),
-            thread: Some(thread),
-        }
+        let state_for_server = state.clone();
+        let server = Server::start("upstream", move |req| handle_upstream(state_for_server.clone(), req));
+        Upstream { state, server }
     }
 
     /// The address it listens on.
     pub fn addr(&self) -> SocketAddr {
-        self.addr
+        self.server.addr
     }
 
     /// Answers every later request with `status` (e.g. 503 to make it fail, 200 to recover).
@@ -383,13 +411,3 @@ async fn handle_upstream(
     Ok(response.body(Full::new(state.body.clone())).expect("upstream response"))
 }
 
-impl Drop for Upstream {
-    fn drop(&mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}

@@ -66,6 +66,14 @@ const KNOWN_GAPS: &[&str] = &[
     "(a waiting request holds its connection)",
     "must be at most max_wait",
     "must be at least target",
+    "has no meaning with \"from\": \"response_body\"",
+    "is required with \"from\": \"response_body\"",
+    "has meaning only with \"from\": \"response_body\"",
+    "has meaning only for a cost the upstream reports",
+    "has meaning only with \"estimate\"",
+    "has no meaning with \"estimate\"",
+    "must be at most estimate.max",
+    "which the global scope does not carry yet",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -230,6 +238,9 @@ fn every_example_configuration_in_the_repository_matches_the_schema_and_parses()
         "envoy/compose-global-envoy.yaml",
         "envoy/istio/wasmplugin.yaml",
         "envoy/istio/global-wasmplugin.yaml",
+        "envoy/istio/llm-wasmplugin.yaml",
+        "envoy/llm.yaml",
+        "docs/llm.md",
     ] {
         assert!(
             examples.iter().any(|(origin, _)| origin.starts_with(expected)),
@@ -322,6 +333,12 @@ const OBJECTS: &[(&str, &str, &str)] = &[
         "/rate_limits/0/overrides/0",
         "override",
         r#"{"rate_limits": [{"name": "r", "key": ["path"], "limit": 5, "window": "1s", "overrides": [{"key": ["/a"], "limit": 9}]}]}"#,
+    ),
+    (
+        "/rate_limits/1/cost/estimate",
+        "estimate",
+        r#"{"rate_limits": [{"name": "q", "key": ["path"], "limit": 5, "window": "1s"},
+            {"name": "r", "key": ["path"], "limit": 5, "window": "1s", "cost": {"from": "response_body", "path": "a.b", "estimate": {"default": 1, "max": 2}}}]}"#,
     ),
     (
         "/rate_limits/0/cost",
@@ -465,7 +482,9 @@ fn everything() -> Value {
              "tiers": {"header": "x-plan", "limits": {"gold": 1000}},
              "overrides": [{"key": ["vip", "10.0.0.1", "/users/1/orders", "POST", "api.example.com"], "limit": 5000}],
              "cost": {"from": "response_header", "header": "x-tokens-used", "default": 1}, "mode": "shadow"},
-            {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s"}
+            {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s",
+             "cost": {"from": "response_body", "path": "usage.total_tokens", "max_body_bytes": 65536,
+                      "estimate": {"header": "x-max-tokens", "default": 100, "max": 1000}, "unreported": "refund"}}
         ],
         "stat_prefix": "edge",
         "ratelimit_headers": "on_reject",
@@ -910,12 +929,15 @@ fn the_schema_agrees_with_the_parser() {
 // envoy --mode validate
 // ---------------------------------------------------------------------------------------------
 
-/// Points every `vm_config.code.local.filename` of an Envoy document at the built module.
+/// Points every `vm_config.code.local.filename` of an Envoy document at the built module (the
+/// one that reads response bodies where the document names `floodgate-llm.wasm`).
 fn use_module(value: &mut Value, module: &str) {
     match value {
         Value::Object(map) => {
             if let Some(Value::Object(local)) = map.get_mut("local") {
+                let llm = local.get("filename").and_then(Value::as_str).is_some_and(|f| f.ends_with("floodgate-llm.wasm"));
                 if local.contains_key("filename") {
+                    let module = if llm { llm_wasm_module().display().to_string() } else { module.to_owned() };
                     local.insert("filename".into(), json!(module));
                 }
             }
@@ -995,6 +1017,7 @@ fn every_envoy_configuration_passes_envoy_validate() {
         "envoy/compose-envoy.yaml",
         "envoy/compose-upstreams.yaml",
         "envoy/compose-global-envoy.yaml",
+        "envoy/llm.yaml",
         "README.md",
     ] {
         assert!(

@@ -24,7 +24,7 @@ pub use selection::{
     MAX_BUCKETS, MAX_CLUSTERS,
 };
 pub use bulkhead::{Partition, PerKey, WhenUnavailable, DEFAULT_SPILL_BELOW, MAX_PER_KEY_CAPACITY};
-pub use rules::{Cost, CostSource, HeaderCondition, Match, Override, PathMatch, Tiers};
+pub use rules::{Cost, CostSource, Estimate, HeaderCondition, Match, Override, PathMatch, Tiers, Unreported, DEFAULT_MAX_BODY_BYTES};
 pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -506,6 +506,15 @@ fn write_escaped(f: &mut fmt::Formatter<'_>, text: &str) -> fmt::Result {
 impl std::error::Error for ConfigError {}
 
 impl Config {
+    /// The field of the first rule whose cost is in the response body (`rate_limits[0].cost.from`),
+    /// if any: only the module that reads response bodies can serve it.
+    pub fn response_body_cost(&self) -> Option<String> {
+        self.rate_limits
+            .iter()
+            .position(|r| r.cost.as_ref().is_some_and(|c| c.from == CostSource::ResponseBody))
+            .map(|index| format!("rate_limits[{index}].cost.from"))
+    }
+
     /// Parses and validates a configuration. Empty input (Envoy passes none when the
     /// `configuration` field is absent) is the same as `{}`.
     pub fn parse(bytes: &[u8]) -> Result<Config, ConfigError> {
@@ -569,6 +578,12 @@ impl Config {
                         problem: "a leased rule takes its units before the request goes on: its cost must come from a request header".into(),
                     });
                 }
+            }
+            if rule.scope == Scope::Global && rule.cost.as_ref().is_some_and(|c| c.estimate.is_some()) {
+                return Err(ConfigError {
+                    path: at("cost.estimate"),
+                    problem: "a reservation settles by giving units back, which the global scope does not carry yet: use \"scope\": \"proxy\"".into(),
+                });
             }
             if self.cluster_selection.is_some() && rule.condition.as_ref().is_some_and(|m| m.routes.is_some()) {
                 return Err(ConfigError {

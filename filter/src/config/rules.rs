@@ -98,10 +98,58 @@ pub struct Cost {
     #[serde(default)]
     pub header: Option<String>,
     /// The cost when the header is absent or not a valid count (`request_header`: 1,
-    /// `response_header`: 0).
+    /// `response_header`, `response_body`: 0). Not with `estimate` (its `unreported` says).
     #[serde(default)]
     pub default: Option<u32>,
+    /// For `response_body`: the count's path in the JSON body (or in each event of a
+    /// server-sent-event stream), object keys joined by dots: `usage.total_tokens`.
+    #[serde(default)]
+    pub path: Option<String>,
+    /// For `response_body`: the most bytes of a response read for its count (default 1 MiB);
+    /// a body longer than that is settled as unreported.
+    #[serde(default)]
+    pub max_body_bytes: Option<Positive>,
+    /// For a cost the upstream reports (`response_header`, `response_body`): the units reserved
+    /// at admission (which needs room for them), settled when the count comes.
+    #[serde(default)]
+    pub estimate: Option<Estimate>,
+    /// With `estimate`: how a response that reports no valid count is settled (default
+    /// `reservation`).
+    #[serde(default)]
+    pub unreported: Option<Unreported>,
 }
+
+/// `cost.estimate`: what a request reserves at admission when its cost is reported later.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Estimate {
+    /// A request header holding the estimate (an LLM request's `max_tokens`, say). Without
+    /// it, every request reserves `default`.
+    #[serde(default)]
+    pub header: Option<String>,
+    /// The estimate when the header is absent or not a valid count.
+    pub default: Positive,
+    /// The largest estimate: a header asking more reserves this.
+    pub max: Positive,
+}
+
+/// How a response without a valid count settles its reservation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Unreported {
+    /// The reservation stays charged (an error, a reset or a cut stream costs its estimate).
+    #[default]
+    Reservation,
+    /// The reservation is given back (the response costs nothing).
+    Refund,
+}
+
+/// The bytes of a response body read for its count by default (`cost.max_body_bytes`).
+pub const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
+/// The most segments a `cost.path` may have.
+pub const MAX_PATH_SEGMENTS: usize = 8;
+/// The longest segment of a `cost.path`.
+pub const MAX_SEGMENT_LEN: usize = 64;
 
 /// Where a request's cost comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -114,6 +162,9 @@ pub enum CostSource {
     RequestBody,
     /// A count the upstream reports in a response header, charged when the response arrives.
     ResponseHeader,
+    /// A count the upstream reports in its response body (JSON, or a server-sent-event
+    /// stream), charged when it has been read.
+    ResponseBody,
 }
 
 impl Cost {
@@ -121,7 +172,7 @@ impl Cost {
     pub fn default_units(&self) -> u32 {
         self.default.unwrap_or(match self.from {
             CostSource::RequestHeader => 1,
-            CostSource::RequestBody | CostSource::ResponseHeader => 0,
+            CostSource::RequestBody | CostSource::ResponseHeader | CostSource::ResponseBody => 0,
         })
     }
 }
@@ -187,11 +238,61 @@ pub fn validate_rule(rule: &mut RateLimitRule, at: &str) -> Result<(), ConfigErr
             (CostSource::RequestBody, Some(_)) => {
                 return Err(error(format!("{at}.header"), "has no meaning with \"from\": \"request_body\""));
             }
-            (CostSource::RequestBody, None) => {}
+            (CostSource::RequestBody | CostSource::ResponseBody, None) => {}
+            (CostSource::ResponseBody, Some(_)) => {
+                return Err(error(format!("{at}.header"), "has no meaning with \"from\": \"response_body\" (it reads \"path\")"));
+            }
         }
         if cost.from == CostSource::RequestBody && cost.default.is_some() {
             return Err(error(format!("{at}.default"), "has no meaning with \"from\": \"request_body\""));
         }
+        validate_reported(cost, &at)?;
+    }
+    Ok(())
+}
+
+/// The fields of a cost the upstream reports: `path` and `max_body_bytes` for a body,
+/// `estimate` and `unreported`.
+fn validate_reported(cost: &mut Cost, at: &str) -> Result<(), ConfigError> {
+    let body = cost.from == CostSource::ResponseBody;
+    match (&cost.path, body) {
+        (None, true) => return Err(error(format!("{at}.path"), "is required with \"from\": \"response_body\" (\"usage.total_tokens\")")),
+        (Some(_), false) => return Err(error(format!("{at}.path"), "has meaning only with \"from\": \"response_body\"")),
+        (Some(path), true) => {
+            let segments: Vec<&str> = path.split('.').collect();
+            let fine = |s: &&str| !s.is_empty() && s.len() <= MAX_SEGMENT_LEN && !s.contains(['"', '\\']) && !s.chars().any(char::is_control);
+            if segments.len() > MAX_PATH_SEGMENTS || !segments.iter().all(fine) {
+                return Err(error(
+                    format!("{at}.path"),
+                    format!("{path:?} must be 1 to {MAX_PATH_SEGMENTS} object keys joined by '.', each 1 to {MAX_SEGMENT_LEN} characters without quotes"),
+                ));
+            }
+        }
+        (None, false) => {}
+    }
+    if cost.max_body_bytes.is_some() && !body {
+        return Err(error(format!("{at}.max_body_bytes"), "has meaning only with \"from\": \"response_body\""));
+    }
+    let reported = matches!(cost.from, CostSource::ResponseHeader | CostSource::ResponseBody);
+    match &mut cost.estimate {
+        Some(_) if !reported => {
+            return Err(error(format!("{at}.estimate"), "has meaning only for a cost the upstream reports (response_header, response_body)"));
+        }
+        Some(estimate) => {
+            if let Some(name) = &estimate.header {
+                estimate.header = Some(header_name(name).map_err(|p| error(format!("{at}.estimate.header"), p))?);
+            }
+            if estimate.default.get() > estimate.max.get() {
+                return Err(error(format!("{at}.estimate.default"), "must be at most estimate.max"));
+            }
+            if cost.default.is_some() {
+                return Err(error(format!("{at}.default"), "has no meaning with \"estimate\" (\"unreported\" says what an unreported response costs)"));
+            }
+        }
+        None if cost.unreported.is_some() => {
+            return Err(error(format!("{at}.unreported"), "has meaning only with \"estimate\""));
+        }
+        None => {}
     }
     Ok(())
 }

@@ -185,6 +185,12 @@ impl RootContext for FilterRoot {
                 return false;
             }
         };
+        if let (false, Some(at)) = (cfg!(feature = "response-body"), config.response_body_cost()) {
+            log::error!(
+                "floodgate: invalid configuration: {at}: \"response_body\" needs the module that reads response bodies (floodgate-llm.wasm); this one does not"
+            );
+            return false;
+        }
         let namespace = plugin_name();
         let seed = match shared_seed(&EnvoyStore, &namespace) {
             Ok(seed) => seed,
@@ -548,6 +554,23 @@ impl HttpContext for FilterStream {
         }
         let clock = CallbackClock::default();
         stream.end(&self.filter, &env(&clock), self.context_id, &EnvoyStreamEnd);
+    }
+
+    /// A response body frame (`body_size` bytes; `end_of_stream`: the last), read for the
+    /// counts the rules wait for. Built only into the module that reads response bodies (see
+    /// `filter/Cargo.toml`, feature `response-body`): the default module does not export this
+    /// callback at all.
+    #[cfg(feature = "response-body")]
+    fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        let mut stream = self.stream.borrow_mut();
+        if !stream.reads_response_body() {
+            return Action::Continue;
+        }
+        // The frame only (the filter returns Continue: Envoy buffers nothing for it).
+        let chunk = if body_size == 0 { None } else { hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size).ok().flatten() };
+        let clock = CallbackClock::default();
+        stream.response_body(&self.filter, &env(&clock), chunk.as_deref().unwrap_or_default(), end_of_stream);
+        Action::Continue
     }
 
     fn on_http_response_headers(&mut self, _num_headers: usize, end_of_stream: bool) -> Action {

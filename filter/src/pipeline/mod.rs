@@ -39,7 +39,7 @@ use crate::primitives::inflight::{LocalCount, Permit, HEARTBEAT_MS};
 use crate::primitives::store::SharedStore;
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::ratelimit::reserve::Reserves;
-use crate::ratelimit::rules::{self, Charges, Later, Rules};
+use crate::ratelimit::rules::{self, Charges, Later, Report, Rules, Settle};
 use crate::ratelimit::{Cause, Limiter, Probe, Standing, Verdict, Violation};
 use crate::replies::grpc::{self, GrpcReply};
 use crate::replies::{self, AdmittedFields, Reply, Tightest};
@@ -1158,7 +1158,7 @@ impl Stream {
                 increment(env.metrics, filter.stats.rule(probe.rule).invalid_cost);
             }
             probe.cost = limit.map_or(admission.now, |limit| rules::capped(admission.now, limit));
-            if let (Later::BodyBytes | Later::ResponseHeader, Some(limit)) = (admission.later, limit) {
+            if let (Later::BodyBytes | Later::ResponseHeader | Later::ResponseBody, Some(limit)) = (admission.later, limit) {
                 later.push((*probe, admission.later, limit));
             }
         }
@@ -1198,7 +1198,7 @@ impl Stream {
         match &verdict {
             Verdict::Admitted { standings, evictions } => {
                 for (probe, when, limit) in later {
-                    self.charges.owe(probe, when, limit);
+                    self.charges.owe(probe, when, limit, now);
                 }
                 for standing in standings {
                     increment(env.metrics, filter.stats.rule(standing.rule).allowed);
@@ -1393,17 +1393,30 @@ impl Stream {
         }
         if self.charges.awaits_response() {
             let rules = &filter.rules;
-            let owed = self.charges.response(|rule| {
-                let raw = rules.response_header(rule).and_then(|name| headers.get(name));
-                let (units, invalid) = rules.response_units(rule, raw.as_deref());
-                if invalid {
-                    increment(env.metrics, filter.stats.rule(rule).invalid_cost);
-                }
-                units
-            });
+            let content_type = if rules.reads_response_bodies() && !end_of_stream { headers.get("content-type") } else { None };
+            let owed = self.charges.response(
+                |rule| Rules::response_report(rules.response_header(rule).and_then(|name| headers.get(name)).as_deref()),
+                |rule| if end_of_stream { None } else { rules.body_scan(rule, content_type.as_deref()) },
+            );
             self.charge(filter, env, owed);
         }
         self.fields.take()
+    }
+
+    /// Whether the response body is read (a rule's count is in it).
+    pub fn reads_response_body(&self) -> bool {
+        self.charges.reads_response_body()
+    }
+
+    /// A chunk of the response body (`end`: the last): read for the counts the rules wait for;
+    /// those it settles are charged (or given back).
+    pub fn response_body<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, chunk: &[u8], end: bool) {
+        if !self.charges.reads_response_body() {
+            return;
+        }
+        let rules = &filter.rules;
+        let owed = self.charges.response_body(chunk, end, |rule| rules.body_path(rule));
+        self.charge(filter, env, owed);
     }
 
     /// The response trailers: a gRPC call's status.
@@ -1438,8 +1451,7 @@ impl Stream {
             stage.abandon(filter, env, &queued);
         }
         if !self.charges.is_empty() {
-            let rules = &filter.rules;
-            let owed = self.charges.end(|rule| rules.response_units(rule, None).0);
+            let owed = self.charges.end();
             self.charge(filter, env, owed);
         }
         if self.holds_permits() {
@@ -1490,23 +1502,40 @@ impl Stream {
         log::debug!("floodgate: {outcome:?} (status {status:?}, gRPC {grpc_status:?}, flags {flags:#x}) on cluster {}", finished.cluster);
     }
 
-    /// Charges costs the admitted request owes its rules, known after admission: into the keys'
-    /// counters, and fleet-wide for rules in global scope.
-    fn charge<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, owed: Vec<(Probe, u32)>) {
-        if owed.iter().all(|(_, units)| *units == 0) {
-            return;
-        }
+    /// Settles costs the admitted request owes its rules, known after admission: what was
+    /// counted at admission (a reservation, or nothing) becomes the units the rule charges for
+    /// what came (a count, capped at the limit; without one, the rule's policy): the difference
+    /// is charged into the key's counters, or given back to the window bucket it was counted in;
+    /// fleet-wide too for rules in global scope.
+    fn charge<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, owed: Vec<Settle>) {
         let now = env.clock.now().wall;
-        for (probe, units) in owed {
+        for Settle { probe, report, limit } in owed {
             let ids = filter.stats.rule(probe.rule);
-            if filter.limiter.charge(env.store, probe, units, now) {
-                stats::add_count(env.metrics, ids.charged, u64::from(units));
-            } else {
-                increment(env.metrics, ids.contention);
+            match report {
+                Report::Count(_) | Report::Missing => {}
+                Report::Invalid => increment(env.metrics, ids.invalid_cost),
+                Report::Unreadable => increment(env.metrics, ids.unreadable),
             }
-            if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-                let dropped = scope.count(&mut node.borrow_mut(), std::slice::from_ref(&probe), now, units, 0);
-                stats::add_count(env.metrics, filter.stats.global.dropped, dropped);
+            if !matches!(report, Report::Count(_)) {
+                increment(env.metrics, ids.unreported);
+            }
+            let units = filter.rules.settled_units(probe.rule, report, probe.cost, limit);
+            let reserved = probe.cost;
+            if units > reserved {
+                let extra = units.saturating_sub(reserved);
+                if filter.limiter.charge(env.store, probe, extra, now) {
+                    stats::add_count(env.metrics, ids.charged, u64::from(extra));
+                } else {
+                    increment(env.metrics, ids.contention);
+                }
+                if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+                    let dropped = scope.count(&mut node.borrow_mut(), std::slice::from_ref(&probe), now, extra, 0);
+                    stats::add_count(env.metrics, filter.stats.global.dropped, dropped);
+                }
+            } else if units < reserved {
+                let back = reserved.saturating_sub(units);
+                filter.limiter.refund(env.store, probe, back, self.charges.admitted_at());
+                stats::add_count(env.metrics, ids.refunded, u64::from(back));
             }
         }
     }

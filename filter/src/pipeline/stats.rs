@@ -11,6 +11,9 @@
 //! | `<prefix>.rate_limit.<rule>.evictions` | counter | keys with live counts that lost their exact entry to a more frequent key (counts moved to the set's overflow) |
 //! | `<prefix>.rate_limit.<rule>.invalid_cost` | counter | requests (or responses) whose cost header held no valid count: the rule's `cost.default` was charged |
 //! | `<prefix>.rate_limit.<rule>.charged` | counter | units charged after admission (a streamed request body, a count the upstream reported) |
+//! | `<prefix>.rate_limit.<rule>.refunded` | counter | units given back when a reported count came under the request's estimate (defined only for a cost the upstream reports) |
+//! | `<prefix>.rate_limit.<rule>.unreported` | counter | responses that reported no valid count: settled by `cost.unreported` (or `cost.default`) (defined only for a cost the upstream reports) |
+//! | `<prefix>.rate_limit.<rule>.unreadable` | counter | of those, responses whose body could not be read for a count: not JSON, nested too deep, or longer than `cost.max_body_bytes` (defined only for `response_body`) |
 //! | `<prefix>.rate_limit.<rule>.delayed` | counter | requests a token bucket with `max_delay` let in to wait for their turn (defined only for such a rule) |
 //! | `<prefix>.rate_limit.<rule>.delay_abandoned` | counter | of those, requests whose client went away before their turn: their slot went back (defined only for such a rule) |
 //! | `<prefix>.rate_limit.<rule>.reserved` | gauge | quota units workers counted ahead for their next requests and have not used yet, as of each worker's last heartbeat |
@@ -67,7 +70,7 @@
 //! A cluster name's characters other than letters, digits, `-`, `_` and `.` appear as `_` in
 //! metric names (`outbound|80||a.b` → `outbound_80__a.b`).
 
-use crate::config::{Config, Consistency, Scope};
+use crate::config::{Config, Consistency, CostSource, Scope};
 
 /// What a metric is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,6 +141,12 @@ pub struct RuleStats {
     pub invalid_cost: Option<u32>,
     /// Units charged after admission.
     pub charged: Option<u32>,
+    /// Units given back after admission (a count under the estimate).
+    pub refunded: Option<u32>,
+    /// Responses without a valid count, settled by policy.
+    pub unreported: Option<u32>,
+    /// Of those, bodies that could not be read.
+    pub unreadable: Option<u32>,
     /// Requests the rule would have refused, let through in shadow.
     pub shadow_rejected: Option<u32>,
     /// Requests let in to wait for their turn (`max_delay`).
@@ -348,6 +357,9 @@ impl Stats {
             .iter()
             .map(|rule| {
                 let name = |what: &str| format!("{prefix}.rate_limit.{}.{what}", rule.name);
+                let from = rule.cost.as_ref().map(|c| c.from);
+                let body = from == Some(CostSource::ResponseBody);
+                let reported = body || from == Some(CostSource::ResponseHeader);
                 RuleStats {
                     allowed: d.counter(&name("allowed")),
                     rejected: d.counter(&name("rejected")),
@@ -357,6 +369,9 @@ impl Stats {
                     reserved: d.gauge(&name("reserved")),
                     invalid_cost: d.counter(&name("invalid_cost")),
                     charged: d.counter(&name("charged")),
+                    refunded: reported.then(|| d.counter(&name("refunded"))).flatten(),
+                    unreported: reported.then(|| d.counter(&name("unreported"))).flatten(),
+                    unreadable: body.then(|| d.counter(&name("unreadable"))).flatten(),
                     shadow_rejected: d.counter(&name("shadow_rejected")),
                     delayed: rule.max_delay.and_then(|_| d.counter(&name("delayed"))),
                     delay_abandoned: rule.max_delay.and_then(|_| d.counter(&name("delay_abandoned"))),

@@ -377,6 +377,36 @@ fn costs_charged_after_admission_follow_the_stream_to_its_end() {
     assert_eq!(host.metric("floodgate.rate_limit.r.charged"), 37);
 }
 
+#[test]
+fn a_reservation_holds_its_estimate_in_flight_and_settles_to_the_body_s_count() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 250, "window": "1h",
+                         "cost": {"from": "response_body", "path": "usage.total_tokens",
+                                  "estimate": {"header": "x-max", "default": 100, "max": 100}}}],
+    }));
+    let request = || keyed("k").with("x-max", "100");
+    let (first, a, step_a) = host.send(&request());
+    let (second, b, step_b) = host.send(&request());
+    let (_, _, step_c) = host.send(&request());
+    assert_eq!((status(&step_a), status(&step_b), status(&step_c)), (0, 0, 429), "two estimates of 100 in flight fill 250");
+    let json = TestRequest::default().with("content-type", "application/json");
+    a.borrow_mut().response_headers(&host.filter, &host.env(), &json, false);
+    assert!(a.borrow().reads_response_body());
+    a.borrow_mut().response_body(&host.filter, &host.env(), br#"{"usage":{"total_tokens":"#, false);
+    a.borrow_mut().response_body(&host.filter, &host.env(), br#"30}}"#, true);
+    assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 70, "30 used: 70 back");
+    host.end(first, &a, &OK);
+    let (_, _, step_d) = host.send(&request());
+    assert_eq!(status(&step_d), 0, "the refund makes room: 30 + 100 + 100 ≤ 250");
+    // A body that never reports: the reservation stays.
+    b.borrow_mut().response_headers(&host.filter, &host.env(), &json, false);
+    b.borrow_mut().response_body(&host.filter, &host.env(), b"<html>", false);
+    assert_eq!(host.metric("floodgate.rate_limit.r.unreadable"), 1);
+    host.end(second, &b, &OK);
+    assert_eq!(host.metric("floodgate.rate_limit.r.unreported"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 70);
+}
+
 // ---- waiting for the store: pause and resume ----
 
 fn leased(limit: u32) -> serde_json::Value {

@@ -15,6 +15,7 @@ pub mod remote;
 pub mod rules;
 pub mod reserve;
 pub mod table;
+pub mod usage;
 pub mod bucket;
 pub mod window;
 
@@ -251,7 +252,7 @@ impl Limiter {
                     unit: match rule.cost.as_ref().map(|c| c.from) {
                         None => "requests",
                         Some(CostSource::RequestBody) => "bytes",
-                        Some(CostSource::RequestHeader | CostSource::ResponseHeader) => "units",
+                        Some(CostSource::RequestHeader | CostSource::ResponseHeader | CostSource::ResponseBody) => "units",
                     },
                     window,
                     bucket,
@@ -593,6 +594,19 @@ impl Limiter {
             Attempt::Write(set.encode(), ())
         })
         .is_ok()
+    }
+
+    /// Gives back `units` that `probe`'s key was charged at `admitted_at` and did not use (a
+    /// reservation above the count the upstream reported): out of the window bucket they were
+    /// counted in, if the key still has it (best effort: if not, the key is over-counted, the
+    /// safe direction).
+    pub fn refund<S: SharedStore + ?Sized>(&self, store: &S, probe: Probe, units: u32, admitted_at: UnixMillis) {
+        let Some(table) = self.tables.get(probe.rule) else { return };
+        if units == 0 {
+            return;
+        }
+        let bucket_index = table.window.phase(admitted_at).bucket_index;
+        self.give_back(store, probe, Leftover { bucket_index, units });
     }
 
     /// Takes `leftover` units of `probe`'s key back out of its counters (best effort: if it

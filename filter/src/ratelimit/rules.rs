@@ -6,15 +6,19 @@
 //! cost.
 //!
 //! Invariants: a rule whose condition fails reads no key and touches no shared data; a request is
-//! admitted only with room for its known cost and for at least one unit, and a cost known later is
-//! charged when known; a count is decimal digits up to `u32::MAX`, anything else is invalid and
+//! admitted only with room for its known cost (or its reservation, for a reported cost with an
+//! estimate) and for at least one unit, and a cost known later is settled once when known (what
+//! admission counted becomes the known cost: the difference charged or given back), or when the
+//! stream ends; a count is decimal digits up to `u32::MAX`, anything else is invalid and
 //! costs `cost.default`, and a cost above the limit is capped at it: nothing wraps. Limits and
 //! tiers are not part of a rule's identity, so changing them keeps the counters.
 //!
 //! Rationale: docs/design.md, section "Rules: conditions, limits by key, costs".
 
-use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch};
+use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch, Unreported, DEFAULT_MAX_BODY_BYTES};
 use crate::keys::KeyHasher;
+use crate::primitives::time::UnixMillis;
+use crate::ratelimit::usage::{self, Format, Scan, UsageScan};
 use crate::ratelimit::Probe;
 use std::borrow::Cow;
 use std::num::NonZeroU32;
@@ -196,7 +200,70 @@ pub enum CostPlan {
         header: String,
         /// The cost without a valid count.
         default: u32,
+        /// What is reserved at admission, if anything.
+        estimate: Option<Reservation>,
     },
+    /// A count the upstream reports in its response body, at `path`.
+    ResponseBody {
+        /// The count's path, one object key per segment.
+        path: Vec<Vec<u8>>,
+        /// The most bytes read for it.
+        max_bytes: u64,
+        /// The cost without a valid count.
+        default: u32,
+        /// What is reserved at admission, if anything.
+        estimate: Option<Reservation>,
+    },
+}
+
+/// What a request reserves at admission for a cost the upstream reports later (`cost.estimate`),
+/// and how a response without a count settles it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// The request header holding the estimate.
+    header: Option<String>,
+    /// The estimate without a valid header.
+    default: u32,
+    /// The largest estimate.
+    max: u32,
+    /// A response without a valid count: the reservation stays, or goes back.
+    unreported: Unreported,
+}
+
+impl Reservation {
+    /// The units a request reserves, and whether its header was invalid.
+    fn units<A: Attributes + ?Sized>(&self, request: &A) -> (u32, bool) {
+        let Some(raw) = self.header.as_deref().and_then(|h| request.get(h)) else { return (self.default, false) };
+        match parse_count(&raw) {
+            Some(units) => (units.min(self.max), false),
+            None => (self.default, true),
+        }
+    }
+}
+
+/// What a response told of a rule's count (or the request body, of its bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// The count.
+    Count(u32),
+    /// No count: the response ended without one (or never came).
+    Missing,
+    /// A value that is not a count.
+    Invalid,
+    /// A body that could not be read for one: not JSON, or longer than the rule reads.
+    Unreadable,
+}
+
+/// A cost owed by an admitted request, now known: the rule's key (`probe`, whose `cost` is
+/// what was counted at admission), what the response told, and the key's limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settle {
+    /// The rule's key, with the units counted at admission.
+    pub probe: Probe,
+    /// The count, or why there is none.
+    pub report: Report,
+    /// The key's limit (a cost is capped at it).
+    pub limit: NonZeroU32,
 }
 
 /// What a request costs against one rule when it is admitted, and what is charged later.
@@ -219,6 +286,8 @@ pub enum Later {
     BodyBytes,
     /// The count in a response header, charged when the response headers arrive.
     ResponseHeader,
+    /// The count in the response body, charged when it has been read.
+    ResponseBody,
 }
 
 /// A count: decimal digits only, at most `u32::MAX` (`None` otherwise: invalid).
@@ -290,12 +359,26 @@ impl Rules {
                     .map(|o| (hasher.hash(o.key.iter().map(|v| Some(v.as_bytes()))), o.limit.get()))
                     .collect();
                 overrides.sort_unstable_by_key(|(hash, _)| *hash);
-                let cost = rule.cost.as_ref().map(|c| match (c.from, c.header.clone()) {
+                let cost = rule.cost.as_ref().map(|c| {
+                    let estimate = c.estimate.as_ref().map(|e| Reservation {
+                        header: e.header.clone(),
+                        default: e.default.get().get(),
+                        max: e.max.get().get(),
+                        unreported: c.unreported.unwrap_or_default(),
+                    });
+                    match (c.from, c.header.clone()) {
                     (CostSource::RequestBody, _) => CostPlan::RequestBody,
+                    (CostSource::ResponseBody, _) => CostPlan::ResponseBody {
+                        path: usage::segments(c.path.as_deref().unwrap_or_default()),
+                        max_bytes: c.max_body_bytes.map_or(DEFAULT_MAX_BODY_BYTES, |m| u64::from(m.get().get())),
+                        default: c.default_units(),
+                        estimate,
+                    },
                     (CostSource::RequestHeader, Some(header)) => CostPlan::RequestHeader { header, default: c.default_units() },
-                    (CostSource::ResponseHeader, Some(header)) => CostPlan::ResponseHeader { header, default: c.default_units() },
+                    (CostSource::ResponseHeader, Some(header)) => CostPlan::ResponseHeader { header, default: c.default_units(), estimate },
                     // Refused by validation: a header cost names its header.
                     (_, None) => CostPlan::One,
+                    }
                 });
                 Plan { condition, tiers, overrides, cost }
             })
@@ -359,21 +442,61 @@ impl Rules {
                 },
                 None => Admission { now: 0, later: Later::BodyBytes, invalid: false },
             },
-            CostPlan::ResponseHeader { .. } => Admission { now: 0, later: Later::ResponseHeader, invalid: false },
+            CostPlan::ResponseHeader { estimate, .. } | CostPlan::ResponseBody { estimate, .. } => {
+                let later = if matches!(cost, CostPlan::ResponseBody { .. }) { Later::ResponseBody } else { Later::ResponseHeader };
+                let (now, invalid) = estimate.as_ref().map_or((0, false), |e| e.units(request));
+                Admission { now, later, invalid }
+            }
         }
     }
 
-    /// The units rule `rule` charges for a response whose cost header holds `raw` (`None`:
-    /// absent), and whether it was invalid.
-    pub fn response_units(&self, rule: usize, raw: Option<&[u8]>) -> (u32, bool) {
-        match self.plan(rule).and_then(|p| p.cost.as_ref()) {
-            Some(CostPlan::ResponseHeader { default, .. }) => match raw.map(parse_count) {
-                None => (*default, false),
-                Some(Some(units)) => (units, false),
-                Some(None) => (*default, true),
-            },
-            _ => (0, false),
+    /// What a response whose cost header holds `raw` (`None`: absent) tells rule `rule`.
+    pub fn response_report(raw: Option<&[u8]>) -> Report {
+        match raw.map(parse_count) {
+            None => Report::Missing,
+            Some(Some(units)) => Report::Count(units),
+            Some(None) => Report::Invalid,
         }
+    }
+
+    /// The units rule `rule` charges in all for a response that told `report`, `reserved`
+    /// having been counted at admission: the count, capped at `limit`; without one, the
+    /// reservation (or nothing, as `unreported` says) for a rule with an estimate, else the
+    /// rule's `cost.default`.
+    pub fn settled_units(&self, rule: usize, report: Report, reserved: u32, limit: NonZeroU32) -> u32 {
+        if let Report::Count(units) = report {
+            return capped(units, limit);
+        }
+        let (default, estimate) = match self.plan(rule).and_then(|p| p.cost.as_ref()) {
+            Some(CostPlan::ResponseHeader { default, estimate, .. } | CostPlan::ResponseBody { default, estimate, .. }) => (*default, estimate.as_ref()),
+            _ => (0, None),
+        };
+        match estimate.map(|e| e.unreported) {
+            Some(Unreported::Reservation) => reserved,
+            Some(Unreported::Refund) => 0,
+            None => capped(default, limit),
+        }
+    }
+
+    /// A scan of a response body (`content_type`: the response's) for rule `rule`'s count.
+    pub fn body_scan(&self, rule: usize, content_type: Option<&[u8]>) -> Option<UsageScan> {
+        match self.plan(rule).and_then(|p| p.cost.as_ref()) {
+            Some(CostPlan::ResponseBody { max_bytes, .. }) => Some(UsageScan::new(Format::of(content_type), *max_bytes)),
+            _ => None,
+        }
+    }
+
+    /// The path of rule `rule`'s count in a response body.
+    pub fn body_path(&self, rule: usize) -> &[Vec<u8>] {
+        match self.plan(rule).and_then(|p| p.cost.as_ref()) {
+            Some(CostPlan::ResponseBody { path, .. }) => path,
+            _ => &[],
+        }
+    }
+
+    /// Whether any rule reads its cost from a response body.
+    pub fn reads_response_bodies(&self) -> bool {
+        self.plans.iter().any(|p| matches!(p.cost, Some(CostPlan::ResponseBody { .. })))
     }
 
     /// The response header rule `rule` reads its cost from, if any.
@@ -404,6 +527,9 @@ impl Rules {
             if let Some(tiers) = &rule.tiers {
                 names.push((tiers.header.clone(), true));
             }
+            if let Some(header) = rule.cost.as_ref().and_then(|c| c.estimate.as_ref()).and_then(|e| e.header.clone()) {
+                names.push((header, true));
+            }
             match rule.cost.as_ref().map(|c| (c.from, c.header.clone())) {
                 Some((CostSource::RequestHeader, Some(header))) => names.push((header, true)),
                 Some((CostSource::RequestBody, _)) => names.push(("content-length".to_owned(), false)),
@@ -414,22 +540,42 @@ impl Rules {
     }
 }
 
-/// The costs an admitted request still owes, charged when they are known: its body's bytes
-/// (counted as the body streams, charged when it ends) and the units the upstream reports.
+/// The costs an admitted request still owes, settled when they are known: its body's bytes
+/// (counted as the body streams, charged when it ends) and the units the upstream reports (in a
+/// response header, or in the response body, read as it streams).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Charges {
-    /// The rules' probes, what each still owes, and the limit the cost is capped at.
-    owed: Vec<(Probe, Later, NonZeroU32)>,
+    /// What each rule's key still owes.
+    owed: Vec<Owed>,
     /// Request body bytes seen so far.
     body_bytes: u64,
+    /// When the request was admitted (a reservation given back goes back to that window bucket).
+    admitted_at: UnixMillis,
+}
+
+/// One rule's key's cost still owed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Owed {
+    probe: Probe,
+    later: Later,
+    limit: NonZeroU32,
+    /// For [`Later::ResponseBody`], once the response headers came: the body's scan.
+    scan: Option<Box<UsageScan>>,
 }
 
 impl Charges {
-    /// Remembers that `probe` (admitted) owes a cost known `later`, capped at `limit`.
-    pub fn owe(&mut self, probe: Probe, later: Later, limit: NonZeroU32) {
+    /// Remembers that `probe` (admitted at `now`, `probe.cost` counted then) owes a cost known
+    /// `later`, capped at `limit`.
+    pub fn owe(&mut self, probe: Probe, later: Later, limit: NonZeroU32, now: UnixMillis) {
         if later != Later::Nothing {
-            self.owed.push((probe, later, limit));
+            self.owed.push(Owed { probe, later, limit, scan: None });
+            self.admitted_at = now;
         }
+    }
+
+    /// When the request was admitted.
+    pub fn admitted_at(&self) -> UnixMillis {
+        self.admitted_at
     }
 
     /// Whether anything is still owed.
@@ -439,12 +585,17 @@ impl Charges {
 
     /// Whether a body count is owed (the body callbacks need to count).
     pub fn counts_body(&self) -> bool {
-        self.owed.iter().any(|(_, later, _)| *later == Later::BodyBytes)
+        self.owed.iter().any(|o| o.later == Later::BodyBytes)
     }
 
-    /// Whether a response header is awaited.
+    /// Whether the response headers are awaited (a count in them, or a body to read).
     pub fn awaits_response(&self) -> bool {
-        self.owed.iter().any(|(_, later, _)| *later == Later::ResponseHeader)
+        self.owed.iter().any(|o| o.later == Later::ResponseHeader || (o.later == Later::ResponseBody && o.scan.is_none()))
+    }
+
+    /// Whether the response body is being read for a count.
+    pub fn reads_response_body(&self) -> bool {
+        self.owed.iter().any(|o| o.scan.is_some())
     }
 
     /// A chunk of `bytes` of the request body went by.
@@ -452,36 +603,73 @@ impl Charges {
         self.body_bytes = self.body_bytes.saturating_add(u64::try_from(bytes).unwrap_or(u64::MAX));
     }
 
-    /// The request body ended: the body charges, each capped at its limit.
-    pub fn body_done(&mut self) -> Vec<(Probe, u32)> {
+    /// The request body ended: the body charges.
+    pub fn body_done(&mut self) -> Vec<Settle> {
         let bytes = u32::try_from(self.body_bytes).unwrap_or(u32::MAX);
-        self.take(Later::BodyBytes, |_, limit| capped(bytes, limit))
+        self.take(|o| (o.later == Later::BodyBytes).then_some(Report::Count(bytes)))
     }
 
-    /// The response headers came: the response-header charges, from `units(rule)` (the
-    /// rule's reported or default units), each capped at its limit.
-    pub fn response(&mut self, mut units: impl FnMut(usize) -> u32) -> Vec<(Probe, u32)> {
-        self.take(Later::ResponseHeader, |probe, limit| capped(units(probe.rule), limit))
+    /// The response headers came: the response-header costs, from `report(rule)` (what the
+    /// rule's header told); the body costs start reading, with `scan(rule)` (`None`: the
+    /// response has no body, and told nothing).
+    pub fn response(&mut self, mut report: impl FnMut(usize) -> Report, mut scan: impl FnMut(usize) -> Option<UsageScan>) -> Vec<Settle> {
+        self.take(|o| match o.later {
+            Later::ResponseHeader => Some(report(o.probe.rule)),
+            Later::ResponseBody if o.scan.is_none() => match scan(o.probe.rule) {
+                Some(body) => {
+                    o.scan = Some(Box::new(body));
+                    None
+                }
+                None => Some(Report::Missing),
+            },
+            _ => None,
+        })
+    }
+
+    /// A chunk of the response body (`end`: the last): the body costs it settles (a count
+    /// found, a body that cannot be read, or the body's end). `path(rule)` is where the rule's
+    /// count is.
+    pub fn response_body<'a>(&mut self, chunk: &[u8], end: bool, path: impl Fn(usize) -> &'a [Vec<u8>]) -> Vec<Settle> {
+        self.take(|o| {
+            let rule = o.probe.rule;
+            let scan = o.scan.as_mut()?;
+            let mut state = scan.feed(chunk, path(rule));
+            if end {
+                state = scan.end(path(rule));
+            }
+            match state {
+                Scan::Found(count) => Some(Report::Count(count)),
+                Scan::Invalid => Some(Report::Invalid),
+                Scan::Gave(_) => Some(Report::Unreadable),
+                Scan::Reading(Some(count)) if end => Some(Report::Count(count)),
+                Scan::Reading(None) if end => Some(Report::Missing),
+                Scan::Reading(_) => None,
+            }
+        })
     }
 
     /// The stream ended: whatever is still owed (a body cut short: the bytes seen; a response
-    /// that never came: `units(rule)`, the default).
-    pub fn end(&mut self, units: impl FnMut(usize) -> u32) -> Vec<(Probe, u32)> {
-        let mut charges = self.body_done();
-        charges.extend(self.response(units));
-        charges
+    /// that never came, or whose body never told: `Missing`; an event stream cut after a
+    /// count: that count).
+    pub fn end(&mut self) -> Vec<Settle> {
+        let mut settled = self.body_done();
+        settled.extend(self.take(|o| match o.scan.as_ref().map(|s| s.state()) {
+            Some(Scan::Reading(Some(count))) => Some(Report::Count(count)),
+            _ => Some(Report::Missing),
+        }));
+        settled
     }
 
-    fn take(&mut self, kind: Later, mut units: impl FnMut(&Probe, NonZeroU32) -> u32) -> Vec<(Probe, u32)> {
-        let mut charges = Vec::new();
-        self.owed.retain(|(probe, later, limit)| {
-            if *later != kind {
-                return true;
+    fn take(&mut self, mut report: impl FnMut(&mut Owed) -> Option<Report>) -> Vec<Settle> {
+        let mut settled = Vec::new();
+        self.owed.retain_mut(|owed| match report(owed) {
+            Some(report) => {
+                settled.push(Settle { probe: owed.probe, report, limit: owed.limit });
+                false
             }
-            charges.push((*probe, units(probe, *limit)));
-            false
+            None => true,
         });
-        charges
+        settled
     }
 }
 
@@ -614,33 +802,88 @@ mod tests {
         assert_eq!(now(1, &[("content-length", "2048")]).now, 2048);
         assert_eq!(now(1, &[]), Admission { now: 0, later: Later::BodyBytes, invalid: false });
         assert_eq!(now(2, &[]).later, Later::ResponseHeader);
-        assert_eq!(r.response_units(2, Some(b"15")), (15, false));
-        assert_eq!(r.response_units(2, None), (2, false), "no report: the default");
-        assert_eq!(r.response_units(2, Some(b"lots")), (2, true));
+        let ten = NonZeroU32::new(10).unwrap();
+        assert_eq!(Rules::response_report(Some(b"15")), Report::Count(15));
+        assert_eq!(r.settled_units(2, Report::Count(15), 0, ten), 10, "capped at the limit");
+        assert_eq!(r.settled_units(2, Rules::response_report(None), 0, ten), 2, "no report: the default");
+        assert_eq!(Rules::response_report(Some(b"lots")), Report::Invalid);
+        assert_eq!(r.settled_units(2, Report::Invalid, 0, ten), 2);
         assert_eq!(r.response_header(2), Some("x-tokens"));
         assert_eq!(now(3, &[("x-cost", "7")]).now, 1);
         assert_eq!(capped(u32::MAX, NonZeroU32::new(10).unwrap()), 10);
     }
 
+    fn settle(probe: Probe, report: Report, limit: u32) -> Settle {
+        Settle { probe, report, limit: NonZeroU32::new(limit).unwrap() }
+    }
+
     #[test]
-    fn charges_owed_are_charged_once_when_known_and_capped() {
+    fn charges_owed_are_settled_once_when_known() {
         let limit = |n| NonZeroU32::new(n).unwrap();
+        let at = UnixMillis(1_000);
         let mut charges = Charges::default();
-        charges.owe(Probe::new(0, 1), Later::BodyBytes, limit(1000));
-        charges.owe(Probe::new(1, 1), Later::ResponseHeader, limit(50));
-        charges.owe(Probe::new(2, 1), Later::Nothing, limit(5));
+        charges.owe(Probe::new(0, 1), Later::BodyBytes, limit(1000), at);
+        charges.owe(Probe::new(1, 1), Later::ResponseHeader, limit(50), at);
+        charges.owe(Probe::new(2, 1), Later::Nothing, limit(5), at);
         assert!(charges.counts_body() && charges.awaits_response());
+        assert_eq!(charges.admitted_at(), at);
         charges.body(600);
         charges.body(700);
-        assert_eq!(charges.body_done(), vec![(Probe::new(0, 1), 1000)], "1 300 bytes, capped at the limit");
+        assert_eq!(charges.body_done(), vec![settle(Probe::new(0, 1), Report::Count(1300), 1000)]);
         assert!(charges.body_done().is_empty(), "once");
-        assert_eq!(charges.response(|rule| if rule == 1 { 80 } else { 0 }), vec![(Probe::new(1, 1), 50)]);
+        assert_eq!(charges.response(|rule| Report::Count(u32::try_from(rule).unwrap() * 80), |_| None), vec![settle(Probe::new(1, 1), Report::Count(80), 50)]);
         assert!(charges.is_empty());
         let mut cut = Charges::default();
-        cut.owe(Probe::new(0, 2), Later::BodyBytes, limit(1000));
-        cut.owe(Probe::new(1, 2), Later::ResponseHeader, limit(50));
+        cut.owe(Probe::new(0, 2), Later::BodyBytes, limit(1000), at);
+        cut.owe(Probe::new(1, 2), Later::ResponseHeader, limit(50), at);
         cut.body(10);
-        assert_eq!(cut.end(|_| 3), vec![(Probe::new(0, 2), 10), (Probe::new(1, 2), 3)], "the stream ended first");
+        assert_eq!(cut.end(), vec![settle(Probe::new(0, 2), Report::Count(10), 1000), settle(Probe::new(1, 2), Report::Missing, 50)], "the stream ended first");
+    }
+
+    #[test]
+    fn body_counts_are_read_as_the_body_streams() {
+        let r = rules(
+            r#"[{"name":"total","key":["source_ip"],"limit":1000,"window":"1m",
+                 "cost":{"from":"response_body","path":"usage.total_tokens","estimate":{"header":"x-max-tokens","default":50,"max":400}}},
+                {"name":"out","key":["source_ip"],"limit":1000,"window":"1m",
+                 "cost":{"from":"response_body","path":"usage.completion_tokens","max_body_bytes":64,"estimate":{"default":10,"max":10},"unreported":"refund"}}]"#,
+        );
+        let at = |pairs: &[(&'static str, &'static str)]| r.admission(0, &request(pairs));
+        assert_eq!(at(&[("x-max-tokens", "100")]), Admission { now: 100, later: Later::ResponseBody, invalid: false });
+        assert_eq!(at(&[("x-max-tokens", "100000")]).now, 400, "capped at estimate.max");
+        assert_eq!(at(&[]), Admission { now: 50, later: Later::ResponseBody, invalid: false });
+        for bad in ["-1", "1e9", "abc", ""] {
+            assert_eq!(at(&[("x-max-tokens", bad)]), Admission { now: 50, later: Later::ResponseBody, invalid: true }, "{bad:?}");
+        }
+        let limit = NonZeroU32::new(1000).unwrap();
+        assert_eq!(r.settled_units(0, Report::Missing, 100, limit), 100, "unreported: the reservation stays");
+        assert_eq!(r.settled_units(1, Report::Unreadable, 10, limit), 0, "unreported: refund");
+        assert_eq!(r.settled_units(0, Report::Count(30), 100, limit), 30);
+
+        let owe = |charges: &mut Charges| {
+            charges.owe(Probe::new(0, 1), Later::ResponseBody, limit, UnixMillis(5));
+            charges.owe(Probe::new(1, 1), Later::ResponseBody, limit, UnixMillis(5));
+        };
+        let body = br#"{"choices":[{"message":{"content":"hello"}}],"usage":{"prompt_tokens":12,"completion_tokens":18,"total_tokens":30}}"#;
+        let mut json = Charges::default();
+        owe(&mut json);
+        assert_eq!(json.response(|_| Report::Missing, |rule| r.body_scan(rule, Some(b"application/json"))), vec![]);
+        assert!(json.reads_response_body() && !json.awaits_response());
+        let (head, tail) = body.split_at(70);
+        assert_eq!(json.response_body(head, false, |rule| r.body_path(rule)), vec![settle(Probe::new(1, 1), Report::Unreadable, 1000)], "past 64 bytes");
+        assert_eq!(json.response_body(tail, false, |rule| r.body_path(rule)), vec![settle(Probe::new(0, 1), Report::Count(30), 1000)], "found before the end");
+        assert!(json.is_empty());
+
+        let mut events = Charges::default();
+        owe(&mut events);
+        events.response(|_| Report::Missing, |rule| r.body_scan(rule, Some(b"text/event-stream")));
+        let sse = b"data: {\"usage\":null}\n\ndata: {\"usage\":{\"total_tokens\":9}}\n\n";
+        assert!(events.response_body(sse, false, |rule| r.body_path(rule)).is_empty(), "the last event decides");
+        assert_eq!(events.end(), vec![settle(Probe::new(0, 1), Report::Count(9), 1000), settle(Probe::new(1, 1), Report::Missing, 1000)], "cut: the last count seen");
+
+        let mut headless = Charges::default();
+        owe(&mut headless);
+        assert_eq!(headless.response(|_| Report::Missing, |_| None).len(), 2, "no body: nothing reported");
     }
 
     #[test]
