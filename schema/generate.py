@@ -198,9 +198,9 @@ schema = {
         "header": {"description": "The header, for request_header and response_header (null with request_body and response_body).", "anyOf": [{"$ref": "#/$defs/headerName"}, {"type": "null"}], "default": None},
         "default": {"description": "The cost when the header is absent or holds no valid count (null: 1 for request_header, 0 for response_header and response_body; none with request_body or with estimate).", "anyOf": [{"type": "integer", "minimum": 0, "maximum": 4294967295}, {"type": "null"}]},
         "path": {"description": "For response_body: the count's place in the JSON body (or in each event of a text/event-stream), object keys joined by dots, e.g. usage.total_tokens.", "anyOf": [{"type": "string", "pattern": "^[^.\"\\\\\\u0000-\\u001f]{1,64}(\\.[^.\"\\\\\\u0000-\\u001f]{1,64}){0,7}$"}, {"type": "null"}], "default": None},
-        "max_body_bytes": {"description": "For response_body: the most bytes of a response read for its count (null: 1048576); a longer body is settled as unreported.", "anyOf": [{"$ref": "#/$defs/positive"}, {"type": "null"}], "default": None},
+        "max_body_bytes": {"description": "For response_body: the most bytes of a response read for its count (null: 1048576); a longer body is settled as unreported.", "anyOf": [{"$ref": "#/$defs/positive"}, {"type": "null"}], "default": 1048576},
         "estimate": {"description": "For response_header and response_body: what a request reserves at admission (which needs room for it), settled when the count comes.", "anyOf": [{"$ref": "#/$defs/estimate"}, {"type": "null"}], "default": None},
-        "unreported": {"description": "With estimate: how a response without a valid count settles (null: reservation). reservation: the estimate stays charged; refund: it is given back.", "anyOf": [{"enum": ["reservation", "refund"]}, {"type": "null"}], "default": None}
+        "unreported": {"description": "With estimate: how a response without a valid count settles (null: reservation). reservation: the estimate stays charged; refund: it is given back.", "anyOf": [{"enum": ["reservation", "refund"]}, {"type": "null"}], "default": "reservation"}
       }
     },
     "estimate": {

@@ -429,13 +429,16 @@ fn the_reference_and_the_module_source_list_the_same_metrics() {
 }
 
 /// A configuration with every feature that defines metrics: the rule `r` (and `tb`, a token
-/// bucket that delays), the classes `critical`, `normal`, `low` (with a queue), the clusters `a` and `b`.
+/// bucket that delays, `g`, and `t`, settled from the response body: the module that reads bodies
+/// runs it), the classes `critical`, `normal`, `low` (with a queue), the clusters `a` and `b`.
 fn every_feature() -> Value {
     json!({
         "rate_limits": [
             {"name": "r", "key": [{"header": "x-k"}], "limit": 100, "window": "1m", "scope": "global", "consistency": "leased"},
             {"name": "tb", "key": [{"header": "x-k"}], "limit": 100, "window": "1m", "algorithm": "token_bucket", "burst": 10, "max_delay": "1s"},
-            {"name": "g", "key": [{"header": "x-k"}], "limit": 100, "window": "1m", "scope": "global"}
+            {"name": "g", "key": [{"header": "x-k"}], "limit": 100, "window": "1m", "scope": "global"},
+            {"name": "t", "key": [{"header": "x-k"}], "limit": 1000, "window": "1m",
+             "cost": {"from": "response_body", "path": "usage.total_tokens", "estimate": {"default": 100, "max": 500}}}
         ],
         "global": {"cluster": "floodgate-sync", "sync_interval": "1s"},
         "load_shedding": {"max_active_requests": 100, "max_loop_lag": "1s",
@@ -452,7 +455,7 @@ fn generalized(name: &str) -> String {
     let parts: Vec<&str> = name.split('.').collect();
     let mut out: Vec<String> = parts.iter().map(|p| (*p).to_owned()).collect();
     match parts.as_slice() {
-        ["floodgate", "rate_limit", rule, _] if ["r", "tb", "g"].contains(rule) => out[2] = "<rule>".into(),
+        ["floodgate", "rate_limit", rule, _] if ["r", "tb", "g", "t"].contains(rule) => out[2] = "<rule>".into(),
         ["floodgate", "load_shedding", class, _] if ["critical", "normal", "low"].contains(class) => {
             out[2] = "<class>".into()
         }
@@ -469,6 +472,7 @@ fn envoy_with_every_feature_shows_exactly_the_metrics_the_reference_lists() {
     let config = every_feature();
     Config::parse(config.to_string().as_bytes()).unwrap_or_else(|e| panic!("every_feature(): {e}"));
     let envoy = Envoy::builder(config)
+        .module(llm_wasm_module())
         .upstream(&upstream)
         .http2_cluster("floodgate-sync", &[unused])
         .cluster("a", &[upstream.addr()])
