@@ -99,11 +99,18 @@ pub(crate) struct Traffic {
 }
 
 impl Traffic {
-    /// 1 200 req/s for 15 s (600 for 6 s with `--quick`); the hot key gets half the traffic,
-    /// twice its limit over the run.
+    /// Part (f)'s: 1 200 req/s for 15 s (600 for 6 s with `--quick`).
     pub(crate) fn of(s: &Settings) -> Traffic {
-        let (rate, seconds) = if s.quick { (600.0, 6u64) } else { (1200.0, 15) };
-        Traffic { limit: (rate as u64 / 2) * seconds / 2, rate, seconds }
+        if s.quick {
+            Traffic::at(600, 6)
+        } else {
+            Traffic::at(1200, 15)
+        }
+    }
+
+    /// `rate` req/s for `seconds`, the hot key's limit half of what it gets.
+    pub(crate) fn at(rate: u64, seconds: u64) -> Traffic {
+        Traffic { limit: (rate / 2) * seconds / 2, rate: rate as f64, seconds }
     }
 }
 
