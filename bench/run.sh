@@ -2,13 +2,17 @@
 # floodgate's benchmark tool: builds what it needs, then runs the measurements and prints tables
 # (markdown) on stdout, progress on stderr. See docs/benchmarks.md.
 #
-#   bench/run.sh [--quick] [--diagnose] [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|all] [options]
+#   bench/run.sh [--quick] [--diagnose] [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|peers|all] [options]
 #
 # On a 2-core VM (2026-11-25) --quick took about 10 min, and 14 more for `global`; the full run
 # about 25 min before `global` (its parts timed one by one); --diagnose adds the
 # where-the-time-goes variants. valgrind is needed for `instructions` (skipped with a message
 # without it). `global` (part of `all`) also needs Redis, which scripts/redis.sh installs when
 # missing (apt-get), and builds floodgate-sync.
+# `peers` (not part of `all`) sets floodgate's global scope beside Kuadrant's wasm-shim in front
+# of Limitador, in one run; it needs WASM_SHIM_WASM (the module) and LIMITADOR_BIN
+# (limitador-server), which bench/peers/build.sh builds from their sources, and is skipped with a
+# message without them. Like `global`, it needs Redis and floodgate-sync.
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
 # module built elsewhere instead of building this tree's. FLOODGATE_BENCH_DUMPS=dir keeps the
 # callgrind dump of each `instructions` variant there (read it with callgrind_annotate).
@@ -50,11 +54,11 @@ filters=bench/filters/target/wasm32-wasip1/release
 step "get Envoy (scripts/envoy.sh)"
 envoy=$(scripts/envoy.sh | tail -n1)
 
-# `global` runs when named, or when no measurement is named (all).
+# `global` runs when named, or when no measurement is named (all); `peers` needs the same.
 global=1
 for a in "$@"; do
   case "$a" in
-    global|all) global=1; break ;;
+    global|peers|all) global=1; break ;;
     cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle) global= ;;
   esac
 done

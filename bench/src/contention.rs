@@ -18,7 +18,7 @@ fn workers(s: &Settings) -> usize {
 }
 
 fn spec(s: &Settings, filter: Filter, clusters: [std::net::SocketAddr; 3]) -> Spec {
-    Spec { filter, route: Route::Fixed, clusters, http2: false, concurrency: workers(s), cpus: format!("0-{}", s.cpus.saturating_sub(1)), wrapper: Vec::new(), sync: None }
+    Spec { filter, route: Route::Fixed, clusters, http2: false, concurrency: workers(s), cpus: format!("0-{}", s.cpus.saturating_sub(1)), wrapper: Vec::new(), services: Vec::new() }
 }
 
 /// Worker connection counts, from the listener's per-worker stats.

@@ -262,7 +262,7 @@ impl Upstreams {
             concurrency: 1,
             cpus,
             wrapper,
-            sync: None,
+            services: Vec::new(),
         }
     }
 }

@@ -21,8 +21,11 @@ pub enum Filter {
     Wasm { module: PathBuf, config: String },
 }
 
-/// The Envoy cluster of `floodgate-sync` (see [`Spec::sync`]).
+/// The Envoy cluster of `floodgate-sync` (see [`Spec::services`]).
 pub const SYNC_CLUSTER: &str = "floodgate-sync";
+
+/// The Envoy cluster of Limitador's gRPC rate limit service (see [`Spec::services`]).
+pub const LIMITADOR_CLUSTER: &str = "limitador";
 
 /// How the route picks its cluster.
 #[derive(Clone, Debug)]
@@ -50,9 +53,10 @@ pub struct Spec {
     pub cpus: String,
     /// A command Envoy runs under (e.g. valgrind and its options); empty for none.
     pub wrapper: Vec<String>,
-    /// `floodgate-sync`'s address, if any: adds the HTTP/2 cluster `floodgate-sync` that a
-    /// configuration's `global.cluster` names.
-    pub sync: Option<SocketAddr>,
+    /// The limiter services the module calls, as HTTP/2 clusters by name: `floodgate-sync`
+    /// ([`SYNC_CLUSTER`]), which a configuration's `global.cluster` names, or Limitador
+    /// ([`LIMITADOR_CLUSTER`]) for Kuadrant's wasm-shim.
+    pub services: Vec<(&'static str, SocketAddr)>,
 }
 
 impl Spec {
@@ -119,12 +123,12 @@ impl Spec {
                 })
             })
             .collect();
-        if let Some(sync) = self.sync {
+        for &(name, addr) in &self.services {
             clusters.push(json!({
-                "name": SYNC_CLUSTER,
+                "name": name,
                 "type": "STATIC",
                 "connect_timeout": "1s",
-                "load_assignment": {"cluster_name": SYNC_CLUSTER, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": sync.ip().to_string(), "port_value": sync.port()}}}}]}]},
+                "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": addr.ip().to_string(), "port_value": addr.port()}}}}]}]},
                 "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                     "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
                     "explicit_http_config": {"http2_protocol_options": {}}

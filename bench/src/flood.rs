@@ -281,7 +281,7 @@ async fn envoy_run(s: &Settings, capacity: u32, per_set: u64, repeats: u64, keys
         concurrency: 1,
         cpus: "0".into(),
         wrapper: Vec::new(),
-        sync: None,
+        services: Vec::new(),
     };
     let envoy = spec.start(&s.envoy)?;
     let addr = envoy.addr();

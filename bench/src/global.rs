@@ -26,6 +26,7 @@ use crate::table::{count, median, Table};
 use crate::{progress, Settings};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -144,15 +145,22 @@ fn per_key_config(scope: Scope, interval_ms: u64) -> Value {
 /// An Envoy of the fleets here: `WORKERS` workers on core 0, the floodgate module with
 /// `config`, `floodgate-sync` at `sync` if any, run under `wrapper` (empty: none).
 fn envoy_spec(s: &Settings, config: &Value, upstream: SocketAddr, sync: Option<SocketAddr>, wrapper: Vec<String>) -> Spec {
+    let services = sync.map(|addr| vec![(SYNC_CLUSTER, addr)]).unwrap_or_default();
+    fleet_spec(&s.floodgate_wasm, config.to_string(), upstream, services, wrapper)
+}
+
+/// An Envoy of the fleets here running `module` with `config`: `WORKERS` workers on core 0,
+/// the limiter `services` it calls, under `wrapper` (empty: none).
+pub(crate) fn fleet_spec(module: &Path, config: String, upstream: SocketAddr, services: Vec<(&'static str, SocketAddr)>, wrapper: Vec<String>) -> Spec {
     Spec {
-        filter: Filter::Wasm { module: s.floodgate_wasm.clone(), config: config.to_string() },
+        filter: Filter::Wasm { module: module.to_path_buf(), config },
         route: Route::Fixed,
         clusters: [upstream; 3],
         http2: false,
         concurrency: WORKERS,
         cpus: "0".into(),
         wrapper,
-        sync,
+        services,
     }
 }
 
@@ -163,9 +171,18 @@ pub(crate) struct Fleet {
 
 impl Fleet {
     pub(crate) fn start(s: &Settings, config: &Value, upstream: SocketAddr, sync: SocketAddr) -> Result<Fleet, String> {
-        let spec = envoy_spec(s, config, upstream, Some(sync), Vec::new());
-        // Spawn all three, then wait: each compiles the module.
-        let spawned: Vec<Result<Envoy, String>> = (0..PROXIES).map(|_| spec.spawn(&s.envoy)).collect();
+        Fleet::of(s, &envoy_spec(s, config, upstream, Some(sync), Vec::new()))
+    }
+
+    /// [`PROXIES`] Envoys of `spec`.
+    pub(crate) fn of(s: &Settings, spec: &Spec) -> Result<Fleet, String> {
+        Fleet::of_each(s, vec![spec.clone(); PROXIES])
+    }
+
+    /// An Envoy of each spec.
+    pub(crate) fn of_each(s: &Settings, specs: Vec<Spec>) -> Result<Fleet, String> {
+        // Spawn all, then wait: each compiles the module.
+        let spawned: Vec<Result<Envoy, String>> = specs.iter().map(|spec| spec.spawn(&s.envoy)).collect();
         let mut envoys = Vec::new();
         for e in spawned {
             envoys.push(e.and_then(|e| e.wait_ready(Duration::from_secs(60)))?);

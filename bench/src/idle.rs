@@ -39,7 +39,7 @@ pub async fn run(s: &Settings) {
     let rounds = if s.quick { 2 } else { 3 };
     let mut t = Table::new(&["variant", "what", "Envoy CPU ms per second idle (median)", "range"]);
     for v in variants(s) {
-        let spec = Spec { filter: v.filter.clone(), route: v.route.clone(), clusters: [a, a, a], http2: false, concurrency: 2, cpus: "0".into(), wrapper: Vec::new(), sync: None };
+        let spec = Spec { filter: v.filter.clone(), route: v.route.clone(), clusters: [a, a, a], http2: false, concurrency: 2, cpus: "0".into(), wrapper: Vec::new(), services: Vec::new() };
         let envoy = match spec.start(&s.envoy) {
             Ok(e) => e,
             Err(e) => {

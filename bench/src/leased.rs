@@ -26,7 +26,7 @@ const COLD_KEYS: u64 = 200;
 
 /// How the rule shares its quota.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
+pub(crate) enum Mode {
     Proxy,
     Batched,
     Leased,
@@ -36,7 +36,7 @@ enum Mode {
 impl Mode {
     const ALL: [Mode; 4] = [Mode::Proxy, Mode::Batched, Mode::Leased, Mode::PerRequest];
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Mode::Proxy => "proxy scope (baseline)",
             Mode::Batched => "global, batched",
@@ -45,7 +45,7 @@ impl Mode {
         }
     }
 
-    fn config(self, limit: u64) -> Value {
+    pub(crate) fn config(self, limit: u64) -> Value {
         let mut rule = json!({"name": "paid", "key": [{"header": "x-api-key"}], "limit": limit, "window": "1h"});
         let mut global = json!({"cluster": SYNC_CLUSTER, "sync_interval": "100ms"});
         match self {
@@ -84,7 +84,7 @@ fn sync_calls(sync: &Sync) -> u64 {
 
 /// Latency quantile of the admitted requests, in ms (from when each was due: the generator's
 /// own lateness is in every mode alike).
-fn latency_ms(sent: &[Sent], q: f64) -> f64 {
+pub(crate) fn latency_ms(sent: &[Sent], q: f64) -> f64 {
     let mut ms: Vec<f64> = sent.iter().filter(|s| s.status == 200).map(|s| s.done.saturating_sub(s.due).as_secs_f64() * 1000.0).collect();
     ms.sort_by(f64::total_cmp);
     ms.get(((ms.len() as f64 - 1.0) * q).round().max(0.0) as usize).copied().unwrap_or(0.0)
@@ -92,51 +92,87 @@ fn latency_ms(sent: &[Sent], q: f64) -> f64 {
 
 /// The traffic of every mode: the hot key's limit, the rate (req/s), the seconds measured.
 #[derive(Clone, Copy)]
-struct Traffic {
-    limit: u64,
-    rate: f64,
-    seconds: u64,
+pub(crate) struct Traffic {
+    pub(crate) limit: u64,
+    pub(crate) rate: f64,
+    pub(crate) seconds: u64,
 }
 
-async fn one_mode(s: &Settings, mode: Mode, traffic: Traffic, redis: &Redis, sync: &Sync, upstream: SocketAddr) -> Result<Run, String> {
-    let Traffic { limit, rate, seconds } = traffic;
-    let fleet = Fleet::start(s, &mode.config(limit), upstream, sync.addr)?;
-    let addrs = fleet.addrs();
+impl Traffic {
+    /// Part (f)'s: 1 200 req/s for 15 s (600 for 6 s with `--quick`).
+    pub(crate) fn of(s: &Settings) -> Traffic {
+        if s.quick {
+            Traffic::at(600, 6)
+        } else {
+            Traffic::at(1200, 15)
+        }
+    }
+
+    /// `rate` req/s for `seconds`, the hot key's limit half of what it gets.
+    pub(crate) fn at(rate: u64, seconds: u64) -> Traffic {
+        Traffic { limit: (rate / 2) * seconds / 2, rate: rate as f64, seconds }
+    }
+}
+
+/// What one run of the traffic gave: every request, the hot key's admitted count, and the
+/// counters `take` read just before and just after it.
+pub(crate) struct Shared<T> {
+    pub(crate) sent: Vec<Sent>,
+    pub(crate) hot_admitted: u64,
+    pub(crate) before: T,
+    pub(crate) after: T,
+}
+
+/// The traffic on the fleet at `addrs`, on keys of its own: 1 s of warm-up on other keys (the
+/// connections, the module's first calls), then every other request on one hot key, the others
+/// over [`COLD_KEYS`] keys, paced; `take` reads the counters around it.
+pub(crate) async fn shared_traffic<T>(addrs: &[SocketAddr], traffic: Traffic, take: impl Fn() -> T) -> Shared<T> {
+    let Traffic { rate, seconds, .. } = traffic;
     let id = run_id();
     fit_in_window(Duration::from_secs(seconds + 10)).await;
-    // A short warm-up on other keys: connections, the module's first calls.
-    let _ = paced(&addrs, rate, Duration::from_secs(1), |i| load::request("/", &[("x-api-key", format!("{id}-warm-{}", i % 50))])).await;
-    let (calls0, scripts0) = (sync_calls(sync), redis.counts().map(|c| c.scripts).unwrap_or(0));
-    let cpu0: u64 = fleet.pids().iter().map(|&p| cpu_ns_of(p)).sum();
-    let waited0: u64 = fleet.envoys.iter().filter_map(|e| e.stat("wasmcustom.floodgate.lease.waited")).sum();
+    let _ = paced(addrs, rate, Duration::from_secs(1), |i| load::request("/", &[("x-api-key", format!("{id}-warm-{}", i % 50))])).await;
+    let before = take();
     let hot = format!("{id}-hot");
-    let sent = paced(&addrs, rate, Duration::from_secs(seconds), |i| {
+    let sent = paced(addrs, rate, Duration::from_secs(seconds), |i| {
         let key = if i % 2 == 0 { hot.clone() } else { format!("{id}-cold-{}", (i / 2) % COLD_KEYS) };
         load::request("/", &[("x-api-key", key)])
     })
     .await;
-    let envoy_ns = fleet.pids().iter().map(|&p| cpu_ns_of(p)).sum::<u64>().saturating_sub(cpu0);
-    let waited = fleet.envoys.iter().filter_map(|e| e.stat("wasmcustom.floodgate.lease.waited")).sum::<u64>().saturating_sub(waited0);
+    let after = take();
     let hot_admitted = sent.iter().enumerate().filter(|(_, x)| x.status == 200).filter(|(i, _)| i % 2 == 0).count() as u64;
+    Shared { sent, hot_admitted, before, after }
+}
+
+async fn one_mode(s: &Settings, mode: Mode, traffic: Traffic, redis: &Redis, sync: &Sync, upstream: SocketAddr) -> Result<Run, String> {
+    let fleet = Fleet::start(s, &mode.config(traffic.limit), upstream, sync.addr)?;
+    let take = || {
+        (
+            sync_calls(sync),
+            redis.counts().map(|c| c.scripts).unwrap_or(0),
+            fleet.pids().iter().map(|&p| cpu_ns_of(p)).sum::<u64>(),
+            fleet.envoys.iter().filter_map(|e| e.stat("wasmcustom.floodgate.lease.waited")).sum::<u64>(),
+        )
+    };
+    let run = shared_traffic(&fleet.addrs(), traffic, take).await;
+    let ((calls0, scripts0, cpu0, waited0), (calls1, scripts1, cpu1, waited1)) = (run.before, run.after);
     Ok(Run {
-        hot_admitted,
-        store_calls: sync_calls(sync).saturating_sub(calls0),
-        scripts: redis.counts().map(|c| c.scripts).unwrap_or(0).saturating_sub(scripts0),
-        waited,
-        envoy_ns,
-        sent,
+        hot_admitted: run.hot_admitted,
+        store_calls: calls1.saturating_sub(calls0),
+        scripts: scripts1.saturating_sub(scripts0),
+        waited: waited1.saturating_sub(waited0),
+        envoy_ns: cpu1.saturating_sub(cpu0),
+        sent: run.sent,
     })
 }
 
 /// Part (f).
 pub async fn modes(s: &Settings, redis: &Redis, sync: &Sync, upstream: SocketAddr) -> Result<(), String> {
-    let (rate, seconds) = if s.quick { (600.0, 6u64) } else { (1200.0, 15) };
-    // The hot key gets half the traffic: twice its limit over the run.
-    let limit = (rate as u64 / 2) * seconds / 2;
+    let traffic = Traffic::of(s);
+    let Traffic { limit, rate, seconds } = traffic;
     let mut runs = Vec::new();
     for mode in Mode::ALL {
         progress!("part (f): {}", mode.name());
-        let run = one_mode(s, mode, Traffic { limit, rate, seconds }, redis, sync, upstream).await?;
+        let run = one_mode(s, mode, traffic, redis, sync, upstream).await?;
         progress!(
             "{}: hot key {} admitted of limit {limit}; {} store calls, {} waited, p99 {:.2} ms",
             mode.name(),

@@ -2,7 +2,7 @@
 //! about time. Run it through `bench/run.sh`, which builds the modules and Envoy first.
 //!
 //! ```text
-//! floodgate-bench [cpu|instructions|memory|accuracy|flood|contention|idle|global|all] [--quick] [options]
+//! floodgate-bench [cpu|instructions|memory|accuracy|flood|contention|idle|global|peers|all] [--quick] [options]
 //! ```
 
 mod accuracy;
@@ -16,6 +16,7 @@ mod instructions;
 mod leased;
 mod load;
 mod memory;
+mod peers;
 mod services;
 mod table;
 
@@ -67,6 +68,10 @@ pub struct Settings {
     pub redis_server: PathBuf,
     /// `global`: the `floodgate-sync` binary.
     pub sync_bin: PathBuf,
+    /// `peers`: Kuadrant's wasm-shim module.
+    pub wasm_shim_wasm: PathBuf,
+    /// `peers`: the `limitador-server` binary.
+    pub limitador_bin: PathBuf,
 }
 
 /// Cluster selection in the "everything on" variant.
@@ -82,12 +87,14 @@ pub enum Selection {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|all]... [--quick] [--rounds N] [--seconds S]\n\
+        "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|peers|all]... [--quick] [--rounds N] [--seconds S]\n\
          \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N] [--keys N]\n\
          \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
+         \x20      [--wasm-shim PATH] [--limitador PATH]\n\
          \x20      [--extra-wasm PATH [--extra-config STRING]]...\n\
          --extra-wasm adds another module to `cpu` and `instructions` as variant ext1, ext2, ... with the --extra-config after it.\n\
-         Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM, $REDIS_SERVER, $FLOODGATE_SYNC_BIN. Use bench/run.sh, which builds them."
+         Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM, $REDIS_SERVER, $FLOODGATE_SYNC_BIN,\n\
+         $WASM_SHIM_WASM, $LIMITADOR_BIN (`peers`: bench/peers/build.sh builds them; skipped without them). Use bench/run.sh, which builds them."
     );
     std::process::exit(2)
 }
@@ -128,12 +135,14 @@ fn main() {
         keys: None,
         redis_server: env_path("REDIS_SERVER"),
         sync_bin: env_path("FLOODGATE_SYNC_BIN"),
+        wasm_shim_wasm: env_path("WASM_SHIM_WASM"),
+        limitador_bin: env_path("LIMITADOR_BIN"),
     };
     let mut diagnose: Option<bool> = None;
     while let Some(a) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| usage());
         match a.as_str() {
-            "cpu" | "keys" | "latency" | "instructions" | "memory" | "accuracy" | "flood" | "contention" | "idle" | "global" | "all" => what.push(a),
+            "cpu" | "keys" | "latency" | "instructions" | "memory" | "accuracy" | "flood" | "contention" | "idle" | "global" | "peers" | "all" => what.push(a),
             "--quick" => s.quick = true,
             "--rounds" => s.rounds = value().parse().unwrap_or_else(|_| usage()),
             "--seconds" => s.seconds = value().parse().unwrap_or_else(|_| usage()),
@@ -163,6 +172,8 @@ fn main() {
             }
             "--redis-server" => s.redis_server = value().into(),
             "--sync" => s.sync_bin = value().into(),
+            "--wasm-shim" => s.wasm_shim_wasm = value().into(),
+            "--limitador" => s.limitador_bin = value().into(),
             _ => usage(),
         }
     }
@@ -181,7 +192,7 @@ fn main() {
     s.diagnose = diagnose.unwrap_or(false);
     // Not redis-server: Debian's is a link to redis-check-rdb, which picks its mode from the name
     // it was started as.
-    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.noop_wasm, &mut s.naive_wasm, &mut s.sync_bin].into_iter().chain(s.extra.iter_mut().map(|e| &mut e.0)) {
+    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.noop_wasm, &mut s.naive_wasm, &mut s.sync_bin, &mut s.wasm_shim_wasm, &mut s.limitador_bin].into_iter().chain(s.extra.iter_mut().map(|e| &mut e.0)) {
         if let Ok(abs) = std::fs::canonicalize(&*p) {
             *p = abs;
         }
@@ -195,7 +206,7 @@ fn main() {
                 std::process::exit(2);
             }
         }
-        if what.iter().any(|w| w == "global") {
+        if what.iter().any(|w| w == "global" || w == "peers") {
             for (name, p) in [("redis-server", &s.redis_server), ("floodgate-sync", &s.sync_bin)] {
                 if !p.is_file() {
                     eprintln!("floodgate-bench: {name} not found at {:?}; run bench/run.sh, which installs and builds it", p);
@@ -240,6 +251,7 @@ fn main() {
             "memory" => rt.block_on(memory::run(&s)),
             "idle" => rt.block_on(idle::run(&s)),
             "global" => rt.block_on(global::run(&s)),
+            "peers" => rt.block_on(peers::run(&s)),
             _ => unreachable!(),
         }
         eprintln!("[{w} took {:.0} s]", t.elapsed().as_secs_f64());

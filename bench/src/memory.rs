@@ -41,7 +41,7 @@ pub async fn run(s: &Settings) {
     let designs: Vec<_> = if s.diagnose { designs.into_iter().collect() } else { designs.into_iter().take(2).collect() };
     let mut columns: Vec<(String, Vec<u64>)> = Vec::new();
     for (label, filter) in designs {
-        let spec = Spec { filter, route: Route::Fixed, clusters, http2: false, concurrency: 2, cpus: format!("0-{}", s.cpus.saturating_sub(1)), wrapper: Vec::new(), sync: None };
+        let spec = Spec { filter, route: Route::Fixed, clusters, http2: false, concurrency: 2, cpus: format!("0-{}", s.cpus.saturating_sub(1)), wrapper: Vec::new(), services: Vec::new() };
         let envoy = match spec.start(&s.envoy) {
             Ok(e) => e,
             Err(e) => {

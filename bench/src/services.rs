@@ -276,3 +276,81 @@ impl Sync {
         self.process.pid
     }
 }
+
+/// How Limitador keeps its counters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LimitadorStorage {
+    /// `redis`: every request checked and counted in Redis.
+    Redis,
+    /// `redis_cached`: counters cached in Limitador, their increments flushed to Redis every
+    /// `flush_ms` (its `--flush-period`).
+    RedisCached { flush_ms: u64 },
+}
+
+impl LimitadorStorage {
+    /// A short id: `redis`, `cached-100ms`.
+    pub fn id(self) -> String {
+        match self {
+            LimitadorStorage::Redis => "redis".into(),
+            LimitadorStorage::RedisCached { flush_ms } => format!("cached-{flush_ms}ms"),
+        }
+    }
+
+    /// As a table names it: `` `redis` ``, `` `redis_cached`, flush 100 ms ``.
+    pub fn name(self) -> String {
+        match self {
+            LimitadorStorage::Redis => "`redis`".into(),
+            LimitadorStorage::RedisCached { flush_ms } => format!("`redis_cached`, flush {flush_ms} ms"),
+        }
+    }
+}
+
+/// Limitador (`limitador-server`) in front of one Redis node, serving Envoy's rate limit
+/// service (gRPC) on a port of 127.0.0.1.
+pub struct Limitador {
+    process: Bounded,
+    _dir: tempfile::TempDir,
+}
+
+impl Limitador {
+    /// Starts `binary` with the limits file `limits` (YAML) and `storage` on `redis_url`,
+    /// listening on `addr` (a port of 127.0.0.1), and waits (at most 20 s) until its HTTP
+    /// `/status` answers and its gRPC port accepts connections.
+    pub fn start(binary: &Path, limits: &str, storage: LimitadorStorage, redis_url: &str, addr: SocketAddr) -> Result<Limitador, String> {
+        let dir = tempfile::Builder::new().prefix("floodgate-bench-limitador-").tempdir().map_err(|e| e.to_string())?;
+        let file = dir.path().join("limits.yaml");
+        std::fs::write(&file, limits).map_err(|e| e.to_string())?;
+        let http = SocketAddr::from(([127, 0, 0, 1], free_port()?));
+        let mut args: Vec<String> = vec![
+            "--rls-ip".into(),
+            addr.ip().to_string(),
+            "--rls-port".into(),
+            addr.port().to_string(),
+            "--http-ip".into(),
+            http.ip().to_string(),
+            "--http-port".into(),
+            http.port().to_string(),
+            file.display().to_string(),
+        ];
+        match storage {
+            LimitadorStorage::Redis => args.push("redis".into()),
+            LimitadorStorage::RedisCached { flush_ms } => args.extend(["redis_cached".into(), "--flush-period".into(), flush_ms.to_string()]),
+        }
+        args.push(redis_url.into());
+        let log = dir.path().join("limitador.log");
+        let mut process = Bounded::start(binary, &args, &log, &[])?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !(crate::envoy::http_get(http, "/status").is_ok_and(|(s, _)| s == 200) && TcpStream::connect(addr).is_ok()) {
+            if !process.alive() || Instant::now() > deadline {
+                return Err(format!("limitador-server did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(Limitador { process, _dir: dir })
+    }
+
+    /// Its pid.
+    pub fn pid(&self) -> u32 {
+        self.process.pid
+    }
+}
