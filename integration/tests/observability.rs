@@ -504,10 +504,14 @@ fn expected_series(
         if (pattern.starts_with("global.") && !global) || (pattern.starts_with("lease.") && !leased) {
             continue;
         }
-        // Defined only for a token bucket with `max_delay`, or with `load_shedding.queue`, which
-        // none of these configurations has.
+        // Defined only for a token bucket with `max_delay`, with `load_shedding.queue`, or for a
+        // cost the upstream reports, which none of these configurations has.
         let queue = [".queued", ".dequeued", ".queue_timeout", ".queue_abandoned", ".queue_length", ".queue_wait_ms"];
-        if pattern.ends_with(".delayed") || pattern.ends_with(".delay_abandoned") || queue.iter().any(|q| pattern.ends_with(q)) {
+        let reported = [".refunded", ".unreported", ".unreadable"];
+        if pattern.ends_with(".delayed")
+            || pattern.ends_with(".delay_abandoned")
+            || queue.iter().chain(&reported).any(|q| pattern.ends_with(q))
+        {
             continue;
         }
         let placeholders = [("<rule>", "rule", rules), ("<class>", "class", classes), ("<cluster>", "upstream_cluster", clusters)];
