@@ -8,6 +8,7 @@
 #   floodgate-<version>-wasmplugin-image.tar          its OCI image for Istio's WasmPlugin
 #                                                     (scripts/oci-image.sh; `docker load` it,
 #                                                     then tag and push it to your registry)
+#   floodgate-llm-<version>-wasmplugin-image.tar      the same for floodgate-llm.wasm
 #   floodgate-<version>-x86_64-unknown-linux-musl     the `floodgate` CLI, static
 #   floodgate-sync-<version>-x86_64-unknown-linux-musl  floodgate-sync, static
 #   floodgate-sync-<version>-image.tar                floodgate-sync's FROM scratch image
@@ -65,15 +66,17 @@ check_binary() {
 if want wasm || want wasm-image; then
   wasm=$(./wasm-build.sh | tail -n1)
   cp "$wasm" "$dist/floodgate-$version.wasm"
-  want wasm && cp "$(dirname "$wasm")/floodgate-llm.wasm" "$dist/floodgate-llm-$version.wasm"
+  cp "$(dirname "$wasm")/floodgate-llm.wasm" "$dist/floodgate-llm-$version.wasm"
 fi
 if want wasm-image; then
-  tag=floodgate:$version
-  FLOODGATE_WASM="$dist/floodgate-$version.wasm" scripts/oci-image.sh "$tag" >/dev/null
-  docker save "$tag" -o "$dist/floodgate-$version-wasmplugin-image.tar"
-  # A copy of the module for the image only: the module itself ships when asked for.
-  want wasm || rm -f "$dist/floodgate-$version.wasm"
+  for module in floodgate floodgate-llm; do
+    tag=$module:$version
+    FLOODGATE_WASM="$dist/$module-$version.wasm" scripts/oci-image.sh "$tag" >/dev/null
+    docker save "$tag" -o "$dist/$module-$version-wasmplugin-image.tar"
+  done
 fi
+# The modules were copied for the images too: they ship when asked for.
+want wasm || rm -f "$dist/floodgate-$version.wasm" "$dist/floodgate-llm-$version.wasm"
 if want cli; then
   bin=$(scripts/musl-build.sh floodgate-cli floodgate | tail -n1)
   check_binary "$bin" "floodgate $version"
