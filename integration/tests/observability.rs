@@ -932,10 +932,11 @@ fn alerts(prometheus: &Prometheus) -> BTreeMap<(String, String), String> {
 }
 
 /// A real Prometheus scrapes the demo's Envoy (envoy/demo.yaml as shipped, with its stats_tags,
-/// plus a global rule whose floodgate-sync is down) every second, with recording.yaml and
-/// alerts.yaml (their `for:` cut to 3 s, everything else as shipped), while [`load`] runs.
-/// Through Prometheus's HTTP API: the scrape is up; the alerts of what the load does fire: the
-/// quota being hit (FloodgateRateLimitRejecting for per-api-key), shedding (normal class),
+/// plus a global rule whose floodgate-sync is down, a rule whose cost the upstream never
+/// reports, and a short queue) every second, with recording.yaml and alerts.yaml (their `for:`
+/// cut to 3 s, everything else as shipped), while [`load`] runs. Through Prometheus's HTTP API:
+/// the scrape is up; the alerts of what the load does fire: the quota being hit
+/// (FloodgateRateLimitRejecting for per-api-key), the unreported cost, shedding (normal class),
 /// zone-c's success rate, the global sync failing; the others stay inactive; every rule
 /// evaluates without error and every recording rule has produced series; every query of the
 /// Grafana dashboard and its variables return data.
@@ -945,7 +946,12 @@ fn prometheus_scrapes_the_demo_under_load_records_and_alerts() {
     let (text, admin, front) = demo_config(|text| {
         let per_ip = r#"{"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "1m"}],"#;
         let global_rule = r#"{"name": "per-tenant", "key": [{"header": "x-tenant"}], "limit": 100000, "window": "1m", "scope": "global"}"#;
-        let text = edit(&text, per_ip, &per_ip.replace("}],", &format!("}}, {global_rule}],")));
+        // A cost the upstream reports in a header it never sends: every admission unreported.
+        let reported = r#"{"name": "reported", "key": [{"header": "x-tenant"}], "limit": 100000, "window": "1m", "cost": {"from": "response_header", "header": "x-cost"}}"#;
+        let text = edit(&text, per_ip, &per_ip.replace("}],", &format!("}}, {global_rule}, {reported}],")));
+        // A short queue: the bursts wait in it, then are shed.
+        let shedding = r#""load_shedding": {"max_active_requests": 10}"#;
+        let text = edit(&text, shedding, r#""load_shedding": {"max_active_requests": 10, "queue": {"max_queued": 4, "max_wait": "20ms"}}"#);
         let health = r#""health": {"path": "/floodgate/health"}}"#;
         let global = r#""global": {"cluster": "floodgate-sync", "timeout": "250ms"}"#;
         let text = edit(&text, health, &health.replace("}}", &format!("}}, {global}}}")));
@@ -984,8 +990,9 @@ fn prometheus_scrapes_the_demo_under_load_records_and_alerts() {
 
     let stop = Arc::new(AtomicBool::new(false));
     let traffic = load(front, stop.clone());
-    let must_fire: [(&str, &str); 4] = [
+    let must_fire: [(&str, &str); 5] = [
         ("FloodgateRateLimitRejecting", "rule=per-api-key"),
+        ("FloodgateCostUnreported", "rule=reported"),
         ("FloodgateSheddingSustained", "class=normal"),
         ("FloodgateClusterSuccessRateLow", "upstream_cluster=zone-c"),
         ("FloodgateGlobalSyncFailing", ""),
@@ -1016,6 +1023,7 @@ fn prometheus_scrapes_the_demo_under_load_records_and_alerts() {
         "FloodgateClustersAllFull",
         "FloodgateClusterConcurrencyLimitCollapsed",
         "FloodgateGlobalViewStale",
+        "FloodgateQueueAbandoned",
     ] {
         assert!(!seen.keys().any(|(n, _)| n == quiet), "{quiet} is active: {seen:#?}");
     }
@@ -1064,7 +1072,7 @@ fn prometheus_scrapes_the_demo_under_load_records_and_alerts() {
             .api(&format!("/api/v1/label/{label}/values?match[]={}", encode(&selector)))
             .unwrap_or_else(|e| panic!("variable {name}: {e}"));
         println!("variable {name}: {values}");
-        let expected = if name == "rule" { json!(["logins", "per-api-key", "per-ip", "per-tenant"]) } else { json!([admin.to_string()]) };
+        let expected = if name == "rule" { json!(["logins", "per-api-key", "per-ip", "per-tenant", "reported"]) } else { json!([admin.to_string()]) };
         assert_eq!(values, expected, "variable {name}");
     }
     drop(envoy);
