@@ -1,8 +1,8 @@
 //! Leadership of the flusher: the one worker VM per proxy that sends the proxy's batches, at most
 //! one per `sync_interval`. The leader renews a leadership record in shared data (its VM id and a
 //! heartbeat) at each tick; a VM whose tick finds the heartbeat older than
-//! [`LEASE_STALE_INTERVALS`] intervals (at least [`LEASE_STALE_MIN_MS`]) takes it over with a
-//! compare-and-swap, so a dead or replaced VM is replaced within about a second.
+//! [`LEADERSHIP_STALE_INTERVALS`] intervals (at least [`LEADERSHIP_STALE_MIN_MS`]) takes it over
+//! with a compare-and-swap, so a dead or replaced VM is replaced within about a second.
 //!
 //! Invariants: two VMs never both lead after the same read. A batch names its source (the VM id)
 //! and a sequence number strictly increasing per source; a batch that fails is sent again unchanged
@@ -19,9 +19,9 @@ use crate::primitives::store::{update_from, Attempt, SharedStore, StoreError};
 use crate::primitives::time::UnixMillis;
 
 /// A leadership whose heartbeat is this many intervals old is taken over...
-pub const LEASE_STALE_INTERVALS: u64 = 5;
+pub const LEADERSHIP_STALE_INTERVALS: u64 = 5;
 /// ...and at least this old (ms).
-pub const LEASE_STALE_MIN_MS: u64 = 1000;
+pub const LEADERSHIP_STALE_MIN_MS: u64 = 1000;
 /// Compare-and-swap attempts of one claim: a lost race means another VM just wrote the
 /// leadership, which is the answer (it leads), so there is no second attempt.
 const CLAIM_ATTEMPTS: u32 = 1;
@@ -61,7 +61,7 @@ pub fn lead<S: SharedStore + ?Sized>(
     now: UnixMillis,
     interval_ms: u64,
 ) -> Result<bool, StoreError> {
-    let stale_after = interval_ms.saturating_mul(LEASE_STALE_INTERVALS).max(LEASE_STALE_MIN_MS);
+    let stale_after = interval_ms.saturating_mul(LEADERSHIP_STALE_INTERVALS).max(LEADERSHIP_STALE_MIN_MS);
     let mut read = store.get(key)?;
     let claimed = update_from(store, key, &mut read, CLAIM_ATTEMPTS, |current| {
         let free = match current.and_then(|s| Leadership::decode(&s.value).ok()) {
