@@ -907,7 +907,7 @@ pub fn cluster_record(data: &[u8]) {
 
 /// The health endpoint's answer for an in-flight count alone.
 fn health_of(shedder: &Shedder, in_flight: u32) -> replies::Reply {
-    replies::health(&replies::LocalLoad { in_flight: Some((shedder, in_flight)), lag: None }, None)
+    replies::health(&replies::LocalLoad { in_flight: Some((shedder, in_flight)), queued: None, lag: None }, None)
 }
 
 // -------------------------------------------------------------------------------------------

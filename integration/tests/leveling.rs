@@ -131,6 +131,12 @@ async fn clients_that_hang_up_while_queued_leave_nothing_behind() {
     let waiting = send_prioritized(envoy.addr(), "normal", 10);
     let queued = envoy.wait_for_stat(&format!("{STAT_PREFIX}.load_shedding.queue_length"), 10, Duration::from_secs(3));
     assert_eq!(queued, Some(10), "{}", envoy.stats_matching(STAT_PREFIX));
+    // The health endpoint says so, answered by either worker.
+    for _ in 0..4 {
+        let health = get(envoy.addr(), HEALTH_PATH, &[]).await;
+        let body = health.json();
+        assert_eq!((health.status, &body["queued"], &body["in_flight"]), (503, &json!(10), &json!(4)), "{body}");
+    }
     // The 10 waiting clients hang up.
     for task in &waiting {
         task.abort();
@@ -138,6 +144,7 @@ async fn clients_that_hang_up_while_queued_leave_nothing_behind() {
     let abandoned = envoy.wait_for_stat(&format!("{STAT_PREFIX}.load_shedding.normal.queue_abandoned"), 10, Duration::from_secs(3));
     assert_eq!(abandoned, Some(10));
     assert_eq!(stat(&envoy, "queue_length"), 0, "the queue is empty at once");
+    assert_eq!(get(envoy.addr(), HEALTH_PATH, &[]).await.json()["queued"], json!(0));
     for p in holders {
         assert_eq!(p.await.expect("request task").0, 200);
     }

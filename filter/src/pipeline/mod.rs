@@ -932,8 +932,8 @@ impl Stream {
         self.health(filter, env, now)
     }
 
-    /// The health endpoint's answer: the proxy-wide in-flight count and this worker's loop
-    /// lag, and, when configured, the clusters.
+    /// The health endpoint's answer: the proxy-wide in-flight count (and queue), this worker's
+    /// loop lag, and, when configured, the clusters.
     fn health<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, now: MonoMillis) -> Option<Reply> {
         let health = filter.config.health.as_ref()?;
         let in_flight = filter.shedder.as_ref().map(|s| (s, s.in_flight(env.store, env.vm, &filter.local, now)));
@@ -968,7 +968,8 @@ impl Stream {
                 Some(replies::DependencyView { fail: mode == Dependencies::Fail, min_success_rate: health.min_success_rate.get(), clusters })
             }
         };
-        Some(replies::health(&replies::LocalLoad { in_flight, lag }, dependencies.as_ref()))
+        let queued = filter.queue.as_ref().map(|stage| stage.waiting(env, now));
+        Some(replies::health(&replies::LocalLoad { in_flight, queued, lag }, dependencies.as_ref()))
             .inspect(|_| self.decision.outcome = decision::Outcome::Health)
     }
 

@@ -70,6 +70,11 @@ impl QueueStage {
         self.leveler.must_wait(env.store, class, now)
     }
 
+    /// Requests waiting now, proxy-wide.
+    pub fn waiting<H: Host>(&self, env: &Env<'_, H>, now: MonoMillis) -> u32 {
+        self.leveler.waiting(env.store, now)
+    }
+
     /// A request of `class` takes a ticket (`Err`: it cannot wait).
     pub fn enter<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, class: usize, end_of_stream: bool, now: MonoMillis) -> Result<Queued, NoRoom> {
         let ticket = self.leveler.enter(env.store, env.vm, &mut self.local.borrow_mut(), class, now)?;

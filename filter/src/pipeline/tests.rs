@@ -1089,6 +1089,30 @@ fn clients_that_leave_while_queued_leave_nothing_behind() {
 }
 
 #[test]
+fn the_health_endpoint_reports_the_requests_waiting_in_the_queue() {
+    let classes = serde_json::json!([{"name": "normal", "shed_at": 1.0}]);
+    let host = Host::new(serde_json::json!({
+        "load_shedding": {"max_active_requests": 1, "classes": classes, "queue": {"max_queued": 5, "max_wait": "1s"}},
+        "health": {"path": "/health"},
+    }));
+    let queued = |host: &Host| {
+        let (_, _, step) = host.send(&TestRequest::get("/health"));
+        let Step::Reply(LocalReply::Http(reply)) = step else { panic!("the health endpoint answers") };
+        let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+        (reply.status, body["queued"].as_u64())
+    };
+    assert_eq!(queued(&host), (200, Some(0)));
+    let sent: Vec<(u32, StreamCell, Step)> = (0..3).map(|_| host.send(&keyed("k"))).collect();
+    assert_eq!(sent.iter().map(|(_, _, step)| status(step)).collect::<Vec<_>>(), [0, 1, 1]);
+    assert_eq!(queued(&host), (503, Some(2)));
+    for (context, stream, _) in &sent[1..] {
+        host.end(*context, stream, &Ended { status: None, flags: 0x4000 });
+    }
+    host.end(sent[0].0, &sent[0].1, &OK);
+    assert_eq!(queued(&host), (200, Some(0)));
+}
+
+#[test]
 fn shedding_in_shadow_never_queues() {
     let host = Host::new(serde_json::json!({"load_shedding": {"max_active_requests": 1, "mode": "shadow", "queue": {"max_queued": 5, "max_wait": "1s"}}}));
     let sent: Vec<(u32, StreamCell, Step)> = (0..3).map(|_| host.send(&keyed("k"))).collect();

@@ -465,6 +465,8 @@ pub fn is_health_method(method: &[u8]) -> bool {
 pub struct LocalLoad<'a> {
     /// The in-flight shedder and the proxy-wide in-flight count (with `max_active_requests`).
     pub in_flight: Option<(&'a Shedder, u32)>,
+    /// The requests waiting in the queue, proxy-wide (with `load_shedding.queue`).
+    pub queued: Option<u32>,
     /// This worker's loop lag (with `max_loop_lag`).
     pub lag: Option<LagStatus>,
 }
@@ -519,6 +521,9 @@ pub fn health(load: &LocalLoad<'_>, dependencies: Option<&DependencyView>) -> Re
         body.insert("in_flight".into(), json!(in_flight));
         body.insert("max_active_requests".into(), json!(shedder.max_active_requests));
         body.insert("default_class_threshold".into(), json!(threshold));
+    }
+    if let Some(queued) = load.queued {
+        body.insert("queued".into(), json!(queued));
     }
     if let Some(lag) = load.lag {
         overloaded |= lag.sheds_default_class;
@@ -777,13 +782,16 @@ mod tests {
         assert_eq!(body["class"], "normal");
         assert_eq!(body["in_flight"], 9);
         assert_eq!(body["class_threshold"], 9);
-        let with = |in_flight| LocalLoad { in_flight: Some((&shedder, in_flight)), lag: None };
+        let with = |in_flight| LocalLoad { in_flight: Some((&shedder, in_flight)), queued: None, lag: None };
         assert_eq!(health(&with(8), None).status, 200);
         let busy = health(&with(9), None);
         assert_eq!(busy.status, 503);
         let body: serde_json::Value = serde_json::from_str(&busy.body).unwrap();
         assert_eq!(body, serde_json::json!({"status": "overloaded", "shedding": true, "in_flight": 9, "max_active_requests": 10, "default_class_threshold": 9}));
         assert_eq!(health(&LocalLoad::default(), None).body, r#"{"status":"ok"}"#);
+        let queued = health(&LocalLoad { queued: Some(4), ..with(9) }, None);
+        let body: serde_json::Value = serde_json::from_str(&queued.body).unwrap();
+        assert_eq!((queued.status, &body["queued"], &body["in_flight"]), (503, &json!(4), &json!(9)));
     }
 
     #[test]
@@ -826,6 +834,7 @@ mod tests {
     fn the_health_answer_reports_the_loop_lag_and_the_dependencies() {
         let lag = |lag_ms, sheds_default_class, shedding| LocalLoad {
             in_flight: None,
+            queued: None,
             lag: Some(LagStatus { lag_ms, max_loop_lag_ms: 50, sheds_default_class, shedding }),
         };
         let body = |r: &Reply| serde_json::from_str::<serde_json::Value>(&r.body).unwrap();

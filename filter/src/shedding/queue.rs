@@ -346,6 +346,12 @@ impl Leveler {
         self.record_of(stored.as_ref())
     }
 
+    /// Requests waiting now, proxy-wide (every class, on live VMs).
+    pub fn waiting<S: SharedStore + ?Sized>(&self, store: &S, now: MonoMillis) -> u32 {
+        let record = self.read(store);
+        (0..self.classes()).fold(0u32, |sum, class| sum.saturating_add(record.live_count(class, now)))
+    }
+
     /// Whether a request of `class` must wait behind a waiter (of its class, or of a class
     /// whose threshold is at least its own) even if a slot is free.
     pub fn must_wait<S: SharedStore + ?Sized>(&self, store: &S, class: usize, now: MonoMillis) -> bool {
