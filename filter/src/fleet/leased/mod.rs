@@ -478,6 +478,23 @@ impl LeaseBook {
         }
     }
 
+    /// Charges `units` of `key` beyond what a request took (a count reported above its
+    /// reservation): admitted without a grant, like units admitted while the store was down,
+    /// and reported with the key's next call (the store adds them whatever the room).
+    pub fn consume(&mut self, key: FleetKey, spec: LeaseSpec, units: u32, now: UnixMillis) {
+        if units == 0 {
+            return;
+        }
+        if !self.leases.contains_key(&key) && self.leases.len() >= self.max_keys {
+            self.evict_one(now);
+        }
+        let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
+        lease.roll(now);
+        self.next_roll = self.next_roll.min(lease.bucket_end());
+        lease.consumed = lease.consumed.saturating_add(units);
+        lease.admit(units, now);
+    }
+
     /// The store's answer to `ask` (`None`: the call failed or timed out). The requests
     /// waiting for the key then take again, in the order they came.
     pub fn answered(&mut self, ask: &Ask, grant: Option<Grant>, now: UnixMillis) {
