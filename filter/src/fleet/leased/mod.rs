@@ -69,6 +69,12 @@ pub struct Ask {
     /// Units of the grant the requests waiting for it take at once: counted as used, not held
     /// (a cold key's unit then needs no report).
     pub at_once: u32,
+    /// Units of `bucket` the store counts as used (reported, or taken at once) that were not
+    /// used after all (given back by a settled reservation, or left of an `at_once` grant):
+    /// taken off the counter.
+    pub refunded: u32,
+    /// The same for `bucket − 1`.
+    pub refunded_previous: u32,
 }
 
 /// The store's answer to one [`Ask`].
@@ -131,8 +137,14 @@ struct KeyLease {
     /// Units of `bucket`'s grants (and of the bucket before's) admitted since the last call.
     unreported: u32,
     unreported_previous: u32,
-    /// Units held that the store counts as used already (granted `at_once` to waiting requests).
+    /// Units held that the store counts as used already (granted `at_once` to waiting
+    /// requests, or given back by a settled reservation after they were reported): when they
+    /// go back unused, they go as `refunded`, not `returned`.
     prereported: u32,
+    /// Units the store counts as used in `bucket` and in the bucket before that were not used
+    /// after all, to give back.
+    refunded: u32,
+    refunded_previous: u32,
     /// The store's counts as of `view_bucket`, from its last answer (and when).
     view: Counts,
     view_bucket: u64,
@@ -165,6 +177,8 @@ impl KeyLease {
             unreported: 0,
             unreported_previous: 0,
             prereported: 0,
+            refunded: 0,
+            refunded_previous: 0,
             view: Counts::default(),
             view_bucket: bucket,
             view_at: None,
@@ -189,14 +203,25 @@ impl KeyLease {
             return;
         }
         let next = bucket == self.bucket.saturating_add(1);
-        self.returned_previous = if next { self.returned.saturating_add(self.held) } else { 0 };
+        self.release_held();
+        self.returned_previous = if next { self.returned } else { 0 };
+        self.refunded_previous = if next { self.refunded } else { 0 };
         self.unreported_previous = if next { self.unreported } else { 0 };
         self.returned = 0;
+        self.refunded = 0;
         self.unreported = 0;
-        self.prereported = 0;
-        self.held = 0;
         self.consumed = 0;
         self.bucket = bucket;
+    }
+
+    /// Everything held goes back: what the store counts as used already as `refunded`, the
+    /// rest as `returned`.
+    fn release_held(&mut self) {
+        let prereported = self.prereported.min(self.held);
+        self.refunded = self.refunded.saturating_add(prereported);
+        self.returned = self.returned.saturating_add(self.held.saturating_sub(prereported));
+        self.held = 0;
+        self.prereported = 0;
     }
 
     /// The fleet's counts as known now: the store's last view, moved to the current bucket,
@@ -252,9 +277,13 @@ impl KeyLease {
             used_previous: self.unreported_previous,
             grace_ms: grace_ms(window_ms, lease_timeout_ms),
             at_once: 0,
+            refunded: self.refunded,
+            refunded_previous: self.refunded_previous,
         };
         self.returned = 0;
         self.returned_previous = 0;
+        self.refunded = 0;
+        self.refunded_previous = 0;
         self.unreported = 0;
         self.unreported_previous = 0;
         ask
@@ -263,13 +292,19 @@ impl KeyLease {
     /// The lease leaves the book: the call that gives back all it holds and reports what it
     /// owes, if anything.
     fn close(&mut self, key: FleetKey, now: UnixMillis, lease_timeout_ms: u64) -> Option<Ask> {
-        self.returned = self.returned.saturating_add(std::mem::take(&mut self.held));
+        self.release_held();
         self.owes().then(|| self.give_back(key, now, lease_timeout_ms))
     }
 
     /// Whether there is anything to give back or report.
     fn owes(&self) -> bool {
-        self.returned > 0 || self.returned_previous > 0 || self.consumed > 0 || self.unreported > 0 || self.unreported_previous > 0
+        self.returned > 0
+            || self.returned_previous > 0
+            || self.refunded > 0
+            || self.refunded_previous > 0
+            || self.consumed > 0
+            || self.unreported > 0
+            || self.unreported_previous > 0
     }
 
     /// When the lease's bucket ends.
@@ -512,6 +547,8 @@ impl LeaseBook {
                     used: 0,
                     used_previous: 0,
                     at_once: 0,
+                    refunded: 0,
+                    refunded_previous: 0,
                     ..*ask
                 });
             }
@@ -556,10 +593,13 @@ impl LeaseBook {
             lease.roll(now);
             let idle = now.saturating_since(lease.last_used) >= idle_after && !lease.in_flight && lease.waiting == 0;
             if idle {
-                lease.returned = lease.returned.saturating_add(lease.held);
-                lease.held = 0;
+                lease.release_held();
             }
-            let settles = lease.returned > 0 || lease.returned_previous > 0 || lease.unreported_previous > 0;
+            let settles = lease.returned > 0
+                || lease.returned_previous > 0
+                || lease.refunded > 0
+                || lease.refunded_previous > 0
+                || lease.unreported_previous > 0;
             if settles || (idle && (lease.consumed > 0 || lease.unreported > 0)) {
                 returns.push(lease.give_back(*key, now, timeout_ms));
             }

@@ -60,12 +60,14 @@ impl FakeStore {
         if b > 0 {
             let slot = (ask.key, w, b - 1);
             previous = self.give_back(holder, slot, previous, ask.returned_previous, ask.used_previous);
+            previous -= previous.min(u64::from(ask.refunded_previous));
             if ask.grace_ms > 0 && ask.elapsed_ms >= ask.grace_ms && previous > 0 {
                 let stranded: u64 = self.holders.remove(&slot).unwrap_or_default().values().sum();
                 previous -= previous.min(stranded);
             }
         }
         current = self.give_back(holder, (ask.key, w, b), current, ask.returned, ask.used);
+        current -= current.min(u64::from(ask.refunded));
         let mut granted = 0;
         if ask.want > 0 {
             let weighted = (u128::from(previous) * u128::from(w - ask.elapsed_ms)).div_ceil(u128::from(w)) as u64;
@@ -544,4 +546,37 @@ fn a_dead_workers_units_come_back_after_its_bucket_and_the_grace() {
     // A settlement arriving after that takes nothing more off.
     let late = Ask { want: 0, returned: 0, returned_previous: 70, used: 0, used_previous: 29, ..ask };
     assert_eq!(store.serve_as(2, &late).counts.previous, 31);
+}
+
+#[test]
+fn give_backs_of_reservations_end_in_the_store_as_the_units_used_exactly() {
+    let (window_ms, limit) = (60_000, 1_000);
+    let s = spec(window_ms, limit);
+    let mut store = FakeStore::default();
+    let mut book = book();
+    let t0 = UnixMillis(window_ms * 500 + 1_000);
+    // A reservation of 100 waits for the lease, which comes with 200 (100 taken at once: the
+    // store counts them as used).
+    let ask = wait_call(book.take(KEY, s, 100, false, t0)).unwrap();
+    let ask = Ask { want: 200, ..ask };
+    book.answered(&ask, Some(store.serve(&ask)), t0);
+    assert!(matches!(book.take(KEY, s, 100, true, t0), Take::Admitted { .. }));
+    // Another reservation of 100, not reported yet.
+    assert!(matches!(book.take(KEY, s, 100, false, t0), Take::Admitted { .. }));
+    // Both settle at 30: 70 each back to the lease, in the bucket they were taken in.
+    book.untake(KEY, 70, t0);
+    book.untake(KEY, 70, t0);
+    // A settlement after the bucket ended: nothing comes back (the bucket is settled).
+    let t1 = UnixMillis(window_ms * 501 + 10);
+    let settle = book.heartbeat(t1);
+    for ask in &settle {
+        book.answered(ask, Some(store.serve(ask)), t1);
+    }
+    book.untake(KEY, 50, t0);
+    assert!(book.heartbeat(t1).is_empty(), "a give-back of an ended bucket changes nothing");
+    assert_eq!(store.get(KEY, window_ms, 500), 60, "the store ends with what the two reservations used: 30 + 30");
+    // Of the 140 given back, 100 were the second's, never reported (outstanding: returned);
+    // 40 were of the first, counted as used at once (refunded).
+    let sent: Vec<(u32, u32, u32)> = settle.iter().map(|a| (a.returned_previous, a.refunded_previous, a.used_previous)).collect();
+    assert_eq!(sent, vec![(100, 40, 0)]);
 }
