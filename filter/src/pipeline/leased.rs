@@ -231,18 +231,18 @@ impl LeasedStage {
     }
 
     /// Settles a reservation of a leased rule's key (`probe`, admitted at `admitted_at`) at
-    /// `units`: the unused part goes back to the lease if its bucket is the admission's
-    /// ([`LeaseBook::untake`]; after the bucket ended the store keeps it counted, the safe
-    /// direction); a count above the reservation is charged as units admitted without a grant,
-    /// reported with the key's next call ([`LeaseBook::consume`]).
+    /// `units`: the unused part goes back ([`LeaseBook::refund`]: to the lease in the bucket it
+    /// was taken in, to the store after); a count above the reservation is charged as units
+    /// admitted without a grant, reported with the key's next call ([`LeaseBook::consume`]).
     pub fn settle(&self, probe: &Probe, units: u32, limit: NonZeroU32, admitted_at: UnixMillis, now: UnixMillis) {
         let (Some(window), Some(key)) = (self.windows.get(probe.rule).copied().flatten(), probe.fleet) else { return };
         let reserved = probe.needs();
         let mut book = self.book.borrow_mut();
+        let spec = LeaseSpec { window, limit };
         if units > reserved {
-            book.consume(key, LeaseSpec { window, limit }, units.saturating_sub(reserved), now);
+            book.consume(key, spec, units.saturating_sub(reserved), now);
         } else if units < reserved {
-            book.untake(key, reserved.saturating_sub(units), admitted_at);
+            book.refund(key, spec, reserved.saturating_sub(units), admitted_at, now);
         }
     }
 

@@ -328,6 +328,16 @@ impl KeyLease {
         self.rate_since = now;
     }
 
+    /// `cost` units taken in this bucket come back: held again (those the store counts as
+    /// used already as such).
+    fn untake(&mut self, cost: u32) {
+        self.held = self.held.saturating_add(cost);
+        self.used = self.used.saturating_sub(cost);
+        let back = self.unreported.min(cost);
+        self.unreported = self.unreported.saturating_sub(back);
+        self.prereported = self.prereported.saturating_add(cost.saturating_sub(back));
+    }
+
     fn admit(&mut self, cost: u32, now: UnixMillis) {
         self.used = self.used.saturating_add(cost);
         self.last_used = now;
@@ -454,6 +464,14 @@ impl LeaseBook {
         // The store said within a period that the window is full: refuse without asking again.
         let fresh = lease.view_at.is_some_and(|at| now.saturating_since(at) < period_ms);
         if fresh && !spec.window.admits(known, elapsed_ms, cost, spec.limit) {
+            if lease.held > 0 {
+                // What it holds cannot cover this request and the window has no room for more:
+                // it goes back at the root's next tick, for a worker it covers (requests of
+                // many units would otherwise stay refused while their units sit split over
+                // leases none of which covers one).
+                lease.release_held();
+                self.next_roll = now;
+            }
             return Take::Refused { refusal: Refusal::OverLimit, counts: known };
         }
         lease.waiting = lease.waiting.saturating_add(cost);
@@ -504,12 +522,38 @@ impl LeaseBook {
     pub fn untake(&mut self, key: FleetKey, cost: u32, taken_at: UnixMillis) {
         if let Some(lease) = self.leases.get_mut(&key) {
             if lease.spec.window.phase(taken_at).bucket_index == lease.bucket {
-                lease.held = lease.held.saturating_add(cost);
-                lease.used = lease.used.saturating_sub(cost);
-                let back = lease.unreported.min(cost);
-                lease.unreported = lease.unreported.saturating_sub(back);
-                lease.prereported = lease.prereported.saturating_add(cost.saturating_sub(back));
+                lease.untake(cost);
             }
+        }
+    }
+
+    /// Gives back `units` of `key` taken at `taken_at` and not used after all (a reservation
+    /// settled below its estimate). In the lease's bucket they are the lease's again
+    /// ([`LeaseBook::untake`]); in the bucket before, those not reported yet go back as
+    /// `returned_previous` and the rest, which the store counts as used, as
+    /// `refunded_previous`; older ones no longer weigh and are dropped. A key that left the
+    /// book meanwhile comes back for them.
+    pub fn refund(&mut self, key: FleetKey, spec: LeaseSpec, units: u32, taken_at: UnixMillis, now: UnixMillis) {
+        let taken_in = spec.window.phase(taken_at).bucket_index;
+        if units == 0 || taken_in.saturating_add(1) < spec.window.phase(now).bucket_index {
+            return;
+        }
+        if !self.leases.contains_key(&key) && self.leases.len() >= self.max_keys {
+            self.evict_one(now);
+        }
+        let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
+        if lease.spec.window != spec.window {
+            return;
+        }
+        lease.roll(now);
+        self.next_roll = self.next_roll.min(lease.bucket_end());
+        if taken_in == lease.bucket {
+            lease.untake(units);
+        } else if taken_in.saturating_add(1) == lease.bucket {
+            let unreported = lease.unreported_previous.min(units);
+            lease.unreported_previous = lease.unreported_previous.saturating_sub(unreported);
+            lease.returned_previous = lease.returned_previous.saturating_add(unreported);
+            lease.refunded_previous = lease.refunded_previous.saturating_add(units.saturating_sub(unreported));
         }
     }
 

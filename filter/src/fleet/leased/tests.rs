@@ -563,20 +563,53 @@ fn give_backs_of_reservations_end_in_the_store_as_the_units_used_exactly() {
     assert!(matches!(book.take(KEY, s, 100, true, t0), Take::Admitted { .. }));
     // Another reservation of 100, not reported yet.
     assert!(matches!(book.take(KEY, s, 100, false, t0), Take::Admitted { .. }));
-    // Both settle at 30: 70 each back to the lease, in the bucket they were taken in.
-    book.untake(KEY, 70, t0);
-    book.untake(KEY, 70, t0);
-    // A settlement after the bucket ended: nothing comes back (the bucket is settled).
+    // The first settles at 30 in the bucket: 70 are the lease's again.
+    book.refund(KEY, s, 70, t0, t0);
+    // The bucket ends: what is held goes back, what was used is reported.
     let t1 = UnixMillis(window_ms * 501 + 10);
     let settle = book.heartbeat(t1);
+    let sent: Vec<(u32, u32, u32)> = settle.iter().map(|a| (a.returned_previous, a.refunded_previous, a.used_previous)).collect();
+    assert_eq!(sent, vec![(70, 0, 30)]);
     for ask in &settle {
         book.answered(ask, Some(store.serve(ask)), t1);
     }
-    book.untake(KEY, 50, t0);
-    assert!(book.heartbeat(t1).is_empty(), "a give-back of an ended bucket changes nothing");
+    // The second settles at 30 after that: its 70, reported used, come off the ended bucket.
+    book.refund(KEY, s, 70, t0, t1);
+    let late = book.heartbeat(t1);
+    assert_eq!(late.iter().map(|a| (a.bucket, a.refunded_previous)).collect::<Vec<_>>(), vec![(501, 70)]);
+    for ask in &late {
+        book.answered(ask, Some(store.serve(ask)), t1);
+    }
     assert_eq!(store.get(KEY, window_ms, 500), 60, "the store ends with what the two reservations used: 30 + 30");
-    // Of the 140 given back, 100 were the second's, never reported (outstanding: returned);
-    // 40 were of the first, counted as used at once (refunded).
-    let sent: Vec<(u32, u32, u32)> = settle.iter().map(|a| (a.returned_previous, a.refunded_previous, a.used_previous)).collect();
-    assert_eq!(sent, vec![(100, 40, 0)]);
+    // Two buckets later, a give-back no longer matters: nothing is sent.
+    book.refund(KEY, s, 10, t0, UnixMillis(window_ms * 502));
+    assert!(book.heartbeat(UnixMillis(window_ms * 502)).iter().all(|a| a.refunded_previous == 0 && a.refunded == 0));
+}
+
+#[test]
+fn a_give_back_finds_its_key_even_after_the_lease_left_the_book() {
+    let (window_ms, limit) = (60_000, 1_000);
+    let s = spec(window_ms, limit);
+    let mut store = FakeStore::default();
+    let mut book = book();
+    let t0 = UnixMillis(window_ms * 500 + 1_000);
+    let ask = wait_call(book.take(KEY, s, 100, false, t0)).unwrap();
+    book.answered(&ask, Some(store.serve(&Ask { want: 100, ..ask })), t0);
+    assert!(matches!(book.take(KEY, s, 100, true, t0), Take::Admitted { .. }));
+    assert_eq!(store.get(KEY, window_ms, 500), 100);
+    // The request is held upstream for a while: its idle lease leaves the book.
+    let later = t0.plus_ms(PERIOD_MS * IDLE_PERIODS);
+    for ask in book.heartbeat(later) {
+        book.answered(&ask, Some(store.serve(&ask)), later);
+    }
+    assert_eq!(book.keys(), 0);
+    // It settles at 30: the 70 the store counts as used come back to it.
+    book.refund(KEY, s, 70, t0, later);
+    let idle = later.plus_ms(PERIOD_MS * IDLE_PERIODS);
+    let calls = book.heartbeat(idle);
+    assert_eq!(calls.iter().map(|a| (a.returned, a.refunded)).collect::<Vec<_>>(), vec![(0, 70)]);
+    for ask in &calls {
+        book.answered(ask, Some(store.serve(ask)), idle);
+    }
+    assert_eq!(store.get(KEY, window_ms, 500), 30);
 }
