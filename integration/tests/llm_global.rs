@@ -39,7 +39,7 @@ fn config(consistency: &str) -> Value {
              "cost": {"from": "response_body", "path": "usage.total_tokens",
                       "estimate": {"header": "x-max-tokens", "default": ESTIMATE, "max": ESTIMATE}}}
         ],
-        "global": {"cluster": "floodgate-sync", "sync_interval": "100ms", "timeout": "500ms"}
+        "global": {"cluster": "floodgate-sync", "sync_interval": "100ms", "timeout": "500ms", "lease_timeout": "250ms"}
     })
 }
 
@@ -162,11 +162,12 @@ async fn scenario(consistency: &str) -> (Figures, u64, u64) {
         tokio::time::sleep(Duration::from_millis(100)).await;
         in_redis = redis_tokens(&redis);
     }
-    let stat = |name: &str| envoys.iter().map(|e| e.stat(&format!("{WASM_CUSTOM_NAMESPACE}floodgate.rate_limit.tokens.{name}")).unwrap_or(0)).sum::<u64>();
+    let stat = |name: &str| envoys.iter().map(|e| e.stat(&format!("{WASM_CUSTOM_NAMESPACE}floodgate.{name}")).unwrap_or(0)).sum::<u64>();
+    let lost = stat("lease.failures");
     println!(
         "{consistency}: burst admitted per proxy {:?} ({} refused, {} in flight at most: {} tokens reserved), \
          steady admitted {} refused {}; {} requests admitted in all: {} tokens reported, Redis {}; \
-         refunded {}, charged {}, failed {}",
+         refunded {}, charged {}, failed {}; failed lease calls {lost}",
         figures.burst_admitted,
         figures.burst_refused,
         figures.most_in_flight,
@@ -176,14 +177,20 @@ async fn scenario(consistency: &str) -> (Figures, u64, u64) {
         figures.admitted(),
         reported,
         in_redis,
-        stat("refunded"),
-        stat("charged"),
+        stat("rate_limit.tokens.refunded"),
+        stat("rate_limit.tokens.charged"),
         figures.failed,
     );
     assert_eq!(figures.failed, 0, "every request answered 200 or 429");
     assert_eq!(reported, figures.admitted() * USAGE, "every admitted request reported its usage");
-    assert_eq!(stat("refunded"), figures.admitted() * (ESTIMATE - USAGE), "every unused part went back");
-    assert_eq!(in_redis, reported, "Redis ends with the usage reported");
+    assert_eq!(stat("rate_limit.tokens.refunded"), figures.admitted() * (ESTIMATE - USAGE), "every unused part went back");
+    if lost == 0 {
+        assert_eq!(in_redis, reported, "Redis ends with the usage reported");
+    } else {
+        // A lease call that failed may have been applied (a grant whose answer is lost stays
+        // counted): the fleet then counts more, never less (docs/global.md).
+        assert!(in_redis >= reported, "Redis {in_redis} never below the usage {reported}");
+    }
     (figures, reported, in_redis)
 }
 

@@ -408,7 +408,8 @@ impl LeasedStage {
                 Some(grants) => {
                     for (ask, grant) in call.asks.iter().zip(grants) {
                         stats::add_count(metrics, self.stats.granted, u64::from(grant.granted));
-                        stats::add_count(metrics, self.stats.returned, u64::from(ask.returned).saturating_add(u64::from(ask.returned_previous)));
+                        let back = [ask.returned, ask.returned_previous, ask.refunded, ask.refunded_previous].iter().map(|n| u64::from(*n)).sum();
+                        stats::add_count(metrics, self.stats.returned, back);
                         book.answered(ask, Some(*grant), now.wall);
                     }
                 }
