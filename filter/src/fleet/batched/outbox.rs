@@ -10,7 +10,8 @@
 //!
 //! Record layout (little-endian): version `u8`, 3 zero bytes, count `u32`, then per delta the rule
 //! id `u64`, the local fingerprint `u64`, the fleet key `u128`, the window `u64` (ms), the bucket
-//! `u64`, the delta `u32`, the requests `u32`, the refund `u32` (version 3).
+//! `u64`, the delta `u32`, the requests `u32`, the refund `u32` (version 3; version 2, without the
+//! refund, is still read: the outboxes a module update finds keep their admissions).
 //!
 //! Rationale: docs/design.md, section "Batched consistency".
 
@@ -25,6 +26,8 @@ pub const OUTBOX_CAPACITY: usize = 1024;
 const RECORD_VERSION: u8 = 3;
 const HEADER_LEN: usize = 8;
 const DELTA_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 + 4 + 4;
+/// Version 2's delta: no refund.
+const DELTA_LEN_V2: usize = DELTA_LEN - 4;
 
 /// A counter to send, as the proxy knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,9 +167,10 @@ impl Deltas {
         if bytes.is_empty() {
             return Ok(deltas);
         }
+        let v2 = bytes.first() == Some(&2);
         let mut reader = Reader::new(bytes);
-        let (version, count) = reader.list_header(DELTA_LEN)?;
-        if version != RECORD_VERSION || count > max {
+        let (version, count) = reader.list_header(if v2 { DELTA_LEN_V2 } else { DELTA_LEN })?;
+        if (version != RECORD_VERSION && !v2) || count > max {
             return Err(DecodeError::Malformed);
         }
         deltas.reserve(count);
@@ -179,7 +183,7 @@ impl Deltas {
                 bucket: reader.u64()?,
                 delta: reader.u32()?,
                 requests: reader.u32()?,
-                refund: reader.u32()?,
+                refund: if v2 { 0 } else { reader.u32()? },
             };
             if delta.window_ms == 0 {
                 return Err(DecodeError::Malformed);
@@ -247,6 +251,15 @@ mod tests {
         let mut other = bytes.clone();
         other[0] = 9;
         assert!(Deltas::decode(&other, 10).is_err());
+        // Version 2 (no refund) is read: an outbox written by the module before an update.
+        let mut v2 = bytes[..8].to_vec();
+        v2[0] = 2;
+        for chunk in bytes[8..].chunks(DELTA_LEN) {
+            v2.extend_from_slice(&chunk[..DELTA_LEN_V2]);
+        }
+        let back = Deltas::decode(&v2, 10).unwrap();
+        assert_eq!(back.iter().copied().collect::<Vec<_>>(), d.iter().copied().collect::<Vec<_>>());
+        assert!(Deltas::decode(&v2[..v2.len() - 1], 10).is_err());
     }
 
     #[test]

@@ -546,6 +546,27 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_that_gives_back_lowers_this_proxys_part_and_the_total_alike() {
+        let mut r = ViewRecord::default();
+        // This proxy reserved 200, the others counted 300.
+        r.apply(&delta(10, 200), Totals { previous: 0, current: 500 }, UnixMillis(1), 8);
+        assert_eq!(r.entries[&(1, 33)].remote_at(10).current, 300);
+        // It gives 140 back while the others gave back 100: the store has 260 (60 + 200).
+        let back = Delta { refund: 140, requests: 0, ..delta(10, 0) };
+        r.apply(&back, Totals { previous: 0, current: 260 }, UnixMillis(2), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!((e.applied.current, e.total.current), (60, 260));
+        assert_eq!(e.remote_at(10).current, 200, "the others' 300 less their 100, not more");
+        // A give-back of the bucket before (a reservation admitted before the bucket rolled).
+        r.apply(&delta(11, 10), Totals { previous: 260, current: 10 }, UnixMillis(3), 8);
+        let late = Delta { refund: 50, requests: 0, ..delta(10, 0) };
+        r.apply(&late, Totals { previous: 0, current: 210 }, UnixMillis(4), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!((e.applied.previous, e.total.previous), (10, 210));
+        assert_eq!(e.remote_at(11).previous, 200);
+    }
+
+    #[test]
     fn records_and_index_round_trip_and_stay_bounded() {
         let mut r = ViewRecord::default();
         for k in 0..5u64 {
