@@ -9,7 +9,9 @@
 //! (batches are sent again unchanged until confirmed, and the store applies a (source, seq) batch
 //! once); projected units only weigh in decisions, never in the table, a batch or the store; with
 //! the store down, decisions go on on the last view, and admissions wait in the outboxes. Quota
-//! reserves are used only while the whole estimate fits.
+//! reserves are used only while the whole estimate fits. A token reservation's unused part goes
+//! back to the bucket it was counted in, as a give-back beside that bucket's units
+//! ([`GlobalScope::refund`]), sent and applied once like them, never below zero in the store.
 //!
 //! Rationale: docs/design.md, section "Batched consistency"; bounds and measurements:
 //! docs/global.md.

@@ -10,6 +10,10 @@
 //! goes back at its end. A give-back is sent once and a grant whose answer is lost stays counted: a
 //! lost message makes the fleet admit less, never more. A worker names itself in its calls, so once
 //! a bucket has ended and a grace passed, a dead worker's outstanding units come off its counter.
+//! Units the store counts as used that come back unused (a token reservation settled below its
+//! estimate, an `at_once` grant left over) go back as `refunded`, off the counter, so the store
+//! ends with the units used; a count above a reservation is reported like units admitted without
+//! a grant ([`LeaseBook::refund`], [`LeaseBook::consume`]).
 //! With the store down, `on_store_failure` decides (the last counts plus this worker's admissions
 //! since, reported with its next call; or refuse), and a failed key asks again after
 //! `RETRY_AFTER_FAILURE_MS`.
