@@ -6,7 +6,7 @@
 //! with `redis-cli` next to it, and `$FLOODGATE_SYNC_BIN` (else `target/debug/floodgate-sync`;
 //! `./test.sh` builds it).
 
-use crate::{free_ports, workspace_root, Envoy, Upstream, Value};
+use crate::{free_ports, workspace_root, Envoy, EnvoyBuilder, Upstream, Value};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -261,14 +261,18 @@ pub struct SyncService {
 /// `count` Envoys with 2 workers each, running `config`, whose cluster `floodgate-sync` (HTTP/2)
 /// is the service at `sync`.
 pub fn fleet(count: usize, config: &Value, sync: SocketAddr, upstream: &Upstream) -> Vec<Envoy> {
+    fleet_with(count, config, sync, |envoy| envoy.upstream(upstream))
+}
+
+/// [`fleet`] in front of an LLM API (a [`crate::LlmUpstream`] at `upstream`), loading the module
+/// that reads response bodies ([`crate::llm_wasm_module`]).
+pub fn llm_fleet(count: usize, config: &Value, sync: SocketAddr, upstream: SocketAddr) -> Vec<Envoy> {
+    fleet_with(count, config, sync, |envoy| envoy.module(crate::llm_wasm_module()).upstream_at(upstream))
+}
+
+fn fleet_with(count: usize, config: &Value, sync: SocketAddr, setup: impl Fn(EnvoyBuilder) -> EnvoyBuilder) -> Vec<Envoy> {
     (0..count)
-        .map(|_| {
-            Envoy::builder(config.clone())
-                .upstream(upstream)
-                .http2_cluster("floodgate-sync", &[sync])
-                .concurrency(2)
-                .start()
-        })
+        .map(|_| setup(Envoy::builder(config.clone())).http2_cluster("floodgate-sync", &[sync]).concurrency(2).start())
         .collect()
 }
 

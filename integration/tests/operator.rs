@@ -73,7 +73,6 @@ const KNOWN_GAPS: &[&str] = &[
     "has meaning only with \"estimate\"",
     "has no meaning with \"estimate\"",
     "must be at most estimate.max",
-    "which the global scope does not carry yet",
 ];
 
 fn validator() -> jsonschema::Validator {

@@ -6,13 +6,16 @@
 -- ARGV[2]  the number of groups
 -- then per group:    ARGV  seen_ttl_ms, counter count
 --                    KEYS  the shard's dedup key (<prefix>{s}:seen:<proxy>)
---   then per counter: ARGV delta, expire_at_ms, has_previous (1|0)
+--   then per counter: ARGV delta, refund, expire_at_ms, has_previous (1|0)
 --                     KEYS current key [, previous key when has_previous is 1]
 --
 -- A group is applied only when seq is newer than its dedup key (absent counts as older): then
 -- the dedup key takes seq (SET PX seen_ttl_ms), and every counter with a delta > 0 gets
 -- INCRBY delta, and PEXPIREAT expire_at_ms when that INCRBY created it (a counter's expiry only
--- depends on its bucket, so an existing counter has it already). Otherwise the group's counters
+-- depends on its bucket, so an existing counter has it already); then every counter with a
+-- refund > 0 that exists gets DECRBY min(refund, its value) (never below 0, never created: a
+-- give-back of a counter that expired or was never written has nothing to give back to, and
+-- DECRBY keeps the expiry). Otherwise the group's counters
 -- are only read. After every group, each counter's current and previous totals are read (MGET),
 -- so a counter whose previous bucket is in the same batch sees the batch's increments.
 --
@@ -52,12 +55,20 @@ for g = 1, groups do
     local current = KEYS[k]
     k = k + 1
     local delta = ARGV[a]
-    local expire_at_ms = ARGV[a + 1]
-    local has_previous = ARGV[a + 2] == '1'
-    a = a + 3
+    local refund = ARGV[a + 1]
+    local expire_at_ms = ARGV[a + 2]
+    local has_previous = ARGV[a + 3] == '1'
+    a = a + 4
     if apply and delta ~= '0' then
       if redis.call('INCRBY', current, delta) == tonumber(delta) then
         redis.call('PEXPIREAT', current, expire_at_ms)
+      end
+    end
+    if apply and refund ~= '0' then
+      local value = tonumber(redis.call('GET', current) or '0')
+      local back = math.min(tonumber(refund), value)
+      if back > 0 then
+        redis.call('DECRBY', current, back)
       end
     end
     reads[#reads + 1] = current

@@ -95,6 +95,8 @@ pub struct PlannedCounter {
     pub previous_key: Option<String>,
     /// The sum of the batch's deltas for this counter.
     pub delta: u64,
+    /// The sum of the batch's give-backs for this counter.
+    pub refund: u64,
     /// When the counter expires (PEXPIREAT), in ms since the epoch.
     pub expire_at_ms: u64,
 }
@@ -146,6 +148,7 @@ pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
             Some(&at) => {
                 if let Some(planned) = counters.get_mut(at.1) {
                     planned.delta = planned.delta.saturating_add(counter.delta);
+                    planned.refund = planned.refund.saturating_add(counter.refund);
                 }
                 at
             }
@@ -162,6 +165,7 @@ pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
                         layout.counter_key(shard, &counter.key, counter.window_ms, previous)
                     }),
                     delta: counter.delta,
+                    refund: counter.refund,
                     expire_at_ms: expire_at_ms(counter.window_ms, counter.bucket),
                 });
                 seen.insert(id, at);
@@ -296,6 +300,7 @@ mod tests {
                 current_key: "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0".into(),
                 previous_key: None,
                 delta: 0,
+                refund: 0,
                 expire_at_ms: 62_000,
             }]
         );

@@ -22,6 +22,10 @@
 -- ARGV[13] holder               who asks ('' when the caller is not tracked)
 -- ARGV[14] at_once              units of the grant the holder's waiting requests take at once:
 --                               counted as used, not outstanding
+-- ARGV[15] refunded             units of the current bucket counted as used (reported `used`,
+--                               or taken `at_once`) that were not used after all: taken off the
+--                               counter, never below 0, not off the holder's outstanding units
+-- ARGV[16] refunded_previous    the same for the previous bucket
 --
 -- A counter holds the units granted in its bucket and not given back (used, or still leased).
 -- With p and c the previous and current counters after the give-backs, a unit more fits the
@@ -65,6 +69,16 @@ local bucket_start = tonumber(ARGV[12])
 local holder = ARGV[13]
 local at_once = tonumber(ARGV[14])
 local expire_at = ARGV[7]
+local refunded = tonumber(ARGV[15] or '0')
+local refunded_previous = tonumber(ARGV[16] or '0')
+
+-- Takes `units` off `counter` (at `value`), never below 0; returns the counter after.
+local function refund(counter, value, units)
+  if units > 0 and value > 0 then
+    return redis.call('DECRBY', counter, math.min(units, value))
+  end
+  return value
+end
 
 -- floor(x / c) and x mod c for integers 0 <= x < 2^53, 1 <= c < 2^53, exact: the double
 -- quotient is off by at most one, which the remainder's sign corrects.
@@ -145,6 +159,7 @@ local reclaimed = 0
 if KEYS[3] then
   previous = read(KEYS[3])
   previous = give_back(KEYS[3], KEYS[4], previous, returned_previous, used_previous)
+  previous = refund(KEYS[3], previous, refunded_previous)
   -- The previous bucket's holders had their grace: what is still outstanding is a stopped
   -- holder's, and comes back.
   local function grace_over()
@@ -166,6 +181,7 @@ if KEYS[3] then
   end
 end
 current = give_back(KEYS[1], KEYS[2], current, returned, used)
+current = refund(KEYS[1], current, refunded)
 
 local granted = 0
 if want > 0 then

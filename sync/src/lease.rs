@@ -81,6 +81,14 @@ pub struct LeaseEntry {
     /// counted as used, not outstanding (nothing to report for them).
     #[serde(default, deserialize_with = "units")]
     pub at_once: u64,
+    /// Units of `bucket` counted as used (reported `used`, or taken `at_once`) that were not
+    /// used after all, 0..=[`MAX_DELTA`]: taken off the counter (never below 0), not off the
+    /// holder's outstanding units.
+    #[serde(default, deserialize_with = "units")]
+    pub refunded: u64,
+    /// The same for `bucket − 1`.
+    #[serde(default, deserialize_with = "units")]
+    pub refunded_previous: u64,
 }
 
 /// The default `grace_ms`, for windows of a second and more.
@@ -147,6 +155,8 @@ pub struct PlannedLease {
     pub holder: String,
     /// Units of the grant taken at once (ARGV 14).
     pub at_once: u64,
+    /// `refunded` and `refunded_previous` (ARGV 15 and 16).
+    pub refunded: [u64; 2],
 }
 
 impl PlannedLease {
@@ -165,6 +175,7 @@ impl PlannedLease {
         let mut argv: Vec<String> = self.args.iter().map(u64::to_string).collect();
         argv.push(self.holder.clone());
         argv.push(self.at_once.to_string());
+        argv.extend(self.refunded.iter().map(u64::to_string));
         argv
     }
 }
@@ -234,6 +245,7 @@ pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
             .map(|h| h.as_str().to_owned())
             .unwrap_or_default(),
         at_once: entry.at_once,
+        refunded: [entry.refunded, entry.refunded_previous],
     }
 }
 

@@ -92,7 +92,8 @@ impl<'de> Deserialize<'de> for CounterKey {
     }
 }
 
-/// One counter entry of a batch: add `delta` to (`key`, `window_ms`, `bucket`).
+/// One counter entry of a batch: add `delta` to (`key`, `window_ms`, `bucket`), then take
+/// `refund` off it.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a counter object")]
 pub struct Counter {
@@ -107,6 +108,11 @@ pub struct Counter {
     /// What to add, 0..=[`MAX_DELTA`] (0 only reads).
     #[serde(deserialize_with = "delta")]
     pub delta: u64,
+    /// What to give back after adding `delta`, 0..=[`MAX_DELTA`] (absent: 0): units of the
+    /// bucket a proxy reserved and did not use. Never takes the counter below 0, never
+    /// creates it.
+    #[serde(default, deserialize_with = "delta")]
+    pub refund: u64,
 }
 
 /// A proxy's batch: `POST /v1/sync`'s body.
@@ -258,9 +264,16 @@ mod tests {
                 key: CounterKey(KEY.into()),
                 window_ms: 60_000,
                 bucket: 28_333_333,
-                delta: 17
+                delta: 17,
+                refund: 0
             }]
         );
+        let with_refund = parse_batch(
+            format!(r#"{{"version":1,"proxy":"{PROXY}","seq":1,"counters":[{{"key":"{KEY}","window_ms":1000,"bucket":3,"delta":0,"refund":70}}]}}"#).as_bytes(),
+            10,
+        )
+        .unwrap();
+        assert_eq!(with_refund.counters[0].refund, 70);
     }
 
     #[test]

@@ -502,7 +502,7 @@ fn script_arguments(seq: u64, groups: &[Group]) -> (Vec<&str>, Vec<String>) {
     let mut args: Vec<String> = Vec::with_capacity(
         2usize
             .saturating_add(groups.len().saturating_mul(2))
-            .saturating_add(counters.saturating_mul(3)),
+            .saturating_add(counters.saturating_mul(4)),
     );
     args.push(seq.to_string());
     args.push(groups.len().to_string());
@@ -513,6 +513,7 @@ fn script_arguments(seq: u64, groups: &[Group]) -> (Vec<&str>, Vec<String>) {
         for counter in &group.counters {
             keys.push(&counter.current_key);
             args.push(counter.delta.to_string());
+            args.push(counter.refund.to_string());
             args.push(counter.expire_at_ms.to_string());
             match &counter.previous_key {
                 Some(previous) => {
@@ -665,7 +666,7 @@ mod tests {
 
     fn two_shard_plan() -> Plan {
         let body = r#"{"version": 1, "proxy": "0123456789abcdef", "seq": 5, "counters": [
-            {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 1000, "bucket": 7, "delta": 3},
+            {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 1000, "bucket": 7, "delta": 3, "refund": 2},
             {"key": "00000000bbbbbbbbbbbbbbbbbbbbbbbb", "window_ms": 1000, "bucket": 0, "delta": 0}
         ]}"#;
         plan(
@@ -690,7 +691,7 @@ mod tests {
         );
         assert_eq!(
             args,
-            vec!["5", "2", "600000", "1", "0", "62000", "0", "600000", "1", "3", "69000", "1"]
+            vec!["5", "2", "600000", "1", "0", "0", "62000", "0", "600000", "1", "3", "2", "69000", "1"]
         );
     }
 
@@ -745,6 +746,7 @@ mod tests {
                     current_key: String::new(),
                     previous_key: None,
                     delta: 0,
+                    refund: 0,
                     expire_at_ms: 0,
                 };
                 counters

@@ -277,3 +277,36 @@ fn a_stopped_holders_units_come_back_once_the_grace_passed() {
     let metrics = get(sync.port, "/metrics").body;
     assert_eq!(metric(&metrics, "floodgate_sync_lease_units_reclaimed_total"), 100);
 }
+
+#[test]
+fn refunds_take_units_counted_as_used_off_the_counter_not_off_the_holder() {
+    let (redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    let holder = "00000000000000aa";
+    let with = |mut entry: Value, fields: &[(&str, u64)]| {
+        entry["holder"] = json!(holder);
+        for (name, value) in fields {
+            entry[*name] = json!(value);
+        }
+        entry
+    };
+    // The holder is granted 200 (previous bucket) and 200 (current), 100 of each taken at once.
+    let previous_key = format!("fg:{{1}}:{A}:60000:{}", bucket - 1);
+    redis.set(&previous_key, "200");
+    let grant = with(entry(A, bucket, 0, 100_000, 200), &[("at_once", 100)]);
+    assert_eq!(grants(&lease_call(sync.port, &[grant]))[0].0, 200);
+    let current_key = format!("fg:{{1}}:{A}:60000:{bucket}");
+    assert_eq!(redis.hgetall(&format!("{current_key}:h")), vec![(holder.to_string(), 100)]);
+    // Of the 100 counted as used, 70 were not used (a reservation settled at 30): refunded.
+    // The holder's 100 outstanding units stay its own (returned later, up to what it holds).
+    let refund = with(entry(A, bucket, 0, 100_000, 0), &[("refunded", 70), ("refunded_previous", 150)]);
+    assert_eq!(grants(&lease_call(sync.port, &[refund])), [(0, 130, 50)]);
+    assert_eq!(redis.hgetall(&format!("{current_key}:h")), vec![(holder.to_string(), 100)]);
+    let returned = with(entry(A, bucket, 0, 100_000, 0), &[("returned", 100), ("refunded", 1_000), ("refunded_previous", 1_000)]);
+    assert_eq!(grants(&lease_call(sync.port, &[returned])), [(0, 0, 0)], "never below zero");
+    // A refund of a counter that does not exist creates nothing.
+    let absent = "00000002bbbbbbbbbbbbbbbbbbbbbbbb";
+    let nothing = with(entry(absent, bucket, 0, 10, 0), &[("refunded", 5)]);
+    assert_eq!(grants(&lease_call(sync.port, &[nothing])), [(0, 0, 0)]);
+    assert_eq!(redis.get(&format!("fg:{{2}}:{absent}:60000:{bucket}")), None);
+}

@@ -139,6 +139,46 @@ fn a_retried_batch_counts_once_and_an_older_seq_only_reads() {
 }
 
 #[test]
+fn refunds_give_back_once_never_below_zero_and_create_nothing() {
+    let t = present();
+    let (redis, sync) = single();
+    let with_refund = |proxy: &str, seq: u64, counters: &[(&str, u64, u64, u64, u64)]| {
+        let mut body = batch(proxy, seq, &counters.iter().map(|c| (c.0, c.1, c.2, c.3)).collect::<Vec<_>>());
+        for (i, c) in counters.iter().enumerate() {
+            body["counters"][i]["refund"] = json!(c.4);
+        }
+        body
+    };
+    // Two proxies reserve 100 each in A's bucket t+10.
+    post(sync.port, &batch(P1, 1, &[(A, 1000, t + 10, 100)]));
+    post(sync.port, &batch(P2, 1, &[(A, 1000, t + 10, 100)]));
+    // Proxy 1 settles at 30 (gives 70 back) while reserving 100 more in the same counter:
+    // added first, then given back.
+    let settled = with_refund(P1, 2, &[(A, 1000, t + 10, 100, 70)]);
+    assert_eq!(post(sync.port, &settled).totals(), vec![(0, 230)]);
+    // Sent again (a lost answer): nothing is given back twice.
+    for _ in 0..2 {
+        assert_eq!(post(sync.port, &settled).totals(), vec![(0, 230)]);
+    }
+    // An older seq only reads, its give-backs too.
+    assert_eq!(post(sync.port, &with_refund(P1, 1, &[(A, 1000, t + 10, 0, 200)])).totals(), vec![(0, 230)]);
+    // A give-back larger than the counter stops at 0; the counter keeps its expiry.
+    let expiry = redis.pexpiretime(&format!("fg:{{1}}:{A}:1000:{}", t + 10));
+    assert_eq!(post(sync.port, &with_refund(P2, 2, &[(A, 1000, t + 10, 0, 1000)])).totals(), vec![(0, 0)]);
+    assert_eq!(redis.get(&format!("fg:{{1}}:{A}:1000:{}", t + 10)), Some(0));
+    assert_eq!(redis.pexpiretime(&format!("fg:{{1}}:{A}:1000:{}", t + 10)), expiry);
+    // A give-back of a counter that does not exist creates nothing (B's bucket was never
+    // written, or expired).
+    assert_eq!(post(sync.port, &with_refund(P2, 3, &[(B, 1000, t + 10, 0, 5)])).totals(), vec![(0, 0)]);
+    assert_eq!(redis.get(&format!("fg:{{2}}:{B}:1000:{}", t + 10)), None);
+    // Out of range, like a delta: refused, nothing written.
+    let refused = post(sync.port, &with_refund(P2, 4, &[(A, 1000, t + 10, 7, 2_147_483_648)]));
+    assert_eq!(refused.status, 400);
+    assert!(refused.body.contains("counters[0].refund"), "{}", refused.body);
+    assert_eq!(redis.get(&format!("fg:{{1}}:{A}:1000:{}", t + 10)), Some(0));
+}
+
+#[test]
 fn a_batch_applied_in_some_shards_completes_in_the_others_only() {
     let t = present();
     // What a cluster does when one shard's node fails mid-batch: shard 1 took seq 7, shard 2

@@ -258,6 +258,18 @@ mod tests {
     }
 
     #[test]
+    fn reservations_are_taken_in_either_consistency() {
+        for consistency in ["batched", "leased"] {
+            let json = format!(
+                r#"{{"rate_limits":[{{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"global","consistency":"{consistency}",
+                    "cost":{{"from":"response_header","header":"x-units","estimate":{{"default":2,"max":4}}}}}}],"global":{{"cluster":"s"}}}}"#
+            );
+            let config = Config::parse(json.as_bytes()).unwrap();
+            assert!(config.rate_limits[0].cost.as_ref().unwrap().estimate.is_some(), "{consistency}");
+        }
+    }
+
+    #[test]
     fn global_errors_are_named() {
         let with = |global: &str| format!(r#"{{"rate_limits":[{RULE}],"global":{global}}}"#);
         for (json, expected) in [
@@ -284,6 +296,8 @@ mod tests {
              r#"rate_limits[0].consistency: "leased" needs "scope": "global""#),
             (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"global","consistency":"leased","cost":{"from":"request_body"}}],"global":{"cluster":"s"}}"#.into(),
              "rate_limits[0].cost.from: a leased rule takes its units before the request goes on"),
+            (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"global","consistency":"leased","cost":{"from":"response_header","header":"x-units"}}],"global":{"cluster":"s"}}"#.into(),
+             "rate_limits[0].cost.from: a leased rule takes its units before the request goes on: its cost must come from a request header, or be reserved (\"estimate\")"),
             (r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m","scope":"global","consistency":"exact"}],"global":{"cluster":"s"}}"#.into(),
              "rate_limits[0].consistency: unknown variant `exact`, expected `batched` or `leased`"),
             (with(r#"["s"]"#), "global: must be a JSON object"),

@@ -572,18 +572,12 @@ impl Config {
                         problem: "\"leased\" needs \"scope\": \"global\" (a proxy-scope quota is exact already)".into(),
                     });
                 }
-                if rule.cost.as_ref().is_some_and(|c| c.from != CostSource::RequestHeader) {
+                if rule.cost.as_ref().is_some_and(|c| c.from != CostSource::RequestHeader && c.estimate.is_none()) {
                     return Err(ConfigError {
                         path: at("cost.from"),
-                        problem: "a leased rule takes its units before the request goes on: its cost must come from a request header".into(),
+                        problem: "a leased rule takes its units before the request goes on: its cost must come from a request header, or be reserved (\"estimate\")".into(),
                     });
                 }
-            }
-            if rule.scope == Scope::Global && rule.cost.as_ref().is_some_and(|c| c.estimate.is_some()) {
-                return Err(ConfigError {
-                    path: at("cost.estimate"),
-                    problem: "a reservation settles by giving units back, which the global scope does not carry yet: use \"scope\": \"proxy\"".into(),
-                });
             }
             if self.cluster_selection.is_some() && rule.condition.as_ref().is_some_and(|m| m.routes.is_some()) {
                 return Err(ConfigError {

@@ -21,11 +21,12 @@ use crate::fleet::leased::protocol;
 use crate::fleet::leased::{Ask, LeaseBook, LeaseSpec, Refusal, Take};
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::ratelimit::window::{Counts, Window};
+use crate::ratelimit::rules::Later;
 use crate::ratelimit::{Cause, Probe, Standing, Verdict, Violation};
 use crate::replies::{self, Reply};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
-use std::num::NonZeroU64;
+use std::num::{NonZeroU32, NonZeroU64};
 
 /// A request's key of one leased rule.
 #[derive(Clone, Copy, Debug)]
@@ -36,6 +37,8 @@ pub struct LeaseProbe {
     pub key: FleetKey,
     /// The window and the limit.
     pub spec: LeaseSpec,
+    /// A cost the upstream reports: the request takes an estimate, settled later.
+    pub later: Later,
 }
 
 impl LeaseProbe {
@@ -72,6 +75,9 @@ pub struct Taken {
     /// The standings of the rules in shadow that would have refused the request (they took
     /// nothing).
     pub shadowed: Vec<Standing>,
+    /// The reservations among them, settled when the upstream reports (owed once the request
+    /// goes on): the probe, the cost's source, the key's limit.
+    pub owed: Vec<(Probe, Later, NonZeroU32)>,
 }
 
 /// A leased rule's refusal.
@@ -219,9 +225,25 @@ impl LeasedStage {
                     increment(metrics, filter.stats.rule(probe.rule).invalid_cost);
                 }
                 probe.cost = crate::ratelimit::rules::capped(admission.now, limit);
-                Some(LeaseProbe { probe, key, spec: LeaseSpec { window, limit } })
+                Some(LeaseProbe { probe, key, spec: LeaseSpec { window, limit }, later: admission.later })
             })
             .collect()
+    }
+
+    /// Settles a reservation of a leased rule's key (`probe`, admitted at `admitted_at`) at
+    /// `units`: the unused part goes back ([`LeaseBook::refund`]: to the lease in the bucket it
+    /// was taken in, to the store after); a count above the reservation is charged as units
+    /// admitted without a grant, reported with the key's next call ([`LeaseBook::consume`]).
+    pub fn settle(&self, probe: &Probe, units: u32, limit: NonZeroU32, admitted_at: UnixMillis, now: UnixMillis) {
+        let (Some(window), Some(key)) = (self.windows.get(probe.rule).copied().flatten(), probe.fleet) else { return };
+        let reserved = probe.needs();
+        let mut book = self.book.borrow_mut();
+        let spec = LeaseSpec { window, limit };
+        if units > reserved {
+            book.consume(key, spec, units.saturating_sub(reserved), now);
+        } else if units < reserved {
+            book.refund(key, spec, reserved.saturating_sub(units), admitted_at, now);
+        }
     }
 
     /// A new request: takes the units of every probe, or refuses it, or has it wait. The call
@@ -324,7 +346,8 @@ impl LeasedStage {
                 increment(metrics, filter.stats.rule(lp.probe.rule).allowed);
             }
             let units = taken.iter().map(|lp| (lp.key, lp.units())).collect();
-            return Decision::All(Taken { standings, units, at: now.wall, shadowed });
+            let owed = taken.iter().filter(|lp| lp.later != Later::Nothing).map(|lp| (lp.probe, lp.later, lp.spec.limit)).collect();
+            return Decision::All(Taken { standings, units, at: now.wall, shadowed, owed });
         };
         for lp in taken {
             book.untake(lp.key, lp.units(), now.wall);
@@ -385,7 +408,8 @@ impl LeasedStage {
                 Some(grants) => {
                     for (ask, grant) in call.asks.iter().zip(grants) {
                         stats::add_count(metrics, self.stats.granted, u64::from(grant.granted));
-                        stats::add_count(metrics, self.stats.returned, u64::from(ask.returned).saturating_add(u64::from(ask.returned_previous)));
+                        let back = [ask.returned, ask.returned_previous, ask.refunded, ask.refunded_previous].iter().map(|n| u64::from(*n)).sum();
+                        stats::add_count(metrics, self.stats.returned, back);
                         book.answered(ask, Some(*grant), now.wall);
                     }
                 }

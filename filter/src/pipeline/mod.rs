@@ -870,6 +870,12 @@ impl Stream {
         if let (Some(stage), false, true) = (&filter.leased, refused_before, reply.is_some()) {
             stage.untake(&std::mem::take(&mut self.leased));
         }
+        if reply.is_none() {
+            // The leased rules' reservations settle when the upstream reports.
+            for (probe, later, limit) in std::mem::take(&mut self.leased.owed) {
+                self.charges.owe(probe, later, limit, now.wall);
+            }
+        }
         if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_permit.is_some() {
             self.grpc.request = grpc::is_grpc(request.get("content-type").as_deref());
         }
@@ -1522,7 +1528,12 @@ impl Stream {
             }
             let units = filter.rules.settled_units(probe.rule, report, probe.cost, limit);
             let reserved = probe.cost;
-            if units > reserved {
+            if let Some(stage) = filter.leased.as_ref().filter(|l| l.is_leased(probe.rule)) {
+                stage.settle(&probe, units, limit, self.charges.admitted_at(), now);
+                let (charged, refunded) = (units.saturating_sub(reserved), reserved.saturating_sub(units));
+                stats::add_count(env.metrics, ids.charged, u64::from(charged));
+                stats::add_count(env.metrics, ids.refunded, u64::from(refunded));
+            } else if units > reserved {
                 let extra = units.saturating_sub(reserved);
                 if filter.limiter.charge(env.store, probe, extra, now) {
                     stats::add_count(env.metrics, ids.charged, u64::from(extra));
@@ -1537,6 +1548,10 @@ impl Stream {
                 let back = reserved.saturating_sub(units);
                 filter.limiter.refund(env.store, probe, back, self.charges.admitted_at());
                 stats::add_count(env.metrics, ids.refunded, u64::from(back));
+                if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+                    // A give-back with no room in the VM's buffer is lost: the fleet over-counts.
+                    let _ = scope.refund(&mut node.borrow_mut(), &probe, back, self.charges.admitted_at(), now);
+                }
             }
         }
     }

@@ -407,6 +407,88 @@ fn a_reservation_holds_its_estimate_in_flight_and_settles_to_the_body_s_count() 
     assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 70);
 }
 
+fn llm_rule(limit: u32, consistency: &str) -> serde_json::Value {
+    serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": limit, "window": "1h",
+                         "scope": "global", "consistency": consistency,
+                         "cost": {"from": "response_body", "path": "usage.total_tokens",
+                                  "estimate": {"header": "x-max", "default": 100, "max": 100}}}],
+        "global": {"cluster": "floodgate-sync", "sync_interval": "1s", "lease_timeout": "50ms"},
+    })
+}
+
+/// Settles a stream's reservation at the JSON body's `tokens`, and ends it.
+fn settle(host: &Host, context: u32, stream: &RefCell<Stream>, tokens: u32) {
+    let json = TestRequest::default().with("content-type", "application/json");
+    stream.borrow_mut().response_headers(&host.filter, &host.env(), &json, false);
+    stream.borrow_mut().response_body(&host.filter, &host.env(), format!(r#"{{"usage":{{"total_tokens":{tokens}}}}}"#).as_bytes(), true);
+    host.end(context, stream, &OK);
+}
+
+#[test]
+fn a_batched_reservation_gives_back_to_its_admission_s_bucket_and_charges_its_excess_now() {
+    let host = Host::new(llm_rule(250, "batched"));
+    let request = || keyed("k").with("x-max", "100");
+    let (first, a, step_a) = host.send(&request());
+    let (second, b, step_b) = host.send(&request());
+    let (_, _, step_c) = host.send(&request());
+    assert_eq!((status(&step_a), status(&step_b), status(&step_c)), (0, 0, 429), "two estimates of 100 in flight fill 250");
+    let deltas = || -> Vec<(u64, u32, u32)> {
+        let node = host.filter.global_node.as_ref().unwrap().borrow();
+        node.deltas.iter().map(|d| (d.bucket, d.delta, d.refund)).collect()
+    };
+    let bucket = T0 / 3_600_000;
+    assert_eq!(deltas(), vec![(bucket, 200, 0)], "the reservations are counted as the requests' units");
+    settle(&host, first, &a, 30);
+    assert_eq!(deltas(), vec![(bucket, 200, 70)], "30 used: 70 given back fleet-wide");
+    let (_, _, step_d) = host.send(&request());
+    assert_eq!(status(&step_d), 0, "the proxy admits again at once: 30 + 100 + 100 ≤ 250");
+    // A count above the reservation, settled in the next bucket: the excess is charged in
+    // now's bucket.
+    host.clock.advance(3_600_000);
+    settle(&host, second, &b, 130);
+    assert_eq!(deltas(), vec![(bucket, 300, 70), (bucket + 1, 30, 0)]);
+    assert_eq!(host.metric("floodgate.rate_limit.r.charged"), 30);
+    // A reservation settled once its bucket is past the window: nothing fleet-wide.
+    host.clock.advance(2 * 3_600_000);
+    let (late, l, step_late) = host.send(&request());
+    assert_eq!(status(&step_late), 0);
+    host.clock.advance(2 * 3_600_000);
+    settle(&host, late, &l, 0);
+    assert_eq!(host.filter.global_node.as_ref().unwrap().borrow().deltas.iter().map(|d| d.refund).sum::<u32>(), 70);
+    assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 170, "counted locally all the same");
+}
+
+#[test]
+fn a_leased_reservation_is_taken_from_the_lease_given_back_to_it_and_its_excess_reported() {
+    let host = Host::new(llm_rule(1000, "leased"));
+    let request = || keyed("k").with("x-max", "100");
+    let (context, stream, step) = host.send(&request());
+    assert_eq!(step, Step::Wait);
+    let tokens = send_calls(&host, context);
+    let stage = host.filter.leased.as_ref().unwrap();
+    let keys = stage.answered(&host.metrics, tokens[0], grant(250), host.clock.now()).unwrap();
+    assert_eq!(wake(&host, keys, &request()), vec![(context, Step::Continue { route: None })]);
+    // 150 left: one more reservation of 100 fits, a third does not wait (the lease is short).
+    let (second, b, step_b) = host.send(&request());
+    assert_eq!(step_b, Step::Continue { route: None });
+    settle(&host, context, &stream, 30);
+    assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 70);
+    // The 70 are the lease's again: 50 + 70 = 120 held, a request reserving 100 goes on.
+    let (third, c, step_c) = host.send(&request());
+    assert_eq!(step_c, Step::Continue { route: None }, "taken from the units given back");
+    settle(&host, third, &c, 100);
+    // 130 reported for a reservation of 100: 30 charged, admitted without a grant.
+    settle(&host, second, &b, 130);
+    assert_eq!(host.metric("floodgate.rate_limit.r.charged"), 30);
+    stage.drain(host.clock.now());
+    let asks: Vec<_> = stage.take_outgoing().into_iter().flat_map(|c| c.asks).collect();
+    let consumed: u32 = asks.iter().map(|a| a.consumed).sum();
+    let returned: u32 = asks.iter().map(|a| a.returned).sum();
+    assert_eq!(consumed, 30, "the excess is reported with the next call");
+    assert_eq!(returned, 250 + 70 - 100 - 100 - 100, "what is held goes back");
+}
+
 // ---- waiting for the store: pause and resume ----
 
 fn leased(limit: u32) -> serde_json::Value {

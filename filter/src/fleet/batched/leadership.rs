@@ -100,7 +100,7 @@ impl Batch {
         let counters: Vec<Counter> = self
             .deltas
             .iter()
-            .map(|d| Counter { key: d.key, window_ms: d.window_ms, bucket: d.bucket, delta: d.delta })
+            .map(|d| Counter { key: d.key, window_ms: d.window_ms, bucket: d.bucket, delta: d.delta, refund: d.refund })
             .collect();
         protocol::encode_request(source, self.seq, &counters)
     }
@@ -202,7 +202,7 @@ mod tests {
     use crate::primitives::store::MemoryStore;
 
     fn delta(n: u32) -> Delta {
-        Delta { rule: 1, fingerprint: 2, key: FleetKey(3), window_ms: 1000, bucket: 9, delta: n, requests: n }
+        Delta { rule: 1, fingerprint: 2, key: FleetKey(3), window_ms: 1000, bucket: 9, delta: n, requests: n, refund: 0 }
     }
 
     #[test]

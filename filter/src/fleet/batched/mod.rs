@@ -9,7 +9,9 @@
 //! (batches are sent again unchanged until confirmed, and the store applies a (source, seq) batch
 //! once); projected units only weigh in decisions, never in the table, a batch or the store; with
 //! the store down, decisions go on on the last view, and admissions wait in the outboxes. Quota
-//! reserves are used only while the whole estimate fits.
+//! reserves are used only while the whole estimate fits. A token reservation's unused part goes
+//! back to the bucket it was counted in, as a give-back beside that bucket's units
+//! ([`GlobalScope::refund`]), sent and applied once like them, never below zero in the store.
 //!
 //! Rationale: docs/design.md, section "Batched consistency"; bounds and measurements:
 //! docs/global.md.
@@ -197,12 +199,31 @@ impl GlobalScope {
                 bucket: bucket_of(now, rule.window_ms),
                 delta: cost,
                 requests,
+                refund: 0,
             };
             if !node.deltas.add(delta) {
                 dropped = dropped.saturating_add(u64::from(cost));
             }
         }
         dropped
+    }
+
+    /// Gives back `units` of a reservation admitted at `admitted_at` (settled below its
+    /// estimate) to the fleet-wide count of the bucket they were counted in. A give-back of a
+    /// bucket the store no longer weighs (ended more than a bucket ago) is dropped: it no
+    /// longer matters. Returns the units dropped for want of room.
+    pub fn refund(&self, node: &mut VmNode, probe: &Probe, units: u32, admitted_at: UnixMillis, now: UnixMillis) -> u64 {
+        let (Some(rule), Some(key)) = (self.rule(probe.rule), probe.fleet) else { return 0 };
+        let bucket = bucket_of(admitted_at, rule.window_ms);
+        if units == 0 || bucket.saturating_add(1) < bucket_of(now, rule.window_ms) {
+            return 0;
+        }
+        let delta = Delta { rule: rule.id, fingerprint: probe.key_hash, key, window_ms: rule.window_ms, bucket, delta: 0, requests: 0, refund: units };
+        if node.deltas.add(delta) {
+            0
+        } else {
+            u64::from(units)
+        }
     }
 
     /// Once per `sync_interval` on every worker: moves the VM's deltas to its outbox, refreshes

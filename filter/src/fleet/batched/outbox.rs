@@ -10,7 +10,8 @@
 //!
 //! Record layout (little-endian): version `u8`, 3 zero bytes, count `u32`, then per delta the rule
 //! id `u64`, the local fingerprint `u64`, the fleet key `u128`, the window `u64` (ms), the bucket
-//! `u64`, the delta `u32`, the requests `u32` (version 2).
+//! `u64`, the delta `u32`, the requests `u32`, the refund `u32` (version 3; version 2, without the
+//! refund, is still read: the outboxes a module update finds keep their admissions).
 //!
 //! Rationale: docs/design.md, section "Batched consistency".
 
@@ -22,9 +23,11 @@ use crate::primitives::record::{DecodeError, Reader, Writer};
 pub const OUTBOXES: u64 = 4;
 /// Deltas one outbox record holds at most (about 53 KiB).
 pub const OUTBOX_CAPACITY: usize = 1024;
-const RECORD_VERSION: u8 = 2;
+const RECORD_VERSION: u8 = 3;
 const HEADER_LEN: usize = 8;
-const DELTA_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 + 4;
+const DELTA_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 + 4 + 4;
+/// Version 2's delta: no refund.
+const DELTA_LEN_V2: usize = DELTA_LEN - 4;
 
 /// A counter to send, as the proxy knows it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -44,6 +47,9 @@ pub struct Delta {
     /// Requests this proxy decided for the key, admitted or refused: its demand, from which
     /// its share of the key is learned ([`super::view::Share`]). Never sent to the store.
     pub requests: u32,
+    /// Units given back: reserved at admission in this bucket, not used (a reservation settled
+    /// below its estimate). The store takes them off the bucket's count, never below zero.
+    pub refund: u32,
 }
 
 impl Delta {
@@ -88,6 +94,7 @@ impl Deltas {
             if let Some(entry) = self.entries.get_mut(at) {
                 entry.delta = entry.delta.saturating_add(delta.delta);
                 entry.requests = entry.requests.saturating_add(delta.requests);
+                entry.refund = entry.refund.saturating_add(delta.refund);
                 return true;
             }
         }
@@ -149,6 +156,7 @@ impl Deltas {
             out.put_u64(d.bucket);
             out.put_u32(d.delta);
             out.put_u32(d.requests);
+            out.put_u32(d.refund);
         }
         out
     }
@@ -159,9 +167,10 @@ impl Deltas {
         if bytes.is_empty() {
             return Ok(deltas);
         }
+        let v2 = bytes.first() == Some(&2);
         let mut reader = Reader::new(bytes);
-        let (version, count) = reader.list_header(DELTA_LEN)?;
-        if version != RECORD_VERSION || count > max {
+        let (version, count) = reader.list_header(if v2 { DELTA_LEN_V2 } else { DELTA_LEN })?;
+        if (version != RECORD_VERSION && !v2) || count > max {
             return Err(DecodeError::Malformed);
         }
         deltas.reserve(count);
@@ -174,6 +183,7 @@ impl Deltas {
                 bucket: reader.u64()?,
                 delta: reader.u32()?,
                 requests: reader.u32()?,
+                refund: if v2 { 0 } else { reader.u32()? },
             };
             if delta.window_ms == 0 {
                 return Err(DecodeError::Malformed);
@@ -190,7 +200,24 @@ mod tests {
     use super::*;
 
     fn delta(key: u64, bucket: u64, n: u32) -> Delta {
-        Delta { rule: 7, fingerprint: key, key: FleetKey(u128::from(key) << 64 | 1), window_ms: 1000, bucket, delta: n, requests: 1 }
+        Delta { rule: 7, fingerprint: key, key: FleetKey(u128::from(key) << 64 | 1), window_ms: 1000, bucket, delta: n, requests: 1, refund: 0 }
+    }
+
+    #[test]
+    fn give_backs_merge_beside_the_units_of_their_bucket() {
+        let mut d = Deltas::new(2);
+        assert!(d.add(delta(1, 5, 100)));
+        assert!(d.add(Delta { refund: 70, requests: 0, ..delta(1, 5, 0) }));
+        assert!(d.add(Delta { refund: 20, requests: 0, ..delta(1, 4, 0) }), "the admission's bucket, not now's");
+        assert!(d.add(Delta { refund: 5, requests: 0, ..delta(1, 5, 0) }));
+        assert!(!d.add(Delta { refund: 1, requests: 0, ..delta(2, 5, 0) }), "full: a give-back needs room like a delta");
+        let merged: Vec<(u64, u32, u32, u32)> = d.iter().map(|x| (x.bucket, x.delta, x.refund, x.requests)).collect();
+        assert_eq!(merged, vec![(5, 100, 75, 1), (4, 0, 20, 0)]);
+        let back = Deltas::decode(&d.encode(), 2).unwrap();
+        assert_eq!(back.iter().copied().collect::<Vec<_>>(), d.iter().copied().collect::<Vec<_>>());
+        // A give-back of a bucket the store no longer weighs is dropped with it.
+        d.drop_expired(|_| 6);
+        assert_eq!(d.iter().map(|x| x.bucket).collect::<Vec<_>>(), vec![5]);
     }
 
     #[test]
@@ -224,6 +251,15 @@ mod tests {
         let mut other = bytes.clone();
         other[0] = 9;
         assert!(Deltas::decode(&other, 10).is_err());
+        // Version 2 (no refund) is read: an outbox written by the module before an update.
+        let mut v2 = bytes[..8].to_vec();
+        v2[0] = 2;
+        for chunk in bytes[8..].chunks(DELTA_LEN) {
+            v2.extend_from_slice(&chunk[..DELTA_LEN_V2]);
+        }
+        let back = Deltas::decode(&v2, 10).unwrap();
+        assert_eq!(back.iter().copied().collect::<Vec<_>>(), d.iter().copied().collect::<Vec<_>>());
+        assert!(Deltas::decode(&v2[..v2.len() - 1], 10).is_err());
     }
 
     #[test]

@@ -3,7 +3,8 @@
 //!
 //! ```text
 //! request:  {"version": 1, "proxy": "<16 hex>", "seq": 42,
-//!            "counters": [{"key": "<32 hex>", "window_ms": 60000, "bucket": 28333333, "delta": 17}]}
+//!            "counters": [{"key": "<32 hex>", "window_ms": 60000, "bucket": 28333333, "delta": 17},
+//!                         {"key": "<32 hex>", "window_ms": 60000, "bucket": 28333332, "delta": 0, "refund": 70}]}
 //! response: {"version": 1, "counters": [{"previous": 120, "current": 37}]}
 //! ```
 //!
@@ -11,7 +12,10 @@
 //! strictly increasing: the store applies a (source, seq) batch exactly once, so a batch whose
 //! answer was lost is sent again unchanged. The response gives, per counter and in request
 //! order, the fleet-wide totals of its bucket (`current`) and of the bucket before (`previous`)
-//! after the batch.
+//! after the batch. `refund` (written only when not 0) gives units back: the store takes them
+//! off the counter after adding `delta`, never below zero and never creating it; a
+//! floodgate-sync that does not know the field refuses the whole batch (`400`, naming it) and
+//! applies nothing of it.
 //!
 //! Rationale: docs/design.md, section "Batched consistency".
 
@@ -33,6 +37,8 @@ pub struct Counter {
     pub bucket: u64,
     /// Requests to add (0: only read the totals).
     pub delta: u32,
+    /// Units to give back (written only when not 0).
+    pub refund: u32,
 }
 
 /// A counter's fleet-wide totals after a batch.
@@ -106,6 +112,10 @@ pub fn encode_request(source: u64, seq: u64, counters: &[Counter]) -> Vec<u8> {
         push_decimal(&mut out, c.bucket);
         out.extend_from_slice(br#","delta":"#);
         push_decimal(&mut out, u64::from(c.delta));
+        if c.refund > 0 {
+            out.extend_from_slice(br#","refund":"#);
+            push_decimal(&mut out, u64::from(c.refund));
+        }
         out.push(b'}');
     }
     out.extend_from_slice(b"]}");
@@ -184,8 +194,9 @@ mod tests {
     #[test]
     fn requests_are_the_documented_json() {
         let counters = [
-            Counter { key: FleetKey(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff), window_ms: 60_000, bucket: 28_333_333, delta: 17 },
-            Counter { key: FleetKey(1), window_ms: 1000, bucket: 7, delta: 0 },
+            Counter { key: FleetKey(0x0011_2233_4455_6677_8899_aabb_ccdd_eeff), window_ms: 60_000, bucket: 28_333_333, delta: 17, refund: 0 },
+            Counter { key: FleetKey(1), window_ms: 1000, bucket: 7, delta: 0, refund: 0 },
+            Counter { key: FleetKey(2), window_ms: 1000, bucket: 6, delta: 3, refund: 70 },
         ];
         let body = encode_request(0xabc, 42, &counters);
         let parsed: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -193,7 +204,8 @@ mod tests {
             parsed,
             serde_json::json!({"version": 1, "proxy": "0000000000000abc", "seq": 42, "counters": [
                 {"key": "00112233445566778899aabbccddeeff", "window_ms": 60000, "bucket": 28333333, "delta": 17},
-                {"key": "00000000000000000000000000000001", "window_ms": 1000, "bucket": 7, "delta": 0}
+                {"key": "00000000000000000000000000000001", "window_ms": 1000, "bucket": 7, "delta": 0},
+                {"key": "00000000000000000000000000000002", "window_ms": 1000, "bucket": 6, "delta": 3, "refund": 70}
             ]})
         );
         assert_eq!(encode_request(1, 1, &[]), br#"{"version":1,"proxy":"0000000000000001","seq":1,"counters":[]}"#);
@@ -241,7 +253,7 @@ mod tests {
             byte in proptest::prelude::any::<u8>(),
             damage in 0..3u8,
         ) {
-            let counters: Vec<Counter> = counters.into_iter().map(|(k, w, b, d)| Counter { key: FleetKey(k), window_ms: w, bucket: b, delta: d }).collect();
+            let counters: Vec<Counter> = counters.into_iter().map(|(k, w, b, d)| Counter { key: FleetKey(k), window_ms: w, bucket: b, delta: d, refund: 0 }).collect();
             let body: serde_json::Value = serde_json::from_slice(&encode_request(source, seq, &counters)).unwrap();
             let want = serde_json::json!({"version": VERSION, "proxy": format!("{source:016x}"), "seq": seq, "counters":
                 counters.iter().map(|c| serde_json::json!({"key": format!("{:032x}", c.key.0), "window_ms": c.window_ms, "bucket": c.bucket, "delta": c.delta})).collect::<Vec<_>>()});

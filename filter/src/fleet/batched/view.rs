@@ -219,30 +219,36 @@ impl ViewEntry {
         }
     }
 
-    /// Takes in a confirmed delta and the store's totals after it.
+    /// Takes in a confirmed delta and the store's totals after it. Totals only grow between
+    /// batches without give-backs (the larger one is kept, whatever order answers come in); a
+    /// batch that gave units back makes its answer's totals the key's (they may be lower).
     fn update(&mut self, delta: &Delta, totals: Totals, now: UnixMillis) {
         let (previous, current) = (clamp(totals.previous), clamp(totals.current));
+        let lower = delta.refund > 0;
+        let merged = |was: u32, is: u32| if lower { is } else { was.max(is) };
+        let net = |was: u32| was.saturating_add(delta.delta).saturating_sub(delta.refund);
         match delta.bucket.checked_sub(self.bucket) {
             Some(0) => {
-                self.applied.current = self.applied.current.saturating_add(delta.delta);
+                self.applied.current = net(self.applied.current);
                 self.total.previous = self.total.previous.max(previous);
-                self.total.current = self.total.current.max(current);
+                self.total.current = merged(self.total.current, current);
             }
             Some(1) => {
-                self.applied = Counts { previous: self.applied.current, current: delta.delta };
+                self.applied = Counts { previous: self.applied.current, current: net(0) };
                 self.total = Counts { previous: self.total.current.max(previous), current };
                 self.bucket = delta.bucket;
             }
             Some(_) => {
                 // Two buckets or more later: nothing older counts any more.
-                self.applied = Counts { previous: 0, current: delta.delta };
+                self.applied = Counts { previous: 0, current: net(0) };
                 self.total = Counts { previous, current };
                 self.bucket = delta.bucket;
             }
             None if delta.bucket.saturating_add(1) == self.bucket => {
-                // A delta of the bucket before this entry's (sent just before it rolled).
-                self.applied.previous = self.applied.previous.saturating_add(delta.delta);
-                self.total.previous = self.total.previous.max(current);
+                // A delta of the bucket before this entry's (sent just before it rolled, or a
+                // give-back of a reservation admitted in it).
+                self.applied.previous = net(self.applied.previous);
+                self.total.previous = merged(self.total.previous, current);
             }
             None => {}
         }
@@ -504,6 +510,7 @@ impl ViewCache {
                 bucket: now.0.checked_div(e.window_ms).unwrap_or(e.bucket),
                 delta: 0,
                 requests: 0,
+                refund: 0,
             })
             .collect()
     }
@@ -516,7 +523,7 @@ mod tests {
     use crate::keys::fleet::FleetKey;
 
     fn delta(bucket: u64, n: u32) -> Delta {
-        Delta { rule: 1, fingerprint: 33, key: FleetKey(5), window_ms: 1000, bucket, delta: n, requests: n }
+        Delta { rule: 1, fingerprint: 33, key: FleetKey(5), window_ms: 1000, bucket, delta: n, requests: n, refund: 0 }
     }
 
     #[test]
@@ -536,6 +543,27 @@ mod tests {
         // A late delta of the bucket before.
         r.apply(&delta(10, 1), Totals { previous: 0, current: 22 }, UnixMillis(4), 8);
         assert_eq!(r.entries[&(1, 33)].remote_at(11), Counts { previous: 16, current: 5 });
+    }
+
+    #[test]
+    fn a_batch_that_gives_back_lowers_this_proxys_part_and_the_total_alike() {
+        let mut r = ViewRecord::default();
+        // This proxy reserved 200, the others counted 300.
+        r.apply(&delta(10, 200), Totals { previous: 0, current: 500 }, UnixMillis(1), 8);
+        assert_eq!(r.entries[&(1, 33)].remote_at(10).current, 300);
+        // It gives 140 back while the others gave back 100: the store has 260 (60 + 200).
+        let back = Delta { refund: 140, requests: 0, ..delta(10, 0) };
+        r.apply(&back, Totals { previous: 0, current: 260 }, UnixMillis(2), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!((e.applied.current, e.total.current), (60, 260));
+        assert_eq!(e.remote_at(10).current, 200, "the others' 300 less their 100, not more");
+        // A give-back of the bucket before (a reservation admitted before the bucket rolled).
+        r.apply(&delta(11, 10), Totals { previous: 260, current: 10 }, UnixMillis(3), 8);
+        let late = Delta { refund: 50, requests: 0, ..delta(10, 0) };
+        r.apply(&late, Totals { previous: 0, current: 210 }, UnixMillis(4), 8);
+        let e = r.entries[&(1, 33)];
+        assert_eq!((e.applied.previous, e.total.previous), (10, 210));
+        assert_eq!(e.remote_at(11).previous, 200);
     }
 
     #[test]

@@ -10,6 +10,10 @@
 //! goes back at its end. A give-back is sent once and a grant whose answer is lost stays counted: a
 //! lost message makes the fleet admit less, never more. A worker names itself in its calls, so once
 //! a bucket has ended and a grace passed, a dead worker's outstanding units come off its counter.
+//! Units the store counts as used that come back unused (a token reservation settled below its
+//! estimate, an `at_once` grant left over) go back as `refunded`, off the counter, so the store
+//! ends with the units used; a count above a reservation is reported like units admitted without
+//! a grant ([`LeaseBook::refund`], [`LeaseBook::consume`]).
 //! With the store down, `on_store_failure` decides (the last counts plus this worker's admissions
 //! since, reported with its next call; or refuse), and a failed key asks again after
 //! `RETRY_AFTER_FAILURE_MS`.
@@ -69,6 +73,12 @@ pub struct Ask {
     /// Units of the grant the requests waiting for it take at once: counted as used, not held
     /// (a cold key's unit then needs no report).
     pub at_once: u32,
+    /// Units of `bucket` the store counts as used (reported, or taken at once) that were not
+    /// used after all (given back by a settled reservation, or left of an `at_once` grant):
+    /// taken off the counter.
+    pub refunded: u32,
+    /// The same for `bucket − 1`.
+    pub refunded_previous: u32,
 }
 
 /// The store's answer to one [`Ask`].
@@ -131,8 +141,14 @@ struct KeyLease {
     /// Units of `bucket`'s grants (and of the bucket before's) admitted since the last call.
     unreported: u32,
     unreported_previous: u32,
-    /// Units held that the store counts as used already (granted `at_once` to waiting requests).
+    /// Units held that the store counts as used already (granted `at_once` to waiting
+    /// requests, or given back by a settled reservation after they were reported): when they
+    /// go back unused, they go as `refunded`, not `returned`.
     prereported: u32,
+    /// Units the store counts as used in `bucket` and in the bucket before that were not used
+    /// after all, to give back.
+    refunded: u32,
+    refunded_previous: u32,
     /// The store's counts as of `view_bucket`, from its last answer (and when).
     view: Counts,
     view_bucket: u64,
@@ -165,6 +181,8 @@ impl KeyLease {
             unreported: 0,
             unreported_previous: 0,
             prereported: 0,
+            refunded: 0,
+            refunded_previous: 0,
             view: Counts::default(),
             view_bucket: bucket,
             view_at: None,
@@ -189,14 +207,25 @@ impl KeyLease {
             return;
         }
         let next = bucket == self.bucket.saturating_add(1);
-        self.returned_previous = if next { self.returned.saturating_add(self.held) } else { 0 };
+        self.release_held();
+        self.returned_previous = if next { self.returned } else { 0 };
+        self.refunded_previous = if next { self.refunded } else { 0 };
         self.unreported_previous = if next { self.unreported } else { 0 };
         self.returned = 0;
+        self.refunded = 0;
         self.unreported = 0;
-        self.prereported = 0;
-        self.held = 0;
         self.consumed = 0;
         self.bucket = bucket;
+    }
+
+    /// Everything held goes back: what the store counts as used already as `refunded`, the
+    /// rest as `returned`.
+    fn release_held(&mut self) {
+        let prereported = self.prereported.min(self.held);
+        self.refunded = self.refunded.saturating_add(prereported);
+        self.returned = self.returned.saturating_add(self.held.saturating_sub(prereported));
+        self.held = 0;
+        self.prereported = 0;
     }
 
     /// The fleet's counts as known now: the store's last view, moved to the current bucket,
@@ -252,9 +281,13 @@ impl KeyLease {
             used_previous: self.unreported_previous,
             grace_ms: grace_ms(window_ms, lease_timeout_ms),
             at_once: 0,
+            refunded: self.refunded,
+            refunded_previous: self.refunded_previous,
         };
         self.returned = 0;
         self.returned_previous = 0;
+        self.refunded = 0;
+        self.refunded_previous = 0;
         self.unreported = 0;
         self.unreported_previous = 0;
         ask
@@ -263,13 +296,19 @@ impl KeyLease {
     /// The lease leaves the book: the call that gives back all it holds and reports what it
     /// owes, if anything.
     fn close(&mut self, key: FleetKey, now: UnixMillis, lease_timeout_ms: u64) -> Option<Ask> {
-        self.returned = self.returned.saturating_add(std::mem::take(&mut self.held));
+        self.release_held();
         self.owes().then(|| self.give_back(key, now, lease_timeout_ms))
     }
 
     /// Whether there is anything to give back or report.
     fn owes(&self) -> bool {
-        self.returned > 0 || self.returned_previous > 0 || self.consumed > 0 || self.unreported > 0 || self.unreported_previous > 0
+        self.returned > 0
+            || self.returned_previous > 0
+            || self.refunded > 0
+            || self.refunded_previous > 0
+            || self.consumed > 0
+            || self.unreported > 0
+            || self.unreported_previous > 0
     }
 
     /// When the lease's bucket ends.
@@ -291,6 +330,16 @@ impl KeyLease {
         self.rate_per_s = (self.rate_per_s / 2).saturating_add(measured / 2);
         self.used = 0;
         self.rate_since = now;
+    }
+
+    /// `cost` units taken in this bucket come back: held again (those the store counts as
+    /// used already as such).
+    fn untake(&mut self, cost: u32) {
+        self.held = self.held.saturating_add(cost);
+        self.used = self.used.saturating_sub(cost);
+        let back = self.unreported.min(cost);
+        self.unreported = self.unreported.saturating_sub(back);
+        self.prereported = self.prereported.saturating_add(cost.saturating_sub(back));
     }
 
     fn admit(&mut self, cost: u32, now: UnixMillis) {
@@ -419,6 +468,14 @@ impl LeaseBook {
         // The store said within a period that the window is full: refuse without asking again.
         let fresh = lease.view_at.is_some_and(|at| now.saturating_since(at) < period_ms);
         if fresh && !spec.window.admits(known, elapsed_ms, cost, spec.limit) {
+            if lease.held > 0 {
+                // What it holds cannot cover this request and the window has no room for more:
+                // it goes back at the root's next tick, for a worker it covers (requests of
+                // many units would otherwise stay refused while their units sit split over
+                // leases none of which covers one).
+                lease.release_held();
+                self.next_roll = now;
+            }
             return Take::Refused { refusal: Refusal::OverLimit, counts: known };
         }
         lease.waiting = lease.waiting.saturating_add(cost);
@@ -469,13 +526,56 @@ impl LeaseBook {
     pub fn untake(&mut self, key: FleetKey, cost: u32, taken_at: UnixMillis) {
         if let Some(lease) = self.leases.get_mut(&key) {
             if lease.spec.window.phase(taken_at).bucket_index == lease.bucket {
-                lease.held = lease.held.saturating_add(cost);
-                lease.used = lease.used.saturating_sub(cost);
-                let back = lease.unreported.min(cost);
-                lease.unreported = lease.unreported.saturating_sub(back);
-                lease.prereported = lease.prereported.saturating_add(cost.saturating_sub(back));
+                lease.untake(cost);
             }
         }
+    }
+
+    /// Gives back `units` of `key` taken at `taken_at` and not used after all (a reservation
+    /// settled below its estimate). In the lease's bucket they are the lease's again
+    /// ([`LeaseBook::untake`]); in the bucket before, those not reported yet go back as
+    /// `returned_previous` and the rest, which the store counts as used, as
+    /// `refunded_previous`; older ones no longer weigh and are dropped. A key that left the
+    /// book meanwhile comes back for them.
+    pub fn refund(&mut self, key: FleetKey, spec: LeaseSpec, units: u32, taken_at: UnixMillis, now: UnixMillis) {
+        let taken_in = spec.window.phase(taken_at).bucket_index;
+        if units == 0 || taken_in.saturating_add(1) < spec.window.phase(now).bucket_index {
+            return;
+        }
+        if !self.leases.contains_key(&key) && self.leases.len() >= self.max_keys {
+            self.evict_one(now);
+        }
+        let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
+        if lease.spec.window != spec.window {
+            return;
+        }
+        lease.roll(now);
+        self.next_roll = self.next_roll.min(lease.bucket_end());
+        if taken_in == lease.bucket {
+            lease.untake(units);
+        } else if taken_in.saturating_add(1) == lease.bucket {
+            let unreported = lease.unreported_previous.min(units);
+            lease.unreported_previous = lease.unreported_previous.saturating_sub(unreported);
+            lease.returned_previous = lease.returned_previous.saturating_add(unreported);
+            lease.refunded_previous = lease.refunded_previous.saturating_add(units.saturating_sub(unreported));
+        }
+    }
+
+    /// Charges `units` of `key` beyond what a request took (a count reported above its
+    /// reservation): admitted without a grant, like units admitted while the store was down,
+    /// and reported with the key's next call (the store adds them whatever the room).
+    pub fn consume(&mut self, key: FleetKey, spec: LeaseSpec, units: u32, now: UnixMillis) {
+        if units == 0 {
+            return;
+        }
+        if !self.leases.contains_key(&key) && self.leases.len() >= self.max_keys {
+            self.evict_one(now);
+        }
+        let lease = self.leases.entry(key).or_insert_with(|| KeyLease::new(spec, now));
+        lease.roll(now);
+        self.next_roll = self.next_roll.min(lease.bucket_end());
+        lease.consumed = lease.consumed.saturating_add(units);
+        lease.admit(units, now);
     }
 
     /// The store's answer to `ask` (`None`: the call failed or timed out). The requests
@@ -495,6 +595,8 @@ impl LeaseBook {
                     used: 0,
                     used_previous: 0,
                     at_once: 0,
+                    refunded: 0,
+                    refunded_previous: 0,
                     ..*ask
                 });
             }
@@ -539,10 +641,13 @@ impl LeaseBook {
             lease.roll(now);
             let idle = now.saturating_since(lease.last_used) >= idle_after && !lease.in_flight && lease.waiting == 0;
             if idle {
-                lease.returned = lease.returned.saturating_add(lease.held);
-                lease.held = 0;
+                lease.release_held();
             }
-            let settles = lease.returned > 0 || lease.returned_previous > 0 || lease.unreported_previous > 0;
+            let settles = lease.returned > 0
+                || lease.returned_previous > 0
+                || lease.refunded > 0
+                || lease.refunded_previous > 0
+                || lease.unreported_previous > 0;
             if settles || (idle && (lease.consumed > 0 || lease.unreported > 0)) {
                 returns.push(lease.give_back(*key, now, timeout_ms));
             }

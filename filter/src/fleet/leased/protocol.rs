@@ -39,6 +39,13 @@ pub fn body(asks: &[Ask], holder: u64) -> Vec<u8> {
             out.extend_from_slice(name.as_bytes());
             push_decimal(&mut out, value);
         }
+        // Written only when not 0: a floodgate-sync that does not know them refuses the call.
+        for (name, value) in [(",\"refunded\":", ask.refunded), (",\"refunded_previous\":", ask.refunded_previous)] {
+            if value > 0 {
+                out.extend_from_slice(name.as_bytes());
+                push_decimal(&mut out, u64::from(value));
+            }
+        }
         out.extend_from_slice(b",\"holder\":\"");
         push_hex(&mut out, u128::from(holder), 16);
         out.extend_from_slice(b"\"}");
@@ -99,8 +106,10 @@ mod tests {
             used_previous: 8,
             grace_ms: 200,
             at_once: 1,
+            refunded: 0,
+            refunded_previous: 0,
         };
-        let body = body(&[ask, Ask { want: 0, ..ask }], 0xfeed_0000_0000_00ab);
+        let body = body(&[ask, Ask { want: 0, refunded: 4, refunded_previous: 5, ..ask }], 0xfeed_0000_0000_00ab);
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(
             value,
@@ -110,7 +119,8 @@ mod tests {
                  "used": 7, "used_previous": 8, "grace_ms": 200, "at_once": 1, "holder": "feed0000000000ab"},
                 {"key": "0123456789abcdef0011223344556677", "window_ms": 60000, "bucket": 29000000, "elapsed_ms": 1500,
                  "limit": 4294967295u64, "want": 0, "consumed": 3, "returned": 2, "returned_previous": 1,
-                 "used": 7, "used_previous": 8, "grace_ms": 200, "at_once": 1, "holder": "feed0000000000ab"}
+                 "used": 7, "used_previous": 8, "grace_ms": 200, "at_once": 1, "refunded": 4, "refunded_previous": 5,
+                 "holder": "feed0000000000ab"}
             ]})
         );
     }

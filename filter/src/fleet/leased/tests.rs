@@ -60,12 +60,14 @@ impl FakeStore {
         if b > 0 {
             let slot = (ask.key, w, b - 1);
             previous = self.give_back(holder, slot, previous, ask.returned_previous, ask.used_previous);
+            previous -= previous.min(u64::from(ask.refunded_previous));
             if ask.grace_ms > 0 && ask.elapsed_ms >= ask.grace_ms && previous > 0 {
                 let stranded: u64 = self.holders.remove(&slot).unwrap_or_default().values().sum();
                 previous -= previous.min(stranded);
             }
         }
         current = self.give_back(holder, (ask.key, w, b), current, ask.returned, ask.used);
+        current -= current.min(u64::from(ask.refunded));
         let mut granted = 0;
         if ask.want > 0 {
             let weighted = (u128::from(previous) * u128::from(w - ask.elapsed_ms)).div_ceil(u128::from(w)) as u64;
@@ -544,4 +546,70 @@ fn a_dead_workers_units_come_back_after_its_bucket_and_the_grace() {
     // A settlement arriving after that takes nothing more off.
     let late = Ask { want: 0, returned: 0, returned_previous: 70, used: 0, used_previous: 29, ..ask };
     assert_eq!(store.serve_as(2, &late).counts.previous, 31);
+}
+
+#[test]
+fn give_backs_of_reservations_end_in_the_store_as_the_units_used_exactly() {
+    let (window_ms, limit) = (60_000, 1_000);
+    let s = spec(window_ms, limit);
+    let mut store = FakeStore::default();
+    let mut book = book();
+    let t0 = UnixMillis(window_ms * 500 + 1_000);
+    // A reservation of 100 waits for the lease, which comes with 200 (100 taken at once: the
+    // store counts them as used).
+    let ask = wait_call(book.take(KEY, s, 100, false, t0)).unwrap();
+    let ask = Ask { want: 200, ..ask };
+    book.answered(&ask, Some(store.serve(&ask)), t0);
+    assert!(matches!(book.take(KEY, s, 100, true, t0), Take::Admitted { .. }));
+    // Another reservation of 100, not reported yet.
+    assert!(matches!(book.take(KEY, s, 100, false, t0), Take::Admitted { .. }));
+    // The first settles at 30 in the bucket: 70 are the lease's again.
+    book.refund(KEY, s, 70, t0, t0);
+    // The bucket ends: what is held goes back, what was used is reported.
+    let t1 = UnixMillis(window_ms * 501 + 10);
+    let settle = book.heartbeat(t1);
+    let sent: Vec<(u32, u32, u32)> = settle.iter().map(|a| (a.returned_previous, a.refunded_previous, a.used_previous)).collect();
+    assert_eq!(sent, vec![(70, 0, 30)]);
+    for ask in &settle {
+        book.answered(ask, Some(store.serve(ask)), t1);
+    }
+    // The second settles at 30 after that: its 70, reported used, come off the ended bucket.
+    book.refund(KEY, s, 70, t0, t1);
+    let late = book.heartbeat(t1);
+    assert_eq!(late.iter().map(|a| (a.bucket, a.refunded_previous)).collect::<Vec<_>>(), vec![(501, 70)]);
+    for ask in &late {
+        book.answered(ask, Some(store.serve(ask)), t1);
+    }
+    assert_eq!(store.get(KEY, window_ms, 500), 60, "the store ends with what the two reservations used: 30 + 30");
+    // Two buckets later, a give-back no longer matters: nothing is sent.
+    book.refund(KEY, s, 10, t0, UnixMillis(window_ms * 502));
+    assert!(book.heartbeat(UnixMillis(window_ms * 502)).iter().all(|a| a.refunded_previous == 0 && a.refunded == 0));
+}
+
+#[test]
+fn a_give_back_finds_its_key_even_after_the_lease_left_the_book() {
+    let (window_ms, limit) = (60_000, 1_000);
+    let s = spec(window_ms, limit);
+    let mut store = FakeStore::default();
+    let mut book = book();
+    let t0 = UnixMillis(window_ms * 500 + 1_000);
+    let ask = wait_call(book.take(KEY, s, 100, false, t0)).unwrap();
+    book.answered(&ask, Some(store.serve(&Ask { want: 100, ..ask })), t0);
+    assert!(matches!(book.take(KEY, s, 100, true, t0), Take::Admitted { .. }));
+    assert_eq!(store.get(KEY, window_ms, 500), 100);
+    // The request is held upstream for a while: its idle lease leaves the book.
+    let later = t0.plus_ms(PERIOD_MS * IDLE_PERIODS);
+    for ask in book.heartbeat(later) {
+        book.answered(&ask, Some(store.serve(&ask)), later);
+    }
+    assert_eq!(book.keys(), 0);
+    // It settles at 30: the 70 the store counts as used come back to it.
+    book.refund(KEY, s, 70, t0, later);
+    let idle = later.plus_ms(PERIOD_MS * IDLE_PERIODS);
+    let calls = book.heartbeat(idle);
+    assert_eq!(calls.iter().map(|a| (a.returned, a.refunded)).collect::<Vec<_>>(), vec![(0, 70)]);
+    for ask in &calls {
+        book.answered(ask, Some(store.serve(ask)), idle);
+    }
+    assert_eq!(store.get(KEY, window_ms, 500), 30);
 }
