@@ -38,6 +38,7 @@ use crate::keys::{self, KeyHasher, Source};
 use crate::primitives::inflight::{LocalCount, Permit, HEARTBEAT_MS};
 use crate::primitives::store::SharedStore;
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
+use crate::ratelimit::estimate::BodyEstimates;
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::rules::{self, Charges, Later, Report, Rules, Settle};
 use crate::ratelimit::{Cause, Limiter, Probe, Standing, Verdict, Violation};
@@ -507,6 +508,9 @@ pub struct Stream {
     timing: Timing,
     /// How the request was decided, for the access log.
     decision: Decision,
+    /// The estimates its rules read in its body (`cost.estimate.body`): while it waits for
+    /// them, then what they found.
+    estimates: Option<Box<BodyEstimates>>,
 }
 
 /// A stream's state as its host context and the leased stage's waiting lists share it.
@@ -554,9 +558,76 @@ impl StreamCell {
     }
 }
 
-/// The request headers came: runs the pipeline.
+/// The request headers came: runs the pipeline, or, when a rule that applies reads its
+/// estimate in the request's body, waits for the body ([`request_body_estimates`] decides).
 #[allow(clippy::too_many_arguments)]
 pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    cell: &mut StreamCell,
+    context: u32,
+    request: &R,
+    end_of_stream: bool,
+    rng: &mut G,
+) -> Step {
+    if !end_of_stream && filter.rules.reads_request_bodies() {
+        if let Some(estimates) = filter.rules.body_estimates(request) {
+            // Nothing is taken yet: a client that goes away now leaves nothing behind.
+            cell.borrow_mut().estimates = Some(Box::new(estimates));
+            return Step::Wait;
+        }
+    }
+    decide(filter, env, cell, context, request, end_of_stream, rng)
+}
+
+/// For a request that waits for its body's estimates, the bytes of the body (of `body_size`
+/// bytes held so far) to read next: from `start`, `len` bytes (`len` 0: none, the bound is
+/// reached); `None` when the request does not wait for them.
+pub fn estimate_wants(cell: &StreamCell, body_size: usize) -> Option<(usize, usize)> {
+    let stream = cell.borrow();
+    let estimates = stream.estimates.as_ref().filter(|e| !e.done() && !stream.ended)?;
+    Some(estimates.wants(body_size).unwrap_or((body_size, 0)))
+}
+
+/// The next bytes of the request body (`chunk`, those [`estimate_wants`] asked; `body_size`
+/// bytes held so far, `None` for the request trailers: as before; `end`: the body ended) of a
+/// request that waits for its estimates: once
+/// they are known (or the body ended, or the bound is reached), the pipeline decides the
+/// request, and the body held so far goes on with it (`Some(step)`); `None`: it waits on.
+#[allow(clippy::too_many_arguments)]
+pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    cell: &mut StreamCell,
+    context: u32,
+    request: &R,
+    chunk: &[u8],
+    body_size: Option<usize>,
+    end: bool,
+    rng: &mut G,
+) -> Option<Step> {
+    let body_size = {
+        let mut stream = cell.borrow_mut();
+        let estimates = stream.estimates.as_mut().filter(|e| !e.done())?;
+        estimates.hold(body_size.unwrap_or_default());
+        let rules = &filter.rules;
+        if !estimates.feed(chunk, end, |rule| rules.estimate_places(rule)) {
+            return None;
+        }
+        estimates.held()
+    };
+    let step = decide(filter, env, cell, context, request, false, rng);
+    if !matches!(step, Step::Reply(_)) {
+        // The body held so far: it waits on with the request (for the store, its turn or a
+        // slot), or is counted now.
+        let _ = cell.borrow_mut().request_body(filter, env, body_size, end);
+    }
+    Some(step)
+}
+
+/// Runs the pipeline on the request headers.
+#[allow(clippy::too_many_arguments)]
+fn decide<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
     cell: &mut StreamCell,
@@ -1153,7 +1224,7 @@ impl Stream {
         for probe in &mut probes {
             probe.limit = rules.limit(probe.rule, probe.key_hash, headers);
             let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit));
-            let admission = rules.admission(probe.rule, headers);
+            let admission = rules.admission(probe.rule, headers, self.estimates.as_deref());
             if admission.invalid {
                 increment(env.metrics, filter.stats.rule(probe.rule).invalid_cost);
             }
