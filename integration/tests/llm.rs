@@ -337,6 +337,27 @@ async fn a_large_request_body_is_read_up_to_the_bound_and_goes_on_whole() {
     }
 }
 
+/// Without `allow_on_headers_stop_iteration`, Envoy holds the body back from the filter: the
+/// request is decided without it after about a second (the tick), on `estimate.default` (256),
+/// and goes on with its body; a request with the estimate header is not held at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_body_in_the_filter_a_request_is_decided_on_the_default_after_a_second() {
+    let upstream = LlmUpstream::start();
+    let envoy = Envoy::builder(config(json!({}))).module(llm_wasm_module()).upstream_at(upstream.addr()).start();
+    clear_of_minute_end(30);
+    let key = fresh_key("held-back");
+    let stat = |what: &str| envoy.stat(&rule_stat(RULE, what)).unwrap_or(0);
+    let started = Instant::now();
+    let (status, body) = chat(&envoy, &key, "100", 30, "json").await;
+    let waited = started.elapsed();
+    println!("decided without the body after {waited:?}");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(waited >= Duration::from_millis(900), "it waited for its body first: {waited:?}");
+    assert_eq!(stat("refunded"), 256 - 30, "the default was reserved");
+    assert!(upstream.last_body_bytes() > 0, "the body went on");
+    assert!(envoy.log().contains("allow_on_headers_stop_iteration"), "the log says what to set");
+}
+
 /// The default (trimmed) module has no response body callback: it refuses a body-reported
 /// cost, naming the field; the LLM module loads the same configuration.
 #[test]

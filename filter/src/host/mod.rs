@@ -273,6 +273,12 @@ impl RootContext for FilterRoot {
                 resume_streams(&filter, ready, self.id, &clock, Resume::Slot);
             }
         }
+        if let Some(stage) = &filter.body_waits {
+            let due = stage.take_due(now.mono);
+            if !due.is_empty() {
+                resume_streams(&filter, due, self.id, &clock, Resume::Body);
+            }
+        }
         if due.heartbeat {
             filter.heartbeat(&env);
         }
@@ -355,6 +361,8 @@ enum Resume {
     Turn,
     /// A slot, or the end of its wait (the queue stage).
     Slot,
+    /// Its body, none of which came in time (an estimate read from the body).
+    Body,
 }
 
 /// Resumes the paused `streams`, in order, each from its own context (made the effective one),
@@ -365,6 +373,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
             Resume::Store => shared.borrow().waiting_since().is_some(),
             Resume::Turn => shared.borrow().delayed_until().is_some(),
             Resume::Slot => shared.borrow().slot_decided(),
+            Resume::Body => shared.borrow().body_never_came(),
         };
         if !waits {
             continue;
@@ -375,6 +384,8 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
                 Resume::Store => pipeline::abandon(filter, &shared),
                 Resume::Turn => pipeline::abandon_delayed(filter, &env, &shared),
                 Resume::Slot => pipeline::abandon_queued(filter, &env, &shared),
+                // It holds nothing yet.
+                Resume::Body => {}
             }
             continue;
         }
@@ -384,6 +395,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
             Resume::Store => pipeline::resume(filter, &env, &shared, context, &request, &mut VmRandom),
             Resume::Turn => pipeline::resume_delayed(filter, &env, &shared, &request, &mut VmRandom),
             Resume::Slot => pipeline::resume_queued(filter, &env, &shared, context, &request, &mut VmRandom),
+            Resume::Body => pipeline::resume_without_body(filter, &env, &shared, context, &request, &mut VmRandom),
         };
         if apply(filter, &env, &shared, step) == Action::Continue {
             if let Err(status) = hostcalls::resume_http_request() {

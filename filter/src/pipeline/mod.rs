@@ -21,6 +21,7 @@
 //!
 //! Rationale: docs/design.md, section "A request's path".
 
+pub mod body_wait;
 pub mod decision;
 pub mod delay;
 pub mod headers;
@@ -226,6 +227,8 @@ pub struct Filter {
     pub delays: Option<DelayStage>,
     /// Load leveling (`load_shedding.queue`): the requests waiting for a slot.
     pub queue: Option<QueueStage>,
+    /// Estimates in request bodies: the requests waiting for their body.
+    pub body_waits: Option<body_wait::BodyWaitStage>,
     /// Which mechanisms only count what they would refuse.
     pub shadows: Shadows,
     /// The filter-state names of a decision's fields (`access_log`).
@@ -270,6 +273,9 @@ impl Filter {
             leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
             delays: DelayStage::new(&config),
             queue: config.load_shedding.as_ref().and_then(|s| crate::shedding::queue::Leveler::new(s, namespace)).map(QueueStage::new),
+            body_waits: body_wait::BodyWaitStage::new(
+                config.rate_limits.iter().any(|r| r.cost.as_ref().and_then(|c| c.estimate.as_ref()).is_some_and(|e| e.body.is_some())),
+            ),
             shadows: Shadows::new(&config),
             decision_names: if config.access_log { decision::Names::new(namespace) } else { decision::Names::default() },
             watchdog: config.watchdog.as_ref().map(|w| Watchdog::new(w, namespace)),
@@ -574,6 +580,9 @@ pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         if let Some(estimates) = filter.rules.body_estimates(request) {
             // Nothing is taken yet: a client that goes away now leaves nothing behind.
             cell.borrow_mut().estimates = Some(Box::new(estimates));
+            if let Some(stage) = &filter.body_waits {
+                stage.park(env.clock.now().mono, context, cell.share());
+            }
             return Step::Wait;
         }
     }
@@ -623,6 +632,29 @@ pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         let _ = cell.borrow_mut().request_body(filter, env, body_size, end);
     }
     Some(step)
+}
+
+/// A request none of whose body reached the filter in time (its stream `context`, made the
+/// host's effective context): decided without its body, on its rules' `estimate.default`.
+pub fn resume_without_body<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    shared: &SharedStream,
+    context: u32,
+    request: &R,
+    rng: &mut G,
+) -> Step {
+    {
+        let mut stream = shared.borrow_mut();
+        if !stream.body_never_came() {
+            return Step::Wait;
+        }
+        if let Some(estimates) = stream.estimates.as_mut() {
+            estimates.give_up();
+        }
+    }
+    let mut cell = StreamCell::Shared(Rc::clone(shared));
+    decide(filter, env, &mut cell, context, request, false, rng)
 }
 
 /// Runs the pipeline on the request headers.
@@ -842,6 +874,11 @@ impl Stream {
             filter.limiter.give_back_turn(env.store, *probe);
             increment(env.metrics, filter.stats.rule(probe.rule).delay_abandoned);
         }
+    }
+
+    /// Whether it waits for the body its estimate is read from, none of which came yet.
+    pub fn body_never_came(&self) -> bool {
+        !self.ended && self.estimates.as_ref().is_some_and(|e| !e.done() && !e.started())
     }
 
     /// When it goes, while it waits for its turn.

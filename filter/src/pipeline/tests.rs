@@ -542,6 +542,35 @@ fn a_client_that_leaves_while_its_estimate_is_read_leaves_nothing_behind() {
     }
 }
 
+#[test]
+fn a_request_whose_body_never_reaches_the_filter_is_decided_on_the_default_by_the_tick() {
+    let host = body_estimate_host(1000);
+    let stage = host.filter.body_waits.as_ref().unwrap();
+    let (_, mut never, _) = host.send_with_body(&post("k"));
+    let (c2, mut flowing, _) = host.send_with_body(&post("k"));
+    assert!(host.body(&mut flowing, c2, &post("k"), &[b"{"], false).is_none(), "its body started: it waits on for the rest");
+    assert_eq!(stage.len(), 2);
+    host.clock.advance(body_wait::BODY_WAIT_MS - 1);
+    assert!(stage.take_due(host.clock.now().mono).is_empty(), "not yet");
+    host.clock.advance(1);
+    let due = stage.take_due(host.clock.now().mono);
+    assert_eq!(due.len(), 1, "only the one whose body never came");
+    assert!(stage.is_empty(), "the other is dropped: its body flows");
+    let (context, shared) = due.into_iter().next().unwrap();
+    assert!(Rc::ptr_eq(&shared, &never.share()));
+    let step = resume_without_body(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut());
+    assert_eq!(status(&step), 0, "decided on the default");
+    assert!(estimate_wants(&never, 10).is_none(), "its body, if it comes now, goes by unread");
+    assert_eq!(status(&resume_without_body(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut())), 1, "once");
+    // 50 reserved: 950 left.
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":400}"#, b"}"], false).unwrap()), 0);
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":400}"#], false).unwrap()), 0);
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":151}"#], false).unwrap()), 429, "50 + 800 + 151 > 1000");
+}
+
 // ---- waiting for the store: pause and resume ----
 
 fn leased(limit: u32) -> serde_json::Value {

@@ -101,6 +101,19 @@ impl BodyEstimates {
         self.held
     }
 
+    /// Whether any of the body came.
+    pub fn started(&self) -> bool {
+        self.held > 0 || self.read > 0
+    }
+
+    /// The body will not be read: no rule found an estimate in it.
+    pub fn give_up(&mut self) {
+        for reading in &mut self.rules {
+            reading.known = Some(None);
+        }
+        self.done = true;
+    }
+
     /// The host holds `body_size` bytes of the body so far.
     pub fn hold(&mut self, body_size: usize) {
         self.held = self.held.max(body_size);
