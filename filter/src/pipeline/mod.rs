@@ -11,6 +11,10 @@
 //! a request a token bucket let in to wait for its turn, and the root's tick resumes it
 //! ([`resume_delayed`]); with `load_shedding.queue`, a request the in-flight limit would shed
 //! waits in the `queue` stage for a slot, which the root's tick gives it ([`resume_queued`]).
+//! Before all stages, a request whose estimate a rule reads in its JSON body
+//! (`cost.estimate.body`) waits for its body, holding nothing; the body's callbacks decide it
+//! once the estimate is read ([`request_body_estimates`]), or the root's tick, when none of the
+//! body reached the filter ([`resume_without_body`], [`body_wait`]).
 //! The stream state also takes the
 //! stream's later events (body, response, end). What the pipeline needs of the host is narrow: the
 //! shared store, metrics and the VM's id ([`Env`]), the request's attributes ([`Request`]), the
@@ -600,9 +604,9 @@ pub fn estimate_wants(cell: &StreamCell, body_size: usize) -> Option<(usize, usi
 
 /// The next bytes of the request body (`chunk`, those [`estimate_wants`] asked; `body_size`
 /// bytes held so far, `None` for the request trailers: as before; `end`: the body ended) of a
-/// request that waits for its estimates: once
-/// they are known (or the body ended, or the bound is reached), the pipeline decides the
-/// request, and the body held so far goes on with it (`Some(step)`); `None`: it waits on.
+/// request that waits for its estimates: once they are known (or the body ended, or the bound
+/// is reached), the pipeline decides the request, and the body held so far goes on with it
+/// (`Some(step)`); `None`: it waits on.
 #[allow(clippy::too_many_arguments)]
 pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
