@@ -365,7 +365,7 @@ fn rate_limits(config: &Config, request: &Request, line: &mut impl FnMut(String)
 }
 
 fn cost_text(rule: &RateLimitRule, rules: &Rules, index: usize, request: &Request, limit: std::num::NonZeroU32) -> String {
-    let admission = rules.admission(index, request);
+    let admission = rules.admission(index, request, None);
     let now = capped(admission.now, limit);
     let cap = if now < admission.now { format!(", capped at the limit from {}", admission.now) } else { String::new() };
     let units = |n: u32| if n == 1 { "1 unit".to_owned() } else { format!("{n} units") };
@@ -397,6 +397,11 @@ fn cost_text(rule: &RateLimitRule, rules: &Rules, index: usize, request: &Reques
                     let from = match (&estimate.header, admission.invalid) {
                         (Some(h), true) => format!("request header {h} is not a count: estimate.default"),
                         (Some(h), false) if request.header(h).is_some() => format!("request header {h}, at most estimate.max {}", estimate.max.get()),
+                        (header, false) if estimate.body.is_some() => {
+                            let places = estimate.body.iter().flatten().map(String::as_str).collect::<Vec<_>>().join(", ");
+                            let absent = header.as_ref().map_or(String::new(), |h| format!("request header {h} absent: "));
+                            format!("{absent}the request waits for its JSON body's {places} (the first listed it holds, at most estimate.max {}; this shows estimate.default, the body not being given)", estimate.max.get())
+                        }
                         (Some(h), false) => format!("request header {h} absent: estimate.default"),
                         (None, _) => "estimate.default".to_owned(),
                     };

@@ -268,7 +268,11 @@ fn accepted_config(config: &Config) {
         for request in [&Everything as &dyn floodgate::ratelimit::rules::Attributes, &Nothing] {
             let _ = rules.applies(rule, request);
             let _ = rules.limit(rule, 42, request);
-            let _ = rules.admission(rule, request);
+            let _ = rules.admission(rule, request, None);
+            if let Some(mut estimates) = rules.body_estimates(request) {
+                let _ = estimates.feed(b"{\"max_tokens\":12}", true, |r| rules.estimate_places(r));
+                let _ = rules.admission(rule, request, Some(&estimates));
+            }
         }
         let limit = std::num::NonZeroU32::MIN;
         let _ = rules.settled_units(rule, floodgate::ratelimit::rules::Report::Missing, 7, limit);

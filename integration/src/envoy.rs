@@ -115,6 +115,9 @@ pub struct EnvoyBuilder {
     access_log: bool,
     /// The module to load (default: [`wasm_module`]).
     module: Option<std::path::PathBuf>,
+    /// The plugin's `allow_on_headers_stop_iteration` (a request paused on its headers still
+    /// hands its body to the filter).
+    stop_iteration: bool,
 }
 
 /// The file access log's name, in Envoy's working directory.
@@ -175,7 +178,15 @@ impl EnvoyBuilder {
             named_routes: Vec::new(),
             access_log: false,
             module: None,
+            stop_iteration: false,
         }
+    }
+
+    /// Sets the plugin's `allow_on_headers_stop_iteration`: a request the filter pauses on its
+    /// headers still hands it its body (which a `cost.estimate.body` reads).
+    pub fn allow_on_headers_stop_iteration(mut self) -> EnvoyBuilder {
+        self.stop_iteration = true;
+        self
     }
 
     /// Loads `module` instead of [`wasm_module`] (e.g. [`crate::artifacts::llm_wasm_module`]).
@@ -306,6 +317,9 @@ impl EnvoyBuilder {
                 }
             }
         })];
+        if self.stop_iteration {
+            http_filters[0]["typed_config"]["config"]["allow_on_headers_stop_iteration"] = json!(true);
+        }
         http_filters.extend(self.filters_after.iter().cloned());
         http_filters.push(json!({
             "name": "envoy.filters.http.router",

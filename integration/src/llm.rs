@@ -41,6 +41,8 @@ struct State {
     answered: AtomicU64,
     /// Total tokens reported in answers that carried a usage.
     reported: AtomicU64,
+    /// The bytes of the last request body received whole.
+    last_body: AtomicU64,
 }
 
 /// An OpenAI-like upstream on `127.0.0.1:<ephemeral>`, on its own thread and tokio runtime;
@@ -61,6 +63,7 @@ impl LlmUpstream {
             most_held: AtomicU64::new(0),
             answered: AtomicU64::new(0),
             reported: AtomicU64::new(0),
+            last_body: AtomicU64::new(0),
         });
         let server_state = state.clone();
         let server = Server::start("llm-upstream", move |req| answer(server_state.clone(), req));
@@ -108,6 +111,11 @@ impl LlmUpstream {
         self.state.reported.load(Ordering::SeqCst)
     }
 
+    /// The bytes of the last request body it received whole.
+    pub fn last_body_bytes(&self) -> u64 {
+        self.state.last_body.load(Ordering::SeqCst)
+    }
+
     /// Waits (at most `timeout`) until `n` requests wait; returns how many do.
     pub fn wait_held(&self, n: u64, timeout: Duration) -> u64 {
         let deadline = std::time::Instant::now() + timeout;
@@ -140,7 +148,9 @@ async fn answer(state: Arc<State>, req: Request<Incoming>) -> Result<Response<Ch
     let pad = usize::try_from(header_number(&req, "x-test-pad")).unwrap_or(0);
     let mode = req.headers().get("x-test-mode").and_then(|v| v.to_str().ok()).unwrap_or("json").to_owned();
     // Read the request body (the chat request) to its end.
-    let _ = http_body_util::BodyExt::collect(req.into_body()).await;
+    if let Ok(body) = http_body_util::BodyExt::collect(req.into_body()).await {
+        state.last_body.store(u64::try_from(body.to_bytes().len()).unwrap_or(u64::MAX), Ordering::SeqCst);
+    }
     let mut open = state.open.subscribe();
     if !*open.borrow() {
         let now = state.held.fetch_add(1, Ordering::SeqCst) + 1;

@@ -589,6 +589,7 @@ const TABLES: &[(&str, &str)] = &[
     ("Top level", ""),
     ("`rate_limits`", "rateLimitRule"),
     ("Costs (`cost`)", "cost"),
+    ("Estimates (`cost.estimate`)", "estimate"),
     ("`load_shedding`", "loadShedding"),
     ("`load_shedding.queue`", "queue"),
     ("`load_shedding.per_key`", "perKey"),

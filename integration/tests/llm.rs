@@ -2,8 +2,11 @@
 //! `floodgate-llm.wasm`, in front of an OpenAI-like upstream ([`LlmUpstream`]) that reports the
 //! token counts each request asks for, as a JSON body or as a server-sent-event stream.
 //!
-//! A rule of 1 000 tokens per minute reserves each request's estimate (`x-max-tokens`, 100) at
-//! admission and settles it to the count the response reports (30). Concurrent requests never
+//! A rule of 1 000 tokens per minute reserves each request's estimate (the `max_tokens` of its
+//! JSON body, 100, as OpenAI-compatible clients send it; or, in one test, the `x-max-tokens`
+//! header) at admission and settles it to the count the response reports (30). The plugin sets
+//! `allow_on_headers_stop_iteration`, so that a request paused on its headers hands its body to
+//! the filter. Concurrent requests never
 //! have more estimates in flight than the quota holds; when they settle, the unused part goes
 //! back and further requests are admitted; the key's count ends equal to the reported usage.
 //! A key's count is read from a refusal's `estimate` (a request whose estimate is the whole
@@ -21,11 +24,17 @@ const RULE: &str = "tokens";
 
 fn config(extra_cost: serde_json::Value) -> Value {
     let mut cost = json!({"from": "response_body", "path": "usage.total_tokens",
-                          "estimate": {"header": "x-max-tokens", "default": 256, "max": 4096}});
+                          "estimate": {"body": ["max_completion_tokens", "max_tokens"], "default": 256, "max": 4096}});
     if let (Some(cost), Some(extra)) = (cost.as_object_mut(), extra_cost.as_object()) {
         cost.extend(extra.clone());
     }
     json!({"rate_limits": [{"name": RULE, "key": [{"header": "x-api-key"}], "limit": 1000, "window": "1m", "cost": cost}]})
+}
+
+/// The LLM module in Envoy (2 workers) in front of `upstream`, the body handed to the filter
+/// while it decides.
+fn llm_envoy(config: Value, upstream: &LlmUpstream) -> Envoy {
+    Envoy::builder(config).module(llm_wasm_module()).allow_on_headers_stop_iteration().upstream_at(upstream.addr()).start()
 }
 
 /// A key no earlier run used (counts live in Envoy's shared data only, but be safe).
@@ -38,19 +47,25 @@ fn clear_of_minute_end(seconds: u64) {
     wait_for_window_phase(MINUTE, Duration::from_secs(1), MINUTE - Duration::from_secs(seconds));
 }
 
-/// One chat completion request; returns its status and body.
+/// One chat completion request whose body's `max_tokens` is `max_tokens` (raw JSON: `100`,
+/// `-1`, `"abc"`); returns its status and body.
 async fn chat(envoy: &Envoy, key: &str, max_tokens: &str, usage: u64, mode: &str) -> (u16, Bytes) {
     chat_padded(envoy, key, max_tokens, usage, mode, 0).await
 }
 
 /// [`chat`], the answer padded with `pad` more bytes of content.
 async fn chat_padded(envoy: &Envoy, key: &str, max_tokens: &str, usage: u64, mode: &str, pad: usize) -> (u16, Bytes) {
+    let body = format!(r#"{{"model":"test","max_tokens":{max_tokens},"messages":[{{"role":"user","content":"hi"}}]}}"#);
+    chat_body(envoy, key, Bytes::from(body), usage, mode, pad).await
+}
+
+/// A chat completion request with this body.
+async fn chat_body(envoy: &Envoy, key: &str, body: Bytes, usage: u64, mode: &str, pad: usize) -> (u16, Bytes) {
     let mut client = Client::connect(envoy.addr()).await.expect("connect");
-    let body = format!(r#"{{"model":"test","max_tokens":{max_tokens:?},"messages":[{{"role":"user","content":"hi"}}]}}"#);
     let usage = usage.to_string();
     let pad = pad.to_string();
-    let headers = [("x-api-key", key), ("x-max-tokens", max_tokens), ("x-test-usage", usage.as_str()), ("x-test-mode", mode), ("x-test-pad", pad.as_str()), ("content-type", "application/json")];
-    let response = client.send("POST", "/v1/chat/completions", &headers, Bytes::from(body)).await.expect("a response");
+    let headers = [("x-api-key", key), ("x-test-usage", usage.as_str()), ("x-test-mode", mode), ("x-test-pad", pad.as_str()), ("content-type", "application/json")];
+    let response = client.send("POST", "/v1/chat/completions", &headers, body).await.expect("a response");
     (response.status, response.body)
 }
 
@@ -62,9 +77,18 @@ async fn count(envoy: &Envoy, key: &str) -> f64 {
     body["estimate"].as_f64().expect("an estimate")
 }
 
+/// How a request tells its estimate.
+#[derive(Clone, Copy, PartialEq)]
+enum Ask {
+    /// `max_tokens` in its JSON body.
+    Body,
+    /// The `x-max-tokens` header (its body without `max_tokens`).
+    Header,
+}
+
 /// `n` concurrent requests of estimate 100 and usage 30 while the upstream holds them: returns
 /// (admitted, refused, the most the upstream held at once), after releasing them.
-async fn concurrent_round(envoy: &Envoy, upstream: &LlmUpstream, key: &str, n: usize, mode: &str) -> (usize, usize, u64) {
+async fn concurrent_round(envoy: &Envoy, upstream: &LlmUpstream, key: &str, n: usize, mode: &str, ask: Ask) -> (usize, usize, u64) {
     upstream.hold();
     let arrived_before = upstream.arrived();
     let mut tasks = Vec::new();
@@ -72,8 +96,13 @@ async fn concurrent_round(envoy: &Envoy, upstream: &LlmUpstream, key: &str, n: u
         let (addr, key, mode) = (envoy.addr(), key.to_owned(), mode.to_owned());
         tasks.push(tokio::spawn(async move {
             let mut client = Client::connect(addr).await.expect("connect");
-            let headers = [("x-api-key", key.as_str()), ("x-max-tokens", "100"), ("x-test-usage", "30"), ("x-test-mode", mode.as_str())];
-            let body = Bytes::from_static(br#"{"model":"test","max_tokens":100,"stream":true,"messages":[]}"#);
+            let mut headers = vec![("x-api-key", key.as_str()), ("x-test-usage", "30"), ("x-test-mode", mode.as_str())];
+            let body = if ask == Ask::Header {
+                headers.push(("x-max-tokens", "100"));
+                Bytes::from_static(br#"{"model":"test","stream":true,"messages":[]}"#)
+            } else {
+                Bytes::from_static(br#"{"model":"test","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":100}"#)
+            };
             let response = client.send("POST", "/v1/chat/completions", &headers, body).await.expect("a response");
             (response.status, response.body)
         }));
@@ -126,12 +155,12 @@ async fn concurrent_round(envoy: &Envoy, upstream: &LlmUpstream, key: &str, n: u
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_cannot_overrun_a_token_quota_json() {
     let upstream = LlmUpstream::start();
-    let envoy = Envoy::builder(config(json!({}))).module(llm_wasm_module()).upstream_at(upstream.addr()).start();
+    let envoy = llm_envoy(config(json!({})), &upstream);
     clear_of_minute_end(30);
     let key = fresh_key("json");
     let mut expected = 0u64;
     for (round, want) in [10usize, 7, 4].into_iter().enumerate() {
-        let (admitted, refused, most) = concurrent_round(&envoy, &upstream, &key, 20, "json").await;
+        let (admitted, refused, most) = concurrent_round(&envoy, &upstream, &key, 20, "json", Ask::Body).await;
         expected += 30 * u64::try_from(admitted).unwrap_or(0);
         let now = count(&envoy, &key).await;
         println!("round {round}: admitted {admitted}, refused {refused}, most in flight {most}, count {now}");
@@ -150,22 +179,22 @@ async fn concurrent_requests_cannot_overrun_a_token_quota_json() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_cannot_overrun_a_token_quota_sse() {
     let upstream = LlmUpstream::start();
-    let envoy = Envoy::builder(config(json!({}))).module(llm_wasm_module()).upstream_at(upstream.addr()).start();
+    let envoy = llm_envoy(config(json!({})), &upstream);
     clear_of_minute_end(30);
     let key = fresh_key("sse");
-    let (admitted, refused, most) = concurrent_round(&envoy, &upstream, &key, 20, "sse").await;
+    let (admitted, refused, most) = concurrent_round(&envoy, &upstream, &key, 20, "sse", Ask::Body).await;
     let now = count(&envoy, &key).await;
     println!("streams: admitted {admitted}, refused {refused}, most in flight {most}, count {now}");
     assert_eq!((admitted, refused, most), (10, 10, 10));
     assert_eq!(now, 300.0);
-    let (admitted, _, _) = concurrent_round(&envoy, &upstream, &key, 20, "sse").await;
+    let (admitted, _, _) = concurrent_round(&envoy, &upstream, &key, 20, "sse", Ask::Body).await;
     assert_eq!(admitted, 7);
     assert_eq!(count(&envoy, &key).await, 510.0);
 
     // A stream the client cuts after its first events: the reservation (100) stays.
     let cut_key = fresh_key("cut");
     let request = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: floodgate.test\r\nx-api-key: {cut_key}\r\nx-max-tokens: 100\r\nx-test-usage: 30\r\nx-test-mode: sse-hang\r\ncontent-length: 2\r\n\r\n{{}}"
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: floodgate.test\r\nx-api-key: {cut_key}\r\nx-test-usage: 30\r\nx-test-mode: sse-hang\r\ncontent-length: 18\r\n\r\n{{\"max_tokens\":100}}"
     );
     let mut stream = tokio::net::TcpStream::connect(envoy.addr()).await.expect("connect");
     stream.write_all(request.as_bytes()).await.expect("send");
@@ -185,13 +214,14 @@ async fn concurrent_requests_cannot_overrun_a_token_quota_sse() {
 /// Bad answers and bad estimates, each on a key of its own: a 10 MiB body (past
 /// `max_body_bytes`), a truncated JSON, a stream without a usage event, a stream longer than
 /// `max_body_bytes` (its usage event past it) settle by the policy
-/// (the estimate, 100, stays) and are counted; a `max_tokens` of `-1`, `1e9` or `abc` reserves
-/// the rule's default (256), is counted as invalid, and settles to the reported 30. The VM
-/// lives on: a plain request after them all is settled exactly.
+/// (the estimate, 100, stays) and are counted; a body's `max_tokens` of `-1`, `1e9` or `"abc"`
+/// reserves the rule's default (256), is counted as invalid, and settles to the reported 30; a
+/// body without it, or not JSON, reserves the default uncounted. The VM lives on: a plain
+/// request after them all is settled exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_answers_and_estimates_settle_as_documented() {
     let upstream = LlmUpstream::start();
-    let envoy = Envoy::builder(config(json!({}))).module(llm_wasm_module()).upstream_at(upstream.addr()).start();
+    let envoy = llm_envoy(config(json!({})), &upstream);
     clear_of_minute_end(40);
     let stat = |what: &str| envoy.stat(&rule_stat(RULE, what)).unwrap_or(0);
     for (mode, unreadable, pad) in [("huge", 1, 0), ("truncated", 0, 0), ("sse-no-usage", 0, 0), ("sse", 1, 1 << 20)] {
@@ -207,7 +237,7 @@ async fn bad_answers_and_estimates_settle_as_documented() {
         assert_eq!(count(&envoy, &key).await, 100.0, "{mode}: the reservation stays");
         assert_eq!((stat("unreported") - before.0, stat("unreadable") - before.1), (1, unreadable), "{mode}: counted");
     }
-    for bad in ["-1", "1e9", "abc"] {
+    for bad in ["-1", "1e9", "\"abc\""] {
         let key = fresh_key("bad");
         let before = stat("invalid_cost");
         assert_eq!(chat(&envoy, &key, bad, 30, "json").await.0, 200);
@@ -219,10 +249,113 @@ async fn bad_answers_and_estimates_settle_as_documented() {
     for _ in 0..8 {
         assert_eq!(chat(&envoy, &key, "100", 100, "json").await.0, 200);
     }
-    assert_eq!(chat(&envoy, &key, "abc", 1, "json").await.0, 429, "256 > 200 left");
+    let before = stat("invalid_cost");
+    assert_eq!(chat(&envoy, &key, "\"abc\"", 1, "json").await.0, 429, "256 > 200 left");
+    assert_eq!(stat("invalid_cost") - before, 1, "counted");
+    let without = Bytes::from_static(br#"{"model":"test","messages":[{"role":"user","content":"hi"}]}"#);
+    assert_eq!(chat_body(&envoy, &key, without, 1, "json", 0).await.0, 429, "no max_tokens: the default, 256 > 200 left");
+    assert_eq!(chat_body(&envoy, &key, Bytes::from_static(b"max_tokens=100"), 1, "json", 0).await.0, 429, "not JSON: the default");
+    assert_eq!(chat_body(&envoy, &key, Bytes::from_static(br#"{"model":"test","max_tok"#), 1, "json", 0).await.0, 429, "truncated: the default");
+    assert_eq!(stat("invalid_cost") - before, 1, "absent, not JSON, truncated: not counted as invalid");
     assert_eq!(chat(&envoy, &key, "200", 1, "json").await.0, 200, "200 fits");
     assert_eq!(count(&envoy, &key).await, 801.0);
     assert!(!envoy.log().contains("panicked"), "no VM crash");
+}
+
+/// The estimate in the `x-max-tokens` header (a gateway that computes it): the same quota holds,
+/// and the body is not read (the header wins).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_estimate_in_a_header_holds_the_quota_too() {
+    let upstream = LlmUpstream::start();
+    let with_header = json!({"estimate": {"header": "x-max-tokens", "body": ["max_tokens"], "default": 256, "max": 4096}});
+    let envoy = llm_envoy(config(with_header), &upstream);
+    clear_of_minute_end(30);
+    let key = fresh_key("header");
+    let (admitted, refused, most) = concurrent_round(&envoy, &upstream, &key, 20, "json", Ask::Header).await;
+    println!("header: admitted {admitted}, refused {refused}, most in flight {most}");
+    assert_eq!((admitted, refused, most), (10, 10, 10));
+    assert_eq!(count(&envoy, &key).await, 300.0);
+}
+
+/// A client that sends its headers and part of its body, then goes away while the request waits
+/// for the estimate: nothing was taken, nothing is left. The in-flight limit is 1: a permit left
+/// behind would shed the next request; the key's count is untouched: a request of the whole
+/// quota (1 000) is admitted after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_its_body_ends_leaves_nothing_behind() {
+    let upstream = LlmUpstream::start();
+    let mut config = config(json!({}));
+    config["load_shedding"] = json!({"max_active_requests": 1});
+    let envoy = llm_envoy(config, &upstream);
+    clear_of_minute_end(30);
+    let key = fresh_key("gone");
+    for _ in 0..3 {
+        let head = format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: floodgate.test\r\nx-api-key: {key}\r\ncontent-type: application/json\r\ncontent-length: 100000\r\n\r\n{{\"model\":\"test\",\"messages\":[{{\"role\":\"user\",\"content\":\"hel"
+        );
+        let mut stream = tokio::net::TcpStream::connect(envoy.addr()).await.expect("connect");
+        stream.write_all(head.as_bytes()).await.expect("send");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(stream);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let stat = |what: &str| envoy.stat(&rule_stat(RULE, what)).unwrap_or(0);
+    assert_eq!((stat("allowed"), stat("rejected"), upstream.arrived()), (0, 0, 0), "never decided, never sent on");
+    let (status, body) = chat(&envoy, &key, "1000", 30, "json").await;
+    assert_eq!(status, 200, "the whole quota is there and the in-flight slot free: {}", String::from_utf8_lossy(&body));
+    assert_eq!(count(&envoy, &key).await, 30.0);
+    assert!(!envoy.log().contains("panicked"), "no VM crash");
+}
+
+/// A request body of 3 MiB goes on whole: with `max_completion_tokens` at its start, the
+/// estimate is read from it (100: 70 refunded); with `max_tokens` after 3 MiB of prompt, past
+/// `estimate.max_body_bytes` (256 KiB by default), the request reserves the default (256: 226
+/// refunded). Envoy held at most about the bound of it meanwhile (below its buffer limit, 1 MiB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_request_body_is_read_up_to_the_bound_and_goes_on_whole() {
+    let upstream = LlmUpstream::start();
+    let envoy = llm_envoy(config(json!({})), &upstream);
+    clear_of_minute_end(30);
+    let prompt = "x".repeat(3 << 20);
+    let stat = |what: &str| envoy.stat(&rule_stat(RULE, what)).unwrap_or(0);
+    for (first, refund) in [(true, 70), (false, 226)] {
+        let body = if first {
+            format!(r#"{{"max_completion_tokens":100,"model":"test","messages":[{{"role":"user","content":"{prompt}"}}]}}"#)
+        } else {
+            format!(r#"{{"model":"test","messages":[{{"role":"user","content":"{prompt}"}}],"max_tokens":100}}"#)
+        };
+        let len = u64::try_from(body.len()).unwrap_or(0);
+        let key = fresh_key("large");
+        let before = stat("refunded");
+        let started = Instant::now();
+        let (status, answer) = chat_body(&envoy, &key, Bytes::from(body), 30, "json", 0).await;
+        println!("3 MiB body, estimate first {first}: {status} in {:?}", started.elapsed());
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&answer));
+        assert_eq!(upstream.last_body_bytes(), len, "the whole body reached the upstream");
+        assert_eq!(stat("refunded") - before, refund, "estimate first: {first}");
+        assert_eq!(count(&envoy, &key).await, 30.0);
+    }
+}
+
+/// Without `allow_on_headers_stop_iteration`, Envoy holds the body back from the filter: the
+/// request is decided without it after about a second (the tick), on `estimate.default` (256),
+/// and goes on with its body; a request with the estimate header is not held at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_body_in_the_filter_a_request_is_decided_on_the_default_after_a_second() {
+    let upstream = LlmUpstream::start();
+    let envoy = Envoy::builder(config(json!({}))).module(llm_wasm_module()).upstream_at(upstream.addr()).start();
+    clear_of_minute_end(30);
+    let key = fresh_key("held-back");
+    let stat = |what: &str| envoy.stat(&rule_stat(RULE, what)).unwrap_or(0);
+    let started = Instant::now();
+    let (status, body) = chat(&envoy, &key, "100", 30, "json").await;
+    let waited = started.elapsed();
+    println!("decided without the body after {waited:?}");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(waited >= Duration::from_millis(900), "it waited for its body first: {waited:?}");
+    assert_eq!(stat("refunded"), 256 - 30, "the default was reserved");
+    assert!(upstream.last_body_bytes() > 0, "the body went on");
+    assert!(envoy.log().contains("allow_on_headers_stop_iteration"), "the log says what to set");
 }
 
 /// The default (trimmed) module has no response body callback: it refuses a body-reported
@@ -239,8 +372,9 @@ fn tail(log: &str, lines: usize) -> String {
 }
 
 /// The shipped examples (envoy/llm.yaml, envoy/istio/llm-wasmplugin.yaml) hold the same
-/// configuration; loaded in Envoy in front of the test server, a request without `x-max-tokens`
-/// reserves the default (512) and settles to its usage: 482 come back, on both rules.
+/// configuration; loaded in Envoy in front of the test server, a request whose body has no
+/// `max_tokens` reserves the default (512) and settles to its usage: 482 come back, on both
+/// rules.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_shipped_examples_load_and_settle() {
     let read = |path: &str| {
@@ -252,7 +386,7 @@ async fn the_shipped_examples_load_and_settle() {
     let config = read("envoy/llm.yaml");
     assert_eq!(config, read("envoy/istio/llm-wasmplugin.yaml"), "the two examples agree");
     let upstream = LlmUpstream::start();
-    let envoy = Envoy::builder(config).module(llm_wasm_module()).upstream_at(upstream.addr()).start();
+    let envoy = llm_envoy(config, &upstream);
     let mut client = Client::connect(envoy.addr()).await.expect("connect");
     let headers = [("authorization", "Bearer k"), ("x-test-usage", "30"), ("x-test-prompt", "10"), ("x-test-mode", "sse")];
     let response = client.send("POST", "/v1/chat/completions", &headers, Bytes::from_static(b"{}")).await.expect("a response");

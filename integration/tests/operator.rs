@@ -73,6 +73,7 @@ const KNOWN_GAPS: &[&str] = &[
     "has meaning only with \"estimate\"",
     "has no meaning with \"estimate\"",
     "must be at most estimate.max",
+    "has meaning only with estimate.body",
 ];
 
 fn validator() -> jsonschema::Validator {
@@ -483,7 +484,8 @@ fn everything() -> Value {
              "cost": {"from": "response_header", "header": "x-tokens-used", "default": 1}, "mode": "shadow"},
             {"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "10s",
              "cost": {"from": "response_body", "path": "usage.total_tokens", "max_body_bytes": 65536,
-                      "estimate": {"header": "x-max-tokens", "default": 100, "max": 1000}, "unreported": "refund"}}
+                      "estimate": {"header": "x-max-tokens", "body": ["max_completion_tokens", "max_tokens"], "max_body_bytes": 131072,
+                                   "default": 100, "max": 1000}, "unreported": "refund"}}
         ],
         "stat_prefix": "edge",
         "ratelimit_headers": "on_reject",

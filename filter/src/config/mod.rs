@@ -24,7 +24,7 @@ pub use selection::{
     MAX_BUCKETS, MAX_CLUSTERS,
 };
 pub use bulkhead::{Partition, PerKey, WhenUnavailable, DEFAULT_SPILL_BELOW, MAX_PER_KEY_CAPACITY};
-pub use rules::{Cost, CostSource, Estimate, HeaderCondition, Match, Override, PathMatch, Tiers, Unreported, DEFAULT_MAX_BODY_BYTES};
+pub use rules::{Cost, CostSource, Estimate, HeaderCondition, Match, Override, PathMatch, Tiers, Unreported, DEFAULT_ESTIMATE_BODY_BYTES, DEFAULT_MAX_BODY_BYTES};
 pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};

@@ -123,13 +123,21 @@ pub struct Cost {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Estimate {
-    /// A request header holding the estimate (an LLM request's `max_tokens`, say). Without
-    /// it, every request reserves `default`.
+    /// A request header holding the estimate (an LLM request's `max_tokens`, say). A request
+    /// that has it is estimated by it (its body is not read).
     #[serde(default)]
     pub header: Option<String>,
-    /// The estimate when the header is absent or not a valid count.
+    /// Places of the estimate in the request's JSON body, each object keys joined by dots
+    /// (`max_completion_tokens`, `max_tokens`): the first listed that the body holds gives it.
+    /// The request is decided once it is read (the body waits meanwhile).
+    #[serde(default)]
+    pub body: Option<Vec<String>>,
+    /// With `body`: the most bytes of a request body read for the estimate (default 256 KiB).
+    #[serde(default)]
+    pub max_body_bytes: Option<Positive>,
+    /// The estimate when the header and the body hold no valid count.
     pub default: Positive,
-    /// The largest estimate: a header asking more reserves this.
+    /// The largest estimate: a request asking more reserves this.
     pub max: Positive,
 }
 
@@ -146,6 +154,10 @@ pub enum Unreported {
 
 /// The bytes of a response body read for its count by default (`cost.max_body_bytes`).
 pub const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
+/// The bytes of a request body read for its estimate by default (`cost.estimate.max_body_bytes`).
+pub const DEFAULT_ESTIMATE_BODY_BYTES: u64 = 256 << 10;
+/// The most places `cost.estimate.body` may list.
+pub const MAX_ESTIMATE_PATHS: usize = 4;
 /// The most segments a `cost.path` may have.
 pub const MAX_PATH_SEGMENTS: usize = 8;
 /// The longest segment of a `cost.path`.
@@ -258,16 +270,7 @@ fn validate_reported(cost: &mut Cost, at: &str) -> Result<(), ConfigError> {
     match (&cost.path, body) {
         (None, true) => return Err(error(format!("{at}.path"), "is required with \"from\": \"response_body\" (\"usage.total_tokens\")")),
         (Some(_), false) => return Err(error(format!("{at}.path"), "has meaning only with \"from\": \"response_body\"")),
-        (Some(path), true) => {
-            let segments: Vec<&str> = path.split('.').collect();
-            let fine = |s: &&str| !s.is_empty() && s.len() <= MAX_SEGMENT_LEN && !s.contains(['"', '\\']) && !s.chars().any(char::is_control);
-            if segments.len() > MAX_PATH_SEGMENTS || !segments.iter().all(fine) {
-                return Err(error(
-                    format!("{at}.path"),
-                    format!("{path:?} must be 1 to {MAX_PATH_SEGMENTS} object keys joined by '.', each 1 to {MAX_SEGMENT_LEN} characters without quotes"),
-                ));
-            }
-        }
+        (Some(path), true) => json_path(path, &format!("{at}.path"))?,
         (None, false) => {}
     }
     if cost.max_body_bytes.is_some() && !body {
@@ -282,6 +285,20 @@ fn validate_reported(cost: &mut Cost, at: &str) -> Result<(), ConfigError> {
             if let Some(name) = &estimate.header {
                 estimate.header = Some(header_name(name).map_err(|p| error(format!("{at}.estimate.header"), p))?);
             }
+            match &estimate.body {
+                Some(paths) if paths.is_empty() || paths.len() > MAX_ESTIMATE_PATHS => {
+                    return Err(error(format!("{at}.estimate.body"), format!("must list 1 to {MAX_ESTIMATE_PATHS} places (\"max_tokens\")")));
+                }
+                Some(paths) => {
+                    for (index, path) in paths.iter().enumerate() {
+                        json_path(path, &format!("{at}.estimate.body[{index}]"))?;
+                    }
+                }
+                None if estimate.max_body_bytes.is_some() => {
+                    return Err(error(format!("{at}.estimate.max_body_bytes"), "has meaning only with estimate.body"));
+                }
+                None => {}
+            }
             if estimate.default.get() > estimate.max.get() {
                 return Err(error(format!("{at}.estimate.default"), "must be at most estimate.max"));
             }
@@ -293,6 +310,19 @@ fn validate_reported(cost: &mut Cost, at: &str) -> Result<(), ConfigError> {
             return Err(error(format!("{at}.unreported"), "has meaning only with \"estimate\""));
         }
         None => {}
+    }
+    Ok(())
+}
+
+/// A JSON path of object keys joined by dots (`usage.total_tokens`), at `at`.
+fn json_path(path: &str, at: &str) -> Result<(), ConfigError> {
+    let segments: Vec<&str> = path.split('.').collect();
+    let fine = |s: &&str| !s.is_empty() && s.len() <= MAX_SEGMENT_LEN && !s.contains(['"', '\\']) && !s.chars().any(char::is_control);
+    if segments.len() > MAX_PATH_SEGMENTS || !segments.iter().all(fine) {
+        return Err(error(
+            at.to_owned(),
+            format!("{path:?} must be 1 to {MAX_PATH_SEGMENTS} object keys joined by '.', each 1 to {MAX_SEGMENT_LEN} characters without quotes"),
+        ));
     }
     Ok(())
 }
@@ -421,6 +451,13 @@ mod tests {
             (r#","cost":{"from":"request_body","default":3}"#, "rate_limits[0].cost.default: has no meaning"),
             (r#","cost":{"from":"response_header","header":"x","default":-1}"#, "rate_limits[0].cost.default: invalid value"),
             (r#","cost":{"from":"bytes"}"#, "rate_limits[0].cost.from: unknown variant `bytes`"),
+            (r#","cost":{"from":"response_body","path":"u.t","estimate":{"body":[],"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.body: must list 1 to 4 places"),
+            (r#","cost":{"from":"response_body","path":"u.t","estimate":{"body":["max_tokens",""],"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.body[1]: \"\" must be 1 to 8 object keys"),
+            (r#","cost":{"from":"response_body","path":"u.t","estimate":{"body":["a..b"],"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.body[0]: \"a..b\" must be"),
+            (r#","cost":{"from":"response_body","path":"u.t","estimate":{"body":"max_tokens","default":1,"max":2}}"#, "rate_limits[0].cost.estimate.body: invalid type"),
+            (r#","cost":{"from":"response_body","path":"u.t","estimate":{"max_body_bytes":10,"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.max_body_bytes: has meaning only with estimate.body"),
+            (r#","cost":{"from":"response_header","header":"x","estimate":{"body":["max_tokens"],"max_body_bytes":0,"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.max_body_bytes: must be a positive integer"),
+            (r#","cost":{"from":"request_header","header":"x","estimate":{"body":["max_tokens"],"default":1,"max":2}}"#, "rate_limits[0].cost.estimate: has meaning only for a cost the upstream reports"),
         ] {
             let err = error_of(extra);
             assert!(err.starts_with(expected), "{extra}\n  got: {err}\n want: {expected}");

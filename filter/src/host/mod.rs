@@ -273,6 +273,12 @@ impl RootContext for FilterRoot {
                 resume_streams(&filter, ready, self.id, &clock, Resume::Slot);
             }
         }
+        if let Some(stage) = &filter.body_waits {
+            let due = stage.take_due(now.mono);
+            if !due.is_empty() {
+                resume_streams(&filter, due, self.id, &clock, Resume::Body);
+            }
+        }
         if due.heartbeat {
             filter.heartbeat(&env);
         }
@@ -355,6 +361,8 @@ enum Resume {
     Turn,
     /// A slot, or the end of its wait (the queue stage).
     Slot,
+    /// Its body, none of which came in time (an estimate read from the body).
+    Body,
 }
 
 /// Resumes the paused `streams`, in order, each from its own context (made the effective one),
@@ -365,6 +373,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
             Resume::Store => shared.borrow().waiting_since().is_some(),
             Resume::Turn => shared.borrow().delayed_until().is_some(),
             Resume::Slot => shared.borrow().slot_decided(),
+            Resume::Body => shared.borrow().body_never_came(),
         };
         if !waits {
             continue;
@@ -375,6 +384,8 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
                 Resume::Store => pipeline::abandon(filter, &shared),
                 Resume::Turn => pipeline::abandon_delayed(filter, &env, &shared),
                 Resume::Slot => pipeline::abandon_queued(filter, &env, &shared),
+                // It holds nothing yet.
+                Resume::Body => {}
             }
             continue;
         }
@@ -384,6 +395,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
             Resume::Store => pipeline::resume(filter, &env, &shared, context, &request, &mut VmRandom),
             Resume::Turn => pipeline::resume_delayed(filter, &env, &shared, &request, &mut VmRandom),
             Resume::Slot => pipeline::resume_queued(filter, &env, &shared, context, &request, &mut VmRandom),
+            Resume::Body => pipeline::resume_without_body(filter, &env, &shared, context, &request, &mut VmRandom),
         };
         if apply(filter, &env, &shared, step) == Action::Continue {
             if let Err(status) = hostcalls::resume_http_request() {
@@ -536,12 +548,20 @@ impl HttpContext for FilterStream {
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
+        if let Some((start, len)) = pipeline::estimate_wants(&self.stream, body_size) {
+            // The request waits for its estimates: the new bytes of the body Envoy holds.
+            let chunk = if len == 0 { None } else { hostcalls::get_buffer(BufferType::HttpRequestBody, start, len).ok().flatten() };
+            return self.decide_on_body(chunk.as_deref().unwrap_or_default(), Some(body_size), end_of_stream);
+        }
         let clock = CallbackClock::default();
         let flow = self.stream.borrow_mut().request_body(&self.filter, &env(&clock), body_size, end_of_stream);
         action(flow)
     }
 
     fn on_http_request_trailers(&mut self, _num_trailers: usize) -> Action {
+        if pipeline::estimate_wants(&self.stream, 0).is_some() {
+            return self.decide_on_body(&[], None, true);
+        }
         let clock = CallbackClock::default();
         let flow = self.stream.borrow_mut().request_trailers(&self.filter, &env(&clock));
         action(flow)
@@ -590,6 +610,23 @@ impl HttpContext for FilterStream {
     fn on_http_response_trailers(&mut self, _num_trailers: usize) -> Action {
         self.stream.borrow_mut().response_trailers(&ResponseMap(MapType::HttpResponseTrailers));
         Action::Continue
+    }
+}
+
+impl FilterStream {
+    /// The next bytes of the body of a request that waits for its estimates (`body_size`: held
+    /// so far; `end`: the body ended): decided once they are known, the request goes on with
+    /// the body Envoy held (`Continue`), or is answered; else Envoy holds the body on (`Pause`).
+    fn decide_on_body(&mut self, chunk: &[u8], body_size: Option<usize>, end: bool) -> Action {
+        let filter = Rc::clone(&self.filter);
+        let clock = CallbackClock::default();
+        let env = env(&clock);
+        let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
+        let request = RequestHeaders::new(&filter.headers, map.as_deref());
+        let decided = pipeline::request_body_estimates(&filter, &env, &mut self.stream, self.context_id, &request, chunk, body_size, end, &mut VmRandom);
+        let Some(step) = decided else { return Action::Pause };
+        send_calls(&filter, self.context_id, &clock);
+        apply(&filter, &env, &self.stream, step)
     }
 }
 

@@ -220,7 +220,7 @@ impl LeasedStage {
                 let key = probe.fleet?;
                 probe.limit = rules.limit(probe.rule, probe.key_hash, request);
                 let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit))?;
-                let admission = rules.admission(probe.rule, request);
+                let admission = rules.admission(probe.rule, request, None);
                 if admission.invalid {
                     increment(metrics, filter.stats.rule(probe.rule).invalid_cost);
                 }

@@ -11,6 +11,10 @@
 //! a request a token bucket let in to wait for its turn, and the root's tick resumes it
 //! ([`resume_delayed`]); with `load_shedding.queue`, a request the in-flight limit would shed
 //! waits in the `queue` stage for a slot, which the root's tick gives it ([`resume_queued`]).
+//! Before all stages, a request whose estimate a rule reads in its JSON body
+//! (`cost.estimate.body`) waits for its body, holding nothing; the body's callbacks decide it
+//! once the estimate is read ([`request_body_estimates`]), or the root's tick, when none of the
+//! body reached the filter ([`resume_without_body`], [`body_wait`]).
 //! The stream state also takes the
 //! stream's later events (body, response, end). What the pipeline needs of the host is narrow: the
 //! shared store, metrics and the VM's id ([`Env`]), the request's attributes ([`Request`]), the
@@ -21,6 +25,7 @@
 //!
 //! Rationale: docs/design.md, section "A request's path".
 
+pub mod body_wait;
 pub mod decision;
 pub mod delay;
 pub mod headers;
@@ -38,6 +43,7 @@ use crate::keys::{self, KeyHasher, Source};
 use crate::primitives::inflight::{LocalCount, Permit, HEARTBEAT_MS};
 use crate::primitives::store::SharedStore;
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
+use crate::ratelimit::estimate::BodyEstimates;
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::rules::{self, Charges, Later, Report, Rules, Settle};
 use crate::ratelimit::{Cause, Limiter, Probe, Standing, Verdict, Violation};
@@ -225,6 +231,8 @@ pub struct Filter {
     pub delays: Option<DelayStage>,
     /// Load leveling (`load_shedding.queue`): the requests waiting for a slot.
     pub queue: Option<QueueStage>,
+    /// Estimates in request bodies: the requests waiting for their body.
+    pub body_waits: Option<body_wait::BodyWaitStage>,
     /// Which mechanisms only count what they would refuse.
     pub shadows: Shadows,
     /// The filter-state names of a decision's fields (`access_log`).
@@ -269,6 +277,9 @@ impl Filter {
             leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
             delays: DelayStage::new(&config),
             queue: config.load_shedding.as_ref().and_then(|s| crate::shedding::queue::Leveler::new(s, namespace)).map(QueueStage::new),
+            body_waits: body_wait::BodyWaitStage::new(
+                config.rate_limits.iter().any(|r| r.cost.as_ref().and_then(|c| c.estimate.as_ref()).is_some_and(|e| e.body.is_some())),
+            ),
             shadows: Shadows::new(&config),
             decision_names: if config.access_log { decision::Names::new(namespace) } else { decision::Names::default() },
             watchdog: config.watchdog.as_ref().map(|w| Watchdog::new(w, namespace)),
@@ -507,6 +518,9 @@ pub struct Stream {
     timing: Timing,
     /// How the request was decided, for the access log.
     decision: Decision,
+    /// The estimates its rules read in its body (`cost.estimate.body`): while it waits for
+    /// them, then what they found.
+    estimates: Option<Box<BodyEstimates>>,
 }
 
 /// A stream's state as its host context and the leased stage's waiting lists share it.
@@ -554,9 +568,102 @@ impl StreamCell {
     }
 }
 
-/// The request headers came: runs the pipeline.
+/// The request headers came: runs the pipeline, or, when a rule that applies reads its
+/// estimate in the request's body, waits for the body ([`request_body_estimates`] decides).
 #[allow(clippy::too_many_arguments)]
 pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    cell: &mut StreamCell,
+    context: u32,
+    request: &R,
+    end_of_stream: bool,
+    rng: &mut G,
+) -> Step {
+    if !end_of_stream && filter.rules.reads_request_bodies() {
+        if let Some(estimates) = filter.rules.body_estimates(request) {
+            // Nothing is taken yet: a client that goes away now leaves nothing behind.
+            cell.borrow_mut().estimates = Some(Box::new(estimates));
+            if let Some(stage) = &filter.body_waits {
+                stage.park(env.clock.now().mono, context, cell.share());
+            }
+            return Step::Wait;
+        }
+    }
+    decide(filter, env, cell, context, request, end_of_stream, rng)
+}
+
+/// For a request that waits for its body's estimates, the bytes of the body (of `body_size`
+/// bytes held so far) to read next: from `start`, `len` bytes (`len` 0: none, the bound is
+/// reached); `None` when the request does not wait for them.
+pub fn estimate_wants(cell: &StreamCell, body_size: usize) -> Option<(usize, usize)> {
+    let stream = cell.borrow();
+    let estimates = stream.estimates.as_ref().filter(|e| !e.done() && !stream.ended)?;
+    Some(estimates.wants(body_size).unwrap_or((body_size, 0)))
+}
+
+/// The next bytes of the request body (`chunk`, those [`estimate_wants`] asked; `body_size`
+/// bytes held so far, `None` for the request trailers: as before; `end`: the body ended) of a
+/// request that waits for its estimates: once they are known (or the body ended, or the bound
+/// is reached), the pipeline decides the request, and the body held so far goes on with it
+/// (`Some(step)`); `None`: it waits on.
+#[allow(clippy::too_many_arguments)]
+pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    cell: &mut StreamCell,
+    context: u32,
+    request: &R,
+    chunk: &[u8],
+    body_size: Option<usize>,
+    end: bool,
+    rng: &mut G,
+) -> Option<Step> {
+    let body_size = {
+        let mut stream = cell.borrow_mut();
+        let estimates = stream.estimates.as_mut().filter(|e| !e.done())?;
+        estimates.hold(body_size.unwrap_or_default());
+        let rules = &filter.rules;
+        if !estimates.feed(chunk, end, |rule| rules.estimate_places(rule)) {
+            return None;
+        }
+        estimates.held()
+    };
+    let step = decide(filter, env, cell, context, request, false, rng);
+    if !matches!(step, Step::Reply(_)) {
+        // The body held so far: it waits on with the request (for the store, its turn or a
+        // slot), or is counted now.
+        let _ = cell.borrow_mut().request_body(filter, env, body_size, end);
+    }
+    Some(step)
+}
+
+/// A request none of whose body reached the filter in time (its stream `context`, made the
+/// host's effective context): decided without its body, on its rules' `estimate.default`.
+pub fn resume_without_body<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    shared: &SharedStream,
+    context: u32,
+    request: &R,
+    rng: &mut G,
+) -> Step {
+    {
+        let mut stream = shared.borrow_mut();
+        if !stream.body_never_came() {
+            return Step::Wait;
+        }
+        if let Some(estimates) = stream.estimates.as_mut() {
+            estimates.give_up();
+        }
+    }
+    let mut cell = StreamCell::Shared(Rc::clone(shared));
+    decide(filter, env, &mut cell, context, request, false, rng)
+}
+
+/// Runs the pipeline on the request headers.
+#[allow(clippy::too_many_arguments)]
+fn decide<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
     cell: &mut StreamCell,
@@ -771,6 +878,11 @@ impl Stream {
             filter.limiter.give_back_turn(env.store, *probe);
             increment(env.metrics, filter.stats.rule(probe.rule).delay_abandoned);
         }
+    }
+
+    /// Whether it waits for the body its estimate is read from, none of which came yet.
+    pub fn body_never_came(&self) -> bool {
+        !self.ended && self.estimates.as_ref().is_some_and(|e| !e.done() && !e.started())
     }
 
     /// When it goes, while it waits for its turn.
@@ -1160,7 +1272,7 @@ impl Stream {
         for probe in &mut probes {
             probe.limit = rules.limit(probe.rule, probe.key_hash, headers);
             let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit));
-            let admission = rules.admission(probe.rule, headers);
+            let admission = rules.admission(probe.rule, headers, self.estimates.as_deref());
             if admission.invalid {
                 increment(env.metrics, filter.stats.rule(probe.rule).invalid_cost);
             }

@@ -489,6 +489,170 @@ fn a_leased_reservation_is_taken_from_the_lease_given_back_to_it_and_its_excess_
     assert_eq!(returned, 250 + 70 - 100 - 100 - 100, "what is held goes back");
 }
 
+fn body_estimate_host(limit: u32) -> Host {
+    Host::new(serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": limit, "window": "1h",
+                         "match": {"methods": ["POST"]},
+                         "cost": {"from": "response_body", "path": "usage.total_tokens",
+                                  "estimate": {"header": "x-max", "body": ["max_completion_tokens", "max_tokens"],
+                                               "max_body_bytes": 64, "default": 50, "max": 400}}}],
+    }))
+}
+
+fn post(key: &str) -> TestRequest {
+    TestRequest { headers: vec![(":method", "POST".into()), (":path", "/v1/chat/completions".into())] }.with("x-key", key)
+}
+
+impl Host {
+    /// The request headers of a new stream with a body to come.
+    fn send_with_body(&self, request: &TestRequest) -> (u32, StreamCell, Step) {
+        let (context, mut stream) = self.stream();
+        let step = request_headers(&self.filter, &self.env(), &mut stream, context, request, false, &mut *self.rng.borrow_mut());
+        (context, stream, step)
+    }
+
+    /// Body frames of a request that waits for its estimates, each as the host reads it (the
+    /// new bytes of all it holds): the step once decided.
+    fn body(&self, stream: &mut StreamCell, context: u32, request: &TestRequest, frames: &[&[u8]], end: bool) -> Option<Step> {
+        let mut held: Vec<u8> = Vec::new();
+        for (index, frame) in frames.iter().enumerate() {
+            held.extend_from_slice(frame);
+            let last = end && index + 1 == frames.len();
+            let (start, len) = estimate_wants(stream, held.len())?;
+            let chunk = &held[start..start + len];
+            let step = request_body_estimates(&self.filter, &self.env(), stream, context, request, chunk, Some(held.len()), last, &mut *self.rng.borrow_mut());
+            if step.is_some() {
+                return step;
+            }
+        }
+        None
+    }
+}
+
+#[test]
+fn a_request_waits_for_the_estimate_in_its_body_and_reserves_it() {
+    let host = body_estimate_host(250);
+    let (context, mut stream, step) = host.send_with_body(&post("k"));
+    assert_eq!(step, Step::Wait, "the body holds the estimate");
+    assert!(!stream.borrow().needs_end(), "nothing is taken while it waits");
+    let frames: [&[u8]; 2] = [br#"{"max_tokens":1"#, br#"20,"messages":[]}"#];
+    assert_eq!(host.body(&mut stream, context, &post("k"), &frames, false), None, "the first listed place may come later");
+    let step = host.body(&mut stream, context, &post("k"), &[b" "], true).unwrap();
+    assert_eq!(status(&step), 0);
+    // 120 reserved: one more request of 120 fits in 250, a third does not.
+    let (c2, mut s2, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s2, c2, &post("k"), &[br#"{"max_completion_tokens":120}"#], true).unwrap()), 0);
+    let (c3, mut s3, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s3, c3, &post("k"), &[br#"{"max_tokens":120}"#], true).unwrap()), 429);
+    assert!(!s3.borrow().needs_end(), "the refused request holds nothing");
+    // The first settles to 30: 90 come back.
+    let json = TestRequest::default().with("content-type", "application/json");
+    stream.borrow_mut().response_headers(&host.filter, &host.env(), &json, false);
+    stream.borrow_mut().response_body(&host.filter, &host.env(), br#"{"usage":{"total_tokens":30}}"#, true);
+    host.end(context, &stream, &OK);
+    assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 90);
+    assert_eq!(host.metric("floodgate.rate_limit.r.invalid_cost"), 0);
+}
+
+#[test]
+fn the_header_wins_and_requests_without_body_or_rule_decide_at_once() {
+    let host = body_estimate_host(1000);
+    let (_, stream, step) = host.send_with_body(&post("k").with("x-max", "300"));
+    assert_eq!(status(&step), 0, "the header gives the estimate: the body is not read");
+    assert!(estimate_wants(&stream, 10).is_none());
+    let (_, _, step) = host.send(&post("k"));
+    assert_eq!(status(&step), 0, "no body: the default at once");
+    let (_, stream, step) = host.send_with_body(&keyed("k"));
+    assert_eq!(status(&step), 0, "a GET the rule does not match: no wait");
+    assert!(estimate_wants(&stream, 10).is_none());
+    // 300 + 50 reserved; a body asking 9999 reserves max (400), once.
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":9999}"#], false).unwrap()), 0, "known at once");
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":251}"#], false).unwrap()), 429);
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":250}"#], false).unwrap()), 0);
+}
+
+#[test]
+fn bad_estimates_in_the_body_reserve_the_default_and_invalid_ones_are_counted() {
+    let host = body_estimate_host(100_000);
+    let cases: [(&[u8], bool, bool); 8] = [
+        (br#"{"max_tokens":-1}"#, true, true),
+        (br#"{"max_tokens":1e9}"#, true, true),
+        (br#"{"max_tokens":"abc"}"#, true, true),
+        (br#"{"model":"m"}"#, true, false),
+        (b"max_tokens=100", true, false),
+        (br#"{"model":"m","max_tok"#, true, false),
+        (br#"{"model":"m","messages":"0123456789012345678901234567890123456789012345","max_tokens":3}"#, true, false),
+        (br#"{"max_tokens":9999}"#, true, false),
+    ];
+    for (index, (body, end, invalid)) in cases.into_iter().enumerate() {
+        let before = host.metric("floodgate.rate_limit.r.invalid_cost");
+        let (context, mut stream, _) = host.send_with_body(&post("k"));
+        let step = host.body(&mut stream, context, &post("k"), &[body], end).unwrap();
+        assert_eq!(status(&step), 0, "case {index}");
+        assert_eq!(host.metric("floodgate.rate_limit.r.invalid_cost") - before, i64::from(invalid), "case {index}");
+        stream.borrow_mut().response_headers(&host.filter, &host.env(), &TestRequest::default(), false);
+        stream.borrow_mut().response_body(&host.filter, &host.env(), br#"{"usage":{"total_tokens":0}}"#, true);
+        host.end(context, &stream, &OK);
+    }
+    // Refunds tell what each reserved: the default (50) but for 9999, capped at max (400).
+    assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 7 * 50 + 400);
+}
+
+#[test]
+fn a_client_that_leaves_while_its_estimate_is_read_leaves_nothing_behind() {
+    let host = Host::new(serde_json::json!({
+        "load_shedding": {"max_active_requests": 10},
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 100, "window": "1h",
+                         "cost": {"from": "response_body", "path": "usage.total_tokens",
+                                  "estimate": {"body": ["max_tokens"], "default": 50, "max": 400}}}],
+    }));
+    let (context, mut stream, step) = host.send_with_body(&keyed("k"));
+    assert_eq!(step, Step::Wait);
+    assert!(host.body(&mut stream, context, &keyed("k"), &[br#"{"messages":["#], false).is_none());
+    assert_eq!(host.in_flight(), 0, "no permit while it waits");
+    host.end(context, &stream, &Ended { status: None, flags: 0 });
+    assert_eq!(host.in_flight(), 0);
+    assert!(estimate_wants(&stream, 100).is_none(), "an ended stream reads no more");
+    // The key's quota is whole: two requests of 50 fit.
+    for _ in 0..2 {
+        let (c, mut s, _) = host.send_with_body(&keyed("k"));
+        assert_eq!(status(&host.body(&mut s, c, &keyed("k"), &[br#"{"max_tokens":50}"#], false).unwrap()), 0);
+        assert!(s.borrow().holds_permits());
+    }
+}
+
+#[test]
+fn a_request_whose_body_never_reaches_the_filter_is_decided_on_the_default_by_the_tick() {
+    let host = body_estimate_host(1000);
+    let stage = host.filter.body_waits.as_ref().unwrap();
+    let (_, mut never, _) = host.send_with_body(&post("k"));
+    let (c2, mut flowing, _) = host.send_with_body(&post("k"));
+    assert!(host.body(&mut flowing, c2, &post("k"), &[b"{"], false).is_none(), "its body started: it waits on for the rest");
+    assert_eq!(stage.len(), 2);
+    host.clock.advance(body_wait::BODY_WAIT_MS - 1);
+    assert!(stage.take_due(host.clock.now().mono).is_empty(), "not yet");
+    host.clock.advance(1);
+    let due = stage.take_due(host.clock.now().mono);
+    assert_eq!(due.len(), 1, "only the one whose body never came");
+    assert!(stage.is_empty(), "the other is dropped: its body flows");
+    let (context, shared) = due.into_iter().next().unwrap();
+    assert!(Rc::ptr_eq(&shared, &never.share()));
+    let step = resume_without_body(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut());
+    assert_eq!(status(&step), 0, "decided on the default");
+    assert!(estimate_wants(&never, 10).is_none(), "its body, if it comes now, goes by unread");
+    assert_eq!(status(&resume_without_body(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut())), 1, "once");
+    // 50 reserved: 950 left.
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":400}"#, b"}"], false).unwrap()), 0);
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":400}"#], false).unwrap()), 0);
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":151}"#], false).unwrap()), 429, "50 + 800 + 151 > 1000");
+}
+
 // ---- waiting for the store: pause and resume ----
 
 fn leased(limit: u32) -> serde_json::Value {

@@ -17,6 +17,7 @@ pub mod reserve;
 pub mod table;
 pub mod usage;
 pub mod bucket;
+pub mod estimate;
 pub mod window;
 
 use crate::config::{Algorithm, Config, CostSource, Name};

@@ -15,9 +15,10 @@
 //!
 //! Rationale: docs/design.md, section "Rules: conditions, limits by key, costs".
 
-use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch, Unreported, DEFAULT_MAX_BODY_BYTES};
+use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch, Unreported, DEFAULT_ESTIMATE_BODY_BYTES, DEFAULT_MAX_BODY_BYTES};
 use crate::keys::KeyHasher;
 use crate::primitives::time::UnixMillis;
+use crate::ratelimit::estimate::{BodyEstimates, Found};
 use crate::ratelimit::usage::{self, Format, Scan, UsageScan};
 use crate::ratelimit::Probe;
 use std::borrow::Cow;
@@ -222,6 +223,11 @@ pub enum CostPlan {
 pub struct Reservation {
     /// The request header holding the estimate.
     header: Option<String>,
+    /// Its places in the request's JSON body, each as the scanner reads a path (none: the body
+    /// is not read).
+    body: Vec<Vec<Vec<u8>>>,
+    /// The most bytes of the request body read for it.
+    body_bytes: u64,
     /// The estimate without a valid header.
     default: u32,
     /// The largest estimate.
@@ -231,13 +237,27 @@ pub struct Reservation {
 }
 
 impl Reservation {
-    /// The units a request reserves, and whether its header was invalid.
-    fn units<A: Attributes + ?Sized>(&self, request: &A) -> (u32, bool) {
-        let Some(raw) = self.header.as_deref().and_then(|h| request.get(h)) else { return (self.default, false) };
-        match parse_count(&raw) {
+    /// The units a request reserves (its header's count if it has the header, else what its
+    /// body held, `body`), and whether the value was invalid.
+    fn units<A: Attributes + ?Sized>(&self, request: &A, body: Option<Found>) -> (u32, bool) {
+        let count = match self.header.as_deref().and_then(|h| request.get(h)) {
+            Some(raw) => parse_count(&raw),
+            None => match body {
+                None => return (self.default, false),
+                Some(Found::Count(units)) => Some(units),
+                Some(Found::Invalid) => None,
+            },
+        };
+        match count {
             Some(units) => (units.min(self.max), false),
             None => (self.default, true),
         }
+    }
+
+    /// Whether a request must wait for its body: the estimate is read there, and the request has
+    /// no estimate header.
+    fn reads_body<A: Attributes + ?Sized>(&self, request: &A) -> bool {
+        !self.body.is_empty() && self.header.as_deref().is_none_or(|h| request.get(h).is_none())
     }
 }
 
@@ -326,6 +346,8 @@ pub enum LimitFrom {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Rules {
     plans: Vec<Plan>,
+    /// Some rule reads its estimate from the request body.
+    body_estimates: bool,
 }
 
 fn header_test(condition: &HeaderCondition) -> HeaderTest {
@@ -362,6 +384,8 @@ impl Rules {
                 let cost = rule.cost.as_ref().map(|c| {
                     let estimate = c.estimate.as_ref().map(|e| Reservation {
                         header: e.header.clone(),
+                        body: e.body.iter().flatten().map(|p| usage::segments(p)).collect(),
+                        body_bytes: e.max_body_bytes.map_or(DEFAULT_ESTIMATE_BODY_BYTES, |m| u64::from(m.get().get())),
                         default: e.default.get().get(),
                         max: e.max.get().get(),
                         unreported: c.unreported.unwrap_or_default(),
@@ -383,7 +407,8 @@ impl Rules {
                 Plan { condition, tiers, overrides, cost }
             })
             .collect();
-        Rules { plans }
+        let body_estimates = config.rate_limits.iter().any(|r| r.cost.as_ref().and_then(|c| c.estimate.as_ref()).is_some_and(|e| e.body.is_some()));
+        Rules { plans, body_estimates }
     }
 
     fn plan(&self, rule: usize) -> Option<&Plan> {
@@ -421,8 +446,37 @@ impl Rules {
         tiers.get(at).map(|(_, limit)| (LimitFrom::Tier, *limit))
     }
 
-    /// What a request costs against rule `rule` at admission, and later.
-    pub fn admission<A: Attributes + ?Sized>(&self, rule: usize, request: &A) -> Admission {
+    fn reservation(&self, rule: usize) -> Option<&Reservation> {
+        match self.plan(rule).and_then(|p| p.cost.as_ref()) {
+            Some(CostPlan::ResponseHeader { estimate, .. } | CostPlan::ResponseBody { estimate, .. }) => estimate.as_ref(),
+            _ => None,
+        }
+    }
+
+    /// Whether some rule reads its estimate from the request body (one flag: a configuration
+    /// without does no more per request).
+    pub fn reads_request_bodies(&self) -> bool {
+        self.body_estimates
+    }
+
+    /// The readings of the request body for the rules that apply to the request and read their
+    /// estimate there (the request has no estimate header); `None`: it is decided at once.
+    pub fn body_estimates<A: Attributes + ?Sized>(&self, request: &A) -> Option<BodyEstimates> {
+        let reading = (0..self.plans.len()).filter_map(|rule| {
+            let reservation = self.reservation(rule).filter(|r| !r.body.is_empty())?;
+            (self.applies(rule, request) && reservation.reads_body(request)).then_some((rule, reservation.body.len(), reservation.body_bytes))
+        });
+        BodyEstimates::new(reading)
+    }
+
+    /// Rule `rule`'s places of the estimate in the request body.
+    pub fn estimate_places(&self, rule: usize) -> &[Vec<Vec<u8>>] {
+        self.reservation(rule).map_or(&[], |r| &r.body)
+    }
+
+    /// What a request costs against rule `rule` at admission (`body`: what its body held for
+    /// the rules that read their estimate there), and later.
+    pub fn admission<A: Attributes + ?Sized>(&self, rule: usize, request: &A, body: Option<&BodyEstimates>) -> Admission {
         let one = Admission { now: 1, later: Later::Nothing, invalid: false };
         let Some(cost) = self.plan(rule).and_then(|p| p.cost.as_ref()) else { return one };
         match cost {
@@ -444,7 +498,7 @@ impl Rules {
             },
             CostPlan::ResponseHeader { estimate, .. } | CostPlan::ResponseBody { estimate, .. } => {
                 let later = if matches!(cost, CostPlan::ResponseBody { .. }) { Later::ResponseBody } else { Later::ResponseHeader };
-                let (now, invalid) = estimate.as_ref().map_or((0, false), |e| e.units(request));
+                let (now, invalid) = estimate.as_ref().map_or((0, false), |e| e.units(request, body.and_then(|b| b.found(rule))));
                 Admission { now, later, invalid }
             }
         }
@@ -791,7 +845,7 @@ mod tests {
                 {"name":"t","key":["source_ip"],"limit":10,"window":"1m","cost":{"from":"response_header","header":"x-tokens","default":2}},
                 {"name":"plain","key":["source_ip"],"limit":10,"window":"1m"}]"#,
         );
-        let now = |rule, pairs: &[(&'static str, &'static str)]| r.admission(rule, &request(pairs));
+        let now = |rule, pairs: &[(&'static str, &'static str)]| r.admission(rule, &request(pairs), None);
         assert_eq!(now(0, &[("x-cost", "7")]).now, 7);
         assert_eq!(now(0, &[]), Admission { now: 1, later: Later::Nothing, invalid: false }, "absent: the default, 1");
         for bad in ["-1", "1.5", "seven", "", "99999999999", "0x10", "+3"] {
@@ -848,7 +902,7 @@ mod tests {
                 {"name":"out","key":["source_ip"],"limit":1000,"window":"1m",
                  "cost":{"from":"response_body","path":"usage.completion_tokens","max_body_bytes":64,"estimate":{"default":10,"max":10},"unreported":"refund"}}]"#,
         );
-        let at = |pairs: &[(&'static str, &'static str)]| r.admission(0, &request(pairs));
+        let at = |pairs: &[(&'static str, &'static str)]| r.admission(0, &request(pairs), None);
         assert_eq!(at(&[("x-max-tokens", "100")]), Admission { now: 100, later: Later::ResponseBody, invalid: false });
         assert_eq!(at(&[("x-max-tokens", "100000")]).now, 400, "capped at estimate.max");
         assert_eq!(at(&[]), Admission { now: 50, later: Later::ResponseBody, invalid: false });
