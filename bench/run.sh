@@ -24,7 +24,7 @@
 # `fg-rl-<answer>` (floodgate.wasm), `llm-plain-<answer>`, `llm-<answer>` (the token rule), e.g.
 #   bench/run.sh instructions --variants fg-rl,llm-plain,fg-rl-sse-1k,llm-plain-sse-1k,llm-sse-1k,fg-rl-sse-1m,llm-plain-sse-1m,llm-sse-1m
 # (each Envoy takes over a minute of CPU time to start under valgrind; all 20 variants of
-# docs/llm.md took about 35 min on 2 cores).
+# docs/llm.md took 25 min on a loaded 2-core VM).
 # Loopback only; every server it starts listens on 127.0.0.1 on a port picked at run time, and
 # everything stops by itself.
 set -euo pipefail
