@@ -329,6 +329,13 @@ mod tests {
     }
 
     #[test]
+    fn a_line_through_two_sizes_gives_the_cost_per_request_and_per_mib() {
+        let (intercept, slope) = line((1024, 200_000.0 + 1024.0 * 97.0), (1 << 20, 200_000.0 + f64::from(1u32 << 20) * 97.0));
+        assert!((intercept - 200_000.0).abs() < 1e-6, "{intercept}");
+        assert!((slope - 97.0 * f64::from(1u32 << 20)).abs() < 1e-3, "{slope}");
+    }
+
+    #[test]
     fn variant_ids_name_their_traffic_and_paths_parse_back() {
         let v = |id: &'static str| Variant { id, label: String::new(), filter: Filter::None, route: Route::Fixed };
         assert_eq!(answer_of(&v("llm-json-1k")), Some((Kind::Json, 1 << 10)));
