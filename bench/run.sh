@@ -16,6 +16,15 @@
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
 # module built elsewhere instead of building this tree's. FLOODGATE_BENCH_DUMPS=dir keeps the
 # callgrind dump of each `instructions` variant there (read it with callgrind_annotate).
+# The LLM variants of `instructions` (not in its default set; named with --variants) load
+# floodgate-llm.wasm (FLOODGATE_LLM_WASM=path, else the one beside the floodgate module) in front
+# of an OpenAI-like upstream: `llm-plain` (fg-rl's rule, fg-rl's traffic), and for each answer
+# `json-1k`, `json-1m` (a JSON body with its usage at the end, ~1 KiB or ~1 MiB) and `sse-1k`,
+# `sse-1m` (an event stream, one frame per event, the usage in the last): `none-<answer>`,
+# `fg-rl-<answer>` (floodgate.wasm), `llm-plain-<answer>`, `llm-<answer>` (the token rule), e.g.
+#   bench/run.sh instructions --variants fg-rl,llm-plain,fg-rl-sse-1k,llm-plain-sse-1k,llm-sse-1k,fg-rl-sse-1m,llm-plain-sse-1m,llm-sse-1m
+# (each Envoy takes over a minute of CPU time to start under valgrind; all 20 variants of
+# docs/llm.md took 25 min on a loaded 2-core VM).
 # Loopback only; every server it starts listens on 127.0.0.1 on a port picked at run time, and
 # everything stops by itself.
 set -euo pipefail

@@ -215,26 +215,35 @@ pub fn is_grpc(variant: &Variant) -> bool {
 
 /// The variant every variant's ratio is taken against: the router only, with the same traffic.
 pub fn base_of(variant: &Variant) -> &'static str {
+    if let Some(base) = crate::llm::base_of(variant) {
+        return base;
+    }
     if is_grpc(variant) { "grpc-none" } else { "none" }
 }
 
 /// The no-op module with the same traffic.
 pub fn noop_of(variant: &Variant) -> &'static str {
+    if crate::llm::answer_of(variant).is_some() {
+        return "";
+    }
     if is_grpc(variant) { "grpc-noop" } else { "noop" }
 }
 
 /// Every variant: main, diagnostic and gRPC.
 pub fn all_variants(s: &Settings) -> Vec<Variant> {
-    main_variants(s).into_iter().chain(diagnostic_variants(s)).chain(grpc_variants(s)).collect()
+    main_variants(s).into_iter().chain(diagnostic_variants(s)).chain(grpc_variants(s)).chain(crate::llm::variants(s)).collect()
 }
 
-/// The upstreams of clusters `a`, `b`, `c`: HTTP/1.1 ones and gRPC ones.
+/// The upstreams of clusters `a`, `b`, `c`: HTTP/1.1 ones and gRPC ones; and the OpenAI-like
+/// one of the LLM variants.
 #[derive(Clone, Copy, Debug)]
 pub struct Upstreams {
     /// HTTP/1.1.
     pub http: [SocketAddr; 3],
     /// gRPC (HTTP/2).
     pub grpc: [SocketAddr; 3],
+    /// The LLM variants' (HTTP/2, [`crate::llm`]).
+    pub llm: SocketAddr,
 }
 
 impl Upstreams {
@@ -249,16 +258,24 @@ impl Upstreams {
         Upstreams {
             http: [http[0], http[1], http[2]],
             grpc: [grpc[0], grpc[1], grpc[2]],
+            llm: crate::llm::start_upstream().await,
         }
     }
 
     /// The Envoy of `variant`: its filter and route, these upstreams for its traffic.
     pub fn spec(&self, variant: &Variant, cpus: String, wrapper: Vec<String>) -> Spec {
+        let llm = crate::llm::answer_of(variant).is_some();
         Spec {
             filter: variant.filter.clone(),
             route: variant.route.clone(),
-            clusters: if is_grpc(variant) { self.grpc } else { self.http },
-            http2: is_grpc(variant),
+            clusters: if llm {
+                [self.llm; 3]
+            } else if is_grpc(variant) {
+                self.grpc
+            } else {
+                self.http
+            },
+            http2: is_grpc(variant) || llm,
             concurrency: 1,
             cpus,
             wrapper,
@@ -268,9 +285,10 @@ impl Upstreams {
 }
 
 /// What a variant's clients send: `x-api-key` cycling over [`KEYS`] values (HTTP/1.1 `GET /`,
-/// or unary gRPC calls).
+/// unary gRPC calls, or an LLM variant's `GET /v1/<kind>/<size>`).
 #[derive(Clone)]
 pub struct Traffic {
+    prefix: String,
     http: Arc<Vec<Vec<u8>>>,
     grpc: Arc<Vec<String>>,
 }
@@ -279,6 +297,7 @@ impl Traffic {
     /// `keys` distinct keys, `<prefix><i>`.
     pub fn new(prefix: &str, keys: usize) -> Traffic {
         Traffic {
+            prefix: prefix.into(),
             http: key_requests(prefix, keys),
             grpc: Arc::new((0..keys).map(|i| format!("{prefix}{i}")).collect()),
         }
@@ -286,7 +305,9 @@ impl Traffic {
 
     /// The requests of `variant`.
     pub fn requests(&self, variant: &Variant) -> Requests {
-        if is_grpc(variant) {
+        if let Some((kind, size)) = crate::llm::answer_of(variant) {
+            Requests::Cycle(crate::llm::requests(&self.prefix, self.grpc.len(), kind, size))
+        } else if is_grpc(variant) {
             Requests::Grpc(Arc::clone(&self.grpc))
         } else {
             Requests::Cycle(Arc::clone(&self.http))

@@ -197,15 +197,43 @@ impl Spec {
 
 impl Envoy {
     /// Waits (at most `timeout`) until a [`Spec::spawn`]ed Envoy is ready.
-    pub fn wait_ready(mut self, timeout: Duration) -> Result<Envoy, String> {
-        let envoy = &mut self;
+    pub fn wait_ready(self, timeout: Duration) -> Result<Envoy, String> {
         let deadline = Instant::now() + timeout;
+        self.wait_ready_until(|_| (Instant::now() > deadline).then(|| format!("not ready after {timeout:?}")))
+    }
+
+    /// Waits until a [`Spec::spawn`]ed Envoy is ready for as long as it works towards it: it
+    /// fails when the process has used no CPU time for `stall`, or after `cap` in all. For an
+    /// Envoy under valgrind, whose start (V8 compiling the module, instrumented) takes minutes of
+    /// CPU time: on a loaded machine it gets a fraction of a core, and a bound on the wall-clock
+    /// time alone gives up on an Envoy that is starting, slowly.
+    pub fn wait_ready_while_working(self, stall: Duration, cap: Duration) -> Result<Envoy, String> {
+        let started = Instant::now();
+        let mut last = (0, started);
+        self.wait_ready_until(|envoy| {
+            let cpu = cpu_ns_of(envoy.pid());
+            if cpu > last.0 {
+                last = (cpu, Instant::now());
+            }
+            if last.1.elapsed() > stall {
+                Some(format!("not ready, and no CPU time used for {stall:?} (after {:.0} s of CPU time)", cpu as f64 / 1e9))
+            } else if started.elapsed() > cap {
+                Some(format!("not ready after {cap:?} ({:.0} s of CPU time)", cpu as f64 / 1e9))
+            } else {
+                None
+            }
+        })
+    }
+
+    /// Waits until a [`Spec::spawn`]ed Envoy is ready, or it exits, or `give_up` says why not.
+    fn wait_ready_until(mut self, mut give_up: impl FnMut(&Envoy) -> Option<String>) -> Result<Envoy, String> {
+        let envoy = &mut self;
         loop {
             if let Ok(Some(status)) = envoy.child.try_wait() {
                 return Err(format!("Envoy exited ({status}); end of its log:\n{}", envoy.log_tail(15)));
             }
-            if Instant::now() > deadline {
-                return Err(format!("Envoy not ready after {timeout:?}; end of its log:\n{}", envoy.log_tail(15)));
+            if let Some(why) = give_up(envoy) {
+                return Err(format!("Envoy {why}; end of its log:\n{}", envoy.log_tail(15)));
             }
             if envoy.admin.is_none() {
                 envoy.admin = std::fs::read_to_string(envoy.dir.path().join("admin-address"))

@@ -6,7 +6,7 @@
 //! the same for every variant: the ratios are therefore larger than the CPU-time ratios.
 
 use crate::cpu::{self, Variant, CALLS};
-use crate::envoy::Envoy;
+use crate::envoy::{Envoy, Filter};
 use crate::load::{self, Load};
 use crate::table::{count, Table};
 use crate::{progress, Settings};
@@ -22,6 +22,15 @@ pub const KEYS: usize = cpu::KEYS / 50;
 /// Warm-up requests per distinct key before measuring: 21 take a key's quota reserve to its full
 /// size (writes grant 0, 1, 2, 4, 8, then 16 units), as in a long run.
 const WARM_VISITS_PER_KEY: u64 = 21;
+
+/// How many Envoys start ahead of the one measured (at least one per CPU).
+const STARTING_AHEAD: usize = 3;
+/// An Envoy starting under valgrind that uses no CPU time for this long is stuck.
+const START_STALL: Duration = Duration::from_secs(120);
+/// The longest an Envoy may take to start under valgrind, however busy the machine.
+const START_CAP: Duration = Duration::from_secs(3 * 3600);
+/// Answers at least this large are measured on fewer requests.
+const LARGE_ANSWER: usize = 64 << 10;
 
 /// The command an Envoy runs under to count its instructions (a dump per `callgrind_control -d`).
 pub const CALLGRIND: [&str; 4] = ["valgrind", "--tool=callgrind", "--smc-check=all-non-file", "--callgrind-out-file=callgrind.out.%p"];
@@ -94,28 +103,46 @@ pub async fn run(s: &Settings) {
         None => wanted.iter().copied().chain(extra.iter().map(|v| v.id)).collect(),
     };
     let all = cpu::all_variants(s);
-    let variants: Vec<Variant> = wanted.iter().filter_map(|id| all.iter().find(|v| v.id == *id).cloned()).collect();
+    let (variants, missing): (Vec<Variant>, Vec<Variant>) =
+        wanted.iter().filter_map(|id| all.iter().find(|v| v.id == *id).cloned()).partition(|v| match &v.filter {
+            Filter::Wasm { module, .. } => module.is_file(),
+            _ => true,
+        });
+    for v in &missing {
+        println!("**{}** could not be measured: its module is not there ({:?}; `--llm-wasm`)\n", v.id, v.filter);
+    }
     let upstreams = cpu::Upstreams::start().await;
     let keys = s.keys.unwrap_or(KEYS);
     let traffic = cpu::Traffic::new("k", keys);
-    // Start them all at once: each takes a minute or more to compile the module under valgrind.
-    let mut pending = Vec::new();
-    for v in &variants {
-        let spec = upstreams.spec(v, format!("0-{}", s.cpus.saturating_sub(1)), CALLGRIND.map(String::from).to_vec());
-        pending.push((v.clone(), spec.spawn(&s.envoy)));
-    }
+    // Each Envoy takes minutes of CPU time to compile the module under valgrind: a few start
+    // ahead of the one measured (their instructions before the zeroing are not counted), not
+    // all of them at once, which on a small machine would make the first one wait for all.
+    let mut waiting = variants.iter();
+    let mut pending = std::collections::VecDeque::new();
     let per_variant: u64 = if s.quick { 1_000 } else { 2_000 };
-    let mut results: Vec<(Variant, f64)> = Vec::new();
-    for (v, envoy) in pending {
-        let envoy = match envoy.and_then(|e| e.wait_ready(Duration::from_secs(900))) {
+    let mut results: Vec<(Variant, f64, u64)> = Vec::new();
+    loop {
+        while pending.len() < STARTING_AHEAD.max(s.cpus) {
+            let Some(v) = waiting.next() else { break };
+            let spec = upstreams.spec(v, format!("0-{}", s.cpus.saturating_sub(1)), CALLGRIND.map(String::from).to_vec());
+            pending.push_back((v.clone(), spec.spawn(&s.envoy), std::time::Instant::now()));
+        }
+        let Some((v, envoy, spawned)) = pending.pop_front() else { break };
+        let envoy = match envoy.and_then(|e| e.wait_ready_while_working(START_STALL, START_CAP)) {
             Ok(e) => e,
             Err(e) => {
                 println!("**{}** could not be measured: {e}\n", v.id);
                 continue;
             }
         };
+        progress!("{}: ready after {:.0} s ({:.0} s of CPU time)", v.id, spawned.elapsed().as_secs_f64(), crate::envoy::cpu_ns_of(envoy.pid()) as f64 / 1e9);
+        // Large answers take seconds each under valgrind: fewer of them (instructions per
+        // request are deterministic; what varies is the timers' share, which is small next to a
+        // large answer's).
+        let large = crate::llm::answer_of(&v).is_some_and(|(_, size)| size >= LARGE_ANSWER);
+        let per_variant = if large { if s.quick { 8 } else { 24 } } else { per_variant };
         // Warm up to the steady state of the CPU runs, where every key comes back many times.
-        let warm_requests = (WARM_VISITS_PER_KEY * keys as u64).max(300);
+        let warm_requests = if large { 8 } else { (WARM_VISITS_PER_KEY * keys as u64).max(300) };
         let warm = Load { targets: vec![envoy.addr()], connections: 4, requests: traffic.requests(&v), max_requests: Some(warm_requests) };
         let (out, _, _) = load::run(&warm, Duration::ZERO, Duration::from_secs(900), || ()).await;
         if out.status(200) != out.completed || out.completed == 0 {
@@ -127,7 +154,7 @@ pub async fn run(s: &Settings) {
             continue;
         }
         let load = Load { targets: vec![envoy.addr()], connections: 8, requests: traffic.requests(&v), max_requests: Some(per_variant) };
-        let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_secs(600), || ()).await;
+        let (out, _, _) = load::run(&load, Duration::ZERO, Duration::from_secs(if large { 3600 } else { 600 }), || ()).await;
         if !callgrind_control(envoy.pid(), "-d") {
             println!("**{}**: callgrind_control -d failed; skipped\n", v.id);
             continue;
@@ -139,16 +166,17 @@ pub async fn run(s: &Settings) {
         };
         keep_dump(&dump, v.id);
         let per = total as f64 / out.completed.max(1) as f64;
-        progress!("{}: {} requests at {:.0}/s, {:.0} instructions/request", v.id, out.completed, out.throughput(), per);
-        results.push((v, per));
+        progress!("{}: {} requests at {:.1}/s, {:.0} instructions/request", v.id, out.completed, out.throughput(), per);
+        results.push((v, per, out.completed));
     }
-    let of = |id: &str| results.iter().find(|(v, _)| v.id == id).map(|r| r.1);
+    let of = |id: &str| results.iter().find(|(v, _, _)| v.id == id).map(|r| r.1);
     let noop = of("noop");
-    let mut t = Table::new(&["variant", "what", "instructions/request", "× no filter", "Δ over no-op"]);
-    for (v, per) in results.iter().filter(|(v, _)| !v.id.starts_with("call-")) {
+    let mut t = Table::new(&["variant", "what", "requests", "instructions/request", "× no filter", "Δ over no-op"]);
+    for (v, per, requests) in results.iter().filter(|(v, _, _)| !v.id.starts_with("call-")) {
         t.row(vec![
             format!("`{}`", v.id),
             v.label.clone(),
+            count(*requests),
             count(*per as u64),
             of(cpu::base_of(v)).map_or("–".into(), |b| format!("{:.3}", per / b)),
             of(cpu::noop_of(v)).map_or("–".into(), |n| format!("{:+}", (per - n) as i64)),
@@ -156,13 +184,14 @@ pub async fn run(s: &Settings) {
     }
     let warm = count((WARM_VISITS_PER_KEY * keys as u64).max(300));
     println!(
-        "Envoy 1 worker under callgrind, {per_variant} keep-alive requests over 8 connections, {keys} distinct x-api-key values, after {warm} of warm-up; \
+        "Envoy 1 worker under callgrind, {per_variant} keep-alive requests over 8 connections (answers of 64 KiB and more: fewer, after 8 of warm-up), {keys} distinct x-api-key values, after {warm} of warm-up; \
          all user-space instructions of the process (Envoy, V8, the module) divided by requests.\n\n{}\n",
         t.render()
     );
-    if let Some(n) = noop.filter(|_| results.iter().any(|(v, _)| v.id.starts_with("call-"))) {
+    crate::llm::report(&results);
+    if let Some(n) = noop.filter(|_| results.iter().any(|(v, _, _)| v.id.starts_with("call-"))) {
         let mut t = Table::new(&["host call", "instructions per call"]);
-        for (v, per) in results.iter().filter(|(v, _)| v.id.starts_with("call-")) {
+        for (v, per, _) in results.iter().filter(|(v, _, _)| v.id.starts_with("call-")) {
             t.row(vec![v.label.trim_start_matches(&format!("no-op + {CALLS} × ")).to_string(), count(((per - n) / f64::from(CALLS)).max(0.0) as u64)]);
         }
         println!("Price of one host call (no-op module making {CALLS} per request, minus the no-op):\n\n{}\n", t.render());

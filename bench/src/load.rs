@@ -36,7 +36,7 @@ pub async fn start_upstream() -> (SocketAddr, Arc<UpstreamCount>) {
 
 /// Listens on `127.0.0.1:<ephemeral>` and hands each connection to `serve` with the count of
 /// requests answered, until the runtime stops.
-async fn serve_on_loopback<F, Fut>(serve: F) -> (SocketAddr, Arc<UpstreamCount>)
+pub(crate) async fn serve_on_loopback<F, Fut>(serve: F) -> (SocketAddr, Arc<UpstreamCount>)
 where
     F: Fn(TcpStream, Arc<UpstreamCount>) -> Fut + Send + 'static,
     Fut: std::future::Future<Output = ()> + Send + 'static,

@@ -14,6 +14,7 @@ mod global;
 mod idle;
 mod instructions;
 mod leased;
+mod llm;
 mod load;
 mod memory;
 mod peers;
@@ -32,6 +33,8 @@ pub struct Settings {
     pub envoy: PathBuf,
     /// floodgate's module.
     pub floodgate_wasm: PathBuf,
+    /// floodgate's module that reads response bodies (the LLM variants of `instructions`).
+    pub llm_wasm: PathBuf,
     /// The no-op / host-call pricing module.
     pub noop_wasm: PathBuf,
     /// The naive per-key limiter module.
@@ -89,10 +92,12 @@ fn usage() -> ! {
     eprintln!(
         "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|peers|all]... [--quick] [--rounds N] [--seconds S]\n\
          \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N] [--keys N]\n\
-         \x20      [--envoy PATH] [--wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
+         \x20      [--envoy PATH] [--wasm PATH] [--llm-wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
          \x20      [--wasm-shim PATH] [--limitador PATH]\n\
          \x20      [--extra-wasm PATH [--extra-config STRING]]...\n\
          --extra-wasm adds another module to `cpu` and `instructions` as variant ext1, ext2, ... with the --extra-config after it.\n\
+         The LLM variants of `instructions` (--variants llm-plain,llm-json-1k,...; docs/benchmarks.md) load --llm-wasm,\n\
+         by default $FLOODGATE_LLM_WASM, or floodgate-llm.wasm beside the floodgate module.\n\
          Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM, $REDIS_SERVER, $FLOODGATE_SYNC_BIN,\n\
          $WASM_SHIM_WASM, $LIMITADOR_BIN (`peers`: bench/peers/build.sh builds them; skipped without them). Use bench/run.sh, which builds them."
     );
@@ -120,6 +125,7 @@ fn main() {
         quick: false,
         envoy: env_path("ENVOY_BIN"),
         floodgate_wasm: env_path("FLOODGATE_WASM"),
+        llm_wasm: env_path("FLOODGATE_LLM_WASM"),
         noop_wasm: env_path("NOOP_WASM"),
         naive_wasm: env_path("NAIVE_WASM"),
         extra: Vec::new(),
@@ -163,6 +169,7 @@ fn main() {
             }
             "--envoy" => s.envoy = value().into(),
             "--wasm" => s.floodgate_wasm = value().into(),
+            "--llm-wasm" => s.llm_wasm = value().into(),
             "--noop-wasm" => s.noop_wasm = value().into(),
             "--naive-wasm" => s.naive_wasm = value().into(),
             "--extra-wasm" => s.extra.push((value().into(), String::new())),
@@ -190,9 +197,13 @@ fn main() {
         s.warmup = 1.0;
     }
     s.diagnose = diagnose.unwrap_or(false);
+    if s.llm_wasm.as_os_str().is_empty() {
+        // Beside floodgate.wasm, as ./wasm-build.sh leaves them.
+        s.llm_wasm = s.floodgate_wasm.with_file_name("floodgate-llm.wasm");
+    }
     // Not redis-server: Debian's is a link to redis-check-rdb, which picks its mode from the name
     // it was started as.
-    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.noop_wasm, &mut s.naive_wasm, &mut s.sync_bin, &mut s.wasm_shim_wasm, &mut s.limitador_bin].into_iter().chain(s.extra.iter_mut().map(|e| &mut e.0)) {
+    for p in [&mut s.envoy, &mut s.floodgate_wasm, &mut s.llm_wasm, &mut s.noop_wasm, &mut s.naive_wasm, &mut s.sync_bin, &mut s.wasm_shim_wasm, &mut s.limitador_bin].into_iter().chain(s.extra.iter_mut().map(|e| &mut e.0)) {
         if let Ok(abs) = std::fs::canonicalize(&*p) {
             *p = abs;
         }
