@@ -354,38 +354,52 @@ impl UsageScan {
             Ok(room) if room < chunk.len() => (chunk.get(..room).unwrap_or_default(), true),
             _ => (chunk, false),
         };
-        for &b in chunk {
-            let step = match self.format {
-                Format::Json => self.json.byte(b, path),
-                Format::EventStream => self.event_byte(b, path),
-            };
-            match step {
-                Step::Go | Step::Null => {}
-                Step::Count(count) => {
-                    if self.format == Format::Json {
-                        self.state = Some(Scan::Found(count));
-                        return self.state();
-                    }
-                    self.count = Some(count);
-                }
-                Step::Invalid => {
-                    self.state = Some(Scan::Invalid);
-                    return self.state();
-                }
-                Step::Malformed => {
-                    if self.format == Format::Json {
-                        self.state = Some(Scan::Gave(GaveUp::Malformed));
-                        return self.state();
-                    }
-                    // One event that is not JSON does not end the stream's scan.
-                    self.line = Line::Skip;
-                }
+        let mut rest = chunk;
+        while !rest.is_empty() {
+            // Bytes that cannot change the scan's state (inside a string value, or a line that is
+            // skipped) are passed over in one search, not a byte at a time.
+            let skip = self.skippable(rest);
+            let Some((&b, after)) = rest.get(skip..).and_then(<[u8]>::split_first) else { break };
+            rest = after;
+            if let Some(done) = self.byte(b, path) {
+                return done;
             }
         }
         if over {
             self.state = Some(Scan::Gave(GaveUp::TooLong));
         }
         self.state()
+    }
+
+    /// Reads one byte; `Some` once the answer is final.
+    fn byte(&mut self, b: u8, path: &[Vec<u8>]) -> Option<Scan> {
+        let step = match self.format {
+            Format::Json => self.json.byte(b, path),
+            Format::EventStream => self.event_byte(b, path),
+        };
+        match step {
+            Step::Go | Step::Null => {}
+            Step::Count(count) => {
+                if self.format == Format::Json {
+                    self.state = Some(Scan::Found(count));
+                    return Some(self.state());
+                }
+                self.count = Some(count);
+            }
+            Step::Invalid => {
+                self.state = Some(Scan::Invalid);
+                return Some(self.state());
+            }
+            Step::Malformed => {
+                if self.format == Format::Json {
+                    self.state = Some(Scan::Gave(GaveUp::Malformed));
+                    return Some(self.state());
+                }
+                // One event that is not JSON does not end the stream's scan.
+                self.line = Line::Skip;
+            }
+        }
+        None
     }
 
     /// The body ended: the answer (a count, or why there is none: `Reading(None)` for a body
@@ -410,6 +424,22 @@ impl UsageScan {
         let state = self.state();
         self.state = Some(state);
         state
+    }
+
+    /// How many of `bytes`, from the first, leave the scan where it is: the inside of a string
+    /// value up to its closing quote or an escape (and, in an event stream, the line's end), or
+    /// the rest of a skipped line.
+    fn skippable(&self, bytes: &[u8]) -> usize {
+        let in_value = matches!(self.json.lex, Lex::Str { escaped: false, key: false, .. });
+        let stop = match (self.format, self.line) {
+            (Format::Json, _) if in_value => bytes.iter().position(|&b| b == b'"' || b == b'\\'),
+            (Format::EventStream, Line::Data) if in_value => {
+                bytes.iter().position(|&b| b == b'"' || b == b'\\' || b == b'\n' || b == b'\r')
+            }
+            (Format::EventStream, Line::Skip) => bytes.iter().position(|&b| b == b'\n' || b == b'\r'),
+            _ => return 0,
+        };
+        stop.unwrap_or(bytes.len())
     }
 
     fn event_byte(&mut self, b: u8, path: &[Vec<u8>]) -> Step {
@@ -542,6 +572,58 @@ mod tests {
         assert_eq!(Format::of(Some(b"Text/Event-Stream")), Format::EventStream);
         assert_eq!(Format::of(Some(b"application/json")), Format::Json);
         assert_eq!(Format::of(None), Format::Json);
+    }
+
+    #[test]
+    fn bytes_passed_over_in_one_search_leave_the_same_answer_as_one_at_a_time() {
+        let split = "data: {\"x\":\"ab\ndata: {\"usage\":{\"total_tokens\":5}}\n\n";
+        for chunk in [1, 3, usize::MAX] {
+            assert_eq!(scan_all(Format::EventStream, split.as_bytes(), "usage.total_tokens", chunk), Scan::Reading(Some(5)), "a line ends a string");
+        }
+        let path = segments("a.b");
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            usize::try_from(seed % n).unwrap()
+        };
+        let mut outcomes = std::collections::BTreeSet::new();
+        for _ in 0..4000 {
+            // Objects with the count after a string of noise (quotes, escapes, line ends), as
+            // lines of an event stream between comments and `[DONE]`, with every line ending.
+            let mut body = Vec::new();
+            for line in 0..1 + next(4) {
+                let mut noise = String::new();
+                for _ in 0..next(12) {
+                    noise.push_str(["x", "\\\"", "\\\\", "\"", "\\", "\n", "\r", "data: ", "{", " "].get(next(10)).unwrap());
+                }
+                let text = match next(5) {
+                    0 => format!(": {noise}"),
+                    1 => "data: [DONE]".to_owned(),
+                    _ => format!("{}{{\"x\":\"{noise}\",\"a\":{{\"b\":{line}{}}}}}", ["data: ", "data:", ""].get(next(3)).unwrap(), next(10)),
+                };
+                body.extend_from_slice(text.as_bytes());
+                body.extend_from_slice(["\n", "\r", "\r\n", "\n\n"].get(next(4)).unwrap().as_bytes());
+            }
+            for format in [Format::Json, Format::EventStream] {
+                let whole = {
+                    let mut scan = UsageScan::new(format, 1 << 20);
+                    scan.feed(&body, &path);
+                    scan.end(&path)
+                };
+                // Every byte through the state machine, none passed over.
+                let mut scan = UsageScan::new(format, 1 << 20);
+                for &b in &body {
+                    if scan.byte(b, &path).is_some() {
+                        break;
+                    }
+                }
+                assert_eq!(scan.end(&path), whole, "{format:?} {}", String::from_utf8_lossy(&body));
+                outcomes.insert(format!("{whole:?}"));
+            }
+        }
+        assert!(outcomes.len() >= 5, "the bodies reach every kind of answer: {outcomes:?}");
     }
 
     #[test]
