@@ -580,7 +580,7 @@ pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     end_of_stream: bool,
     rng: &mut G,
 ) -> Step {
-    if !end_of_stream && filter.rules.reads_request_bodies() {
+    if !end_of_stream && filter.rules.reads_request_bodies() && !filter.body_waits.as_ref().is_some_and(|s| s.withheld()) {
         if let Some(estimates) = filter.rules.body_estimates(request) {
             // Nothing is taken yet: a client that goes away now leaves nothing behind.
             cell.borrow_mut().estimates = Some(Box::new(estimates));
@@ -623,6 +623,11 @@ pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         let mut stream = cell.borrow_mut();
         let estimates = stream.estimates.as_mut().filter(|e| !e.done())?;
         estimates.hold(body_size.unwrap_or_default());
+        if !chunk.is_empty() {
+            if let Some(stage) = &filter.body_waits {
+                stage.body_arrived();
+            }
+        }
         let rules = &filter.rules;
         if !estimates.feed(chunk, end, |rule| rules.estimate_places(rule)) {
             return None;

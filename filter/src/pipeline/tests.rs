@@ -653,6 +653,39 @@ fn a_request_whose_body_never_reaches_the_filter_is_decided_on_the_default_by_th
     assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":151}"#], false).unwrap()), 429, "50 + 800 + 151 > 1000");
 }
 
+#[test]
+fn after_two_requests_without_their_body_requests_no_longer_wait_unless_a_body_ever_came() {
+    let host = body_estimate_host(100_000);
+    let stage = host.filter.body_waits.as_ref().unwrap();
+    let miss = |host: &Host| {
+        let (_, _stream, step) = host.send_with_body(&post("k"));
+        assert_eq!(step, Step::Wait);
+        host.clock.advance(body_wait::BODY_WAIT_MS);
+        for (context, shared) in host.filter.body_waits.as_ref().unwrap().take_due(host.clock.now().mono) {
+            assert_eq!(status(&resume_without_body(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut())), 0);
+        }
+    };
+    miss(&host);
+    assert!(!stage.withheld(), "one slow client is not enough");
+    miss(&host);
+    assert!(stage.withheld());
+    // Decided on the headers, on the default, without waiting.
+    let (_, _stream, step) = host.send_with_body(&post("k"));
+    assert_eq!(status(&step), 0);
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 3);
+    assert!(stage.is_empty());
+
+    // Where a waiting request once got its body, misses never stop the waiting.
+    let host = body_estimate_host(100_000);
+    let (c, mut s, _) = host.send_with_body(&post("k"));
+    assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_tokens":10}"#], true).unwrap()), 0);
+    for _ in 0..3 {
+        miss(&host);
+    }
+    assert!(!host.filter.body_waits.as_ref().unwrap().withheld());
+    assert_eq!(host.send_with_body(&post("k")).2, Step::Wait);
+}
+
 // ---- waiting for the store: pause and resume ----
 
 fn leased(limit: u32) -> serde_json::Value {
