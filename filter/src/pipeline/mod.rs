@@ -254,9 +254,9 @@ impl Filter {
         let shedder = config.load_shedding.as_ref().and_then(|s| Shedder::new(s, namespace));
         let selector = config.cluster_selection.as_ref().map(|s| Selector::new(s, namespace));
         let global = GlobalScope::new(&config, namespace);
+        let rules = Rules::new(&config, &KeyHasher::new(seed));
         Filter {
             stats: Stats::define(&config, metrics),
-            rules: Rules::new(&config, &KeyHasher::new(seed)),
             hasher: KeyHasher::new(seed),
             headers: HeaderPlan::new(&config),
             admitted_fields: AdmittedFields::new(&limiter),
@@ -277,9 +277,8 @@ impl Filter {
             leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
             delays: DelayStage::new(&config),
             queue: config.load_shedding.as_ref().and_then(|s| crate::shedding::queue::Leveler::new(s, namespace)).map(QueueStage::new),
-            body_waits: body_wait::BodyWaitStage::new(
-                config.rate_limits.iter().any(|r| r.cost.as_ref().and_then(|c| c.estimate.as_ref()).is_some_and(|e| e.body.is_some())),
-            ),
+            body_waits: body_wait::BodyWaitStage::new(rules.reads_request_bodies()),
+            rules,
             shadows: Shadows::new(&config),
             decision_names: if config.access_log { decision::Names::new(namespace) } else { decision::Names::default() },
             watchdog: config.watchdog.as_ref().map(|w| Watchdog::new(w, namespace)),
@@ -580,7 +579,8 @@ pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     end_of_stream: bool,
     rng: &mut G,
 ) -> Step {
-    if !end_of_stream && filter.rules.reads_request_bodies() && !filter.body_waits.as_ref().is_some_and(|s| s.withheld()) {
+    // The stage exists only where some rule reads its estimate in request bodies.
+    if !end_of_stream && filter.body_waits.as_ref().is_some_and(|s| !s.withheld()) {
         if let Some(estimates) = filter.rules.body_estimates(request) {
             // Nothing is taken yet: a client that goes away now leaves nothing behind.
             cell.borrow_mut().estimates = Some(Box::new(estimates));
