@@ -126,7 +126,7 @@ schema = {
           "enum": ["proxy", "global"], "default": "proxy"
         },
         "consistency": {
-          "description": "In global scope: batched = each proxy decides on its own counts plus the fleet's as last synced and sends its admissions in batches (no request waits; the fleet may overshoot a little); leased = each worker takes units of the key's quota from the store ahead of use, so the fleet never admits more than the limit, and a request waits on the store (global.lease_timeout at most) only when its key's local lease is empty. leased needs scope global and a cost, if any, from a request header or reserved with estimate.",
+          "description": "In global scope: batched = each proxy decides on its own counts plus the fleet's as last synced and sends its admissions in batches (no request waits; the fleet may overshoot a little); leased = each proxy takes units of the key's quota from the store ahead of use, shared by its workers, so the fleet never admits more than the limit, and a request waits on the store only when its proxy's lease of the key is empty. leased needs scope global and a cost, if any, from a request header or reserved with estimate.",
           "enum": ["batched", "leased"], "default": "batched"
         },
         "match": {"description": "The rule applies only to requests that meet every condition given (null: to every request).", "anyOf": [{"$ref": "#/$defs/match"}, {"type": "null"}], "default": None},
@@ -331,8 +331,8 @@ schema = {
         "key_secret": {"description": "A secret mixed into the fleet-wide key hashes, the same on every proxy of the fleet (at least 16 characters), so the store's key names do not reveal client keys (null: none).", "anyOf": [{"type": "string", "minLength": 16}, {"type": "null"}], "default": None},
         "token": {"description": "The bearer token sent on every call to floodgate-sync (authorization: Bearer TOKEN), one of those its --token accepts: 16 to 512 characters among A-Z a-z 0-9 - . _ ~ + / = (null: none; floodgate-sync without --token accepts any caller).", "anyOf": [{"type": "string", "pattern": "^[A-Za-z0-9._~+/=-]{16,512}$"}, {"type": "null"}], "default": None},
         "lease_timeout": {"description": "Leased rules: the longest a request waits for the store; at most 10s.", "$ref": "#/$defs/duration", "default": "50ms"},
-        "on_store_failure": {"description": "Leased rules, when the store fails or does not answer within lease_timeout: last_state = decide on the last counts read from the store plus this worker's admissions since; refuse = answer 503.", "enum": ["last_state", "refuse"], "default": "last_state"},
-        "max_lease": {"description": "Leased rules: the most units a worker asks for at a time beyond what its waiting requests need (null: no cap but the limit); 1 = every request asks the store and nothing is held between requests, as a rate-limit service does.", "anyOf": [{"type": "integer", "minimum": 1, "maximum": 4294967295}, {"type": "null"}], "default": None}
+        "on_store_failure": {"description": "Leased rules, when the store fails or does not answer within lease_timeout: last_state = decide on the last counts read from the store plus this proxy's admissions since; refuse = answer 503.", "enum": ["last_state", "refuse"], "default": "last_state"},
+        "max_lease": {"description": "Leased rules: the most units a proxy asks for at a time beyond what its waiting requests need (null: no cap but the limit); 1 = every request asks the store and nothing is held between requests, as a rate-limit service does.", "anyOf": [{"type": "integer", "minimum": 1, "maximum": 4294967295}, {"type": "null"}], "default": None}
       }
     },
     "grpcStatus": {

@@ -9,13 +9,15 @@
 //! limit). For each mode: the hot key's admitted total against the limit, store calls (HTTP
 //! calls to `floodgate-sync`) and Redis scripts per request, the fraction of requests that
 //! waited for the store, the latency of admitted requests (p50, p99) and what it adds to proxy
-//! scope's, and the Envoys' CPU time per request against proxy scope's.
+//! scope's, and the Envoys' CPU time per request against proxy scope's, over `--rounds` rounds.
+//! Each `--extra-wasm` module runs `leased` once more per round, as a row of its own (another
+//! build of the filter, side by side with this one).
 
 use crate::envoy::{cpu_ns_of, http_get, SYNC_CLUSTER};
 use crate::global::{fit_in_window, paced, run_id, Fleet, Sent};
 use crate::load;
 use crate::services::{Redis, Sync};
-use crate::table::{count, Table};
+use crate::table::{count, median, range, Table};
 use crate::{progress, Settings};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -165,64 +167,88 @@ async fn one_mode(s: &Settings, mode: Mode, traffic: Traffic, redis: &Redis, syn
     })
 }
 
-/// Part (f).
+/// Part (f): every configuration once per round (`--rounds`), in an order rotated from round
+/// to round, each on a fresh fleet; medians over the rounds, and each configuration's CPU over
+/// proxy scope's taken within each round (the VM's speed drifts between rounds).
 pub async fn modes(s: &Settings, redis: &Redis, sync: &Sync, upstream: SocketAddr) -> Result<(), String> {
     let traffic = Traffic::of(s);
     let Traffic { limit, rate, seconds } = traffic;
-    let mut runs = Vec::new();
-    for mode in Mode::ALL {
-        progress!("part (f): {}", mode.name());
-        let run = one_mode(s, mode, traffic, redis, sync, upstream).await?;
-        progress!(
-            "{}: hot key {} admitted of limit {limit}; {} store calls, {} waited, p99 {:.2} ms",
-            mode.name(),
-            run.hot_admitted,
-            run.store_calls,
-            run.waited,
-            latency_ms(&run.sent, 0.99)
-        );
-        runs.push((mode, run));
+    // This module's modes, then `leased` with each extra module.
+    let extras = s.extra.iter().enumerate().map(|(n, (wasm, _))| {
+        let name = format!("global, leased (ext{}: {})", n + 1, wasm.file_name().map_or_else(String::new, |f| f.to_string_lossy().into_owned()));
+        (Mode::Leased, name, Some(wasm.clone()))
+    });
+    let plan: Vec<(Mode, String, Option<std::path::PathBuf>)> = Mode::ALL.iter().map(|m| (*m, m.name().to_string(), None)).chain(extras).collect();
+    // runs[configuration][round]
+    let mut runs: Vec<Vec<Run>> = plan.iter().map(|_| Vec::new()).collect();
+    for round in 0..s.rounds.max(1) {
+        for k in 0..plan.len() {
+            let i = (k + round) % plan.len();
+            let (mode, name, wasm) = &plan[i];
+            let settings = wasm.as_ref().map(|w| Settings { floodgate_wasm: w.clone(), ..s.clone() });
+            let run = one_mode(settings.as_ref().unwrap_or(s), *mode, traffic, redis, sync, upstream).await?;
+            progress!(
+                "round {}/{} {name}: hot key {} admitted of limit {limit}; {} store calls, {} waited, p99 {:.2} ms, Envoy {:.0} µs/req",
+                round + 1,
+                s.rounds.max(1),
+                run.hot_admitted,
+                run.store_calls,
+                run.waited,
+                latency_ms(&run.sent, 0.99),
+                run.envoy_ns as f64 / run.sent.len().max(1) as f64 / 1000.0
+            );
+            runs[i].push(run);
+        }
     }
-    let base = runs.first().map(|(_, r)| (latency_ms(&r.sent, 0.5), latency_ms(&r.sent, 0.99), r.envoy_ns as f64 / r.sent.len().max(1) as f64));
-    let (base_p50, base_p99, base_ns) = base.unwrap_or((0.0, 0.0, 1.0));
+    let per_request = |r: &Run, n: u64| n as f64 / r.sent.len().max(1) as f64;
+    let med = |rs: &[Run], f: &dyn Fn(&Run) -> f64| median(&rs.iter().map(f).collect::<Vec<_>>());
+    let base = &runs[0];
+    let (base_p50, base_p99) = (med(base, &|r| latency_ms(&r.sent, 0.5)), med(base, &|r| latency_ms(&r.sent, 0.99)));
     let mut t = Table::new(&[
         "mode",
-        "hot key admitted ÷ limit",
+        "hot key admitted ÷ limit (median; range)",
         "store calls / request",
         "Redis scripts / request",
         "requests that waited",
         "latency p50 (added)",
         "latency p99 (added)",
-        "Envoy CPU / request (× proxy scope)",
+        "Envoy CPU / request",
+        "× proxy scope (median; range)",
     ]);
-    for (mode, run) in &runs {
-        let n = run.sent.len().max(1) as f64;
-        let (p50, p99) = (latency_ms(&run.sent, 0.5), latency_ms(&run.sent, 0.99));
-        let ns = run.envoy_ns as f64 / n;
-        let hot_ratio = run.hot_admitted as f64 / limit as f64;
+    for ((mode, name, _), rs) in plan.iter().zip(&runs) {
+        let hot: Vec<f64> = rs.iter().map(|r| r.hot_admitted as f64).collect();
+        let (hot_lo, hot_hi) = range(&hot);
+        let (p50, p99) = (med(rs, &|r| latency_ms(&r.sent, 0.5)), med(rs, &|r| latency_ms(&r.sent, 0.99)));
+        let ns = med(rs, &|r| per_request(r, r.envoy_ns));
+        // Within each round: this configuration's CPU over proxy scope's.
+        let ratios: Vec<f64> = rs.iter().zip(base).map(|(r, b)| per_request(r, r.envoy_ns) / per_request(b, b.envoy_ns).max(1.0)).collect();
+        let (lo, hi) = range(&ratios);
         let (calls, scripts) = if *mode == Mode::Proxy {
             ("—".to_string(), "—".to_string())
         } else {
-            (format!("{:.3}", run.store_calls as f64 / n), format!("{:.3}", run.scripts as f64 / n))
+            (format!("{:.3}", med(rs, &|r| per_request(r, r.store_calls))), format!("{:.3}", med(rs, &|r| per_request(r, r.scripts))))
         };
         t.row(vec![
-            mode.name().into(),
-            format!("{} ({hot_ratio:.4})", count(run.hot_admitted)),
+            name.clone(),
+            format!("{} ({:.4}; {}–{})", count(median(&hot) as u64), median(&hot) / limit as f64, count(hot_lo as u64), count(hot_hi as u64)),
             calls,
             scripts,
-            format!("{:.1} %", 100.0 * run.waited as f64 / n),
+            format!("{:.1} %", 100.0 * med(rs, &|r| per_request(r, r.waited))),
             format!("{p50:.2} ms ({:+.2})", p50 - base_p50),
             format!("{p99:.2} ms ({:+.2})", p99 - base_p99),
-            format!("{:.0} µs ({:.2} ×)", ns / 1000.0, ns / base_ns.max(1.0)),
+            format!("{:.0} µs", ns / 1000.0),
+            format!("{:.2} × ({lo:.2}–{hi:.2})", median(&ratios)),
         ]);
     }
     println!("### (f) Batched, leased, or a store call per request: the same traffic\n");
     println!(
         "Paced at {rate:.0} req/s over the {} proxies for {seconds} s, after 1 s of warm-up on other keys: every other request on one hot key whose \
-         limit ({limit} per hour) is half of what it gets, the others over {COLD_KEYS} keys far under it. Each mode on a fresh fleet, one after the \
-         other. Store calls: HTTP calls to floodgate-sync (batches and lease calls); latency: admitted requests, from when each was due; CPU: the \
-         three Envoys' CPU time (all pinned to core 0) over the requests sent. Proxy scope admits the hot key's limit on each proxy (3 × the limit).\n",
-        crate::global::PROXIES
+         limit ({limit} per hour) is half of what it gets, the others over {COLD_KEYS} keys far under it. {} rounds, each configuration once per \
+         round on a fresh fleet, in an order rotated from round to round; medians over the rounds. Store calls: HTTP calls to floodgate-sync \
+         (batches and lease calls); latency: admitted requests, from when each was due; CPU: the three Envoys' CPU time (all pinned to core 0) \
+         over the requests sent, and over proxy scope's in the same round. Proxy scope admits the hot key's limit on each proxy (3 × the limit).\n",
+        crate::global::PROXIES,
+        s.rounds.max(1)
     );
     println!("{}\n", t.render());
     Ok(())

@@ -2,7 +2,7 @@
 //! built module, one `floodgate-sync` and a real Redis (one node, then a 3-master Redis Cluster),
 //! all on 127.0.0.1. A hot key well over its limit and many cold keys, spread over the proxies:
 //! the fleet admits at most the limit in the window, never more; requests of a key under its
-//! limit wait on the store only when their worker's lease is empty; the `429`'s `Retry-After`
+//! limit wait on the store only when their proxy's lease is empty; the `429`'s `Retry-After`
 //! and `RateLimit` fields are computed on the fleet's counts; the store killed mid-run is
 //! answered as `on_store_failure` says, with no request waiting past `lease_timeout`.
 //!
@@ -111,6 +111,21 @@ fn redis_total(nodes: &[&Redis]) -> u64 {
     total
 }
 
+/// The holders floodgate-sync knows in the current bucket of the 1 h window (those with units
+/// outstanding), over every key.
+fn lease_holders(nodes: &[&Redis]) -> std::collections::BTreeSet<String> {
+    let bucket = (since_epoch().as_millis() / WINDOW.as_millis()) as u64;
+    let mut holders = std::collections::BTreeSet::new();
+    for node in nodes {
+        let hashes: std::collections::BTreeSet<String> =
+            node.cli(&["--scan", "--pattern", &format!("fg:*:3600000:{bucket}:h")]).lines().map(str::to_owned).collect();
+        for hash in hashes {
+            holders.extend(node.cli(&["HKEYS", &hash]).lines().map(str::trim).filter(|h| !h.is_empty()).map(str::to_owned));
+        }
+    }
+    holders
+}
+
 /// The seconds from now to the end of the hour's bucket.
 fn secs_to_next_bucket() -> u64 {
     let w = WINDOW.as_millis();
@@ -182,6 +197,11 @@ async fn one_quota_over_the_fleet(nodes: &[&Redis], sync: &SyncService, label: &
     assert!(waited <= cold + sent / 4, "{label}: {waited} waited, {cold} cold requests");
     assert_eq!(lease_stat(&envoys, "failures"), 0);
     assert_eq!(lease_stat(&envoys, "without_store"), 0);
+
+    // The leases are the proxies', not their workers': the store knows one holder per proxy.
+    let holders = lease_holders(nodes);
+    println!("{label}: holders in the store: {holders:?}");
+    assert!(!holders.is_empty() && holders.len() <= envoys.len(), "{label}: {} holders for {} proxies of 2 workers", holders.len(), envoys.len());
 
     // Unused leases go back (2 sync intervals unused, at the next heartbeat): Redis then holds
     // exactly what the fleet admitted in this bucket.

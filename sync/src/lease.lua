@@ -46,7 +46,7 @@
 -- not use comes back, what they used is reported), by both the caller's clock (`elapsed_ms`)
 -- and Redis's (TIME: a caller whose clock runs ahead takes nothing back early), whatever is
 -- still outstanding belongs to
--- holders that stopped (a proxy died, a worker restarted): it comes off the previous counter
+-- holders that stopped (a proxy died or restarted): it comes off the previous counter
 -- and the hash goes. A dead proxy's units thus stop weighing at the end of the bucket they
 -- were granted in, plus the grace. Of them, the units it admitted after its last report are
 -- taken off too: the previous bucket then weighs a little less than it should (never the

@@ -12,7 +12,7 @@
 //! A call is not retried by the proxy: a grant whose answer is lost stays counted (the fleet
 //! then admits less, never more), so no dedup key is needed.
 //!
-//! A caller that names itself (`holder`, one per worker) is tracked: its units outstanding in a
+//! A caller that names itself (`holder`, one per proxy) is tracked: its units outstanding in a
 //! bucket (granted, less given back, less reported `used`) sit in the bucket's holders hash
 //! (`<counter>:h`, same slot). Once a bucket has ended and `grace_ms` passed, what a holder still
 //! has outstanding there is a stopped holder's (a proxy that died): it comes off the counter,
@@ -62,7 +62,7 @@ pub struct LeaseEntry {
     /// Unused units of `bucket − 1` given back before the grant, 0..=[`MAX_DELTA`].
     #[serde(default, deserialize_with = "units")]
     pub returned_previous: u64,
-    /// Who asks: one id per worker (16 lowercase hex characters). Without it, the caller's
+    /// Who asks: one id per proxy (16 lowercase hex characters). Without it, the caller's
     /// units are not tracked (its give-backs come off the counter unchecked).
     #[serde(default)]
     pub holder: Option<ProxyId>,

@@ -47,7 +47,7 @@ pub struct Global {
     /// Leased rules: what a request that needs the store does when the store fails.
     #[serde(default)]
     pub on_store_failure: OnStoreFailure,
-    /// Leased rules: the most units a worker asks for at a time beyond what its waiting
+    /// Leased rules: the most units a proxy asks for at a time beyond what its waiting
     /// requests need (default: no cap but the limit); 1 = every request asks the store and no
     /// unit is held between requests.
     #[serde(default)]
@@ -59,7 +59,7 @@ pub struct Global {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OnStoreFailure {
-    /// Decide on the last counts read from the store, plus this worker's admissions since (keep
+    /// Decide on the last counts read from the store, plus this proxy's admissions since (keep
     /// serving on the last state read, as *Understanding Distributed Systems* advises).
     #[default]
     LastState,

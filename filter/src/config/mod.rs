@@ -350,8 +350,9 @@ pub enum Consistency {
     /// admissions in batches: no request waits, the fleet may overshoot a little.
     #[default]
     Batched,
-    /// Each worker takes units from the store ahead of use ([`crate::fleet::leased`]): never over the
-    /// limit; a request waits on the store when its key's lease is empty.
+    /// Each proxy takes units from the store ahead of use, shared by its workers
+    /// ([`crate::fleet::leased`]): never over the limit; a request waits on the store when its
+    /// key's lease is empty.
     Leased,
 }
 

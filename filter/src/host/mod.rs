@@ -71,6 +71,14 @@ thread_local! {
     static LOCAL_COUNTS: RefCell<HashMap<String, LocalCount>> = RefCell::new(HashMap::new());
     /// Likewise, this VM's requests in flight per key, per per-key cap table.
     static LOCAL_KEYS: RefCell<HashMap<String, LocalKeys>> = RefCell::new(HashMap::new());
+    /// The other workers' lease wake queues, by name, once resolved.
+    static WAKE_QUEUES: RefCell<HashMap<String, u32>> = RefCell::new(HashMap::new());
+    /// The `vm_id` Envoy runs this module under (its shared queues are named within it).
+    static PLUGIN_VM_ID: String = hostcalls::get_property(vec!["plugin_vm_id"])
+        .ok()
+        .flatten()
+        .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+        .unwrap_or_default();
     /// This VM's random source for the cluster shuffle, seeded from `getrandom`.
     static RNG: RefCell<SplitMix64> = RefCell::new(SplitMix64::new({
         let mut bytes = [0u8; 8];
@@ -141,6 +149,9 @@ struct FilterRoot {
     filter: Option<Rc<Filter>>,
     /// When its periodic work last ran.
     schedule: Schedule,
+    /// The shared queue where other workers put the keys whose call ended, for this worker's
+    /// requests that wait on it (with leased rules).
+    wake_queue: Option<u32>,
 }
 
 impl Context for FilterRoot {
@@ -226,6 +237,13 @@ impl RootContext for FilterRoot {
         .into_iter()
         .flatten()
         .fold(HEARTBEAT_MS, u64::min);
+        self.wake_queue = filter.leased.as_ref().and_then(|stage| match hostcalls::register_shared_queue(&stage.wake_queue(vm_id())) {
+            Ok(queue) => Some(queue),
+            Err(status) => {
+                log::warn!("floodgate: no lease wake queue ({status:?}): requests waiting on another worker's call look at it at each tick");
+                None
+            }
+        });
         let config = &filter.config;
         if filter.shedder.is_some() || filter.lag.is_some() || filter.selector.is_some() || filter.watchdog.is_some() || !config.rate_limits.is_empty() {
             if let Err(status) = hostcalls::set_tick_period(Duration::from_millis(tick_ms)) {
@@ -257,7 +275,7 @@ impl RootContext for FilterRoot {
             global::tick(scope, node, &filter.stats.global, vm_id(), now.wall);
         }
         if let Some(stage) = &filter.leased {
-            let keys = stage.tick(&EnvoyMetrics, now);
+            let keys = stage.tick(&EnvoyStore, &EnvoyMetrics, now);
             wake(&filter, keys, self.id, &clock);
             stage.flush();
         }
@@ -281,6 +299,26 @@ impl RootContext for FilterRoot {
         }
         if due.heartbeat {
             filter.heartbeat(&env);
+        }
+        send_calls(&filter, self.id, &clock);
+    }
+
+    /// Another worker put keys in this worker's wake queue: a call they wait on ended.
+    fn on_queue_ready(&mut self, queue_id: u32) {
+        let Some(filter) = self.filter.clone().filter(|_| self.wake_queue == Some(queue_id)) else { return };
+        let mut keys = Vec::new();
+        while let Ok(Some(bytes)) = hostcalls::dequeue_shared_queue(queue_id) {
+            if let Ok(key) = <[u8; 16]>::try_from(bytes.as_slice()) {
+                let key = FleetKey(u128::from_le_bytes(key));
+                if !keys.contains(&key) {
+                    keys.push(key);
+                }
+            }
+        }
+        let clock = CallbackClock::default();
+        wake(&filter, keys, self.id, &clock);
+        if let Some(stage) = &filter.leased {
+            stage.flush();
         }
         send_calls(&filter, self.id, &clock);
     }
@@ -321,9 +359,38 @@ fn send_calls(filter: &Filter, current: u32, clock: &CallbackClock) {
             Ok(token) => stage.sent(&EnvoyMetrics, call, token, clock.now()),
             Err(status) => {
                 log::warn!("floodgate: lease call to cluster {:?} not sent: {status:?}", stage.route.cluster);
-                stage.not_sent(&EnvoyMetrics, &call, clock.now());
+                stage.not_sent(&EnvoyStore, &EnvoyMetrics, &call, clock.now());
             }
         }
+    }
+    tell_all(filter);
+}
+
+/// Tells the other workers of this proxy that the calls of keys their requests wait on ended.
+fn tell_all(filter: &Filter) {
+    if let Some(stage) = &filter.leased {
+        for (vm, key) in stage.take_notices() {
+            tell(&stage.wake_queue(vm), key);
+        }
+    }
+}
+
+/// Puts `key` in the wake queue `name` of another worker of this proxy (its requests wait on
+/// the call of `key` that ended).
+fn tell(name: &str, key: FleetKey) {
+    let queue = WAKE_QUEUES.with(|queues| {
+        if let Some(queue) = queues.borrow().get(name) {
+            return Some(*queue);
+        }
+        let vm = PLUGIN_VM_ID.with(|id| id.clone());
+        let queue = hostcalls::resolve_shared_queue(&vm, name).ok().flatten()?;
+        queues.borrow_mut().insert(name.to_owned(), queue);
+        Some(queue)
+    });
+    match queue.map(|queue| hostcalls::enqueue_shared_queue(queue, Some(&key.0.to_le_bytes()))) {
+        Some(Ok(())) => {}
+        // Its requests look at the key at their root's next tick.
+        other => log::debug!("floodgate: lease wake queue {name} not reached ({other:?})"),
     }
 }
 
@@ -335,7 +402,7 @@ fn lease_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size
         return false;
     }
     let answer = call::answer(num_headers, body_size);
-    if let Some(keys) = stage.answered(&EnvoyMetrics, token, answer, clock.now()) {
+    if let Some(keys) = stage.answered(&EnvoyStore, &EnvoyMetrics, token, answer, clock.now()) {
         wake(filter, keys, current, clock);
     }
     send_calls(filter, current, clock);
@@ -381,7 +448,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
         let env = env(clock);
         if hostcalls::set_effective_context(context).is_err() {
             match what {
-                Resume::Store => pipeline::abandon(filter, &shared),
+                Resume::Store => pipeline::abandon(filter, &env, &shared),
                 Resume::Turn => pipeline::abandon_delayed(filter, &env, &shared),
                 Resume::Slot => pipeline::abandon_queued(filter, &env, &shared),
                 // It holds nothing yet.
@@ -574,6 +641,9 @@ impl HttpContext for FilterStream {
         }
         let clock = CallbackClock::default();
         stream.end(&self.filter, &env(&clock), self.context_id, &EnvoyStreamEnd);
+        drop(stream);
+        // A lease call this stream sent is lost with it: the workers waiting on it are told.
+        tell_all(&self.filter);
     }
 
     /// A response body frame (`body_size` bytes; `end_of_stream`: the last), read for the

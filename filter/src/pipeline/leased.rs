@@ -1,13 +1,16 @@
-//! The `leased` stage: rules in `consistency: leased` ([`crate::fleet::leased`] keeps the worker's
-//! leases), the calls to `floodgate-sync`'s `POST /v1/lease` that refill them, and the requests
-//! that wait for an answer, listed per key in arrival order.
+//! The `leased` stage: rules in `consistency: leased` ([`crate::fleet::leased`] keeps the proxy's
+//! leases in shared data, and the keys this worker follows), the calls to `floodgate-sync`'s
+//! `POST /v1/lease` that refill them, and this worker's requests that wait for an answer, listed
+//! per key in arrival order.
 //!
-//! Invariants: one call per key is on its way at a time. A call goes from a context that outlives
-//! it: the waiting request's own stream for the call it waits on, the root context for everything
-//! else (refills, give-backs, a call sent again after its stream ended), queued and sent at the
-//! root's next tick. An answer wakes the requests waiting on its keys: each takes its units again
-//! ([`super::resume`]) on its own stream state. A request waiting past `lease_timeout` is decided
-//! as `on_store_failure` says. Nothing here calls the host: calls to send are queued
+//! Invariants: one call per key is on its way at a time, for the whole proxy. A call goes from a
+//! context that outlives it: the waiting request's own stream for the call it waits on, the root
+//! context for everything else (refills, give-backs, a call sent again after its stream ended),
+//! queued and sent at the root's next tick. An answer wakes this worker's requests waiting on its
+//! keys: each takes its units again ([`super::resume`]) on its own stream state; requests waiting
+//! on another worker's call look at their key again at every tick. A request waiting past
+//! `lease_timeout` is decided as `on_store_failure` says, unless a call of its key is on its way
+//! and not past its timeout. Nothing here calls the host: calls to send are queued
 //! ([`LeasedStage::take_outgoing`]).
 //!
 //! Rationale: docs/design.md, sections "A request's path" and "Leased consistency".
@@ -18,7 +21,8 @@ use crate::config::{Config, Consistency, Scope, StoreRoute};
 use crate::fleet::Answer;
 use crate::keys::fleet::{FleetHasher, FleetKey};
 use crate::fleet::leased::protocol;
-use crate::fleet::leased::{Ask, LeaseBook, LeaseSpec, Refusal, Take};
+use crate::fleet::leased::{Ask, LeaseBook, LeaseSpec, Refusal, Take, Terms, Waited};
+use crate::primitives::store::SharedStore;
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::ratelimit::window::{Counts, Window};
 use crate::ratelimit::rules::Later;
@@ -27,6 +31,7 @@ use crate::replies::{self, Reply};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::num::{NonZeroU32, NonZeroU64};
+
 
 /// A request's key of one leased rule.
 #[derive(Clone, Copy, Debug)]
@@ -125,7 +130,8 @@ struct Call {
 /// The requests waiting on one key: their context ids and streams, in arrival order.
 pub type Waiting = VecDeque<(u32, SharedStream)>;
 
-/// The leased rules of a configuration, and this worker's leases, calls and waiting requests.
+/// The leased rules of a configuration, the keys this worker follows of the proxy's leases, its
+/// calls and its waiting requests.
 pub struct LeasedStage {
     book: RefCell<LeaseBook>,
     /// Per rule, in configuration order: the window of a leased rule.
@@ -141,8 +147,10 @@ pub struct LeasedStage {
     background_timeout_ms: u64,
     /// The root context's id.
     root: u32,
-    /// This VM's id, which names it in its calls.
-    vm: u64,
+    /// The proxy's id, which names it in its calls (the same on every worker).
+    holder: u64,
+    /// The start of the workers' wake queues' names.
+    wake_prefix: String,
     calls: RefCell<HashMap<u32, Call>>,
     /// Calls for the host to send now (from the context whose callback runs).
     outgoing: RefCell<Vec<Outgoing>>,
@@ -155,8 +163,9 @@ pub struct LeasedStage {
 }
 
 impl LeasedStage {
-    /// The stage of `config`, if it has leased rules, under the root context `root` of VM `vm`.
-    pub fn new(config: &Config, stats: LeaseStats, root: u32, vm: u64) -> Option<LeasedStage> {
+    /// The stage of `config`, if it has leased rules, under the root context `root` of VM `vm`
+    /// in the proxy `holder`, whose leases are in shared data under `namespace`.
+    pub fn new(config: &Config, namespace: &str, stats: LeaseStats, root: u32, vm: u64, holder: u64) -> Option<LeasedStage> {
         let global = config.global.as_ref()?;
         let windows: Vec<Option<Window>> = config
             .rate_limits
@@ -170,21 +179,28 @@ impl LeasedStage {
             return None;
         }
         let max_keys = usize::try_from(global.max_keys.get().get()).unwrap_or(usize::MAX);
+        let background_timeout_ms = global.timeout.get().get().max(global.lease_timeout.get().get());
         Some(LeasedStage {
             book: RefCell::new(LeaseBook::new(
+                namespace,
                 max_keys,
-                global.sync_interval.get().get(),
-                global.on_store_failure,
-                global.max_lease.map_or(u32::MAX, |m| m.get().get()),
-                global.lease_timeout.get().get(),
+                Terms {
+                    period_ms: global.sync_interval.get().get(),
+                    policy: global.on_store_failure,
+                    max_lease: global.max_lease.map_or(u32::MAX, |m| m.get().get()),
+                    lease_timeout_ms: global.lease_timeout.get().get(),
+                    call_timeout_ms: background_timeout_ms,
+                    caller: vm,
+                },
             )),
             windows,
             hasher: FleetHasher::new(global.key_secret.as_deref()),
             route: global.route(),
             timeout_ms: global.lease_timeout.get().get(),
             root,
-            vm,
-            background_timeout_ms: global.timeout.get().get().max(global.lease_timeout.get().get()),
+            holder,
+            wake_prefix: format!("floodgate/{namespace}/lease-wake/"),
+            background_timeout_ms,
             calls: RefCell::new(HashMap::new()),
             outgoing: RefCell::new(Vec::new()),
             queued: RefCell::new(Vec::new()),
@@ -234,24 +250,24 @@ impl LeasedStage {
     /// `units`: the unused part goes back ([`LeaseBook::refund`]: to the lease in the bucket it
     /// was taken in, to the store after); a count above the reservation is charged as units
     /// admitted without a grant, reported with the key's next call ([`LeaseBook::consume`]).
-    pub fn settle(&self, probe: &Probe, units: u32, limit: NonZeroU32, admitted_at: UnixMillis, now: UnixMillis) {
+    pub fn settle(&self, store: &dyn SharedStore, probe: &Probe, units: u32, limit: NonZeroU32, admitted_at: UnixMillis, now: UnixMillis) {
         let (Some(window), Some(key)) = (self.windows.get(probe.rule).copied().flatten(), probe.fleet) else { return };
         let reserved = probe.needs();
         let mut book = self.book.borrow_mut();
         let spec = LeaseSpec { window, limit };
         if units > reserved {
-            book.consume(key, spec, units.saturating_sub(reserved), now);
+            book.consume(store, key, spec, units.saturating_sub(reserved), now);
         } else if units < reserved {
-            book.refund(key, spec, reserved.saturating_sub(units), admitted_at, now);
+            book.refund(store, key, spec, reserved.saturating_sub(units), admitted_at, now);
         }
     }
 
     /// A new request: takes the units of every probe, or refuses it, or has it wait. The call
     /// it would wait on goes from its own stream (`context`, alive until the answer); a refill
     /// from the root.
-    pub fn admit(&self, filter: &Filter, metrics: &dyn Metrics, probes: &[LeaseProbe], context: u32, now: Now) -> Decision {
+    pub fn admit(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, probes: &[LeaseProbe], context: u32, now: Now) -> Decision {
         let mut sends = Vec::new();
-        let decision = self.take_all(filter, metrics, probes, None, false, now, &mut sends);
+        let decision = self.take_all(filter, store, metrics, probes, None, Waited::No, now, &mut sends);
         let waits_on = match &decision {
             Decision::Wait(key, _) => Some(*key),
             _ => None,
@@ -266,12 +282,13 @@ impl LeasedStage {
     }
 
     /// A waiting request, woken by an answer or a tick: takes its units again (`wait`: what it
-    /// waits for); past `lease_timeout` it is decided without the store. Calls it needs go from
-    /// the root.
-    pub fn decide(&self, filter: &Filter, metrics: &dyn Metrics, wait: &Wait, now: Now) -> Decision {
-        let expired = now.mono.saturating_since(wait.since) >= self.timeout_ms;
+    /// waits for); past `lease_timeout` it is decided without the store, unless a call of its
+    /// key is on its way and not past its timeout ([`Waited`]). Calls it needs go from the root.
+    pub fn decide(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, wait: &Wait, now: Now) -> Decision {
+        let waited_ms = now.mono.saturating_since(wait.since);
+        let waited = if waited_ms >= self.timeout_ms.saturating_add(self.background_timeout_ms) { Waited::Overdue } else { Waited::Within };
         let mut sends = Vec::new();
-        let decision = self.take_all(filter, metrics, &wait.probes, Some(wait.on.0), expired, now, &mut sends);
+        let decision = self.take_all(filter, store, metrics, &wait.probes, Some(wait.on.0), waited, now, &mut sends);
         self.queued.borrow_mut().extend(sends);
         if matches!(decision, Decision::All(_)) {
             stats::set(metrics, self.stats.wait_ms, now.mono.saturating_since(wait.since));
@@ -279,16 +296,17 @@ impl LeasedStage {
         decision
     }
 
-    /// Takes the units of every probe, or none (`waited_on`: the key the request waited for;
-    /// `fallback`: its wait is over, decide without the store). Calls to send go to `sends`.
+    /// Takes the units of every probe, or none (`waited_on`: the key the request waited for,
+    /// `waited`: how long). Calls to send go to `sends`.
     #[allow(clippy::too_many_arguments)]
     fn take_all(
         &self,
         filter: &Filter,
+        store: &dyn SharedStore,
         metrics: &dyn Metrics,
         probes: &[LeaseProbe],
         waited_on: Option<FleetKey>,
-        fallback: bool,
+        waited: Waited,
         now: Now,
         sends: &mut Vec<Ask>,
     ) -> Decision {
@@ -299,12 +317,16 @@ impl LeasedStage {
         let decision = 'rules: {
             for lp in probes {
                 let units = lp.units();
-                let take = if fallback {
-                    increment(metrics, self.stats.without_store);
-                    book.without_store(lp.key, lp.spec, units, now.wall)
-                } else {
-                    book.take(lp.key, lp.spec, units, waited_on == Some(lp.key), now.wall)
+                // A request waits on one key: overdue, the others decide without the store too;
+                // before, they take as for a new request.
+                let waited = match waited {
+                    Waited::Within if waited_on != Some(lp.key) => Waited::No,
+                    other => other,
                 };
+                let (take, alone) = book.take(store, lp.key, lp.spec, units, waited, now.wall);
+                if alone {
+                    increment(metrics, self.stats.without_store);
+                }
                 match take {
                     Take::Admitted { counts, held, refill } => {
                         sends.extend(refill);
@@ -350,7 +372,7 @@ impl LeasedStage {
             return Decision::All(Taken { standings, units, at: now.wall, shadowed, owed });
         };
         for lp in taken {
-            book.untake(lp.key, lp.units(), now.wall);
+            book.untake(store, lp.key, lp.units(), now.wall);
         }
         decision
     }
@@ -360,7 +382,7 @@ impl LeasedStage {
         if asks.is_empty() {
             return;
         }
-        let body = protocol::body(&asks, self.vm);
+        let body = protocol::body(&asks, self.holder);
         let timeout_ms = if owner == self.root { self.background_timeout_ms } else { self.timeout_ms };
         self.outgoing.borrow_mut().push(Outgoing { owner, asks, body, timeout_ms });
     }
@@ -383,17 +405,17 @@ impl LeasedStage {
 
     /// The host could not send `call`: its keys decide without the store until they retry
     /// (their waiting requests are decided at the next tick).
-    pub fn not_sent(&self, metrics: &dyn Metrics, call: &Outgoing, now: Now) {
+    pub fn not_sent(&self, store: &dyn SharedStore, metrics: &dyn Metrics, call: &Outgoing, now: Now) {
         increment(metrics, self.stats.failures);
         let mut book = self.book.borrow_mut();
         for ask in &call.asks {
-            book.answered(ask, None, now.wall);
+            book.answered(store, ask, None, now.wall);
         }
     }
 
     /// The answer to call `token`: the keys whose waiting requests it wakes (`None`: not a
     /// lease call).
-    pub fn answered(&self, metrics: &dyn Metrics, token: u32, answer: Answer, now: Now) -> Option<Vec<FleetKey>> {
+    pub fn answered(&self, store: &dyn SharedStore, metrics: &dyn Metrics, token: u32, answer: Answer, now: Now) -> Option<Vec<FleetKey>> {
         let call = self.calls.borrow_mut().remove(&token)?;
         let grants = match answer {
             Answer::Ok(body) => protocol::decode(&body, call.asks.len()).map_err(|e| log::warn!("floodgate: {e}")).ok(),
@@ -410,13 +432,13 @@ impl LeasedStage {
                         stats::add_count(metrics, self.stats.granted, u64::from(grant.granted));
                         let back = [ask.returned, ask.returned_previous, ask.refunded, ask.refunded_previous].iter().map(|n| u64::from(*n)).sum();
                         stats::add_count(metrics, self.stats.returned, back);
-                        book.answered(ask, Some(*grant), now.wall);
+                        book.answered(store, ask, Some(*grant), now.wall);
                     }
                 }
                 None => {
                     increment(metrics, self.stats.failures);
                     for ask in &call.asks {
-                        book.answered(ask, None, now.wall);
+                        book.answered(store, ask, None, now.wall);
                     }
                 }
             }
@@ -436,17 +458,17 @@ impl LeasedStage {
     }
 
     /// A waiting request will never be decided (its stream is gone): its units are not wanted.
-    pub fn abandon(&self, wait: &Wait) {
+    pub fn abandon(&self, store: &dyn SharedStore, wait: &Wait, now: Now) {
         let (on, units) = wait.on;
-        self.book.borrow_mut().abandon(on, units);
+        self.book.borrow_mut().abandon(store, on, units, now.wall);
     }
 
     /// Stream `context` ended (`wait`: what it still waited for): its request stops waiting,
     /// and the calls it sent are lost (the host cancels them): their keys' waiting requests get
     /// a new call at the next tick.
-    pub fn stream_ended(&self, context: u32, wait: Option<&Wait>) {
+    pub fn stream_ended(&self, store: &dyn SharedStore, context: u32, wait: Option<&Wait>, now: Now) {
         if let Some(wait) = wait {
-            self.abandon(wait);
+            self.abandon(store, wait, now);
         }
         let mut calls = self.calls.borrow_mut();
         let lost: Vec<u32> = calls.iter().filter(|(_, c)| c.owner == context).map(|(t, _)| *t).collect();
@@ -454,19 +476,19 @@ impl LeasedStage {
         for token in lost {
             if let Some(call) = calls.remove(&token) {
                 for ask in &call.asks {
-                    book.lost(ask);
+                    book.lost(store, ask, now.wall);
                 }
             }
         }
     }
 
     /// The root's tick: a lease whose bucket ended is settled; the keys whose waiting requests
-    /// have no call on its way (it was lost) get one, and those with a request waiting past
-    /// `lease_timeout` are to be decided: returns the keys to wake. Their calls, and the
-    /// root's queued ones, are queued for the host (from the root).
-    pub fn tick(&self, metrics: &dyn Metrics, now: Now) -> Vec<FleetKey> {
+    /// have no call of this worker on its way (another worker's, or one that was lost), and
+    /// those with a request waiting past `lease_timeout`, are to be decided again: returns the
+    /// keys to wake. The calls they need, and the root's queued ones, go from the root.
+    pub fn tick(&self, store: &dyn SharedStore, metrics: &dyn Metrics, now: Now) -> Vec<FleetKey> {
         if self.book.borrow().roll_due(now.wall) {
-            self.heartbeat(metrics, now);
+            self.heartbeat(store, metrics, now);
         }
         let keys: Vec<FleetKey> = {
             let waiting = self.waiting.borrow();
@@ -481,15 +503,21 @@ impl LeasedStage {
                 .map(|(key, _)| *key)
                 .collect()
         };
-        for key in &keys {
-            let resend = self.book.borrow_mut().resend(*key, now.wall);
-            if let Some(ask) = resend {
-                self.send(vec![ask], self.root);
-            }
-        }
         // Waiting lists of requests that are all gone.
         self.waiting.borrow_mut().retain(|_, queue| queue.iter().any(|(_, s)| s.borrow().waiting_since().is_some()));
         keys
+    }
+
+    /// The workers to tell that a call of a key their requests wait on ended, and the key:
+    /// each looks at it at once when told (the host's shared queue [`LeasedStage::wake_queue`]
+    /// of that worker).
+    pub fn take_notices(&self) -> Vec<(u64, FleetKey)> {
+        self.book.borrow_mut().take_notices()
+    }
+
+    /// The name of worker `vm`'s queue of keys to look at again.
+    pub fn wake_queue(&self, vm: u64) -> String {
+        format!("{}{vm:016x}", self.wake_prefix)
     }
 
     /// The root's queued calls go out (at its tick, after the keys it woke queued theirs).
@@ -500,24 +528,24 @@ impl LeasedStage {
 
     /// Once a second, and at the first tick of a bucket: the leases unused or of an ended
     /// bucket go back, in one call from the root.
-    pub fn heartbeat(&self, metrics: &dyn Metrics, now: Now) {
-        let returns = self.book.borrow_mut().heartbeat(now.wall);
+    pub fn heartbeat(&self, store: &dyn SharedStore, metrics: &dyn Metrics, now: Now) {
+        let returns = self.book.borrow_mut().heartbeat(store, now.wall);
         stats::set(metrics, self.stats.keys, u64::try_from(self.book.borrow().keys()).unwrap_or(u64::MAX));
         stats::set(metrics, self.stats.held, self.book.borrow().held());
         self.send(returns, self.root);
     }
 
     /// Gives back the units a request took, another stage having refused it.
-    pub fn untake(&self, taken: &Taken) {
+    pub fn untake(&self, store: &dyn SharedStore, taken: &Taken) {
         let mut book = self.book.borrow_mut();
         for (key, units) in &taken.units {
-            book.untake(*key, *units, taken.at);
+            book.untake(store, *key, *units, taken.at);
         }
     }
 
     /// Everything held goes back (the configuration is replaced), from the root.
-    pub fn drain(&self, now: Now) {
-        let returns = self.book.borrow_mut().drain(now.wall);
+    pub fn drain(&self, store: &dyn SharedStore, now: Now) {
+        let returns = self.book.borrow_mut().drain(store, now.wall);
         self.send(returns, self.root);
     }
 }

@@ -225,7 +225,8 @@ pub struct Filter {
     pub global: Option<GlobalScope>,
     /// This VM's side of the global scope.
     pub global_node: Option<Rc<RefCell<VmNode>>>,
-    /// Rules in leased consistency: this worker's leases and the requests waiting for them.
+    /// Rules in leased consistency: the proxy's leases as this worker takes from them, and its
+    /// requests waiting for them.
     pub leased: Option<LeasedStage>,
     /// Token buckets with `max_delay`: the requests waiting for their turn.
     pub delays: Option<DelayStage>,
@@ -274,7 +275,7 @@ impl Filter {
             key_counts: vm.key_counts,
             global_node: global.as_ref().and(vm.global_node),
             global,
-            leased: LeasedStage::new(&config, stats::LeaseStats::define(&config, metrics), root, vm_id),
+            leased: LeasedStage::new(&config, namespace, stats::LeaseStats::define(&config, metrics), root, vm_id, crate::fleet::leased::holder(seed)),
             delays: DelayStage::new(&config),
             queue: config.load_shedding.as_ref().and_then(|s| crate::shedding::queue::Leveler::new(s, namespace)).map(QueueStage::new),
             body_waits: body_wait::BodyWaitStage::new(rules.reads_request_bodies()),
@@ -304,7 +305,7 @@ impl Filter {
     pub fn heartbeat<H: Host>(&self, env: &Env<'_, H>) {
         let now = env.clock.now();
         if let Some(stage) = &self.leased {
-            stage.heartbeat(env.metrics, now);
+            stage.heartbeat(env.store, env.metrics, now);
         }
         self.limiter.heartbeat(env.store, &mut self.reserves.borrow_mut(), now.wall);
         self.report_reserved(env.metrics);
@@ -362,7 +363,7 @@ impl Filter {
             selector.heartbeat(env.store, &mut self.selection_vm.borrow_mut(), now.mono);
         }
         if let Some(stage) = &self.leased {
-            stage.drain(now);
+            stage.drain(env.store, now);
         }
         if let Some(dog) = &self.watchdog {
             if let Err(err) = dog.retire(env.store, env.vm, now.mono) {
@@ -712,7 +713,7 @@ fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     if let (None, Some(stage)) = (&reply, &filter.leased) {
         let probes = stage.probes(filter, env.metrics, request);
         if !probes.is_empty() {
-            match stage.admit(filter, env.metrics, &probes, context, now) {
+            match stage.admit(filter, env.store, env.metrics, &probes, context, now) {
                 leased::Decision::All(taken) => stream.took(taken),
                 leased::Decision::Refused(refusal) => reply = Some(stream.leased_refusal(refusal)),
                 leased::Decision::Wait(key, units) => {
@@ -813,7 +814,7 @@ pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     let now = env.clock.now();
     let mut stream = shared.borrow_mut();
     let Some(wait) = stream.waiting.take() else { return Step::Wait };
-    let reply = match stage.decide(filter, env.metrics, &wait, now) {
+    let reply = match stage.decide(filter, env.store, env.metrics, &wait, now) {
         leased::Decision::All(taken) => {
             stream.took(taken);
             None
@@ -832,10 +833,10 @@ pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 }
 
 /// A woken request whose host context is gone: it will never be decided.
-pub fn abandon(filter: &Filter, shared: &SharedStream) {
+pub fn abandon<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if let (Some(wait), Some(stage)) = (stream.waiting.take(), &filter.leased) {
-        stage.abandon(&wait);
+        stage.abandon(env.store, &wait, env.clock.now());
     }
 }
 
@@ -985,7 +986,7 @@ impl Stream {
                 Err(reply) => Some(reply),
             });
         if let (Some(stage), false, true) = (&filter.leased, refused_before, reply.is_some()) {
-            stage.untake(&std::mem::take(&mut self.leased));
+            stage.untake(env.store, &std::mem::take(&mut self.leased));
         }
         if reply.is_none() {
             // The leased rules' reservations settle when the upstream reports.
@@ -1564,7 +1565,7 @@ impl Stream {
         }
         self.ended = true;
         if let Some(stage) = &filter.leased {
-            stage.stream_ended(context, self.waiting.take().as_ref());
+            stage.stream_ended(env.store, context, self.waiting.take().as_ref(), env.clock.now());
         }
         if let Some(delayed) = self.delayed.take() {
             // Its client went away while it waited for its turn.
@@ -1646,7 +1647,7 @@ impl Stream {
             let units = filter.rules.settled_units(probe.rule, report, probe.cost, limit);
             let reserved = probe.cost;
             if let Some(stage) = filter.leased.as_ref().filter(|l| l.is_leased(probe.rule)) {
-                stage.settle(&probe, units, limit, self.charges.admitted_at(), now);
+                stage.settle(env.store, &probe, units, limit, self.charges.admitted_at(), now);
                 let (charged, refunded) = (units.saturating_sub(reserved), reserved.saturating_sub(units));
                 stats::add_count(env.metrics, ids.charged, u64::from(charged));
                 stats::add_count(env.metrics, ids.refunded, u64::from(refunded));

@@ -58,14 +58,14 @@
 //! | `<prefix>.global.view_keys` | gauge | keys whose fleet-wide counts the proxy knows |
 //! | `<prefix>.lease.calls` | counter | calls to `floodgate-sync`'s `/v1/lease` (for waiting requests, refills of running-low leases, give-backs) |
 //! | `<prefix>.lease.failures` | counter | of those, failed (not sent, a non-`200`, no answer within `lease_timeout`, an unreadable answer) |
-//! | `<prefix>.lease.waited` | counter | requests that waited for the store (their key's lease in this worker was empty) |
+//! | `<prefix>.lease.waited` | counter | requests that waited for the store (their key's lease in this proxy was empty) |
 //! | `<prefix>.lease.wait_ms` | histogram | how long each waiting request waited, in milliseconds, until it was decided by the store's answer |
 //! | `<prefix>.lease.call_ms` | histogram | how long each call took, in milliseconds, answered or failed |
-//! | `<prefix>.lease.without_store` | counter | decisions made without the store (after a failure, or a wait past `lease_timeout`), by `on_store_failure` |
+//! | `<prefix>.lease.without_store` | counter | decisions made without the store (after a failure of the key's call, or a wait past `lease_timeout + timeout`), by `on_store_failure` |
 //! | `<prefix>.lease.granted` | counter | units the store granted to this proxy |
 //! | `<prefix>.lease.returned` | counter | unused units this proxy gave back |
-//! | `<prefix>.lease.held` | gauge | units workers hold and have not used, as of each worker's last heartbeat (one worker's figure; each sets it) |
-//! | `<prefix>.lease.keys` | gauge | keys with a lease in a worker, likewise |
+//! | `<prefix>.lease.held` | gauge | units the proxy holds and has not used, of the keys a worker follows, as of that worker's last heartbeat (each worker sets it) |
+//! | `<prefix>.lease.keys` | gauge | keys a worker follows (it took units of them), likewise |
 //!
 //! A cluster name's characters other than letters, digits, `-`, `_` and `.` appear as `_` in
 //! metric names (`outbound|80||a.b` → `outbound_80__a.b`).

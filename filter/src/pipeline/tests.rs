@@ -467,7 +467,7 @@ fn a_leased_reservation_is_taken_from_the_lease_given_back_to_it_and_its_excess_
     assert_eq!(step, Step::Wait);
     let tokens = send_calls(&host, context);
     let stage = host.filter.leased.as_ref().unwrap();
-    let keys = stage.answered(&host.metrics, tokens[0], grant(250), host.clock.now()).unwrap();
+    let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(250), host.clock.now()).unwrap();
     assert_eq!(wake(&host, keys, &request()), vec![(context, Step::Continue { route: None })]);
     // 150 left: one more reservation of 100 fits, a third does not wait (the lease is short).
     let (second, b, step_b) = host.send(&request());
@@ -481,7 +481,7 @@ fn a_leased_reservation_is_taken_from_the_lease_given_back_to_it_and_its_excess_
     // 130 reported for a reservation of 100: 30 charged, admitted without a grant.
     settle(&host, second, &b, 130);
     assert_eq!(host.metric("floodgate.rate_limit.r.charged"), 30);
-    stage.drain(host.clock.now());
+    stage.drain(&host.store, host.clock.now());
     let asks: Vec<_> = stage.take_outgoing().into_iter().flat_map(|c| c.asks).collect();
     let consumed: u32 = asks.iter().map(|a| a.consumed).sum();
     let returned: u32 = asks.iter().map(|a| a.returned).sum();
@@ -744,7 +744,7 @@ fn a_request_waits_for_the_store_and_resumes_on_the_same_state() {
     assert_eq!(tokens.len(), 1, "one call, from the waiting stream itself");
     host.clock.advance(5);
     let stage = host.filter.leased.as_ref().unwrap();
-    let keys = stage.answered(&host.metrics, tokens[0], grant(3), host.clock.now()).unwrap();
+    let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(3), host.clock.now()).unwrap();
     let steps = wake(&host, keys, &keyed("k"));
     assert_eq!(steps, vec![(context, Step::Continue { route: None })]);
     assert!(stream.borrow().waiting_since().is_none());
@@ -767,7 +767,7 @@ fn a_request_refused_after_its_wait_gives_back_its_permit_at_once() {
     let stage = host.filter.leased.as_ref().unwrap();
     // The store has no room for the key: the fleet's counts are at the limit.
     let full = Answer::Ok(br#"{"version":1,"leases":[{"granted":0,"current":10,"previous":0}]}"#.to_vec());
-    let keys = stage.answered(&host.metrics, tokens[0], full, host.clock.now()).unwrap();
+    let keys = stage.answered(&host.store, &host.metrics, tokens[0], full, host.clock.now()).unwrap();
     let steps = wake(&host, keys, &keyed("k"));
     assert_eq!(steps.len(), 1);
     assert_eq!(status(&steps[0].1), 429);
@@ -783,7 +783,7 @@ fn a_later_refusal_gives_the_leased_units_back() {
     let (context, stream, _) = host.send(&keyed("k"));
     let tokens = send_calls(&host, context);
     let stage = host.filter.leased.as_ref().unwrap();
-    let keys = stage.answered(&host.metrics, tokens[0], grant(10), host.clock.now()).unwrap();
+    let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(10), host.clock.now()).unwrap();
     assert_eq!(wake(&host, keys, &keyed("k")), vec![(context, Step::Continue { route: None })]);
     host.end(context, &stream, &OK);
     // The local rule refuses the next: the unit the leased rule took for it goes back to the
@@ -794,7 +794,7 @@ fn a_later_refusal_gives_the_leased_units_back() {
     assert_eq!(host.metric("floodgate.rate_limit.local.rejected"), 1);
     // What the lease still holds: 10 granted − 1 used = 9, none lost to the refusal.
     let returned = host.filter.leased.as_ref().unwrap();
-    returned.drain(host.clock.now());
+    returned.drain(&host.store, host.clock.now());
     let calls = returned.take_outgoing();
     let given_back: u32 = calls.iter().flat_map(|c| c.asks.iter()).map(|a| a.returned).sum();
     assert_eq!(given_back, 9);
@@ -816,12 +816,12 @@ fn a_stream_that_ends_while_waiting_leaves_nothing_behind() {
     assert!(!stage.owns(tokens[0]), "its call is forgotten");
     // The root's next tick sends the key's call again, for the request still waiting.
     host.clock.advance(10);
-    let keys = stage.tick(&host.metrics, host.clock.now());
+    let keys = stage.tick(&host.store, &host.metrics, host.clock.now());
     assert!(wake(&host, keys, &keyed("k")).iter().all(|(_, step)| *step == Step::Wait));
     stage.flush();
     let tokens = send_calls(&host, ROOT);
     assert_eq!(tokens.len(), 1);
-    let keys = stage.answered(&host.metrics, tokens[0], grant(2), host.clock.now()).unwrap();
+    let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(2), host.clock.now()).unwrap();
     assert_eq!(wake(&host, keys, &keyed("k")), vec![(staying, Step::Continue { route: None })]);
     host.end(staying, &stream, &OK);
     assert_eq!(host.in_flight(), 0);
@@ -831,12 +831,14 @@ fn a_stream_that_ends_while_waiting_leaves_nothing_behind() {
 fn a_request_waiting_past_the_timeout_is_decided_without_the_store() {
     let host = Host::new(leased(10));
     let (context, stream, _) = host.send(&keyed("k"));
-    send_calls(&host, context);
-    // No answer: past lease_timeout (50 ms) the tick decides it as on_store_failure says
-    // (last_state: admitted on the last counts, none here).
-    host.clock.advance(60);
+    let tokens = send_calls(&host, context);
+    // No answer: its call, sent from its stream, times out at lease_timeout (50 ms), and it is
+    // decided as on_store_failure says (last_state: admitted on the last counts, none here).
+    host.clock.advance(50);
     let stage = host.filter.leased.as_ref().unwrap();
-    let keys = stage.tick(&host.metrics, host.clock.now());
+    let keys = stage.tick(&host.store, &host.metrics, host.clock.now());
+    assert!(wake(&host, keys, &keyed("k")).iter().all(|(_, step)| *step == Step::Wait), "its call has not failed yet");
+    let keys = stage.answered(&host.store, &host.metrics, tokens[0], Answer::Failed(None), host.clock.now()).unwrap();
     assert_eq!(wake(&host, keys, &keyed("k")), vec![(context, Step::Continue { route: None })]);
     assert_eq!(host.metric("floodgate.lease.without_store"), 1);
     host.end(context, &stream, &OK);
@@ -849,10 +851,10 @@ fn a_woken_request_whose_context_is_gone_is_abandoned() {
     let (context, stream, _) = host.send(&keyed("k"));
     let tokens = send_calls(&host, context);
     let stage = host.filter.leased.as_ref().unwrap();
-    let keys = stage.answered(&host.metrics, tokens[0], grant(1), host.clock.now()).unwrap();
+    let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(1), host.clock.now()).unwrap();
     for key in keys {
         for (_, woken) in stage.take_waiting(key) {
-            abandon(&host.filter, &woken);
+            abandon(&host.filter, &host.env(), &woken);
         }
     }
     assert!(stream.borrow().waiting_since().is_none());
@@ -1025,7 +1027,7 @@ fn a_leased_rule_in_shadow_takes_nothing_for_a_request_it_would_refuse() {
     let tokens = send_calls(&host, context);
     let stage = host.filter.leased.as_ref().unwrap();
     let full = Answer::Ok(br#"{"version":1,"leases":[{"granted":0,"current":10,"previous":0}]}"#.to_vec());
-    let keys = stage.answered(&host.metrics, tokens[0], full, host.clock.now()).unwrap();
+    let keys = stage.answered(&host.store, &host.metrics, tokens[0], full, host.clock.now()).unwrap();
     assert_eq!(wake(&host, keys, &keyed("k")), vec![(context, Step::Continue { route: None })]);
     assert!(stream.borrow().leased.units.is_empty());
     assert_eq!(host.metric("floodgate.rate_limit.r.shadow_rejected"), 1);

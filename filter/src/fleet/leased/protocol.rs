@@ -12,7 +12,7 @@ pub const VERSION: u64 = 1;
 /// The path of `floodgate-sync`'s lease endpoint.
 pub const LEASE_PATH: &str = "/v1/lease";
 
-/// The request body of `asks`, from the worker `holder` (its VM id).
+/// The request body of `asks`, from the proxy `holder` (its id, the same on every worker).
 pub fn body(asks: &[Ask], holder: u64) -> Vec<u8> {
     let mut out = Vec::with_capacity(asks.len().saturating_mul(200).saturating_add(32));
     out.extend_from_slice(b"{\"version\":1,\"leases\":[");
@@ -108,6 +108,7 @@ mod tests {
             at_once: 1,
             refunded: 0,
             refunded_previous: 0,
+            call: 9,
         };
         let body = body(&[ask, Ask { want: 0, refunded: 4, refunded_previous: 5, ..ask }], 0xfeed_0000_0000_00ab);
         let value: serde_json::Value = serde_json::from_slice(&body).unwrap();

@@ -1,8 +1,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic, clippy::cast_possible_truncation)]
 
 use super::*;
+use crate::primitives::store::MemoryStore;
 use std::collections::VecDeque;
 use std::num::NonZeroU64;
+use std::rc::Rc;
 
 const KEY: FleetKey = FleetKey(7);
 const PERIOD_MS: u64 = 100;
@@ -13,8 +15,71 @@ fn spec(window_ms: u64, limit: u32) -> LeaseSpec {
 
 const LEASE_TIMEOUT_MS: u64 = 50;
 
-fn book() -> LeaseBook {
-    LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState, u32::MAX, LEASE_TIMEOUT_MS)
+/// The longest a call takes (the root's calls' timeout).
+const CALL_TIMEOUT_MS: u64 = 1_000;
+
+/// A worker: its book over its proxy's shared data, called as the leased stage calls it.
+struct Worker {
+    book: LeaseBook,
+    shared: Rc<MemoryStore>,
+}
+
+impl Worker {
+    /// A worker of a proxy of its own.
+    fn with(max_keys: usize, policy: OnStoreFailure, max_lease: u32) -> Worker {
+        Worker::of(Rc::new(MemoryStore::new()), max_keys, policy, max_lease, 1)
+    }
+
+    /// Worker `caller` of the proxy whose shared data is `shared`.
+    fn of(shared: Rc<MemoryStore>, max_keys: usize, policy: OnStoreFailure, max_lease: u32, caller: u64) -> Worker {
+        let terms = Terms { period_ms: PERIOD_MS, policy, max_lease, lease_timeout_ms: LEASE_TIMEOUT_MS, call_timeout_ms: CALL_TIMEOUT_MS, caller };
+        let book = LeaseBook::new("test", max_keys, terms);
+        Worker { book, shared }
+    }
+
+    /// Takes for a new request, or (`waited`) for one that waited within `lease_timeout`.
+    fn take(&mut self, key: FleetKey, spec: LeaseSpec, cost: u32, waited: bool, now: UnixMillis) -> Take {
+        self.take_after(key, spec, cost, if waited { Waited::Within } else { Waited::No }, now)
+    }
+
+    fn take_after(&mut self, key: FleetKey, spec: LeaseSpec, cost: u32, waited: Waited, now: UnixMillis) -> Take {
+        self.book.take(&*self.shared, key, spec, cost, waited, now).0
+    }
+
+    fn answered(&mut self, ask: &Ask, grant: Option<Grant>, now: UnixMillis) {
+        self.book.answered(&*self.shared, ask, grant, now);
+    }
+
+    fn heartbeat(&mut self, now: UnixMillis) -> Vec<Ask> {
+        self.book.heartbeat(&*self.shared, now)
+    }
+
+    fn refund(&mut self, key: FleetKey, spec: LeaseSpec, units: u32, taken_at: UnixMillis, now: UnixMillis) {
+        self.book.refund(&*self.shared, key, spec, units, taken_at, now);
+    }
+
+    fn roll_due(&self, now: UnixMillis) -> bool {
+        self.book.roll_due(now)
+    }
+
+    fn keys(&self) -> usize {
+        self.book.keys()
+    }
+
+    /// Units the proxy holds of `key`, as its record says.
+    fn held_of(&self, key: FleetKey) -> u64 {
+        let stored = self.shared.get(&self.book.slot(key)).unwrap();
+        stored.and_then(|s| record::decode(&s.value).ok()).filter(|(k, _)| *k == key).map_or(0, |(_, lease)| u64::from(lease.held))
+    }
+
+    /// Units the proxy holds of [`KEY`].
+    fn held(&self) -> u64 {
+        self.held_of(KEY)
+    }
+}
+
+fn book() -> Worker {
+    Worker::with(1000, OnStoreFailure::LastState, u32::MAX)
 }
 
 /// The store as `sync/src/lease.lua` is: a counter per (key, window, bucket) of the units
@@ -93,7 +158,7 @@ impl FakeStore {
 }
 
 /// A take whose background refill (if any) the store answers at once.
-fn refilled(book: &mut LeaseBook, store: &mut FakeStore, take: Take, now: UnixMillis) -> Take {
+fn refilled(book: &mut Worker, store: &mut FakeStore, take: Take, now: UnixMillis) -> Take {
     if let Take::Admitted { refill: Some(ask), .. } = take {
         book.answered(&ask, Some(store.serve(&ask)), now);
     }
@@ -248,17 +313,19 @@ fn units_left_at_the_end_of_a_bucket_or_idle_go_back_once() {
     assert_eq!(store.get(KEY, 1_000, 500), 1, "only the used unit stays counted");
     let take = book.take(KEY, s, 1, true, t1);
     assert!(matches!(refilled(&mut book, &mut store, take, t1), Take::Admitted { .. }));
-    // Idle for two periods: what is held goes back at the heartbeat, once.
+    // Unused for longer than two periods and its horizon (four of its gaps, which its rate says
+    // are 220 ms): what is held goes back at the heartbeat, once.
     let held = book.held();
     assert_eq!(store.get(KEY, 1_000, 501), held + 1);
-    let returns = book.heartbeat(t1.plus_ms(2 * PERIOD_MS));
+    assert!(book.heartbeat(t1.plus_ms(2 * PERIOD_MS)).is_empty(), "not yet: its horizon is longer");
+    let returns = book.heartbeat(t1.plus_ms(9 * PERIOD_MS));
     assert_eq!(returns.iter().map(|a| u64::from(a.returned)).sum::<u64>(), held);
     for ask in &returns {
-        book.answered(ask, Some(store.serve(ask)), t1.plus_ms(2 * PERIOD_MS));
+        book.answered(ask, Some(store.serve(ask)), t1.plus_ms(9 * PERIOD_MS));
     }
     assert_eq!(store.get(KEY, 1_000, 501), 1, "only the used unit stays counted");
     assert_eq!(book.keys(), 0, "an idle key with nothing to report leaves the book");
-    assert!(book.heartbeat(t1.plus_ms(4 * PERIOD_MS)).is_empty());
+    assert!(book.heartbeat(t1.plus_ms(9 * PERIOD_MS + 10)).is_empty());
 }
 
 #[test]
@@ -267,7 +334,7 @@ fn a_store_failure_decides_on_the_last_state_and_reports_it_later() {
     let s = spec(60_000, 10);
     let now = UnixMillis(60_000 * 1000);
     for policy in [OnStoreFailure::LastState, OnStoreFailure::Refuse] {
-        let mut book = LeaseBook::new(1000, PERIOD_MS, policy, u32::MAX, LEASE_TIMEOUT_MS);
+        let mut book = Worker::with(1000, policy, u32::MAX);
         let key = FleetKey(policy as u128 + 100);
         let ask = wait_call(book.take(key, s, 1, false, now)).unwrap();
         let ask = Ask { want: 4, ..ask };
@@ -322,39 +389,46 @@ fn a_store_failure_decides_on_the_last_state_and_reports_it_later() {
 }
 
 #[test]
-fn a_full_book_evicts_a_key_and_gives_its_units_back() {
-    let mut book = LeaseBook::new(2, PERIOD_MS, OnStoreFailure::LastState, u32::MAX, LEASE_TIMEOUT_MS);
+fn a_full_book_closes_a_lease_and_gives_its_units_back() {
+    // Two keys at most: as many records, and as many keys followed.
+    let mut book = Worker::with(2, OnStoreFailure::LastState, u32::MAX);
     let mut store = FakeStore::default();
     let s = spec(60_000, 1000);
     let now = UnixMillis(60_000 * 1000);
-    for key in [FleetKey(1), FleetKey(2)] {
+    let keys = [FleetKey(1), FleetKey(2), FleetKey(3)];
+    for key in keys {
         let ask = Ask { want: 10, ..wait_call(book.take(key, s, 1, false, now)).unwrap() };
         book.answered(&ask, Some(store.serve(&ask)), now);
         let take = book.take(key, s, 1, true, now);
         assert!(matches!(refilled(&mut book, &mut store, take, now), Take::Admitted { .. }));
     }
-    let counted = |store: &FakeStore| store.get(FleetKey(1), 60_000, 1000) + store.get(FleetKey(2), 60_000, 1000);
-    assert_eq!(counted(&store), book.held() + 2);
-    assert!(matches!(book.take(FleetKey(3), s, 1, false, now), Take::Wait { call: Some(_) }));
-    assert_eq!(book.keys(), 2, "one of the two keys left for the third");
+    let counted = |store: &FakeStore| keys.iter().map(|k| store.get(*k, 60_000, 1000)).sum::<u64>();
+    let held = |book: &Worker| keys.iter().map(|k| book.held_of(*k)).sum::<u64>();
+    assert_eq!(book.keys(), 2, "one of the first two keys is no longer followed");
+    assert!(counted(&store) > held(&book) + 3, "a closed lease's units are still counted");
     let returns = book.heartbeat(now);
-    assert_eq!(returns.len(), 1);
-    store.serve(&returns[0]);
-    assert_eq!(counted(&store), book.held() + 2, "the evicted key's units came back");
+    assert!(!returns.is_empty());
+    for ask in &returns {
+        store.serve(ask);
+    }
+    assert_eq!(counted(&store), held(&book) + 3, "the closed leases' units came back");
 }
 
-/// Six workers (three proxies × two) take units of one key from one store, with calls
-/// answered after 0 to 5 ms, heartbeats every second and three windows' worth of traffic well
-/// above the limit: in every bucket the admitted units never exceed the limit, and the fleet
-/// gets close to it.
+/// Three proxies of two workers each take units of one key from one store, with calls
+/// answered after 0 to 5 ms, a tick every millisecond (a request waiting on its proxy's call
+/// from the other worker looks again), heartbeats every second and three windows' worth of
+/// traffic well above the limit: in every bucket the admitted units never exceed the limit,
+/// and the fleet gets close to it.
 #[test]
-fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
+fn three_proxies_of_two_workers_never_admit_more_than_the_limit_in_any_bucket() {
     let window_ms = 1_000;
     let limit = 500;
     let s = spec(window_ms, limit);
     let mut store = FakeStore::default();
-    let mut books: Vec<LeaseBook> = (0..6).map(|_| book()).collect();
-    // Calls in the air: (answer at, worker, ask); requests waiting: (worker, since).
+    let proxies: Vec<Rc<MemoryStore>> = (0..3).map(|_| Rc::new(MemoryStore::new())).collect();
+    let mut books: Vec<Worker> =
+        (0..6).map(|w| Worker::of(Rc::clone(&proxies[w / 2]), 1000, OnStoreFailure::LastState, u32::MAX, w as u64 + 1)).collect();
+    // Calls in the air: (answer at, worker, ask); requests waiting: per worker, since when.
     let mut calls: VecDeque<(u64, usize, Ask)> = VecDeque::new();
     let mut waiting: Vec<VecDeque<u64>> = vec![VecDeque::new(); 6];
     let mut admitted: HashMap<u64, u32> = HashMap::new();
@@ -366,34 +440,36 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
         rng
     };
     let start = 1_000 * 1_000_000u64;
-    let (mut requests, mut refused, mut waits) = (0u64, 0u64, 0u64);
+    let (mut requests, mut refused, mut waits, mut sent) = (0u64, 0u64, 0u64, 0u64);
     let mut late_at_once: Vec<(u64, u32)> = Vec::new();
     for t in 0..3_500u64 {
         let now = UnixMillis(start + t);
         let bucket = now.0 / window_ms;
-        // Answers due now, then the requests waiting on them.
+        // Answers due now.
         while calls.front().is_some_and(|(at, ..)| *at <= t) {
             let (_, worker, ask) = calls.pop_front().unwrap();
-            let grant = store.serve_as(worker as u64, &ask);
+            let grant = store.serve_as((worker / 2) as u64, &ask);
             if ask.bucket < bucket && ask.at_once > 0 && grant.granted > 0 {
                 late_at_once.push((ask.bucket, grant.granted.min(ask.at_once)));
             }
             books[worker].answered(&ask, Some(grant), now);
-            if ask.want == 0 {
-                continue;
-            }
+        }
+        // Every worker's tick: its waiting requests take again, in order.
+        for worker in 0..6 {
             let queue = std::mem::take(&mut waiting[worker]);
             for since in queue {
                 match books[worker].take(KEY, s, 1, true, now) {
                     Take::Admitted { refill, .. } => {
                         *admitted.entry(bucket).or_default() += 1;
                         if let Some(ask) = refill {
+                            sent += 1;
                             calls.push_back((t + next() % 6, worker, ask));
                         }
                     }
                     Take::Wait { call } => {
                         waiting[worker].push_back(since);
                         if let Some(ask) = call {
+                            sent += 1;
                             calls.push_back((t + next() % 6, worker, ask));
                         }
                     }
@@ -401,7 +477,6 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
                 }
             }
         }
-        calls.make_contiguous().sort_by_key(|(at, ..)| *at);
         for (worker, b) in books.iter_mut().enumerate() {
             if t % 1000 == 0 || b.roll_due(now) {
                 for ask in b.heartbeat(now) {
@@ -417,6 +492,7 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
                 Take::Admitted { refill, .. } => {
                     *admitted.entry(bucket).or_default() += 1;
                     if let Some(ask) = refill {
+                        sent += 1;
                         calls.push_back((t + next() % 6, worker, ask));
                     }
                 }
@@ -424,21 +500,23 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
                     waits += 1;
                     waiting[worker].push_back(t);
                     if let Some(ask) = call {
+                        sent += 1;
                         calls.push_back((t + next() % 6, worker, ask));
                     }
                 }
                 Take::Refused { .. } => refused += 1,
             }
         }
+        calls.make_contiguous().sort_by_key(|(at, ..)| *at);
     }
     let mut buckets: Vec<_> = admitted.into_iter().collect();
     buckets.sort();
-    println!("{requests} requests, {waits} waited, {refused} refused; admitted per bucket {buckets:?}; late at once {late_at_once:?}");
+    println!("{requests} requests, {waits} waited, {refused} refused, {sent} calls; admitted per bucket {buckets:?}; late at once {late_at_once:?}");
     for (bucket, n) in &buckets {
         assert!(*n <= limit, "bucket {bucket}: {n} admitted over a limit of {limit}");
         let counted = store.get(KEY, window_ms, *bucket);
         assert!(u64::from(*n) <= counted, "bucket {bucket}: the store counts {counted}, fewer than the {n} admitted");
-        // Every worker settled its ended buckets: once the next bucket's grace passed, the
+        // Every proxy settled its ended buckets: once the next bucket's grace passed, the
         // store counts exactly what was admitted, and the units granted at once to requests
         // whose answer came after the bucket ended (counted as used, they cannot be given back:
         // the fleet admits that much less, never more).
@@ -453,11 +531,135 @@ fn six_workers_never_admit_more_than_the_limit_in_any_bucket() {
     assert!(first_full + 12 >= limit, "{first_full} of {limit}");
 }
 
+/// The workers of a proxy take from one lease: a request on one worker waits for the call
+/// another worker's request sent, and one grant serves both workers' requests.
+#[test]
+fn the_workers_of_a_proxy_share_its_lease_and_its_call() {
+    let shared = Rc::new(MemoryStore::new());
+    let mut a = Worker::of(Rc::clone(&shared), 1000, OnStoreFailure::LastState, u32::MAX, 1);
+    let mut b = Worker::of(Rc::clone(&shared), 1000, OnStoreFailure::LastState, u32::MAX, 2);
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 1000);
+    let now = UnixMillis(60_000 * 1000 + 10);
+    let ask = wait_call(a.take(KEY, s, 1, false, now)).expect("the proxy's first request sends its call");
+    assert_eq!(wait_call(b.take(KEY, s, 1, false, now)), None, "the other worker's request waits for the same call");
+    let ask = Ask { want: 10, ..ask };
+    assert!(a.book.take_notices().is_empty());
+    a.answered(&ask, Some(store.serve(&ask)), now.plus_ms(1));
+    assert_eq!(a.book.take_notices(), vec![(2, KEY)], "the other worker is told the call ended");
+    // The sender's request, woken by the answer, and the other's, told.
+    assert!(matches!(a.take(KEY, s, 1, true, now.plus_ms(1)), Take::Admitted { .. }));
+    assert!(matches!(b.take(KEY, s, 1, true, now.plus_ms(2)), Take::Admitted { held: 8, .. }));
+    let mut admitted = 2;
+    for n in 0..8 {
+        let worker = if n % 2 == 0 { &mut a } else { &mut b };
+        assert!(matches!(worker.take(KEY, s, 1, false, now.plus_ms(3)), Take::Admitted { refill: None, .. }));
+        admitted += 1;
+    }
+    assert_eq!((admitted, a.held(), b.held()), (10, 0, 0), "one grant of 10 served ten requests over both workers");
+    assert!(matches!(b.take(KEY, s, 1, false, now.plus_ms(4)), Take::Wait { call: Some(_) }));
+    assert!(matches!(a.take(KEY, s, 1, false, now.plus_ms(4)), Take::Wait { call: None }));
+    assert_eq!(store.get(KEY, 60_000, 1000), 10);
+}
+
+/// A request waiting on its proxy's call does not decide without the store while the call is
+/// on its way (it would admit on stale counts while the call may grant the units, or take
+/// them): it waits for the answer, or for the call's own timeout, and decides without the store
+/// once the call failed, or once it waited as long as any call takes.
+#[test]
+fn a_request_waiting_on_another_workers_call_decides_without_the_store_only_once_it_failed() {
+    let shared = Rc::new(MemoryStore::new());
+    let mut a = Worker::of(Rc::clone(&shared), 1000, OnStoreFailure::Refuse, u32::MAX, 1);
+    let mut b = Worker::of(Rc::clone(&shared), 1000, OnStoreFailure::Refuse, u32::MAX, 2);
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 1000);
+    let now = UnixMillis(60_000 * 1000 + 10);
+    // A call from worker a's root is on its way (a request asking again; its timeout is the
+    // longer one).
+    let refill = wait_call(a.take(KEY, s, 1, true, now)).unwrap();
+    let later = now.plus_ms(20);
+    assert_eq!(wait_call(b.take(KEY, s, 1, false, later)), None);
+    let expired = later.plus_ms(LEASE_TIMEOUT_MS);
+    assert_eq!(wait_call(b.take(KEY, s, 1, true, expired)), None, "past lease_timeout, the call may still answer");
+    // It answers, for both waiting requests: each takes its unit, whatever its worker.
+    assert_eq!(refill.at_once, 1);
+    let refill = Ask { want: 4, at_once: 2, ..refill };
+    a.answered(&refill, Some(store.serve(&refill)), expired.plus_ms(1));
+    assert!(matches!(b.take(KEY, s, 1, true, expired.plus_ms(2)), Take::Admitted { .. }));
+    assert!(matches!(a.take(KEY, s, 1, true, expired.plus_ms(2)), Take::Admitted { .. }));
+    // Another call, whose sender is gone: the waiters wait for it until its timeout, then one
+    // of them asks again.
+    let t1 = now.plus_ms(5_000);
+    let (lost, a_waits) = loop {
+        match a.take(KEY, s, 1, false, t1) {
+            Take::Admitted { refill: Some(call), .. } => break (call, 0),
+            Take::Wait { call: Some(call) } => break (call, 1),
+            Take::Admitted { refill: None, .. } => {}
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(lost.want >= 1);
+    // b takes what the proxy still holds, then waits on that call.
+    loop {
+        match b.take(KEY, s, 1, false, t1) {
+            Take::Admitted { refill: None, .. } => {}
+            Take::Wait { call: None } => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(wait_call(b.take(KEY, s, 1, true, t1.plus_ms(LEASE_TIMEOUT_MS))), None);
+    assert_eq!(wait_call(b.take(KEY, s, 1, true, t1.plus_ms(CALL_TIMEOUT_MS))), None, "its failure may still come");
+    let past = t1.plus_ms(CALL_TIMEOUT_MS + LEASE_TIMEOUT_MS);
+    let again = wait_call(b.take(KEY, s, 1, true, past)).expect("the lost call is past its timeout: b asks");
+    assert_eq!(again.at_once, 1 + a_waits, "for every request of the proxy waiting");
+    // Overdue, a request decides without the store (here: refuse).
+    assert!(matches!(b.take_after(KEY, s, 1, Waited::Overdue, past.plus_ms(LEASE_TIMEOUT_MS)), Take::Refused { refusal: Refusal::StoreDown, .. }));
+    // A failed call lets the waiters decide at once.
+    b.answered(&again, None, past.plus_ms(LEASE_TIMEOUT_MS + 1));
+    assert!(matches!(a.take(KEY, s, 1, true, past.plus_ms(LEASE_TIMEOUT_MS + 2)), Take::Refused { refusal: Refusal::StoreDown, .. }));
+}
+
+/// A key whose requests come every 2 s (slower than once a period) gets leases that cover
+/// its next four requests, kept that long and refilled once empty: once its rate is known (at
+/// its second request), a call every four requests.
+#[test]
+fn a_slow_key_takes_a_call_every_few_requests() {
+    let mut book = book();
+    let mut store = FakeStore::default();
+    let s = spec(3_600_000, 10_000);
+    let t0 = UnixMillis(3_600_000 * 400);
+    let (mut calls, mut give_backs) = (0, 0);
+    for n in 0..20u64 {
+        let now = t0.plus_ms(n * 2_000);
+        for ask in book.heartbeat(now) {
+            give_backs += 1;
+            book.answered(&ask, Some(store.serve(&ask)), now);
+        }
+        let take = match book.take(KEY, s, 1, false, now) {
+            Take::Wait { call: Some(ask) } => {
+                calls += 1;
+                book.answered(&ask, Some(store.serve(&ask)), now.plus_ms(1));
+                book.take(KEY, s, 1, true, now.plus_ms(1))
+            }
+            other => other,
+        };
+        let Take::Admitted { refill, .. } = take else { panic!("admitted: {take:?}") };
+        if let Some(ask) = refill {
+            calls += 1;
+            book.answered(&ask, Some(store.serve(&ask)), now.plus_ms(2));
+        }
+    }
+    println!("20 requests: {calls} calls, {give_backs} give-backs");
+    assert!(calls <= 6, "{calls} calls for 20 requests");
+    assert_eq!(give_backs, 0, "nothing sat unused long enough to go back");
+    assert_eq!(store.get(KEY, 3_600_000, 400), 20 + book.held());
+}
+
 /// `max_lease: 1`: every request asks the store; requests waiting together share a call that
 /// asks for what they need, and nothing is held between requests.
 #[test]
 fn a_lease_of_one_unit_holds_nothing_between_requests() {
-    let mut book = LeaseBook::new(1000, PERIOD_MS, OnStoreFailure::LastState, 1, LEASE_TIMEOUT_MS);
+    let mut book = Worker::with(1000, OnStoreFailure::LastState, 1);
     let mut store = FakeStore::default();
     let s = spec(60_000, 1_000_000);
     let start = 60_000 * 1000;
@@ -477,29 +679,29 @@ fn a_lease_of_one_unit_holds_nothing_between_requests() {
     assert_eq!(store.get(KEY, 60_000, 1000), 600);
 }
 
-/// A key seen once a while: one call per request, which asks for its unit, and no refill (the
+/// A key seen once a minute: one call per request, which asks for its unit, and no refill (the
 /// unit would be held for nothing).
 #[test]
 fn a_key_seen_once_asks_for_one_unit_and_nothing_ahead() {
     let mut book = book();
     let mut store = FakeStore::default();
-    let s = spec(60_000, 1000);
+    let s = spec(3_600_000, 1000);
     for n in 0..5u64 {
-        let now = UnixMillis(60_000 * 1000 + n * 2_000);
+        let now = UnixMillis(3_600_000 * 1000 + n * 60_000);
         let ask = wait_call(book.take(KEY, s, 1, false, now)).expect("a cold key's request asks");
         assert_eq!(ask.want, 1);
         book.answered(&ask, Some(store.serve(&ask)), now);
         assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, refill: None, .. }));
     }
-    assert_eq!(store.get(KEY, 60_000, 1000), 5);
+    assert_eq!(store.get(KEY, 3_600_000, 1000), 5);
 }
 
-/// A worker that stops (its proxy died) holding a lease: its units weigh in their bucket, and
+/// A proxy that stops (it died) holding a lease: its units weigh in their bucket, and
 /// come back once the next bucket is `grace_ms` old, with the units it used since its last call
-/// (the store cannot tell them apart); a live worker's settlement at the bucket's end keeps what
+/// (the store cannot tell them apart); a live proxy's settlement at the bucket's end keeps what
 /// it used counted.
 #[test]
-fn a_dead_workers_units_come_back_after_its_bucket_and_the_grace() {
+fn a_dead_proxys_units_come_back_after_its_bucket_and_the_grace() {
     let (window_ms, limit) = (1_000, 1_000);
     let s = spec(window_ms, limit);
     let grace = grace_ms(window_ms, LEASE_TIMEOUT_MS);
@@ -518,7 +720,7 @@ fn a_dead_workers_units_come_back_after_its_bucket_and_the_grace() {
         }
     }
     assert_eq!(store.get(KEY, window_ms, 700), 200);
-    // The live worker settles at the next bucket's first tick: 70 back, 30 reported used.
+    // The live proxy settles at the next bucket's first tick: 70 back, 30 reported used.
     let t1 = UnixMillis(window_ms * 701 + 5);
     assert!(live.roll_due(t1) && !live.roll_due(UnixMillis(window_ms * 701 - 1)));
     let settle = live.heartbeat(t1);
@@ -527,21 +729,21 @@ fn a_dead_workers_units_come_back_after_its_bucket_and_the_grace() {
     assert_eq!((settle[0].bucket, settle[0].returned_previous, settle[0].used_previous), (701, 70, 29));
     live.answered(&settle[0], Some(store.serve_as(1, &settle[0])), t1);
     assert!(!live.roll_due(t1));
-    assert_eq!(store.get(KEY, window_ms, 700), 130, "the dead worker's 100 still count");
-    // Within the grace, the dead worker's units still weigh: 130 × 0.9 = 117 of 1 000.
+    assert_eq!(store.get(KEY, window_ms, 700), 130, "the dead proxy's 100 still count");
+    // Within the grace, the dead proxy's units still weigh: 130 × 0.9 = 117 of 1 000.
     let t2 = UnixMillis(window_ms * 701 + 100);
     let ask = wait_call(live.take(KEY, s, 1, false, t2)).unwrap();
     assert_eq!(ask.grace_ms, grace);
     let grant = store.serve_as(1, &ask);
     assert_eq!(grant.counts.previous, 130);
     live.answered(&ask, Some(grant), t2);
-    // Past the grace, they come back: the previous bucket counts the live worker's 30 and the
-    // dead worker's first unit (its waiting request took it at once: counted as used).
+    // Past the grace, they come back: the previous bucket counts the live proxy's 30 and the
+    // dead proxy's first unit (its waiting request took it at once: counted as used).
     let t3 = UnixMillis(window_ms * 701 + grace);
     let ask = Ask { elapsed_ms: t3.0 % window_ms, want: 1, returned: 0, returned_previous: 0, used: 0, used_previous: 0, at_once: 0, ..ask };
     assert_eq!(ask.elapsed_ms, grace);
     let grant = store.serve_as(1, &ask);
-    assert_eq!(grant.counts.previous, 31, "the dead worker's 70 unused and 29 unreported units came back");
+    assert_eq!(grant.counts.previous, 31, "the dead proxy's 70 unused and 29 unreported units came back");
     assert_eq!(store.get(KEY, window_ms, 700), 31);
     // A settlement arriving after that takes nothing more off.
     let late = Ask { want: 0, returned: 0, returned_previous: 70, used: 0, used_previous: 29, ..ask };
