@@ -96,34 +96,32 @@ fn lease_stat(envoys: &[Envoy], what: &str) -> u64 {
     envoys.iter().map(|e| e.stat(&format!("{WASM_CUSTOM_NAMESPACE}floodgate.lease.{what}")).unwrap_or(0)).sum()
 }
 
-/// Sum of the counters floodgate-sync keeps for the current bucket of the 1 h window.
-fn redis_total(nodes: &[&Redis]) -> u64 {
+/// The keys of the current bucket of the 1 h window on every node, with `suffix` after the
+/// bucket (`""`: the counters; `":h"`: their holders hashes), each with its node.
+fn bucket_keys<'a>(nodes: &[&'a Redis], suffix: &str) -> Vec<(&'a Redis, String)> {
     let bucket = (since_epoch().as_millis() / WINDOW.as_millis()) as u64;
-    let mut total = 0;
+    let mut keys = Vec::new();
     for node in nodes {
         // SCAN may return a key twice (while Redis rehashes its table): each key once.
-        let keys: std::collections::BTreeSet<String> =
-            node.cli(&["--scan", "--pattern", &format!("fg:*:3600000:{bucket}")]).lines().map(str::to_owned).collect();
-        for key in keys {
-            total += node.cli(&["GET", &key]).trim().parse::<u64>().unwrap_or(0);
-        }
+        let found: std::collections::BTreeSet<String> =
+            node.cli(&["--scan", "--pattern", &format!("fg:*:3600000:{bucket}{suffix}")]).lines().map(str::to_owned).collect();
+        keys.extend(found.into_iter().map(|key| (*node, key)));
     }
-    total
+    keys
+}
+
+/// Sum of the counters floodgate-sync keeps for the current bucket of the 1 h window.
+fn redis_total(nodes: &[&Redis]) -> u64 {
+    bucket_keys(nodes, "").iter().map(|(node, key)| node.cli(&["GET", key]).trim().parse::<u64>().unwrap_or(0)).sum()
 }
 
 /// The holders floodgate-sync knows in the current bucket of the 1 h window (those with units
 /// outstanding), over every key.
 fn lease_holders(nodes: &[&Redis]) -> std::collections::BTreeSet<String> {
-    let bucket = (since_epoch().as_millis() / WINDOW.as_millis()) as u64;
-    let mut holders = std::collections::BTreeSet::new();
-    for node in nodes {
-        let hashes: std::collections::BTreeSet<String> =
-            node.cli(&["--scan", "--pattern", &format!("fg:*:3600000:{bucket}:h")]).lines().map(str::to_owned).collect();
-        for hash in hashes {
-            holders.extend(node.cli(&["HKEYS", &hash]).lines().map(str::trim).filter(|h| !h.is_empty()).map(str::to_owned));
-        }
-    }
-    holders
+    bucket_keys(nodes, ":h")
+        .iter()
+        .flat_map(|(node, hash)| node.cli(&["HKEYS", hash]).lines().map(str::trim).filter(|h| !h.is_empty()).map(str::to_owned).collect::<Vec<_>>())
+        .collect()
 }
 
 /// The seconds from now to the end of the hour's bucket.

@@ -8,10 +8,11 @@
 //! context for everything else (refills, give-backs, a call sent again after its stream ended),
 //! queued and sent at the root's next tick. An answer wakes this worker's requests waiting on its
 //! keys: each takes its units again ([`super::resume`]) on its own stream state; requests waiting
-//! on another worker's call look at their key again at every tick. A request waiting past
-//! `lease_timeout` is decided as `on_store_failure` says, unless a call of its key is on its way
-//! and not past its timeout. Nothing here calls the host: calls to send are queued
-//! ([`LeasedStage::take_outgoing`]).
+//! on another worker's call are told through this worker's wake queue when it ends
+//! ([`LeasedStage::take_notices`]), and look at their key again at every tick besides. A request
+//! is decided as `on_store_failure` says once its key's call failed, or once it waited
+//! `lease_timeout + timeout` ([`LeasedStage::overdue`]). Nothing here calls the host: calls to
+//! send are queued ([`LeasedStage::take_outgoing`]).
 //!
 //! Rationale: docs/design.md, sections "A request's path" and "Leased consistency".
 
@@ -285,8 +286,7 @@ impl LeasedStage {
     /// waits for); past `lease_timeout` it is decided without the store, unless a call of its
     /// key is on its way and not past its timeout ([`Waited`]). Calls it needs go from the root.
     pub fn decide(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, wait: &Wait, now: Now) -> Decision {
-        let waited_ms = now.mono.saturating_since(wait.since);
-        let waited = if waited_ms >= self.timeout_ms.saturating_add(self.background_timeout_ms) { Waited::Overdue } else { Waited::Within };
+        let waited = if self.overdue(wait.since, now) { Waited::Overdue } else { Waited::Within };
         let mut sends = Vec::new();
         let decision = self.take_all(filter, store, metrics, &wait.probes, Some(wait.on.0), waited, now, &mut sends);
         self.queued.borrow_mut().extend(sends);
@@ -484,8 +484,8 @@ impl LeasedStage {
 
     /// The root's tick: a lease whose bucket ended is settled; the keys whose waiting requests
     /// have no call of this worker on its way (another worker's, or one that was lost), and
-    /// those with a request waiting past `lease_timeout`, are to be decided again: returns the
-    /// keys to wake. The calls they need, and the root's queued ones, go from the root.
+    /// those with an overdue request ([`LeasedStage::overdue`]), are to be decided again:
+    /// returns the keys to wake. The calls they need, and the root's queued ones, go from the root.
     pub fn tick(&self, store: &dyn SharedStore, metrics: &dyn Metrics, now: Now) -> Vec<FleetKey> {
         if self.book.borrow().roll_due(now.wall) {
             self.heartbeat(store, metrics, now);
@@ -496,9 +496,9 @@ impl LeasedStage {
             waiting
                 .iter()
                 .filter(|(key, queue)| {
-                    let expired = queue.iter().any(|(_, s)| s.borrow().waiting_since().is_some_and(|since| now.mono.saturating_since(since) >= self.timeout_ms));
+                    let overdue = queue.iter().any(|(_, s)| s.borrow().waiting_since().is_some_and(|since| self.overdue(since, now)));
                     let on_its_way = calls.values().any(|c| c.asks.iter().any(|a| a.key == **key && a.want > 0));
-                    expired || !on_its_way
+                    overdue || !on_its_way
                 })
                 .map(|(key, _)| *key)
                 .collect()
@@ -506,6 +506,12 @@ impl LeasedStage {
         // Waiting lists of requests that are all gone.
         self.waiting.borrow_mut().retain(|_, queue| queue.iter().any(|(_, s)| s.borrow().waiting_since().is_some()));
         keys
+    }
+
+    /// Whether a request waiting since `since` waited as long as any call of its key can take
+    /// (`lease_timeout + timeout`): it is decided without the store.
+    pub fn overdue(&self, since: MonoMillis, now: Now) -> bool {
+        now.mono.saturating_since(since) >= self.timeout_ms.saturating_add(self.background_timeout_ms)
     }
 
     /// The workers to tell that a call of a key their requests wait on ended, and the key:

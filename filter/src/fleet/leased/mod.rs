@@ -793,13 +793,28 @@ impl LeaseBook {
         Ok(answer)
     }
 
+    /// [`LeaseBook::with_lease`] where a failure of shared data only costs this update (the
+    /// host refused, or the record stayed contended): logged, and `None` as for a record of
+    /// another key.
+    fn update_lease<T>(
+        &mut self,
+        store: &dyn SharedStore,
+        key: FleetKey,
+        create: Option<LeaseSpec>,
+        now: UnixMillis,
+        f: impl FnMut(&mut KeyLease) -> T,
+    ) -> Option<T> {
+        self.with_lease(store, key, create, now, f).unwrap_or_else(|err| {
+            log::debug!("floodgate: lease record not updated: {err}");
+            None
+        })
+    }
+
     /// Closes `key`'s lease: what it holds and owes goes back with the next heartbeat.
     fn close(&mut self, store: &dyn SharedStore, key: FleetKey, now: UnixMillis) {
         let terms = self.terms;
-        match self.with_lease(store, key, None, now, |lease| lease.close(key, now, &terms)) {
-            Ok(Some(Some(ask))) => self.orphan_returns.push(ask),
-            Ok(_) => {}
-            Err(err) => log::debug!("floodgate: lease record not closed: {err}"),
+        if let Some(Some(ask)) = self.update_lease(store, key, None, now, |lease| lease.close(key, now, &terms)) {
+            self.orphan_returns.push(ask);
         }
     }
 
@@ -846,17 +861,15 @@ impl LeaseBook {
         if ask.call == 0 {
             return;
         }
-        let result = self.with_lease(store, ask.key, None, now, |lease| {
+        let ended = self.update_lease(store, ask.key, None, now, |lease| {
             if lease.call.is_some_and(|c| c.id == ask.call) {
                 lease.call_ended()
             } else {
                 [0; WATCHERS]
             }
         });
-        match result {
-            Ok(Some(watchers)) => self.notify(ask.key, watchers),
-            Ok(None) => {}
-            Err(err) => log::debug!("floodgate: lease record not updated: {err}"),
+        if let Some(watchers) = ended {
+            self.notify(ask.key, watchers);
         }
     }
 
@@ -866,25 +879,19 @@ impl LeaseBook {
             entry.waiting = entry.waiting.saturating_sub(cost);
         }
         let terms = self.terms;
-        let result = self.with_lease(store, key, None, now, |lease| {
+        self.update_lease(store, key, None, now, |lease| {
             let left = lease.waiting(now, &terms).saturating_sub(cost);
             lease.set_waiting(left, now);
         });
-        if let Err(err) = result {
-            log::debug!("floodgate: lease record not updated: {err}");
-        }
     }
 
     /// Gives back units taken by [`LeaseBook::take`] for a request another rule refused.
     pub fn untake(&mut self, store: &dyn SharedStore, key: FleetKey, cost: u32, taken_at: UnixMillis) {
-        let result = self.with_lease(store, key, None, taken_at, |lease| {
+        self.update_lease(store, key, None, taken_at, |lease| {
             if lease.spec.window.phase(taken_at).bucket_index == lease.bucket {
                 lease.untake(cost);
             }
         });
-        if let Err(err) = result {
-            log::debug!("floodgate: lease record not updated: {err}");
-        }
     }
 
     /// Gives back `units` of `key` taken at `taken_at` and not used after all (a reservation
@@ -899,7 +906,7 @@ impl LeaseBook {
             return;
         }
         self.follow(store, key, spec, now);
-        let result = self.with_lease(store, key, Some(spec), now, |lease| {
+        self.update_lease(store, key, Some(spec), now, |lease| {
             lease.roll(now);
             if taken_in == lease.bucket {
                 lease.untake(units);
@@ -910,9 +917,6 @@ impl LeaseBook {
                 lease.refunded_previous = lease.refunded_previous.saturating_add(units.saturating_sub(unreported));
             }
         });
-        if let Err(err) = result {
-            log::debug!("floodgate: lease record not updated: {err}");
-        }
     }
 
     /// Charges `units` of `key` beyond what a request took (a count reported above its
@@ -923,14 +927,11 @@ impl LeaseBook {
             return;
         }
         self.follow(store, key, spec, now);
-        let result = self.with_lease(store, key, Some(spec), now, |lease| {
+        self.update_lease(store, key, Some(spec), now, |lease| {
             lease.roll(now);
             lease.consumed = lease.consumed.saturating_add(units);
             lease.admit(units, now);
         });
-        if let Err(err) = result {
-            log::debug!("floodgate: lease record not updated: {err}");
-        }
     }
 
     /// The store's answer to `ask` (`None`: the call failed or timed out). The requests
