@@ -276,9 +276,12 @@ fn accepted_config(config: &Config) {
         }
         let limit = std::num::NonZeroU32::MIN;
         let _ = rules.settled_units(rule, floodgate::ratelimit::rules::Report::Missing, 7, limit);
-        if let Some(mut scan) = rules.body_scan(rule, Some(b"text/event-stream")) {
-            let _ = scan.feed(b"data: {\"usage\":{\"total_tokens\":3}}\n\n", rules.body_path(rule));
-            let _ = scan.end(rules.body_path(rule));
+        if let Some(Ok(mut scan)) = rules.body_scan(rule, Some(b"text/event-stream"), false) {
+            let _ = scan.feed(b"data: {\"usage\":{\"total_tokens\":3}}\n\n", rules.body_usage(rule));
+            let _ = scan.end(rules.body_usage(rule));
+        }
+        if let Some(scan) = rules.body_scan(rule, None, true) {
+            assert!(scan.is_err(), "a compressed body is never read");
         }
     }
     for (table, rule) in limiter.tables().iter().zip(&config.rate_limits) {
@@ -926,21 +929,26 @@ const WATCHDOGS: [&str; 3] = [
 ];
 
 /// A response body read for a usage count (`cost.from: response_body`): the first byte picks
-/// JSON or an event stream and the byte bound, the second where the body is cut into chunks; a
-/// scan never panics, and chunking never changes its answer.
+/// JSON or an event stream, one path or a weighted sum of several (Anthropic's input and output
+/// tokens), and the byte bound, the second where the body is cut into chunks; a scan never
+/// panics, and chunking never changes its answer.
 pub fn usage_body(data: &[u8]) {
-    use floodgate::ratelimit::usage::{segments, Format, Scan, UsageScan};
+    use floodgate::ratelimit::usage::{Format, Scan, Usage, UsageScan};
     let mut input = Input { data };
     let flags = input.u8();
     let cut = usize::from(input.u8());
     let body = input.rest();
     let format = if flags & 1 == 0 { Format::Json } else { Format::EventStream };
-    let max_bytes = if flags & 2 == 0 { u64::MAX } else { u64::from(flags >> 2) };
-    let path = segments("usage.total_tokens");
-    let mut whole = UsageScan::new(format, max_bytes);
+    let max_bytes = if flags & 2 == 0 { u64::MAX } else { u64::from(flags >> 3) };
+    let path = if flags & 4 == 0 {
+        Usage::path("usage.total_tokens")
+    } else {
+        Usage::new([(vec!["usage.input_tokens", "message.usage.input_tokens"], 1), (vec!["usage.output_tokens"], 4)])
+    };
+    let mut whole = UsageScan::new(format, &path, max_bytes);
     whole.feed(body, &path);
     let whole = whole.end(&path);
-    let mut chunked = UsageScan::new(format, max_bytes);
+    let mut chunked = UsageScan::new(format, &path, max_bytes);
     let (head, tail) = body.split_at(cut.min(body.len()));
     chunked.feed(head, &path);
     chunked.feed(tail, &path);

@@ -24,7 +24,10 @@ pub use selection::{
     MAX_BUCKETS, MAX_CLUSTERS,
 };
 pub use bulkhead::{Partition, PerKey, WhenUnavailable, DEFAULT_SPILL_BELOW, MAX_PER_KEY_CAPACITY};
-pub use rules::{Cost, CostSource, Estimate, HeaderCondition, Match, Override, PathMatch, Tiers, Unreported, DEFAULT_ESTIMATE_BODY_BYTES, DEFAULT_MAX_BODY_BYTES};
+pub use rules::{
+    Cost, CostSource, Estimate, HeaderCondition, Match, Override, PathMatch, Places, Term, Tiers, Unreported, DEFAULT_ESTIMATE_BODY_BYTES,
+    DEFAULT_MAX_BODY_BYTES, MAX_SUM_PLACES, MAX_SUM_TERMS, MAX_TERM_PLACES, MAX_WEIGHT,
+};
 pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -55,6 +58,9 @@ pub struct Config {
     /// When responses carry the `ratelimit` / `ratelimit-policy` fields.
     #[serde(default)]
     pub ratelimit_headers: RateLimitHeaders,
+    /// The shape of the rules' `429` bodies, unless a rule says otherwise.
+    #[serde(default)]
+    pub refusal_format: RefusalFormat,
     /// The proxy-wide in-flight limit and its priority classes.
     #[serde(default)]
     pub load_shedding: Option<LoadShedding>,
@@ -311,6 +317,9 @@ pub struct RateLimitRule {
     /// What a request costs (absent: 1).
     #[serde(default)]
     pub cost: Option<Cost>,
+    /// The shape of the rule's `429` bodies (absent: the top-level `refusal_format`).
+    #[serde(default)]
+    pub refusal_format: Option<RefusalFormat>,
     /// In global scope: how the fleet shares the quota (default `batched`).
     #[serde(default)]
     pub consistency: Consistency,
@@ -380,6 +389,20 @@ pub enum MissingKey {
     Skip,
     /// All requests lacking any part share one counter per rule, whatever the present parts hold.
     Shared,
+}
+
+/// The shape of a rate limit's `429` body: the problem document, or the error object of the
+/// API the rule guards, so that the API's own clients show it (the headers are the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalFormat {
+    /// RFC 9457 problem details (`application/problem+json`), the default.
+    #[default]
+    Problem,
+    /// OpenAI's error object: `{"error": {"message", "type", "param", "code": "rate_limit_exceeded"}}`.
+    Openai,
+    /// Anthropic's: `{"type": "error", "error": {"type": "rate_limit_error", "message"}}`.
+    Anthropic,
 }
 
 /// When admitted responses carry the `ratelimit` / `ratelimit-policy` fields.

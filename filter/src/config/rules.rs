@@ -105,6 +105,10 @@ pub struct Cost {
     /// server-sent-event stream), object keys joined by dots: `usage.total_tokens`.
     #[serde(default)]
     pub path: Option<String>,
+    /// For `response_body`, instead of `path`: the count as a weighted sum of several counts
+    /// (input tokens × 1 + output tokens × 4), each at its own places.
+    #[serde(default)]
+    pub sum: Option<Vec<Term>>,
     /// For `response_body`: the most bytes of a response read for its count (default 1 MiB);
     /// a body longer than that is settled as unreported.
     #[serde(default)]
@@ -132,13 +136,65 @@ pub struct Estimate {
     /// The request is decided once it is read (the body waits meanwhile).
     #[serde(default)]
     pub body: Option<Vec<String>>,
-    /// With `body`: the most bytes of a request body read for the estimate (default 256 KiB).
+    /// Instead of `body`: the estimate as a weighted sum of counts in the request's JSON body
+    /// (`max_tokens` × 4), each the first of its places the body holds.
+    #[serde(default)]
+    pub sum: Option<Vec<Term>>,
+    /// With `body` or `sum`: the most bytes of a request body read for the estimate (default 256 KiB).
     #[serde(default)]
     pub max_body_bytes: Option<Positive>,
     /// The estimate when the header and the body hold no valid count.
     pub default: Positive,
     /// The largest estimate: a request asking more reserves this.
     pub max: Positive,
+}
+
+/// One term of a weighted sum (`cost.sum`, `cost.estimate.sum`): a count, at the first of its
+/// places that has one, times `weight`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Term {
+    /// Where the count is: one path (`"usage.output_tokens"`) or several, the first listed that
+    /// has a count giving it (`["usage.input_tokens", "message.usage.input_tokens"]`: the same
+    /// count where a JSON answer and a stream put it).
+    pub path: Places,
+    /// What one unit of the count costs (default 1).
+    #[serde(default = "one")]
+    pub weight: Positive,
+}
+
+fn one() -> Positive {
+    Positive::ONE
+}
+
+/// A term's places: a path, or a list of paths (each object keys joined by dots).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Places(pub Vec<String>);
+
+impl<'de> Deserialize<'de> for Places {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct PlacesVisitor;
+        impl<'de> serde::de::Visitor<'de> for PlacesVisitor {
+            type Value = Places;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a path (\"usage.output_tokens\") or a list of paths")
+            }
+            fn visit_str<E: serde::de::Error>(self, path: &str) -> Result<Places, E> {
+                Ok(Places(vec![path.to_owned()]))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Places, A::Error> {
+                let mut paths = Vec::new();
+                while let Some(path) = seq.next_element::<String>()? {
+                    if paths.len() >= MAX_TERM_PLACES {
+                        return Err(serde::de::Error::custom(format!("must list 1 to {MAX_TERM_PLACES} paths")));
+                    }
+                    paths.push(path);
+                }
+                Ok(Places(paths))
+            }
+        }
+        deserializer.deserialize_any(PlacesVisitor)
+    }
 }
 
 /// How a response without a valid count settles its reservation.
@@ -158,6 +214,15 @@ pub const DEFAULT_MAX_BODY_BYTES: u64 = 1 << 20;
 pub const DEFAULT_ESTIMATE_BODY_BYTES: u64 = 256 << 10;
 /// The most places `cost.estimate.body` may list.
 pub const MAX_ESTIMATE_PATHS: usize = 4;
+/// The most terms a `sum` may have.
+pub const MAX_SUM_TERMS: usize = 4;
+/// The most places one term of a `sum` may list.
+pub const MAX_TERM_PLACES: usize = 4;
+/// The most places all the terms of a `sum` may list together (each is one more comparison
+/// per key of the body).
+pub const MAX_SUM_PLACES: usize = 8;
+/// The largest weight of a term.
+pub const MAX_WEIGHT: u32 = 1000;
 /// The most segments a `cost.path` may have.
 pub const MAX_PATH_SEGMENTS: usize = 8;
 /// The longest segment of a `cost.path`.
@@ -267,11 +332,16 @@ pub fn validate_rule(rule: &mut RateLimitRule, at: &str) -> Result<(), ConfigErr
 /// `estimate` and `unreported`.
 fn validate_reported(cost: &mut Cost, at: &str) -> Result<(), ConfigError> {
     let body = cost.from == CostSource::ResponseBody;
-    match (&cost.path, body) {
-        (None, true) => return Err(error(format!("{at}.path"), "is required with \"from\": \"response_body\" (\"usage.total_tokens\")")),
-        (Some(_), false) => return Err(error(format!("{at}.path"), "has meaning only with \"from\": \"response_body\"")),
-        (Some(path), true) => json_path(path, &format!("{at}.path"))?,
-        (None, false) => {}
+    match (&cost.path, &cost.sum, body) {
+        (None, None, true) => {
+            return Err(error(format!("{at}.path"), "is required with \"from\": \"response_body\" (\"usage.total_tokens\"), or \"sum\""));
+        }
+        (Some(_), Some(_), _) => return Err(error(format!("{at}.sum"), "cannot be given with \"path\" (one says where the count is)")),
+        (Some(_), None, false) => return Err(error(format!("{at}.path"), "has meaning only with \"from\": \"response_body\"")),
+        (None, Some(_), false) => return Err(error(format!("{at}.sum"), "has meaning only with \"from\": \"response_body\"")),
+        (Some(path), None, true) => json_path(path, &format!("{at}.path"))?,
+        (None, Some(terms), true) => validate_sum(terms, &format!("{at}.sum"))?,
+        (None, None, false) => {}
     }
     if cost.max_body_bytes.is_some() && !body {
         return Err(error(format!("{at}.max_body_bytes"), "has meaning only with \"from\": \"response_body\""));
@@ -285,19 +355,23 @@ fn validate_reported(cost: &mut Cost, at: &str) -> Result<(), ConfigError> {
             if let Some(name) = &estimate.header {
                 estimate.header = Some(header_name(name).map_err(|p| error(format!("{at}.estimate.header"), p))?);
             }
-            match &estimate.body {
-                Some(paths) if paths.is_empty() || paths.len() > MAX_ESTIMATE_PATHS => {
+            match (&estimate.body, &estimate.sum) {
+                (Some(_), Some(_)) => {
+                    return Err(error(format!("{at}.estimate.sum"), "cannot be given with estimate.body (one says where the estimate is)"));
+                }
+                (Some(paths), None) if paths.is_empty() || paths.len() > MAX_ESTIMATE_PATHS => {
                     return Err(error(format!("{at}.estimate.body"), format!("must list 1 to {MAX_ESTIMATE_PATHS} places (\"max_tokens\")")));
                 }
-                Some(paths) => {
+                (Some(paths), None) => {
                     for (index, path) in paths.iter().enumerate() {
                         json_path(path, &format!("{at}.estimate.body[{index}]"))?;
                     }
                 }
-                None if estimate.max_body_bytes.is_some() => {
-                    return Err(error(format!("{at}.estimate.max_body_bytes"), "has meaning only with estimate.body"));
+                (None, Some(terms)) => validate_sum(terms, &format!("{at}.estimate.sum"))?,
+                (None, None) if estimate.max_body_bytes.is_some() => {
+                    return Err(error(format!("{at}.estimate.max_body_bytes"), "has meaning only with estimate.body or estimate.sum"));
                 }
-                None => {}
+                (None, None) => {}
             }
             if estimate.default.get() > estimate.max.get() {
                 return Err(error(format!("{at}.estimate.default"), "must be at most estimate.max"));
@@ -310,6 +384,33 @@ fn validate_reported(cost: &mut Cost, at: &str) -> Result<(), ConfigError> {
             return Err(error(format!("{at}.unreported"), "has meaning only with \"estimate\""));
         }
         None => {}
+    }
+    Ok(())
+}
+
+/// A weighted sum's terms, at `at`: 1 to [`MAX_SUM_TERMS`] of them, each 1 to
+/// [`MAX_TERM_PLACES`] valid paths ([`MAX_SUM_PLACES`] in all), each weight at most
+/// [`MAX_WEIGHT`].
+fn validate_sum(terms: &[Term], at: &str) -> Result<(), ConfigError> {
+    if terms.is_empty() || terms.len() > MAX_SUM_TERMS {
+        return Err(error(at.to_owned(), format!("must list 1 to {MAX_SUM_TERMS} terms ({{\"path\": \"usage.output_tokens\", \"weight\": 4}})")));
+    }
+    let places: usize = terms.iter().map(|t| t.path.0.len()).sum();
+    if places > MAX_SUM_PLACES {
+        return Err(error(at.to_owned(), format!("lists {places} paths in all; at most {MAX_SUM_PLACES}")));
+    }
+    for (index, term) in terms.iter().enumerate() {
+        let here = format!("{at}[{index}]");
+        if term.path.0.is_empty() {
+            return Err(error(format!("{here}.path"), format!("must list 1 to {MAX_TERM_PLACES} paths")));
+        }
+        for (place, path) in term.path.0.iter().enumerate() {
+            let there = if term.path.0.len() == 1 { format!("{here}.path") } else { format!("{here}.path[{place}]") };
+            json_path(path, &there)?;
+        }
+        if term.weight.get().get() > MAX_WEIGHT {
+            return Err(error(format!("{here}.weight"), format!("must be 1 to {MAX_WEIGHT}, got {}", term.weight.get())));
+        }
     }
     Ok(())
 }
@@ -429,6 +530,24 @@ mod tests {
     }
 
     #[test]
+    fn a_weighted_sum_parses_with_one_path_or_several_per_term() {
+        let config = Config::parse(
+            br#"{"refusal_format":"anthropic","rate_limits":[{"name":"r","key":[{"header":"x-k"}],"limit":5,"window":"1m","refusal_format":"openai",
+                "cost":{"from":"response_body","sum":[{"path":["usage.input_tokens","message.usage.input_tokens"]},{"path":"usage.output_tokens","weight":4}],
+                        "estimate":{"sum":[{"path":["max_tokens"],"weight":4}],"max_body_bytes":1000,"default":1,"max":2}}}]}"#,
+        )
+        .unwrap();
+        let rule = &config.rate_limits[0];
+        let cost = rule.cost.as_ref().unwrap();
+        let sum = cost.sum.as_ref().unwrap();
+        assert_eq!(sum[0].path.0, ["usage.input_tokens", "message.usage.input_tokens"]);
+        assert_eq!((sum[0].weight.get().get(), sum[1].weight.get().get()), (1, 4));
+        assert_eq!(sum[1].path.0, ["usage.output_tokens"]);
+        assert_eq!(cost.estimate.as_ref().unwrap().sum.as_ref().unwrap()[0].weight.get().get(), 4);
+        assert_eq!((config.refusal_format, rule.refusal_format), (crate::config::RefusalFormat::Anthropic, Some(crate::config::RefusalFormat::Openai)));
+    }
+
+    #[test]
     fn rule_extra_errors_are_named() {
         for (extra, expected) in [
             (r#","match":{}"#, "rate_limits[0].match: must give at least one condition"),
@@ -458,6 +577,23 @@ mod tests {
             (r#","cost":{"from":"response_body","path":"u.t","estimate":{"max_body_bytes":10,"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.max_body_bytes: has meaning only with estimate.body"),
             (r#","cost":{"from":"response_header","header":"x","estimate":{"body":["max_tokens"],"max_body_bytes":0,"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.max_body_bytes: must be a positive integer"),
             (r#","cost":{"from":"request_header","header":"x","estimate":{"body":["max_tokens"],"default":1,"max":2}}"#, "rate_limits[0].cost.estimate: has meaning only for a cost the upstream reports"),
+            (r#","cost":{"from":"response_body"}"#, "rate_limits[0].cost.path: is required with \"from\": \"response_body\" (\"usage.total_tokens\"), or \"sum\""),
+            (r#","cost":{"from":"response_body","path":"u.t","sum":[{"path":"u.o"}]}"#, "rate_limits[0].cost.sum: cannot be given with \"path\""),
+            (r#","cost":{"from":"response_header","header":"x","sum":[{"path":"u.o"}]}"#, "rate_limits[0].cost.sum: has meaning only with \"from\": \"response_body\""),
+            (r#","cost":{"from":"response_body","sum":[]}"#, "rate_limits[0].cost.sum: must list 1 to 4 terms"),
+            (r#","cost":{"from":"response_body","sum":[{"path":"a"},{"path":"b"},{"path":"c"},{"path":"d"},{"path":"e"}]}"#, "rate_limits[0].cost.sum: must list 1 to 4 terms"),
+            (r#","cost":{"from":"response_body","sum":[{"path":["a","b","c","d"]},{"path":["e","f","g","h"]},{"path":"i"}]}"#, "rate_limits[0].cost.sum: lists 9 paths in all; at most 8"),
+            (r#","cost":{"from":"response_body","sum":[{"path":["a","b","c","d","e"]}]}"#, "rate_limits[0].cost.sum[0].path: must list 1 to 4 paths"),
+            (r#","cost":{"from":"response_body","sum":[{"path":[]}]}"#, "rate_limits[0].cost.sum[0].path: must list 1 to 4 paths"),
+            (r#","cost":{"from":"response_body","sum":[{"path":"a"},{"path":["b","c..d"]}]}"#, "rate_limits[0].cost.sum[1].path[1]: \"c..d\" must be 1 to 8 object keys"),
+            (r#","cost":{"from":"response_body","sum":[{"path":"a.b","weight":0}]}"#, "rate_limits[0].cost.sum[0].weight: must be a positive integer"),
+            (r#","cost":{"from":"response_body","sum":[{"path":"a.b","weight":1001}]}"#, "rate_limits[0].cost.sum[0].weight: must be 1 to 1000, got 1001"),
+            (r#","cost":{"from":"response_body","sum":[{"path":"a.b","weight":1.5}]}"#, "rate_limits[0].cost.sum[0].weight: must be a positive integer, got 1.5"),
+            (r#","cost":{"from":"response_body","sum":[{"path":7}]}"#, "rate_limits[0].cost.sum[0].path: invalid type: integer `7`, expected a path"),
+            (r#","cost":{"from":"response_body","sum":[{"path":"a","price":2}]}"#, "rate_limits[0].cost.sum[0].price: unknown field"),
+            (r#","cost":{"from":"response_body","path":"u.t","estimate":{"body":["m"],"sum":[{"path":"m"}],"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.sum: cannot be given with estimate.body"),
+            (r#","cost":{"from":"response_body","path":"u.t","estimate":{"sum":[{"path":"max_tokens","weight":2000}],"default":1,"max":2}}"#, "rate_limits[0].cost.estimate.sum[0].weight: must be 1 to 1000"),
+            (r#","refusal_format":"xml""#, "rate_limits[0].refusal_format: unknown variant `xml`"),
         ] {
             let err = error_of(extra);
             assert!(err.starts_with(expected), "{extra}\n  got: {err}\n want: {expected}");

@@ -46,6 +46,7 @@ use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::ratelimit::estimate::BodyEstimates;
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::rules::{self, Charges, Later, Report, Rules, Settle};
+use crate::ratelimit::usage;
 use crate::ratelimit::{Cause, Limiter, Probe, Standing, Verdict, Violation};
 use crate::replies::grpc::{self, GrpcReply};
 use crate::replies::{self, AdmittedFields, Reply, Tightest};
@@ -245,6 +246,8 @@ pub struct Filter {
     /// The configuration was replaced or its root context retired ([`Filter::retire`]): streams
     /// that still finish under it write their outcomes at once.
     retired: Cell<bool>,
+    /// The log said that a response came compressed (it says so once).
+    said_compressed: Cell<bool>,
 }
 
 impl Filter {
@@ -286,6 +289,7 @@ impl Filter {
             watchdog_state: RefCell::new(WorkerState::default()),
             config,
             retired: Cell::new(false),
+            said_compressed: Cell::new(false),
         }
     }
 
@@ -1021,7 +1025,7 @@ impl Stream {
         self.replied = true;
         match grpc::reply(&reply, &filter.config.grpc).filter(|_| self.grpc.request) {
             Some(grpc) => LocalReply::Grpc(grpc),
-            None => LocalReply::Http(reply),
+            None => LocalReply::Http(reply.with_exact_wait()),
         }
     }
 
@@ -1518,11 +1522,19 @@ impl Stream {
         }
         if self.charges.awaits_response() {
             let rules = &filter.rules;
-            let content_type = if rules.reads_response_bodies() && !end_of_stream { headers.get("content-type") } else { None };
+            let body = rules.reads_response_bodies() && !end_of_stream;
+            let content_type = if body { headers.get("content-type") } else { None };
+            let encoded = body && usage::is_encoded(headers.get("content-encoding").as_deref());
             let owed = self.charges.response(
                 |rule| Rules::response_report(rules.response_header(rule).and_then(|name| headers.get(name)).as_deref()),
-                |rule| if end_of_stream { None } else { rules.body_scan(rule, content_type.as_deref()) },
+                |rule| if end_of_stream { None } else { rules.body_scan(rule, content_type.as_deref(), encoded) },
             );
+            if encoded && owed.iter().any(|s| s.report == Report::Compressed) && !filter.said_compressed.replace(true) {
+                log::warn!(
+                    "floodgate: a response whose usage a rule reads came compressed (content-encoding: {}): it cannot be read, and is settled as unreported (counted in unreadable and unreadable_compressed). Put Envoy's decompressor filter after floodgate, or remove accept-encoding from the requests (docs/llm.md). Said once.",
+                    String::from_utf8_lossy(headers.get("content-encoding").as_deref().unwrap_or_default())
+                );
+            }
             self.charge(filter, env, owed);
         }
         self.fields.take()
@@ -1540,7 +1552,7 @@ impl Stream {
             return;
         }
         let rules = &filter.rules;
-        let owed = self.charges.response_body(chunk, end, |rule| rules.body_path(rule));
+        let owed = self.charges.response_body(chunk, end, |rule| rules.body_usage(rule));
         self.charge(filter, env, owed);
     }
 
@@ -1640,6 +1652,10 @@ impl Stream {
                 Report::Count(_) | Report::Missing => {}
                 Report::Invalid => increment(env.metrics, ids.invalid_cost),
                 Report::Unreadable => increment(env.metrics, ids.unreadable),
+                Report::Compressed => {
+                    increment(env.metrics, ids.unreadable);
+                    increment(env.metrics, ids.unreadable_compressed);
+                }
             }
             if !matches!(report, Report::Count(_)) {
                 increment(env.metrics, ids.unreported);

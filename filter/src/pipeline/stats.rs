@@ -13,7 +13,8 @@
 //! | `<prefix>.rate_limit.<rule>.charged` | counter | units charged after admission (a streamed request body, a count the upstream reported) |
 //! | `<prefix>.rate_limit.<rule>.refunded` | counter | units given back when a reported count came under the request's estimate (defined only for a cost the upstream reports) |
 //! | `<prefix>.rate_limit.<rule>.unreported` | counter | responses that reported no valid count: settled by `cost.unreported` (or `cost.default`) (defined only for a cost the upstream reports) |
-//! | `<prefix>.rate_limit.<rule>.unreadable` | counter | of those, responses whose body could not be read for a count: not JSON, nested too deep, or longer than `cost.max_body_bytes` (defined only for `response_body`) |
+//! | `<prefix>.rate_limit.<rule>.unreadable` | counter | of those, responses whose body could not be read for a count: not JSON, nested too deep, longer than `cost.max_body_bytes`, or compressed (defined only for `response_body`) |
+//! | `<prefix>.rate_limit.<rule>.unreadable_compressed` | counter | of those, responses that came compressed (a `content-encoding`): not read (defined only for `response_body`) |
 //! | `<prefix>.rate_limit.<rule>.delayed` | counter | requests a token bucket with `max_delay` let in to wait for their turn (defined only for such a rule) |
 //! | `<prefix>.rate_limit.<rule>.delay_abandoned` | counter | of those, requests whose client went away before their turn: their slot went back (defined only for such a rule) |
 //! | `<prefix>.rate_limit.<rule>.reserved` | gauge | quota units workers counted ahead for their next requests and have not used yet, as of each worker's last heartbeat |
@@ -147,6 +148,8 @@ pub struct RuleStats {
     pub unreported: Option<u32>,
     /// Of those, bodies that could not be read.
     pub unreadable: Option<u32>,
+    /// Of those, bodies that came compressed (a `content-encoding`).
+    pub unreadable_compressed: Option<u32>,
     /// Requests the rule would have refused, let through in shadow.
     pub shadow_rejected: Option<u32>,
     /// Requests let in to wait for their turn (`max_delay`).
@@ -372,6 +375,7 @@ impl Stats {
                     refunded: reported.then(|| d.counter(&name("refunded"))).flatten(),
                     unreported: reported.then(|| d.counter(&name("unreported"))).flatten(),
                     unreadable: body.then(|| d.counter(&name("unreadable"))).flatten(),
+                    unreadable_compressed: body.then(|| d.counter(&name("unreadable_compressed"))).flatten(),
                     shadow_rejected: d.counter(&name("shadow_rejected")),
                     delayed: rule.max_delay.and_then(|_| d.counter(&name("delayed"))),
                     delay_abandoned: rule.max_delay.and_then(|_| d.counter(&name("delay_abandoned"))),

@@ -407,6 +407,92 @@ fn a_reservation_holds_its_estimate_in_flight_and_settles_to_the_body_s_count() 
     assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 70);
 }
 
+#[test]
+fn a_compressed_answer_is_not_read_and_says_why() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 1000, "window": "1h",
+                         "cost": {"from": "response_body", "path": "usage.total_tokens",
+                                  "estimate": {"header": "x-max", "default": 100, "max": 100}}}],
+    }));
+    let (context, stream, step) = host.send(&keyed("k").with("x-max", "100"));
+    assert_eq!(status(&step), 0);
+    let gzip = TestRequest::default().with("content-type", "application/json").with("content-encoding", "gzip");
+    stream.borrow_mut().response_headers(&host.filter, &host.env(), &gzip, false);
+    assert!(!stream.borrow().reads_response_body(), "its bytes are not JSON: not read");
+    assert_eq!(
+        (host.metric("floodgate.rate_limit.r.unreadable"), host.metric("floodgate.rate_limit.r.unreadable_compressed"), host.metric("floodgate.rate_limit.r.unreported")),
+        (1, 1, 1)
+    );
+    host.end(context, &stream, &OK);
+    assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 0, "the reservation stays");
+    // `identity` is no encoding: read as usual.
+    let (context, stream, _) = host.send(&keyed("k").with("x-max", "100"));
+    let identity = TestRequest::default().with("content-type", "application/json").with("content-encoding", "identity");
+    stream.borrow_mut().response_headers(&host.filter, &host.env(), &identity, false);
+    stream.borrow_mut().response_body(&host.filter, &host.env(), br#"{"usage":{"total_tokens":30}}"#, true);
+    host.end(context, &stream, &OK);
+    assert_eq!((host.metric("floodgate.rate_limit.r.refunded"), host.metric("floodgate.rate_limit.r.unreadable_compressed")), (70, 1));
+}
+
+#[test]
+fn an_anthropic_stream_settles_to_input_plus_four_times_output() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 1000, "window": "1h",
+                         "cost": {"from": "response_body",
+                                  "sum": [{"path": ["usage.input_tokens", "message.usage.input_tokens"]},
+                                          {"path": "usage.output_tokens", "weight": 4}],
+                                  "estimate": {"sum": [{"path": "max_tokens", "weight": 4}], "default": 100, "max": 800}}}],
+    }));
+    let request = keyed("k").with("content-type", "application/json");
+    let (context, mut cell, step) = host.send_with_body(&request);
+    assert_eq!(step, Step::Wait, "waits for its body");
+    let step = host.body(&mut cell, context, &request, &[br#"{"model":"claude","max_tokens":50,"messages":[]}"#], true);
+    assert_eq!(step.map(|s| status(&s)), Some(0), "admitted, reserving 4 × 50");
+    let sse = TestRequest::default().with("content-type", "text/event-stream");
+    let stream = &cell;
+    stream.borrow_mut().response_headers(&host.filter, &host.env(), &sse, false);
+    let events: [&[u8]; 3] = [
+        b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":40,\"output_tokens\":1}}}\n\n",
+        b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"delta\":{\"text\":\"hi\"}}\n\n",
+        b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":25}}\n\nevent: message_stop\ndata: {\"type\":\"message_stop\"}\n\n",
+    ];
+    for (i, event) in events.iter().enumerate() {
+        stream.borrow_mut().response_body(&host.filter, &host.env(), event, i == 2);
+    }
+    host.end(context, stream, &OK);
+    assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 200 - 140, "40 + 4 × 25 = 140 of the 200 reserved");
+    assert_eq!(host.metric("floodgate.rate_limit.r.unreported"), 0);
+}
+
+#[test]
+fn every_http_refusal_with_a_retry_after_carries_the_exact_wait() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 1, "window": "10s"}],
+        "load_shedding": {"max_active_requests": 1, "retry_after": "2s"},
+        "health": {"path": "/health"},
+    }));
+    let header = |step: &Step, name: &str| match step {
+        Step::Reply(LocalReply::Http(reply)) => reply.headers.iter().find(|(n, _)| *n == name).map(|(_, v)| v.clone()),
+        _ => None,
+    };
+    let (_, _held, first) = host.send(&keyed("a"));
+    assert_eq!(status(&first), 0);
+    let (_, _, shed) = host.send(&keyed("b"));
+    assert_eq!((status(&shed), header(&shed, "retry-after-ms").as_deref()), (503, Some("2000")));
+    let (_, _, health) = host.send(&TestRequest::get("/health"));
+    assert_eq!((status(&health), header(&health, "retry-after-ms")), (503, None), "the health answer refuses nothing");
+    let host = Host::new(serde_json::json!({"rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 1, "window": "10s"}]}));
+    let (_, _, _) = host.send(&keyed("a"));
+    let (_, _, limited) = host.send(&keyed("a"));
+    let Step::Reply(LocalReply::Http(reply)) = &limited else { panic!("a 429") };
+    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    assert_eq!(header(&limited, "retry-after-ms"), Some(body["retry_after_ms"].to_string()), "the body's exact wait");
+    // A gRPC refusal says it in grpc-retry-pushback-ms, not retry-after-ms.
+    let (_, _, grpc) = host.send(&keyed("a").with("content-type", "application/grpc"));
+    let Step::Reply(LocalReply::Grpc(grpc)) = &grpc else { panic!("a gRPC refusal") };
+    assert!(grpc.metadata.iter().all(|(n, _)| *n != "retry-after-ms"));
+}
+
 fn llm_rule(limit: u32, consistency: &str) -> serde_json::Value {
     serde_json::json!({
         "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": limit, "window": "1h",

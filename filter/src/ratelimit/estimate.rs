@@ -1,18 +1,20 @@
-//! The estimate a request reserves, read from its JSON body (`cost.estimate.body`): an LLM
-//! request's `max_tokens` or `max_completion_tokens`. Each rule that applies and reads its
-//! estimate there gets one streaming scan per place it lists ([`crate::ratelimit::usage`], the
-//! same fixed-memory scanner that reads the counts of responses); the request waits, its body
-//! held by the host, until every such rule's estimate is known.
+//! The estimate a request reserves, read from its JSON body (`cost.estimate.body`, or the
+//! weighted sum `cost.estimate.sum`): an LLM request's `max_tokens` or `max_completion_tokens`.
+//! Each rule that applies and reads its estimate there gets one streaming scan of its places
+//! ([`crate::ratelimit::usage`], the same fixed-memory scanner that reads the counts of
+//! responses); the request waits, its body held by the host, until every such rule's estimate
+//! is known.
 //!
 //! Invariants: memory is fixed whatever the body (a few counters per listed place); at most the
-//! configured number of bytes is read (`max_body_bytes`); a rule's estimate is the value at the
-//! first listed place the body holds: known as soon as the first place's value is read, else when
-//! the body ends or the bound is reached; a body that is not JSON ends the reading at once (no
-//! estimate: the rule's `default`). Nothing here reads the host.
+//! configured number of bytes is read (`max_body_bytes`); a term's count is the value at the
+//! first of its places the body holds, known as soon as that place's value is read, else when
+//! the body ends or the bound is reached; a body that is not JSON ends the reading at once
+//! (with what was read before, usually no estimate: the rule's `default`). Nothing here reads
+//! the host.
 //!
 //! Rationale: docs/llm.md, "The estimate in the request body".
 
-use crate::ratelimit::usage::{Format, Scan, UsageScan};
+use crate::ratelimit::usage::{Format, Scan, Total, Usage, UsageScan};
 
 /// What a request body held at a rule's places.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -23,41 +25,30 @@ pub enum Found {
     Invalid,
 }
 
-/// One rule's scans: one per listed place, in the order listed.
+/// One rule's scan of the body.
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct RuleReading {
     rule: usize,
-    scans: Vec<UsageScan>,
-    /// Known: `Some(found)` (or `Some(None)`: the body holds none of the places).
+    scan: UsageScan,
+    /// Known: `Some(found)` (or `Some(None)`: the body holds no count for a term).
     known: Option<Option<Found>>,
 }
 
-/// The scan state of one scan, as an estimate: a value, none (yet), or nothing more to read.
-fn value_of(scan: Scan) -> Option<Found> {
-    match scan {
-        Scan::Found(count) => Some(Found::Count(count)),
-        Scan::Invalid => Some(Found::Invalid),
-        Scan::Reading(_) | Scan::Gave(_) => None,
-    }
-}
-
 impl RuleReading {
-    /// The first listed place with a value, among those read so far.
-    fn first_value(&self) -> Option<Found> {
-        self.scans.iter().find_map(|scan| value_of(scan.state()))
+    /// The estimate the places read so far tell.
+    fn value(&self) -> Option<Found> {
+        match self.scan.total() {
+            Total::Count(count) => Some(Found::Count(count)),
+            Total::Invalid => Some(Found::Invalid),
+            Total::Missing => None,
+        }
     }
 
-    /// Whether the estimate is known before the body ends: the first listed place has a value,
-    /// or no place can have one any more (a body that is not JSON).
+    /// Whether the estimate is known before the body ends: each term's first place has a
+    /// value, or no place can have one any more (a body that is not JSON).
     fn settle_early(&mut self) {
-        if self.known.is_some() {
-            return;
-        }
-        let first = self.scans.first().map(|scan| value_of(scan.state()));
-        if let Some(Some(found)) = first {
-            self.known = Some(Some(found));
-        } else if self.scans.iter().all(|scan| !scan.reading()) {
-            self.known = Some(self.first_value());
+        if self.known.is_none() && !self.scan.reading() {
+            self.known = Some(self.value());
         }
     }
 }
@@ -77,15 +68,15 @@ pub struct BodyEstimates {
 }
 
 impl BodyEstimates {
-    /// The readings of `rules` (each rule's index, its number of listed places and its byte
-    /// bound); `None` if there are none.
-    pub fn new(rules: impl IntoIterator<Item = (usize, usize, u64)>) -> Option<BodyEstimates> {
+    /// The readings of `rules` (each rule's index, its places and its byte bound); `None` if
+    /// there are none.
+    pub fn new<'u>(rules: impl IntoIterator<Item = (usize, &'u Usage, u64)>) -> Option<BodyEstimates> {
         let mut max_bytes = 0;
         let rules: Vec<RuleReading> = rules
             .into_iter()
-            .map(|(rule, places, bytes)| {
+            .map(|(rule, usage, bytes)| {
                 max_bytes = max_bytes.max(bytes);
-                RuleReading { rule, scans: vec![UsageScan::new(Format::Json, bytes); places], known: None }
+                RuleReading { rule, scan: UsageScan::new(Format::Json, usage, bytes), known: None }
             })
             .collect();
         (!rules.is_empty()).then_some(BodyEstimates { rules, read: 0, held: 0, max_bytes, done: false })
@@ -130,28 +121,24 @@ impl BodyEstimates {
         (end > start).then(|| (start, end.saturating_sub(start)))
     }
 
-    /// Reads the next bytes of the body (`places(rule)`: rule `rule`'s listed places, each as
-    /// the scanner reads a path); `end`: the body ended. Returns whether every estimate is known.
-    pub fn feed<'p>(&mut self, chunk: &[u8], end: bool, places: impl Fn(usize) -> &'p [Vec<Vec<u8>>]) -> bool {
+    /// Reads the next bytes of the body (`places(rule)`: rule `rule`'s places); `end`: the
+    /// body ended. Returns whether every estimate is known.
+    pub fn feed<'p>(&mut self, chunk: &[u8], end: bool, places: impl Fn(usize) -> &'p Usage) -> bool {
         if self.done {
             return true;
         }
         self.read = self.read.saturating_add(u64::try_from(chunk.len()).unwrap_or(u64::MAX));
         for reading in self.rules.iter_mut().filter(|r| r.known.is_none()) {
-            let paths = places(reading.rule);
-            for (scan, path) in reading.scans.iter_mut().zip(paths) {
-                scan.feed(chunk, path);
+            let usage = places(reading.rule);
+            if let Scan::Found(_) | Scan::Invalid | Scan::Gave(_) = reading.scan.feed(chunk, usage) {
+                reading.settle_early();
             }
-            reading.settle_early();
         }
         let bound = self.read >= self.max_bytes;
         if end || bound || self.rules.iter().all(|r| r.known.is_some()) {
             for reading in self.rules.iter_mut().filter(|r| r.known.is_none()) {
-                let paths = places(reading.rule);
-                for (scan, path) in reading.scans.iter_mut().zip(paths) {
-                    scan.end(path);
-                }
-                reading.known = Some(reading.first_value());
+                reading.scan.end(places(reading.rule));
+                reading.known = Some(reading.value());
             }
             self.done = true;
         }
@@ -168,21 +155,23 @@ impl BodyEstimates {
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
-    use crate::ratelimit::usage::segments;
 
     fn read(body: &str, places: &[&str], max_bytes: u64, chunk: usize) -> (Option<Found>, u64) {
-        let paths: Vec<Vec<Vec<u8>>> = places.iter().map(|p| segments(p)).collect();
-        let mut estimates = BodyEstimates::new([(3, paths.len(), max_bytes)]).unwrap();
+        read_usage(body, &Usage::first_of(places.iter().copied()), max_bytes, chunk)
+    }
+
+    fn read_usage(body: &str, paths: &Usage, max_bytes: u64, chunk: usize) -> (Option<Found>, u64) {
+        let mut estimates = BodyEstimates::new([(3, paths, max_bytes)]).unwrap();
         let bytes = body.as_bytes();
         let mut done = false;
         while !done {
             let Some((start, len)) = estimates.wants(bytes.len()) else {
-                estimates.feed(&[], true, |_| &paths);
+                estimates.feed(&[], true, |_| paths);
                 break;
             };
             let part = &bytes[start..start + len.min(chunk)];
             let end = start + part.len() == bytes.len();
-            done = estimates.feed(part, end, |_| &paths);
+            done = estimates.feed(part, end, |_| paths);
         }
         assert!(estimates.done());
         (estimates.found(3), estimates.read)
@@ -226,12 +215,22 @@ mod tests {
 
     #[test]
     fn a_rule_without_reading_has_no_estimate() {
-        let paths = vec![segments("max_tokens")];
-        let mut estimates = BodyEstimates::new([(0, 1, 100)]).unwrap();
+        let paths = Usage::path("max_tokens");
+        let mut estimates = BodyEstimates::new([(0, &paths, 100)]).unwrap();
         assert!(estimates.feed(br#"{"max_tokens":5}"#, false, |_| &paths));
         assert_eq!(estimates.found(0), Some(Found::Count(5)));
         assert_eq!(estimates.found(1), None);
         assert_eq!(estimates.wants(1000), None);
         assert!(BodyEstimates::new([]).is_none());
+    }
+
+    #[test]
+    fn a_weighted_estimate() {
+        let four = Usage::new([(vec!["max_completion_tokens", "max_tokens"], 4)]);
+        assert_eq!(read_usage(r#"{"max_tokens":100,"messages":[]}"#, &four, 1 << 20, 3).0, Some(Found::Count(400)));
+        let two = Usage::new([(vec!["max_tokens"], 4), (vec!["n"], 10)]);
+        assert_eq!(read_usage(r#"{"n":2,"max_tokens":100}"#, &two, 1 << 20, 3).0, Some(Found::Count(420)));
+        assert_eq!(read_usage(r#"{"max_tokens":100}"#, &two, 1 << 20, 3).0, None, "a term without a count: no estimate");
+        assert_eq!(read_usage(r#"{"n":"x","max_tokens":100}"#, &two, 1 << 20, 3).0, Some(Found::Invalid));
     }
 }

@@ -20,7 +20,7 @@ pub mod bucket;
 pub mod estimate;
 pub mod window;
 
-use crate::config::{Algorithm, Config, CostSource, Name};
+use crate::config::{Algorithm, Config, CostSource, Name, RefusalFormat};
 use crate::keys::fleet::FleetKey;
 use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
 use crate::primitives::store::{update, update_from, Attempt, SharedStore, Stored, StoreError, MAX_ATTEMPTS};
@@ -54,6 +54,8 @@ pub struct RuleTable {
     shape: u64,
     /// A token-bucket rule's bucket (`None`: a sliding window).
     pub bucket: Option<BucketSpec>,
+    /// The shape of the rule's `429` body (its own `refusal_format`, else the configuration's).
+    pub refusal_format: RefusalFormat,
 }
 
 /// A token-bucket rule's bucket, whatever the key's limit (the rate is `limit` per `window`).
@@ -260,6 +262,7 @@ impl Limiter {
                     sets,
                     key_prefix: format!("floodgate/{namespace}/rl/{}/", rule.name),
                     shape: fnv1a(identity.as_bytes(), FNV1A_BASIS),
+                    refusal_format: rule.refusal_format.unwrap_or(config.refusal_format),
                 }
             })
             .collect();

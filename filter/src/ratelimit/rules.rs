@@ -15,11 +15,11 @@
 //!
 //! Rationale: docs/design.md, section "Rules: conditions, limits by key, costs".
 
-use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch, Unreported, DEFAULT_ESTIMATE_BODY_BYTES, DEFAULT_MAX_BODY_BYTES};
+use crate::config::{Config, CostSource, HeaderCondition, KeyPart, PathMatch, Term, Unreported, DEFAULT_ESTIMATE_BODY_BYTES, DEFAULT_MAX_BODY_BYTES};
 use crate::keys::KeyHasher;
 use crate::primitives::time::UnixMillis;
 use crate::ratelimit::estimate::{BodyEstimates, Found};
-use crate::ratelimit::usage::{self, Format, Scan, UsageScan};
+use crate::ratelimit::usage::{Format, Scan, Usage, UsageScan};
 use crate::ratelimit::Probe;
 use std::borrow::Cow;
 use std::num::NonZeroU32;
@@ -204,10 +204,10 @@ pub enum CostPlan {
         /// What is reserved at admission, if anything.
         estimate: Option<Reservation>,
     },
-    /// A count the upstream reports in its response body, at `path`.
+    /// A count the upstream reports in its response body, at `usage`'s places.
     ResponseBody {
-        /// The count's path, one object key per segment.
-        path: Vec<Vec<u8>>,
+        /// Where the count is (one path, or a weighted sum).
+        usage: Usage,
         /// The most bytes read for it.
         max_bytes: u64,
         /// The cost without a valid count.
@@ -223,9 +223,8 @@ pub enum CostPlan {
 pub struct Reservation {
     /// The request header holding the estimate.
     header: Option<String>,
-    /// Its places in the request's JSON body, each as the scanner reads a path (none: the body
-    /// is not read).
-    body: Vec<Vec<Vec<u8>>>,
+    /// Its places in the request's JSON body (none: the body is not read).
+    body: Option<Usage>,
     /// The most bytes of the request body read for it.
     body_bytes: u64,
     /// The estimate without a valid header.
@@ -257,7 +256,7 @@ impl Reservation {
     /// Whether a request must wait for its body: the estimate is read there, and the request has
     /// no estimate header.
     fn reads_body<A: Attributes + ?Sized>(&self, request: &A) -> bool {
-        !self.body.is_empty() && self.header.as_deref().is_none_or(|h| request.get(h).is_none())
+        self.body.is_some() && self.header.as_deref().is_none_or(|h| request.get(h).is_none())
     }
 }
 
@@ -272,6 +271,8 @@ pub enum Report {
     Invalid,
     /// A body that could not be read for one: not JSON, or longer than the rule reads.
     Unreadable,
+    /// A body in a `content-encoding` (compressed): not read (counted as unreadable too).
+    Compressed,
 }
 
 /// A cost owed by an admitted request, now known: the rule's key (`probe`, whose `cost` is
@@ -318,6 +319,14 @@ pub fn parse_count(raw: &[u8]) -> Option<u32> {
     }
     text.parse().ok()
 }
+
+/// A weighted sum's places, as the scanner reads them.
+fn sum_of(terms: &[Term]) -> Usage {
+    Usage::new(terms.iter().map(|t| (t.path.0.iter().map(String::as_str), t.weight.get().get())))
+}
+
+/// No places: what a rule that reads no body reads.
+static NO_PLACES: Usage = Usage::EMPTY;
 
 /// Each tier's name (the header's value) and limit, sorted by name.
 type TierLimits = Vec<(Vec<u8>, NonZeroU32)>;
@@ -384,7 +393,11 @@ impl Rules {
                 let cost = rule.cost.as_ref().map(|c| {
                     let estimate = c.estimate.as_ref().map(|e| Reservation {
                         header: e.header.clone(),
-                        body: e.body.iter().flatten().map(|p| usage::segments(p)).collect(),
+                        body: match (&e.body, &e.sum) {
+                            (Some(places), _) => Some(Usage::first_of(places.iter().map(String::as_str))),
+                            (None, Some(terms)) => Some(sum_of(terms)),
+                            (None, None) => None,
+                        },
                         body_bytes: e.max_body_bytes.map_or(DEFAULT_ESTIMATE_BODY_BYTES, |m| u64::from(m.get().get())),
                         default: e.default.get().get(),
                         max: e.max.get().get(),
@@ -393,7 +406,11 @@ impl Rules {
                     match (c.from, c.header.clone()) {
                     (CostSource::RequestBody, _) => CostPlan::RequestBody,
                     (CostSource::ResponseBody, _) => CostPlan::ResponseBody {
-                        path: usage::segments(c.path.as_deref().unwrap_or_default()),
+                        usage: match (&c.path, &c.sum) {
+                            (Some(path), _) => Usage::path(path),
+                            (None, Some(terms)) => sum_of(terms),
+                            (None, None) => Usage::default(),
+                        },
                         max_bytes: c.max_body_bytes.map_or(DEFAULT_MAX_BODY_BYTES, |m| u64::from(m.get().get())),
                         default: c.default_units(),
                         estimate,
@@ -407,7 +424,8 @@ impl Rules {
                 Plan { condition, tiers, overrides, cost }
             })
             .collect();
-        let body_estimates = config.rate_limits.iter().any(|r| r.cost.as_ref().and_then(|c| c.estimate.as_ref()).is_some_and(|e| e.body.is_some()));
+        let body_estimates =
+            config.rate_limits.iter().any(|r| r.cost.as_ref().and_then(|c| c.estimate.as_ref()).is_some_and(|e| e.body.is_some() || e.sum.is_some()));
         Rules { plans, body_estimates }
     }
 
@@ -463,15 +481,16 @@ impl Rules {
     /// estimate there (the request has no estimate header); `None`: it is decided at once.
     pub fn body_estimates<A: Attributes + ?Sized>(&self, request: &A) -> Option<BodyEstimates> {
         let reading = (0..self.plans.len()).filter_map(|rule| {
-            let reservation = self.reservation(rule).filter(|r| !r.body.is_empty())?;
-            (self.applies(rule, request) && reservation.reads_body(request)).then_some((rule, reservation.body.len(), reservation.body_bytes))
+            let reservation = self.reservation(rule)?;
+            let places = reservation.body.as_ref()?;
+            (self.applies(rule, request) && reservation.reads_body(request)).then_some((rule, places, reservation.body_bytes))
         });
         BodyEstimates::new(reading)
     }
 
     /// Rule `rule`'s places of the estimate in the request body.
-    pub fn estimate_places(&self, rule: usize) -> &[Vec<Vec<u8>>] {
-        self.reservation(rule).map_or(&[], |r| &r.body)
+    pub fn estimate_places(&self, rule: usize) -> &Usage {
+        self.reservation(rule).and_then(|r| r.body.as_ref()).unwrap_or(&NO_PLACES)
     }
 
     /// What a request costs against rule `rule` at admission (`body`: what its body held for
@@ -532,19 +551,22 @@ impl Rules {
         }
     }
 
-    /// A scan of a response body (`content_type`: the response's) for rule `rule`'s count.
-    pub fn body_scan(&self, rule: usize, content_type: Option<&[u8]>) -> Option<UsageScan> {
+    /// A scan of a response body (`content_type`: the response's; `encoded`: it has a
+    /// `content-encoding`) for rule `rule`'s count; `Err`: the body cannot be read for it
+    /// ([`Report::Compressed`]); `None`: the rule reads no body.
+    pub fn body_scan(&self, rule: usize, content_type: Option<&[u8]>, encoded: bool) -> Option<Result<UsageScan, Report>> {
         match self.plan(rule).and_then(|p| p.cost.as_ref()) {
-            Some(CostPlan::ResponseBody { max_bytes, .. }) => Some(UsageScan::new(Format::of(content_type), *max_bytes)),
+            Some(CostPlan::ResponseBody { .. }) if encoded => Some(Err(Report::Compressed)),
+            Some(CostPlan::ResponseBody { usage, max_bytes, .. }) => Some(Ok(UsageScan::new(Format::of(content_type), usage, *max_bytes))),
             _ => None,
         }
     }
 
-    /// The path of rule `rule`'s count in a response body.
-    pub fn body_path(&self, rule: usize) -> &[Vec<u8>] {
+    /// Where rule `rule`'s count is in a response body.
+    pub fn body_usage(&self, rule: usize) -> &Usage {
         match self.plan(rule).and_then(|p| p.cost.as_ref()) {
-            Some(CostPlan::ResponseBody { path, .. }) => path,
-            _ => &[],
+            Some(CostPlan::ResponseBody { usage, .. }) => usage,
+            _ => &NO_PLACES,
         }
     }
 
@@ -665,15 +687,21 @@ impl Charges {
 
     /// The response headers came: the response-header costs, from `report(rule)` (what the
     /// rule's header told); the body costs start reading, with `scan(rule)` (`None`: the
-    /// response has no body, and told nothing).
-    pub fn response(&mut self, mut report: impl FnMut(usize) -> Report, mut scan: impl FnMut(usize) -> Option<UsageScan>) -> Vec<Settle> {
+    /// response has no body, and told nothing; `Err`: a body that cannot be read, which tells
+    /// that).
+    pub fn response(
+        &mut self,
+        mut report: impl FnMut(usize) -> Report,
+        mut scan: impl FnMut(usize) -> Option<Result<UsageScan, Report>>,
+    ) -> Vec<Settle> {
         self.take(|o| match o.later {
             Later::ResponseHeader => Some(report(o.probe.rule)),
             Later::ResponseBody if o.scan.is_none() => match scan(o.probe.rule) {
-                Some(body) => {
+                Some(Ok(body)) => {
                     o.scan = Some(Box::new(body));
                     None
                 }
+                Some(Err(unreadable)) => Some(unreadable),
                 None => Some(Report::Missing),
             },
             _ => None,
@@ -681,9 +709,9 @@ impl Charges {
     }
 
     /// A chunk of the response body (`end`: the last): the body costs it settles (a count
-    /// found, a body that cannot be read, or the body's end). `path(rule)` is where the rule's
-    /// count is.
-    pub fn response_body<'a>(&mut self, chunk: &[u8], end: bool, path: impl Fn(usize) -> &'a [Vec<u8>]) -> Vec<Settle> {
+    /// found, a body that cannot be read, or the body's end). `usage(rule)` is where the
+    /// rule's count is.
+    pub fn response_body<'a>(&mut self, chunk: &[u8], end: bool, path: impl Fn(usize) -> &'a Usage) -> Vec<Settle> {
         self.take(|o| {
             let rule = o.probe.rule;
             let scan = o.scan.as_mut()?;
@@ -921,19 +949,25 @@ mod tests {
         let body = br#"{"choices":[{"message":{"content":"hello"}}],"usage":{"prompt_tokens":12,"completion_tokens":18,"total_tokens":30}}"#;
         let mut json = Charges::default();
         owe(&mut json);
-        assert_eq!(json.response(|_| Report::Missing, |rule| r.body_scan(rule, Some(b"application/json"))), vec![]);
+        assert_eq!(json.response(|_| Report::Missing, |rule| r.body_scan(rule, Some(b"application/json"), false)), vec![]);
         assert!(json.reads_response_body() && !json.awaits_response());
         let (head, tail) = body.split_at(70);
-        assert_eq!(json.response_body(head, false, |rule| r.body_path(rule)), vec![settle(Probe::new(1, 1), Report::Unreadable, 1000)], "past 64 bytes");
-        assert_eq!(json.response_body(tail, false, |rule| r.body_path(rule)), vec![settle(Probe::new(0, 1), Report::Count(30), 1000)], "found before the end");
+        assert_eq!(json.response_body(head, false, |rule| r.body_usage(rule)), vec![settle(Probe::new(1, 1), Report::Unreadable, 1000)], "past 64 bytes");
+        assert_eq!(json.response_body(tail, false, |rule| r.body_usage(rule)), vec![settle(Probe::new(0, 1), Report::Count(30), 1000)], "found before the end");
         assert!(json.is_empty());
 
         let mut events = Charges::default();
         owe(&mut events);
-        events.response(|_| Report::Missing, |rule| r.body_scan(rule, Some(b"text/event-stream")));
+        events.response(|_| Report::Missing, |rule| r.body_scan(rule, Some(b"text/event-stream"), false));
         let sse = b"data: {\"usage\":null}\n\ndata: {\"usage\":{\"total_tokens\":9}}\n\n";
-        assert!(events.response_body(sse, false, |rule| r.body_path(rule)).is_empty(), "the last event decides");
+        assert!(events.response_body(sse, false, |rule| r.body_usage(rule)).is_empty(), "the last event decides");
         assert_eq!(events.end(), vec![settle(Probe::new(0, 1), Report::Count(9), 1000), settle(Probe::new(1, 1), Report::Missing, 1000)], "cut: the last count seen");
+
+        let mut gzipped = Charges::default();
+        owe(&mut gzipped);
+        let settled = gzipped.response(|_| Report::Missing, |rule| r.body_scan(rule, Some(b"application/json"), true));
+        assert_eq!(settled, vec![settle(Probe::new(0, 1), Report::Compressed, 1000), settle(Probe::new(1, 1), Report::Compressed, 1000)], "a compressed body is not read");
+        assert_eq!(r.settled_units(0, Report::Compressed, 100, limit), 100, "unreported: the reservation stays");
 
         let mut headless = Charges::default();
         owe(&mut headless);

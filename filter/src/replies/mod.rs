@@ -13,8 +13,10 @@
 //!
 //! Rationale: docs/design.md, section "Replies".
 
+pub mod api;
 pub mod grpc;
 
+use crate::config::RefusalFormat;
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
 use crate::shedding::per_key::{CapRefusal, PerKeyCap};
 use crate::selection::{Confinement, Exhausted, Selector};
@@ -45,6 +47,20 @@ pub struct Reply {
     /// What it refuses and for how long, for the gRPC form of a refusal ([`crate::replies::grpc`]);
     /// `None` for an answer that refuses nothing (the health endpoint's).
     pub refusal: Option<Refusal>,
+}
+
+impl Reply {
+    /// The reply as an HTTP response: a refusal with a `retry-after` also carries
+    /// `retry-after-ms`, the exact wait in milliseconds (the body's `retry_after_ms` for a
+    /// quota), which the LLM APIs' SDKs read before `retry-after`.
+    pub fn with_exact_wait(mut self) -> Reply {
+        if let Some(refusal) = &self.refusal {
+            if self.headers.iter().any(|(name, _)| *name == "retry-after") {
+                self.headers.push(("retry-after-ms", refusal.retry_after_ms.to_string()));
+            }
+        }
+        self
+    }
 }
 
 /// What a refusal says, in the words a gRPC status carries: which kind, one line, and the wait.
@@ -251,15 +267,30 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         fields.insert("algorithm".into(), "token_bucket".into());
         fields.insert("burst".into(), bucket.burst.get().into());
     }
+    let (content_type, body) = match table.refusal_format {
+        RefusalFormat::Problem => ("application/problem+json", body.to_string()),
+        format => {
+            let facts = api::Facts {
+                table,
+                limit,
+                remaining: violation.standing.remaining,
+                estimate,
+                retry_after_ms,
+                retry_after_secs,
+                contention: violation.cause == Cause::Contention,
+            };
+            ("application/json", api::body(format, &facts))
+        }
+    };
     Some(Reply {
         status: 429,
         headers: vec![
-            ("content-type", "application/problem+json".into()),
+            ("content-type", content_type.into()),
             ("retry-after", retry_after_secs.to_string()),
             ("ratelimit-policy", policy),
             ("ratelimit", ratelimit),
         ],
-        body: body.to_string(),
+        body,
         refusal: Some(Refusal { kind: RefusalKind::RateLimited, detail, retry_after_ms }),
     })
 }
@@ -667,7 +698,8 @@ pub fn shed_by_lag(classes: &Classes, monitor: &LagMonitor, shed: &LagShed, retr
     }
 }
 
-fn window_text(table: &RuleTable) -> String {
+/// The window's length as configured (`"1m"`).
+pub fn window_text(table: &RuleTable) -> String {
     crate::config::DurationMs::from_ms(table.window.length_ms()).map_or_else(String::new, |d| d.to_string())
 }
 
