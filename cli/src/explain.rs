@@ -8,7 +8,7 @@
 //! mode ([`Config::shadows`]), the partition ([`Partitioner`]), the priority class
 //! ([`Classes::class_of`]) and its shedding thresholds ([`Shedder`], [`LagMonitor`]).
 
-use floodgate::config::{Config, CostSource, KeyPart, MissingKey, Mode, RateLimitRule, Scope, Consistency};
+use floodgate::config::{Config, Consistency, CostSource, KeyPart, MissingKey, Mode, RateLimitRule, RefusalFormat, Scope};
 use floodgate::keys::{hash_key, strip_port, KeyHasher, Source};
 use floodgate::ratelimit::probes::probes_where;
 use floodgate::ratelimit::rules::{capped, Attributes, Later, LimitFrom, Rules, Unmet};
@@ -355,6 +355,14 @@ fn rate_limits(config: &Config, request: &Request, line: &mut impl FnMut(String)
             }
         };
         line(detail(format!("cost: {}", cost_text(rule, &rules, index, request, limit))));
+        let format = match rule.refusal_format.unwrap_or(config.refusal_format) {
+            RefusalFormat::Problem => None,
+            RefusalFormat::Openai => Some("OpenAI's error object (application/json, code rate_limit_exceeded)"),
+            RefusalFormat::Anthropic => Some("Anthropic's error object (application/json, type rate_limit_error)"),
+        };
+        if let Some(format) = format {
+            line(detail(format!("refusal: a 429 with {format} instead of the problem document; the same headers")));
+        }
         let scope = match (rule.scope, rule.consistency) {
             (Scope::Proxy, _) => "proxy (the workers of this Envoy share the quota)".to_owned(),
             (Scope::Global, Consistency::Batched) => "global, consistency batched (the fleet shares the quota, synced in batches)".to_owned(),
@@ -385,8 +393,12 @@ fn cost_text(rule: &RateLimitRule, rules: &Rules, index: usize, request: &Reques
         }
         (CostSource::RequestBody, _) => format!("{} now (the request body's content-length{cap})", units(now)),
         (CostSource::ResponseHeader | CostSource::ResponseBody, _) => {
-            let place = match cost.from {
-                CostSource::ResponseBody => format!(
+            let place = match (cost.from, &cost.sum) {
+                (CostSource::ResponseBody, Some(terms)) => format!(
+                    "{} in the response body (JSON, or the events of a text/event-stream: each place's last value), charged when read as the body streams",
+                    sum_text(terms)
+                ),
+                (CostSource::ResponseBody, None) => format!(
                     "at {} in the response body (JSON, or the last event of a text/event-stream that has one), charged when read as the body streams",
                     cost.path.clone().unwrap_or_default()
                 ),
@@ -397,10 +409,14 @@ fn cost_text(rule: &RateLimitRule, rules: &Rules, index: usize, request: &Reques
                     let from = match (&estimate.header, admission.invalid) {
                         (Some(h), true) => format!("request header {h} is not a count: estimate.default"),
                         (Some(h), false) if request.header(h).is_some() => format!("request header {h}, at most estimate.max {}", estimate.max.get()),
-                        (header, false) if estimate.body.is_some() => {
-                            let places = estimate.body.iter().flatten().map(String::as_str).collect::<Vec<_>>().join(", ");
+                        (header, false) if estimate.body.is_some() || estimate.sum.is_some() => {
+                            let places = match (&estimate.body, &estimate.sum) {
+                                (Some(places), _) => format!("JSON body's {} (the first listed it holds", places.join(", ")),
+                                (None, Some(terms)) => format!("JSON body: {} (each term at the first of its places the body holds", sum_text(terms)),
+                                (None, None) => String::new(),
+                            };
                             let absent = header.as_ref().map_or(String::new(), |h| format!("request header {h} absent: "));
-                            format!("{absent}the request waits for its JSON body's {places} (the first listed it holds, at most estimate.max {}; this shows estimate.default, the body not being given)", estimate.max.get())
+                            format!("{absent}the request waits for its {places}, at most estimate.max {}; this shows estimate.default, the body not being given)", estimate.max.get())
                         }
                         (Some(h), false) => format!("request header {h} absent: estimate.default"),
                         (None, _) => "estimate.default".to_owned(),
@@ -422,6 +438,19 @@ fn cost_text(rule: &RateLimitRule, rules: &Rules, index: usize, request: &Reques
             }
         }
     }
+}
+
+/// `usage.input_tokens | message.usage.input_tokens + 4 × usage.output_tokens`.
+fn sum_text(terms: &[floodgate::config::Term]) -> String {
+    let term = |t: &floodgate::config::Term| {
+        let places = t.path.0.join(" | ");
+        let places = if t.path.0.len() > 1 { format!("({places})") } else { places };
+        match t.weight.get().get() {
+            1 => places,
+            weight => format!("{weight} × {places}"),
+        }
+    };
+    format!("the sum {}", terms.iter().map(term).collect::<Vec<_>>().join(" + "))
 }
 
 fn cluster_selection(config: &Config, request: &Request, line: &mut impl FnMut(String)) {
@@ -626,6 +655,22 @@ mod tests {
              (JSON, or the last event of a text/event-stream that has one), charged when read as the body streams, capped at the limit 1000, settles it: \
              the difference is given back or charged (without a valid count: the reservation stays charged)"
         );
+        let anthropic = explained(
+            r#"{"refusal_format": "anthropic", "rate_limits": [{"name": "tokens", "key": [{"header": "authorization"}], "limit": 100000, "window": "1m",
+                 "cost": {"from": "response_body", "sum": [{"path": ["usage.input_tokens", "message.usage.input_tokens"]}, {"path": "usage.output_tokens", "weight": 4}],
+                          "estimate": {"sum": [{"path": "max_tokens", "weight": 4}], "default": 4096, "max": 65536}}}]}"#,
+            &["--header", "authorization:Bearer k"],
+        );
+        let lines = rule_lines(&anthropic, "tokens");
+        assert_eq!(
+            lines[4],
+            "cost: 4096 units reserved now (the request waits for its JSON body: the sum 4 × max_tokens (each term at the first of its places the body holds, \
+             at most estimate.max 65536; this shows estimate.default, the body not being given)); later the count the sum \
+             (usage.input_tokens | message.usage.input_tokens) + 4 × usage.output_tokens in the response body (JSON, or the events of a text/event-stream: \
+             each place's last value), charged when read as the body streams, capped at the limit 100000, settles it: the difference is given back or charged \
+             (without a valid count: the reservation stays charged)"
+        );
+        assert_eq!(lines[5], "refusal: a 429 with Anthropic's error object (application/json, type rate_limit_error) instead of the problem document; the same headers");
     }
 
     #[test]

@@ -1059,7 +1059,7 @@ spec:
         let error = find_configurations("compose.yaml", b"services:\n  envoy: {}\n", Options::default()).unwrap_err();
         assert!(error.starts_with("no floodgate configuration found"), "{error}");
         let found = find("c.yaml", "health:\n  path: /h\nrate_limit: []\n");
-        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `load_shedding`, `cluster_selection`, `health`, `watchdog`, `global`, `grpc`, `mode`, `access_log`");
+        assert_eq!(check(&found[0]).unwrap_err(), "rate_limit: unknown field `rate_limit`, expected one of `rate_limits`, `stat_prefix`, `ratelimit_headers`, `refusal_format`, `load_shedding`, `cluster_selection`, `health`, `watchdog`, `global`, `grpc`, `mode`, `access_log`");
     }
 
     #[test]

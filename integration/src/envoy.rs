@@ -515,6 +515,18 @@ impl Envoy {
         EnvoyBuilder::new(filter_config)
     }
 
+    /// Starts Envoy (2 workers) with a whole bootstrap (a shipped example's, say, its ports and
+    /// paths set by the test), whose listener is named `front`.
+    pub fn from_bootstrap(bootstrap: &Value) -> Envoy {
+        let dir = tempfile::Builder::new().prefix("floodgate-envoy-").tempdir().expect("tempdir");
+        let child = spawn_envoy(dir.path(), bootstrap, 2, &[]);
+        let mut envoy = Envoy { child, dir, admin: None, listener: None };
+        let (admin, listener) = wait_for_envoy(&mut envoy.child, envoy.dir.path());
+        envoy.admin = Some(admin);
+        envoy.listener = Some(listener);
+        envoy
+    }
+
     /// Starts Envoy with `filter_config` expecting it to refuse it; returns Envoy's log.
     pub fn start_expecting_failure(filter_config: impl Display) -> String {
         EnvoyBuilder::new(filter_config).start_expecting_failure()

@@ -590,6 +590,7 @@ const TABLES: &[(&str, &str)] = &[
     ("`rate_limits`", "rateLimitRule"),
     ("Costs (`cost`)", "cost"),
     ("Estimates (`cost.estimate`)", "estimate"),
+    ("Weighted sums (`cost.sum`, `cost.estimate.sum`)", "sumTerm"),
     ("`load_shedding`", "loadShedding"),
     ("`load_shedding.queue`", "queue"),
     ("`load_shedding.per_key`", "perKey"),

@@ -381,11 +381,9 @@ fn tail(log: &str, lines: usize) -> String {
 }
 
 /// The shipped examples (envoy/llm.yaml, envoy/istio/llm-wasmplugin.yaml) hold the same
-/// configuration; loaded in Envoy in front of the test server, a request whose body has no
-/// `max_tokens` reserves the default (512) and settles to its usage: 482 come back, on both
-/// rules.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_shipped_examples_load_and_settle() {
+/// configuration (envoy/llm.yaml runs as shipped in `tests/llm_sdk.rs`).
+#[test]
+fn the_shipped_examples_hold_the_same_rules() {
     let read = |path: &str| {
         let text = std::fs::read_to_string(workspace_root().join(path)).expect("the example");
         let found = floodgate_cli::find_configurations(path, text.as_bytes(), Default::default()).expect("configurations");
@@ -394,13 +392,6 @@ async fn the_shipped_examples_load_and_settle() {
     };
     let config = read("envoy/llm.yaml");
     assert_eq!(config, read("envoy/istio/llm-wasmplugin.yaml"), "the two examples agree");
-    let upstream = LlmUpstream::start();
-    let envoy = llm_envoy(config, &upstream);
-    let mut client = Client::connect(envoy.addr()).await.expect("connect");
-    let headers = [("authorization", "Bearer k"), ("x-test-usage", "30"), ("x-test-prompt", "10"), ("x-test-mode", "sse")];
-    let response = client.send("POST", "/v1/chat/completions", &headers, Bytes::from_static(b"{}")).await.expect("a response");
-    assert_eq!(response.status, 200);
-    for (rule, refunded) in [("tokens-per-minute", 512 - 30), ("completion-tokens-per-day", 512 - 20)] {
-        assert_eq!(envoy.wait_for_stat(&rule_stat(rule, "refunded"), refunded, Duration::from_secs(10)), Some(refunded), "{rule}");
-    }
+    let names: Vec<&str> = config["rate_limits"].as_array().expect("rules").iter().filter_map(|r| r["name"].as_str()).collect();
+    assert_eq!(names, ["chat-tokens", "responses-tokens", "messages-tokens", "messages-tokens-x-api-key"]);
 }

@@ -59,34 +59,22 @@ fn wait_text(ms: u64) -> String {
     }
 }
 
-/// The body of a `429` in `format` (the problem document is [`crate::replies::rate_limited`]'s).
+/// The body of a `429` in `format` (the problem document is [`crate::replies::rate_limited`]'s),
+/// its members in the API's order: the API's own first, then floodgate's.
 pub fn body(format: RefusalFormat, facts: &Facts<'_>) -> String {
     let table = facts.table;
     let (name, unit, window) = (table.name.as_str(), unit(table), window_text(table));
     let quota = format!("quota \"{name}\" of {} {unit} per {window}", facts.limit);
     let wait = wait_text(facts.retry_after_ms);
-    let mut members = json!({
-        "policy": name,
-        "limit": facts.limit.get(),
-        "unit": unit,
-        "window": window,
-        "remaining": facts.remaining,
-        "estimate": facts.estimate,
-        "retry_after": facts.retry_after_secs,
-        "retry_after_ms": facts.retry_after_ms,
-    });
-    let (message, error) = match format {
+    let (message, api): (String, Vec<(&str, Value)>) = match format {
         RefusalFormat::Openai => {
             let message = if facts.contention {
                 format!("Rate limit {quota} could not be counted under contention. Please try again in {wait}.")
             } else {
-                format!(
-                    "Rate limit reached for {quota} (used {}, remaining {}). Please try again in {wait}.",
-                    facts.estimate, facts.remaining
-                )
+                format!("Rate limit reached for {quota} (used {}, remaining {}). Please try again in {wait}.", facts.estimate, facts.remaining)
             };
             let kind = if table.unit == "requests" { "requests" } else { "tokens" };
-            (message, json!({"type": kind, "param": null, "code": "rate_limit_exceeded"}))
+            (message, vec![("type", json!(kind)), ("param", Value::Null), ("code", json!("rate_limit_exceeded"))])
         }
         RefusalFormat::Anthropic | RefusalFormat::Problem => {
             let message = if facts.contention {
@@ -97,18 +85,38 @@ pub fn body(format: RefusalFormat, facts: &Facts<'_>) -> String {
                     facts.estimate, facts.remaining
                 )
             };
-            (message, json!({"type": "rate_limit_error"}))
+            (message, vec![("type", json!("rate_limit_error"))])
         }
     };
-    if let (Some(members), Value::Object(api)) = (members.as_object_mut(), error) {
-        members.insert("message".into(), message.into());
-        members.extend(api);
-    }
-    let wrapped = match format {
-        RefusalFormat::Openai => json!({"error": members}),
-        RefusalFormat::Anthropic | RefusalFormat::Problem => json!({"type": "error", "error": members}),
+    let mut members: Vec<(&str, Value)> = match format {
+        RefusalFormat::Openai => vec![("message", json!(message))],
+        RefusalFormat::Anthropic | RefusalFormat::Problem => Vec::new(),
     };
-    wrapped.to_string()
+    members.extend(api);
+    if format != RefusalFormat::Openai {
+        members.push(("message", json!(message)));
+    }
+    members.extend([
+        ("policy", json!(name)),
+        ("limit", json!(facts.limit.get())),
+        ("unit", json!(unit)),
+        ("window", json!(window)),
+        ("remaining", json!(facts.remaining)),
+        ("estimate", json!(facts.estimate)),
+        ("retry_after", json!(facts.retry_after_secs)),
+        ("retry_after_ms", json!(facts.retry_after_ms)),
+    ]);
+    let error = object(&members);
+    match format {
+        RefusalFormat::Openai => format!("{{\"error\":{error}}}"),
+        RefusalFormat::Anthropic | RefusalFormat::Problem => format!("{{\"type\":\"error\",\"error\":{error}}}"),
+    }
+}
+
+/// A JSON object of `members`, in their order.
+fn object(members: &[(&str, Value)]) -> String {
+    let fields: Vec<String> = members.iter().map(|(name, value)| format!("{}:{value}", Value::from(*name))).collect();
+    format!("{{{}}}", fields.join(","))
 }
 
 #[cfg(test)]
@@ -171,6 +179,9 @@ mod tests {
         let message = body["error"]["message"].as_str().unwrap();
         assert!(message.starts_with("This request would exceed the rate limit quota \"tokens\" of 100 requests per 1m (used 100, remaining 0). Please try again in "), "{message}");
         assert_eq!(body["error"]["window"], "1m");
+        assert!(reply.body.starts_with(r#"{"type":"error","error":{"type":"rate_limit_error","message":"This request"#), "the API's order: {}", reply.body);
+        let openai = refusal("openai", "");
+        assert!(openai.body.starts_with(r#"{"error":{"message":"Rate limit reached"#), "the API's order: {}", openai.body);
         assert_eq!(header(&reply, "content-type"), "application/json");
     }
 
