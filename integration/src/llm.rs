@@ -289,7 +289,7 @@ fn anthropic_message(tokens: Tokens) -> String {
 
 async fn send_body(state: Arc<State>, mut sink: Sink, api: Api, mode: String, tokens: Tokens, pad: usize) {
     let usage = chat_usage(tokens);
-    let message = r#"{"id":"chatcmpl-test","object":"chat.completion","created":1700000000,"model":"test","choices":[{"index":0,"message":{"role":"assistant","content":"Hello"},"finish_reason":"stop"}],"#;
+    let message = r#"{"id":"chatcmpl-test","object":"chat.completion","created":1700000000,"model":"test","choices":[{"index":0,"message":{"role":"assistant","content":"Hello there"},"finish_reason":"stop"}],"#;
     let mut ok = true;
     match (api, mode.as_str()) {
         (Api::Responses, "json") => ok &= sink.send(Bytes::from(responses_object(tokens, true))).await,
