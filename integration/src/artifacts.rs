@@ -86,3 +86,20 @@ fn absolute(p: &Path) -> PathBuf {
             .join(p)
     }
 }
+
+/// A Python that can import `modules` (`"import grpc"`'s `grpc`, or `"openai, anthropic"`):
+/// `$<var>`, else `<workspace>/.venv/bin/python`, where `installer` (a script `./test.sh` runs)
+/// puts them. Panics, saying so, if it cannot import them.
+pub fn venv_python(var: &str, modules: &str, installer: &str) -> PathBuf {
+    let python = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
+    let imports = std::process::Command::new(&python)
+        .args(["-c", &format!("import {modules}")])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    assert!(
+        imports,
+        "{} cannot import {modules}: run ./test.sh ({installer} installs them into .venv/), or set {var}",
+        python.display()
+    );
+    python
+}

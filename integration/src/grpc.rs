@@ -30,21 +30,7 @@ const CLIENT_TIMEOUT: Duration = Duration::from_secs(90);
 pub fn python() -> PathBuf {
     static PYTHON: OnceLock<PathBuf> = OnceLock::new();
     PYTHON
-        .get_or_init(|| {
-            let python = std::env::var_os("GRPC_PYTHON")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
-            let imports = Command::new(&python)
-                .args(["-c", "import grpc"])
-                .output()
-                .is_ok_and(|o| o.status.success());
-            assert!(
-                imports,
-                "{} cannot import grpcio: run ./test.sh (scripts/grpc.sh installs it into .venv/), or set GRPC_PYTHON",
-                python.display()
-            );
-            python
-        })
+        .get_or_init(|| crate::artifacts::venv_python("GRPC_PYTHON", "grpc", "scripts/grpc.sh"))
         .clone()
 }
 
@@ -64,7 +50,7 @@ pub fn h2load_binary() -> PathBuf {
 
 /// Waits for `child` at most `limit` (reading its output meanwhile, so that it never blocks on
 /// a full pipe); kills it past that. Returns its output and whether it finished by itself.
-fn wait_bounded(child: Child, limit: Duration) -> (Output, bool) {
+pub(crate) fn wait_bounded(child: Child, limit: Duration) -> (Output, bool) {
     let pid = child.id();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {

@@ -376,23 +376,14 @@ async fn send_body(state: Arc<State>, mut sink: Sink, api: Api, mode: String, to
 pub fn sdk_python() -> std::path::PathBuf {
     static PYTHON: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
     PYTHON
-        .get_or_init(|| {
-            let python = std::env::var_os("LLM_PYTHON").map(std::path::PathBuf::from).unwrap_or_else(|| workspace_root().join(".venv/bin/python"));
-            let imports = std::process::Command::new(&python).args(["-c", "import openai, anthropic"]).output().is_ok_and(|o| o.status.success());
-            assert!(
-                imports,
-                "{} cannot import openai and anthropic: run ./test.sh (scripts/llm-sdks.sh installs them into .venv/), or set LLM_PYTHON",
-                python.display()
-            );
-            python
-        })
+        .get_or_init(|| crate::artifacts::venv_python("LLM_PYTHON", "openai, anthropic", "scripts/llm-sdks.sh"))
         .clone()
 }
 
 /// Runs `integration/llm/sdk.py` with `args` (its calls through an SDK, see its doc) and
 /// returns what it printed. Bounded: a run longer than `limit` is killed and fails the test.
 pub fn run_sdk(args: &[&str], limit: Duration) -> serde_json::Value {
-    let mut child = std::process::Command::new(sdk_python())
+    let child = std::process::Command::new(sdk_python())
         .arg(workspace_root().join("integration/llm/sdk.py"))
         .args(args)
         .stdin(std::process::Stdio::null())
@@ -400,19 +391,8 @@ pub fn run_sdk(args: &[&str], limit: Duration) -> serde_json::Value {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("start sdk.py");
-    let deadline = std::time::Instant::now() + limit;
-    loop {
-        if child.try_wait().expect("try_wait").is_some() {
-            break;
-        }
-        if std::time::Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("sdk.py {args:?} ran longer than {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let output = child.wait_with_output().expect("sdk.py output");
+    let (output, finished) = crate::grpc::wait_bounded(child, limit);
+    assert!(finished, "sdk.py {args:?} ran longer than {limit:?}");
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "sdk.py {args:?} failed: {}\n{stdout}", String::from_utf8_lossy(&output.stderr));
     serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("sdk.py {args:?} printed no JSON ({e}): {stdout}"))
