@@ -30,6 +30,13 @@ fn fresh_key(name: &str) -> String {
     format!("{name}-{}", since_epoch().as_nanos())
 }
 
+/// Keeps the next `seconds` inside one minute's window bucket (a count read from a refusal is
+/// then exact: no earlier bucket weighs in).
+fn clear_of_minute_end(seconds: u64) {
+    let minute = Duration::from_secs(60);
+    wait_for_window_phase(minute, Duration::from_secs(1), minute - Duration::from_secs(seconds));
+}
+
 fn llm_envoy(config: Value, upstream: &LlmUpstream) -> Envoy {
     Envoy::builder(config).module(llm_wasm_module()).allow_on_headers_stop_iteration().upstream_at(upstream.addr()).start()
 }
@@ -133,6 +140,7 @@ fn the_sdks_errors_name_the_limit_and_the_wait_in_the_api_s_shape() {
     };
     let config = json!({"rate_limits": [rule("chat-tokens", "/v1/chat/completions", "openai"), rule("messages-tokens", "/v1/messages", "anthropic")]});
     let envoy = llm_envoy(config, &upstream);
+    clear_of_minute_end(30);
     for (sdk, api, rule, error_type, shape) in [
         ("openai", "chat", "chat-tokens", "RateLimitError", "Error code: 429 - Rate limit reached for quota \"chat-tokens\" of 150 tokens per 1m (used 80, remaining 70)."),
         ("anthropic", "messages", "messages-tokens", "RateLimitError", "'type': 'rate_limit_error', 'message': 'This request would exceed the rate limit quota \"messages-tokens\" of 150 tokens per 1m (used 80, remaining 70)."),
@@ -252,6 +260,7 @@ fn an_anthropic_stream_of_40_input_and_25_output_tokens_counts_140() {
                                   "sum": [{"path": ["usage.input_tokens", "message.usage.input_tokens"]}, {"path": "usage.output_tokens", "weight": 4}],
                                   "estimate": {"sum": [{"path": "max_tokens", "weight": 4}], "default": 400, "max": 1000}}}]});
     let envoy = llm_envoy(config, &upstream);
+    clear_of_minute_end(20);
     let key = fresh_key("anthropic");
     let run = sdk_run(&envoy, "anthropic", "messages", &key, 1, true, (65, 40), &["--max-tokens", "100"]);
     assert_eq!(run["calls"][0]["ok"], true, "{run}");
