@@ -88,7 +88,7 @@ async fn past_max_wait_a_waiting_request_gets_the_shed_reply_after_about_the_wai
             503 => {
                 // Today's shed reply, with its fields, and how long the request waited.
                 assert_eq!(r.header("content-type"), Some("application/problem+json"));
-                assert_eq!(r.header("retry-after"), Some("2"));
+                assert_eq!((r.header("retry-after"), r.header("retry-after-ms")), (Some("2"), Some("2000")));
                 let body = r.json();
                 assert_eq!(body["type"], "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity");
                 assert_eq!((body["status"].as_u64(), body["class"].as_str(), body["max_active_requests"].as_u64()), (Some(503), Some("normal"), Some(4)));

@@ -442,6 +442,7 @@ fn check_429(r: &Response, violated: &[&str], policy: &str, limit: u64, estimate
         ceil_div(retry_after_ms, 1000),
         "retry-after = retry_after_ms rounded up"
     );
+    assert_eq!(header_u64(r, "retry-after-ms"), retry_after_ms, "retry-after-ms is the body's exact wait");
 
     let quotas = body["quotas"].as_array().expect("quotas is an array");
     assert_eq!(quotas.len(), violated.len(), "one quota per violated rule");
