@@ -507,7 +507,7 @@ fn expected_series(
         // Defined only for a token bucket with `max_delay`, with `load_shedding.queue`, or for a
         // cost the upstream reports, which none of these configurations has.
         let queue = [".queued", ".dequeued", ".queue_timeout", ".queue_abandoned", ".queue_length", ".queue_wait_ms"];
-        let reported = [".refunded", ".unreported", ".unreadable"];
+        let reported = [".refunded", ".unreported", ".unreadable", ".unreadable_compressed"];
         if pattern.ends_with(".delayed")
             || pattern.ends_with(".delay_abandoned")
             || queue.iter().chain(&reported).any(|q| pattern.ends_with(q))
