@@ -67,6 +67,15 @@ have_python_venv() {
   found+=("python3 $(python3 -c 'import platform; print(platform.python_version())') with venv")
 }
 
+have_python_for_tests() {
+  # grpcio and the openai and anthropic SDKs (scripts/grpc.sh, scripts/llm-sdks.sh) need 3.10;
+  # they go into .venv/, made from python3 when missing.
+  local py=python3
+  [[ -x .venv/bin/python ]] && py=.venv/bin/python
+  "$py" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || return 1
+  found+=("python $("$py" -c 'import platform; print(platform.python_version())') for the test clients")
+}
+
 have_curl() { have curl && found+=("curl"); }
 
 have_tools() {
@@ -160,6 +169,9 @@ if [[ "$for_what" == test ]]; then
   need "a C++ compiler (c++), for libFuzzer (fuzz/run.sh)" \
     "Debian/Ubuntu: sudo apt-get install build-essential; Fedora: sudo dnf install gcc-c++" have_cxx
   need "timeout, ldd and tar" "Debian/Ubuntu: sudo apt-get install coreutils libc-bin tar" have_tools
+  need "Python 3.10 or newer for the test clients (grpcio, the openai and anthropic SDKs in .venv/)" \
+    "Debian 12 / Ubuntu 22.04 or newer ship it: sudo apt-get install python3 python3-venv; then rm -rf .venv so it is made again" \
+    have_python_for_tests
   need "Redis 7.0+ (redis-server and redis-cli), or apt-get with root or sudo so scripts/redis.sh can install Debian's redis-server (floodgate-sync's tests)" \
     "Debian/Ubuntu: sudo apt-get install redis-server; elsewhere Redis 7 or Valkey from https://redis.io/docs/latest/operate/oss_and_stack/install/" \
     have_redis_or_apt
