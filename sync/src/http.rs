@@ -1,22 +1,23 @@
-//! The HTTP side: HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port, five routes.
+//! The HTTP side: HTTP/1.1 and HTTP/2 (h2c with prior knowledge) on one port, six routes.
 //!
 //! | route | answer |
 //! | --- | --- |
 //! | `POST /v1/sync` | 200 with the batch's totals; 400, 413, 415, 503 with `{"error": ...}` |
 //! | `POST /v1/lease` | 200 with the grants; the same errors |
 //! | `GET /healthz` | 200 `{"status":"ok"}` while the process runs |
+//! | `GET /v1/holders?key=...` | 200 with a leased key's holders (see [`crate::holders`]); 400, 503 |
 //! | `GET /readyz` | 200 when Redis answers PING (every node of a cluster), else 503 |
 //! | `GET /metrics` | Prometheus text |
 //!
 //! Anything else is 404, or 405 (with `allow`) for a known path. With tokens configured, the
-//! two `POST` routes need one (`authorization: Bearer ...`): 401 without, 403 with another one,
-//! before the body is read; the `GET` routes stay open (probes, scraping).
+//! `/v1/` routes need one (`authorization: Bearer ...`): 401 without, 403 with another one,
+//! before the body is read; the other `GET` routes stay open (probes, scraping).
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE, WWW_AUTHENTICATE};
@@ -31,6 +32,7 @@ use tokio::net::TcpListener;
 use tracing::{debug, info, warn};
 
 use crate::auth::{Tokens, Verdict};
+use crate::holders::{buckets, parse_holders_query, HoldersAnswer};
 use crate::layout::{plan, Layout};
 use crate::lease::{parse_lease_request, plan_lease, LeaseResponse};
 use crate::metrics::{ErrorKind, Metrics};
@@ -131,6 +133,11 @@ pub async fn handle(app: Arc<App>, request: Request<Incoming>) -> Result<Answer,
             answer
         }
         "/v1/lease" => method_not_allowed(&app, "POST"),
+        "/v1/holders" if method == Method::GET || method == Method::HEAD => match refused(&app, &request) {
+            Some(answer) => answer,
+            None => holders(&app, request.uri().query()).await,
+        },
+        "/v1/holders" => method_not_allowed(&app, "GET, HEAD"),
         "/healthz" | "/readyz" | "/metrics" if method != Method::GET && method != Method::HEAD => {
             method_not_allowed(&app, "GET, HEAD")
         }
@@ -249,6 +256,27 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
             ErrorKind::StoreError,
             format!("store unavailable: {err}"),
         ),
+    }
+}
+
+async fn holders(app: &App, query: Option<&str>) -> Answer {
+    let query = match parse_holders_query(query, &app.layout) {
+        Ok(query) => query,
+        Err(message) => return error(app, ErrorKind::BadRequest, message),
+    };
+    let now_ms = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    let counters = buckets(&query, &app.layout, now_ms);
+    match app.store.holders(&counters, now_ms).await {
+        Ok(buckets) => {
+            let answer = HoldersAnswer { key: query.key.as_str().to_owned(), window_ms: query.window_ms, buckets };
+            match serde_json::to_vec(&answer) {
+                Ok(body) => json(StatusCode::OK, body),
+                Err(err) => error(app, ErrorKind::StoreError, format!("store unavailable: {err}")),
+            }
+        }
+        Err(err) => error(app, err.kind(), format!("store unavailable: {err}")),
     }
 }
 

@@ -21,6 +21,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod holders;
 pub mod http;
 pub mod layout;
 pub mod lease;
@@ -95,7 +96,7 @@ pub async fn run(args: Args) -> Result<(), String> {
         "TLS, public roots"
     };
     info!(
-        "floodgate-sync {} serving POST /v1/sync /v1/lease, GET /healthz /readyz /metrics on http://{local} \
+        "floodgate-sync {} serving POST /v1/sync /v1/lease, GET /v1/holders /healthz /readyz /metrics on http://{local} \
          (HTTP/1.1 and h2c); calls {}; redis {} {} ({tls_summary}{}); shards {} prefix {:?}; max {} counters, \
          {} bytes per batch; redis timeout {:?}",
         env!("CARGO_PKG_VERSION"),

@@ -15,6 +15,7 @@
 //! ACL users and passwords come in the URL (`redis://user:password@host`).
 
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,8 +28,9 @@ use redis::{ClientTlsConfig, Cmd, RedisError, Script, ServerErrorKind, TlsCertif
 use tokio::sync::watch;
 use tracing::{info, warn};
 
+use crate::holders::{BucketHolders, Holder};
 use crate::layout::{Group, Plan};
-use crate::lease::{Grant, PlannedLease};
+use crate::lease::{holders_key, Grant, PlannedLease};
 use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::Totals;
 
@@ -171,14 +173,29 @@ enum Backend {
 }
 
 /// One line per Redis error, at most one a second; the others are counted and reported with the
-/// next line.
+/// next line. Over TLS, an error that comes from the TLS handshake says so.
 #[derive(Debug, Default)]
 struct ErrorLog {
     state: Mutex<(Option<Instant>, u64)>,
+    tls: bool,
+}
+
+/// What an error's text tells of a TLS failure (a certificate refused, a handshake cut short).
+fn tls_hint(tls: bool, err: &StoreError) -> &'static str {
+    let text = err.to_string().to_ascii_lowercase();
+    let tls_failure = ["certificate", "tls", "handshake", "unknownissuer"]
+        .iter()
+        .any(|word| text.contains(word));
+    if tls && tls_failure {
+        " (TLS: check --redis-ca against the server's certificate, and --redis-cert/--redis-key if it asks for one)"
+    } else {
+        ""
+    }
 }
 
 impl ErrorLog {
     fn log(&self, what: &str, err: &StoreError) {
+        let hint = tls_hint(self.tls, err);
         let mut state = self
             .state
             .lock()
@@ -193,10 +210,10 @@ impl ErrorLog {
             drop(state);
             if suppressed > 0 {
                 warn!(
-                    "redis: {what}: {err} ({suppressed} more errors in the last second not logged)"
+                    "redis: {what}: {err}{hint} ({suppressed} more errors in the last second not logged)"
                 );
             } else {
-                warn!("redis: {what}: {err}");
+                warn!("redis: {what}: {err}{hint}");
             }
         } else {
             state.1 = state.1.saturating_add(1);
@@ -217,8 +234,11 @@ pub struct Store {
 impl Store {
     /// Sets up the connection (lazily: no Redis needs to be up yet). Fails only on a bad URL.
     pub fn connect(config: &StoreConfig, metrics: Arc<Metrics>) -> Result<Store, String> {
-        let errors = Arc::new(ErrorLog::default());
         let certificates = tls_of(config)?;
+        let errors = Arc::new(ErrorLog {
+            tls: config.urls.iter().any(|url| is_tls(url)),
+            ..ErrorLog::default()
+        });
         let backend = if config.cluster {
             if config.urls.is_empty() {
                 return Err("--cluster needs at least one --redis seed URL".into());
@@ -297,17 +317,12 @@ impl Store {
                 }
             }
         };
-        let result = match tokio::time::timeout(self.timeout, work).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
-        };
-        if let Err(err) = &result {
-            self.errors.log("batch", err);
-        }
-        result
+        self.bounded("batch", work).await
     }
 
-    /// PING, on every node of a cluster (masters and replicas).
+    /// PING, on every node of a cluster (masters and replicas); a failure is logged like the
+    /// other Redis errors (so that a Redis that refuses the connection shows in the log before
+    /// any proxy calls).
     pub async fn ping(&self) -> Result<(), StoreError> {
         let work = async {
             match &self.backend {
@@ -335,10 +350,19 @@ impl Store {
             }
             Ok(())
         };
-        match tokio::time::timeout(self.timeout, work).await {
+        self.bounded("readiness (PING)", work).await
+    }
+
+    /// `work` within `--redis-timeout`; its error logged (rate-limited) as `what`.
+    async fn bounded<T>(&self, what: &str, work: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
+        let result = match tokio::time::timeout(self.timeout, work).await {
             Ok(result) => result,
             Err(_) => Err(StoreError::Timeout(self.timeout)),
+        };
+        if let Err(err) = &result {
+            self.errors.log(what, err);
         }
+        result
     }
 
     /// Runs the script calls of a plan at once and puts their answers together in the plan's
@@ -447,14 +471,62 @@ impl Store {
                 }
             }
         };
-        let result = match tokio::time::timeout(self.timeout, work).await {
-            Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+        self.bounded("lease", work).await
+    }
+
+    /// The counters `counters` (`(bucket, counter key)`, all of one key: one slot) with their
+    /// holders, their units outstanding and their entries' expiry (`now_ms`: the caller's clock).
+    pub async fn holders(&self, counters: &[(u64, String)], now_ms: u64) -> Result<Vec<BucketHolders>, StoreError> {
+        let work = async {
+            match &self.backend {
+                Backend::Single(manager) => self.read_holders(&mut manager.clone(), counters, now_ms).await,
+                Backend::Cluster { retrying, .. } => {
+                    self.read_holders(&mut connected(retrying)?, counters, now_ms).await
+                }
+            }
         };
-        if let Err(err) = &result {
-            self.errors.log("lease", err);
+        self.bounded("holders", work).await
+    }
+
+    async fn read_holders<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        counters: &[(u64, String)],
+        now_ms: u64,
+    ) -> Result<Vec<BucketHolders>, StoreError> {
+        let mut pipe = redis::pipe();
+        for (_, counter) in counters {
+            let holders = holders_key(counter);
+            pipe.get(counter).hgetall(&holders).pttl(&holders);
         }
-        result
+        self.metrics.redis_round_trip();
+        let replies: Vec<HoldersReply> = {
+            let flat: Vec<Value> = pipe.query_async(conn).await.map_err(|err| self.classify(err))?;
+            flat.chunks(3)
+                .map(|reply| match reply {
+                    [count, holders, ttl] => Ok((
+                        redis::from_redis_value(count.clone()).map_err(|err| StoreError::Reply(err.to_string()))?,
+                        redis::from_redis_value(holders.clone()).map_err(|err| StoreError::Reply(err.to_string()))?,
+                        redis::from_redis_value(ttl.clone()).map_err(|err| StoreError::Reply(err.to_string()))?,
+                    )),
+                    _ => Err(StoreError::Reply("a short pipeline answer".into())),
+                })
+                .collect::<Result<_, StoreError>>()?
+        };
+        Ok(counters
+            .iter()
+            .zip(replies)
+            .map(|((bucket, counter), (count, holders, ttl))| {
+                // PTTL: -1 without an expiry, -2 when the hash is gone.
+                let expires_at_ms = u64::try_from(ttl).ok().map(|ttl| now_ms.saturating_add(ttl));
+                let mut holders: Vec<Holder> = holders
+                    .into_iter()
+                    .map(|(holder, units)| Holder { holder, units: u64::try_from(units).unwrap_or(0), expires_at_ms })
+                    .collect();
+                holders.sort_by(|a, b| b.units.cmp(&a.units).then_with(|| a.holder.cmp(&b.holder)));
+                BucketHolders { bucket: *bucket, counter: counter.clone(), count: count.unwrap_or(0), holders }
+            })
+            .collect())
     }
 
     async fn run_leases<C: ConnectionLike + Clone>(
@@ -474,6 +546,9 @@ impl Store {
         join_all(calls).await.into_iter().collect()
     }
 }
+
+/// One bucket's counter, its holders hash and the hash's PTTL.
+type HoldersReply = (Option<u64>, Vec<(String, i64)>, i64);
 
 /// On a single node, one script call takes whole shards of a batch up to `max` counters (a
 /// larger shard goes alone): a usual batch is one call, and the largest (10 000 counters) does
@@ -772,6 +847,15 @@ mod tests {
             vec![vec![0], vec![1], vec![2], vec![3], vec![4]]
         );
         assert!(sizes(&[], 7).is_empty());
+    }
+
+    #[test]
+    fn a_tls_failure_says_so_over_tls_only() {
+        let refused = StoreError::Redis("invalid peer certificate: UnknownIssuer".into());
+        assert!(tls_hint(true, &refused).contains("TLS: check --redis-ca"));
+        assert_eq!(tls_hint(false, &refused), "");
+        assert_eq!(tls_hint(true, &StoreError::Redis("Connection refused (os error 111)".into())), "");
+        assert_eq!(tls_hint(true, &StoreError::Timeout(Duration::from_millis(5))), "");
     }
 
     #[test]

@@ -310,3 +310,72 @@ fn refunds_take_units_counted_as_used_off_the_counter_not_off_the_holder() {
     assert_eq!(grants(&lease_call(sync.port, &[nothing])), [(0, 0, 0)]);
     assert_eq!(redis.get(&format!("fg:{{2}}:{absent}:60000:{bucket}")), None);
 }
+
+/// `GET /v1/holders`: each proxy that holds units of a key, with its units outstanding and when
+/// its entry expires, for the current bucket and the one before; by the key and its window or
+/// by the counter's key in the store; behind the same bearer token as the other `/v1/` routes.
+#[test]
+fn the_holders_endpoint_shows_each_proxy_s_units_and_expiry_behind_the_token() {
+    const TOKEN: &str = "holders-token-0123456789";
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "500ms", "--token", TOKEN]);
+    let bearer = format!("Bearer {TOKEN}");
+    let call = |method: &str, path: &str, body: Vec<u8>, token: Option<&str>| {
+        let mut headers = vec![("content-type", "application/json")];
+        if let Some(token) = token {
+            headers.push(("authorization", token));
+        }
+        request_with(sync.port, method, path, &headers, body, false)
+    };
+    let bucket = now_ms() / 60_000;
+    let holders = ["00000000000000a1", "00000000000000b2", "00000000000000c3"];
+    for (at, holder) in holders.iter().enumerate() {
+        let mut e = entry(A, bucket, 0, 1_000, 10 * (at as u64 + 1));
+        e["holder"] = json!(holder);
+        let body = serde_json::to_vec(&json!({"version": 1, "leases": [e]})).unwrap();
+        let answer = call("POST", "/v1/lease", body, Some(&bearer));
+        assert_eq!(answer.status, 200, "{}", answer.body);
+    }
+    let path = format!("/v1/holders?key={A}&window_ms=60000");
+    assert_eq!(call("GET", &path, Vec::new(), None).status, 401, "the token is needed");
+    assert_eq!(call("GET", &path, Vec::new(), Some("Bearer wrong")).status, 403);
+    assert_eq!(call("POST", &path, Vec::new(), Some(&bearer)).status, 405);
+    let answer = call("GET", &path, Vec::new(), Some(&bearer));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    let body = answer.json();
+    println!("{body}");
+    let counter = format!("fg:{{1}}:{A}:60000:{bucket}");
+    assert_eq!(body["key"], A);
+    assert_eq!(body["buckets"][0]["bucket"], bucket);
+    assert_eq!(body["buckets"][0]["counter"], counter.as_str());
+    assert_eq!(body["buckets"][0]["count"], redis.get(&counter).unwrap());
+    let listed: Vec<(String, u64)> = body["buckets"][0]["holders"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| (h["holder"].as_str().unwrap().to_owned(), h["units"].as_u64().unwrap()))
+        .collect();
+    let mut stored = redis.hgetall(&format!("{counter}:h"));
+    stored.sort_by_key(|h| std::cmp::Reverse(h.1));
+    assert_eq!(listed.len(), 3, "one entry per holder: {body}");
+    assert_eq!(listed, stored, "each holder's units, most first");
+    let expiry = redis.pexpiretime(&format!("{counter}:h")) as u64;
+    for h in body["buckets"][0]["holders"].as_array().unwrap() {
+        let at = h["expires_at_ms"].as_u64().unwrap();
+        assert!(at.abs_diff(expiry) < 2_000, "{at} vs PEXPIRETIME {expiry}");
+    }
+    assert_eq!(body["buckets"][1]["bucket"], bucket - 1);
+    assert_eq!(body["buckets"][1]["holders"], json!([]), "nothing held in the bucket before");
+    // The counter's key as the store lists it names the same.
+    let by_counter = call("GET", &format!("/v1/holders?key={}", counter.replace('{', "%7B").replace('}', "%7D")), Vec::new(), Some(&bearer));
+    let units = |body: &Value| -> Vec<(u64, String, u64)> {
+        let buckets = body["buckets"].as_array().unwrap().iter();
+        buckets
+            .flat_map(|b| b["holders"].as_array().unwrap().iter().map(move |h| (b["bucket"].as_u64().unwrap(), h["holder"].to_string(), h["units"].as_u64().unwrap())))
+            .collect()
+    };
+    assert_eq!(units(&by_counter.json()), units(&body));
+    let bad = call("GET", "/v1/holders?key=tenant-a", Vec::new(), Some(&bearer));
+    assert_eq!(bad.status, 400);
+    assert!(bad.body.contains("key: expected 32 lowercase hex"), "{}", bad.body);
+}

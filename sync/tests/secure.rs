@@ -191,3 +191,46 @@ fn redis_over_tls_refuses_a_wrong_password_an_unknown_ca_and_no_client_certifica
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("need rediss:// URLs"));
 }
+
+/// A wrong CA (another CA than the one that signed Redis's certificate) and no proxy calling,
+/// only readiness probes: the log says, within seconds, that TLS refused the server.
+#[test]
+fn a_wrong_ca_shows_in_the_log_from_readiness_probes_alone() {
+    let pki = Pki::new();
+    let other = Pki::new();
+    let redis = tls_redis(&pki);
+    let url = format!("rediss://floodgate:sync-password-0@127.0.0.1:{}", redis.port);
+    let args = [
+        "--redis".to_string(),
+        url,
+        "--redis-timeout".into(),
+        "500ms".into(),
+        "--redis-ca".into(),
+        other.file("ca.pem"),
+        "--redis-cert".into(),
+        pki.file("client.pem"),
+        "--redis-key".into(),
+        pki.file("client.key"),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let sync = Sync::start(&args);
+    let started = std::time::Instant::now();
+    let mut readiness = None;
+    wait_until("a log line naming TLS", Duration::from_secs(10), || {
+        readiness = Some(get(sync.port, "/readyz"));
+        std::thread::sleep(Duration::from_millis(200));
+        sync.log().lines().any(|line| line.contains("readiness") && line.contains("TLS"))
+    });
+    let log = sync.log();
+    let line = log.lines().find(|line| line.contains("readiness") && line.contains("TLS")).unwrap();
+    println!("after {:?}: {line}", started.elapsed());
+    assert!(line.contains("invalid peer certificate") && line.contains("--redis-ca"), "{line}");
+    let readiness = readiness.unwrap();
+    assert_eq!(readiness.status, 503, "{}", readiness.body);
+    // Rate-limited: probes several times a second, at most a line a second.
+    for _ in 0..10 {
+        get(sync.port, "/readyz");
+    }
+    let lines = sync.log().lines().filter(|line| line.contains("readiness (PING)")).count();
+    assert!(lines <= 1 + started.elapsed().as_secs() as usize, "{lines} lines in {:?}", started.elapsed());
+}
