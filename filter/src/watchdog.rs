@@ -8,12 +8,15 @@
 //! blocked worker cannot answer, but another worker sees that it went silent. The answer fails
 //! (`503`) while
 //! - a worker is **silent**: its last heartbeat is older than `worker_silence`, while another
-//!   worker's is recent. A worker counts once it has beaten for [`ESTABLISHED_MS`] (a VM that
-//!   lived a moment is not one); one that was **retired** cleanly (its configuration replaced or
-//!   removed, the VM shut down: [`Watchdog::retire`]) is not silent; nor one that was
-//!   **replaced**, a VM that started after it went silent (Envoy's `FAIL_RELOAD` made a new VM
-//!   for the crashed one). How many workers there are is the record's business: each VM's first
-//!   heartbeat is in it;
+//!   VM of the proxy (another worker, or the main thread's) beats. A VM is a **worker** once it
+//!   serves an HTTP stream ([`Watchdog::serving`]: its first stream writes its entry at once,
+//!   heartbeat or not, so a worker blocked by its very first request is seen); it counts from
+//!   then. The main thread's VM beats too but serves no stream: it tells the others' silence
+//!   apart and is no worker; nor is a VM that validated a configuration and never ticked. One
+//!   that was **retired** cleanly (its configuration replaced or removed, the VM shut down:
+//!   [`Watchdog::retire`]) is not silent; nor one that was **replaced**, a VM that started after
+//!   it went silent (Envoy's `FAIL_RELOAD` made a new VM for the crashed one). How many workers
+//!   there are is the record's business: each worker's entry is in it;
 //! - a worker is **back from a silence** and has not yet beaten `recover_after` times in a row
 //!   on time since;
 //! - a worker has **lagged** past `max_loop_lag` for `lag_for`: the lag is measured at each
@@ -31,10 +34,10 @@
 //! never fails it: the restart that liveness triggers would make that overload worse.
 //!
 //! Record layout (little-endian): the list header ([`Reader::list_header`]: version, 3 zero
-//! bytes, `u32` count), then per entry: VM id `u64`, first heartbeat `u64`, last heartbeat `u64`
+//! bytes, `u32` count), then per entry: VM id `u64`, started `u64`, last heartbeat `u64`
 //! (monotonic ms), lagging since `u64` (0: not lagging), linear memory in bytes `u64` (0:
 //! unknown), loop lag in ms `u32`, heartbeats still to recover `u8`, flags `u8` (bit 0:
-//! retired), 2 zero bytes.
+//! retired, bit 1: serves streams), 2 zero bytes.
 
 use crate::config;
 use crate::primitives::inflight::{HEARTBEAT_MS, MAX_VMS};
@@ -42,19 +45,17 @@ use crate::primitives::record::{DecodeError, Reader, Writer};
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::MonoMillis;
 
-/// A VM counts as a worker once its heartbeats span this long (three of them).
-pub const ESTABLISHED_MS: u64 = 2 * HEARTBEAT_MS;
-
 const RECORD_VERSION: u8 = 1;
 const ENTRY_LEN: usize = 8 * 5 + 4 + 1 + 1 + 2;
 const RETIRED: u8 = 1;
+const SERVES: u8 = 2;
 
 /// One VM's heartbeat, as the record holds it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Beat {
     /// The VM's random id.
     pub vm: u64,
-    /// Its first heartbeat.
+    /// When it started: its first configuration, or else its first heartbeat.
     pub first: MonoMillis,
     /// Its last heartbeat.
     pub last: MonoMillis,
@@ -68,6 +69,8 @@ pub struct Beat {
     pub recovering: u8,
     /// Its configuration was retired cleanly.
     pub retired: bool,
+    /// It serves HTTP streams: a worker (the main thread's VM serves none).
+    pub serves: bool,
 }
 
 /// The watchdog's shared record: one entry per VM.
@@ -95,7 +98,7 @@ impl Record {
                 let memory_bytes = nonzero(reader.u64()?);
                 let lag_ms = reader.u32()?;
                 let [recovering, flags, _, _] = reader.array::<4>()?;
-                Ok(Beat { vm, first, last, lagging_since, memory_bytes, lag_ms, recovering, retired: flags & RETIRED != 0 })
+                Ok(Beat { vm, first, last, lagging_since, memory_bytes, lag_ms, recovering, retired: flags & RETIRED != 0, serves: flags & SERVES != 0 })
             })
             .collect::<Result<Vec<_>, DecodeError>>()?;
         Ok(Record { beats })
@@ -113,7 +116,8 @@ impl Record {
             out.put_u64(beat.lagging_since.map_or(0, |t| t.0.max(1)));
             out.put_u64(beat.memory_bytes.unwrap_or(0));
             out.put_u32(beat.lag_ms);
-            out.put(&[beat.recovering, if beat.retired { RETIRED } else { 0 }, 0, 0]);
+            let flags = if beat.retired { RETIRED } else { 0 } | if beat.serves { SERVES } else { 0 };
+            out.put(&[beat.recovering, flags, 0, 0]);
         }
         out
     }
@@ -123,7 +127,9 @@ impl Record {
         store.get(key).ok().flatten().and_then(|s| Record::decode(&s.value).ok()).unwrap_or_default()
     }
 
-    /// Whether a VM started after `beat` last beat: it was replaced.
+    /// Whether a VM started (was configured) after `beat` last beat: it was replaced. The VMs
+    /// of a proxy are configured as it starts, before it takes requests; a VM configured later
+    /// is one Envoy made for a failed one, or a new VM configuration.
     fn replaced(&self, beat: &Beat) -> bool {
         self.beats.iter().any(|other| other.vm != beat.vm && other.first > beat.last)
     }
@@ -132,7 +138,7 @@ impl Record {
 /// One worker VM's own side of the watchdog, kept between its heartbeats.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerState {
-    /// Its first heartbeat.
+    /// When it started (was configured), or else its first heartbeat.
     first: Option<MonoMillis>,
     /// Its last heartbeat.
     last: Option<MonoMillis>,
@@ -144,6 +150,21 @@ pub struct WorkerState {
     recovering: u32,
     /// The lag measured at the last heartbeat.
     lag_ms: u64,
+    /// Its entry says it serves streams.
+    serves: bool,
+}
+
+impl WorkerState {
+    /// The state of a VM configured at `now`: its entry, once written, says it started then
+    /// (which tells a VM that replaced a silent one, [`Record::replaced`]).
+    pub fn started(now: MonoMillis) -> WorkerState {
+        WorkerState { first: Some(now), ..WorkerState::default() }
+    }
+
+    /// Whether its entry says it serves streams ([`Watchdog::serving`]).
+    pub fn serves(&self) -> bool {
+        self.serves
+    }
 }
 
 /// Why a worker fails the liveness answer.
@@ -189,7 +210,7 @@ pub struct WorkerView {
 /// The liveness verdict, as one worker reads the record.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Liveness {
-    /// The workers that count (established, not retired, not replaced).
+    /// The workers that count (serving streams, not retired, not replaced).
     pub workers: Vec<WorkerView>,
 }
 
@@ -271,7 +292,7 @@ impl Watchdog {
                 state.good_in_a_row = 0;
             }
         }
-        let mut beat = Beat {
+        let beat = Beat {
             vm,
             first,
             last: now,
@@ -280,14 +301,53 @@ impl Watchdog {
             lag_ms: u32::try_from(lag).unwrap_or(u32::MAX),
             recovering: u8::try_from(state.recovering).unwrap_or(u8::MAX),
             retired: false,
+            serves: state.serves,
         };
-        let silence_ms = self.silence_ms;
-        let first = update(store, &self.key, |current| {
+        let (first, serves) = self.write(store, beat, now)?;
+        state.first = Some(first);
+        state.serves = serves;
+        Ok(())
+    }
+
+    /// VM `vm` serves an HTTP stream at `now`: it is a worker. The first stream of a
+    /// configuration writes so in its entry (creating it if the VM has not beaten yet, which
+    /// counts as its first heartbeat); later ones cost nothing.
+    pub fn serving(&self, store: &dyn SharedStore, vm: u64, state: &mut WorkerState, now: MonoMillis) -> Result<(), StoreError> {
+        if state.serves {
+            return Ok(());
+        }
+        let first = *state.first.get_or_insert(now);
+        let last = *state.last.get_or_insert(now);
+        let beat = Beat {
+            vm,
+            first,
+            last,
+            lagging_since: state.lagging_since,
+            memory_bytes: linear_memory_bytes(),
+            lag_ms: u32::try_from(state.lag_ms).unwrap_or(u32::MAX),
+            recovering: u8::try_from(state.recovering).unwrap_or(u8::MAX),
+            retired: false,
+            serves: true,
+        };
+        let (first, _) = self.write(store, beat, now)?;
+        state.first = Some(first);
+        state.serves = true;
+        Ok(())
+    }
+
+    /// Writes `beat` as its VM's entry at `now`: when it started and whether it serves
+    /// streams stay what an earlier configuration of the VM wrote (a configuration change is
+    /// not a new worker); entries of VMs that were replaced, or retired longer than
+    /// `worker_silence` ago, are dropped on the way. Returns when the entry says it started and
+    /// whether it serves streams.
+    fn write(&self, store: &dyn SharedStore, mut beat: Beat, now: MonoMillis) -> Result<(MonoMillis, bool), StoreError> {
+        let (vm, silence_ms) = (beat.vm, self.silence_ms);
+        update(store, &self.key, |current| {
             let mut record = current.and_then(|s| Record::decode(&s.value).ok()).unwrap_or_default();
-            // The VM's first heartbeat stays what it was under an earlier configuration of
-            // this VM: a configuration change is not a new worker.
             if let Some(own) = record.beats.iter().find(|b| b.vm == vm) {
                 beat.first = beat.first.min(own.first);
+                beat.last = beat.last.max(own.last);
+                beat.serves |= own.serves;
             }
             record.beats.retain(|b| b.vm != vm);
             record.beats.push(beat);
@@ -304,10 +364,8 @@ impl Watchdog {
                     None => break,
                 }
             }
-            Attempt::Write(record.encode(), beat.first)
-        })?;
-        state.first = Some(first);
-        Ok(())
+            Attempt::Write(record.encode(), (beat.first, beat.serves))
+        })
     }
 
     /// VM `vm`'s configuration is retired cleanly at `now`: its entry stops counting (until a
@@ -333,8 +391,8 @@ impl Watchdog {
     pub fn judge(&self, record: &Record, now: MonoMillis) -> Liveness {
         let age = |b: &Beat| now.saturating_since(b.last);
         let silent = |b: &Beat| age(b) > self.silence_ms;
-        let counted = |b: &&Beat| !b.retired && b.last.saturating_since(b.first) >= ESTABLISHED_MS;
-        // Silence means something only while another worker beats.
+        let counted = |b: &&Beat| !b.retired && b.serves;
+        // Silence means something only while another VM beats (a worker or the main thread).
         let someone_beats = record.beats.iter().any(|b| !b.retired && !silent(b));
         let workers = record
             .beats
@@ -394,7 +452,7 @@ mod tests {
 
     const T0: u64 = 1_000_000;
 
-    /// Two workers (VM ids 1 and 2) of one proxy, beating on a fake clock.
+    /// The VMs of one proxy (workers, the main thread's), beating on a fake clock.
     struct Proxy {
         dog: Watchdog,
         store: MemoryStore,
@@ -403,13 +461,40 @@ mod tests {
     }
 
     impl Proxy {
+        /// VMs `vms`, none serving a stream yet.
         fn new(dog: Watchdog, vms: &[u64]) -> Proxy {
-            Proxy { dog, store: MemoryStore::new(), states: vms.iter().map(|vm| (*vm, WorkerState::default())).collect(), now: MonoMillis(T0) }
+            let now = MonoMillis(T0);
+            Proxy { dog, store: MemoryStore::new(), states: vms.iter().map(|vm| (*vm, WorkerState::started(now))).collect(), now }
+        }
+
+        /// Workers `vms`, each serving its first stream at the start.
+        fn workers(dog: Watchdog, vms: &[u64]) -> Proxy {
+            let mut proxy = Proxy::new(dog, vms);
+            for vm in vms {
+                proxy.serve(*vm);
+            }
+            proxy
         }
 
         fn beat(&mut self, vm: u64, lag_hint: u64) {
             let (_, state) = self.states.iter_mut().find(|(v, _)| *v == vm).unwrap();
             self.dog.heartbeat(&self.store, vm, state, self.now, lag_hint, None).unwrap();
+        }
+
+        /// VM `vm` starts (is configured) now.
+        fn start(&mut self, vm: u64) {
+            let now = self.now;
+            self.states.iter_mut().find(|(v, _)| *v == vm).unwrap().1 = WorkerState::started(now);
+        }
+
+        /// VM `vm` serves a stream now.
+        fn serve(&mut self, vm: u64) {
+            let (_, state) = self.states.iter_mut().find(|(v, _)| *v == vm).unwrap();
+            self.dog.serving(&self.store, vm, state, self.now).unwrap();
+        }
+
+        fn vms(&self) -> Vec<u64> {
+            self.verdict().workers.iter().map(|w| w.vm).collect()
         }
 
         /// `seconds` seconds of heartbeats on time from every worker in `beating`.
@@ -435,7 +520,7 @@ mod tests {
     fn the_record_reads_back_as_written_and_refuses_anything_else() {
         let record = Record {
             beats: vec![
-                Beat { vm: 7, first: MonoMillis(1), last: MonoMillis(9), lagging_since: Some(MonoMillis(5)), memory_bytes: Some(1 << 20), lag_ms: 3, recovering: 2, retired: true },
+                Beat { vm: 7, first: MonoMillis(1), last: MonoMillis(9), lagging_since: Some(MonoMillis(5)), memory_bytes: Some(1 << 20), lag_ms: 3, recovering: 2, retired: true, serves: true },
                 Beat { vm: 8, first: MonoMillis(2), last: MonoMillis(3), ..Beat::default() },
             ],
         };
@@ -451,7 +536,7 @@ mod tests {
 
     #[test]
     fn a_silent_worker_fails_liveness_after_worker_silence_while_another_beats() {
-        let mut proxy = Proxy::new(default_watchdog(), &[1, 2]);
+        let mut proxy = Proxy::workers(default_watchdog(), &[1, 2]);
         proxy.run(10, &[1, 2]);
         let verdict = proxy.verdict();
         assert!(verdict.alive(), "{verdict:?}");
@@ -470,7 +555,7 @@ mod tests {
 
     #[test]
     fn a_worker_back_from_silence_needs_recover_after_good_heartbeats_in_a_row() {
-        let mut proxy = Proxy::new(default_watchdog(), &[1, 2]);
+        let mut proxy = Proxy::workers(default_watchdog(), &[1, 2]);
         proxy.run(10, &[1, 2]);
         proxy.run(8, &[2]);
         assert!(!proxy.verdict().alive());
@@ -497,7 +582,7 @@ mod tests {
 
     #[test]
     fn lag_fails_liveness_only_after_lag_for_and_recovers_after_good_heartbeats() {
-        let mut proxy = Proxy::new(watchdog(r#"{"path":"/alive","max_loop_lag":"2s","lag_for":"10s"}"#), &[1, 2]);
+        let mut proxy = Proxy::workers(watchdog(r#"{"path":"/alive","max_loop_lag":"2s","lag_for":"10s"}"#), &[1, 2]);
         proxy.run(5, &[1, 2]);
         // Worker 1's loop runs its timer 2.5 s late, every time (worker 2's is fine).
         let lagging = |proxy: &mut Proxy, beats: u32| {
@@ -532,7 +617,7 @@ mod tests {
 
     #[test]
     fn overload_under_the_lag_threshold_or_shorter_than_lag_for_never_fails_liveness() {
-        let mut proxy = Proxy::new(default_watchdog(), &[1, 2]);
+        let mut proxy = Proxy::workers(default_watchdog(), &[1, 2]);
         proxy.run(5, &[1, 2]);
         // A minute of overload: the lag probe says 1.5 s (under max_loop_lag 2 s), heartbeats
         // come up to 900 ms late.
@@ -562,6 +647,8 @@ mod tests {
     #[test]
     fn retired_replaced_and_short_lived_vms_are_not_silent_workers() {
         let mut proxy = Proxy::new(default_watchdog(), &[1, 2, 3, 4]);
+        proxy.serve(1);
+        proxy.serve(2);
         proxy.run(10, &[1, 2]);
         // Worker 1's configuration is retired cleanly, and it beats no more.
         proxy.dog.retire(&proxy.store, 1, proxy.now).unwrap();
@@ -571,14 +658,21 @@ mod tests {
         assert_eq!(verdict.workers.iter().map(|w| w.vm).collect::<Vec<_>>(), vec![2]);
         assert_eq!(Record::read(&proxy.store, proxy.dog.record_key()).beats.len(), 1, "dropped once silent");
         // Worker 2's VM crashes; Envoy makes VM 3 for it (FAIL_RELOAD): 2 was replaced.
+        proxy.run(1, &[]);
+        proxy.start(3);
+        proxy.run(1, &[3]);
+        proxy.serve(3);
         proxy.run(10, &[3]);
         assert!(proxy.verdict().alive(), "{:?}", proxy.verdict());
-        // A VM that beats once and vanishes (a VM that validated a configuration) is no worker.
+        assert_eq!(proxy.vms(), vec![3]);
+        // A VM that beats and vanishes without serving a stream (a VM that validated a
+        // configuration) is no worker.
+        proxy.start(4);
         proxy.run(1, &[3, 4]);
         proxy.run(10, &[3]);
         assert!(proxy.verdict().alive(), "{:?}", proxy.verdict());
         // Every worker silent (no tick anywhere): nothing to compare with, nothing fails.
-        let mut proxy = Proxy::new(default_watchdog(), &[1, 2]);
+        let mut proxy = Proxy::workers(default_watchdog(), &[1, 2]);
         proxy.run(10, &[1, 2]);
         proxy.now = proxy.now.plus_ms(60_000);
         assert!(proxy.verdict().alive(), "{:?}", proxy.verdict());
@@ -586,7 +680,7 @@ mod tests {
 
     #[test]
     fn a_configuration_change_keeps_the_vm_s_first_heartbeat() {
-        let mut proxy = Proxy::new(default_watchdog(), &[1, 2]);
+        let mut proxy = Proxy::workers(default_watchdog(), &[1, 2]);
         proxy.run(10, &[1, 2]);
         proxy.run(7, &[2]);
         assert!(!proxy.verdict().alive());
@@ -597,7 +691,87 @@ mod tests {
         proxy.run(2, &[2]);
         assert!(matches!(proxy.problem(1), Some(Problem::Silent { .. })), "{:?}", proxy.verdict());
         let beats = Record::read(&proxy.store, proxy.dog.record_key()).beats;
-        assert_eq!(beats.iter().find(|b| b.vm == 2).map(|b| (b.first, b.retired)), Some((MonoMillis(T0 + 1_000), false)));
+        assert_eq!(beats.iter().find(|b| b.vm == 2).map(|b| (b.first, b.retired, b.serves)), Some((MonoMillis(T0), false, true)));
+        assert_eq!(proxy.vms(), vec![1, 2], "still a worker before the new configuration serves a stream");
+    }
+
+    /// The main thread's VM (100) beats like the workers but serves no stream.
+    const MAIN: u64 = 100;
+
+    #[test]
+    fn the_main_thread_is_no_worker_but_tells_a_silent_worker_apart() {
+        let mut proxy = Proxy::new(default_watchdog(), &[MAIN, 1, 2]);
+        proxy.run(10, &[MAIN, 1, 2]);
+        assert_eq!(proxy.vms(), Vec::<u64>::new(), "no VM served a stream yet");
+        proxy.serve(1);
+        proxy.serve(2);
+        proxy.serve(2);
+        assert_eq!(proxy.vms(), vec![1, 2], "two workers, the main thread not among them");
+        proxy.run(10, &[MAIN, 1, 2]);
+        assert_eq!(proxy.vms(), vec![1, 2]);
+        // The main thread stalls (a configuration update, a slow xDS answer): no worker fails.
+        proxy.run(20, &[1, 2]);
+        assert!(proxy.verdict().alive(), "{:?}", proxy.verdict());
+        assert_eq!(proxy.vms(), vec![1, 2]);
+        // One worker alone: when it is silent, the main thread's heartbeats tell so.
+        let mut proxy = Proxy::new(default_watchdog(), &[MAIN, 1]);
+        proxy.run(3, &[MAIN, 1]);
+        proxy.serve(1);
+        proxy.run(6, &[MAIN]);
+        assert_eq!(proxy.problem(1), Some(Problem::Silent { for_ms: 6_000 }));
+    }
+
+    #[test]
+    fn a_worker_blocked_by_its_first_stream_before_any_heartbeat_is_silent_then_recovers() {
+        let mut proxy = Proxy::new(default_watchdog(), &[MAIN, 1, 2]);
+        // 300 ms after the VMs started, before worker 1's first heartbeat, its first request
+        // blocks it for 12 s.
+        proxy.now = proxy.now.plus_ms(300);
+        proxy.serve(1);
+        let mut seen = Vec::new();
+        for _ in 0..12 {
+            proxy.run(1, &[MAIN, 2]);
+            seen.push(proxy.verdict().alive());
+        }
+        assert_eq!(seen, [true, true, true, true, true, false, false, false, false, false, false, false], "red after worker_silence (5 s)");
+        assert_eq!(proxy.problem(1), Some(Problem::Silent { for_ms: 12_000 }), "{:?}", proxy.verdict());
+        // It runs again: back from a silence, recover_after (3) heartbeats on time, then green
+        // for good.
+        let mut seen = Vec::new();
+        for _ in 0..10 {
+            proxy.run(1, &[MAIN, 1, 2]);
+            seen.push(proxy.verdict().alive());
+        }
+        assert_eq!(seen, [false, false, false, true, true, true, true, true, true, true], "{:?}", proxy.verdict());
+    }
+
+    #[test]
+    fn a_worker_that_beat_once_then_blocked_is_silent_while_blocked_and_not_after() {
+        let mut proxy = Proxy::new(default_watchdog(), &[MAIN, 1, 2]);
+        proxy.serve(2);
+        proxy.run(1, &[MAIN, 1, 2]);
+        // Worker 1 beat once, serves a stream, and blocks for 8 s.
+        proxy.serve(1);
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            proxy.run(1, &[MAIN, 2]);
+            seen.push(proxy.verdict().alive());
+        }
+        assert_eq!(seen, [true, true, true, true, true, false, false, false]);
+        let mut seen = Vec::new();
+        for _ in 0..10 {
+            proxy.run(1, &[MAIN, 1, 2]);
+            seen.push(proxy.verdict().alive());
+        }
+        assert_eq!(seen, [false, false, false, true, true, true, true, true, true, true], "{:?}", proxy.verdict());
+        // A worker that never blocked is green from its first stream on.
+        let mut proxy = Proxy::new(default_watchdog(), &[MAIN, 1]);
+        proxy.run(1, &[MAIN, 1]);
+        proxy.serve(1);
+        for _ in 0..5 {
+            proxy.run(1, &[MAIN, 1]);
+            assert!(proxy.verdict().alive(), "{:?}", proxy.verdict());
+        }
     }
 
     #[test]
@@ -607,6 +781,7 @@ mod tests {
         let store = MemoryStore::new();
         let mut state = WorkerState::default();
         let mut now = MonoMillis(T0);
+        dog.serving(&store, 1, &mut state, now).unwrap();
         for memory in [32 << 20, 64 << 20, 65 << 20] {
             for _ in 0..3 {
                 now = now.plus_ms(HEARTBEAT_MS);

@@ -57,6 +57,11 @@ async fn poll_until(addr: std::net::SocketAddr, within: Duration, done: impl Fn(
     seen
 }
 
+/// How many workers a liveness answer lists.
+fn workers_listed(body: &Value) -> usize {
+    body["workers"].as_array().map_or(0, Vec::len)
+}
+
 /// A worker blocked for about 10 s (a request whose Lua filter burns that long): within
 /// `worker_silence` and a heartbeat, liveness asked on the other worker says `503`, naming the
 /// silent worker, and stays `503` while it is blocked; readiness (the health endpoint) still
@@ -72,18 +77,15 @@ async fn a_blocked_worker_fails_liveness_on_the_other_worker_and_readiness_stays
     });
     let envoy = Envoy::builder(config).upstream(&upstream).lua_after(BURN_LUA).start();
     let addr = envoy.addr();
-    // Both workers and the main thread's VM beat long enough to count (3 heartbeats): a worker
-    // blocked before it counts would not be missed.
-    let seen = poll_until(addr, Duration::from_secs(15), |status, body| {
-        status == 200 && body["workers"].as_array().is_some_and(|w| w.len() >= 3)
-    })
-    .await;
+    // Both workers served a probe: the answer lists them, and not the main thread's VM.
+    let seen = poll_until(addr, Duration::from_secs(15), |status, body| status == 200 && workers_listed(body) == 2).await;
     let (_, status, body) = seen.last().expect("liveness answers");
     println!("idle: {status} {body}");
     assert_eq!(*status, 200, "{body}");
     assert_eq!(body["status"], "alive");
-    let workers = body["workers"].as_array().map_or(0, Vec::len);
-    assert!(workers >= 3, "both workers and the main thread count: {body}");
+    let workers = workers_listed(body);
+    assert_eq!(workers, 2, "exactly --concurrency (2) workers: {body}");
+    assert!(seen.iter().all(|(_, _, body)| workers_listed(body) <= 2), "never more workers than --concurrency: {seen:?}");
     let per_ms = burn_rate_per_ms(addr).await;
 
     // One request burns ~10 s on whichever worker takes it.
@@ -144,6 +146,69 @@ async fn a_blocked_worker_fails_liveness_on_the_other_worker_and_readiness_stays
     println!("{}", envoy.stats_matching(&prefix));
 }
 
+/// A worker blocked by a request sent as soon as Envoy is ready (within its first second, before
+/// it has beaten for long): liveness, asked on the other worker, fails naming it within
+/// `worker_silence` and a few heartbeats, stays failing while it is blocked, and is alive again
+/// after `recover_after` heartbeats once it runs, without turning red again; the answer lists
+/// exactly the 2 workers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_blocked_as_envoy_becomes_ready_fails_liveness_and_recovers() {
+    let upstream = Upstream::start();
+    let config = json!({"watchdog": {"path": ALIVE, "worker_silence": "3s", "max_loop_lag": "2s", "lag_for": "30s"}});
+    // The burn rate, measured on an Envoy of its own: the one under test is blocked at once.
+    let per_ms = {
+        let envoy = Envoy::builder(config.clone()).upstream(&upstream).lua_after(BURN_LUA).start();
+        burn_rate_per_ms(envoy.addr()).await
+    };
+    const BLOCK_MS: u64 = 12_000;
+    let burn = (BLOCK_MS * per_ms).to_string();
+    let envoy = Envoy::builder(config).upstream(&upstream).lua_after(BURN_LUA).start();
+    let ready = Instant::now();
+    let addr = envoy.addr();
+    let blocked = tokio::spawn(async move {
+        let mut client = Client::connect(addr).await.expect("connect");
+        let sent = ready.elapsed();
+        let status = client.get("/work", &[("x-burn", burn.as_str())]).await.map(|r| r.status);
+        (sent, status, ready.elapsed())
+    });
+    // Liveness until the blocking request is answered, then until green.
+    let mut seen = Vec::new();
+    while !blocked.is_finished() && ready.elapsed() < Duration::from_secs(30) {
+        if let Some((status, body)) = ask_any(addr, ALIVE, Duration::from_millis(800), 4).await {
+            seen.push((ready.elapsed(), status, body));
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    let (sent, status, unblocked) = blocked.await.expect("the blocking request");
+    println!("the blocking request, sent {sent:?} after Envoy was ready: {status:?}, answered {unblocked:?} after ready");
+    let polled_from = ready.elapsed();
+    let after = poll_until(addr, Duration::from_secs(15), |status, body| status == 200 && workers_listed(body) == 2).await;
+    // Its answers' times, from when Envoy was ready too.
+    let after: Vec<(Duration, u16, Value)> = after.into_iter().map(|(at, status, body)| (polled_from + at, status, body)).collect();
+    let statuses = |answers: &[(Duration, u16, Value)]| answers.iter().map(|(at, s, _)| (at.as_millis(), *s)).collect::<Vec<_>>();
+    println!("liveness while blocked (ms after ready, status): {:?}", statuses(&seen));
+    println!("liveness after: {:?}", statuses(&after));
+    assert!(sent < Duration::from_secs(1), "blocked within its first second after ready: {sent:?}");
+    assert!(unblocked >= Duration::from_secs(6), "the worker was blocked well past worker_silence: {unblocked:?}");
+    let first_red = seen.iter().find(|(_, status, _)| *status == 503).unwrap_or_else(|| panic!("a worker blocked early fails liveness: {:?}", statuses(&seen)));
+    println!("first failing answer, {:?} after ready: {}", first_red.0, first_red.2);
+    assert!(first_red.0 <= sent + Duration::from_secs(7), "within worker_silence (3 s) and a few heartbeats: {:?}", first_red.0);
+    let silent: Vec<&Value> = first_red.2["workers"].as_array().expect("workers").iter().filter(|w| w["state"] == "silent").collect();
+    assert_eq!(silent.len(), 1, "one silent worker: {}", first_red.2);
+    assert!(first_red.2["reasons"].to_string().contains("worker_silence 3000 ms"), "{}", first_red.2);
+    // Once red, red until the worker runs again (answers that came after it was unblocked may
+    // already be in `seen`): then red for recover_after heartbeats, then green for good.
+    let from_red: Vec<u16> = seen.iter().chain(after.iter()).skip_while(|(_, s, _)| *s != 503).map(|(_, s, _)| *s).collect();
+    let first_green = from_red.iter().position(|s| *s == 200).unwrap_or(from_red.len());
+    assert!(from_red[first_green..].iter().all(|s| *s == 200), "no red after it recovered: {from_red:?}");
+    let red_until = seen.iter().chain(after.iter()).find(|(at, s, _)| *s == 200 && *at > first_red.0).map(|(at, _, _)| *at);
+    assert!(red_until.is_some_and(|at| at >= unblocked.saturating_sub(Duration::from_secs(1))), "red while blocked: {red_until:?}, unblocked {unblocked:?}");
+    let (_, status, body) = after.last().expect("liveness answers");
+    assert_eq!(*status, 200, "alive again: {body}");
+    assert_eq!(workers_listed(body), 2, "exactly --concurrency (2) workers: {body}");
+    assert!(seen.iter().chain(after.iter()).all(|(_, _, body)| workers_listed(body) <= 2), "never more workers than --concurrency");
+}
+
 /// Normal overload: CPU burn that makes the loops lag (critical requests burning ~300 ms each
 /// from 6 clients on 2 workers; low requests are shed for the lag past their share of load
 /// shedding's `max_loop_lag`), then requests past `max_active_requests` (shed fast), 20 s in
@@ -162,10 +227,7 @@ async fn overload_the_proxy_sheds_does_not_fail_liveness() {
     });
     let envoy = Envoy::builder(config).upstream(&upstream).lua_after(BURN_LUA).start();
     let addr = envoy.addr();
-    let seen = poll_until(addr, Duration::from_secs(15), |status, body| {
-        status == 200 && body["workers"].as_array().is_some_and(|w| w.len() >= 3)
-    })
-    .await;
+    let seen = poll_until(addr, Duration::from_secs(15), |status, body| status == 200 && workers_listed(body) == 2).await;
     assert!(seen.last().is_some_and(|(_, s, _)| *s == 200), "{seen:?}");
     let per_ms = burn_rate_per_ms(addr).await;
     let stat = |what: &str| envoy.stat(&format!("{STAT_PREFIX}.load_shedding.{what}")).unwrap_or(0);
@@ -243,16 +305,12 @@ async fn a_configuration_change_and_new_vms_leave_liveness_green() {
     };
     let mut envoy = DynamicEnvoy::builder(FilterVersion::new(config("30s"))).cluster("upstream", &[upstream.addr()]).start();
     let addr = envoy.addr();
-    let seen = poll_until(addr, Duration::from_secs(15), |status, body| {
-        status == 200 && body["workers"].as_array().is_some_and(|w| w.len() >= 3)
-    })
-    .await;
+    let seen = poll_until(addr, Duration::from_secs(15), |status, body| status == 200 && workers_listed(body) == 2).await;
     assert!(seen.last().is_some_and(|(_, status, _)| *status == 200), "{seen:?}");
-    // Every VM that beats (the main thread's too) counts once it has beaten for 2 s.
-    tokio::time::sleep(Duration::from_secs(3)).await;
     let (status, body) = ask(addr, ALIVE, Duration::from_secs(2)).await.expect("liveness answers");
     assert_eq!(status, 200, "{body}");
-    let workers = body["workers"].as_array().map_or(0, Vec::len);
+    let workers = workers_listed(&body);
+    assert_eq!(workers, 2, "{body}");
     let vms = envoy.vms_created();
     // Watches liveness for `seconds`: (answers, how many were not 200, the last body).
     async fn watch(addr: std::net::SocketAddr, seconds: u64) -> (usize, Vec<Value>, Value) {

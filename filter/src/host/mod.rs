@@ -258,6 +258,7 @@ impl RootContext for FilterRoot {
             filter.limiter.tables().iter().map(|t| t.set_count()).sum::<u64>()
         );
         filter.selection_heartbeat(&env(&clock));
+        filter.configured(&env(&clock));
         self.filter = Some(Rc::new(filter));
         true
     }

@@ -333,6 +333,23 @@ impl Filter {
         }
     }
 
+    /// The configuration starts in this VM ([`WorkerState::started`]).
+    pub fn configured<H: Host>(&self, env: &Env<'_, H>) {
+        *self.watchdog_state.borrow_mut() = WorkerState::started(env.clock.now().mono);
+    }
+
+    /// A stream starts: with a watchdog, the first one of this configuration writes that this
+    /// VM is a worker ([`Watchdog::serving`]).
+    pub fn serving<H: Host>(&self, env: &Env<'_, H>) {
+        let Some(dog) = &self.watchdog else { return };
+        let mut state = self.watchdog_state.borrow_mut();
+        if !state.serves() {
+            if let Err(err) = dog.serving(env.store, env.vm, &mut state, env.clock.now().mono) {
+                log::debug!("floodgate: watchdog entry not written: {err}");
+            }
+        }
+    }
+
     /// The loop-lag probe, when it is due: how late it ran.
     pub fn probe_lag<H: Host>(&self, env: &Env<'_, H>) {
         if let Some(lag) = &self.lag {
@@ -584,6 +601,7 @@ pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     end_of_stream: bool,
     rng: &mut G,
 ) -> Step {
+    filter.serving(env);
     // The stage exists only where some rule reads its estimate in request bodies.
     if !end_of_stream && filter.body_waits.as_ref().is_some_and(|s| !s.withheld()) {
         if let Some(estimates) = filter.rules.body_estimates(request) {

@@ -1144,6 +1144,8 @@ fn the_watchdog_answers_liveness_from_every_worker_s_heartbeat_and_counts_nowher
     for _ in 0..5 {
         beat(&host, &mut other_state, true);
     }
+    // The other worker serves a stream (this one does with the next request): both are workers.
+    other.serving(&host.store, 99, &mut other_state, host.clock.now().mono).unwrap();
     // The one in-flight unit is taken: readiness says 503, liveness 200.
     let (held_context, held, step) = host.send(&keyed("k"));
     assert_eq!(status(&step), 0);
