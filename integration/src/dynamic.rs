@@ -10,6 +10,10 @@
 //! - a new VM configuration ([`FilterVersion::vm_generation`]) makes Envoy create new VMs; the
 //!   shared data lives on (same `vm_id`).
 //!
+//! With [`DynamicEnvoyBuilder::listener_by_lds`], the whole listener comes from a file instead
+//! (`dynamic_resources.lds_config`), the filter's configuration inline in it: each delivery is a
+//! changed listener (LDS), as a control plane that pushes listeners sends it.
+//!
 //! Everything listens on 127.0.0.1 (ephemeral ports); the Envoy process is killed on drop.
 
 use std::collections::BTreeMap;
@@ -101,6 +105,7 @@ pub struct DynamicEnvoyBuilder {
     first: FilterVersion,
     routing: Routing,
     concurrency: usize,
+    lds: bool,
 }
 
 impl DynamicEnvoyBuilder {
@@ -110,7 +115,14 @@ impl DynamicEnvoyBuilder {
             first,
             routing: Routing::default(),
             concurrency: 2,
+            lds: false,
         }
+    }
+
+    /// The listener by LDS from a file, the filter inline in it (module docs).
+    pub fn listener_by_lds(mut self) -> DynamicEnvoyBuilder {
+        self.lds = true;
+        self
     }
 
     /// Adds a cluster (STATIC, generous circuit breakers). Without [`Self::route_by_header`],
@@ -139,16 +151,44 @@ impl DynamicEnvoyBuilder {
     }
 
     fn bootstrap(&self, filter_file: &Path) -> Value {
-        let route = self.routing.route();
         let clusters: Vec<Value> = self.routing.clusters().collect();
+        if self.lds {
+            return json!({
+                "node": {"id": "floodgate-test", "cluster": "floodgate-test"},
+                "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+                "dynamic_resources": {
+                    "lds_config": {"path_config_source": {"path": filter_file.display().to_string()}, "resource_api_version": "V3"}
+                },
+                "static_resources": {"clusters": clusters}
+            });
+        }
+        let filter = json!({
+            "name": FILTER_NAME,
+            "config_discovery": {
+                "config_source": {
+                    "path_config_source": {"path": filter_file.display().to_string()},
+                    "resource_api_version": "V3"
+                },
+                "type_urls": ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"]
+            }
+        });
         json!({
             "node": {"id": "floodgate-test", "cluster": "floodgate-test"},
             "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
             "static_resources": {
-                "listeners": [{
+                "listeners": [self.listener(filter, 0)],
+                "clusters": clusters
+            }
+        })
+    }
+
+    /// The listener `front` on `port` (0: any), with `filter` before the router.
+    fn listener(&self, filter: Value, port: u16) -> Value {
+        let route = self.routing.route();
+        json!({
                     "name": "front",
                     "stat_prefix": "front",
-                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}},
+                    "address": {"socket_address": {"address": "127.0.0.1", "port_value": port}},
                     "filter_chains": [{"filters": [{
                         "name": "envoy.filters.network.http_connection_manager",
                         "typed_config": {
@@ -160,16 +200,7 @@ impl DynamicEnvoyBuilder {
                             }]},
                             "access_log": crate::envoy::access_log(),
                             "http_filters": [
-                                {
-                                    "name": FILTER_NAME,
-                                    "config_discovery": {
-                                        "config_source": {
-                                            "path_config_source": {"path": filter_file.display().to_string()},
-                                            "resource_api_version": "V3"
-                                        },
-                                        "type_urls": ["type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm"]
-                                    }
-                                },
+                                filter,
                                 {
                                     "name": "envoy.filters.http.router",
                                     "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
@@ -177,10 +208,19 @@ impl DynamicEnvoyBuilder {
                             ]
                         }
                     }]}]
-                }],
-                "clusters": clusters
-            }
         })
+    }
+
+    /// The discovery response of `version`, numbered `number`: the filter's configuration
+    /// (ECDS), or the listener with it inline (LDS, on `port`).
+    fn discovery(&self, version: &FilterVersion, number: u64, port: u16) -> String {
+        if !self.lds {
+            return discovery_response(version, number);
+        }
+        let filter = json!({"name": FILTER_NAME, "typed_config": version.extension_config()["typed_config"]});
+        let mut listener = self.listener(filter, port);
+        listener["@type"] = json!("type.googleapis.com/envoy.config.listener.v3.Listener");
+        serde_json::to_string_pretty(&json!({"version_info": number.to_string(), "resources": [listener]})).expect("json")
     }
 
     /// Starts Envoy and waits (bounded) until it is ready. Panics with the end of its log if it
@@ -191,7 +231,9 @@ impl DynamicEnvoyBuilder {
             .tempdir()
             .expect("tempdir");
         let filter_file = dir.path().join("floodgate-filter.json");
-        write_atomically(&filter_file, &discovery_response(&self.first, 1));
+        // A changed listener keeps its port (an LDS listener on port 0 would move).
+        let port = if self.lds { crate::free_ports(1)[0] } else { 0 };
+        write_atomically(&filter_file, &self.discovery(&self.first, 1, port));
         let child = spawn_envoy(dir.path(), &self.bootstrap(&filter_file), self.concurrency, &[]);
         let mut envoy = DynamicEnvoy {
             child,
@@ -200,6 +242,8 @@ impl DynamicEnvoyBuilder {
             admin: None,
             listener: None,
             version: 1,
+            builder: self,
+            port,
         };
         envoy.wait_ready();
         envoy
@@ -230,6 +274,8 @@ pub struct DynamicEnvoy {
     admin: Option<SocketAddr>,
     listener: Option<SocketAddr>,
     version: u64,
+    builder: DynamicEnvoyBuilder,
+    port: u16,
 }
 
 impl DynamicEnvoy {
@@ -264,16 +310,26 @@ impl DynamicEnvoy {
     /// rejected it (ECDS `update_success` / `update_rejected`), then a moment more for the
     /// workers to switch (the update reaches them through their event loops). Panics if
     /// neither happens in time.
+    /// With the listener by LDS, the listener changes, and the wait is on LDS's counters and
+    /// until no listener is warming.
     pub fn deliver(&mut self, version: &FilterVersion) -> Delivery {
-        let (successes, rejections) = (self.discovery_stat("update_success"), self.discovery_stat("update_rejected"));
+        let stat = |envoy: &DynamicEnvoy, what: &str| {
+            if envoy.builder.lds {
+                envoy.stat(&format!("listener_manager.lds.{what}")).unwrap_or(0)
+            } else {
+                envoy.discovery_stat(what)
+            }
+        };
+        let (successes, rejections) = (stat(self, "update_success"), stat(self, "update_rejected"));
         self.version += 1;
-        write_atomically(&self.filter_file, &discovery_response(version, self.version));
+        write_atomically(&self.filter_file, &self.builder.discovery(version, self.version, self.port));
         let deadline = Instant::now() + DELIVERY_TIMEOUT;
         loop {
-            if self.discovery_stat("update_rejected") > rejections {
+            if stat(self, "update_rejected") > rejections {
                 return Delivery::Refused;
             }
-            if self.discovery_stat("update_success") > successes {
+            let warming = self.builder.lds && self.stat("listener_manager.total_listeners_warming").unwrap_or(0) > 0;
+            if stat(self, "update_success") > successes && !warming {
                 std::thread::sleep(Duration::from_millis(300));
                 return Delivery::Taken;
             }

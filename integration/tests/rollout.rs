@@ -32,9 +32,23 @@ fn field(line: &Value, name: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rule_in_shadow_admits_all_counts_its_would_be_refusals_and_enforces_after_a_reload() {
+    shadow_then_enforced(false).await;
+}
+
+/// The same reload as a changed listener (LDS from a file, the filter inline): the new listener's
+/// filter keeps the rule's counters too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_listener_keeps_the_counters_and_enforces_at_once() {
+    shadow_then_enforced(true).await;
+}
+
+/// Twelve requests of one key under a rule in shadow, then the rule enforced by a reload of the
+/// filter's configuration (ECDS), or of the whole listener (`lds`).
+async fn shadow_then_enforced(lds: bool) {
     clear_of_hour_boundary();
     let upstream = Upstream::start();
-    let mut envoy = DynamicEnvoy::builder(FilterVersion::new(rule("shadow"))).cluster("upstream", &[upstream.addr()]).start();
+    let builder = DynamicEnvoy::builder(FilterVersion::new(rule("shadow"))).cluster("upstream", &[upstream.addr()]);
+    let mut envoy = if lds { builder.listener_by_lds() } else { builder }.start();
     let mut statuses = Vec::new();
     for n in 0..12 {
         let r = get(envoy.addr(), &format!("/shadow/{n}"), &[("x-key", "k")]).await;
@@ -58,7 +72,11 @@ async fn a_rule_in_shadow_admits_all_counts_its_would_be_refusals_and_enforces_a
         }
     }
     // Enforced by a reload: the counts are kept, the next request is refused at once.
+    let modified = envoy.stat("listener_manager.listener_modified").unwrap_or(0) + envoy.stat("listener_manager.listener_in_place_updated").unwrap_or(0);
     assert_eq!(envoy.deliver(&FilterVersion::new(rule("enforce"))), Delivery::Taken);
+    let modified_now = envoy.stat("listener_manager.listener_modified").unwrap_or(0) + envoy.stat("listener_manager.listener_in_place_updated").unwrap_or(0);
+    println!("reloaded by {}: listener modified {modified} -> {modified_now} times", if lds { "LDS" } else { "ECDS" });
+    assert_eq!(modified_now > modified, lds, "a changed listener by LDS, or only the filter's configuration by ECDS");
     let refused = get(envoy.addr(), "/enforced", &[("x-key", "k")]).await;
     assert_eq!(refused.status, 429);
     assert_eq!(get(envoy.addr(), "/enforced", &[("x-key", "other")]).await.status, 200);
