@@ -200,17 +200,49 @@ fn cli(port: u16, args: &[&str]) -> Result<String, String> {
 pub struct RedisCluster {
     /// Every node, masters first as `redis-cli --cluster create` assigned them.
     pub nodes: Vec<Redis>,
+    tls: bool,
 }
+
+/// The cluster settings of every node.
+const CLUSTER_ARGS: [&str; 6] = ["--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--cluster-config-file", "nodes.conf"];
 
 impl RedisCluster {
     /// Starts the nodes and creates the cluster; waits until it reports `cluster_state:ok`.
     pub fn start(masters: usize, replicas: usize) -> RedisCluster {
-        let count = masters * (1 + replicas);
-        let nodes: Vec<Redis> = (0..count)
-            .map(|_| Redis::with_args(&["--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--cluster-config-file", "nodes.conf"]))
+        let nodes: Vec<Redis> = (0..masters * (1 + replicas)).map(|_| Redis::with_args(&CLUSTER_ARGS)).collect();
+        RedisCluster::create(nodes, replicas, &[], false)
+    }
+
+    /// [`RedisCluster::start`] over TLS only, with `pki`'s certificates (client certificates
+    /// required): clients, the cluster bus and replication all speak TLS, and the nodes announce
+    /// their TLS ports.
+    pub fn with_tls(pki: &crate::tls::Pki, masters: usize, replicas: usize) -> RedisCluster {
+        let nodes: Vec<Redis> = (0..masters * (1 + replicas))
+            .map(|_| {
+                // The cluster bus listens on the port + 10000 (which `redis-cli --cluster create`
+                // assumes): both free.
+                let port = loop {
+                    let port = free_ports(1)[0];
+                    if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+                        break port;
+                    }
+                };
+                let mut args = pki.redis_args(port);
+                args.extend(CLUSTER_ARGS.iter().map(|s| s.to_string()));
+                // The nodes' own connections (the bus, replication) present the client
+                // certificate: the server's is for serving only.
+                args.extend(["--tls-cluster", "yes", "--tls-replication", "yes"].map(String::from));
+                args.extend(["--tls-client-cert-file".into(), pki.file("client.pem"), "--tls-client-key-file".into(), pki.file("client.key")]);
+                Redis::launch(port, args, pki.cli_args())
+            })
             .collect();
+        RedisCluster::create(nodes, replicas, &pki.cli_args(), true)
+    }
+
+    fn create(nodes: Vec<Redis>, replicas: usize, cli_args: &[String], tls: bool) -> RedisCluster {
         let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
         let out = Command::new(redis_cli())
+            .args(cli_args)
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
@@ -218,8 +250,8 @@ impl RedisCluster {
             .stdin(Stdio::null())
             .output()
             .expect("redis-cli --cluster create");
-        assert!(out.status.success(), "cluster create: {}", String::from_utf8_lossy(&out.stdout));
-        let cluster = RedisCluster { nodes };
+        assert!(out.status.success(), "cluster create: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        let cluster = RedisCluster { nodes, tls };
         cluster.wait_ok(Duration::from_secs(20));
         cluster
     }
@@ -230,20 +262,21 @@ impl RedisCluster {
             self.nodes
                 .iter()
                 .filter(|n| n.child.is_some())
-                .all(|n| cli(n.port, &["CLUSTER", "INFO"]).is_ok_and(|o| o.contains("cluster_state:ok")))
+                .all(|n| n.try_cli(&["CLUSTER", "INFO"]).is_ok_and(|o| o.contains("cluster_state:ok")))
         });
     }
 
-    /// The nodes' URLs (seeds for a cluster client).
+    /// The nodes' URLs (seeds for a cluster client): `rediss://` over TLS.
     pub fn urls(&self) -> Vec<String> {
-        self.nodes.iter().map(Redis::url).collect()
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        self.nodes.iter().map(|n| format!("{scheme}://127.0.0.1:{}", n.port)).collect()
     }
 
     /// Indices of the nodes that are masters now.
     pub fn masters(&self) -> Vec<usize> {
         (0..self.nodes.len())
             .filter(|&i| self.nodes[i].child.is_some())
-            .filter(|&i| cli(self.nodes[i].port, &["ROLE"]).is_ok_and(|o| o.starts_with("master")))
+            .filter(|&i| self.nodes[i].try_cli(&["ROLE"]).is_ok_and(|o| o.starts_with("master")))
             .collect()
     }
 }

@@ -8,6 +8,9 @@
 //!   ACL user: three Envoys with the token and a `key_secret` hold one batched quota and one
 //!   leased quota fleet-wide, keep deciding through a Redis restart (`on_store_failure`), and
 //!   hold the quota again after it.
+//! - A Redis Cluster over TLS only (every seed `rediss://`, the cluster bus and replication over
+//!   TLS too): three Envoys hold one leased quota exactly, and `floodgate-sync`'s
+//!   `GET /v1/holders` shows the three proxies holding it.
 //!
 //! Run through `./test.sh` (it installs Redis with scripts/redis.sh and builds floodgate-sync).
 
@@ -15,7 +18,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use floodgate_integration::store::{fleet, Redis, SyncService};
+use floodgate_integration::store::{fleet, Redis, RedisCluster, SyncService};
 use floodgate_integration::tls::Pki;
 use floodgate_integration::*;
 
@@ -202,4 +205,106 @@ async fn over_tls_with_an_acl_user_three_proxies_hold_one_quota_through_a_redis_
     assert_eq!(after.keys().filter(|s| **s != 200 && **s != 429).count(), 0, "{after:?}");
     assert!(after_admitted <= LEASED && after_admitted + 6 * 4 >= LEASED, "{after_admitted} admitted of {LEASED} after the restart");
     assert!(!store_keys(&redis).is_empty(), "the restarted Redis is written to again");
+}
+
+/// `GET /v1/holders` on floodgate-sync, with the token: the JSON answer.
+async fn holders(sync: SocketAddr, counter: &str) -> Value {
+    let path = format!("/v1/holders?key={}", counter.replace('{', "%7B").replace('}', "%7D"));
+    let bearer = format!("Bearer {TOKEN}");
+    let mut client = Client::connect(sync).await.expect("connect to floodgate-sync");
+    let answer = client.get(&path, &[("authorization", bearer.as_str())]).await.expect("GET /v1/holders");
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    answer.json()
+}
+
+/// A Redis Cluster of three masters reached over TLS only (every seed `rediss://`, client
+/// certificates required; the cluster bus and replication over TLS too), floodgate-sync with
+/// the token, three Envoys of two workers: one leased quota is never exceeded and, once the
+/// units the proxies held unused came back, admits its limit exactly. While the load runs,
+/// `GET /v1/holders` shows the three proxies holding units of the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_a_tls_redis_cluster_three_proxies_hold_one_leased_quota_exactly() {
+    const LEASED: u64 = 300;
+    wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
+    let pki = Pki::new();
+    let cluster = RedisCluster::with_tls(&pki, 3, 0);
+    let seeds = cluster.urls();
+    assert!(seeds.iter().all(|url| url.starts_with("rediss://")), "{seeds:?}");
+    let mut args = vec!["--cluster".to_string(), "--redis".into(), seeds.join(","), "--token".into(), TOKEN.into()];
+    args.extend(pki.sync_args());
+    let sync = SyncService::start(args);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !http_get_blocking(sync.addr, "/readyz").is_ok_and(|(status, _)| status == 200) {
+        assert!(Instant::now() < deadline, "floodgate-sync ready over TLS to the cluster:\n{}", sync.log());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let upstream = Upstream::counting_header("x-paid-key");
+    let envoys = fleet(3, &config(Some(TOKEN), 1000, LEASED), sync.addr, &upstream);
+    let addrs: Vec<SocketAddr> = envoys.iter().map(Envoy::addr).collect();
+    let key = format!("leased-cluster-{}", std::process::id());
+    let mut statuses: BTreeMap<u16, u64> = BTreeMap::new();
+    let mut tally = |answers: BTreeMap<u16, u64>| {
+        for (status, n) in answers {
+            *statuses.entry(status).or_insert(0) += n;
+        }
+    };
+
+    // A few requests create the key's counter; its name, as the masters list it.
+    tally(steady_load(&addrs, ("x-paid-key", &key), 30, Duration::from_millis(500), |_| {}).await);
+    let bucket = (since_epoch().as_millis() / WINDOW.as_millis()) as u64;
+    let pattern = format!("fg:*:3600000:{bucket}");
+    let counters: Vec<String> =
+        cluster.masters().iter().flat_map(|&i| cluster.nodes[i].cli(&["--scan", "--pattern", &pattern]).lines().map(str::to_owned).collect::<Vec<_>>()).collect();
+    let [counter] = counters.as_slice() else { panic!("one leased counter: {counters:?}") };
+    let counter = counter.clone();
+
+    // 150 req/s for 4 s over the three proxies; meanwhile, who holds the key's units.
+    let sampler = {
+        let counter = counter.clone();
+        let sync_addr = sync.addr;
+        tokio::spawn(async move {
+            let mut most = Value::Null;
+            let mut most_holders = 0;
+            for _ in 0..12 {
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                let answer = holders(sync_addr, &counter).await;
+                let count = answer["buckets"][0]["holders"].as_array().map_or(0, Vec::len);
+                if count > most_holders {
+                    (most_holders, most) = (count, answer);
+                }
+            }
+            (most_holders, most)
+        })
+    };
+    let load = steady_load(&addrs, ("x-paid-key", &key), 150, Duration::from_secs(4), |_| {}).await;
+    println!("leased over a TLS cluster: {load:?}");
+    tally(load);
+    let (most_holders, seen) = sampler.await.expect("the holders sampler");
+    println!("GET /v1/holders while the load ran: {seen}");
+    assert_eq!(most_holders, 3, "the three proxies hold units of the key: {seen}");
+    for holder in seen["buckets"][0]["holders"].as_array().into_iter().flatten() {
+        assert!(holder["units"].as_u64().is_some_and(|u| u > 0) && holder["expires_at_ms"].as_u64().is_some(), "{holder}");
+    }
+    assert!(upstream.count_for(&key) <= LEASED, "never over the limit: {}", upstream.count_for(&key));
+
+    // Units the proxies held unused come back after their horizon: a slower load takes them,
+    // until the key has admitted its limit.
+    for round in 0..6 {
+        if upstream.count_for(&key) >= LEASED {
+            break;
+        }
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let more = steady_load(&addrs, ("x-paid-key", &key), 30, Duration::from_secs(2), |_| {}).await;
+        println!("round {round}: {more:?}, {} admitted in all", upstream.count_for(&key));
+        tally(more);
+    }
+    let admitted = upstream.count_for(&key);
+    let answer = holders(sync.addr, &counter).await;
+    println!("statuses {statuses:?}; {admitted} admitted of {LEASED}; the store: {answer}");
+    assert_eq!(statuses.keys().filter(|s| **s != 200 && **s != 429).count(), 0, "only 200 and 429: {statuses:?}");
+    assert_eq!(statuses.get(&200).copied(), Some(admitted), "the upstream saw every admission");
+    assert_eq!(admitted, LEASED, "the limit exactly, never more");
+    assert_eq!(answer["buckets"][0]["count"], LEASED, "the store counts the limit: {answer}");
+    let failures: u64 = envoys.iter().map(|e| e.stat(&format!("{WASM_CUSTOM_NAMESPACE}floodgate.lease.failures")).unwrap_or(0)).sum();
+    assert_eq!(failures, 0, "no lease call failed over TLS");
 }
