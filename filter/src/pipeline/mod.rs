@@ -715,7 +715,7 @@ fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     let mut stream = cell.borrow_mut();
     let mut reply = reply.or_else(|| stream.cap(filter, env, request, now.mono));
     if let (None, Some(stage)) = (&reply, &filter.leased) {
-        let probes = stage.probes(filter, env.metrics, request);
+        let probes = stage.probes(filter, env.metrics, request, stream.estimates.as_deref());
         if !probes.is_empty() {
             match stage.admit(filter, env.store, env.metrics, &probes, context, now) {
                 leased::Decision::All(taken) => stream.took(taken),
