@@ -263,7 +263,7 @@ impl Filter {
             stats: Stats::define(&config, metrics),
             hasher: KeyHasher::new(seed),
             headers: HeaderPlan::new(&config),
-            admitted_fields: AdmittedFields::new(&limiter),
+            admitted_fields: AdmittedFields::new(&limiter).in_shadow(|rule| config.rate_limits.get(rule).is_some_and(|r| config.shadows(r.mode))),
             reserves: RefCell::new(Reserves::new()),
             reserved_reported: RefCell::new(vec![0; config.rate_limits.len()]),
             limiter,

@@ -997,6 +997,47 @@ fn a_request_only_a_shadow_rule_refuses_is_counted_by_the_enforced_rules() {
     assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
 }
 
+/// The rule whose `RateLimit` fields an admitted request's response carries, if any.
+fn fields_rule(stream: &StreamCell) -> Option<usize> {
+    stream.borrow().fields.as_ref().map(|t| t.rule)
+}
+
+#[test]
+fn a_rule_in_shadow_alone_shows_no_field_whether_it_would_admit_or_refuse() {
+    let mut shadow = rule(2);
+    shadow["mode"] = "shadow".into();
+    let host = Host::new(serde_json::json!({"rate_limits": [shadow], "access_log": true}));
+    for n in 0..4 {
+        let (_, stream, step) = host.send(&keyed("k"));
+        assert_eq!(status(&step), 0);
+        assert_eq!(fields_rule(&stream), None, "request {n}");
+    }
+    assert_eq!(host.metric("floodgate.rate_limit.r.shadow_rejected"), 2);
+    let (_, stream, _) = host.send(&keyed("k"));
+    let d = decision(&stream);
+    assert_eq!((d.outcome, d.standing), (decision::Outcome::ShadowRefused, Some((2, 0))), "the log still tells");
+}
+
+#[test]
+fn beside_an_enforced_rule_a_rule_in_shadow_never_takes_over_the_fields() {
+    let mut shadow = rule(2);
+    shadow["mode"] = "shadow".into();
+    let host = Host::new(serde_json::json!({"rate_limits": [
+        shadow,
+        {"name": "e", "key": [{"header": "x-key"}], "limit": 4, "window": "1h"},
+    ]}));
+    for n in 0..4 {
+        let (_, stream, step) = host.send(&keyed("k"));
+        assert_eq!(status(&step), 0);
+        assert_eq!(fields_rule(&stream), Some(1), "request {n}: the enforced rule's fields, though the shadow rule has less left");
+    }
+    let (_, _, step) = host.send(&keyed("k"));
+    let Step::Reply(LocalReply::Http(reply)) = step else { panic!("refused: {step:?}") };
+    assert_eq!(reply.status, 429);
+    let named: Vec<&str> = reply.headers.iter().filter(|(name, _)| name.starts_with("ratelimit")).map(|(_, value)| value.as_str()).collect();
+    assert!(!named.is_empty() && named.iter().all(|v| v.starts_with("\"e\"")), "{named:?}");
+}
+
 #[test]
 fn the_top_level_mode_puts_every_mechanism_in_shadow() {
     let host = Host::new(serde_json::json!({
