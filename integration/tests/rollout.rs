@@ -177,6 +177,30 @@ async fn the_access_log_shows_each_decision() {
     assert_eq!(field(&grpc, "grpc_status"), "8");
 }
 
+/// A request a token bucket let in to wait for its turn (`max_delay`) is logged `delayed`, by
+/// the bucket, with its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_says_delayed_with_the_wait() {
+    let upstream = Upstream::start();
+    let config = json!({"access_log": true, "rate_limits": [
+        {"name": "paced", "key": [{"header": "x-key"}], "limit": 2, "window": "1s",
+         "algorithm": "token_bucket", "burst": 1, "max_delay": "2s"}
+    ]});
+    let envoy = Envoy::builder(config).upstream(&upstream).with_access_log().start();
+    let addr = envoy.addr();
+    assert_eq!(get(addr, "/first", &[("x-key", "k")]).await.status, 200);
+    assert_eq!(get(addr, "/second", &[("x-key", "k")]).await.status, 200);
+    let lines = envoy.access_log(2);
+    let line = |path: &str| lines.iter().find(|l| field(l, "path") == path).unwrap_or_else(|| panic!("no {path} in {lines:?}")).clone();
+    let fields = |l: &Value| ["outcome", "by"].map(|f| field(l, f)).to_vec();
+    assert_eq!(fields(&line("/first")), ["admitted", "-"]);
+    assert_eq!(field(&line("/first"), "waited_ms"), "-");
+    let second = line("/second");
+    assert_eq!(fields(&second), ["delayed", "paced"], "{second}");
+    let waited: u64 = field(&second, "waited_ms").parse().unwrap_or_else(|_| panic!("a wait: {second}"));
+    assert!((300..=900).contains(&waited), "about half a second (2 per second, a burst of 1): {waited} ms");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rule_matched_by_route_name_limits_that_route_only() {
     clear_of_hour_boundary();

@@ -305,6 +305,49 @@ fn a_request_that_selection_cannot_place_holds_nothing_afterwards() {
 }
 
 #[test]
+fn a_request_that_selection_refuses_after_admission_gives_its_units_back() {
+    let bucket = serde_json::json!({"name": "b", "key": [{"header": "x-key"}], "limit": 2, "window": "1h", "algorithm": "token_bucket", "burst": 2});
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [rule(2), bucket],
+        "cluster_selection": selection(&["a"], 1),
+    }));
+    let (first, held, step) = host.send(&keyed("k"));
+    assert_eq!(step, Step::Continue { route: Some(0) });
+    // Admitted by both rules, then refused by selection: the client gets a 503...
+    let (second, refused, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 503);
+    host.end(second, &refused, &Ended { status: Some(503), flags: 0 });
+    host.end(first, &held, &OK);
+    // ...and its units went back: one more request of the key fits in both rules.
+    let (third, held, step) = host.send(&keyed("k"));
+    assert_eq!(step, Step::Continue { route: Some(0) }, "a quota the refused request never used");
+    host.end(third, &held, &OK);
+    assert_eq!(status(&host.send(&keyed("k")).2), 429, "the limit of 2 holds");
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 3);
+}
+
+#[test]
+fn a_reservation_that_selection_refuses_goes_back_whole_and_owes_nothing() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [{"name": "t", "key": [{"header": "x-key"}], "limit": 150, "window": "1h",
+                         "cost": {"from": "response_header", "header": "x-used", "estimate": {"default": 60, "max": 100}}}],
+        "cluster_selection": selection(&["a"], 1),
+    }));
+    let (first, held, step) = host.send(&keyed("k"));
+    assert_eq!(step, Step::Continue { route: Some(0) });
+    let (second, refused, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 503);
+    host.end(second, &refused, &Ended { status: Some(503), flags: 0 });
+    // The first ends without a count: it is charged its estimate.
+    host.end(first, &held, &OK);
+    assert_eq!(host.metric("floodgate.rate_limit.t.unreported"), 1, "the refused request owes nothing");
+    // 60 counted: another reservation of 60 fits.
+    let (third, held, step) = host.send(&keyed("k"));
+    assert_eq!(step, Step::Continue { route: Some(0) }, "the refused request's 60 went back");
+    host.end(third, &held, &OK);
+}
+
+#[test]
 fn a_refused_grpc_request_gets_a_grpc_status() {
     let host = Host::new(serde_json::json!({"rate_limits": [rule(1)]}));
     let grpc = || keyed("k").with("content-type", "application/grpc");
@@ -1305,6 +1348,23 @@ fn without_max_delay_there_is_no_delay_stage_and_a_bucket_refuses_with_its_field
     // gRPC: RESOURCE_EXHAUSTED.
     let grpc = keyed("k").with("content-type", "application/grpc");
     assert_eq!(status(&host.send(&grpc).2), 1008);
+}
+
+#[test]
+fn a_request_that_waited_for_its_turn_is_logged_as_delayed_with_its_wait() {
+    let host = Host::new(serde_json::json!({"rate_limits": [bucket_rule(Some("500ms"))], "access_log": true}));
+    let sent: Vec<(u32, StreamCell, Step)> = (0..6).map(|_| host.send(&keyed("k"))).collect();
+    assert_eq!(status(&sent[5].2), 1, "the sixth waits for its turn");
+    let d = decision(&sent[0].1);
+    assert_eq!((d.outcome, d.by, d.waited_ms), (decision::Outcome::Admitted, None, None), "the first went at once");
+    host.clock.advance(100);
+    let went = tick(&host);
+    assert_eq!(went.len(), 1);
+    let d = decision(&sent[5].1);
+    assert_eq!((d.outcome, d.by, d.waited_ms), (decision::Outcome::Delayed, Some(By::Rule(0)), Some(100)));
+    let fields = d.fields(&host.filter, &host.filter.decision_names);
+    let field = |name: &str| fields.iter().find(|(n, _)| n.ends_with(name)).map(|(_, v)| v.as_str());
+    assert_eq!((field(".outcome"), field(".by"), field(".waited_ms")), (Some("delayed"), Some("b"), Some("100")));
 }
 
 #[test]
