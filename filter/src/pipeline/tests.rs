@@ -304,47 +304,42 @@ fn a_request_that_selection_cannot_place_holds_nothing_afterwards() {
     assert_eq!(host.metric("floodgate.cluster.a.success"), 1);
 }
 
-#[test]
-fn a_request_that_selection_refuses_after_admission_gives_its_units_back() {
-    let bucket = serde_json::json!({"name": "b", "key": [{"header": "x-key"}], "limit": 2, "window": "1h", "algorithm": "token_bucket", "burst": 2});
-    let host = Host::new(serde_json::json!({
-        "rate_limits": [rule(2), bucket],
-        "cluster_selection": selection(&["a"], 1),
-    }));
+/// Under `rules` and one cluster of one permit: a request of key `k` goes there, the next one
+/// is admitted by the rules and refused by selection (`503`), then both end; a third goes
+/// there and ends.
+fn refused_by_selection_then_another(rules: serde_json::Value) -> (Host, Step) {
+    let host = Host::new(serde_json::json!({"rate_limits": rules, "cluster_selection": selection(&["a"], 1)}));
     let (first, held, step) = host.send(&keyed("k"));
     assert_eq!(step, Step::Continue { route: Some(0) });
-    // Admitted by both rules, then refused by selection: the client gets a 503...
     let (second, refused, step) = host.send(&keyed("k"));
     assert_eq!(status(&step), 503);
     host.end(second, &refused, &Ended { status: Some(503), flags: 0 });
     host.end(first, &held, &OK);
-    // ...and its units went back: one more request of the key fits in both rules.
     let (third, held, step) = host.send(&keyed("k"));
-    assert_eq!(step, Step::Continue { route: Some(0) }, "a quota the refused request never used");
     host.end(third, &held, &OK);
+    (host, step)
+}
+
+#[test]
+fn a_request_that_selection_refuses_after_admission_gives_its_units_back() {
+    let bucket = serde_json::json!({"name": "b", "key": [{"header": "x-key"}], "limit": 2, "window": "1h", "algorithm": "token_bucket", "burst": 2});
+    // The refused request's units went back: the third fits in both rules (limit 2).
+    let (host, third) = refused_by_selection_then_another(serde_json::json!([rule(2), bucket]));
+    assert_eq!(third, Step::Continue { route: Some(0) }, "a quota the refused request never used");
     assert_eq!(status(&host.send(&keyed("k")).2), 429, "the limit of 2 holds");
     assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 3);
 }
 
 #[test]
 fn a_reservation_that_selection_refuses_goes_back_whole_and_owes_nothing() {
-    let host = Host::new(serde_json::json!({
-        "rate_limits": [{"name": "t", "key": [{"header": "x-key"}], "limit": 150, "window": "1h",
-                         "cost": {"from": "response_header", "header": "x-used", "estimate": {"default": 60, "max": 100}}}],
-        "cluster_selection": selection(&["a"], 1),
-    }));
-    let (first, held, step) = host.send(&keyed("k"));
-    assert_eq!(step, Step::Continue { route: Some(0) });
-    let (second, refused, step) = host.send(&keyed("k"));
-    assert_eq!(status(&step), 503);
-    host.end(second, &refused, &Ended { status: Some(503), flags: 0 });
-    // The first ends without a count: it is charged its estimate.
-    host.end(first, &held, &OK);
-    assert_eq!(host.metric("floodgate.rate_limit.t.unreported"), 1, "the refused request owes nothing");
-    // 60 counted: another reservation of 60 fits.
-    let (third, held, step) = host.send(&keyed("k"));
-    assert_eq!(step, Step::Continue { route: Some(0) }, "the refused request's 60 went back");
-    host.end(third, &held, &OK);
+    let (host, third) = refused_by_selection_then_another(serde_json::json!([
+        {"name": "t", "key": [{"header": "x-key"}], "limit": 150, "window": "1h",
+         "cost": {"from": "response_header", "header": "x-used", "estimate": {"default": 60, "max": 100}}}
+    ]));
+    // 60 counted for the first (it ended without a count: charged its estimate): another
+    // reservation of 60 fits.
+    assert_eq!(third, Step::Continue { route: Some(0) }, "the refused request's 60 went back");
+    assert_eq!(host.metric("floodgate.rate_limit.t.unreported"), 2, "the first and the third; the refused request owes nothing");
 }
 
 #[test]
