@@ -298,9 +298,10 @@ pub fn fleet(count: usize, config: &Value, sync: SocketAddr, upstream: &Upstream
 }
 
 /// [`fleet`] in front of an LLM API (a [`crate::LlmUpstream`] at `upstream`), loading the module
-/// that reads response bodies ([`crate::llm_wasm_module`]).
+/// that reads response bodies ([`crate::llm_wasm_module`]), with `allow_on_headers_stop_iteration`
+/// (a request that waits for its body's estimate gets its body: docs/llm.md).
 pub fn llm_fleet(count: usize, config: &Value, sync: SocketAddr, upstream: SocketAddr) -> Vec<Envoy> {
-    fleet_with(count, config, sync, |envoy| envoy.module(crate::llm_wasm_module()).upstream_at(upstream))
+    fleet_with(count, config, sync, |envoy| envoy.module(crate::llm_wasm_module()).allow_on_headers_stop_iteration().upstream_at(upstream))
 }
 
 fn fleet_with(count: usize, config: &Value, sync: SocketAddr, setup: impl Fn(EnvoyBuilder) -> EnvoyBuilder) -> Vec<Envoy> {

@@ -247,6 +247,35 @@ async fn with_every_cluster_at_its_limit_requests_fail_fast() {
     assert_eq!(in_flight, Some(0));
 }
 
+/// A request the rate limit admits and no cluster has room for gets the 503 and gives its
+/// units back: the key's next requests are not refused by a quota they never used.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_no_cluster_has_room_for_consumes_no_quota() {
+    wait_for_window_phase(Duration::from_secs(3600), Duration::from_secs(60), Duration::from_secs(3600 - 120));
+    let slow = Upstream::with_options(UpstreamOptions { delay: Some(Duration::from_millis(1000)), ..UpstreamOptions::default() });
+    let config = json!({
+        "rate_limits": [{"name": "per-key", "key": [{"header": "x-key"}], "limit": 3, "window": "1h"}],
+        "cluster_selection": {
+            "clusters": ["a"],
+            "concurrency_limit": {"initial_limit": 1, "min_limit": 1, "max_limit": 1, "timeout": "10s"}
+        }
+    });
+    let envoy = Envoy::builder(config).cluster("a", &[slow.addr()]).route_by_header(ROUTE_HEADER).start();
+    let addr = envoy.addr();
+    let held = tokio::spawn(async move { get(addr, "/work", &[("x-key", "k")]).await.status });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..4 {
+        assert_eq!(get(addr, "/work", &[("x-key", "k")]).await.status, 503, "the cluster is full");
+    }
+    assert_eq!(held.await.unwrap(), 200);
+    let mut after = Vec::new();
+    for _ in 0..3 {
+        after.push(get(addr, "/work", &[("x-key", "k")]).await.status);
+    }
+    assert_eq!(after, [200, 200, 429], "the four 503s took none of the key's 3");
+    assert_eq!(envoy.stat(&format!("{STAT_PREFIX}.rate_limit.per-key.allowed")), Some(7));
+}
+
 /// A client cannot choose the cluster: the filter overwrites the route header, even when it
 /// names a cluster Envoy has but the selection does not list.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

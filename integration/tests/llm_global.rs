@@ -11,8 +11,9 @@
 //! docs/global.md, which a burst inside one `sync_interval` takes whole: each proxy decides it
 //! on its own counts), and once the traffic
 //! stopped the fleet-wide count in Redis equals the usage the upstream reported: every unused
-//! part of a reservation was given back through floodgate-sync. Figures are printed
-//! (`--nocapture`).
+//! part of a reservation was given back through floodgate-sync. Leased once more on two
+//! proxies, the estimate read in the request's JSON body (`max_tokens`) rather than a header.
+//! Figures are printed (`--nocapture`).
 //!
 //! Run through `./test.sh` (it installs Redis with scripts/redis.sh and builds floodgate-sync).
 
@@ -30,27 +31,46 @@ const USAGE: u64 = 30;
 const PROXIES: usize = 3;
 const BURST_PER_PROXY: usize = 12;
 
-fn config(consistency: &str) -> Value {
+fn config(consistency: &str, from: Estimate) -> Value {
+    let estimate = match from {
+        Estimate::Header => json!({"header": "x-max-tokens", "default": ESTIMATE, "max": ESTIMATE}),
+        // A default unlike the body's values: a request that reserves it shows.
+        Estimate::Body => json!({"body": ["max_tokens"], "header": "x-max-tokens", "default": 512, "max": 4096}),
+    };
     json!({
         "rate_limits": [
             {"name": "tokens", "key": [{"header": "x-api-key"}], "limit": LIMIT, "window": "1m",
              "scope": "global", "consistency": consistency,
              "match": {"path": {"prefix": "/v1/"}, "methods": ["POST"]},
-             "cost": {"from": "response_body", "path": "usage.total_tokens",
-                      "estimate": {"header": "x-max-tokens", "default": ESTIMATE, "max": ESTIMATE}}}
+             "cost": {"from": "response_body", "path": "usage.total_tokens", "estimate": estimate}}
         ],
         "global": {"cluster": "floodgate-sync", "sync_interval": "100ms", "timeout": "500ms", "lease_timeout": "250ms"}
     })
 }
 
-/// One chat completion of the tenant `key` reserving 100 and reporting 30: its status (0: no
-/// answer).
-async fn chat(addr: SocketAddr, key: String) -> u16 {
-    let Ok(mut client) = Client::connect(addr).await else { return 0 };
+/// Where a request's estimate comes from: its `x-max-tokens` header, or its JSON body's
+/// `max_tokens` (the request sends no header).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Estimate {
+    Header,
+    Body,
+}
+
+/// One chat completion of the tenant `key` reserving 100 and reporting 30 (0: no answer).
+async fn chat_response(addr: SocketAddr, key: String, from: Estimate) -> Option<Response> {
+    let mut client = Client::connect(addr).await.ok()?;
     let (estimate, usage) = (ESTIMATE.to_string(), USAGE.to_string());
-    let headers = [("x-api-key", key.as_str()), ("x-max-tokens", estimate.as_str()), ("x-test-usage", usage.as_str()), ("content-type", "application/json")];
+    let mut headers = vec![("x-api-key", key.as_str()), ("x-test-usage", usage.as_str()), ("content-type", "application/json")];
+    if from == Estimate::Header {
+        headers.push(("x-max-tokens", estimate.as_str()));
+    }
     let body = Bytes::from_static(br#"{"model":"test","max_tokens":100,"messages":[{"role":"user","content":"hi"}]}"#);
-    client.send("POST", "/v1/chat/completions", &headers, body).await.map_or(0, |r| r.status)
+    client.send("POST", "/v1/chat/completions", &headers, body).await.ok()
+}
+
+/// [`chat_response`]'s status (0: no answer).
+async fn chat(addr: SocketAddr, key: String, from: Estimate) -> u16 {
+    chat_response(addr, key, from).await.map_or(0, |r| r.status)
 }
 
 /// The sum of every 1-minute counter `floodgate-sync` keeps in Redis
@@ -79,16 +99,16 @@ impl Figures {
 }
 
 /// The burst, then the steady traffic, on every proxy.
-async fn run(envoys: &[Envoy], upstream: &LlmUpstream, key: &str) -> Figures {
+async fn run(envoys: &[Envoy], upstream: &LlmUpstream, key: &str, from: Estimate) -> Figures {
     let mut figures = Figures::default();
     // The burst: held at the upstream, so every admitted reservation is in flight at once.
     upstream.hold();
     let mut tasks = Vec::new();
     for envoy in envoys {
-        let proxy: Vec<_> = (0..BURST_PER_PROXY).map(|_| tokio::spawn(chat(envoy.addr(), key.to_owned()))).collect();
+        let proxy: Vec<_> = (0..BURST_PER_PROXY).map(|_| tokio::spawn(chat(envoy.addr(), key.to_owned(), from))).collect();
         tasks.push(proxy);
     }
-    let total = PROXIES * BURST_PER_PROXY;
+    let total = envoys.len() * BURST_PER_PROXY;
     let deadline = Instant::now() + Duration::from_secs(15);
     loop {
         let finished: usize = tasks.iter().flatten().filter(|t| t.is_finished()).count();
@@ -122,7 +142,7 @@ async fn run(envoys: &[Envoy], upstream: &LlmUpstream, key: &str) -> Figures {
             loops.push(tokio::spawn(async move {
                 let (mut admitted, mut refused, mut failed) = (0u64, 0u64, 0u64);
                 while Instant::now() < until {
-                    match chat(addr, key.clone()).await {
+                    match chat(addr, key.clone(), from).await {
                         200 => admitted += 1,
                         429 => {
                             refused += 1;
@@ -144,16 +164,40 @@ async fn run(envoys: &[Envoy], upstream: &LlmUpstream, key: &str) -> Figures {
     figures
 }
 
-/// Runs the scenario in `consistency`; returns the figures, the tokens reported and Redis's count.
-async fn scenario(consistency: &str) -> (Figures, u64, u64) {
+/// What a scenario saw besides the [`Figures`].
+struct Run {
+    figures: Figures,
+    /// Tokens the upstream reported, and Redis's count at the end.
+    reported: u64,
+    /// The `r` of the `ratelimit` field of a lone first request's answer, when one was sent.
+    lone_remaining: Option<u64>,
+}
+
+/// Runs the scenario in `consistency` on `proxies` proxies, the estimates read `from` the
+/// header or the body; with `lone`, a request alone goes first (its answer's `ratelimit` `r`
+/// is kept, once it settled).
+async fn scenario(consistency: &str, proxies: usize, from: Estimate, lone: bool) -> Run {
     let redis = Redis::start();
     let sync = SyncService::single(&redis.url());
     let upstream = LlmUpstream::start();
-    let envoys = llm_fleet(PROXIES, &config(consistency), sync.addr, upstream.addr());
+    let envoys = llm_fleet(proxies, &config(consistency, from), sync.addr, upstream.addr());
     // The whole run inside one minute bucket keeps the arithmetic of the quota plain.
     wait_for_window_phase(MINUTE, Duration::from_secs(1), MINUTE - Duration::from_secs(25));
-    let key = format!("tenant-{consistency}-{}", std::process::id());
-    let figures = run(&envoys, &upstream, &key).await;
+    let key = format!("tenant-{consistency}-{from:?}-{}", std::process::id());
+    let mut lone_remaining = None;
+    let mut lone_admitted = 0;
+    if lone {
+        let response = chat_response(envoys[0].addr(), key.clone(), from).await.expect("an answer");
+        assert_eq!(response.status, 200, "the lone request is admitted");
+        let field = response.header("ratelimit").unwrap_or_default().to_owned();
+        lone_remaining = field.split(';').find_map(|p| p.trim().strip_prefix("r=")).and_then(|r| r.parse().ok());
+        println!("{consistency}/{from:?}: the lone request's ratelimit: {field:?}");
+        lone_admitted = 1;
+        // Settled: its reservation's unused part went back.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut figures = run(&envoys, &upstream, &key, from).await;
+    figures.steady_admitted += lone_admitted;
     // Every batch confirmed, every lease given back (idle after two intervals).
     let reported = upstream.reported();
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -165,7 +209,7 @@ async fn scenario(consistency: &str) -> (Figures, u64, u64) {
     let stat = |name: &str| envoys.iter().map(|e| e.stat(&format!("{WASM_CUSTOM_NAMESPACE}floodgate.{name}")).unwrap_or(0)).sum::<u64>();
     let lost = stat("lease.failures");
     println!(
-        "{consistency}: burst admitted per proxy {:?} ({} refused, {} in flight at most: {} tokens reserved), \
+        "{consistency}/{from:?}: burst admitted per proxy {:?} ({} refused, {} in flight at most: {} tokens reserved), \
          steady admitted {} refused {}; {} requests admitted in all: {} tokens reported, Redis {}; \
          refunded {}, charged {}, failed {}; failed lease calls {lost}",
         figures.burst_admitted,
@@ -183,7 +227,11 @@ async fn scenario(consistency: &str) -> (Figures, u64, u64) {
     );
     assert_eq!(figures.failed, 0, "every request answered 200 or 429");
     assert_eq!(reported, figures.admitted() * USAGE, "every admitted request reported its usage");
-    assert_eq!(stat("rate_limit.tokens.refunded"), figures.admitted() * (ESTIMATE - USAGE), "every unused part went back");
+    assert_eq!(
+        stat("rate_limit.tokens.refunded"),
+        figures.admitted() * (ESTIMATE - USAGE),
+        "each request reserved {ESTIMATE} and gave back what it did not use"
+    );
     if lost == 0 {
         assert_eq!(in_redis, reported, "Redis ends with the usage reported");
     } else {
@@ -191,14 +239,14 @@ async fn scenario(consistency: &str) -> (Figures, u64, u64) {
         // counted): the fleet then counts more, never less (docs/global.md).
         assert!(in_redis >= reported, "Redis {in_redis} never below the usage {reported}");
     }
-    (figures, reported, in_redis)
+    Run { figures, reported, lone_remaining }
 }
 
 /// Leased: the reservations in flight never exceed the quota, fleet-wide; the tokens admitted
 /// stay within it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_token_quota_holds_fleet_wide_and_redis_ends_at_the_usage() {
-    let (figures, reported, _) = scenario("leased").await;
+    let Run { figures, reported, .. } = scenario("leased", PROXIES, Estimate::Header, false).await;
     assert!(figures.most_in_flight * ESTIMATE <= LIMIT, "{} reservations of {ESTIMATE} in flight", figures.most_in_flight);
     assert!(reported <= LIMIT, "{reported} tokens admitted of {LIMIT}");
     // Near the limit a grant is a quarter of the room at most, so a reservation of 100 may
@@ -213,10 +261,29 @@ async fn leased_token_quota_holds_fleet_wide_and_redis_ends_at_the_usage() {
 /// fleet's count, and the tokens admitted stay within that bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batched_token_quota_holds_fleet_wide_and_redis_ends_at_the_usage() {
-    let (figures, reported, _) = scenario("batched").await;
+    let Run { figures, reported, .. } = scenario("batched", PROXIES, Estimate::Header, false).await;
     let per_proxy = LIMIT / ESTIMATE;
     assert!(figures.burst_admitted.iter().all(|n| *n <= per_proxy), "a proxy's own counts hold its quota: {:?}", figures.burst_admitted);
     let bound = PROXIES as u64 * LIMIT;
     assert!(reported <= bound, "{reported} tokens admitted, bound {bound}");
     assert!(reported >= LIMIT - ESTIMATE - USAGE, "the quota is used up to its last estimate: {reported}");
+}
+
+/// Leased, the estimate read in the JSON body (`cost.estimate.body`; no estimate header, and an
+/// `estimate.default` of 512): each request reserves its `max_tokens`, 100 (the lone first
+/// request's `ratelimit` says 900 remain; every admitted request gives back 70), a burst on 2
+/// proxies of 2 workers admits as many requests as the quota holds reservations for (the proxies'
+/// own unused lease units do not count against a request), and the tokens used reach 80 % of
+/// the quota.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leased_token_quota_reserves_the_estimate_read_in_the_body() {
+    let Run { figures, reported, lone_remaining } = scenario("leased", 2, Estimate::Body, true).await;
+    assert_eq!(lone_remaining, Some(LIMIT - ESTIMATE), "the lone request reserved its max_tokens");
+    // The lone request used 30: the rest holds this many reservations of 100.
+    let room = (LIMIT - USAGE) / ESTIMATE;
+    let burst: u64 = figures.burst_admitted.iter().sum();
+    assert_eq!(burst, room, "the burst admits what the quota holds reservations for: {:?}", figures.burst_admitted);
+    assert!(figures.most_in_flight * ESTIMATE <= LIMIT, "{} reservations of {ESTIMATE} in flight", figures.most_in_flight);
+    assert!(reported <= LIMIT, "{reported} tokens admitted of {LIMIT}");
+    assert!(reported * 10 >= LIMIT * 8, "the tokens used reach 80 % of the quota: {reported}");
 }

@@ -86,6 +86,53 @@ async fn shadow_then_enforced(lds: bool) {
     assert_eq!([field(last, "outcome"), field(last, "by"), field(last, "limit"), field(last, "remaining")], ["refused", "per-key", "5", "0"]);
 }
 
+/// The `RateLimit`, `RateLimit-Policy` and `Retry-After` fields of a response (`None`: absent).
+fn limit_fields(response: &Response) -> [Option<String>; 3] {
+    ["ratelimit", "ratelimit-policy", "retry-after"].map(|name| response.header(name).map(str::to_owned))
+}
+
+/// A rule in shadow contributes nothing to the response: alone, no field at all, whether it
+/// would admit or refuse; beside an enforced rule, the enforced rule's fields only, even while
+/// the shadow rule has less left. It still counts and logs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_in_shadow_shows_no_limit_to_clients() {
+    clear_of_hour_boundary();
+    let upstream = Upstream::start();
+    let shadow = json!({"name": "trial", "key": [{"header": "x-key"}], "limit": 2, "window": "1h", "mode": "shadow"});
+    let alone = Envoy::builder(json!({"access_log": true, "rate_limits": [shadow.clone()]})).upstream(&upstream).with_access_log().start();
+    for n in 0..4 {
+        let response = get(alone.addr(), &format!("/alone/{n}"), &[("x-key", "k")]).await;
+        assert_eq!(response.status, 200);
+        assert_eq!(limit_fields(&response), [None, None, None], "request {n}: no field of a rule in shadow");
+    }
+    assert_eq!(alone.wait_for_stat("floodgate.rate_limit.trial.shadow_rejected", 2, Duration::from_secs(5)), Some(2));
+    let lines = alone.access_log(4);
+    let logged: Vec<[String; 3]> = lines.iter().map(|l| ["outcome", "limit", "remaining"].map(|f| field(l, f))).collect();
+    assert!(logged.iter().any(|l| *l == ["shadow_refused", "2", "0"].map(str::to_owned)), "the log still tells: {logged:?}");
+
+    let enforced = json!({"name": "enforced", "key": [{"header": "x-key"}], "limit": 4, "window": "1h"});
+    let beside = Envoy::builder(json!({"rate_limits": [shadow, enforced]})).upstream(&upstream).start();
+    let mut seen = Vec::new();
+    for n in 0..5 {
+        let response = get(beside.addr(), &format!("/beside/{n}"), &[("x-key", "k")]).await;
+        seen.push((response.status, limit_fields(&response)));
+    }
+    let some = |text: &str| Some(text.to_owned());
+    let policy = some("\"enforced\";q=4;w=3600");
+    for (n, (status, fields)) in seen.iter().enumerate().take(4) {
+        let ratelimit = format!("\"enforced\";r={};t=", 3 - n);
+        assert_eq!(*status, 200);
+        assert!(fields[0].as_deref().is_some_and(|f| f.starts_with(&ratelimit)), "request {n}: the enforced rule's fields only: {fields:?}");
+        assert_eq!(fields[1..], [policy.clone(), None], "request {n}: {fields:?}");
+    }
+    let (status, fields) = &seen[4];
+    assert_eq!(*status, 429);
+    assert!(fields[0].as_deref().is_some_and(|f| f.starts_with("\"enforced\";r=0;t=")), "{fields:?}");
+    assert_eq!(fields[1], policy);
+    assert!(fields[2].is_some(), "the enforced rule's retry-after");
+    assert_eq!(beside.stat("floodgate.rate_limit.trial.shadow_rejected"), Some(3), "the shadow rule still counts");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shedding_in_shadow_admits_every_request_and_counts_the_would_be_shed() {
     let upstream = Upstream::with_options(UpstreamOptions { delay: Some(Duration::from_millis(1500)), ..UpstreamOptions::default() });
@@ -146,6 +193,30 @@ async fn the_access_log_shows_each_decision() {
     let grpc = line("/grpc.Service/Call");
     assert_eq!(fields(&grpc)[1..], ["refused", "per-key", "1", "0", "-"]);
     assert_eq!(field(&grpc, "grpc_status"), "8");
+}
+
+/// A request a token bucket let in to wait for its turn (`max_delay`) is logged `delayed`, by
+/// the bucket, with its wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_log_says_delayed_with_the_wait() {
+    let upstream = Upstream::start();
+    let config = json!({"access_log": true, "rate_limits": [
+        {"name": "paced", "key": [{"header": "x-key"}], "limit": 2, "window": "1s",
+         "algorithm": "token_bucket", "burst": 1, "max_delay": "2s"}
+    ]});
+    let envoy = Envoy::builder(config).upstream(&upstream).with_access_log().start();
+    let addr = envoy.addr();
+    assert_eq!(get(addr, "/first", &[("x-key", "k")]).await.status, 200);
+    assert_eq!(get(addr, "/second", &[("x-key", "k")]).await.status, 200);
+    let lines = envoy.access_log(2);
+    let line = |path: &str| lines.iter().find(|l| field(l, "path") == path).unwrap_or_else(|| panic!("no {path} in {lines:?}")).clone();
+    let fields = |l: &Value| ["outcome", "by"].map(|f| field(l, f)).to_vec();
+    assert_eq!(fields(&line("/first")), ["admitted", "-"]);
+    assert_eq!(field(&line("/first"), "waited_ms"), "-");
+    let second = line("/second");
+    assert_eq!(fields(&second), ["delayed", "paced"], "{second}");
+    let waited: u64 = field(&second, "waited_ms").parse().unwrap_or_else(|_| panic!("a wait: {second}"));
+    assert!((300..=900).contains(&waited), "about half a second (2 per second, a burst of 1): {waited} ms");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,6 @@
 //! What floodgate decided about a request, as Envoy's access log shows it (`access_log`): the
 //! outcome, the mechanism or rule that decided it, the tightest rule's limit and remaining
-//! units, the chosen cluster, and how long it waited for a slot. The host writes [`Decision::fields`] into Envoy filter state
+//! units, the chosen cluster, and how long it waited (for a slot, for its turn). The host writes [`Decision::fields`] into Envoy filter state
 //! (`wasm.<plugin name>.outcome`, ...) once the request is decided, so that two instances of the
 //! filter in one chain keep their own. No key appears: keys can be secrets.
 
@@ -13,6 +13,8 @@ pub enum Outcome {
     /// It went on: every mechanism admitted it.
     #[default]
     Admitted,
+    /// It went on once its turn came: a token bucket's `max_delay` made it wait.
+    Delayed,
     /// It went on, but a mechanism in shadow would have refused it.
     ShadowRefused,
     /// A rate-limit rule refused it (`429`, or the gRPC status of a refusal).
@@ -34,6 +36,7 @@ impl Outcome {
     pub fn as_str(self) -> &'static str {
         match self {
             Outcome::Admitted => "admitted",
+            Outcome::Delayed => "delayed",
             Outcome::ShadowRefused => "shadow_refused",
             Outcome::Refused => "refused",
             Outcome::Shed => "shed",
@@ -100,7 +103,8 @@ pub struct Decision {
     pub standing: Option<(u32, u64)>,
     /// The chosen cluster (an index in `cluster_selection.clusters`).
     pub cluster: Option<usize>,
-    /// How long it waited for a slot (`load_shedding.queue`), ms.
+    /// How long it waited, ms: for a slot (`load_shedding.queue`), then for its turn (a token
+    /// bucket's `max_delay`).
     pub waited_ms: Option<u64>,
 }
 
@@ -114,6 +118,16 @@ impl Decision {
                 self.standing = Some((standing.limit.get(), standing.remaining));
             }
         }
+    }
+
+    /// The request waited `waited_ms` for its turn, which rule `by` gave it (the outcome is
+    /// `delayed` unless a shadow refusal named one).
+    pub fn delayed(&mut self, by: By, waited_ms: u64) {
+        if self.outcome == Outcome::Admitted {
+            self.outcome = Outcome::Delayed;
+            self.by = Some(by);
+        }
+        self.waited_ms = Some(self.waited_ms.unwrap_or(0).saturating_add(waited_ms));
     }
 
     /// A mechanism refused the request.

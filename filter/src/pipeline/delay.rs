@@ -26,6 +26,10 @@ pub struct Delayed {
     pub go_at: UnixMillis,
     /// When it goes, on the monotonic clock (the tick's time).
     pub until: MonoMillis,
+    /// When it started to wait, on the monotonic clock.
+    pub since: MonoMillis,
+    /// The rule whose turn it waits for (the latest of the enforced buckets').
+    pub rule: usize,
     /// The slots it took of token buckets, given back if its client goes away first.
     pub slots: Vec<Probe>,
     /// Whether the request headers ended the request.

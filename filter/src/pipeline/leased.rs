@@ -25,6 +25,7 @@ use crate::fleet::leased::protocol;
 use crate::fleet::leased::{Ask, LeaseBook, LeaseSpec, Refusal, Take, Terms, Waited};
 use crate::primitives::store::SharedStore;
 use crate::primitives::time::{MonoMillis, Now, UnixMillis};
+use crate::ratelimit::estimate::BodyEstimates;
 use crate::ratelimit::window::{Counts, Window};
 use crate::ratelimit::rules::Later;
 use crate::ratelimit::{Cause, Probe, Standing, Verdict, Violation};
@@ -215,8 +216,9 @@ impl LeasedStage {
         self.windows.get(rule).is_some_and(Option::is_some)
     }
 
-    /// The request's keys of the leased rules that apply to it, with their limits and costs.
-    pub fn probes<R: Request + ?Sized>(&self, filter: &Filter, metrics: &dyn Metrics, request: &R) -> Vec<LeaseProbe> {
+    /// The request's keys of the leased rules that apply to it, with their limits and costs
+    /// (`body`: the estimates its rules read in its body, `cost.estimate.body`).
+    pub fn probes<R: Request + ?Sized>(&self, filter: &Filter, metrics: &dyn Metrics, request: &R, body: Option<&BodyEstimates>) -> Vec<LeaseProbe> {
         let rules = &filter.rules;
         let mut skipped = Vec::new();
         let probes = crate::ratelimit::probes::probes_where(
@@ -237,7 +239,7 @@ impl LeasedStage {
                 let key = probe.fleet?;
                 probe.limit = rules.limit(probe.rule, probe.key_hash, request);
                 let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit))?;
-                let admission = rules.admission(probe.rule, request, None);
+                let admission = rules.admission(probe.rule, request, body);
                 if admission.invalid {
                     increment(metrics, filter.stats.rule(probe.rule).invalid_cost);
                 }

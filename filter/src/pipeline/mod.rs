@@ -263,7 +263,7 @@ impl Filter {
             stats: Stats::define(&config, metrics),
             hasher: KeyHasher::new(seed),
             headers: HeaderPlan::new(&config),
-            admitted_fields: AdmittedFields::new(&limiter),
+            admitted_fields: AdmittedFields::new(&limiter).in_shadow(|rule| config.rate_limits.get(rule).is_some_and(|r| config.shadows(r.mode))),
             reserves: RefCell::new(Reserves::new()),
             reserved_reported: RefCell::new(vec![0; config.rate_limits.len()]),
             limiter,
@@ -542,6 +542,9 @@ pub struct Stream {
     /// The estimates its rules read in its body (`cost.estimate.body`): while it waits for
     /// them, then what they found.
     estimates: Option<Box<BodyEstimates>>,
+    /// With cluster selection, the rules' keys that counted the admitted request, and when:
+    /// given back if selection refuses it.
+    counted: Option<(Vec<Probe>, UnixMillis)>,
 }
 
 /// A stream's state as its host context and the leased stage's waiting lists share it.
@@ -733,7 +736,7 @@ fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     let mut stream = cell.borrow_mut();
     let mut reply = reply.or_else(|| stream.cap(filter, env, request, now.mono));
     if let (None, Some(stage)) = (&reply, &filter.leased) {
-        let probes = stage.probes(filter, env.metrics, request);
+        let probes = stage.probes(filter, env.metrics, request, stream.estimates.as_deref());
         if !probes.is_empty() {
             match stage.admit(filter, env.store, env.metrics, &probes, context, now) {
                 leased::Decision::All(taken) => stream.took(taken),
@@ -768,7 +771,9 @@ pub fn resume_delayed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 ) -> Step {
     let mut stream = shared.borrow_mut();
     let Some(delayed) = stream.delayed.take().filter(|_| !stream.ended) else { return Step::Wait };
-    let step = stream.finish_selected(filter, env, request, delayed.end_of_stream, None, false, rng, env.clock.now());
+    let now = env.clock.now();
+    stream.decision.delayed(By::Rule(delayed.rule), now.mono.saturating_since(delayed.since));
+    let step = stream.finish_selected(filter, env, request, delayed.end_of_stream, None, false, rng, now);
     stream.body_held(filter, env, delayed.body);
     step
 }
@@ -976,6 +981,7 @@ impl Stream {
         if let (None, Some(delayed)) = (&reply, self.delayed.as_mut()) {
             // The delay stage: it goes at its turn.
             delayed.until = now.mono.plus_ms(delayed.go_at.saturating_since(now.wall));
+            delayed.since = now.mono;
             delayed.end_of_stream = end_of_stream;
             return Step::Wait;
         }
@@ -1009,6 +1015,9 @@ impl Stream {
             });
         if let (Some(stage), false, true) = (&filter.leased, refused_before, reply.is_some()) {
             stage.untake(env.store, &std::mem::take(&mut self.leased));
+        }
+        if reply.is_some() {
+            self.give_back_counted(filter, env, now.wall);
         }
         if reply.is_none() {
             // The leased rules' reservations settle when the upstream reports.
@@ -1353,6 +1362,10 @@ impl Stream {
                 if filter.delays.is_some() {
                     self.delay_for_turn(filter, env, standings, &probes);
                 }
+                if filter.selector.is_some() {
+                    // Selection may still refuse it: its units then go back.
+                    self.counted = Some((std::mem::take(&mut probes), now));
+                }
                 for rule in evictions {
                     increment(env.metrics, filter.stats.rule(*rule).evictions);
                 }
@@ -1405,13 +1418,13 @@ impl Stream {
     /// it took of every bucket, to give back if its client goes away while it waits.
     fn delay_for_turn<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, standings: &[Standing], probes: &[Probe]) {
         let waits = standings.iter().filter(|s| s.go_at.is_some() && !filter.shadows.rule(s.rule));
-        let Some(go_at) = waits.clone().filter_map(|s| s.go_at).max() else { return };
+        let Some((go_at, rule)) = waits.clone().filter_map(|s| Some((s.go_at?, s.rule))).max_by_key(|(go_at, _)| *go_at) else { return };
         for standing in waits {
             increment(env.metrics, filter.stats.rule(standing.rule).delayed);
         }
         let tables = filter.limiter.tables();
         let slots = probes.iter().filter(|p| tables.get(p.rule).is_some_and(|t| t.bucket.is_some())).copied().collect();
-        self.delayed = Some(Delayed { go_at, slots, ..Delayed::default() });
+        self.delayed = Some(Delayed { go_at, rule, slots, ..Delayed::default() });
     }
 
     /// Cluster selection: takes a permit on a cluster (the request goes there: `Ok(Some(index))`),
@@ -1478,6 +1491,10 @@ impl Stream {
         }
         self.decision.refused(decision::Outcome::NoCluster, By::Selection, None);
         self.decision.cluster = None;
+        if let Some(stage) = &filter.leased {
+            stage.untake(env.store, &std::mem::take(&mut self.leased));
+        }
+        self.give_back_counted(filter, env, env.clock.now().wall);
         let reply = match selector {
             Some(selector) => replies::no_capacity(selector, &Exhausted { clusters: Vec::new(), contention: true }),
             None => replies::health(&replies::LocalLoad::default(), None),
@@ -1698,14 +1715,21 @@ impl Stream {
                 }
             } else if units < reserved {
                 let back = reserved.saturating_sub(units);
-                filter.limiter.refund(env.store, probe, back, self.charges.admitted_at());
+                give_back(filter, env, &probe, back, self.charges.admitted_at(), now);
                 stats::add_count(env.metrics, ids.refunded, u64::from(back));
-                if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-                    // A give-back with no room in the VM's buffer is lost: the fleet over-counts.
-                    let _ = scope.refund(&mut node.borrow_mut(), &probe, back, self.charges.admitted_at(), now);
-                }
             }
         }
+    }
+
+    /// An admitted request that cluster selection refused (or that could not be routed) never
+    /// reaches an upstream: the units its rules counted at admission go back, as a settlement
+    /// gives back a reservation's unused part, and it owes nothing more.
+    fn give_back_counted<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, now: UnixMillis) {
+        let Some((probes, admitted_at)) = self.counted.take() else { return };
+        for probe in &probes {
+            give_back(filter, env, probe, probe.cost, admitted_at, now);
+        }
+        self.charges = Charges::default();
     }
 
     /// Releases the in-flight and per-key permits (each once: taken out of the state).
@@ -1716,5 +1740,15 @@ impl Stream {
         if let (Some(permit), Some(cap)) = (self.key_permit.take(), filter.per_key.as_ref()) {
             cap.release(env.store, env.vm, permit, now);
         }
+    }
+}
+
+/// Gives back `units` that `probe`'s key counted at `admitted_at` and that were not used: out
+/// of the key's counters, and fleet-wide for a rule in batched global scope.
+fn give_back<H: Host>(filter: &Filter, env: &Env<'_, H>, probe: &Probe, units: u32, admitted_at: UnixMillis, now: UnixMillis) {
+    filter.limiter.refund(env.store, *probe, units, admitted_at);
+    if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
+        // A give-back with no room in the VM's buffer is lost: the fleet over-counts.
+        let _ = scope.refund(&mut node.borrow_mut(), probe, units, admitted_at, now);
     }
 }

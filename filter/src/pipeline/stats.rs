@@ -9,9 +9,9 @@
 //! | `<prefix>.rate_limit.<rule>.skipped` | counter | requests lacking a key part (`missing_key: skip`) |
 //! | `<prefix>.rate_limit.<rule>.contention` | counter | requests refused because the counters could not be updated (CAS attempts ran out) |
 //! | `<prefix>.rate_limit.<rule>.evictions` | counter | keys with live counts that lost their exact entry to a more frequent key (counts moved to the set's overflow) |
-//! | `<prefix>.rate_limit.<rule>.invalid_cost` | counter | requests (or responses) whose cost header held no valid count: the rule's `cost.default` was charged |
+//! | `<prefix>.rate_limit.<rule>.invalid_cost` | counter | values that are not a count: a request's cost header, `content-length`, estimate header or body estimate (at admission, admitted or refused), a response's count (at settlement) |
 //! | `<prefix>.rate_limit.<rule>.charged` | counter | units charged after admission (a streamed request body, a count the upstream reported) |
-//! | `<prefix>.rate_limit.<rule>.refunded` | counter | units given back when a reported count came under the request's estimate (defined only for a cost the upstream reports) |
+//! | `<prefix>.rate_limit.<rule>.refunded` | counter | units given back when a reported count came under the request's estimate, or a whole reservation by `"unreported": "refund"` (defined only for a cost the upstream reports) |
 //! | `<prefix>.rate_limit.<rule>.unreported` | counter | responses that reported no valid count: settled by `cost.unreported` (or `cost.default`) (defined only for a cost the upstream reports) |
 //! | `<prefix>.rate_limit.<rule>.unreadable` | counter | of those, responses whose body could not be read for a count: not JSON, nested too deep, longer than `cost.max_body_bytes`, or compressed (defined only for `response_body`) |
 //! | `<prefix>.rate_limit.<rule>.unreadable_compressed` | counter | of those, responses that came compressed (a `content-encoding`): not read (defined only for `response_body`) |
@@ -138,7 +138,7 @@ pub struct RuleStats {
     pub evictions: Option<u32>,
     /// Gauge: units held in reserves, summed over the VMs.
     pub reserved: Option<u32>,
-    /// Requests whose cost header held no valid count.
+    /// Values that are not a count (cost, estimate or reported count).
     pub invalid_cost: Option<u32>,
     /// Units charged after admission.
     pub charged: Option<u32>,

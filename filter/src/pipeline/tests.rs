@@ -304,6 +304,44 @@ fn a_request_that_selection_cannot_place_holds_nothing_afterwards() {
     assert_eq!(host.metric("floodgate.cluster.a.success"), 1);
 }
 
+/// Under `rules` and one cluster of one permit: a request of key `k` goes there, the next one
+/// is admitted by the rules and refused by selection (`503`), then both end; a third goes
+/// there and ends.
+fn refused_by_selection_then_another(rules: serde_json::Value) -> (Host, Step) {
+    let host = Host::new(serde_json::json!({"rate_limits": rules, "cluster_selection": selection(&["a"], 1)}));
+    let (first, held, step) = host.send(&keyed("k"));
+    assert_eq!(step, Step::Continue { route: Some(0) });
+    let (second, refused, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 503);
+    host.end(second, &refused, &Ended { status: Some(503), flags: 0 });
+    host.end(first, &held, &OK);
+    let (third, held, step) = host.send(&keyed("k"));
+    host.end(third, &held, &OK);
+    (host, step)
+}
+
+#[test]
+fn a_request_that_selection_refuses_after_admission_gives_its_units_back() {
+    let bucket = serde_json::json!({"name": "b", "key": [{"header": "x-key"}], "limit": 2, "window": "1h", "algorithm": "token_bucket", "burst": 2});
+    // The refused request's units went back: the third fits in both rules (limit 2).
+    let (host, third) = refused_by_selection_then_another(serde_json::json!([rule(2), bucket]));
+    assert_eq!(third, Step::Continue { route: Some(0) }, "a quota the refused request never used");
+    assert_eq!(status(&host.send(&keyed("k")).2), 429, "the limit of 2 holds");
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 3);
+}
+
+#[test]
+fn a_reservation_that_selection_refuses_goes_back_whole_and_owes_nothing() {
+    let (host, third) = refused_by_selection_then_another(serde_json::json!([
+        {"name": "t", "key": [{"header": "x-key"}], "limit": 150, "window": "1h",
+         "cost": {"from": "response_header", "header": "x-used", "estimate": {"default": 60, "max": 100}}}
+    ]));
+    // 60 counted for the first (it ended without a count: charged its estimate): another
+    // reservation of 60 fits.
+    assert_eq!(third, Step::Continue { route: Some(0) }, "the refused request's 60 went back");
+    assert_eq!(host.metric("floodgate.rate_limit.t.unreported"), 2, "the first and the third; the refused request owes nothing");
+}
+
 #[test]
 fn a_refused_grpc_request_gets_a_grpc_status() {
     let host = Host::new(serde_json::json!({"rate_limits": [rule(1)]}));
@@ -997,6 +1035,47 @@ fn a_request_only_a_shadow_rule_refuses_is_counted_by_the_enforced_rules() {
     assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
 }
 
+/// The rule whose `RateLimit` fields an admitted request's response carries, if any.
+fn fields_rule(stream: &StreamCell) -> Option<usize> {
+    stream.borrow().fields.as_ref().map(|t| t.rule)
+}
+
+#[test]
+fn a_rule_in_shadow_alone_shows_no_field_whether_it_would_admit_or_refuse() {
+    let mut shadow = rule(2);
+    shadow["mode"] = "shadow".into();
+    let host = Host::new(serde_json::json!({"rate_limits": [shadow], "access_log": true}));
+    for n in 0..4 {
+        let (_, stream, step) = host.send(&keyed("k"));
+        assert_eq!(status(&step), 0);
+        assert_eq!(fields_rule(&stream), None, "request {n}");
+    }
+    assert_eq!(host.metric("floodgate.rate_limit.r.shadow_rejected"), 2);
+    let (_, stream, _) = host.send(&keyed("k"));
+    let d = decision(&stream);
+    assert_eq!((d.outcome, d.standing), (decision::Outcome::ShadowRefused, Some((2, 0))), "the log still tells");
+}
+
+#[test]
+fn beside_an_enforced_rule_a_rule_in_shadow_never_takes_over_the_fields() {
+    let mut shadow = rule(2);
+    shadow["mode"] = "shadow".into();
+    let host = Host::new(serde_json::json!({"rate_limits": [
+        shadow,
+        {"name": "e", "key": [{"header": "x-key"}], "limit": 4, "window": "1h"},
+    ]}));
+    for n in 0..4 {
+        let (_, stream, step) = host.send(&keyed("k"));
+        assert_eq!(status(&step), 0);
+        assert_eq!(fields_rule(&stream), Some(1), "request {n}: the enforced rule's fields, though the shadow rule has less left");
+    }
+    let (_, _, step) = host.send(&keyed("k"));
+    let Step::Reply(LocalReply::Http(reply)) = step else { panic!("refused: {step:?}") };
+    assert_eq!(reply.status, 429);
+    let named: Vec<&str> = reply.headers.iter().filter(|(name, _)| name.starts_with("ratelimit")).map(|(_, value)| value.as_str()).collect();
+    assert!(!named.is_empty() && named.iter().all(|v| v.starts_with("\"e\"")), "{named:?}");
+}
+
 #[test]
 fn the_top_level_mode_puts_every_mechanism_in_shadow() {
     let host = Host::new(serde_json::json!({
@@ -1266,6 +1345,23 @@ fn without_max_delay_there_is_no_delay_stage_and_a_bucket_refuses_with_its_field
     // gRPC: RESOURCE_EXHAUSTED.
     let grpc = keyed("k").with("content-type", "application/grpc");
     assert_eq!(status(&host.send(&grpc).2), 1008);
+}
+
+#[test]
+fn a_request_that_waited_for_its_turn_is_logged_as_delayed_with_its_wait() {
+    let host = Host::new(serde_json::json!({"rate_limits": [bucket_rule(Some("500ms"))], "access_log": true}));
+    let sent: Vec<(u32, StreamCell, Step)> = (0..6).map(|_| host.send(&keyed("k"))).collect();
+    assert_eq!(status(&sent[5].2), 1, "the sixth waits for its turn");
+    let d = decision(&sent[0].1);
+    assert_eq!((d.outcome, d.by, d.waited_ms), (decision::Outcome::Admitted, None, None), "the first went at once");
+    host.clock.advance(100);
+    let went = tick(&host);
+    assert_eq!(went.len(), 1);
+    let d = decision(&sent[5].1);
+    assert_eq!((d.outcome, d.by, d.waited_ms), (decision::Outcome::Delayed, Some(By::Rule(0)), Some(100)));
+    let fields = d.fields(&host.filter, &host.filter.decision_names);
+    let field = |name: &str| fields.iter().find(|(n, _)| n.ends_with(name)).map(|(_, v)| v.as_str());
+    assert_eq!((field(".outcome"), field(".by"), field(".waited_ms")), (Some("delayed"), Some("b"), Some("100")));
 }
 
 #[test]

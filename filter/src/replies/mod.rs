@@ -115,6 +115,8 @@ pub struct AdmittedFields {
     rules: Vec<(String, String)>,
     /// Per rule: its limit and window (for a key whose limit is another: a tier, an override).
     tables: Vec<RuleTable>,
+    /// Per rule: it is in shadow, and shows nothing to clients (empty: none is).
+    shadow: Vec<bool>,
 }
 
 /// The fields of an admitted request's tightest rule.
@@ -136,7 +138,18 @@ impl AdmittedFields {
             .iter()
             .map(|table| (policy_field(table, table.limit), format!("\"{}\";r=", table.name)))
             .collect();
-        AdmittedFields { rules, tables: limiter.tables().to_vec() }
+        AdmittedFields { rules, tables: limiter.tables().to_vec(), shadow: Vec::new() }
+    }
+
+    /// The same, rule `rule` left out where `shadow(rule)` (a rule in shadow contributes no
+    /// field to a response).
+    #[must_use]
+    pub fn in_shadow(mut self, shadow: impl Fn(usize) -> bool) -> AdmittedFields {
+        self.shadow = (0..self.rules.len()).map(shadow).collect();
+        if !self.shadow.contains(&true) {
+            self.shadow.clear();
+        }
+        self
     }
 
     /// The `ratelimit-policy` value of `tightest`'s rule: prepared once, unless the key's limit is
@@ -151,9 +164,11 @@ impl AdmittedFields {
     }
 
     /// For an admitted request: the rule with the least remaining quota (the first of equals)
-    /// and its `ratelimit` value.
+    /// and its `ratelimit` value; rules in shadow left out (`None`: every rule that admitted it
+    /// is).
     pub fn tightest(&self, standings: &[Standing]) -> Option<Tightest> {
-        let tightest = standings.iter().min_by_key(|s| s.remaining)?;
+        let shown = |s: &&Standing| !self.shadow.get(s.rule).copied().unwrap_or(false);
+        let tightest = standings.iter().filter(shown).min_by_key(|s| s.remaining)?;
         let (_, prefix) = self.rules.get(tightest.rule)?;
         // Two integers of at most 20 digits and ";t=".
         let mut ratelimit = String::with_capacity(prefix.len().saturating_add(43));

@@ -525,8 +525,10 @@ impl KeyLease {
         }
         let known = self.known();
         // The store said within a period that the window is full: refuse without asking again.
+        // The units the proxy holds are counted in the store's view already, and they are the
+        // request's to take: only what it still needs must fit.
         let fresh = self.view_at.is_some_and(|at| now.saturating_since(at) < terms.period_ms);
-        if fresh && !spec.window.admits(known, elapsed_ms, cost, spec.limit) {
+        if fresh && !spec.window.admits(known, elapsed_ms, cost.saturating_sub(self.held), spec.limit) {
             // What it holds cannot cover this request and the window has no room for more: it
             // goes back with the key's next call or settlement, for a proxy it covers
             // (requests of many units would otherwise stay refused while their units sit
@@ -540,7 +542,9 @@ impl KeyLease {
             }
             return (Take::Wait { call: None }, false);
         }
-        let waiting = others.saturating_add(cost);
+        // What the waiting requests still need beyond the units held: a grant of that covers
+        // them whole.
+        let waiting = others.saturating_add(cost).saturating_sub(self.held);
         let want = self.want(now, terms, waiting);
         // A new request's call goes from its own stream, with `lease_timeout`; another from
         // the root, with the longer timeout.

@@ -815,3 +815,43 @@ fn a_give_back_finds_its_key_even_after_the_lease_left_the_book() {
     }
     assert_eq!(store.get(KEY, window_ms, 500), 30);
 }
+
+#[test]
+fn the_units_a_proxy_holds_count_for_its_request_not_against_it() {
+    let mut store = FakeStore::default();
+    let s = spec(60_000, 100);
+    let now = UnixMillis(60_000 * 1000 + 10);
+    // Another proxy takes 60 units of the window.
+    let mut other = Worker::of(Rc::new(MemoryStore::new()), 1000, OnStoreFailure::LastState, u32::MAX, 2);
+    let ask = wait_call(other.take(KEY, s, 60, false, now)).expect("a call");
+    let mut granted = 0;
+    let mut ask = Some(ask);
+    while let Some(a) = ask.take() {
+        let grant = store.serve_as(2, &a);
+        granted += grant.granted;
+        other.answered(&a, Some(grant), now);
+        if granted < 60 {
+            ask = wait_call(other.take(KEY, s, 60, true, now));
+        }
+    }
+    assert_eq!(store.get(KEY, 60_000, 1000), 60);
+    // This proxy's request of 40 units: a grant of a quarter of the room covers part of it.
+    let mut book = book();
+    let first = wait_call(book.take(KEY, s, 40, false, now)).expect("a call");
+    book.answered(&first, Some(store.serve(&first)), now);
+    assert_eq!(book.held(), 10);
+    // The view is fresh and counts 70 units, 10 of them the request's own: the 30 it still
+    // needs fit, and that is what it asks for (taken at once when granted).
+    let mut calls = 0;
+    let mut take = book.take(KEY, s, 40, true, now);
+    while let Take::Wait { call } = take {
+        let ask = call.expect("a call of its own");
+        assert_eq!((ask.want, ask.at_once), (40 - book.held() as u32, 40 - book.held() as u32), "what it still needs");
+        book.answered(&ask, Some(store.serve(&ask)), now);
+        calls += 1;
+        assert!(calls < 30, "the request gets its units");
+        take = book.take(KEY, s, 40, true, now);
+    }
+    assert!(matches!(take, Take::Admitted { held: 0, .. }), "admitted: {take:?}");
+    assert_eq!(store.get(KEY, 60_000, 1000), 100, "the window is used to its limit");
+}
