@@ -346,7 +346,8 @@ impl Watchdog {
             let mut record = current.and_then(|s| Record::decode(&s.value).ok()).unwrap_or_default();
             if let Some(own) = record.beats.iter().find(|b| b.vm == vm) {
                 beat.first = beat.first.min(own.first);
-                beat.last = beat.last.max(own.last);
+                // A stored `last` past `now` is no reading of this host's clock: it moves nothing.
+                beat.last = beat.last.max(own.last.min(now));
                 beat.serves |= own.serves;
             }
             record.beats.retain(|b| b.vm != vm);
