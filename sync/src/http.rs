@@ -33,7 +33,7 @@ use tracing::{debug, info, warn};
 
 use crate::auth::{Tokens, Verdict};
 use crate::holders::{buckets, parse_holders_query, HoldersAnswer};
-use crate::layout::{plan, Layout};
+use crate::layout::{plan, Layout, FLEET_SECONDS};
 use crate::lease::{parse_lease_request, plan_lease, LeaseResponse};
 use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::{parse_batch, ErrorBody, SyncResponse, Totals, VERSION};
@@ -56,6 +56,10 @@ pub struct App {
 }
 
 type Answer = Response<Full<Bytes>>;
+
+/// The header of a sync answer that gives the fleet size: the distinct proxies that sent a
+/// batch in the last [`FLEET_SECONDS`] seconds, this one included.
+pub const PROXIES_HEADER: &str = "floodgate-proxies";
 
 fn json(status: StatusCode, body: Vec<u8>) -> Answer {
     let mut answer = Response::new(Full::new(Bytes::from(body)));
@@ -228,7 +232,17 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
     };
     app.metrics.batch_received(batch.counters.len());
     let plan = plan(&app.layout, &batch);
-    let outcome = match app.store.apply(&plan).await {
+    let second = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    let fleet_keys: Vec<String> = (0..FLEET_SECONDS)
+        .map(|ago| app.layout.fleet_key(second.saturating_sub(ago)))
+        .collect();
+    let (outcome, proxies) = tokio::join!(
+        app.store.apply(&plan),
+        app.store.fleet_size(&fleet_keys, batch.proxy.as_str())
+    );
+    let outcome = match outcome {
         Ok(outcome) => outcome,
         Err(err) => {
             return error(app, err.kind(), format!("store unavailable: {err}"));
@@ -250,7 +264,20 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
         version: VERSION,
         counters,
     }) {
-        Ok(body) => json(StatusCode::OK, body),
+        Ok(body) => {
+            let mut answer = json(StatusCode::OK, body);
+            // The fleet size is advice: a batch is confirmed without it.
+            match proxies {
+                Ok(proxies) => {
+                    app.metrics.set_proxies(proxies);
+                    answer
+                        .headers_mut()
+                        .insert(PROXIES_HEADER, HeaderValue::from(proxies));
+                }
+                Err(err) => debug!("fleet size not read: {err}"),
+            }
+            answer
+        }
         Err(err) => error(
             app,
             ErrorKind::StoreError,

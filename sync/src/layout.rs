@@ -19,6 +19,11 @@ use crate::protocol::{Batch, CounterKey, ProxyId};
 pub const EXPIRY_SLACK_MS: u64 = 60_000;
 /// The shortest life of a dedup key, in ms (10 minutes).
 pub const MIN_SEEN_TTL_MS: u64 = 600_000;
+/// The fleet size counts the distinct proxies that sent a batch in the current second and the
+/// ones before it, this many seconds in all (a proxy sends at least one batch a second).
+pub const FLEET_SECONDS: u64 = 3;
+/// How long a second's HyperLogLog of proxies lives, in ms.
+pub const FLEET_TTL_MS: u64 = 10_000;
 /// The largest expiry Redis accepts (a signed 64-bit count of ms).
 const MAX_REDIS_MS: u64 = i64::MAX as u64;
 
@@ -61,6 +66,12 @@ impl Layout {
             self.prefix,
             key.as_str()
         )
+    }
+
+    /// `<prefix>{fleet}:<second>`: the HyperLogLog of the proxies that sent a batch in that
+    /// second (since the epoch), for the fleet size ([`FLEET_SECONDS`]).
+    pub fn fleet_key(&self, second: u64) -> String {
+        format!("{}{{fleet}}:{second}", self.prefix)
     }
 
     /// `<prefix>{<shard>}:seen:<proxy>`.

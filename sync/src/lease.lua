@@ -26,6 +26,8 @@
 --                               or taken `at_once`) that were not used after all: taken off the
 --                               counter, never below 0, not off the holder's outstanding units
 -- ARGV[16] refunded_previous    the same for the previous bucket
+-- ARGV[17] exact                '1': grant want whole when the room holds it, else nothing (the
+--                               ask of a batched rule's request, taken at once)
 --
 -- A counter holds the units granted in its bucket and not given back (used, or still leased).
 -- With p and c the previous and current counters after the give-backs, a unit more fits the
@@ -71,6 +73,7 @@ local at_once = tonumber(ARGV[14])
 local expire_at = ARGV[7]
 local refunded = tonumber(ARGV[15] or '0')
 local refunded_previous = tonumber(ARGV[16] or '0')
+local exact = ARGV[17] == '1'
 
 -- Takes `units` off `counter` (at `value`), never below 0; returns the counter after.
 local function refund(counter, value, units)
@@ -189,8 +192,14 @@ if want > 0 then
   -- someone else) only means no room.
   local weighted = ceil_mul_div(math.min(previous, 8589934591), remaining, window)
   local room = limit - weighted - current
-  if room > 0 then
+  if exact then
+    if room >= want then
+      granted = want
+    end
+  elseif room > 0 then
     granted = math.min(want, math.max(1, math.floor(room / 4)))
+  end
+  if granted > 0 then
     current = redis.call('INCRBY', KEYS[1], granted)
     if current == granted then
       redis.call('PEXPIREAT', KEYS[1], expire_at)

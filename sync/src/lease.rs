@@ -89,6 +89,10 @@ pub struct LeaseEntry {
     /// The same for `bucket − 1`.
     #[serde(default, deserialize_with = "units")]
     pub refunded_previous: u64,
+    /// Grant `want` whole or nothing (no quarter of the room): the ask of a batched rule's
+    /// request, whose units are taken at once (default: false).
+    #[serde(default)]
+    pub exact: bool,
 }
 
 /// The default `grace_ms`, for windows of a second and more.
@@ -157,6 +161,8 @@ pub struct PlannedLease {
     pub at_once: u64,
     /// `refunded` and `refunded_previous` (ARGV 15 and 16).
     pub refunded: [u64; 2],
+    /// `exact` (ARGV 17).
+    pub exact: bool,
 }
 
 impl PlannedLease {
@@ -176,6 +182,7 @@ impl PlannedLease {
         argv.push(self.holder.clone());
         argv.push(self.at_once.to_string());
         argv.extend(self.refunded.iter().map(u64::to_string));
+        argv.push(if self.exact { "1" } else { "0" }.to_owned());
         argv
     }
 }
@@ -246,6 +253,7 @@ pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
             .unwrap_or_default(),
         at_once: entry.at_once,
         refunded: [entry.refunded, entry.refunded_previous],
+        exact: entry.exact,
     }
 }
 

@@ -104,6 +104,7 @@ pub struct Metrics {
     leases_received: AtomicU64,
     lease_units_granted: AtomicU64,
     lease_units_reclaimed: AtomicU64,
+    proxies: AtomicU64,
     errors: [AtomicU64; 9],
     sync_latency: Histogram,
     lease_latency: Histogram,
@@ -182,6 +183,11 @@ impl Metrics {
             &self.parts_deduplicated,
             u64::try_from(deduplicated).unwrap_or(u64::MAX),
         );
+    }
+
+    /// The fleet size a sync answer gave (the distinct proxies of the last seconds).
+    pub fn set_proxies(&self, proxies: u64) {
+        self.proxies.store(proxies, Ordering::Relaxed);
     }
 
     /// One command was sent to Redis (and its answer awaited).
@@ -263,9 +269,15 @@ impl Metrics {
         );
         counter(
             "floodgate_sync_redis_round_trips_total",
-            "Commands sent to Redis (EVALSHA, EVAL after NOSCRIPT, PING of /readyz).",
+            "Commands sent to Redis (EVALSHA, EVAL after NOSCRIPT, PING of /readyz, the fleet size's pipeline of a batch).",
             get(&self.redis_round_trips),
         );
+        let _ = writeln!(
+            out,
+            "# HELP floodgate_sync_proxies Distinct proxies that sent a batch in the last 3 seconds, as the last sync answer gave it."
+        );
+        let _ = writeln!(out, "# TYPE floodgate_sync_proxies gauge");
+        let _ = writeln!(out, "floodgate_sync_proxies {}", get(&self.proxies));
         let _ = writeln!(
             out,
             "# HELP floodgate_sync_shard_parts_total Shard parts of batches answered 200, by whether this request applied them."

@@ -320,6 +320,34 @@ impl Store {
         self.bounded("batch", work).await
     }
 
+    /// Counts `proxy` among the senders of second `second` (a HyperLogLog per second, `keys[0]`,
+    /// which lives [`crate::layout::FLEET_TTL_MS`]) and returns the distinct senders of all
+    /// `keys` (that second and the ones before it): the fleet size. One pipelined round trip;
+    /// every key shares the hash tag `{fleet}`, so one slot of a cluster.
+    pub async fn fleet_size(&self, keys: &[String], proxy: &str) -> Result<u64, StoreError> {
+        let Some(first) = keys.first() else { return Ok(0) };
+        let mut pipe = redis::pipe();
+        pipe.cmd("PFADD").arg(first).arg(proxy).ignore();
+        pipe.cmd("PEXPIRE").arg(first).arg(crate::layout::FLEET_TTL_MS).ignore();
+        pipe.cmd("PFCOUNT").arg(keys);
+        let work = async {
+            self.metrics.redis_round_trip();
+            let counted: (u64,) = match &self.backend {
+                Backend::Single(manager) => {
+                    let mut conn = manager.clone();
+                    pipe.query_async(&mut conn).await
+                }
+                Backend::Cluster { retrying, .. } => {
+                    let mut conn = connected(retrying)?;
+                    pipe.query_async(&mut conn).await
+                }
+            }
+            .map_err(|err| self.classify(err))?;
+            Ok(counted.0)
+        };
+        self.bounded("fleet size", work).await
+    }
+
     /// PING, on every node of a cluster (masters and replicas); a failure is logged like the
     /// other Redis errors (so that a Redis that refuses the connection shows in the log before
     /// any proxy calls).

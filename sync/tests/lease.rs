@@ -104,6 +104,25 @@ fn grants_take_a_quarter_of_the_room_at_most_and_stop_at_the_limit() {
     assert_eq!(metric(&metrics, "floodgate_sync_lease_duration_seconds_count"), 13);
 }
 
+/// A batched rule's ask (`exact`): the whole `want` while the room holds it, then nothing,
+/// where a lease would take a quarter of the room.
+#[test]
+fn an_exact_ask_is_granted_whole_or_not_at_all() {
+    let (_redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    let ask = |want: u64| {
+        let mut e = entry(A, bucket, 0, 100, want);
+        e["exact"] = json!(true);
+        e["at_once"] = json!(want);
+        grants(&lease_call(sync.port, &[e]))
+    };
+    assert_eq!(ask(80), [(80, 80, 0)]);
+    assert_eq!(ask(19), [(19, 99, 0)]);
+    assert_eq!(ask(2), [(0, 99, 0)], "room for 1, not 2: nothing");
+    assert_eq!(ask(1), [(1, 100, 0)]);
+    assert_eq!(ask(1), [(0, 100, 0)]);
+}
+
 #[test]
 fn the_previous_bucket_weighs_as_in_the_filter_and_takes_its_give_backs() {
     let (redis, sync) = single();

@@ -94,12 +94,28 @@ fn totals_come_in_request_order_and_sum_across_proxies() {
         format!("fg:{{3}}:seen:{P1}"),
     ];
     expected.sort();
-    assert_eq!(redis.keys(), expected);
+    // Besides, the HyperLogLogs of the proxies per second (the fleet size).
+    let (fleet, keys): (Vec<String>, Vec<String>) = redis.keys().into_iter().partition(|k| k.starts_with("fg:{fleet}:"));
+    assert_eq!(keys, expected);
+    assert!(!fleet.is_empty() && fleet.len() <= 3, "{fleet:?}");
     assert_eq!(redis.get(&format!("fg:{{1}}:seen:{P1}")), Some(2));
-    // An empty batch is fine and touches nothing.
+    // An empty batch is fine and touches no counter.
     let empty = post(sync.port, &batch(P1, 3, &[]));
     assert_eq!(empty.totals(), vec![]);
     assert_eq!(redis.get(&format!("fg:{{1}}:seen:{P1}")), Some(2));
+}
+
+/// Every sync answer gives the fleet size: the distinct proxies that sent a batch in the last 3
+/// seconds, an empty batch included (an idle proxy calls in once a second).
+#[test]
+fn sync_answers_give_the_number_of_proxies_that_called_in_lately() {
+    let t = present();
+    let (_redis, sync) = single();
+    assert_eq!(post(sync.port, &batch(P1, 1, &[(A, 1000, t + 5, 1)])).proxies, Some(1));
+    assert_eq!(post(sync.port, &batch(P1, 2, &[])).proxies, Some(1), "the same proxy again");
+    assert_eq!(post(sync.port, &batch(P2, 1, &[])).proxies, Some(2));
+    let metrics = get(sync.port, "/metrics").body;
+    assert_eq!(metric(&metrics, "floodgate_sync_proxies"), 2);
 }
 
 #[test]
@@ -624,9 +640,10 @@ fn a_batch_costs_one_redis_command_on_a_single_node() {
     assert_eq!(per_batch_evalsha, 1.0);
     assert_eq!(per_batch_eval, 0.0);
     let metrics = get(sync.port, "/metrics").body;
+    // Besides the scripts, one pipelined round trip per batch for the fleet size.
     assert_eq!(
         metric(&metrics, "floodgate_sync_redis_round_trips_total"),
-        2 + batches
+        2 + batches + (1 + batches)
     );
 }
 
@@ -787,9 +804,10 @@ fn the_largest_batch_goes_in_script_calls_of_whole_shards() {
         assert_eq!((previous, current), (0, i as u64 % 7));
     }
     // Counters with delta 0 were not written.
+    // (And the second's HyperLogLog of proxies.)
     assert_eq!(
         redis.dbsize(),
-        16 + (0..10_000u64).filter(|i| i % 7 != 0).count() as u64
+        16 + (0..10_000u64).filter(|i| i % 7 != 0).count() as u64 + 1
     );
     // Each call met NOSCRIPT (a fresh Redis) and went again as EVAL.
     assert_eq!(

@@ -41,7 +41,8 @@ pub struct Global {
     /// of the tokens it accepts (its `--token`).
     #[serde(default)]
     pub token: Option<String>,
-    /// Leased rules: the longest a request waits for the store (default 50 ms).
+    /// The longest a request waits for the store (default 50 ms): a leased rule's call, a
+    /// batched rule's ask.
     #[serde(default = "default_lease_timeout")]
     pub lease_timeout: DurationMs,
     /// Leased rules: what a request that needs the store does when the store fails.

@@ -7,9 +7,12 @@ use super::metrics::EnvoyMetrics;
 use crate::pipeline::stats::{self, GlobalStats};
 use super::store::EnvoyStore;
 use crate::config::SYNC_PATH;
+use crate::fleet::batched::PROXIES_HEADER;
 use crate::fleet::batched::leadership::Failure;
 use crate::fleet::batched::{GlobalScope, VmNode};
 use crate::primitives::time::UnixMillis;
+use proxy_wasm::hostcalls;
+use proxy_wasm::types::MapType;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -41,6 +44,7 @@ pub fn tick(scope: &GlobalScope, node: &RefCell<VmNode>, ids: &GlobalStats, vm: 
     stats::add_count(&EnvoyMetrics, ids.dropped, tick.expired.saturating_add(tick.dropped));
     stats::add_count(&EnvoyMetrics, ids.errors, u64::from(tick.errors));
     stats::set(&EnvoyMetrics, ids.view_keys, u64::try_from(node.cache.keys()).unwrap_or(u64::MAX));
+    stats::set(&EnvoyMetrics, ids.proxies, u64::from(node.proxies));
     if let Some(staleness) = tick.staleness_ms {
         stats::set(&EnvoyMetrics, ids.staleness_ms, staleness);
     }
@@ -75,7 +79,12 @@ pub fn answered(
         return;
     }
     let answer = call::answer(num_headers, body_size);
-    match scope.answered(&EnvoyStore, &mut node, token, answer, now) {
+    // floodgate-sync's fleet size (absent from an older one: the last known stays).
+    let proxies = (num_headers > 0)
+        .then(|| hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, PROXIES_HEADER).ok().flatten())
+        .flatten()
+        .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok());
+    match scope.answered(&EnvoyStore, &mut node, token, answer, proxies, now) {
         Ok(counters) => {
             stats::increment(&EnvoyMetrics, ids.confirmed);
             log::debug!("floodgate: global batch of {counters} counters confirmed");

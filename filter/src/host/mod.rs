@@ -171,7 +171,7 @@ impl Context for FilterRoot {
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let Some(filter) = &self.filter else { return };
         let clock = CallbackClock::default();
-        if lease_answered(filter, token_id, num_headers, body_size, self.id, &clock) {
+        if lease_answered(filter, token_id, num_headers, body_size, self.id, &clock) || ask_answered(filter, token_id, num_headers, body_size, self.id, &clock) {
             return;
         }
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
@@ -298,6 +298,12 @@ impl RootContext for FilterRoot {
                 resume_streams(&filter, due, self.id, &clock, Resume::Body);
             }
         }
+        if let Some(stage) = &filter.asks {
+            let ready = stage.take_ready();
+            if !ready.is_empty() {
+                resume_streams(&filter, ready, self.id, &clock, Resume::Asked);
+            }
+        }
         if due.heartbeat {
             filter.heartbeat(&env);
         }
@@ -348,8 +354,40 @@ fn retire(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
     send_calls(filter, current, clock);
 }
 
+/// Sends the calls the ask step queued ([`pipeline::asked`]), from `current`; a call the host
+/// does not send decides its request at once, without the store.
+fn send_asks(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
+    let (Some(stage), Some(scope), Some(node)) = (&filter.asks, &filter.global, &filter.global_node) else { return };
+    let timeout = Duration::from_millis(stage.timeout_ms);
+    for call in stage.take_outgoing() {
+        match call::post_json(&stage.route, crate::fleet::leased::protocol::LEASE_PATH, &call.body, timeout) {
+            Ok(token) => stage.sent(&EnvoyMetrics, &filter.stats.global, call, token),
+            Err(status) => {
+                // Decided at the next tick: not from the callback that paused it.
+                log::warn!("floodgate: ask to cluster {:?} not sent from {current}: {status:?}", stage.route.cluster);
+                stage.not_sent(scope, node, &EnvoyStore, &EnvoyMetrics, &filter.stats.global, call, clock.now().wall);
+            }
+        }
+    }
+}
+
+/// The answer to an ask's call (`false`: `token` is not one): decides its request again, from
+/// the context `current` whose callback runs.
+fn ask_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size: usize, current: u32, clock: &CallbackClock) -> bool {
+    let (Some(stage), Some(scope), Some(node)) = (&filter.asks, &filter.global, &filter.global_node) else { return false };
+    if !stage.owns(token) {
+        return false;
+    }
+    let answer = call::answer(num_headers, body_size);
+    if let Some(stream) = stage.answered(scope, node, &EnvoyStore, &EnvoyMetrics, &filter.stats.global, token, answer, clock.now().wall) {
+        resume_streams(filter, [stream], current, clock, Resume::Asked);
+    }
+    true
+}
+
 /// Sends the calls the leased stage queued, from `current` (the context whose callback runs).
-fn send_calls(filter: &Filter, current: u32, clock: &CallbackClock) {
+fn send_calls(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
+    send_asks(filter, current, clock);
     let Some(stage) = &filter.leased else { return };
     for call in stage.take_outgoing() {
         if call.owner != current {
@@ -431,6 +469,8 @@ enum Resume {
     Slot,
     /// Its body, none of which came in time (an estimate read from the body).
     Body,
+    /// The answer to its ask (a batched global rule's key).
+    Asked,
 }
 
 /// Resumes the paused `streams`, in order, each from its own context (made the effective one),
@@ -442,6 +482,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
             Resume::Turn => shared.borrow().delayed_until().is_some(),
             Resume::Slot => shared.borrow().slot_decided(),
             Resume::Body => shared.borrow().body_never_came(),
+            Resume::Asked => shared.borrow().ask_answered(),
         };
         if !waits {
             continue;
@@ -452,8 +493,8 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
                 Resume::Store => pipeline::abandon(filter, &env, &shared),
                 Resume::Turn => pipeline::abandon_delayed(filter, &env, &shared),
                 Resume::Slot => pipeline::abandon_queued(filter, &env, &shared),
-                // It holds nothing yet.
-                Resume::Body => {}
+                // It holds nothing yet; a grant stays counted (the fleet admits less).
+                Resume::Body | Resume::Asked => {}
             }
             continue;
         }
@@ -464,6 +505,7 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
             Resume::Turn => pipeline::resume_delayed(filter, &env, &shared, &request, &mut VmRandom),
             Resume::Slot => pipeline::resume_queued(filter, &env, &shared, context, &request, &mut VmRandom),
             Resume::Body => pipeline::resume_without_body(filter, &env, &shared, context, &request, &mut VmRandom),
+            Resume::Asked => pipeline::resume_asked(filter, &env, &shared, context, &request, &mut VmRandom),
         };
         if apply(filter, &env, &shared, step) == Action::Continue {
             if let Err(status) = hostcalls::resume_http_request() {
@@ -574,7 +616,9 @@ impl Context for FilterStream {
     /// call's keys, this one among them.
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let clock = CallbackClock::default();
-        lease_answered(&self.filter, token_id, num_headers, body_size, self.context_id, &clock);
+        if !lease_answered(&self.filter, token_id, num_headers, body_size, self.context_id, &clock) {
+            ask_answered(&self.filter, token_id, num_headers, body_size, self.context_id, &clock);
+        }
     }
 }
 

@@ -29,6 +29,7 @@ pub mod body_wait;
 pub mod decision;
 pub mod delay;
 pub mod headers;
+pub mod asked;
 pub mod leased;
 pub mod queue;
 pub mod stats;
@@ -226,6 +227,8 @@ pub struct Filter {
     pub global: Option<GlobalScope>,
     /// This VM's side of the global scope.
     pub global_node: Option<Rc<RefCell<VmNode>>>,
+    /// Rules in batched global scope: this worker's requests that asked the store.
+    pub asks: Option<asked::AskStage>,
     /// Rules in leased consistency: the proxy's leases as this worker takes from them, and its
     /// requests waiting for them.
     pub leased: Option<LeasedStage>,
@@ -276,6 +279,7 @@ impl Filter {
             selector,
             per_key: config.load_shedding.as_ref().and_then(|s| s.per_key.as_ref()).map(|p| PerKeyCap::new(p, namespace)),
             key_counts: vm.key_counts,
+            asks: asked::AskStage::new(&config, global.as_ref()),
             global_node: global.as_ref().and(vm.global_node),
             global,
             leased: LeasedStage::new(&config, namespace, stats::LeaseStats::define(&config, metrics), root, vm_id, crate::fleet::leased::holder(seed)),
@@ -520,6 +524,9 @@ pub struct Stream {
     leased: Taken,
     /// While it waits for the store.
     waiting: Option<Wait>,
+    /// While it waits for an ask's answer, and after (a batched global rule's key:
+    /// [`asked`]).
+    asking: Option<asked::Asking>,
     /// While it waits for its turn (a token bucket's `max_delay`).
     delayed: Option<Delayed>,
     /// While it waits for a slot (`load_shedding.queue`).
@@ -751,6 +758,11 @@ fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         }
     }
     let step = stream.finish_headers(filter, env, request, end_of_stream, reply, rng, now);
+    if let (Step::Wait, Some(asks), Some(stage)) = (&step, stream.pending_asks(), &filter.asks) {
+        drop(stream);
+        stage.park(context, cell.share(), &asks);
+        return Step::Wait;
+    }
     // A request the `delay` stage holds waits for its turn: its state is shared from now on.
     let until = stream.delayed.as_ref().filter(|_| step == Step::Wait).map(|d| d.until);
     drop(stream);
@@ -859,6 +871,28 @@ pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     stream.park(filter, context, shared, step)
 }
 
+/// A request whose ask was answered (its stream `context`, made the host's effective context):
+/// decided again with the answer, then the rest of its pipeline.
+pub fn resume_asked<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    shared: &SharedStream,
+    context: u32,
+    request: &R,
+    rng: &mut G,
+) -> Step {
+    let now = env.clock.now();
+    let mut stream = shared.borrow_mut();
+    if !stream.ask_answered() {
+        return Step::Wait;
+    }
+    let Some(asking) = stream.asking.as_mut() else { return Step::Wait };
+    let (end_of_stream, body) = (asking.end_of_stream, std::mem::take(&mut asking.body));
+    let step = stream.finish_headers(filter, env, request, end_of_stream, None, rng, now);
+    stream.carry_body(filter, env, &step, body);
+    stream.park(filter, context, shared, step)
+}
+
 /// A woken request whose host context is gone: it will never be decided.
 pub fn abandon<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
@@ -879,7 +913,20 @@ impl Stream {
         if let (Step::Wait, Some(stage), Some(delayed)) = (&step, &filter.delays, &self.delayed) {
             stage.park(delayed.until, context, Rc::clone(shared));
         }
+        if let (Step::Wait, Some(stage), Some(asks)) = (&step, &filter.asks, self.pending_asks()) {
+            stage.park(context, Rc::clone(shared), &asks);
+        }
         step
+    }
+
+    /// The keys it asks the store for, while it waits for the answer.
+    fn pending_asks(&self) -> Option<Vec<crate::fleet::batched::ask::KeyAsk>> {
+        self.asking.as_ref().filter(|a| a.outcomes.is_none()).map(|a| a.asks.clone())
+    }
+
+    /// Whether its ask was answered and it waits to be decided again.
+    pub fn ask_answered(&self) -> bool {
+        !self.ended && !self.replied && self.asking.as_ref().is_some_and(|a| a.outcomes.is_some() && !a.decided)
     }
 
     /// The body that came while the request waited (bytes, and whether it ended), counted now
@@ -932,7 +979,8 @@ impl Stream {
             (Some(wait), _, _) => Some(&mut wait.body),
             (None, Some(delayed), _) => Some(&mut delayed.body),
             (None, None, Some(queued)) => Some(&mut queued.body),
-            (None, None, None) => None,
+            // Waiting for its ask's answer, or answered and not yet decided.
+            (None, None, None) => self.asking.as_mut().filter(|a| !a.decided).map(|a| &mut a.body),
         }
     }
 
@@ -978,6 +1026,14 @@ impl Stream {
     ) -> Step {
         let refused_before = reply.is_some();
         let reply = reply.or_else(|| self.rate_limit(filter, env, request, now.wall));
+        if let Some(asking) = self.asking.as_mut() {
+            if asking.outcomes.is_none() {
+                // It waits for its ask's answer ([`asked`]).
+                asking.end_of_stream = end_of_stream;
+                return Step::Wait;
+            }
+            asking.decided = true;
+        }
         if let (None, Some(delayed)) = (&reply, self.delayed.as_mut()) {
             // The delay stage: it goes at its turn.
             delayed.until = now.mono.plus_ms(delayed.go_at.saturating_since(now.wall));
@@ -1300,18 +1356,19 @@ impl Stream {
         );
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             scope.annotate(&node.borrow(), &mut probes, now);
-        }
-        for rule in skipped {
-            increment(env.metrics, filter.stats.rule(rule).skipped);
+            if let Some(asking) = &self.asking {
+                asked::apply_outcomes(asking, scope, &node.borrow(), &mut probes);
+            }
         }
         // Each rule's limit for the key and the request's cost against it.
         let mut later = Vec::new();
+        let mut invalid = Vec::new();
         for probe in &mut probes {
             probe.limit = rules.limit(probe.rule, probe.key_hash, headers);
             let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit));
             let admission = rules.admission(probe.rule, headers, self.estimates.as_deref());
             if admission.invalid {
-                increment(env.metrics, filter.stats.rule(probe.rule).invalid_cost);
+                invalid.push(probe.rule);
             }
             probe.cost = limit.map_or(admission.now, |limit| rules::capped(admission.now, limit));
             if let (Later::BodyBytes | Later::ResponseHeader | Later::ResponseBody, Some(limit)) = (admission.later, limit) {
@@ -1320,16 +1377,13 @@ impl Stream {
         }
         let mut verdict = filter.limiter.check(env.store, &mut filter.reserves.borrow_mut(), &probes, now);
         // Rules in shadow: a request only they refuse goes on, counted by the other rules alone.
-        let mut shadowed = Vec::new();
+        let (mut shadowed, mut shadow_refusals) = (Vec::new(), Vec::new());
         if filter.shadows.any_rule() {
             while let Verdict::Rejected { violations } = &verdict {
                 if !violations.iter().all(|v| filter.shadows.rule(v.standing.rule)) {
                     break;
                 }
-                for violation in violations {
-                    increment(env.metrics, filter.stats.rule(violation.standing.rule).shadow_rejected);
-                    self.decision.shadow(By::Rule(violation.standing.rule), Some(&violation.standing));
-                }
+                shadow_refusals.extend(violations.iter().copied());
                 let (refused, admitting): (Vec<Probe>, Vec<Probe>) =
                     probes.iter().partition(|p| violations.iter().any(|v| v.standing.rule == p.rule));
                 shadowed.extend(refused);
@@ -1337,12 +1391,36 @@ impl Stream {
                 verdict = filter.limiter.check(env.store, &mut filter.reserves.borrow_mut(), &probes, now);
             }
         }
+        if let (Some(scope), Some(node), Some(stage), None) = (&filter.global, &filter.global_node, &filter.asks, &self.asking) {
+            // A refusal of a batched global rule may ask the store first ([`asked`]).
+            if let Some(asks) = stage.asks_of(scope, &node.borrow(), &verdict, &probes, now) {
+                self.asking = Some(asked::Asking { asks, outcomes: None, end_of_stream: false, decided: false, body: (0, false) });
+                return None;
+            }
+        }
+        // Counted once the request is decided (not when it goes to ask first).
+        for rule in skipped {
+            increment(env.metrics, filter.stats.rule(rule).skipped);
+        }
+        for rule in invalid {
+            increment(env.metrics, filter.stats.rule(rule).invalid_cost);
+        }
+        for violation in &shadow_refusals {
+            increment(env.metrics, filter.stats.rule(violation.standing.rule).shadow_rejected);
+            self.decision.shadow(By::Rule(violation.standing.rule), Some(&violation.standing));
+        }
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             // An admission counts fleet-wide; a refusal asks for the key's fleet-wide count.
             let admitted = matches!(verdict, Verdict::Admitted { .. });
             let mut node = node.borrow_mut();
             for probe in &probes {
-                let cost = if admitted { probe.cost } else { 0 };
+                // Units the store granted to an ask are counted there already.
+                let granted = self.asking.as_ref().is_some_and(|a| a.outcome(probe.rule, probe.key_hash) == Some(crate::fleet::batched::ask::Asked::Granted));
+                if granted && !admitted {
+                    let back = scope.refund(&mut node, probe, probe.cost, now, now);
+                    stats::add_count(env.metrics, filter.stats.global.dropped, back);
+                }
+                let cost = if admitted && !granted { probe.cost } else { 0 };
                 let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, cost, 1);
                 stats::add_count(env.metrics, filter.stats.global.dropped, dropped);
             }
@@ -1600,7 +1678,7 @@ impl Stream {
 
     /// Whether the stream still needs what [`Stream::end`] reads of the host.
     pub fn needs_end(&self) -> bool {
-        !self.charges.is_empty() || self.holds_permits() || self.waiting.is_some() || self.delayed.is_some() || self.queued.is_some()
+        !self.charges.is_empty() || self.holds_permits() || self.waiting.is_some() || self.delayed.is_some() || self.queued.is_some() || self.pending_asks().is_some()
     }
 
     /// The stream ended, whatever ended it (`context`: its host context): a waiting request
@@ -1613,6 +1691,9 @@ impl Stream {
         self.ended = true;
         if let Some(stage) = &filter.leased {
             stage.stream_ended(env.store, context, self.waiting.take().as_ref(), env.clock.now());
+        }
+        if let (Some(_), Some(stage)) = (self.pending_asks(), &filter.asks) {
+            stage.forget(context);
         }
         if let Some(delayed) = self.delayed.take() {
             // Its client went away while it waited for its turn.

@@ -57,6 +57,9 @@
 //! | `<prefix>.global.errors` | counter | shared-data errors met by the global machinery |
 //! | `<prefix>.global.staleness_ms` | gauge | how long ago the proxy's last batch was confirmed (its view of the fleet's counts is that old), refreshed every `sync_interval` |
 //! | `<prefix>.global.view_keys` | gauge | keys whose fleet-wide counts the proxy knows |
+//! | `<prefix>.global.asked` | counter | requests that asked the store for their units (a key not learned, or room the projection would not give) |
+//! | `<prefix>.global.ask_failures` | counter | asks that got no answer: decided without the store |
+//! | `<prefix>.global.proxies` | gauge | the fleet size the store last gave (0: not known yet) |
 //! | `<prefix>.lease.calls` | counter | calls to `floodgate-sync`'s `/v1/lease` (for waiting requests, refills of running-low leases, give-backs) |
 //! | `<prefix>.lease.failures` | counter | of those, failed (not sent, a non-`200`, no answer within `lease_timeout`, an unreadable answer) |
 //! | `<prefix>.lease.waited` | counter | requests that waited for the store (their key's lease in this proxy was empty) |
@@ -252,6 +255,12 @@ pub struct GlobalStats {
     pub staleness_ms: Option<u32>,
     /// Gauge: keys in the view.
     pub view_keys: Option<u32>,
+    /// Requests that asked the store.
+    pub asked: Option<u32>,
+    /// Asks without an answer.
+    pub ask_failures: Option<u32>,
+    /// Gauge: the fleet size.
+    pub proxies: Option<u32>,
 }
 
 /// Metric ids of the leased rules (`consistency: leased`).
@@ -458,6 +467,9 @@ impl Stats {
                 errors: d.counter(&name("errors")),
                 staleness_ms: d.gauge(&name("staleness_ms")),
                 view_keys: d.gauge(&name("view_keys")),
+                asked: d.counter(&name("asked")),
+                ask_failures: d.counter(&name("ask_failures")),
+                proxies: d.gauge(&name("proxies")),
             }
         } else {
             GlobalStats::default()

@@ -1585,3 +1585,91 @@ fn shedding_in_shadow_never_queues() {
     assert_eq!(host.metric("floodgate.load_shedding.normal.queued"), 0);
     assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 2);
 }
+
+// ---- batched global scope: a key not learned asks the store ----
+
+fn batched(limit: u32) -> serde_json::Value {
+    serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": limit, "window": "1h",
+                         "scope": "global", "consistency": "batched"}],
+        "global": {"cluster": "floodgate-sync", "sync_interval": "1s", "lease_timeout": "50ms"},
+    })
+}
+
+/// A host whose proxy knows a fleet of `proxies`.
+fn fleet_host(limit: u32, proxies: u32) -> Host {
+    let host = Host::new(batched(limit));
+    host.filter.global_node.as_ref().unwrap().borrow_mut().proxies = proxies;
+    host
+}
+
+/// Sends the ask stage's queued calls: the tokens, in order.
+fn send_asks(host: &Host) -> Vec<u32> {
+    let stage = host.filter.asks.as_ref().unwrap();
+    stage
+        .take_outgoing()
+        .into_iter()
+        .enumerate()
+        .map(|(n, call)| {
+            let token = 700 + u32::try_from(n).unwrap();
+            stage.sent(&host.metrics, &host.filter.stats.global, call, token);
+            token
+        })
+        .collect()
+}
+
+/// The answer to ask `token`: the request resumed with it.
+fn answer_ask(host: &Host, token: u32, answer: Answer, request: &TestRequest) -> (u32, Step) {
+    let stage = host.filter.asks.as_ref().unwrap();
+    let (scope, node) = (host.filter.global.as_ref().unwrap(), host.filter.global_node.as_ref().unwrap());
+    let (context, stream) = stage.answered(scope, node, &host.store, &host.metrics, &host.filter.stats.global, token, answer, host.clock.now().wall).unwrap();
+    assert!(stream.borrow().ask_answered());
+    (context, resume_asked(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut()))
+}
+
+#[test]
+fn a_key_not_learned_in_a_fleet_asks_the_store_and_holds_its_body_until_decided() {
+    // A limit of 4 over 8 proxies: the projection refuses the key's first request, which asks.
+    let host = fleet_host(4, 8);
+    let request = keyed("k");
+    let (context, mut stream) = host.stream();
+    let step = request_headers(&host.filter, &host.env(), &mut stream, context, &request, false, &mut *host.rng.borrow_mut());
+    assert_eq!(step, Step::Wait, "it waits for the store's answer");
+    let shared = stream.share();
+    // Its body arrives meanwhile: held, never forwarded before the decision.
+    assert_eq!(shared.borrow_mut().request_body(&host.filter, &host.env(), 10, false), Flow::Pause);
+    assert_eq!(shared.borrow_mut().request_trailers(&host.filter, &host.env()), Flow::Pause);
+    let tokens = send_asks(&host);
+    assert_eq!(tokens.len(), 1);
+    assert_eq!(host.metric("floodgate.global.asked"), 1);
+    let (resumed, step) = answer_ask(&host, tokens[0], grant(1), &request);
+    assert_eq!((resumed, step), (context, Step::Continue { route: None }), "the store counted it: admitted");
+    assert!(!shared.borrow().ask_answered(), "decided once");
+    assert_eq!(shared.borrow_mut().request_body(&host.filter, &host.env(), 10, true), Flow::Continue, "decided: bodies go through");
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 1);
+    assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
+    // The granted unit is in the store already: the batch does not count it again.
+    let node = host.filter.global_node.as_ref().unwrap().borrow();
+    assert_eq!(node.deltas.iter().map(|d| d.delta).sum::<u32>(), 0);
+}
+
+#[test]
+fn a_refused_ask_is_a_429_counted_once_and_its_held_body_never_goes_on() {
+    let host = fleet_host(4, 8);
+    let request = keyed("k");
+    let (context, mut stream) = host.stream();
+    let step = request_headers(&host.filter, &host.env(), &mut stream, context, &request, false, &mut *host.rng.borrow_mut());
+    assert_eq!(step, Step::Wait);
+    let shared = stream.share();
+    assert_eq!(shared.borrow_mut().request_body(&host.filter, &host.env(), 10, true), Flow::Pause);
+    let tokens = send_asks(&host);
+    let full = Answer::Ok(br#"{"version":1,"leases":[{"granted":0,"current":4,"previous":0}]}"#.to_vec());
+    let (_, step) = answer_ask(&host, tokens[0], full, &request);
+    assert_eq!(status(&step), 429, "the fleet's counts are at the limit");
+    assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 1, "counted once, not once per decision");
+    assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 0);
+    // The key is learned now: its next request is refused at once, without asking.
+    let (_, _, again) = host.send(&request);
+    assert_eq!(status(&again), 429);
+    assert!(send_asks(&host).is_empty(), "a learned key at its limit does not ask");
+}

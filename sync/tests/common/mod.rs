@@ -408,6 +408,8 @@ impl Drop for Sync {
 pub struct Answer {
     pub status: u16,
     pub content_type: Option<String>,
+    /// `floodgate-proxies`, the fleet size a sync answer gives.
+    pub proxies: Option<u64>,
     pub body: String,
 }
 
@@ -497,10 +499,15 @@ pub fn request_with(
             .headers()
             .get("content-type")
             .map(|v| v.to_str().unwrap().to_string());
+        let proxies = response
+            .headers()
+            .get("floodgate-proxies")
+            .map(|v| v.to_str().unwrap().parse().unwrap());
         let body = response.into_body().collect().await.unwrap().to_bytes();
         Answer {
             status,
             content_type,
+            proxies,
             body: String::from_utf8(body.to_vec()).unwrap(),
         }
     })

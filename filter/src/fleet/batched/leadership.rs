@@ -152,12 +152,9 @@ impl Flusher {
 
     /// The batch to send now: the unconfirmed one again, or a new one of `fresh` deltas (taken
     /// only when there is no unconfirmed batch; `None` when there is nothing to send).
-    pub fn next_batch(&mut self, fresh: impl FnOnce() -> Vec<Delta>) -> Option<&Batch> {
+    pub fn next_batch(&mut self, fresh: impl FnOnce() -> Option<Vec<Delta>>) -> Option<&Batch> {
         if self.batch.is_none() {
-            let deltas = fresh();
-            if deltas.is_empty() {
-                return None;
-            }
+            let deltas = fresh()?;
             let seq = self.next_seq;
             self.next_seq = self.next_seq.saturating_add(1);
             self.batch = Some(Batch { seq, deltas });
@@ -225,8 +222,8 @@ mod tests {
     fn a_failed_batch_is_sent_again_unchanged_and_new_deltas_wait() {
         let mut f = Flusher::new(0xabc);
         let t = UnixMillis(5_000);
-        assert!(f.next_batch(Vec::new).is_none(), "nothing to send");
-        let first = f.next_batch(|| vec![delta(3)]).unwrap().clone();
+        assert!(f.next_batch(|| None).is_none(), "nothing to send");
+        let first = f.next_batch(|| Some(vec![delta(3)])).unwrap().clone();
         assert_eq!(first.seq, 1);
         f.sent(7, t);
         assert!(f.busy(t.plus_ms(10), 1000));
@@ -243,13 +240,13 @@ mod tests {
             .unwrap();
         assert_eq!(batch, first);
         assert_eq!(totals, vec![Totals { previous: 1, current: 5 }]);
-        assert_eq!(f.next_batch(|| vec![delta(1)]).unwrap().seq, 2, "the next batch is the next seq");
+        assert_eq!(f.next_batch(|| Some(vec![delta(1)])).unwrap().seq, 2, "the next batch is the next seq");
     }
 
     #[test]
     fn an_unanswered_call_stops_blocking_after_twice_the_timeout() {
         let mut f = Flusher::new(1);
-        f.next_batch(|| vec![delta(1)]);
+        f.next_batch(|| Some(vec![delta(1)]));
         f.sent(1, UnixMillis(0));
         assert!(f.busy(UnixMillis(2000), 1000));
         assert!(!f.busy(UnixMillis(2001), 1000));

@@ -16,6 +16,7 @@
 //! Rationale: docs/design.md, section "Batched consistency"; bounds and measurements:
 //! docs/global.md.
 
+pub mod ask;
 pub mod leadership;
 pub mod outbox;
 pub mod protocol;
@@ -35,6 +36,8 @@ use view::{record_of, ViewCache, ViewIndex, ViewRecord, REFRESH_AFTER_INTERVALS,
 
 /// Deltas a worker keeps in memory at most while its outbox is full.
 pub const MAX_VM_DELTAS: usize = 4096;
+/// The header of `floodgate-sync`'s answer to a batch that gives the fleet size ([`ask`]).
+pub const PROXIES_HEADER: &str = "floodgate-proxies";
 /// A batch with nothing but refreshes goes out at most this often (ms).
 pub const REFRESH_ONLY_EVERY_MS: u64 = 1000;
 
@@ -96,6 +99,8 @@ pub struct VmNode {
     pub leading: bool,
     /// When this VM last sent a new batch.
     pub last_batch: UnixMillis,
+    /// The fleet size as the store last gave it (0: not known yet).
+    pub proxies: u32,
 }
 
 impl VmNode {
@@ -107,6 +112,7 @@ impl VmNode {
             flusher: Flusher::new(vm),
             leading: false,
             last_batch: UnixMillis::default(),
+            proxies: 0,
         }
     }
 }
@@ -178,7 +184,11 @@ impl GlobalScope {
                 let bucket = bucket_of(now, rule.window_ms);
                 probe.remote = match self.projection {
                     Projection::AsSynced => Remote { synced: node.cache.remote(rule.id, probe.key_hash, bucket), ..Remote::NONE },
-                    Projection::Ahead => node.cache.shared(rule.id, probe.key_hash, bucket, now, self.interval_ms),
+                    // A key not learned yet: the others admit alike ([`ask`]).
+                    Projection::Ahead => match node.cache.shared_known(rule.id, probe.key_hash, bucket, now, self.interval_ms) {
+                        Some((remote, synced)) => ask::spread(remote, synced, node.proxies, now, self.interval_ms),
+                        None => ask::unlearned(node.proxies, now, self.interval_ms),
+                    },
                 };
             }
         }
@@ -246,6 +256,7 @@ impl GlobalScope {
         if self.refresh(store, &mut node.cache).is_err() {
             tick.errors = tick.errors.saturating_add(1);
         }
+        node.proxies = node.cache.index.proxies;
         tick.staleness_ms = node.cache.index.last_success.map(|t| now.saturating_since(t));
         if sends {
             let leading = node.leading;
@@ -257,7 +268,7 @@ impl GlobalScope {
             let mut take_errors = 0u32;
             let batch = node.flusher.next_batch(|| {
                 if !leading {
-                    return Vec::new();
+                    return None;
                 }
                 let (deltas, errors) = self.take_outboxes(store);
                 take_errors = errors;
@@ -267,12 +278,14 @@ impl GlobalScope {
                 merged.drop_expired(|w| bucket_of(now, w));
                 // A batch of refreshes alone goes out at most once a second.
                 if merged.is_empty() && now.saturating_since(last_batch) < REFRESH_ONLY_EVERY_MS {
-                    return Vec::new();
+                    return None;
                 }
                 fresh = true;
                 let older = UnixMillis(now.0.saturating_sub(self.interval_ms.saturating_mul(REFRESH_AFTER_INTERVALS)));
                 merged.absorb(refresh_cache.refreshes(now, older, REFRESH_PER_BATCH));
-                merged.take()
+                // Possibly empty: a proxy calls in at least once a second, so the store counts
+                // it in the fleet size.
+                Some(merged.take())
             });
             tick.errors = tick.errors.saturating_add(take_errors);
             if fresh && batch.is_some() {
@@ -294,11 +307,25 @@ impl GlobalScope {
         node: &mut VmNode,
         token: u32,
         answer: Answer,
+        proxies: Option<u32>,
         now: UnixMillis,
     ) -> Result<usize, Failure> {
         let (batch, totals) = node.flusher.answered(token, answer)?;
+        // Every worker reads the fleet size with the view's index at its next tick.
+        let proxies = proxies.filter(|p| *p > 0);
+        if let Some(proxies) = proxies {
+            node.proxies = proxies;
+        }
+        let pairs: Vec<(Delta, protocol::Totals)> = batch.deltas.iter().copied().zip(totals).collect();
+        self.write_totals(store, node, &pairs, proxies, now);
+        Ok(batch.deltas.len())
+    }
+
+    /// Writes the fleet totals the store answered for `pairs` (a batch's, or an ask's) into
+    /// the proxy's view, and into this VM's copy.
+    fn write_totals<S: SharedStore + ?Sized>(&self, store: &S, node: &mut VmNode, pairs: &[(Delta, protocol::Totals)], proxies: Option<u32>, now: UnixMillis) {
         let mut by_record: Vec<Vec<(Delta, protocol::Totals)>> = vec![Vec::new(); VIEW_RECORDS];
-        let mut pairs: Vec<(Delta, protocol::Totals)> = batch.deltas.iter().copied().zip(totals).collect();
+        let mut pairs = pairs.to_vec();
         pairs.sort_by_key(|(d, _)| d.bucket);
         for (delta, totals) in pairs {
             if let Some(list) = by_record.get_mut(record_of(delta.fingerprint)) {
@@ -316,14 +343,13 @@ impl GlobalScope {
             }
         }
         let indices: Vec<usize> = written.iter().map(|(i, _)| *i).collect();
-        if let Some((before, after)) = self.bump_index(store, &indices, now) {
+        if let Some((before, after)) = self.bump_index(store, &indices, proxies, now) {
             // This VM's copy takes the records it wrote, saving their reads at its next tick:
             // each one whose version nobody else moved since this VM last read it.
             for (i, record) in written {
                 node.cache.took_own_write(i, record, &before, &after);
             }
         }
-        Ok(batch.deltas.len())
     }
 
     fn move_to_outbox<S: SharedStore + ?Sized>(&self, store: &S, key: &str, deltas: &mut Deltas) -> Result<(), StoreError> {
@@ -392,7 +418,7 @@ impl GlobalScope {
 
     /// Moves the versions of the records `written` and the time of the last success; returns
     /// the index as read and as written.
-    fn bump_index<S: SharedStore + ?Sized>(&self, store: &S, written: &[usize], now: UnixMillis) -> Option<(ViewIndex, ViewIndex)> {
+    fn bump_index<S: SharedStore + ?Sized>(&self, store: &S, written: &[usize], proxies: Option<u32>, now: UnixMillis) -> Option<(ViewIndex, ViewIndex)> {
         update(store, &self.index_key, |current| {
             let before = current.and_then(|s| ViewIndex::decode(&s.value).ok()).unwrap_or_default();
             let mut index = before;
@@ -402,6 +428,9 @@ impl GlobalScope {
                 }
             }
             index.last_success = Some(now);
+            if let Some(proxies) = proxies {
+                index.proxies = proxies;
+            }
             Attempt::Write(index.encode(), (before, index))
         })
         .ok()

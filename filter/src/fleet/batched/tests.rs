@@ -9,6 +9,7 @@ use super::*;
 use crate::keys::fleet::FleetKey;
 use crate::config::Config;
 use crate::ratelimit::reserve::Reserves;
+use crate::ratelimit::remote::Remote;
 use crate::ratelimit::{Limiter, Verdict};
 use crate::primitives::store::MemoryStore;
 use std::collections::HashMap;
@@ -150,7 +151,7 @@ impl Proxy {
         for (token, i, body) in std::mem::take(&mut self.calls) {
             let answer = sync.call(&body);
             let (_, node, _) = &mut self.vms[i];
-            let _ = self.scope.answered(&self.store, node, token, answer, now);
+            let _ = self.scope.answered(&self.store, node, token, answer, None, now);
         }
     }
 
@@ -287,7 +288,7 @@ fn one_flusher_per_proxy_and_a_silent_one_is_replaced() {
             if let Some(body) = t.send {
                 node.flusher.sent(1000 + tick, now);
                 let answer = sync.call(&body);
-                p.scope.answered(&p.store, node, 1000 + tick, answer, now).unwrap();
+                p.scope.answered(&p.store, node, 1000 + tick, answer, None, now).unwrap();
             }
         }
     }
@@ -322,13 +323,13 @@ fn a_vm_that_lost_the_lease_still_finishes_its_batch() {
     let Some(body) = tick.send else { panic!("the old batch goes out again") };
     node.flusher.sent(99, later);
     let answer = sync.call(&body);
-    assert_eq!(p.scope.answered(&p.store, node, 99, answer, later), Ok(1));
+    assert_eq!(p.scope.answered(&p.store, node, 99, answer, None, later), Ok(1));
     // The new leader sends the rest.
     let (vm, node, _) = &mut p.vms[other];
     if let Some(body) = p.scope.tick(&p.store, node, *vm, later.plus_ms(100)).send {
         node.flusher.sent(100, later);
         let answer = sync.call(&body);
-        p.scope.answered(&p.store, node, 100, answer, later).unwrap();
+        p.scope.answered(&p.store, node, 100, answer, None, later).unwrap();
     }
     let key = p.scope.hasher.hash("per-key", [Some(&b"k"[..])]);
     assert_eq!(sync.total(key, 3_600_000, T0 / 3_600_000), 2, "both requests, once");
@@ -846,11 +847,138 @@ fn a_busy_interval_takes_few_host_calls() {
         for (v, token, body) in calls {
             let answer = sync.call(&body);
             let (_, node, _) = &mut p.vms[v];
-            confirmed += usize::from(p.scope.answered(&counting, node, token, answer, now.plus_ms(5)).is_ok() && i >= warm);
+            confirmed += usize::from(p.scope.answered(&counting, node, token, answer, None, now.plus_ms(5)).is_ok() && i >= warm);
         }
     }
     let (gets, sets) = (counting.gets.get() as f64 / measured as f64, counting.sets.get() as f64 / measured as f64);
     println!("per interval: {gets:.1} reads, {sets:.1} writes of shared data; {confirmed} batches of {measured} confirmed");
     assert_eq!(confirmed, measured as usize, "a batch every interval");
     assert!(gets <= 18.0 && sets <= 8.0, "{gets} reads and {sets} writes per interval");
+}
+
+impl FakeSync {
+    /// `POST /v1/lease` of one ask, as `lease.lua` grants it: what the sliding window has room
+    /// for, at most a quarter of the room and at least one unit while there is any.
+    fn lease(&mut self, asked: &ask::KeyAsk, limit: u32) -> crate::fleet::leased::Grant {
+        let a = asked.ask;
+        let total = |s: &Self, b: u64| s.counters.get(&(a.key.0, a.window_ms, b)).copied().unwrap_or(0);
+        let (previous, current) = (total(self, a.bucket.wrapping_sub(1)), total(self, a.bucket));
+        let weighed = (previous * (a.window_ms - a.elapsed_ms)).div_ceil(a.window_ms);
+        let room = u64::from(limit).saturating_sub(weighed + current);
+        // The ask is `exact`: whole or nothing.
+        let granted = if room >= u64::from(a.want) { u64::from(a.want) } else { 0 };
+        *self.counters.entry((a.key.0, a.window_ms, a.bucket)).or_default() += granted;
+        let counts = crate::ratelimit::window::Counts { previous: previous as u32, current: (current + granted) as u32 };
+        crate::fleet::leased::Grant { granted: granted as u32, counts }
+    }
+}
+
+impl Proxy {
+    /// One request of `key` on VM `vm` as the pipeline decides it with the ask step
+    /// (`crate::pipeline::asked`): refused by the projection, it asks `sync` when the scope
+    /// wants to, and is decided again with the answer. Admitted or not, and whether it asked.
+    fn request_asking(&mut self, vm: usize, key: &str, limit: u32, sync: &mut FakeSync, now: UnixMillis) -> (bool, bool) {
+        let mut probes = self.probes(vm, key, 1, now);
+        let verdict = self.limiter.check(&self.store, &mut self.vms[vm].2, &probes, now);
+        let limit = std::num::NonZeroU32::new(limit).unwrap();
+        let mut granted = false;
+        let mut asked = false;
+        let verdict = if matches!(verdict, Verdict::Rejected { .. }) && self.scope.wants_ask(&self.vms[vm].1, &probes[0], limit, now) {
+            asked = true;
+            let request = self.scope.ask_for(&probes[0], limit, now).unwrap();
+            let grant = sync.lease(&request, limit.get());
+            let outcome = self.scope.learn(&self.store, &mut self.vms[vm].1, &request, Some(grant), now);
+            probes = self.probes(vm, key, 1, now);
+            if outcome == ask::Asked::Granted {
+                granted = true;
+                probes[0].remote = Remote::NONE;
+            }
+            self.limiter.check(&self.store, &mut self.vms[vm].2, &probes, now)
+        } else {
+            verdict
+        };
+        let admitted = matches!(verdict, Verdict::Admitted { .. });
+        self.scope.count(&mut self.vms[vm].1, &probes, now, if admitted && !granted { 1 } else { 0 }, 1);
+        (admitted, asked)
+    }
+}
+
+/// The defect this guards against: a limit of 4 per minute on one key spread round-robin over 8
+/// proxies, 2 requests a second per proxy for 4 s. Deciding a key it has not learned on its own
+/// counts, every proxy admitted the key's first request (8, and 11 in all in a real fleet). With
+/// the fleet size known, a proxy projects its count over the 8 and asks the store: the fleet
+/// admits exactly the limit, never refuses while the store has room, and asks only while the key
+/// is new or has room.
+#[test]
+fn a_low_limit_spread_thin_is_admitted_once_not_once_per_proxy() {
+    const LIMIT: u32 = 4;
+    let config = config(LIMIT, "1m");
+    let mut proxies: Vec<Proxy> = (1..=8).map(|i| Proxy::new(&config, 1, i)).collect();
+    let mut sync = FakeSync::default();
+    // Every proxy has called in: each knows the fleet size.
+    let mut now = UnixMillis(T0 - T0 % 60_000 + 1_000);
+    for p in &mut proxies {
+        p.tick(now);
+    }
+    for p in &mut proxies {
+        for (token, i, body) in std::mem::take(&mut p.calls) {
+            let answer = sync.call(&body);
+            let (_, node, _) = &mut p.vms[i];
+            p.scope.answered(&p.store, node, token, answer, Some(8), now).unwrap();
+        }
+    }
+    let (mut admitted, mut asks, mut refused_with_room) = (0u32, 0u32, 0u32);
+    let key = proxies[0].scope.hasher.hash("per-key", [Some(&b"user"[..])]);
+    let start = now;
+    for i in 0..64u64 {
+        let at = UnixMillis(start.0 + i * 62);
+        if at.0 / 100 != now.0 / 100 {
+            for p in &mut proxies {
+                p.sync(&mut sync, at);
+            }
+        }
+        now = at;
+        let in_store = sync.total(key, 60_000, now.0 / 60_000);
+        let (ok, asked) = proxies[(i % 8) as usize].request_asking(0, "user", LIMIT, &mut sync, now);
+        admitted += u32::from(ok);
+        asks += u32::from(asked);
+        refused_with_room += u32::from(!ok && in_store < u64::from(LIMIT));
+    }
+    println!("admitted {admitted} of 64, {asks} asks");
+    assert_eq!(admitted, LIMIT);
+    assert_eq!(refused_with_room, 0, "no refusal while the store has room");
+    assert_eq!(sync.total(key, 60_000, now.0 / 60_000), u64::from(LIMIT), "the store holds each admission once");
+    assert!(asks <= 16, "{asks} asks: the key's first request on each proxy, and a few more");
+}
+
+#[test]
+fn a_key_not_learned_is_projected_over_the_fleet_and_a_hot_key_never_asks() {
+    let now = UnixMillis(T0);
+    // Fleet size unknown or 1: the proxy's own counts.
+    assert_eq!(ask::unlearned(0, now, 100), Remote::NONE);
+    assert_eq!(ask::unlearned(1, now, 100), Remote::NONE);
+    let eight = ask::unlearned(8, now, 100);
+    assert_eq!(eight.fleet(crate::ratelimit::window::Counts { previous: 0, current: 1 }).current, 8);
+    assert_eq!(eight.projected_until, now.plus_ms(300));
+    // A key the view follows keeps its own projection; one it stopped following gets the floor.
+    let view = Remote { confirmed: 5, ..Remote::NONE };
+    assert_eq!(ask::spread(view, now, 8, now.plus_ms(200), 100), view);
+    assert_eq!(ask::spread(view, now, 8, now.plus_ms(201), 100).per_local_q16, 7 << 16);
+    // A hot key: 2 000 of 1 000 000 used on 3 proxies, synced every interval, never asks
+    // while its projection admits; near its limit, within 1 %, it never asks either.
+    let config = config(1_000, "1m");
+    let mut a = Proxy::new(&config, 1, 1);
+    let mut sync = FakeSync::default();
+    a.vms[0].1.proxies = 3;
+    let mut t = now;
+    let mut asks = 0;
+    for _ in 0..30 {
+        for _ in 0..50 {
+            asks += u32::from(a.request_asking(0, "hot", 1_000, &mut sync, t).1);
+        }
+        a.sync(&mut sync, t);
+        t = t.plus_ms(100);
+    }
+    assert!(asks <= 1, "{asks} asks for a hot key");
+    assert!(sync.total(a.scope.hasher.hash("per-key", [Some(&b"hot"[..])]), 60_000, t.0 / 60_000) <= 1_000);
 }

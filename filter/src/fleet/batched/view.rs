@@ -377,13 +377,16 @@ impl ViewRecord {
     }
 }
 
-/// The index record: each view record's version, and when the last sync succeeded.
+/// The index record: each view record's version, when the last sync succeeded, and the fleet
+/// size the store last gave.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ViewIndex {
     /// When the last batch was confirmed (`None`: never).
     pub last_success: Option<UnixMillis>,
     /// Per record, bumped at every write.
     pub versions: [u64; VIEW_RECORDS],
+    /// The fleet size (0: not known yet), in the header's last four bytes.
+    pub proxies: u32,
 }
 
 impl ViewIndex {
@@ -396,19 +399,21 @@ impl ViewIndex {
             return Err(DecodeError::Malformed);
         }
         let mut reader = Reader::new(bytes);
-        reader.array::<8>()?;
+        let header = reader.array::<8>()?;
+        let proxies = u32::from_le_bytes([header[4], header[5], header[6], header[7]]);
         let last = reader.u64()?;
         let mut versions = [0u64; VIEW_RECORDS];
         for v in &mut versions {
             *v = reader.u64()?;
         }
-        Ok(ViewIndex { last_success: (last > 0).then_some(UnixMillis(last)), versions })
+        Ok(ViewIndex { last_success: (last > 0).then_some(UnixMillis(last)), versions, proxies })
     }
 
     /// Writes the index.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(INDEX_LEN);
-        out.put(&[INDEX_VERSION, 0, 0, 0, 0, 0, 0, 0]);
+        let [a, b, c, d] = self.proxies.to_le_bytes();
+        out.put(&[INDEX_VERSION, 0, 0, 0, a, b, c, d]);
         out.put_u64(self.last_success.map_or(0, |t| t.0));
         for v in &self.versions {
             out.put_u64(*v);
@@ -478,6 +483,22 @@ impl ViewCache {
     /// nothing for a key never synced).
     pub fn shared(&self, rule: u64, fingerprint: u64, bucket: u64, now: UnixMillis, interval_ms: u64) -> Remote {
         self.entry(rule, fingerprint).map_or(Remote::NONE, |e| e.shared_at(bucket, now, interval_ms))
+    }
+
+    /// Whether the view holds a key (a sync or an ask told of it).
+    pub fn knows(&self, rule: u64, fingerprint: u64) -> bool {
+        self.entry(rule, fingerprint).is_some()
+    }
+
+    /// The fleet's counts of a key as the store last gave them, as seen from `bucket` (`None`:
+    /// never told of).
+    pub fn totals(&self, rule: u64, fingerprint: u64, bucket: u64) -> Option<Counts> {
+        self.entry(rule, fingerprint).map(|e| e.total.rolled(e.bucket, bucket))
+    }
+
+    /// [`Self::shared`] and when the key was last synced; `None` for a key never told of.
+    pub fn shared_known(&self, rule: u64, fingerprint: u64, bucket: u64, now: UnixMillis, interval_ms: u64) -> Option<(Remote, UnixMillis)> {
+        self.entry(rule, fingerprint).map(|e| (e.shared_at(bucket, now, interval_ms), e.synced))
     }
 
     fn entry(&self, rule: u64, fingerprint: u64) -> Option<&ViewEntry> {
@@ -577,7 +598,7 @@ mod tests {
         assert!(r.entries.contains_key(&(1, 4)) && !r.entries.contains_key(&(1, 0)));
         assert_eq!(ViewRecord::decode(&r.encode()).unwrap(), r);
         assert!(ViewRecord::decode(&r.encode()[..5]).is_err());
-        let index = ViewIndex { last_success: Some(UnixMillis(77)), versions: [3; VIEW_RECORDS] };
+        let index = ViewIndex { last_success: Some(UnixMillis(77)), versions: [3; VIEW_RECORDS], proxies: 100 };
         assert_eq!(ViewIndex::decode(&index.encode()).unwrap(), index);
         assert_eq!(ViewIndex::decode(&[]).unwrap(), ViewIndex::default());
         assert!(ViewIndex::decode(&[1, 2, 3]).is_err());

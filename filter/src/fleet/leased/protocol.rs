@@ -14,6 +14,16 @@ pub const LEASE_PATH: &str = "/v1/lease";
 
 /// The request body of `asks`, from the proxy `holder` (its id, the same on every worker).
 pub fn body(asks: &[Ask], holder: u64) -> Vec<u8> {
+    write(asks, holder, false)
+}
+
+/// The request body of the asks of batched rules ([`crate::fleet::batched::ask`]): each entry
+/// `exact`, granted whole (its `want`, taken at once) or not at all.
+pub fn exact_body(asks: &[Ask]) -> Vec<u8> {
+    write(asks, 0, true)
+}
+
+fn write(asks: &[Ask], holder: u64, exact: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(asks.len().saturating_mul(200).saturating_add(32));
     out.extend_from_slice(b"{\"version\":1,\"leases\":[");
     for (n, ask) in asks.iter().enumerate() {
@@ -45,6 +55,10 @@ pub fn body(asks: &[Ask], holder: u64) -> Vec<u8> {
                 out.extend_from_slice(name.as_bytes());
                 push_decimal(&mut out, u64::from(value));
             }
+        }
+        // Written only when set: a floodgate-sync that does not know it refuses the call.
+        if exact {
+            out.extend_from_slice(b",\"exact\":true");
         }
         out.extend_from_slice(b",\"holder\":\"");
         push_hex(&mut out, u128::from(holder), 16);

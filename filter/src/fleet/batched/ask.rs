@@ -1,0 +1,195 @@
+//! A key a proxy has not learned from the store, and the asks that keep a low limit spread over
+//! many proxies from being admitted once per proxy.
+//!
+//! Every sync answer gives the fleet size `P` (the distinct proxies that sent a batch in the last
+//! seconds, counted by `floodgate-sync` in Redis). For a key its view does not hold, a proxy
+//! projects its own counts as if the `P − 1` others admitted alike ([`unlearned`]): it admits
+//! locally while `P ×` its own count fits the limit (its share, `limit / P`); so does it for a
+//! key its view has stopped following, on its units since its last confirmation ([`spread`]).
+//! A request that the
+//! projection refuses while the store may still have room asks the store for its units
+//! synchronously ([`GlobalScope::wants_ask`]: a key not learned, or one whose counts as last
+//! synced leave room for the request and for 1 % of the limit): one `POST /v1/lease` entry,
+//! `exact`, that takes the units `at_once` (no lease is kept), granted whole while the sliding
+//! window has room for them, else not at all. The answer
+//! teaches the proxy the key's counts ([`GlobalScope::learn`]), and an admitted unit is then in
+//! the store already: it is never sent in a batch.
+//!
+//! Invariants: a hot key's requests never ask (its view holds it and its projection admits, or
+//! its counts as synced are within 1 % of the limit); a request asks at most once; a refused
+//! ask's answer counts nothing; with `P` unknown (no answer yet) or 1, a proxy decides a key it has
+//! not learned on its own counts.
+//!
+//! Rationale: docs/global.md, "A key a proxy has not learned".
+
+use super::{bucket_of, GlobalRule, GlobalScope, VmNode};
+use crate::fleet::batched::outbox::Delta;
+use crate::fleet::batched::protocol::Totals;
+use crate::fleet::leased::{Ask, Grant};
+use crate::keys::fleet::FleetKey;
+use crate::primitives::store::SharedStore;
+use crate::primitives::time::UnixMillis;
+use crate::ratelimit::remote::Remote;
+use crate::ratelimit::window::Window;
+use crate::ratelimit::Probe;
+use std::num::{NonZeroU32, NonZeroU64};
+
+/// The largest fleet size a projection takes (the others' units per own unit fit 16 bits).
+pub const MAX_PROXIES: u32 = 1 << 16;
+/// A request that the projection refuses asks the store while the counts as synced leave room
+/// for it and this fraction of the limit more (1 / 100).
+pub const ROOM_DIVISOR: u32 = 100;
+
+/// What the other proxies add to the counts of a key this proxy has not learned, in a fleet of
+/// `proxies`: as many units per unit of its own as there are other proxies (each admitting
+/// alike), for the next 3 intervals (a projection, recomputed at every request); nothing with the
+/// fleet size unknown or 1.
+pub fn unlearned(proxies: u32, now: UnixMillis, interval_ms: u64) -> Remote {
+    let others = proxies.min(MAX_PROXIES).saturating_sub(1);
+    if others == 0 {
+        return Remote::NONE;
+    }
+    Remote {
+        per_local_q16: others.saturating_mul(1 << 16),
+        projected_until: now.plus_ms(interval_ms.saturating_mul(3)),
+        ..Remote::NONE
+    }
+}
+
+/// A key this proxy has not synced for this many intervals (it sends nothing of it: it admits
+/// little of it) is projected like a key it has not learned, on its units since its last
+/// confirmation ([`spread`]).
+pub const STALE_INTERVALS: u64 = 2;
+
+/// What the other proxies add to a key this proxy has learned, last synced at `synced`: the
+/// view's own projection ([`crate::fleet::batched::view`]), and, once the view of the key is
+/// older than [`STALE_INTERVALS`], at least [`unlearned`]'s for the units since this proxy's part
+/// was last confirmed. A key the proxy admits regularly is synced at every interval and keeps
+/// the view's projection alone; a key spread thin, which its view no longer follows, does not
+/// take the room its view shows on every proxy at once.
+pub fn spread(remote: Remote, synced: UnixMillis, proxies: u32, now: UnixMillis, interval_ms: u64) -> Remote {
+    if now.saturating_since(synced) <= interval_ms.saturating_mul(STALE_INTERVALS) {
+        return remote;
+    }
+    let floor = unlearned(proxies, now, interval_ms);
+    if floor.per_local_q16 <= remote.per_local_q16 {
+        return remote;
+    }
+    Remote { per_local_q16: floor.per_local_q16, projected_until: remote.projected_until.max(floor.projected_until), ..remote }
+}
+
+/// One request's ask of one key: what to send, and what to learn from its answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyAsk {
+    /// The rule's index in the configuration.
+    pub rule: usize,
+    /// The rule's global side.
+    pub global: GlobalRule,
+    /// The key's local hash.
+    pub key_hash: u64,
+    /// The call's entry.
+    pub ask: Ask,
+}
+
+/// How a key's ask ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Asked {
+    /// The store counted the request's units (the whole cost).
+    Granted,
+    /// The window had no room for them (a part granted went back as a refund).
+    Refused,
+    /// No answer (the store down, a timeout): decided without the store, on the proxy's own
+    /// counts for a key it has not learned.
+    Failed,
+}
+
+impl GlobalScope {
+    /// Whether this VM's view holds `probe`'s key.
+    pub fn learned(&self, node: &VmNode, probe: &Probe) -> bool {
+        self.rule(probe.rule).is_some_and(|rule| node.cache.knows(rule.id, probe.key_hash))
+    }
+
+    /// Whether a request of `probe` that its rule refused asks the store (module doc): the key
+    /// is not learned and the fleet has other proxies, or its counts as last synced leave room
+    /// for the request and for `limit / 100`. Never for a cost over the limit.
+    pub fn wants_ask(&self, node: &VmNode, probe: &Probe, limit: NonZeroU32, now: UnixMillis) -> bool {
+        let Some(rule) = self.rule(probe.rule) else { return false };
+        if probe.fleet.is_none() || probe.cost == 0 || probe.cost > limit.get() {
+            return false;
+        }
+        let Some(window_ms) = NonZeroU64::new(rule.window_ms) else { return false };
+        let window = Window::new(window_ms);
+        match node.cache.totals(rule.id, probe.key_hash, bucket_of(now, rule.window_ms)) {
+            None => node.proxies > 1,
+            Some(totals) => {
+                // Room for the request, and more than 1 % of the limit.
+                let need = probe.cost.max(limit.get() / ROOM_DIVISOR).max(1);
+                window.fits(totals.plus(need), window.phase(now).elapsed_ms, limit)
+            }
+        }
+    }
+
+    /// The ask of `probe`'s key for its cost under `limit`, at `now`.
+    pub fn ask_for(&self, probe: &Probe, limit: NonZeroU32, now: UnixMillis) -> Option<KeyAsk> {
+        let global = self.rule(probe.rule)?;
+        let key = probe.fleet?;
+        let window_ms = global.window_ms.max(1);
+        Some(KeyAsk {
+            rule: probe.rule,
+            global,
+            key_hash: probe.key_hash,
+            ask: Ask {
+                key,
+                window_ms,
+                bucket: bucket_of(now, window_ms),
+                elapsed_ms: now.0.checked_rem(window_ms).unwrap_or(0),
+                limit: limit.get(),
+                want: probe.cost,
+                consumed: 0,
+                returned: 0,
+                returned_previous: 0,
+                used: 0,
+                used_previous: 0,
+                grace_ms: 0,
+                at_once: probe.cost,
+                refunded: 0,
+                refunded_previous: 0,
+                call: 0,
+            },
+        })
+    }
+
+    /// Takes the store's answer to `asked` (`None`: the call failed): writes the key's counts
+    /// into the proxy's view (a granted unit as this proxy's, confirmed), and gives back a grant
+    /// short of the cost (in the next batch). Returns how the ask ended.
+    pub fn learn<S: SharedStore + ?Sized>(&self, store: &S, node: &mut VmNode, asked: &KeyAsk, grant: Option<Grant>, now: UnixMillis) -> Asked {
+        let Some(grant) = grant else { return Asked::Failed };
+        let whole = grant.granted >= asked.ask.want;
+        let delta = Delta {
+            rule: asked.global.id,
+            fingerprint: asked.key_hash,
+            key: asked.ask.key,
+            window_ms: asked.ask.window_ms,
+            bucket: asked.ask.bucket,
+            delta: grant.granted,
+            requests: 1,
+            refund: 0,
+        };
+        let totals = Totals { previous: u64::from(grant.counts.previous), current: u64::from(grant.counts.current) };
+        self.write_totals(store, node, &[(delta, totals)], None, now);
+        if whole {
+            return Asked::Granted;
+        }
+        if grant.granted > 0 {
+            let back = Delta { delta: 0, requests: 0, refund: grant.granted, ..delta };
+            // A give-back with no room in the VM's buffer is lost: the fleet admits less.
+            let _ = node.deltas.add(back);
+        }
+        Asked::Refused
+    }
+}
+
+/// The key of an ask (for the metrics and logs).
+pub fn key_of(asked: &KeyAsk) -> FleetKey {
+    asked.ask.key
+}
