@@ -23,7 +23,8 @@ impl Pki {
         let ca_key = KeyPair::generate().unwrap();
         let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
         ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-        ca.distinguished_name.push(DnType::CommonName, "floodgate test CA");
+        ca.distinguished_name
+            .push(DnType::CommonName, "floodgate test CA");
         ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
         let ca_cert = ca.self_signed(&ca_key).unwrap();
         std::fs::write(dir.path().join("ca.pem"), ca_cert.pem()).unwrap();
@@ -34,7 +35,8 @@ impl Pki {
         ] {
             let key = KeyPair::generate().unwrap();
             let mut params =
-                CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()]).unwrap();
+                CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+                    .unwrap();
             params.distinguished_name.push(DnType::CommonName, name);
             params.extended_key_usages = vec![purpose];
             let cert = params.signed_by(&key, &issuer).unwrap();
@@ -57,7 +59,12 @@ impl Pki {
     /// `redis-server` arguments: TLS only, on `port` (no plain port), client certificates
     /// required (redis-server's default).
     pub fn redis_args(&self, port: u16) -> Vec<String> {
-        let mut args: Vec<String> = vec!["--port".into(), "0".into(), "--tls-port".into(), port.to_string()];
+        let mut args: Vec<String> = vec![
+            "--port".into(),
+            "0".into(),
+            "--tls-port".into(),
+            port.to_string(),
+        ];
         for (flag, file) in [
             ("--tls-cert-file", "server.pem"),
             ("--tls-key-file", "server.key"),

@@ -33,7 +33,8 @@ use tracing::{debug, info, warn};
 
 use crate::auth::{Tokens, Verdict};
 use crate::holders::{buckets, parse_holders_query, HoldersAnswer};
-use crate::layout::{plan, Layout, FLEET_SECONDS};
+use crate::fleet::FleetSize;
+use crate::layout::{plan, Layout};
 use crate::lease::{parse_lease_request, plan_lease, LeaseResponse};
 use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::{parse_batch, ErrorBody, SyncResponse, Totals, VERSION};
@@ -53,12 +54,14 @@ pub struct App {
     pub max_body_bytes: usize,
     /// `--token`, `--token-file`: the tokens the `POST` routes need (none: open).
     pub tokens: Tokens,
+    /// The fleet size the sync answers give.
+    pub fleet: FleetSize,
 }
 
 type Answer = Response<Full<Bytes>>;
 
 /// The header of a sync answer that gives the fleet size: the distinct proxies that sent a
-/// batch in the last [`FLEET_SECONDS`] seconds, this one included.
+/// batch in the last [`crate::layout::FLEET_SECONDS`] seconds, this one included ([`crate::fleet`]).
 pub const PROXIES_HEADER: &str = "floodgate-proxies";
 
 fn json(status: StatusCode, body: Vec<u8>) -> Answer {
@@ -232,15 +235,9 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
     };
     app.metrics.batch_received(batch.counters.len());
     let plan = plan(&app.layout, &batch);
-    let second = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |since| since.as_secs());
-    let fleet_keys: Vec<String> = (0..FLEET_SECONDS)
-        .map(|ago| app.layout.fleet_key(second.saturating_sub(ago)))
-        .collect();
     let (outcome, proxies) = tokio::join!(
         app.store.apply(&plan),
-        app.store.fleet_size(&fleet_keys, batch.proxy.as_str())
+        app.fleet.called(&app.store, &app.layout, batch.proxy.as_str())
     );
     let outcome = match outcome {
         Ok(outcome) => outcome,
@@ -267,14 +264,11 @@ async fn sync(app: &App, request: Request<Incoming>) -> Answer {
         Ok(body) => {
             let mut answer = json(StatusCode::OK, body);
             // The fleet size is advice: a batch is confirmed without it.
-            match proxies {
-                Ok(proxies) => {
-                    app.metrics.set_proxies(proxies);
-                    answer
-                        .headers_mut()
-                        .insert(PROXIES_HEADER, HeaderValue::from(proxies));
-                }
-                Err(err) => debug!("fleet size not read: {err}"),
+            if let Some(proxies) = proxies {
+                app.metrics.set_proxies(proxies);
+                answer
+                    .headers_mut()
+                    .insert(PROXIES_HEADER, HeaderValue::from(proxies));
             }
             answer
         }

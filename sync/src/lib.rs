@@ -10,6 +10,8 @@
 //! - [`auth`]: the proxies' bearer token (`--token`), compared in constant time.
 //! - [`protocol`]: the request and answer types, strict validation.
 //! - [`layout`]: shards, key names, expiries, and a batch's [`layout::Plan`].
+//! - [`fleet`]: the fleet size the sync answers give, its callers merged into one count per
+//!   period.
 //! - [`lease`]: `POST /v1/lease`, units of a key's quota granted ahead of use (leased rules),
 //!   and the script `lease.lua`.
 //! - [`store`]: Redis (single node or cluster) and the script `apply.lua`.
@@ -21,6 +23,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod fleet;
 pub mod holders;
 pub mod http;
 pub mod layout;
@@ -36,6 +39,7 @@ use tracing::{info, warn};
 
 use crate::auth::Tokens;
 use crate::config::Args;
+use crate::fleet::FleetSize;
 use crate::http::App;
 use crate::layout::Layout;
 use crate::metrics::Metrics;
@@ -86,6 +90,7 @@ pub async fn run(args: Args) -> Result<(), String> {
         max_counters: usize::try_from(args.max_counters).unwrap_or(usize::MAX),
         max_body_bytes: usize::try_from(args.max_body_bytes).unwrap_or(usize::MAX),
         tokens: Tokens::new(&tokens),
+        fleet: FleetSize::default(),
     });
     let redis: Vec<String> = args.redis.iter().map(|url| redact(url)).collect();
     let tls_summary = if !args.redis.iter().any(|url| is_tls(url)) {

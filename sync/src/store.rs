@@ -320,14 +320,14 @@ impl Store {
         self.bounded("batch", work).await
     }
 
-    /// Counts `proxy` among the senders of second `second` (a HyperLogLog per second, `keys[0]`,
+    /// Counts `proxies` among the senders of a second (a HyperLogLog per second, `keys[0]`,
     /// which lives [`crate::layout::FLEET_TTL_MS`]) and returns the distinct senders of all
     /// `keys` (that second and the ones before it): the fleet size. One pipelined round trip;
     /// every key shares the hash tag `{fleet}`, so one slot of a cluster.
-    pub async fn fleet_size(&self, keys: &[String], proxy: &str) -> Result<u64, StoreError> {
+    pub async fn fleet_size(&self, keys: &[String], proxies: &[String]) -> Result<u64, StoreError> {
         let Some(first) = keys.first() else { return Ok(0) };
         let mut pipe = redis::pipe();
-        pipe.cmd("PFADD").arg(first).arg(proxy).ignore();
+        pipe.cmd("PFADD").arg(first).arg(proxies).ignore();
         pipe.cmd("PEXPIRE").arg(first).arg(crate::layout::FLEET_TTL_MS).ignore();
         pipe.cmd("PFCOUNT").arg(keys);
         let work = async {
