@@ -101,6 +101,7 @@ pub struct Metrics {
     parts_applied: AtomicU64,
     parts_deduplicated: AtomicU64,
     redis_round_trips: AtomicU64,
+    batch_calls: AtomicU64,
     leases_received: AtomicU64,
     lease_units_granted: AtomicU64,
     lease_units_reclaimed: AtomicU64,
@@ -190,6 +191,11 @@ impl Metrics {
         self.proxies.store(proxies, Ordering::Relaxed);
     }
 
+    /// One script call applied the shard parts of one or more batches (merged: `store`).
+    pub fn batch_call(&self) {
+        add(&self.batch_calls, 1);
+    }
+
     /// One command was sent to Redis (and its answer awaited).
     pub fn redis_round_trip(&self) {
         add(&self.redis_round_trips, 1);
@@ -268,8 +274,13 @@ impl Metrics {
             get(&self.lease_units_reclaimed),
         );
         counter(
+            "floodgate_sync_batch_calls_total",
+            "Script calls that applied batches' shard parts: each took every part waiting for its shard (floodgate_sync_shard_parts_total over this: the parts merged per call).",
+            get(&self.batch_calls),
+        );
+        counter(
             "floodgate_sync_redis_round_trips_total",
-            "Commands sent to Redis (EVALSHA, EVAL after NOSCRIPT, PING of /readyz, the fleet size's pipeline of a batch).",
+            "Commands sent to Redis (EVALSHA, EVAL after NOSCRIPT, PING of /readyz, the fleet size's pipeline).",
             get(&self.redis_round_trips),
         );
         let _ = writeln!(

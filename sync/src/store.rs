@@ -6,6 +6,15 @@
 //!   script call per shard present in the batch (a shard is one slot), all at once. The client is
 //!   built in the background, so the service starts (and answers 503) while the cluster is down.
 //!
+//! **Merging.** A batch's shard parts wait in a lane (one on a single node, one per shard in a
+//! cluster); a lane has at most one script call in flight, and each call takes every part
+//! waiting (whole parts up to 1 000 counters), from whichever proxies. An instance that receives
+//! batches faster than Redis answers them therefore sends fewer, larger calls: the counters the
+//! merged parts share are added once, and read once. A lone batch goes at once, as its own call.
+//! The parts waiting are the only state, in memory for one call's time at most; a part whose
+//! call fails is answered with the error, and its proxy retries it (the dedup keys keep the
+//! retry exactly once).
+//!
 //! Scripts go as EVALSHA; on NOSCRIPT (a restarted or promoted node) the same call goes again as
 //! EVAL with the source. Everything a batch does is bounded by `--redis-timeout`.
 //!
@@ -16,7 +25,8 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures_util::future::join_all;
@@ -25,7 +35,7 @@ use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
 use redis::{ClientTlsConfig, Cmd, RedisError, Script, ServerErrorKind, TlsCertificates, Value};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tracing::{info, warn};
 
 use crate::holders::{BucketHolders, Holder};
@@ -162,6 +172,7 @@ pub struct Outcome {
     pub deduplicated: usize,
 }
 
+#[derive(Clone)]
 enum Backend {
     Single(ConnectionManager),
     /// Two clients: one that retries (batches, made idempotent by their dedup keys), one that
@@ -229,6 +240,42 @@ pub struct Store {
     timeout: Duration,
     metrics: Arc<Metrics>,
     errors: Arc<ErrorLog>,
+    lanes: Arc<Mutex<HashMap<u32, Lane>>>,
+}
+
+/// The shard parts of batches waiting for a lane's script call (module doc, "Merging"): one lane
+/// on a single node, one per shard (slot) in a cluster.
+#[derive(Default)]
+struct Lane {
+    waiting: VecDeque<Part>,
+    /// Whether a runner serves the lane.
+    running: bool,
+}
+
+/// One batch's part on one shard, and where its outcome goes.
+struct Part {
+    seq: u64,
+    group: Group,
+    answer: oneshot::Sender<Result<GroupOutcome, StoreError>>,
+}
+
+/// What one shard part of a batch did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupOutcome {
+    /// Applied (its seq was newer than the shard's dedup key), or only read.
+    pub applied: bool,
+    /// Its counters' totals, in the group's order.
+    pub totals: Vec<Totals>,
+}
+
+/// What a lane's runner needs of the store (a spawned task owns it).
+struct Runner {
+    backend: Backend,
+    script: Script,
+    timeout: Duration,
+    metrics: Arc<Metrics>,
+    errors: Arc<ErrorLog>,
+    lanes: Arc<Mutex<HashMap<u32, Lane>>>,
 }
 
 impl Store {
@@ -292,10 +339,14 @@ impl Store {
             timeout: config.timeout,
             metrics,
             errors,
+            lanes: Arc::default(),
         })
     }
 
-    /// Applies a plan (see `apply.lua`) and returns every distinct counter's totals.
+    /// Applies a plan (see `apply.lua`) and returns every distinct counter's totals. Each
+    /// shard part waits in its lane and goes with the parts of other batches waiting there
+    /// (module doc, "Merging"); the parts that succeed are applied whatever happens to the
+    /// others, and a retry completes the rest.
     pub async fn apply(&self, plan: &Plan) -> Result<Outcome, StoreError> {
         if plan.groups.is_empty() {
             return Ok(Outcome {
@@ -304,20 +355,74 @@ impl Store {
                 deduplicated: 0,
             });
         }
+        let cluster = matches!(self.backend, Backend::Cluster { .. });
+        let mut answers = Vec::with_capacity(plan.groups.len());
+        let mut start = Vec::new();
+        {
+            let mut lanes = self.lanes.lock().unwrap_or_else(PoisonError::into_inner);
+            for group in &plan.groups {
+                let id = if cluster { group.shard } else { 0 };
+                let (answer, receiver) = oneshot::channel();
+                let lane = lanes.entry(id).or_default();
+                lane.waiting.push_back(Part { seq: plan.seq, group: group.clone(), answer });
+                if !lane.running {
+                    lane.running = true;
+                    start.push(id);
+                }
+                answers.push(receiver);
+            }
+        }
+        for id in start {
+            tokio::spawn(self.runner().run(id));
+        }
         let work = async {
-            match &self.backend {
-                Backend::Single(manager) => {
-                    let calls = single_node_calls(&plan.groups, MAX_SCRIPT_COUNTERS);
-                    self.run_calls(manager, plan, calls).await
+            let mut outcome = Outcome {
+                totals: Vec::with_capacity(plan.distinct()),
+                applied: 0,
+                deduplicated: 0,
+            };
+            let mut first_error = None;
+            for answer in answers {
+                let part = answer.await.unwrap_or_else(|_| {
+                    Err(StoreError::Reply("the lane's call ended without an answer".into()))
+                });
+                match part {
+                    Ok(part) if first_error.is_none() => {
+                        if part.applied {
+                            outcome.applied = outcome.applied.saturating_add(1);
+                        } else {
+                            outcome.deduplicated = outcome.deduplicated.saturating_add(1);
+                        }
+                        outcome.totals.extend(part.totals);
+                    }
+                    Ok(_) => {}
+                    Err(err) => {
+                        first_error.get_or_insert(err);
+                    }
                 }
-                Backend::Cluster { retrying, .. } => {
-                    let conn = connected(retrying)?;
-                    self.run_calls(&conn, plan, plan.groups.chunks(1).collect())
-                        .await
-                }
+            }
+            match first_error {
+                Some(err) => Err(err),
+                None => Ok(outcome),
             }
         };
         self.bounded("batch", work).await
+    }
+
+    /// The client's own timeouts (connection, response) are the service's: `--redis-timeout`.
+    fn classify(&self, err: RedisError) -> StoreError {
+        classify(self.timeout, err)
+    }
+
+    fn runner(&self) -> Runner {
+        Runner {
+            backend: self.backend.clone(),
+            script: self.script.clone(),
+            timeout: self.timeout,
+            metrics: self.metrics.clone(),
+            errors: self.errors.clone(),
+            lanes: self.lanes.clone(),
+        }
     }
 
     /// Counts `proxies` among the senders of a second (a HyperLogLog per second, `keys[0]`,
@@ -393,66 +498,6 @@ impl Store {
         result
     }
 
-    /// Runs the script calls of a plan at once and puts their answers together in the plan's
-    /// order. Every call runs to its end (or the timeout): the shards of the ones that succeed
-    /// are applied whatever happens to the others, and a retry completes the rest.
-    async fn run_calls<C: ConnectionLike + Clone>(
-        &self,
-        conn: &C,
-        plan: &Plan,
-        calls: Vec<&[Group]>,
-    ) -> Result<Outcome, StoreError> {
-        let calls = calls.into_iter().map(|groups| {
-            let mut conn = conn.clone();
-            async move { self.run_groups(&mut conn, plan.seq, groups).await }
-        });
-        let mut outcome = Outcome {
-            totals: Vec::with_capacity(plan.distinct()),
-            applied: 0,
-            deduplicated: 0,
-        };
-        let mut first_error = None;
-        for result in join_all(calls).await {
-            match result {
-                Ok(part) => {
-                    outcome.totals.extend(part.totals);
-                    outcome.applied = outcome.applied.saturating_add(part.applied);
-                    outcome.deduplicated = outcome.deduplicated.saturating_add(part.deduplicated);
-                }
-                Err(err) => {
-                    first_error.get_or_insert(err);
-                }
-            }
-        }
-        match first_error {
-            Some(err) => Err(err),
-            None => Ok(outcome),
-        }
-    }
-
-    /// The client's own timeouts (connection, response) are the service's: `--redis-timeout`.
-    fn classify(&self, err: RedisError) -> StoreError {
-        if err.is_timeout() {
-            StoreError::Timeout(self.timeout)
-        } else {
-            StoreError::from(err)
-        }
-    }
-
-    /// One script call over `groups` (all on one slot in cluster mode).
-    async fn run_groups<C: ConnectionLike>(
-        &self,
-        conn: &mut C,
-        seq: u64,
-        groups: &[Group],
-    ) -> Result<Outcome, StoreError> {
-        let (keys, args) = script_arguments(seq, groups);
-        let reply = self
-            .eval(conn, &self.script, SCRIPT_SOURCE, &keys, &args)
-            .await?;
-        parse_reply(reply, groups)
-    }
-
     /// Runs `script` as EVALSHA, and again as EVAL with its `source` on NOSCRIPT.
     async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
         &self,
@@ -462,26 +507,7 @@ impl Store {
         keys: &[K],
         args: &[A],
     ) -> Result<Value, StoreError> {
-        let call = |command: &str, script: &str| {
-            let mut call = Cmd::new();
-            call.arg(command)
-                .arg(script)
-                .arg(keys.len())
-                .arg(keys)
-                .arg(args);
-            call
-        };
-        self.metrics.redis_round_trip();
-        match call("EVALSHA", script.get_hash()).query_async::<Value>(conn).await {
-            Err(err) if err.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.metrics.redis_round_trip();
-                call("EVAL", source)
-                    .query_async::<Value>(conn)
-                    .await
-                    .map_err(|err| self.classify(err))
-            }
-            other => other.map_err(|err| self.classify(err)),
-        }
+        eval(conn, script, source, keys, args, &self.metrics, self.timeout).await
     }
 
     /// Grants the leases of a request (see `lease.lua`): one script call per entry (each entry's
@@ -578,39 +604,134 @@ impl Store {
 /// One bucket's counter, its holders hash and the hash's PTTL.
 type HoldersReply = (Option<u64>, Vec<(String, i64)>, i64);
 
-/// On a single node, one script call takes whole shards of a batch up to `max` counters (a
-/// larger shard goes alone): a usual batch is one call, and the largest (10 000 counters) does
-/// not hold Redis for one long script.
-fn single_node_calls(groups: &[Group], max: usize) -> Vec<&[Group]> {
-    let mut calls = Vec::new();
-    let (mut start, mut counters) = (0usize, 0usize);
-    for (at, group) in groups.iter().enumerate() {
-        if at > start && counters.saturating_add(group.counters.len()) > max {
-            calls.extend(groups.get(start..at));
-            (start, counters) = (at, 0);
-        }
-        counters = counters.saturating_add(group.counters.len());
+/// A client timeout is the service's (`--redis-timeout`); other errors as they are.
+fn classify(timeout: Duration, err: RedisError) -> StoreError {
+    if err.is_timeout() {
+        StoreError::Timeout(timeout)
+    } else {
+        StoreError::from(err)
     }
-    if start < groups.len() {
-        calls.extend(groups.get(start..));
-    }
-    calls
 }
 
-/// The script's KEYS and ARGV for `groups` (see `apply.lua`).
-fn script_arguments(seq: u64, groups: &[Group]) -> (Vec<&str>, Vec<String>) {
-    let counters: usize = groups.iter().map(|group| group.counters.len()).sum();
+/// Runs `script` as EVALSHA, and again as EVAL with its `source` on NOSCRIPT.
+async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
+    conn: &mut C,
+    script: &Script,
+    source: &str,
+    keys: &[K],
+    args: &[A],
+    metrics: &Metrics,
+    timeout: Duration,
+) -> Result<Value, StoreError> {
+    let classify = |err| classify(timeout, err);
+    let call = |command: &str, script: &str| {
+        let mut call = Cmd::new();
+        call.arg(command)
+            .arg(script)
+            .arg(keys.len())
+            .arg(keys)
+            .arg(args);
+        call
+    };
+    metrics.redis_round_trip();
+    match call("EVALSHA", script.get_hash()).query_async::<Value>(conn).await {
+        Err(err) if err.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
+            metrics.redis_round_trip();
+            call("EVAL", source)
+                .query_async::<Value>(conn)
+                .await
+                .map_err(classify)
+        }
+        other => other.map_err(classify),
+    }
+}
+
+impl Runner {
+    /// Serves lane `id` until it is empty: takes the parts waiting (whole parts up to
+    /// [`MAX_SCRIPT_COUNTERS`] counters, at least one), runs them in one script call, answers
+    /// each; then the parts that came meanwhile.
+    async fn run(self, id: u32) {
+        loop {
+            let parts: Vec<Part> = {
+                let mut lanes = self.lanes.lock().unwrap_or_else(PoisonError::into_inner);
+                let Some(lane) = lanes.get_mut(&id) else { return };
+                let count = to_take(lane.waiting.iter().map(|part| part.group.counters.len()), MAX_SCRIPT_COUNTERS);
+                let taken: Vec<Part> = lane.waiting.drain(..count).collect();
+                if taken.is_empty() {
+                    lane.running = false;
+                    lanes.remove(&id);
+                    return;
+                }
+                taken
+            };
+            let result = match tokio::time::timeout(self.timeout, self.call(&parts)).await {
+                Ok(result) => result,
+                Err(_) => Err(StoreError::Timeout(self.timeout)),
+            };
+            match result {
+                Ok(outcomes) => {
+                    self.metrics.batch_call();
+                    for (part, outcome) in parts.into_iter().zip(outcomes) {
+                        let _ = part.answer.send(Ok(outcome));
+                    }
+                }
+                Err(err) => {
+                    self.errors.log("batch", &err);
+                    for part in parts {
+                        let _ = part.answer.send(Err(err.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// One script call over `parts` (all on one slot in a cluster).
+    async fn call(&self, parts: &[Part]) -> Result<Vec<GroupOutcome>, StoreError> {
+        let groups: Vec<(u64, &Group)> = parts.iter().map(|part| (part.seq, &part.group)).collect();
+        let (keys, args) = script_arguments(&groups);
+        let reply = match &self.backend {
+            Backend::Single(manager) => {
+                let mut conn = manager.clone();
+                eval(&mut conn, &self.script, SCRIPT_SOURCE, &keys, &args, &self.metrics, self.timeout).await?
+            }
+            Backend::Cluster { retrying, .. } => {
+                let mut conn = connected(retrying)?;
+                eval(&mut conn, &self.script, SCRIPT_SOURCE, &keys, &args, &self.metrics, self.timeout).await?
+            }
+        };
+        parse_reply(reply, &groups)
+    }
+}
+
+/// How many of the parts waiting (their sizes in counters, in order) one script call takes: whole
+/// parts up to `max` counters in all, at least one (a larger part goes alone), so that a call
+/// does not hold Redis for one long script.
+fn to_take(sizes: impl Iterator<Item = usize>, max: usize) -> usize {
+    let (mut taken, mut counters) = (0usize, 0usize);
+    for size in sizes {
+        if taken > 0 && counters.saturating_add(size) > max {
+            break;
+        }
+        counters = counters.saturating_add(size);
+        taken = taken.saturating_add(1);
+    }
+    taken
+}
+
+/// The script's KEYS and ARGV for `groups`, each with its batch's seq (see `apply.lua`).
+fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<String>) {
+    let counters: usize = groups.iter().map(|(_, group)| group.counters.len()).sum();
     let mut keys: Vec<&str> =
         Vec::with_capacity(groups.len().saturating_add(counters.saturating_mul(2)));
     let mut args: Vec<String> = Vec::with_capacity(
-        2usize
-            .saturating_add(groups.len().saturating_mul(2))
+        1usize
+            .saturating_add(groups.len().saturating_mul(3))
             .saturating_add(counters.saturating_mul(4)),
     );
-    args.push(seq.to_string());
     args.push(groups.len().to_string());
-    for group in groups {
+    for (seq, group) in groups {
         keys.push(&group.seen_key);
+        args.push(seq.to_string());
         args.push(group.seen_ttl_ms.to_string());
         args.push(group.counters.len().to_string());
         for counter in &group.counters {
@@ -630,14 +751,14 @@ fn script_arguments(seq: u64, groups: &[Group]) -> (Vec<&str>, Vec<String>) {
     (keys, args)
 }
 
-/// `{applied_1 .. applied_g, current_1, previous_1, ...}` into an [`Outcome`].
-fn parse_reply(reply: Value, groups: &[Group]) -> Result<Outcome, StoreError> {
+/// `{applied_1 .. applied_g, current_1, previous_1, ...}` into each group's outcome.
+fn parse_reply(reply: Value, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcome>, StoreError> {
     let Value::Array(items) = reply else {
         return Err(StoreError::Reply(format!(
             "expected an array, got {reply:?}"
         )));
     };
-    let counters: usize = groups.iter().map(|group| group.counters.len()).sum();
+    let counters: usize = groups.iter().map(|(_, group)| group.counters.len()).sum();
     let expected = groups.len().saturating_add(counters.saturating_mul(2));
     if items.len() != expected {
         return Err(StoreError::Reply(format!(
@@ -646,25 +767,27 @@ fn parse_reply(reply: Value, groups: &[Group]) -> Result<Outcome, StoreError> {
         )));
     }
     let mut items = items.into_iter();
-    let mut outcome = Outcome {
-        totals: Vec::with_capacity(counters),
-        applied: 0,
-        deduplicated: 0,
-    };
+    let mut outcomes = Vec::with_capacity(groups.len());
     for item in items.by_ref().take(groups.len()) {
-        match item {
-            Value::Int(1) => outcome.applied = outcome.applied.saturating_add(1),
-            Value::Int(0) => outcome.deduplicated = outcome.deduplicated.saturating_add(1),
+        let applied = match item {
+            Value::Int(1) => true,
+            Value::Int(0) => false,
             other => return Err(StoreError::Reply(format!("applied flag {other:?}"))),
+        };
+        outcomes.push(GroupOutcome { applied, totals: Vec::new() });
+    }
+    for ((_, group), outcome) in groups.iter().zip(&mut outcomes) {
+        for _ in &group.counters {
+            let (Some(current), Some(previous)) = (items.next(), items.next()) else {
+                return Err(StoreError::Reply("a short reply".into()));
+            };
+            outcome.totals.push(Totals {
+                current: total(current)?,
+                previous: total(previous)?,
+            });
         }
     }
-    while let (Some(current), Some(previous)) = (items.next(), items.next()) {
-        outcome.totals.push(Totals {
-            current: total(current)?,
-            previous: total(previous)?,
-        });
-    }
-    Ok(outcome)
+    Ok(outcomes)
 }
 
 /// `{granted, current, previous}` (see `lease.lua`) into a [`Grant`].
@@ -781,7 +904,8 @@ mod tests {
     #[test]
     fn script_arguments_follow_the_scripts_layout() {
         let plan = two_shard_plan();
-        let (keys, args) = script_arguments(plan.seq, &plan.groups);
+        let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
+        let (keys, args) = script_arguments(&groups);
         assert_eq!(
             keys,
             vec![
@@ -794,13 +918,14 @@ mod tests {
         );
         assert_eq!(
             args,
-            vec!["5", "2", "600000", "1", "0", "0", "62000", "0", "600000", "1", "3", "2", "69000", "1"]
+            vec!["2", "5", "600000", "1", "0", "0", "62000", "0", "5", "600000", "1", "3", "2", "69000", "1"]
         );
     }
 
     #[test]
     fn replies_parse_into_totals_and_flags() {
         let plan = two_shard_plan();
+        let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
         let reply = Value::Array(vec![
             Value::Int(1),
             Value::Int(0),
@@ -809,24 +934,16 @@ mod tests {
             Value::BulkString(b"12".to_vec()),
             Value::BulkString(b"40".to_vec()),
         ]);
-        let outcome = parse_reply(reply, &plan.groups).unwrap();
-        assert_eq!(outcome.applied, 1);
-        assert_eq!(outcome.deduplicated, 1);
+        let outcomes = parse_reply(reply, &groups).unwrap();
         assert_eq!(
-            outcome.totals,
+            outcomes,
             vec![
-                Totals {
-                    current: 0,
-                    previous: 0
-                },
-                Totals {
-                    current: 12,
-                    previous: 40
-                }
+                GroupOutcome { applied: true, totals: vec![Totals { current: 0, previous: 0 }] },
+                GroupOutcome { applied: false, totals: vec![Totals { current: 12, previous: 40 }] },
             ]
         );
         let short = Value::Array(vec![Value::Int(1)]);
-        assert!(parse_reply(short, &plan.groups).is_err());
+        assert!(parse_reply(short, &groups).is_err());
         let garbage = Value::Array(vec![
             Value::Int(1),
             Value::Int(1),
@@ -835,46 +952,26 @@ mod tests {
             Value::Nil,
             Value::Nil,
         ]);
-        assert!(parse_reply(garbage, &plan.groups).is_err());
+        assert!(parse_reply(garbage, &groups).is_err());
     }
 
     #[test]
-    fn a_single_node_takes_whole_shards_per_call_up_to_the_limit() {
-        let group = |shard: u32, counters: usize| Group {
-            shard,
-            seen_key: String::new(),
-            seen_ttl_ms: 0,
-            counters: vec![
-                crate::layout::PlannedCounter {
-                    current_key: String::new(),
-                    previous_key: None,
-                    delta: 0,
-                    refund: 0,
-                    expire_at_ms: 0,
-                };
-                counters
-            ],
+    fn a_call_takes_whole_parts_up_to_the_limit() {
+        // Takes from the front, call after call, as a lane's runner does.
+        let calls = |sizes: &[usize], max| -> Vec<Vec<usize>> {
+            let mut left = sizes.to_vec();
+            let mut calls = Vec::new();
+            while !left.is_empty() {
+                let n = to_take(left.iter().copied(), max);
+                calls.push(left.drain(..n).collect());
+            }
+            calls
         };
-        let sizes = |groups: &[Group], max| -> Vec<Vec<u32>> {
-            single_node_calls(groups, max)
-                .iter()
-                .map(|call| call.iter().map(|g| g.shard).collect())
-                .collect()
-        };
-        let groups = [
-            group(0, 3),
-            group(1, 4),
-            group(2, 10),
-            group(3, 1),
-            group(4, 2),
-        ];
-        assert_eq!(sizes(&groups, 1000), vec![vec![0, 1, 2, 3, 4]]);
-        assert_eq!(sizes(&groups, 7), vec![vec![0, 1], vec![2], vec![3, 4]]);
-        assert_eq!(
-            sizes(&groups, 1),
-            vec![vec![0], vec![1], vec![2], vec![3], vec![4]]
-        );
-        assert!(sizes(&[], 7).is_empty());
+        let sizes = [3, 4, 10, 1, 2];
+        assert_eq!(calls(&sizes, 1000), vec![vec![3, 4, 10, 1, 2]]);
+        assert_eq!(calls(&sizes, 7), vec![vec![3, 4], vec![10], vec![1, 2]]);
+        assert_eq!(calls(&sizes, 1), vec![vec![3], vec![4], vec![10], vec![1], vec![2]]);
+        assert_eq!(to_take(std::iter::empty(), 7), 0);
     }
 
     #[test]
