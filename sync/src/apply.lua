@@ -10,8 +10,9 @@
 --                     KEYS current key [, previous key when has_previous is 1]
 --
 -- Groups are taken in order. A group is applied only when its seq is newer than its dedup key
--- (absent counts as older): then the dedup key takes seq (SET PX seen_ttl_ms), so a later group
--- of the same proxy and shard in this call is compared with it. Then, over the applied groups,
+-- (absent counts as older): the dedup key takes seq (SET PX seen_ttl_ms GET, which returns the
+-- seq it held; when that one was not older, it is set back), so a later group of the same proxy
+-- and shard in this call is compared with the newest. Then, over the applied groups,
 -- every counter's deltas are summed and added once (INCRBY, and PEXPIREAT expire_at_ms when
 -- that INCRBY created it: a counter's expiry only depends on its bucket, so an existing counter
 -- has it already); then every counter's give-backs are summed and, if it exists, taken off once
@@ -57,12 +58,13 @@ for g = 1, groups do
   a = a + 3
   local seen_key = KEYS[k]
   k = k + 1
-  local seen = redis.call('GET', seen_key)
+  -- One command when the part is new (the usual case); a retry puts the newer seq back.
+  local seen = redis.call('SET', seen_key, seq, 'PX', seen_ttl_ms, 'GET')
   local apply = (not seen) or newer(seq, seen)
   if apply then
-    redis.call('SET', seen_key, seq, 'PX', seen_ttl_ms)
     out[g] = 1
   else
+    redis.call('SET', seen_key, seen, 'PX', seen_ttl_ms)
     out[g] = 0
   end
   for _ = 1, count do
