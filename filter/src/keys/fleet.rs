@@ -40,3 +40,45 @@ impl FleetHasher {
         FleetKey(h.finish128().as_u128())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    /// Every proxy of a fleet writes the Redis counter this id names, whatever its version: the
+    /// ids are pinned, and a change here splits a fleet that upgrades proxy by proxy in two.
+    #[test]
+    fn fleet_ids_are_pinned_across_versions() {
+        let id = |secret: Option<&str>, rule: &str, parts: &[Option<&[u8]>]| format!("{:032x}", FleetHasher::new(secret).hash(rule, parts.iter().copied()).0);
+        let pinned = [
+            id(None, "per-user", &[Some(b"alice")]),
+            id(Some("s3cret-of-the-fleet"), "per-user", &[Some(b"alice")]),
+            id(None, "per-user", &[Some(b"alice"), None]),
+            id(None, "per-user", &[Some(b""), Some(b"alice")]),
+            id(None, "tokens", &[]),
+        ];
+        assert_eq!(
+            pinned,
+            [
+                "63c3129f4c295b1b55af29154cfc6c55",
+                "a5b7831be92d7f30d6a4d947f10f4aa7",
+                "733940b40f651b0b98fe3bc34d45ef14",
+                "975c44794d6b95f0b921c2f248dc7a61",
+                "0ed46dc32ebbb6a00b08d7504194720c",
+            ]
+        );
+    }
+
+    #[test]
+    fn the_secret_the_rule_and_the_framing_each_change_the_id() {
+        let plain = FleetHasher::new(None);
+        let alice = plain.hash("r", [Some(&b"alice"[..])]);
+        assert_eq!(alice, FleetHasher::new(None).hash("r", [Some(&b"alice"[..])]), "the same on every proxy");
+        assert_ne!(alice, FleetHasher::new(Some("x")).hash("r", [Some(&b"alice"[..])]));
+        assert_ne!(alice, plain.hash("s", [Some(&b"alice"[..])]));
+        assert_ne!(plain.hash("r", [Some(&b"ab"[..]), Some(b"c")]), plain.hash("r", [Some(&b"a"[..]), Some(b"bc")]));
+        assert_ne!(plain.hash("r", [None]), plain.hash("r", [Some(&b""[..])]));
+    }
+}

@@ -1673,3 +1673,49 @@ fn a_refused_ask_is_a_429_counted_once_and_its_held_body_never_goes_on() {
     assert_eq!(status(&again), 429);
     assert!(send_asks(&host).is_empty(), "a learned key at its limit does not ask");
 }
+
+// ---- the root's schedule ----
+
+#[test]
+fn each_periodic_task_is_due_at_its_own_interval_whatever_the_tick() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 10, "window": "1h",
+                         "scope": "global", "consistency": "batched"}],
+        "load_shedding": {"max_loop_lag": "50ms", "lag_probe_interval": "100ms"},
+        "global": {"cluster": "floodgate-sync", "sync_interval": "250ms"},
+    }));
+    let mut schedule = Schedule::default();
+    let due = |schedule: &mut Schedule, at: u64| schedule.due(&host.filter, MonoMillis(at));
+    let all = Due { lag_probe: true, sync: true, heartbeat: true };
+    assert_eq!(due(&mut schedule, 10_000), all, "everything at the first tick");
+    // Ticks every 50 ms (the fastest period would be the lag probe's; a timer may be early).
+    let mut seen = (0, 0, 0);
+    for at in (10_050..=12_000).step_by(50) {
+        let d = due(&mut schedule, at);
+        seen.0 += u32::from(d.lag_probe);
+        seen.1 += u32::from(d.sync);
+        seen.2 += u32::from(d.heartbeat);
+    }
+    // 2 s after the first tick: a probe every 100 ms, a sync every 250 ms, a heartbeat every
+    // second.
+    assert_eq!(seen, (20, 8, 2));
+    // A tick 4 ms early still counts; 6 ms early does not.
+    let mut schedule = Schedule::default();
+    due(&mut schedule, 0);
+    assert!(due(&mut schedule, 96).lag_probe);
+    assert!(!due(&mut schedule, 190).lag_probe);
+    // A clock that went back makes everything due rather than never.
+    let mut schedule = Schedule::default();
+    due(&mut schedule, 10_000);
+    assert_eq!(due(&mut schedule, 5_000), all);
+}
+
+#[test]
+fn without_lag_probe_or_global_scope_only_the_heartbeat_is_due() {
+    let host = Host::new(serde_json::json!({"rate_limits": [rule(5)]}));
+    let mut schedule = Schedule::default();
+    let first = schedule.due(&host.filter, MonoMillis(1_000));
+    assert_eq!(first, Due { lag_probe: false, sync: false, heartbeat: true });
+    assert_eq!(schedule.due(&host.filter, MonoMillis(1_500)), Due::default());
+    assert!(schedule.due(&host.filter, MonoMillis(2_000)).heartbeat);
+}
