@@ -123,7 +123,7 @@ pub async fn run(args: Args) -> Result<(), String> {
         args.redis_timeout,
     );
     if tokens.is_empty() {
-        warn!("no --token: POST /v1/sync and /v1/lease accept any caller that reaches {local}");
+        warn!("no --token: POST /v1/sync, POST /v1/lease and GET /v1/holders accept any caller that reaches {local}");
     }
     http::serve(listener, app, shutdown_signal(), args.shutdown_grace).await;
     info!("stopped");

@@ -94,7 +94,7 @@ fn without_a_token_calls_are_open_and_the_log_says_so() {
     let key = key_in_shard(2, 0);
     let answer = call(sync.port, "/v1/sync", None, &batch(PROXY, 1, &[(&key, 60_000, now_ms() / 60_000, 3)]));
     assert_eq!(answer.totals(), [(0, 3)]);
-    assert!(sync.log().contains("no --token: POST /v1/sync and /v1/lease accept any caller"), "{}", sync.log());
+    assert!(sync.log().contains("no --token: POST /v1/sync, POST /v1/lease and GET /v1/holders accept any caller"), "{}", sync.log());
 }
 
 /// A TLS-only `redis-server` requiring client certificates, with an ACL user for floodgate-sync
