@@ -10,6 +10,7 @@
 
 use floodgate::config::{Config, Consistency, CostSource, KeyPart, MissingKey, Mode, RateLimitRule, RefusalFormat, Scope};
 use floodgate::keys::{hash_key, strip_port, KeyHasher, Source};
+use floodgate::keys::fleet::FleetHasher;
 use floodgate::ratelimit::probes::probes_where;
 use floodgate::ratelimit::rules::{capped, Attributes, Later, LimitFrom, Rules, Unmet};
 use floodgate::replies::is_health_method;
@@ -296,7 +297,9 @@ fn rate_limits(config: &Config, request: &Request, line: &mut impl FnMut(String)
     let hasher = KeyHasher::new([0; 16]);
     let rules = Rules::new(config, &hasher);
     let mut skipped = Vec::new();
-    let probes = probes_where(config, &hasher, None, |source| request.fetch(source), &mut skipped, |rule| {
+    // The fleet-wide ids, as every proxy of the fleet computes them (the store's keys).
+    let fleet = config.global.as_ref().map(|g| FleetHasher::new(g.key_secret.as_deref()));
+    let probes = probes_where(config, &hasher, fleet.as_ref(), |source| request.fetch(source), &mut skipped, |rule| {
         rules.applies(rule, request)
     });
     for (index, rule) in config.rate_limits.iter().enumerate() {
@@ -369,6 +372,13 @@ fn rate_limits(config: &Config, request: &Request, line: &mut impl FnMut(String)
             (Scope::Global, Consistency::Leased) => "global, consistency leased (units leased from the store ahead of use)".to_owned(),
         };
         line(detail(format!("scope: {scope}")));
+        if let Some(id) = probe.fleet {
+            let window_ms = rule.window.get().get();
+            line(detail(format!(
+                "store key: {:032x} (who holds it: floodgate-sync's GET /v1/holders?key={:032x}&window_ms={window_ms})",
+                id.0, id.0
+            )));
+        }
     }
 }
 
@@ -569,6 +579,24 @@ mod tests {
         {"name": "checkout", "key": ["path"], "limit": 10, "window": "10s", "match": {"routes": ["checkout"]}, "mode": "shadow"},
         {"name": "host", "key": ["authority"], "limit": 7, "window": "1s", "match": {"authority": "api.example.com"}}
     ]}"#;
+
+    #[test]
+    fn a_global_rule_names_its_key_in_the_store() {
+        let config = r#"{"rate_limits": [{"name": "per-user", "key": [{"header": "x-user"}], "limit": 10, "window": "1m",
+                          "scope": "global"}],
+                         "global": {"cluster": "floodgate-sync"}}"#;
+        let text = explained(config, &["--header", "x-user:alice"]);
+        let lines = rule_lines(&text, "per-user");
+        // The id every proxy of a fleet without key_secret gives this key (pinned in the filter).
+        assert_eq!(
+            lines.last().map(String::as_str),
+            Some("store key: 63c3129f4c295b1b55af29154cfc6c55 (who holds it: floodgate-sync's GET /v1/holders?key=63c3129f4c295b1b55af29154cfc6c55&window_ms=60000)"),
+            "{text}"
+        );
+        let secret = config.replace(r#""cluster": "floodgate-sync""#, r#""cluster": "floodgate-sync", "key_secret": "s3cret-of-the-fleet""#);
+        let text = explained(&secret, &["--header", "x-user:alice"]);
+        assert!(text.contains("store key: a5b7831be92d7f30d6a4d947f10f4aa7 "), "{text}");
+    }
 
     #[test]
     fn a_rule_that_applies_tells_its_key_limit_cost_mode_and_scope() {
