@@ -86,16 +86,18 @@ impl AskStage {
     /// The asks a request refused by `verdict` makes: one per refusing rule, when every
     /// refusing rule is in batched global scope and wants to ask
     /// ([`GlobalScope::wants_ask`]); `None` otherwise (the refusal stands).
-    pub fn asks_of(&self, scope: &GlobalScope, node: &VmNode, verdict: &Verdict, probes: &[Probe], now: UnixMillis) -> Option<Vec<KeyAsk>> {
+    /// `pending` gives, per probe, this proxy's units of its key the store has not counted yet.
+    pub fn asks_of(&self, scope: &GlobalScope, node: &VmNode, verdict: &Verdict, probes: &[Probe], pending: impl Fn(&Probe) -> u32, now: UnixMillis) -> Option<Vec<KeyAsk>> {
         let Verdict::Rejected { violations } = verdict else { return None };
         let mut asks = Vec::with_capacity(violations.len());
         for violation in violations {
             let probe = probes.iter().find(|p| p.rule == violation.standing.rule)?;
             let limit = violation.standing.limit;
-            if !scope.wants_ask(node, probe, limit, now) {
+            let pending = pending(probe);
+            if !scope.wants_ask(node, probe, limit, pending, now) {
                 return None;
             }
-            asks.push(scope.ask_for(probe, limit, now)?);
+            asks.push(scope.ask_for(probe, limit, pending, now)?);
         }
         (!asks.is_empty()).then_some(asks)
     }

@@ -1393,7 +1393,12 @@ impl Stream {
         }
         if let (Some(scope), Some(node), Some(stage), None) = (&filter.global, &filter.global_node, &filter.asks, &self.asking) {
             // A refusal of a batched global rule may ask the store first ([`asked`]).
-            if let Some(asks) = stage.asks_of(scope, &node.borrow(), &verdict, &probes, now) {
+            // This proxy's units of the key that the store has not counted yet.
+            let pending = |probe: &Probe| {
+                let counts = filter.limiter.counts_of(env.store, &filter.reserves.borrow(), probe, now);
+                counts.map_or(0, |c| c.current.saturating_sub(probe.remote.confirmed))
+            };
+            if let Some(asks) = stage.asks_of(scope, &node.borrow(), &verdict, &probes, pending, now) {
                 self.asking = Some(asked::Asking { asks, outcomes: None, end_of_stream: false, decided: false, body: (0, false) });
                 return None;
             }

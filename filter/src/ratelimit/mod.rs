@@ -635,6 +635,13 @@ impl Limiter {
         });
     }
 
+    /// This proxy's counts of `probe`'s key at `now` (a sliding-window rule's; `None` for a
+    /// token bucket's, an unknown rule's, or a record that cannot be read).
+    pub fn counts_of<S: SharedStore + ?Sized>(&self, store: &S, reserves: &Reserves, probe: &Probe, now: UnixMillis) -> Option<Counts> {
+        let read = self.read(store, reserves, *probe, now).ok()?;
+        self.table(probe.rule).filter(|t| t.bucket.is_none()).map(|_| read.counts)
+    }
+
     /// Where `probe`'s key stands with this proxy's `counts` (the fleet's, for a leased rule,
     /// whose probe adds no remote), against its limit, for a request of its cost; `None` for an
     /// unknown rule.

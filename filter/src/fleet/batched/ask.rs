@@ -112,9 +112,9 @@ impl GlobalScope {
     /// Whether a request of `probe` that its rule refused asks the store (module doc): the key
     /// is not learned and the fleet has other proxies, or its counts as last synced leave room
     /// for the request and for `limit / 100`. Never for a cost over the limit.
-    pub fn wants_ask(&self, node: &VmNode, probe: &Probe, limit: NonZeroU32, now: UnixMillis) -> bool {
+    pub fn wants_ask(&self, node: &VmNode, probe: &Probe, limit: NonZeroU32, pending: u32, now: UnixMillis) -> bool {
         let Some(rule) = self.rule(probe.rule) else { return false };
-        if probe.fleet.is_none() || probe.cost == 0 || probe.cost > limit.get() {
+        if probe.fleet.is_none() || probe.cost == 0 || probe.cost.saturating_add(pending) > limit.get() {
             return false;
         }
         let Some(window_ms) = NonZeroU64::new(rule.window_ms) else { return false };
@@ -123,14 +123,18 @@ impl GlobalScope {
             None => node.proxies > 1,
             Some(totals) => {
                 // Room for the request, and more than 1 % of the limit.
-                let need = probe.cost.max(limit.get() / ROOM_DIVISOR).max(1);
+                let need = probe.cost.max(limit.get() / ROOM_DIVISOR).max(1).saturating_add(pending);
                 window.fits(totals.plus(need), window.phase(now).elapsed_ms, limit)
             }
         }
     }
 
-    /// The ask of `probe`'s key for its cost under `limit`, at `now`.
-    pub fn ask_for(&self, probe: &Probe, limit: NonZeroU32, now: UnixMillis) -> Option<KeyAsk> {
+    /// The ask of `probe`'s key for its cost under `limit`, at `now`, with `pending` units of
+    /// the key this proxy admitted that the store has not counted yet (on their way in a
+    /// batch): the store grants only while its room holds the request and them, so it is asked
+    /// under `limit − pending`.
+    pub fn ask_for(&self, probe: &Probe, limit: NonZeroU32, pending: u32, now: UnixMillis) -> Option<KeyAsk> {
+        let limit = NonZeroU32::new(limit.get().saturating_sub(pending))?;
         let global = self.rule(probe.rule)?;
         let key = probe.fleet?;
         let window_ms = global.window_ms.max(1);

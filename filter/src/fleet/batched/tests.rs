@@ -883,9 +883,10 @@ impl Proxy {
         let limit = std::num::NonZeroU32::new(limit).unwrap();
         let mut granted = false;
         let mut asked = false;
-        let verdict = if matches!(verdict, Verdict::Rejected { .. }) && self.scope.wants_ask(&self.vms[vm].1, &probes[0], limit, now) {
+        let pending = self.limiter.counts_of(&self.store, &self.vms[vm].2, &probes[0], now).map_or(0, |c| c.current.saturating_sub(probes[0].remote.confirmed));
+        let verdict = if matches!(verdict, Verdict::Rejected { .. }) && self.scope.wants_ask(&self.vms[vm].1, &probes[0], limit, pending, now) {
             asked = true;
-            let request = self.scope.ask_for(&probes[0], limit, now).unwrap();
+            let request = self.scope.ask_for(&probes[0], limit, pending, now).unwrap();
             let grant = sync.lease(&request, limit.get());
             let outcome = self.scope.learn(&self.store, &mut self.vms[vm].1, &request, Some(grant), now);
             probes = self.probes(vm, key, 1, now);
@@ -981,4 +982,48 @@ fn a_key_not_learned_is_projected_over_the_fleet_and_a_hot_key_never_asks() {
     }
     assert!(asks <= 1, "{asks} asks for a hot key");
     assert!(sync.total(a.scope.hasher.hash("per-key", [Some(&b"hot"[..])]), 60_000, t.0 / 60_000) <= 1_000);
+}
+
+/// Two proxies of two workers each, a limit of 10 per minute, requests one after the other: 6
+/// on the first proxy; after a pause, 1 on the second (a key it has not learned); after a pause,
+/// 6 more there; after a pause, 3 on each. The fleet admits 10 in all, never more.
+#[test]
+fn two_proxies_of_two_workers_taking_turns_admit_the_limit() {
+    const LIMIT: u32 = 10;
+    let config = config(LIMIT, "1m");
+    let mut proxies: Vec<Proxy> = (1..=2).map(|i| Proxy::new(&config, 2, i)).collect();
+    let mut sync = FakeSync::default();
+    let mut now = UnixMillis(T0 - T0 % 60_000 + 1_000);
+    let pause = |proxies: &mut Vec<Proxy>, sync: &mut FakeSync, now: &mut UnixMillis, ms: u64| {
+        for _ in 0..ms / 100 {
+            *now = now.plus_ms(100);
+            for p in proxies.iter_mut() {
+                p.tick(*now);
+                for (token, i, body) in std::mem::take(&mut p.calls) {
+                    let answer = sync.call(&body);
+                    let (_, node, _) = &mut p.vms[i];
+                    let _ = p.scope.answered(&p.store, node, token, answer, Some(2), *now);
+                }
+            }
+        }
+    };
+    pause(&mut proxies, &mut sync, &mut now, 1_500);
+    let mut statuses = Vec::new();
+    let mut send = |proxies: &mut Vec<Proxy>, sync: &mut FakeSync, now: &mut UnixMillis, proxy: usize, n: usize| {
+        for i in 0..n {
+            *now = now.plus_ms(8);
+            statuses.push((proxy, proxies[proxy].request_asking(i % 2, "tenant", LIMIT, sync, *now)));
+        }
+    };
+    send(&mut proxies, &mut sync, &mut now, 0, 6);
+    pause(&mut proxies, &mut sync, &mut now, 1_500);
+    send(&mut proxies, &mut sync, &mut now, 1, 1);
+    pause(&mut proxies, &mut sync, &mut now, 1_500);
+    send(&mut proxies, &mut sync, &mut now, 1, 6);
+    pause(&mut proxies, &mut sync, &mut now, 1_500);
+    send(&mut proxies, &mut sync, &mut now, 0, 3);
+    send(&mut proxies, &mut sync, &mut now, 1, 3);
+    let admitted = statuses.iter().filter(|(_, (ok, _))| *ok).count();
+    println!("{statuses:?}");
+    assert_eq!(admitted, LIMIT as usize, "{statuses:?}");
 }
