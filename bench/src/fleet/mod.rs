@@ -110,6 +110,8 @@ struct RunResult {
     lease_waits: i64,
     abandoned: u64,
     event_note: String,
+    /// Leased keys sampled: holders of each in its current bucket, as `GET /v1/holders` gives.
+    holders: Vec<usize>,
 }
 
 /// Runs the measurement.
@@ -260,6 +262,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 notes.push(format!("{restarted} proxies restarted from {:.0} s to {:.0} s", o.seconds * 0.2, o.seconds * 0.8));
             }
             let after = stack.lock().map_err(|_| "stack lock")?.snapshot();
+            let holders = fleet.leased_keys.iter().filter_map(|(key, window_ms)| holders_of(addrs[0], key, *window_ms)).collect();
             let metrics = fleet.metrics();
             Ok(RunResult {
                 proxies,
@@ -273,11 +276,22 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 lease_waits: metrics.get("floodgate.lease.waited"),
                 abandoned: fleet.abandoned,
                 event_note: notes.join("; "),
+                holders,
                 tally: std::mem::replace(&mut fleet.tally, Tally::new(1, 1)),
                 mix,
             })
         })
         .await
+}
+
+/// The holders of leased `key` in its current bucket (`GET /v1/holders`).
+fn holders_of(sync: std::net::SocketAddr, key: &str, window_ms: u64) -> Option<usize> {
+    let (status, body) = crate::envoy::http_get(sync, &format!("/v1/holders?key={key}&window_ms={window_ms}")).ok()?;
+    if status != 200 {
+        return None;
+    }
+    let answer: serde_json::Value = serde_json::from_str(&body).ok()?;
+    answer.get("buckets")?.as_array()?.first()?.get("holders")?.as_array().map(Vec::len)
 }
 
 /// Per 1 000 requests.
@@ -321,7 +335,7 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
         ]);
     }
     println!("### What the fleet admitted against the limit\n\n{}\n", t.render());
-    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 ms", "send lateness max ms"]);
+    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 ms", "lease holders per key (max; keys read)", "send lateness max ms"]);
     for r in results {
         let sum = r.tally.summary();
         let calls: u64 = r.calls.sent.iter().sum();
@@ -340,6 +354,7 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
             per_k(r.spent.tool_cpu_ns as f64 / 1e6, r.requests),
             format!("{} (asks {}, lease waits {})", count(sum.waits.0 as u64), r.asked, r.lease_waits),
             format!("{:.1} / {:.1}", sum.waits.1, sum.waits.2),
+            if r.holders.is_empty() { "-".into() } else { format!("{} ({})", r.holders.iter().max().unwrap_or(&0), r.holders.len()) },
             format!("{:.0}", r.lateness_ms),
         ]);
     }

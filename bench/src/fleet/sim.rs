@@ -197,7 +197,13 @@ pub struct Fleet {
     pub tally: Tally,
     /// Requests still paused when a proxy was restarted (lost with it).
     pub abandoned: u64,
+    /// Leased keys as the store names them (32 hex characters) and their window, the first
+    /// [`HOLDER_SAMPLE`] seen in lease calls: whose holders the run reads at its end.
+    pub leased_keys: Vec<(String, u64)>,
 }
+
+/// Leased keys whose holders a run reads.
+const HOLDER_SAMPLE: usize = 8;
 
 impl Fleet {
     /// A fleet of `proxies` proxies with `workers` workers each running `config` (JSON), the
@@ -221,6 +227,7 @@ impl Fleet {
             calls: CallCounts::default(),
             tally,
             abandoned: 0,
+            leased_keys: Vec::new(),
         };
         for p in 0..proxies {
             let conn = Conn::new(sync[p % sync.len()]);
@@ -404,6 +411,13 @@ impl Fleet {
     }
 
     fn send(&mut self, call: Call) {
+        if call.kind == Kind::Lease && self.leased_keys.len() < HOLDER_SAMPLE {
+            for (key, window_ms) in lease_keys(&call.body) {
+                if self.leased_keys.len() < HOLDER_SAMPLE && !self.leased_keys.iter().any(|(k, _)| *k == key) {
+                    self.leased_keys.push((key, window_ms));
+                }
+            }
+        }
         let Some(proxy) = self.proxies.get(call.proxy) else { return };
         self.calls.sent[match call.kind {
             Kind::Batch => 0,
@@ -643,6 +657,16 @@ impl Fleet {
         self.schedule_ticks(p);
         Ok(())
     }
+}
+
+/// The keys (and windows) a lease call's body asks about.
+fn lease_keys(body: &[u8]) -> Vec<(String, u64)> {
+    let Ok(value) = serde_json::from_slice::<serde_json::Value>(body) else { return Vec::new() };
+    let Some(leases) = value.get("leases").and_then(|l| l.as_array()) else { return Vec::new() };
+    leases
+        .iter()
+        .filter_map(|l| Some((l.get("key")?.as_str()?.to_owned(), l.get("window_ms")?.as_u64()?)))
+        .collect()
 }
 
 /// The step's status: 200 for a request that goes on, the reply's status otherwise.
