@@ -189,6 +189,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
             let mut restarted = 0usize;
             let mut background: Vec<tokio::task::JoinHandle<Result<String, String>>> = Vec::new();
             let mut fired = [false; 2];
+            let mut holders = Vec::new();
             loop {
                 while let Ok(done) = done_rx.try_recv() {
                     fleet.answered(done);
@@ -237,6 +238,13 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                     }
                     Event::Failover => {}
                 }
+                if el >= end_us && holders.is_empty() {
+                    // As the traffic stops: who holds the sampled leased keys.
+                    holders = fleet.leased_keys.iter().filter_map(|(key, window_ms)| holders_of(addrs[0], key, *window_ms)).collect();
+                    if holders.is_empty() {
+                        holders.push(0);
+                    }
+                }
                 if el >= end_us && ((fleet.paused() == 0 && fleet.in_flight == 0) || el >= end_us + 3_000_000) {
                     break;
                 }
@@ -262,7 +270,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 notes.push(format!("{restarted} proxies restarted from {:.0} s to {:.0} s", o.seconds * 0.2, o.seconds * 0.8));
             }
             let after = stack.lock().map_err(|_| "stack lock")?.snapshot();
-            let holders = fleet.leased_keys.iter().filter_map(|(key, window_ms)| holders_of(addrs[0], key, *window_ms)).collect();
+
             let metrics = fleet.metrics();
             Ok(RunResult {
                 proxies,
@@ -276,7 +284,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 lease_waits: metrics.get("floodgate.lease.waited"),
                 abandoned: fleet.abandoned,
                 event_note: notes.join("; "),
-                holders,
+                holders: if fleet.leased_keys.is_empty() { Vec::new() } else { holders },
                 tally: std::mem::replace(&mut fleet.tally, Tally::new(1, 1)),
                 mix,
             })
@@ -284,14 +292,15 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
         .await
 }
 
-/// The holders of leased `key` in its current bucket (`GET /v1/holders`).
+/// The holders of leased `key` (`GET /v1/holders`): the most in its current bucket or the one
+/// before.
 fn holders_of(sync: std::net::SocketAddr, key: &str, window_ms: u64) -> Option<usize> {
     let (status, body) = crate::envoy::http_get(sync, &format!("/v1/holders?key={key}&window_ms={window_ms}")).ok()?;
     if status != 200 {
         return None;
     }
     let answer: serde_json::Value = serde_json::from_str(&body).ok()?;
-    answer.get("buckets")?.as_array()?.first()?.get("holders")?.as_array().map(Vec::len)
+    answer.get("buckets")?.as_array()?.iter().filter_map(|b| b.get("holders")?.as_array().map(Vec::len)).max()
 }
 
 /// Per 1 000 requests.
