@@ -108,6 +108,8 @@ struct RunResult {
     spent: stack::Spent,
     asked: i64,
     lease_waits: i64,
+    /// Decisions without the store: leased `without_store`, batched asks that got no answer.
+    without_store: i64,
     abandoned: u64,
     event_note: String,
     /// Leased keys sampled: holders of each in its current bucket, as `GET /v1/holders` gives.
@@ -282,6 +284,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 spent: spent(&before, &after),
                 asked: metrics.get("floodgate.global.asked"),
                 lease_waits: metrics.get("floodgate.lease.waited"),
+                without_store: metrics.get("floodgate.lease.without_store") + metrics.get("floodgate.global.ask_failures"),
                 abandoned: fleet.abandoned,
                 event_note: notes.join("; "),
                 holders: if fleet.leased_keys.is_empty() { Vec::new() } else { holders },
@@ -344,7 +347,7 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
         ]);
     }
     println!("### What the fleet admitted against the limit\n\n{}\n", t.render());
-    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 ms", "lease holders per key (max; keys read)", "send lateness max ms"]);
+    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 / max ms", "decided without the store", "lease holders per key (max; keys read)", "send lateness max ms"]);
     for r in results {
         let sum = r.tally.summary();
         let calls: u64 = r.calls.sent.iter().sum();
@@ -362,7 +365,8 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
             per_k(r.spent.sync_cpu_ns as f64 / 1e6, r.requests),
             per_k(r.spent.tool_cpu_ns as f64 / 1e6, r.requests),
             format!("{} (asks {}, lease waits {})", count(sum.waits.0 as u64), r.asked, r.lease_waits),
-            format!("{:.1} / {:.1}", sum.waits.1, sum.waits.2),
+            format!("{:.1} / {:.1} / {:.0}", sum.waits.1, sum.waits.2, sum.waits.3),
+            count(u64::try_from(r.without_store).unwrap_or(0)),
             if r.holders.is_empty() { "-".into() } else { format!("{} ({})", r.holders.iter().max().unwrap_or(&0), r.holders.len()) },
             format!("{:.0}", r.lateness_ms),
         ]);

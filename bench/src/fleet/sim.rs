@@ -137,6 +137,8 @@ enum Resume {
 struct Paused {
     key: u32,
     arrived: Instant,
+    /// The wall clock then (ms): the window bucket its units are asked in.
+    wall: u64,
     /// The stream's state as the host context holds it (shared with the stage that parked it).
     _cell: StreamCell,
 }
@@ -343,11 +345,11 @@ impl Fleet {
         let step = pipeline::request_headers(&filter, &env, &mut cell, context, &SimRequest { key: &name }, true, &mut worker.rng);
         match step {
             Step::Wait => {
-                worker.paused.insert(context, Paused { key, arrived: Instant::now(), _cell: cell });
+                worker.paused.insert(context, Paused { key, arrived: Instant::now(), wall: now.wall.0, _cell: cell });
             }
             step => {
                 let status = status_of(&step);
-                record(&mut self.tally, key, status, now, None);
+                record(&mut self.tally, key, status, now.wall.0, None);
                 let mut stream = cell.borrow_mut();
                 if stream.needs_end() {
                     stream.end(&filter, &env, context, &Ended(status));
@@ -580,7 +582,7 @@ impl Fleet {
                 }
                 step => {
                     let status = status_of(&step);
-                    record(&mut self.tally, paused.key, status, now, Some(paused.arrived.elapsed()));
+                    record(&mut self.tally, paused.key, status, paused.wall, Some(paused.arrived.elapsed()));
                     let mut stream = shared.borrow_mut();
                     if stream.needs_end() {
                         stream.end(&filter, &env, context, &Ended(status));
@@ -678,12 +680,13 @@ fn status_of(step: &Step) -> u16 {
     }
 }
 
-/// A decision into the tally.
-fn record(tally: &mut Tally, key: u32, status: u16, now: Now, waited: Option<Duration>) {
+/// A decision into the tally, in the bucket of `wall_ms`: when the request came (a request that
+/// waited is counted in the bucket its units were asked in).
+fn record(tally: &mut Tally, key: u32, status: u16, wall_ms: u64, waited: Option<Duration>) {
     match status {
-        200 => tally.admit(key, now.wall.0),
+        200 => tally.admit(key, wall_ms),
         _ => {
-            tally.refuse(key, now.wall.0);
+            tally.refuse(key, wall_ms);
         }
     }
     if let Some(waited) = waited {

@@ -48,8 +48,8 @@ pub struct Summary {
     pub peak_over: f64,
     /// Each key's fullest bucket, over the limit: median, p99, max (1.0: the limit exactly).
     pub fullest: [f64; 3],
-    /// Waits: how many, p50 and p99 in ms.
-    pub waits: (usize, f64, f64),
+    /// Waits: how many, p50, p99 and max in ms.
+    pub waits: (usize, f64, f64, f64),
 }
 
 impl Tally {
@@ -142,7 +142,7 @@ impl Tally {
         let mut waits = self.waits_us.clone();
         waits.sort_unstable();
         let ms: Vec<f64> = waits.iter().map(|&us| us as f64 / 1000.0).collect();
-        s.waits = (ms.len(), quantile(&ms, 0.5), quantile(&ms, 0.99));
+        s.waits = (ms.len(), quantile(&ms, 0.5), quantile(&ms, 0.99), ms.last().copied().unwrap_or(0.0));
         s
     }
 }
@@ -230,7 +230,7 @@ mod tests {
         let s = t.summary();
         assert_eq!(s.keys, 4);
         assert_eq!(s.fullest, [0.5, 1.0, 1.0]);
-        assert_eq!(s.waits, (4, 2.0, 50.0));
+        assert_eq!(s.waits, (4, 2.0, 50.0, 50.0));
     }
 
     #[test]
