@@ -191,7 +191,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
             let mut restarted = 0usize;
             let mut background: Vec<tokio::task::JoinHandle<Result<String, String>>> = Vec::new();
             let mut fired = [false; 2];
-            let mut holders = Vec::new();
+            let mut holders = None;
             loop {
                 while let Ok(done) = done_rx.try_recv() {
                     fleet.answered(done);
@@ -240,12 +240,11 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                     }
                     Event::Failover => {}
                 }
-                if el >= end_us && holders.is_empty() {
-                    // As the traffic stops: who holds the sampled leased keys.
-                    holders = fleet.leased_keys.iter().filter_map(|(key, window_ms)| holders_of(addrs[0], key, *window_ms)).collect();
-                    if holders.is_empty() {
-                        holders.push(0);
-                    }
+                if el >= end_us && holders.is_none() {
+                    // As the traffic stops: who holds the sampled leased keys (read aside: the
+                    // fleet's loop goes on meanwhile).
+                    let (sync, keys) = (addrs[0], fleet.leased_keys.clone());
+                    holders = Some(tokio::task::spawn_blocking(move || keys.iter().filter_map(|(key, window_ms)| holders_of(sync, key, *window_ms)).collect::<Vec<usize>>()));
                 }
                 if el >= end_us && ((fleet.paused() == 0 && fleet.in_flight == 0) || el >= end_us + 3_000_000) {
                     break;
@@ -260,6 +259,10 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                     }
                 }
             }
+            let holders = match holders {
+                Some(handle) => handle.await.unwrap_or_default(),
+                None => Vec::new(),
+            };
             let mut notes = Vec::new();
             for handle in background {
                 match handle.await {
@@ -287,7 +290,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 without_store: metrics.get("floodgate.lease.without_store") + metrics.get("floodgate.global.ask_failures"),
                 abandoned: fleet.abandoned,
                 event_note: notes.join("; "),
-                holders: if fleet.leased_keys.is_empty() { Vec::new() } else { holders },
+                holders,
                 tally: std::mem::replace(&mut fleet.tally, Tally::new(1, 1)),
                 mix,
             })
