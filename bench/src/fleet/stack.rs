@@ -26,10 +26,10 @@ pub struct Snapshot {
     /// Per node: commands executed (`INFO commandstats`, `INFO`/`PING` left out), bytes in and
     /// out (`INFO stats`), and whether it was a master.
     nodes: Vec<(u64, u64, bool)>,
-    /// CPU time of every Redis node, ns.
-    pub redis_cpu_ns: u64,
-    /// CPU time of the `floodgate-sync` replicas, ns.
-    pub sync_cpu_ns: u64,
+    /// CPU time of every Redis node, ns, by pid.
+    redis_cpu_ns: Vec<(u32, u64)>,
+    /// CPU time of the `floodgate-sync` replicas, ns, by pid.
+    sync_cpu_ns: Vec<(u32, u64)>,
     /// CPU time of this tool, ns.
     pub tool_cpu_ns: u64,
 }
@@ -81,8 +81,8 @@ impl Stack {
             .collect();
         Snapshot {
             nodes,
-            redis_cpu_ns: self.cluster.nodes.iter().filter_map(|n| n.pid()).map(cpu_ns_of).sum(),
-            sync_cpu_ns: self.syncs.iter().map(|s| s.pid()).filter(|&p| p > 0).map(cpu_ns_of).sum(),
+            redis_cpu_ns: self.cluster.nodes.iter().filter_map(|n| n.pid()).map(|p| (p, cpu_ns_of(p))).collect(),
+            sync_cpu_ns: self.syncs.iter().map(|s| s.pid()).filter(|&p| p > 0).map(|p| (p, cpu_ns_of(p))).collect(),
             tool_cpu_ns: cpu_ns_of(std::process::id()),
         }
     }
@@ -99,11 +99,11 @@ impl Stack {
 }
 
 /// What the store did from `before` to `after` (Redis's counts on the nodes that were masters at
-/// either moment; a node killed meanwhile counts for nothing).
+/// either moment; a node or replica killed meanwhile counts for nothing, a new one from its start).
 pub fn spent(before: &Snapshot, after: &Snapshot) -> Spent {
     let mut s = Spent {
-        redis_cpu_ns: after.redis_cpu_ns.saturating_sub(before.redis_cpu_ns),
-        sync_cpu_ns: after.sync_cpu_ns.saturating_sub(before.sync_cpu_ns),
+        redis_cpu_ns: cpu_since(&before.redis_cpu_ns, &after.redis_cpu_ns),
+        sync_cpu_ns: cpu_since(&before.sync_cpu_ns, &after.sync_cpu_ns),
         tool_cpu_ns: after.tool_cpu_ns.saturating_sub(before.tool_cpu_ns),
         ..Spent::default()
     };
@@ -116,7 +116,24 @@ pub fn spent(before: &Snapshot, after: &Snapshot) -> Spent {
     s
 }
 
+/// The CPU time the processes of `after` used since `before` (a process started meanwhile: all
+/// of its time; one that ended meanwhile, killed by an event, is not counted).
+fn cpu_since(before: &[(u32, u64)], after: &[(u32, u64)]) -> u64 {
+    after.iter().map(|(pid, ns)| ns.saturating_sub(before.iter().find(|(p, _)| p == pid).map_or(0, |(_, b)| *b))).sum()
+}
+
 /// A numeric field of an `INFO` section.
 fn field(info: &str, name: &str) -> u64 {
     info.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_since;
+
+    #[test]
+    fn cpu_of_processes_replaced_meanwhile() {
+        // 7 kept running, 8 was killed, 9 started meanwhile.
+        assert_eq!(cpu_since(&[(7, 100), (8, 50)], &[(7, 130), (9, 20)]), 30 + 20);
+    }
 }
