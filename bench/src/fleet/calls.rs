@@ -64,6 +64,8 @@ pub struct Done {
     pub proxies: Option<u32>,
     /// Request and response body bytes.
     pub bytes: u64,
+    /// How long it took, µs.
+    pub took_us: u64,
 }
 
 /// One proxy's connection to its `floodgate-sync` replica, made at the first call and again
@@ -121,6 +123,7 @@ impl Conn {
     pub fn send(self: &Rc<Conn>, call: Call, done: UnboundedSender<Done>) {
         let conn = Rc::clone(self);
         tokio::task::spawn_local(async move {
+            let started = std::time::Instant::now();
             let result = tokio::time::timeout(call.timeout, conn.post(&call)).await;
             let sent = call.body.len() as u64;
             let (answer, proxies, bytes) = match result {
@@ -144,6 +147,7 @@ impl Conn {
                 answer,
                 proxies,
                 bytes,
+                took_us: started.elapsed().as_micros() as u64,
             });
         });
     }

@@ -110,6 +110,8 @@ struct RunResult {
     lease_waits: i64,
     /// Decisions without the store: leased `without_store`, batched asks that got no answer.
     without_store: i64,
+    /// Lease calls the module counted as failed (`lease.failures`).
+    lease_failures: i64,
     abandoned: u64,
     event_note: String,
     /// Leased keys sampled: holders of each in its current bucket, as `GET /v1/holders` gives.
@@ -276,6 +278,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
             }
             let after = stack.lock().map_err(|_| "stack lock")?.snapshot();
 
+            let calls = std::mem::take(&mut fleet.calls);
             let metrics = fleet.metrics();
             Ok(RunResult {
                 proxies,
@@ -283,11 +286,12 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 event,
                 requests: n,
                 lateness_ms: lateness_us as f64 / 1000.0,
-                calls: fleet.calls,
+                calls,
                 spent: spent(&before, &after),
                 asked: metrics.get("floodgate.global.asked"),
                 lease_waits: metrics.get("floodgate.lease.waited"),
                 without_store: metrics.get("floodgate.lease.without_store") + metrics.get("floodgate.global.ask_failures"),
+                lease_failures: metrics.get("floodgate.lease.failures"),
                 abandoned: fleet.abandoned,
                 event_note: notes.join("; "),
                 holders,
@@ -350,7 +354,7 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
         ]);
     }
     println!("### What the fleet admitted against the limit\n\n{}\n", t.render());
-    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 / max ms", "decided without the store", "lease holders per key (max; keys read)", "send lateness max ms"]);
+    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls (lease.failures)", "call p50 / p99 / max ms", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 / max ms", "decided without the store", "lease holders per key (max; keys read)", "send lateness max ms"]);
     for r in results {
         let sum = r.tally.summary();
         let calls: u64 = r.calls.sent.iter().sum();
@@ -360,7 +364,12 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
             r.mix.kind.name().into(),
             r.event.name().into(),
             format!("{} ({}, {}, {})", per_k(calls as f64, r.requests), per_k(r.calls.sent[0] as f64, r.requests), per_k(r.calls.sent[1] as f64, r.requests), per_k(r.calls.sent[2] as f64, r.requests)),
-            count(r.calls.failed),
+            format!("{} ({})", count(r.calls.failed), r.lease_failures),
+            {
+                let mut took: Vec<f64> = r.calls.took_us.iter().map(|&us| us as f64 / 1000.0).collect();
+                took.sort_by(f64::total_cmp);
+                format!("{:.1} / {:.1} / {:.0}", tally::quantile(&took, 0.5), tally::quantile(&took, 0.99), took.last().copied().unwrap_or(0.0))
+            },
             per_k(r.spent.commands as f64, r.requests),
             per_k(r.calls.bytes as f64, r.requests),
             per_k(r.spent.bytes as f64, r.requests),

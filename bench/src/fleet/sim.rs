@@ -163,7 +163,7 @@ struct Proxy {
 }
 
 /// The fleet's counters of store calls.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct CallCounts {
     /// Calls sent, by kind: batches, asks, leases.
     pub sent: [u64; 3],
@@ -171,6 +171,8 @@ pub struct CallCounts {
     pub failed: u64,
     /// Request and response body bytes.
     pub bytes: u64,
+    /// Each call's time to its answer (or failure), µs.
+    pub took_us: Vec<u64>,
 }
 
 /// The tick heap's entry: when, which proxy, its generation, which worker.
@@ -596,6 +598,7 @@ impl Fleet {
     pub fn answered(&mut self, done: Done) {
         self.in_flight = self.in_flight.saturating_sub(1);
         self.calls.bytes += done.bytes;
+        self.calls.took_us.push(done.took_us);
         if !matches!(done.answer, floodgate::fleet::Answer::Ok(_)) {
             self.calls.failed += 1;
         }
