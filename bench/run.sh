@@ -2,7 +2,7 @@
 # floodgate's benchmark tool: builds what it needs, then runs the measurements and prints tables
 # (markdown) on stdout, progress on stderr. See docs/benchmarks.md.
 #
-#   bench/run.sh [--quick] [--diagnose] [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|peers|all] [options]
+#   bench/run.sh [--quick] [--diagnose] [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|peers|fleet|all] [options]
 #
 # On a 2-core VM (2026-11-25) --quick took about 10 min, and 14 more for `global`; the full run
 # about 25 min before `global` (its parts timed one by one); --diagnose adds the
@@ -13,6 +13,10 @@
 # of Limitador, in one run; it needs WASM_SHIM_WASM (the module) and LIMITADOR_BIN
 # (limitador-server), which bench/peers/build.sh builds from their sources, and is skipped with a
 # message without them. Like `global`, it needs Redis and floodgate-sync.
+# `fleet` (not part of `all`) runs no Envoy: simulated proxies (the module's code, natively) call
+# two floodgate-sync replicas in front of a local Redis Cluster (3 masters, 3 replicas); options
+# --proxies N,N --workers N --mix hot,users,zipf --consistency batched,leased --seconds S
+# --rate R --events restart,failover,sync-restart. Each run is bounded (--seconds, default 20).
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
 # module built elsewhere instead of building this tree's. FLOODGATE_BENCH_DUMPS=dir keeps the
 # callgrind dump of each `instructions` variant there (read it with callgrind_annotate).
@@ -42,7 +46,22 @@ if [[ "$(nproc)" -lt 2 ]]; then
   echo "bench/run.sh: warning: one CPU only; Envoy and the load generator will share it" >&2
 fi
 
-if [[ -n "${FLOODGATE_WASM:-}" ]]; then
+# `fleet` alone needs no module and no Envoy.
+fleet_only=
+for a in "$@"; do
+  case "$a" in
+    fleet) fleet_only=1 ;;
+  esac
+done
+for a in "$@"; do
+  case "$a" in
+    cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|peers|all) fleet_only= ;;
+  esac
+done
+
+if [[ -n "$fleet_only" ]]; then
+  wasm=; rev="built from $(git rev-parse --short HEAD 2>/dev/null || echo '?') (native)"; filters=; envoy=
+elif [[ -n "${FLOODGATE_WASM:-}" ]]; then
   wasm=$FLOODGATE_WASM
   rev="$wasm (FLOODGATE_WASM)"
   step "floodgate module: $rev"
@@ -53,21 +72,23 @@ else
   if ! git diff --quiet HEAD -- filter 2>/dev/null; then rev="$rev + uncommitted changes in filter/"; fi
 fi
 
-step "build the contrast modules (bench/filters: no-op, naive per-key limiter)"
-if ! rustup target list --installed | grep -qx wasm32-wasip1; then
-  rustup target add wasm32-wasip1 >&2
-fi
-(cd bench/filters && cargo build --release --target wasm32-wasip1 >&2)
-filters=bench/filters/target/wasm32-wasip1/release
+if [[ -z "$fleet_only" ]]; then
+  step "build the contrast modules (bench/filters: no-op, naive per-key limiter)"
+  if ! rustup target list --installed | grep -qx wasm32-wasip1; then
+    rustup target add wasm32-wasip1 >&2
+  fi
+  (cd bench/filters && cargo build --release --target wasm32-wasip1 >&2)
+  filters=bench/filters/target/wasm32-wasip1/release
 
-step "get Envoy (scripts/envoy.sh)"
-envoy=$(scripts/envoy.sh | tail -n1)
+  step "get Envoy (scripts/envoy.sh)"
+  envoy=$(scripts/envoy.sh | tail -n1)
+fi
 
 # `global` runs when named, or when no measurement is named (all); `peers` needs the same.
 global=1
 for a in "$@"; do
   case "$a" in
-    global|peers|all) global=1; break ;;
+    global|peers|fleet|all) global=1; break ;;
     cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle) global= ;;
   esac
 done

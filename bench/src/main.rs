@@ -2,7 +2,7 @@
 //! about time. Run it through `bench/run.sh`, which builds the modules and Envoy first.
 //!
 //! ```text
-//! floodgate-bench [cpu|instructions|memory|accuracy|flood|contention|idle|global|peers|all] [--quick] [options]
+//! floodgate-bench [cpu|instructions|memory|accuracy|flood|contention|idle|global|peers|fleet|all] [--quick] [options]
 //! ```
 
 mod accuracy;
@@ -10,6 +10,7 @@ mod contention;
 mod cpu;
 mod envoy;
 mod flood;
+mod fleet;
 mod global;
 mod idle;
 mod instructions;
@@ -75,6 +76,8 @@ pub struct Settings {
     pub wasm_shim_wasm: PathBuf,
     /// `peers`: the `limitador-server` binary.
     pub limitador_bin: PathBuf,
+    /// `fleet`: fleet sizes, workers, mixes, consistencies, seconds, rate, events.
+    pub fleet: fleet::FleetOptions,
 }
 
 /// Cluster selection in the "everything on" variant.
@@ -90,11 +93,12 @@ pub enum Selection {
 
 fn usage() -> ! {
     eprintln!(
-        "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|peers|all]... [--quick] [--rounds N] [--seconds S]\n\
+        "usage: floodgate-bench [cpu|keys|latency|instructions|memory|accuracy|flood|contention|idle|global|peers|fleet|all]... [--quick] [--rounds N] [--seconds S]\n\
          \x20      [--warmup S] [--connections N] [--diagnose|--no-diagnose] [--selection auto|on|off] [--variants id,id] [--capacity N] [--keys N]\n\
          \x20      [--envoy PATH] [--wasm PATH] [--llm-wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
          \x20      [--wasm-shim PATH] [--limitador PATH]\n\
          \x20      [--extra-wasm PATH [--extra-config STRING]]...\n\
+         \x20      fleet: [--proxies N,N] [--workers N] [--mix hot,users,zipf] [--consistency batched,leased] [--rate REQ_PER_S] [--events restart,failover,sync-restart]\n\
          --extra-wasm adds another module to `cpu` and `instructions` as variant ext1, ext2, ... with the --extra-config after it, and to global part (f) as one more `leased` row.\n\
          The LLM variants of `instructions` (--variants llm-plain,llm-json-1k,...; docs/benchmarks.md) load --llm-wasm,\n\
          by default $FLOODGATE_LLM_WASM, or floodgate-llm.wasm beside the floodgate module.\n\
@@ -143,15 +147,26 @@ fn main() {
         sync_bin: env_path("FLOODGATE_SYNC_BIN"),
         wasm_shim_wasm: env_path("WASM_SHIM_WASM"),
         limitador_bin: env_path("LIMITADOR_BIN"),
+        fleet: fleet::FleetOptions::default(),
     };
+    let mut fleet_seconds = None;
     let mut diagnose: Option<bool> = None;
     while let Some(a) = args.next() {
         let mut value = || args.next().unwrap_or_else(|| usage());
         match a.as_str() {
-            "cpu" | "keys" | "latency" | "instructions" | "memory" | "accuracy" | "flood" | "contention" | "idle" | "global" | "peers" | "all" => what.push(a),
+            "cpu" | "keys" | "latency" | "instructions" | "memory" | "accuracy" | "flood" | "contention" | "idle" | "global" | "peers" | "fleet" | "all" => what.push(a),
             "--quick" => s.quick = true,
             "--rounds" => s.rounds = value().parse().unwrap_or_else(|_| usage()),
-            "--seconds" => s.seconds = value().parse().unwrap_or_else(|_| usage()),
+            "--seconds" => {
+                s.seconds = value().parse().unwrap_or_else(|_| usage());
+                fleet_seconds = Some(s.seconds);
+            }
+            "--proxies" => s.fleet.proxies = value().split(',').map(|p| p.parse().ok().filter(|p| *p > 0).unwrap_or_else(|| usage())).collect(),
+            "--workers" => s.fleet.workers = value().parse().ok().filter(|w| (1..=64).contains(w)).unwrap_or_else(|| usage()),
+            "--mix" => s.fleet.mixes = value().split(',').map(str::to_string).collect(),
+            "--consistency" => s.fleet.consistencies = value().split(',').map(str::to_string).collect(),
+            "--rate" => s.fleet.rate = Some(value().parse().ok().filter(|r: &f64| *r > 0.0).unwrap_or_else(|| usage())),
+            "--events" => s.fleet.events = value().split(',').map(str::to_string).collect(),
             "--warmup" => s.warmup = value().parse().unwrap_or_else(|_| usage()),
             "--connections" => s.connections = value().parse().unwrap_or_else(|_| usage()),
             "--variants" => s.only = Some(value().split(',').map(str::to_string).collect()),
@@ -190,6 +205,9 @@ fn main() {
     if s.rounds == 0 {
         s.rounds = if s.quick { 3 } else { 7 };
     }
+    if let Some(seconds) = fleet_seconds {
+        s.fleet.seconds = seconds;
+    }
     if s.seconds == 0.0 {
         s.seconds = if s.quick { 3.0 } else { 5.0 };
     }
@@ -208,7 +226,15 @@ fn main() {
             *p = abs;
         }
     }
-    let needs_envoy = what.iter().any(|w| w != "accuracy");
+    let needs_envoy = what.iter().any(|w| w != "accuracy" && w != "fleet");
+    if what.iter().any(|w| w == "fleet") {
+        for (name, p) in [("redis-server", &s.redis_server), ("floodgate-sync", &s.sync_bin)] {
+            if !p.is_file() {
+                eprintln!("floodgate-bench: {name} not found at {:?}; run bench/run.sh, which installs and builds it", p);
+                std::process::exit(2);
+            }
+        }
+    }
     if needs_envoy {
         let modules = [("Envoy", &s.envoy), ("floodgate module", &s.floodgate_wasm), ("no-op module", &s.noop_wasm), ("naive module", &s.naive_wasm)];
         for (name, p) in modules.into_iter().chain(s.extra.iter().map(|e| ("--extra-wasm module", &e.0))) {
@@ -263,6 +289,7 @@ fn main() {
             "idle" => rt.block_on(idle::run(&s)),
             "global" => rt.block_on(global::run(&s)),
             "peers" => rt.block_on(peers::run(&s)),
+            "fleet" => rt.block_on(fleet::run(&s)),
             _ => unreachable!(),
         }
         eprintln!("[{w} took {:.0} s]", t.elapsed().as_secs_f64());

@@ -108,6 +108,8 @@ pub struct Redis {
     /// Its port on 127.0.0.1.
     pub port: u16,
     dir: tempfile::TempDir,
+    /// `redis-server` arguments beyond address and persistence (a cluster node's).
+    extra: Vec<String>,
 }
 
 /// What Redis has executed so far, from `INFO commandstats`.
@@ -122,8 +124,15 @@ pub struct RedisCounts {
 impl Redis {
     /// Starts `binary` on a free port and waits (at most 10 s) until it answers `PING`.
     pub fn start(binary: &Path) -> Result<Redis, String> {
+        Redis::start_on(binary, free_port()?, &[])
+    }
+
+    /// Starts `binary` on `port` with `extra` arguments and waits (at most 10 s) until it answers
+    /// `PING`.
+    pub fn start_on(binary: &Path, port: u16, extra: &[&str]) -> Result<Redis, String> {
         let dir = tempfile::Builder::new().prefix("floodgate-bench-redis-").tempdir().map_err(|e| e.to_string())?;
-        let mut redis = Redis { process: None, binary: binary.to_path_buf(), port: free_port()?, dir };
+        let extra = extra.iter().map(|s| s.to_string()).collect();
+        let mut redis = Redis { process: None, binary: binary.to_path_buf(), port, dir, extra };
         redis.spawn()?;
         redis.wait_ready(Duration::from_secs(10))?;
         Ok(redis)
@@ -134,6 +143,7 @@ impl Redis {
             .iter()
             .map(|s| s.to_string())
             .chain([self.dir.path().display().to_string()])
+            .chain(self.extra.iter().cloned())
             .collect();
         self.process = Some(Bounded::start(&self.binary, &args, &self.dir.path().join("redis.log"), &[])?);
         Ok(())
@@ -246,34 +256,131 @@ impl Redis {
 
 /// `floodgate-sync` in front of one Redis node.
 pub struct Sync {
-    process: Bounded,
+    process: Option<Bounded>,
     /// Where it listens.
     pub addr: SocketAddr,
-    _dir: tempfile::TempDir,
+    binary: PathBuf,
+    args: Vec<String>,
+    dir: tempfile::TempDir,
 }
 
 impl Sync {
     /// Starts `binary` against `redis_url` on a free port, with its default timeouts, and waits
     /// (at most 10 s) until `/healthz` answers.
     pub fn start(binary: &Path, redis_url: &str) -> Result<Sync, String> {
+        Sync::start_with(binary, &["--redis", redis_url])
+    }
+
+    /// Starts `binary` with `args` (`--redis` and the rest; the address is added) on a free port,
+    /// and waits (at most 10 s) until `/healthz` answers.
+    pub fn start_with(binary: &Path, args: &[&str]) -> Result<Sync, String> {
         let dir = tempfile::Builder::new().prefix("floodgate-bench-sync-").tempdir().map_err(|e| e.to_string())?;
         let addr = SocketAddr::from(([127, 0, 0, 1], free_port()?));
-        let args = vec!["--listen".to_string(), addr.to_string(), "--redis".into(), redis_url.into()];
-        let log = dir.path().join("sync.log");
-        let mut process = Bounded::start(binary, &args, &log, &[("RUST_LOG", "info")])?;
+        let mut args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        args.extend(["--listen".to_string(), addr.to_string()]);
+        let mut sync = Sync { process: None, addr, binary: binary.to_path_buf(), args, dir };
+        sync.spawn()?;
+        Ok(sync)
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let log = self.dir.path().join("sync.log");
+        let mut process = Bounded::start(&self.binary, &self.args, &log, &[("RUST_LOG", "info")])?;
         let deadline = Instant::now() + Duration::from_secs(10);
-        while !crate::envoy::http_get(addr, "/healthz").is_ok_and(|(s, _)| s == 200) {
+        while !crate::envoy::http_get(self.addr, "/healthz").is_ok_and(|(s, _)| s == 200) {
             if !process.alive() || Instant::now() > deadline {
                 return Err(format!("floodgate-sync did not start: {}", std::fs::read_to_string(&log).unwrap_or_default()));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
-        Ok(Sync { process, addr, _dir: dir })
+        self.process = Some(process);
+        Ok(())
     }
 
-    /// Its pid.
+    /// Kills it (SIGKILL) and starts it again on the same address, waiting until it answers.
+    pub fn restart(&mut self) -> Result<(), String> {
+        self.process = None;
+        self.spawn()
+    }
+
+    /// Its pid (0 while it is not running).
     pub fn pid(&self) -> u32 {
-        self.process.pid
+        self.process.as_ref().map_or(0, |p| p.pid)
+    }
+}
+
+/// A local Redis Cluster: `masters` masters with `replicas` replicas each, made with
+/// `redis-cli --cluster create` as `integration/src/store.rs` makes its test clusters.
+pub struct RedisCluster {
+    /// Every node, masters first as `redis-cli --cluster create` assigned them.
+    pub nodes: Vec<Redis>,
+}
+
+/// The cluster settings of every node (a failed master's replica takes over within about 2 s).
+const CLUSTER_ARGS: [&str; 6] = ["--cluster-enabled", "yes", "--cluster-node-timeout", "1000", "--cluster-config-file", "nodes.conf"];
+
+impl RedisCluster {
+    /// Starts the nodes and creates the cluster; waits (at most 20 s) until every node reports
+    /// `cluster_state:ok`.
+    pub fn start(binary: &Path, masters: usize, replicas: usize) -> Result<RedisCluster, String> {
+        let mut nodes = Vec::new();
+        while nodes.len() < masters * (1 + replicas) {
+            // The cluster bus listens on the port + 10000: both free.
+            let port = free_port()?;
+            if port < 55_000 && TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+                nodes.push(Redis::start_on(binary, port, &CLUSTER_ARGS)?);
+            }
+        }
+        let beside = binary.with_file_name("redis-cli");
+        let cli = if beside.is_file() { beside } else { PathBuf::from("redis-cli") };
+        let out = Command::new("timeout")
+            .args(["-s", "KILL", "60"])
+            .arg(&cli)
+            .arg("--cluster")
+            .arg("create")
+            .args(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)))
+            .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| format!("redis-cli --cluster create: {e}"))?;
+        if !out.status.success() {
+            return Err(format!("cluster create: {}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr)));
+        }
+        let cluster = RedisCluster { nodes };
+        cluster.wait_ok(Duration::from_secs(20))?;
+        Ok(cluster)
+    }
+
+    /// Waits until every running node reports `cluster_state:ok`.
+    pub fn wait_ok(&self, timeout: Duration) -> Result<(), String> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let ok = self
+                .nodes
+                .iter()
+                .filter(|n| n.pid().is_some())
+                .all(|n| n.command("CLUSTER INFO").is_ok_and(|o| o.contains("cluster_state:ok")));
+            if ok {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(format!("redis cluster not ok after {timeout:?}"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The nodes' URLs, seeds for a cluster client.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(Redis::url).collect()
+    }
+
+    /// Indices of the running nodes that are masters now.
+    pub fn masters(&self) -> Vec<usize> {
+        (0..self.nodes.len())
+            .filter(|&i| self.nodes[i].pid().is_some())
+            .filter(|&i| self.nodes[i].command("INFO replication").is_ok_and(|o| o.contains("role:master")))
+            .collect()
     }
 }
 
