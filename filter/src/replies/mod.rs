@@ -16,6 +16,9 @@
 pub mod api;
 pub mod grpc;
 
+#[cfg(test)]
+mod bytes;
+
 use crate::config::RefusalFormat;
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
 use crate::shedding::per_key::{CapRefusal, PerKeyCap};
