@@ -110,17 +110,15 @@ fn api_format(format: &str) -> Limiter {
 }
 
 #[test]
-fn the_429_in_openai_s_format() {
-    let limiter = api_format("openai");
-    assert_eq!(refused(&limiter, vec![violation(0, 100, 100.0, 0, Some(2_695), Cause::OverLimit)]), r#"429
+fn the_429_in_the_apis_formats() {
+    let openai = (r#"429
 content-type: application/json
 retry-after: 3
 ratelimit-policy: "tokens";q=100;w=60
 ratelimit: "tokens";r=0;t=3
 retry-after-ms: 2695
 {"error":{"message":"Rate limit reached for quota \"tokens\" of 100 tokens per 1m (used 100, remaining 0). Please try again in 2.695s.","type":"tokens","param":null,"code":"rate_limit_exceeded","policy":"tokens","limit":100,"unit":"tokens","window":"1m","remaining":0,"estimate":100.0,"retry_after":3,"retry_after_ms":2695}}
-Some(Refusal { kind: RateLimited, detail: "quota \"tokens\" of 100 units per 1m is exhausted (current estimate 100); retry in 3 s", retry_after_ms: 2695 })"#);
-    assert_eq!(refused(&limiter, vec![violation(0, 100, 10.0, 90, Some(120), Cause::Contention)]), r#"429
+Some(Refusal { kind: RateLimited, detail: "quota \"tokens\" of 100 units per 1m is exhausted (current estimate 100); retry in 3 s", retry_after_ms: 2695 })"#, r#"429
 content-type: application/json
 retry-after: 1
 ratelimit-policy: "tokens";q=100;w=60
@@ -128,20 +126,14 @@ ratelimit: "tokens";r=90;t=1
 retry-after-ms: 120
 {"error":{"message":"Rate limit quota \"tokens\" of 100 tokens per 1m could not be counted under contention. Please try again in 120ms.","type":"tokens","param":null,"code":"rate_limit_exceeded","policy":"tokens","limit":100,"unit":"tokens","window":"1m","remaining":90,"estimate":10.0,"retry_after":1,"retry_after_ms":120}}
 Some(Refusal { kind: RateLimited, detail: "quota \"tokens\" could not be counted under contention; retry in 1 s", retry_after_ms: 120 })"#);
-}
-
-#[test]
-fn the_429_in_anthropic_s_format() {
-    let limiter = api_format("anthropic");
-    assert_eq!(refused(&limiter, vec![violation(0, 100, 100.0, 0, Some(2_695), Cause::OverLimit)]), r#"429
+    let anthropic = (r#"429
 content-type: application/json
 retry-after: 3
 ratelimit-policy: "tokens";q=100;w=60
 ratelimit: "tokens";r=0;t=3
 retry-after-ms: 2695
 {"type":"error","error":{"type":"rate_limit_error","message":"This request would exceed the rate limit quota \"tokens\" of 100 tokens per 1m (used 100, remaining 0). Please try again in 2.695s.","policy":"tokens","limit":100,"unit":"tokens","window":"1m","remaining":0,"estimate":100.0,"retry_after":3,"retry_after_ms":2695}}
-Some(Refusal { kind: RateLimited, detail: "quota \"tokens\" of 100 units per 1m is exhausted (current estimate 100); retry in 3 s", retry_after_ms: 2695 })"#);
-    assert_eq!(refused(&limiter, vec![violation(0, 100, 10.0, 90, Some(120), Cause::Contention)]), r#"429
+Some(Refusal { kind: RateLimited, detail: "quota \"tokens\" of 100 units per 1m is exhausted (current estimate 100); retry in 3 s", retry_after_ms: 2695 })"#, r#"429
 content-type: application/json
 retry-after: 1
 ratelimit-policy: "tokens";q=100;w=60
@@ -149,6 +141,11 @@ ratelimit: "tokens";r=90;t=1
 retry-after-ms: 120
 {"type":"error","error":{"type":"rate_limit_error","message":"The rate limit quota \"tokens\" of 100 tokens per 1m could not be counted under contention. Please try again in 120ms.","policy":"tokens","limit":100,"unit":"tokens","window":"1m","remaining":90,"estimate":10.0,"retry_after":1,"retry_after_ms":120}}
 Some(Refusal { kind: RateLimited, detail: "quota \"tokens\" could not be counted under contention; retry in 1 s", retry_after_ms: 120 })"#);
+    for (format, (over_limit, contention)) in [("openai", openai), ("anthropic", anthropic)] {
+        let limiter = api_format(format);
+        assert_eq!(refused(&limiter, vec![violation(0, 100, 100.0, 0, Some(2_695), Cause::OverLimit)]), over_limit, "{format}");
+        assert_eq!(refused(&limiter, vec![violation(0, 100, 10.0, 90, Some(120), Cause::Contention)]), contention, "{format}");
+    }
 }
 
 #[test]
