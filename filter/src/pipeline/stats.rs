@@ -510,3 +510,190 @@ impl Stats {
         self.rules.get(index).copied().unwrap_or_default()
     }
 }
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// Every metric defined, as `kind name`.
+    #[derive(Default)]
+    struct Defined(RefCell<Vec<String>>);
+
+    impl Metrics for Defined {
+        fn define(&self, kind: MetricKind, name: &str) -> Option<u32> {
+            let mut names = self.0.borrow_mut();
+            names.push(format!("{kind:?} {name}"));
+            u32::try_from(names.len()).ok()
+        }
+        fn add(&self, _id: u32, _delta: i64) {}
+        fn record(&self, _id: u32, _value: u64) {}
+    }
+
+    /// The metrics `config` defines, sorted.
+    fn defined(config: &str) -> Vec<String> {
+        let config = Config::parse(config.as_bytes()).unwrap();
+        let metrics = Defined::default();
+        Stats::define(&config, &metrics);
+        LeaseStats::define(&config, &metrics);
+        let mut names = metrics.0.into_inner();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn every_stage_defines_its_metrics_by_name_and_kind() {
+        let everything = r#"{"stat_prefix":"fg","global":{"cluster":"sync"},
+            "rate_limits":[
+              {"name":"tokens","key":["source_ip"],"limit":100,"window":"1m","scope":"global",
+               "cost":{"from":"response_body","path":"usage.total_tokens","estimate":{"default":10,"max":10}}},
+              {"name":"units","key":["source_ip"],"limit":100,"window":"1m","scope":"global","consistency":"leased",
+               "cost":{"from":"request_header","header":"x-units"}},
+              {"name":"reported","key":["path"],"limit":9,"window":"1m","cost":{"from":"response_header","header":"x-units"}},
+              {"name":"burst","key":["path"],"limit":10,"window":"1s","algorithm":"token_bucket","burst":5,"max_delay":"1s"}],
+            "load_shedding":{"max_active_requests":10,"max_loop_lag":"50ms","queue":{"max_queued":3,"max_wait":"1s"},
+              "classes":[{"name":"high","shed_at":1.0},{"name":"low","shed_at":0.5}],"default_class":"high",
+              "per_key":{"key":[{"header":"x-client"}],"max_active_requests":2}},
+            "cluster_selection":{"clusters":["a","outbound|80||b"]}}"#;
+        assert_eq!(defined(everything).join("\n"), "\
+         Counter fg.cluster.a.failure\n\
+         Counter fg.cluster.a.ignored\n\
+         Counter fg.cluster.a.selected\n\
+         Counter fg.cluster.a.slow\n\
+         Counter fg.cluster.a.success\n\
+         Counter fg.cluster.a.timeout\n\
+         Counter fg.cluster.outbound_80__b.failure\n\
+         Counter fg.cluster.outbound_80__b.ignored\n\
+         Counter fg.cluster.outbound_80__b.selected\n\
+         Counter fg.cluster.outbound_80__b.slow\n\
+         Counter fg.cluster.outbound_80__b.success\n\
+         Counter fg.cluster.outbound_80__b.timeout\n\
+         Counter fg.cluster_selection.contention\n\
+         Counter fg.cluster_selection.exhausted\n\
+         Counter fg.cluster_selection.partition.shadow_refused\n\
+         Counter fg.cluster_selection.partition.spilled\n\
+         Counter fg.cluster_selection.partition.unkeyed\n\
+         Counter fg.global.ask_failures\n\
+         Counter fg.global.asked\n\
+         Counter fg.global.batches\n\
+         Counter fg.global.confirmed\n\
+         Counter fg.global.counters\n\
+         Counter fg.global.dropped\n\
+         Counter fg.global.errors\n\
+         Counter fg.global.failures\n\
+         Counter fg.lease.calls\n\
+         Counter fg.lease.failures\n\
+         Counter fg.lease.granted\n\
+         Counter fg.lease.returned\n\
+         Counter fg.lease.waited\n\
+         Counter fg.lease.without_store\n\
+         Counter fg.load_shedding.contention\n\
+         Counter fg.load_shedding.high.dequeued\n\
+         Counter fg.load_shedding.high.queue_abandoned\n\
+         Counter fg.load_shedding.high.queue_timeout\n\
+         Counter fg.load_shedding.high.queued\n\
+         Counter fg.load_shedding.high.shadow_shed\n\
+         Counter fg.load_shedding.high.shed\n\
+         Counter fg.load_shedding.high.shed_by_lag\n\
+         Counter fg.load_shedding.low.dequeued\n\
+         Counter fg.load_shedding.low.queue_abandoned\n\
+         Counter fg.load_shedding.low.queue_timeout\n\
+         Counter fg.load_shedding.low.queued\n\
+         Counter fg.load_shedding.low.shadow_shed\n\
+         Counter fg.load_shedding.low.shed\n\
+         Counter fg.load_shedding.low.shed_by_lag\n\
+         Counter fg.load_shedding.per_key.refused\n\
+         Counter fg.load_shedding.per_key.shadow_refused\n\
+         Counter fg.load_shedding.per_key.unkeyed\n\
+         Counter fg.load_shedding.per_key.untracked\n\
+         Counter fg.rate_limit.burst.allowed\n\
+         Counter fg.rate_limit.burst.charged\n\
+         Counter fg.rate_limit.burst.contention\n\
+         Counter fg.rate_limit.burst.delay_abandoned\n\
+         Counter fg.rate_limit.burst.delayed\n\
+         Counter fg.rate_limit.burst.evictions\n\
+         Counter fg.rate_limit.burst.invalid_cost\n\
+         Counter fg.rate_limit.burst.rejected\n\
+         Counter fg.rate_limit.burst.shadow_rejected\n\
+         Counter fg.rate_limit.burst.skipped\n\
+         Counter fg.rate_limit.reported.allowed\n\
+         Counter fg.rate_limit.reported.charged\n\
+         Counter fg.rate_limit.reported.contention\n\
+         Counter fg.rate_limit.reported.evictions\n\
+         Counter fg.rate_limit.reported.invalid_cost\n\
+         Counter fg.rate_limit.reported.refunded\n\
+         Counter fg.rate_limit.reported.rejected\n\
+         Counter fg.rate_limit.reported.shadow_rejected\n\
+         Counter fg.rate_limit.reported.skipped\n\
+         Counter fg.rate_limit.reported.unreported\n\
+         Counter fg.rate_limit.tokens.allowed\n\
+         Counter fg.rate_limit.tokens.charged\n\
+         Counter fg.rate_limit.tokens.contention\n\
+         Counter fg.rate_limit.tokens.evictions\n\
+         Counter fg.rate_limit.tokens.invalid_cost\n\
+         Counter fg.rate_limit.tokens.refunded\n\
+         Counter fg.rate_limit.tokens.rejected\n\
+         Counter fg.rate_limit.tokens.shadow_rejected\n\
+         Counter fg.rate_limit.tokens.skipped\n\
+         Counter fg.rate_limit.tokens.unreadable\n\
+         Counter fg.rate_limit.tokens.unreadable_compressed\n\
+         Counter fg.rate_limit.tokens.unreported\n\
+         Counter fg.rate_limit.units.allowed\n\
+         Counter fg.rate_limit.units.charged\n\
+         Counter fg.rate_limit.units.contention\n\
+         Counter fg.rate_limit.units.evictions\n\
+         Counter fg.rate_limit.units.invalid_cost\n\
+         Counter fg.rate_limit.units.rejected\n\
+         Counter fg.rate_limit.units.shadow_rejected\n\
+         Counter fg.rate_limit.units.skipped\n\
+         Gauge fg.cluster.a.concurrency_limit\n\
+         Gauge fg.cluster.a.in_flight\n\
+         Gauge fg.cluster.a.success_rate_ppm\n\
+         Gauge fg.cluster.outbound_80__b.concurrency_limit\n\
+         Gauge fg.cluster.outbound_80__b.in_flight\n\
+         Gauge fg.cluster.outbound_80__b.success_rate_ppm\n\
+         Gauge fg.global.proxies\n\
+         Gauge fg.global.staleness_ms\n\
+         Gauge fg.global.view_keys\n\
+         Gauge fg.lease.held\n\
+         Gauge fg.lease.keys\n\
+         Gauge fg.load_shedding.in_flight\n\
+         Gauge fg.load_shedding.queue_length\n\
+         Gauge fg.rate_limit.burst.reserved\n\
+         Gauge fg.rate_limit.reported.reserved\n\
+         Gauge fg.rate_limit.tokens.reserved\n\
+         Gauge fg.rate_limit.units.reserved\n\
+         Histogram fg.lease.call_ms\n\
+         Histogram fg.lease.wait_ms\n\
+         Histogram fg.load_shedding.loop_lag_ms\n\
+         Histogram fg.load_shedding.queue_wait_ms");
+        let plain = r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m"}],
+            "load_shedding":{"max_loop_lag":"50ms"}}"#;
+        assert_eq!(defined(plain).join("\n"), "\
+         Counter floodgate.load_shedding.critical.shadow_shed\n\
+         Counter floodgate.load_shedding.critical.shed\n\
+         Counter floodgate.load_shedding.critical.shed_by_lag\n\
+         Counter floodgate.load_shedding.low.shadow_shed\n\
+         Counter floodgate.load_shedding.low.shed\n\
+         Counter floodgate.load_shedding.low.shed_by_lag\n\
+         Counter floodgate.load_shedding.normal.shadow_shed\n\
+         Counter floodgate.load_shedding.normal.shed\n\
+         Counter floodgate.load_shedding.normal.shed_by_lag\n\
+         Counter floodgate.load_shedding.per_key.refused\n\
+         Counter floodgate.load_shedding.per_key.shadow_refused\n\
+         Counter floodgate.load_shedding.per_key.unkeyed\n\
+         Counter floodgate.load_shedding.per_key.untracked\n\
+         Counter floodgate.rate_limit.r.allowed\n\
+         Counter floodgate.rate_limit.r.charged\n\
+         Counter floodgate.rate_limit.r.contention\n\
+         Counter floodgate.rate_limit.r.evictions\n\
+         Counter floodgate.rate_limit.r.invalid_cost\n\
+         Counter floodgate.rate_limit.r.rejected\n\
+         Counter floodgate.rate_limit.r.shadow_rejected\n\
+         Counter floodgate.rate_limit.r.skipped\n\
+         Gauge floodgate.rate_limit.r.reserved\n\
+         Histogram floodgate.load_shedding.loop_lag_ms");
+        assert!(defined("{}").is_empty());
+    }
+}
