@@ -124,6 +124,7 @@ impl ProblemDetails {
         ProblemDetails::new(503, kind, TEMPORARY_REDUCED_CAPACITY, "Service Unavailable", detail, retry_after_secs)
     }
 
+    /// A refusal with `status`, the problem `type` and `title`, and the wait of `retry-after`.
     fn new(status: u32, kind: RefusalKind, problem_type: &'static str, title: &'static str, detail: String, retry_after_secs: u64) -> ProblemDetails {
         ProblemDetails {
             status,
