@@ -372,8 +372,9 @@ fn the_reference_and_the_module_source_list_the_same_metrics() {
         missing.is_empty() && extra.is_empty(),
         "docs/configuration.md lacks {missing:?} and has {extra:?} beyond stats.rs"
     );
-    // Every name the source builds (`format!("{prefix}.…")`, `format!("{base}.…")` for a
-    // cluster, `&name("…")` after `let name = |what: &str| format!(…)`) is a listed metric.
+    // Every name the source builds is a listed metric: each stage's entries (`field: Kind
+    // "name"` in its `metric_ids!` block), under the names its `define_named` call gives them
+    // (`Stage::define_named(metrics, &|name| format!("{prefix}.…{name}"…)`).
     let listed: BTreeSet<String> = reference
         .iter()
         .map(|m| {
@@ -395,32 +396,37 @@ fn the_reference_and_the_module_source_list_the_same_metrics() {
         .collect();
     let code = read("filter/src/pipeline/stats.rs");
     let code = &code[code.find("\nuse ").expect("stats.rs: code after its doc")..];
-    let mut built = Vec::new();
-    let mut template: Option<String> = None;
+    let code = code.split("#[cfg(test)]").next().unwrap_or(code);
+    let mut entries: Vec<(String, String)> = Vec::new(); // (stage, last segments)
+    let mut templates: Vec<(String, String)> = Vec::new(); // (stage, name with `{name}`)
+    let mut stage = String::new();
     for line in code.lines() {
-        if let Some((_, rest)) = line.split_once("|what: &str| format!(\"") {
-            template = rest
-                .split_once('"')
-                .map(|(t, _)| t.trim_start_matches("{prefix}.").trim_start_matches("{}.").to_owned());
-            continue;
+        if let Some(rest) = line.trim().strip_prefix("pub struct ") {
+            stage = rest.split(|c: char| !c.is_alphanumeric() && c != '_').next().unwrap_or("").to_owned();
         }
-        for (marker, base) in [("format!(\"{prefix}.", ""), ("format!(\"{base}.", "cluster.{}.")] {
-            for piece in line.split(marker).skip(1) {
-                if let Some((name, _)) = piece.split_once('"') {
-                    if name != "rate_limit.{}.{what}" {
-                        built.push(format!("{base}{name}"));
-                    }
+        if let Some((field, rest)) = line.trim().split_once(": ") {
+            let is_field = !field.is_empty() && field.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+            for kind in ["Counter \"", "Gauge \"", "Histogram \""] {
+                if let (true, Some(name)) = (is_field, rest.strip_prefix(kind).and_then(|r| r.split_once('"'))) {
+                    entries.push((stage.clone(), name.0.to_owned()));
                 }
             }
         }
-        for piece in line.split("&name(\"").skip(1) {
-            if let (Some((what, _)), Some(t)) = (piece.split_once('"'), &template) {
-                built.push(t.replace("{what}", what));
+        if let Some((before, after)) = line.split_once("::define_named(metrics, &|name| format!(\"") {
+            let name = before.rsplit(|c: char| !c.is_alphanumeric() && c != '_').next().unwrap_or("");
+            if let Some((template, _)) = after.split_once('"') {
+                templates.push((name.to_owned(), template.trim_start_matches("{prefix}.").to_owned()));
             }
         }
     }
-    // The cluster's base name, not a metric.
-    let built: BTreeSet<String> = built.into_iter().filter(|n| n != "cluster.{}").collect();
+    println!("{} metric entries in {} stages of stats.rs", entries.len(), templates.len());
+    assert!(entries.len() > 50 && templates.len() > 5, "stats.rs: {entries:?} {templates:?}");
+    let mut built = BTreeSet::new();
+    for (stage, name) in &entries {
+        let named: Vec<_> = templates.iter().filter(|(s, _)| s == stage).collect();
+        assert!(!named.is_empty(), "stats.rs: {stage} defines {name}, but no define_named call names it");
+        built.extend(named.iter().map(|(_, template)| template.replace("{name}", name)));
+    }
     println!("{} metric names built in stats.rs", built.len());
     let unlisted: Vec<_> = built.difference(&listed).collect();
     let unbuilt: Vec<_> = listed.difference(&built).collect();

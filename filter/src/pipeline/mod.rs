@@ -319,7 +319,7 @@ impl Filter {
         self.report_reserved(env.metrics);
         if let Some(shedder) = &self.shedder {
             let total = shedder.heartbeat(env.store, env.vm, &self.local, now.mono);
-            stats::set(env.metrics, self.stats.in_flight, u64::from(total));
+            stats::set(env.metrics, self.stats.shedding.in_flight, u64::from(total));
         }
         if let Some(cap) = &self.per_key {
             cap.heartbeat(env.store, env.vm, &self.key_counts, now.mono);
@@ -358,7 +358,7 @@ impl Filter {
     pub fn probe_lag<H: Host>(&self, env: &Env<'_, H>) {
         if let Some(lag) = &self.lag {
             let lag_ms = lag.borrow_mut().probe(env.clock.now().mono);
-            stats::set(env.metrics, self.stats.loop_lag_ms, lag_ms);
+            stats::set(env.metrics, self.stats.shedding.loop_lag_ms, lag_ms);
         }
     }
 
@@ -815,7 +815,7 @@ pub fn resume_queued<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         let Some(queued) = stream.queued.take_if(|q| q.ready.is_some()).filter(|_| !stream.ended) else { return Step::Wait };
         let waited_ms = now.mono.saturating_since(queued.since);
         stream.decision.waited_ms = Some(waited_ms);
-        stats::set(env.metrics, filter.stats.queue.wait_ms, waited_ms);
+        stats::set(env.metrics, filter.stats.shedding.queue_wait_ms, waited_ms);
         let reply = match queued.ready {
             Some(Ready::Admitted) => None,
             _ => stream.wait_ended(filter, env, &queued, waited_ms, now.mono),
@@ -1199,12 +1199,12 @@ impl Stream {
             if let Some(shed) = lag.sheds(class) {
                 if shadow {
                     // Shed requests hold no permit: neither does this one.
-                    increment(env.metrics, filter.stats.shadow_shed.get(class).copied().flatten());
+                    increment(env.metrics, filter.stats.class(class).shadow_shed);
                     self.decision.shadow(By::LoopLag, None);
                     return None;
                 }
-                increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
-                increment(env.metrics, filter.stats.shed_by_lag.get(class).copied().flatten());
+                increment(env.metrics, filter.stats.class(class).shed);
+                increment(env.metrics, filter.stats.class(class).shed_by_lag);
                 log::debug!("floodgate: shed for the loop lag {shed:?}");
                 self.decision.refused(decision::Outcome::Shed, By::LoopLag, None);
                 return Some(replies::shed_by_lag(classes, &lag, &shed, retry_after()));
@@ -1224,17 +1224,17 @@ impl Stream {
             }
             Err(shed) => {
                 if shed.contention {
-                    increment(env.metrics, filter.stats.shed_contention);
+                    increment(env.metrics, filter.stats.shedding.contention);
                 }
                 if shadow {
-                    increment(env.metrics, filter.stats.shadow_shed.get(class).copied().flatten());
+                    increment(env.metrics, filter.stats.class(class).shadow_shed);
                     self.decision.shadow(By::InFlight, None);
                     return None;
                 }
                 if let Some(stage) = queue.filter(|_| !shed.contention) {
                     return self.wait_for_slot(filter, env, stage, class, end_of_stream, || shed.in_flight, now);
                 }
-                increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
+                increment(env.metrics, filter.stats.class(class).shed);
                 log::debug!("floodgate: shed {shed:?}");
                 self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
                 Some(replies::shed(shedder, &shed))
@@ -1265,9 +1265,9 @@ impl Stream {
             Err(no_room) => {
                 let contention = no_room == crate::shedding::queue::NoRoom::Contention;
                 if contention {
-                    increment(env.metrics, filter.stats.shed_contention);
+                    increment(env.metrics, filter.stats.shedding.contention);
                 }
-                increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
+                increment(env.metrics, filter.stats.class(class).shed);
                 let shed = crate::shedding::Shed { in_flight: in_flight(), class, contention };
                 log::debug!("floodgate: shed, no room to wait ({no_room:?}) {shed:?}");
                 self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
@@ -1296,7 +1296,7 @@ impl Stream {
     fn wait_ended<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, queued: &Queued, waited_ms: u64, now: MonoMillis) -> Option<Reply> {
         let shedder = filter.shedder.as_ref()?;
         let class = queued.ticket.class;
-        increment(env.metrics, filter.stats.shed.get(class).copied().flatten());
+        increment(env.metrics, filter.stats.class(class).shed);
         let shed = crate::shedding::Shed { in_flight: shedder.in_flight(env.store, env.vm, &filter.local, now), class, contention: false };
         log::debug!("floodgate: shed after waiting {waited_ms} ms {shed:?}");
         self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
@@ -1308,7 +1308,7 @@ impl Stream {
     fn cap<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, now: MonoMillis) -> Option<Reply> {
         let cap = filter.per_key.as_ref()?;
         let Some(key) = keys::hash_key(&cap.key, &filter.hasher, |source| request.fetch(source)) else {
-            increment(env.metrics, filter.stats.per_key_unkeyed);
+            increment(env.metrics, filter.stats.shedding.per_key_unkeyed);
             return None;
         };
         match cap.try_acquire(env.store, env.vm, &filter.key_counts, key, now) {
@@ -1318,15 +1318,15 @@ impl Stream {
             }
             Err(refusal) => {
                 if filter.shadows.per_key {
-                    increment(env.metrics, filter.stats.per_key_shadow_refused);
+                    increment(env.metrics, filter.stats.shedding.per_key_shadow_refused);
                     self.decision.shadow(By::PerKey, None);
                     return None;
                 }
                 increment(
                     env.metrics,
                     match refusal {
-                        CapRefusal::Full { .. } => filter.stats.per_key_refused,
-                        CapRefusal::Untracked => filter.stats.per_key_untracked,
+                        CapRefusal::Full { .. } => filter.stats.shedding.per_key_refused,
+                        CapRefusal::Untracked => filter.stats.shedding.per_key_untracked,
                     },
                 );
                 log::debug!("floodgate: per-key cap {refusal:?}");
@@ -1519,7 +1519,7 @@ impl Stream {
         let confinement: Option<Confinement> = filter.partitioner.as_ref().and_then(|partitioner| {
             let confinement = partitioner.key_hash(|source| request.fetch(source)).map(|hash| partitioner.confine(hash));
             if confinement.is_none() {
-                increment(env.metrics, filter.stats.partition_unkeyed);
+                increment(env.metrics, filter.stats.selection.partition_unkeyed);
             }
             confinement
         });
@@ -1533,7 +1533,7 @@ impl Stream {
                     // In shadow, a request its partition would refuse may use every cluster.
                     let anywhere = selector.choose(env.store, &mut state, now, rng);
                     if anywhere.is_ok() {
-                        increment(env.metrics, filter.stats.partition_shadow_refused);
+                        increment(env.metrics, filter.stats.selection.partition_shadow_refused);
                         self.decision.shadow(By::Partition, None);
                     }
                     anywhere
@@ -1544,9 +1544,9 @@ impl Stream {
         let permit = match chosen {
             Ok(permit) => permit,
             Err(exhausted) => {
-                increment(env.metrics, filter.stats.exhausted);
+                increment(env.metrics, filter.stats.selection.exhausted);
                 if exhausted.contention {
-                    increment(env.metrics, filter.stats.selection_contention);
+                    increment(env.metrics, filter.stats.selection.contention);
                 }
                 log::debug!("floodgate: no cluster has room: {exhausted:?}");
                 let by = if confinement.as_ref().is_some_and(|c| c.spill_below.is_none()) { By::Partition } else { By::Selection };
@@ -1556,7 +1556,7 @@ impl Stream {
         };
         increment(env.metrics, filter.stats.cluster(permit.cluster).selected);
         if confinement.is_some_and(|c| !c.members.contains(&permit.cluster) && c.spill_below.is_some()) {
-            increment(env.metrics, filter.stats.partition_spilled);
+            increment(env.metrics, filter.stats.selection.partition_spilled);
         }
         log::debug!("floodgate: routed to cluster {} ({} in flight)", permit.cluster, permit.in_flight);
         let cluster = permit.cluster;
@@ -1755,7 +1755,7 @@ impl Stream {
             },
         );
         if !finished.recorded {
-            increment(env.metrics, filter.stats.selection_contention);
+            increment(env.metrics, filter.stats.selection.contention);
         }
         log::debug!("floodgate: {outcome:?} (status {status:?}, gRPC {grpc_status:?}, flags {flags:#x}) on cluster {}", finished.cluster);
     }

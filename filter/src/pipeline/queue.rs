@@ -78,8 +78,8 @@ impl QueueStage {
     /// A request of `class` takes a ticket (`Err`: it cannot wait).
     pub fn enter<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, class: usize, end_of_stream: bool, now: MonoMillis) -> Result<Queued, NoRoom> {
         let ticket = self.leveler.enter(env.store, env.vm, &mut self.local.borrow_mut(), class, now)?;
-        increment(env.metrics, filter.stats.queue.class(class).queued);
-        stats::add(env.metrics, filter.stats.queue.length, 1);
+        increment(env.metrics, filter.stats.class(class).queued);
+        stats::add(env.metrics, filter.stats.shedding.queue_length, 1);
         Ok(Queued { ticket, since: now, until: now.plus_ms(ticket.wait_ms), end_of_stream, body: (0, false), ready: None })
     }
 
@@ -106,7 +106,7 @@ impl QueueStage {
         self.leveler.leave(env.store, env.vm, &mut self.local.borrow_mut(), class, ticket, now);
         let (context, until, shared) = self.parked.borrow_mut().remove(&(class, ticket))?;
         self.deadlines.borrow_mut().remove(&(until, class, ticket));
-        stats::add(env.metrics, filter.stats.queue.length, -1);
+        stats::add(env.metrics, filter.stats.shedding.queue_length, -1);
         Some((context, shared))
     }
 
@@ -115,7 +115,7 @@ impl QueueStage {
         let now = env.clock.now().mono;
         let Ticket { class, ticket, .. } = queued.ticket;
         if self.take(filter, env, class, ticket, now).is_some() {
-            increment(env.metrics, filter.stats.queue.class(class).abandoned);
+            increment(env.metrics, filter.stats.class(class).abandoned);
         }
     }
 
@@ -134,7 +134,7 @@ impl QueueStage {
         };
         for (_, class, ticket) in expired {
             if let Some((context, shared)) = self.take(filter, env, class, ticket, now) {
-                increment(env.metrics, filter.stats.queue.class(class).timed_out);
+                increment(env.metrics, filter.stats.class(class).timed_out);
                 mark(&shared, Ready::Expired, None);
                 ready.push((context, shared));
             }
@@ -146,7 +146,7 @@ impl QueueStage {
             let Ok(permit) = shedder.try_acquire(env.store, env.vm, &filter.local, class, now) else { break };
             match self.take(filter, env, class, ticket, now) {
                 Some((context, shared)) => {
-                    increment(env.metrics, filter.stats.queue.class(class).dequeued);
+                    increment(env.metrics, filter.stats.class(class).dequeued);
                     mark(&shared, Ready::Admitted, Some(permit));
                     ready.push((context, shared));
                 }
@@ -164,7 +164,7 @@ impl QueueStage {
         let mut ready = Vec::new();
         for (class, ticket) in keys {
             if let Some((context, shared)) = self.take(filter, env, class, ticket, now) {
-                increment(env.metrics, filter.stats.queue.class(class).timed_out);
+                increment(env.metrics, filter.stats.class(class).timed_out);
                 mark(&shared, Ready::Expired, None);
                 ready.push((context, shared));
             }

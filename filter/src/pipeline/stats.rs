@@ -73,8 +73,12 @@
 //!
 //! A cluster name's characters other than letters, digits, `-`, `_` and `.` appear as `_` in
 //! metric names (`outbound|80||a.b` → `outbound_80__a.b`).
+//!
+//! Each stage declares its metrics once, as one list of (field, kind, name) entries
+//! (`metric_ids!`): the list makes both the struct of the stage's ids and the function that
+//! defines them, so a field's id is always the metric of its entry's name and kind.
 
-use crate::config::{Config, Consistency, CostSource, Scope};
+use crate::config::{Config, Consistency, CostSource, LoadShedding, RateLimitRule, Scope};
 
 /// What a metric is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,39 +130,258 @@ pub fn set<M: Metrics + ?Sized>(metrics: &M, id: Option<u32>, value: u64) {
     }
 }
 
-/// Metric ids of one rule.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RuleStats {
-    /// Admitted.
-    pub allowed: Option<u32>,
-    /// Refused.
-    pub rejected: Option<u32>,
-    /// Key part missing.
-    pub skipped: Option<u32>,
-    /// CAS attempts exhausted.
-    pub contention: Option<u32>,
-    /// Live entries evicted.
-    pub evictions: Option<u32>,
-    /// Gauge: units held in reserves, summed over the VMs.
-    pub reserved: Option<u32>,
-    /// Values that are not a count (cost, estimate or reported count).
-    pub invalid_cost: Option<u32>,
-    /// Units charged after admission.
-    pub charged: Option<u32>,
-    /// Units given back after admission (a count under the estimate).
-    pub refunded: Option<u32>,
-    /// Responses without a valid count, settled by policy.
-    pub unreported: Option<u32>,
-    /// Of those, bodies that could not be read.
-    pub unreadable: Option<u32>,
-    /// Of those, bodies that came compressed (a `content-encoding`).
-    pub unreadable_compressed: Option<u32>,
-    /// Requests the rule would have refused, let through in shadow.
-    pub shadow_rejected: Option<u32>,
-    /// Requests let in to wait for their turn (`max_delay`).
-    pub delayed: Option<u32>,
-    /// Of those, requests whose client went away first.
-    pub delay_abandoned: Option<u32>,
+/// Declares the metric ids of one stage once, from one list of `field: Kind "name"` entries
+/// (`Kind` a [`MetricKind`], `name` the last segments of the metric's name), each optionally
+/// followed by `if condition` (defined only when it holds; its id `None` otherwise): the struct
+/// (an `Option<u32>` per entry, documented by the entry's doc) and its `define_named`, which defines
+/// every entry under the names its caller gives (`name(last segments)`), in list order. A stage
+/// whose conditions read its configuration names it after the struct's name: `Stage(on: &T)`.
+macro_rules! metric_ids {
+    (@when) => { true };
+    (@when $when:expr) => { $when };
+    (
+        $(#[$meta:meta])*
+        pub struct $stage:ident $(($on:ident: $on_type:ty))? {
+            $( $(#[$doc:meta])* $field:ident: $kind:ident $name:literal $(if $when:expr)?, )*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, Default)]
+        pub struct $stage {
+            $( $(#[$doc])* pub $field: Option<u32>, )*
+        }
+
+        impl $stage {
+            /// Defines the stage's metrics, each named `name(its last segments)`.
+            fn define_named(metrics: &dyn Metrics, name: &dyn Fn(&str) -> String $(, $on: $on_type)?) -> $stage {
+                $stage {
+                    $( $field: define_if(metrics, metric_ids!(@when $($when)?), MetricKind::$kind, || name($name)), )*
+                }
+            }
+        }
+    };
+}
+
+/// Defines a metric of `kind` named `name()` when `when` holds.
+fn define_if(metrics: &dyn Metrics, when: bool, kind: MetricKind, name: impl FnOnce() -> String) -> Option<u32> {
+    if when {
+        metrics.define(kind, &name())
+    } else {
+        None
+    }
+}
+
+/// Whether a rule's cost is a count the upstream reports.
+fn reported(rule: &RateLimitRule) -> bool {
+    matches!(rule.cost.as_ref().map(|c| c.from), Some(CostSource::ResponseHeader | CostSource::ResponseBody))
+}
+
+/// Whether a rule's cost is read from the response body.
+fn reads_body(rule: &RateLimitRule) -> bool {
+    rule.cost.as_ref().is_some_and(|c| c.from == CostSource::ResponseBody)
+}
+
+/// Whether shedding has an in-flight limit (`max_active_requests`).
+fn limits_in_flight(shedding: &LoadShedding) -> bool {
+    shedding.max_active_requests.is_some()
+}
+
+/// Whether shedding has load leveling (`queue`, with the in-flight limit it needs).
+fn levels(shedding: &LoadShedding) -> bool {
+    shedding.queue.is_some() && limits_in_flight(shedding)
+}
+
+metric_ids! {
+    /// Metric ids of one rule: `<prefix>.rate_limit.<rule>.<name>`.
+    pub struct RuleStats(rule: &RateLimitRule) {
+        /// Admitted.
+        allowed: Counter "allowed",
+        /// Refused.
+        rejected: Counter "rejected",
+        /// Key part missing.
+        skipped: Counter "skipped",
+        /// CAS attempts exhausted.
+        contention: Counter "contention",
+        /// Live entries evicted.
+        evictions: Counter "evictions",
+        /// Gauge: units held in reserves, summed over the VMs.
+        reserved: Gauge "reserved",
+        /// Values that are not a count (cost, estimate or reported count).
+        invalid_cost: Counter "invalid_cost",
+        /// Units charged after admission.
+        charged: Counter "charged",
+        /// Units given back after admission (a count under the estimate).
+        refunded: Counter "refunded" if reported(rule),
+        /// Responses without a valid count, settled by policy.
+        unreported: Counter "unreported" if reported(rule),
+        /// Of those, bodies that could not be read.
+        unreadable: Counter "unreadable" if reads_body(rule),
+        /// Of those, bodies that came compressed (a `content-encoding`).
+        unreadable_compressed: Counter "unreadable_compressed" if reads_body(rule),
+        /// Requests the rule would have refused, let through in shadow.
+        shadow_rejected: Counter "shadow_rejected",
+        /// Requests let in to wait for their turn (`max_delay`).
+        delayed: Counter "delayed" if rule.max_delay.is_some(),
+        /// Of those, requests whose client went away first.
+        delay_abandoned: Counter "delay_abandoned" if rule.max_delay.is_some(),
+    }
+}
+
+metric_ids! {
+    /// Metric ids of one priority class: `<prefix>.load_shedding.<class>.<name>`.
+    pub struct ClassStats(shedding: &LoadShedding) {
+        /// Requests shed.
+        shed: Counter "shed",
+        /// Of those, shed for the loop lag (defined whenever shedding is: a dashboard's series
+        /// exist, at 0, before lag shedding is turned on).
+        shed_by_lag: Counter "shed_by_lag",
+        /// Requests shedding would have refused (either signal), let through in shadow.
+        shadow_shed: Counter "shadow_shed",
+        /// Requests that waited for a slot (`queue`).
+        queued: Counter "queued" if levels(shedding),
+        /// Of those, admitted.
+        dequeued: Counter "dequeued" if levels(shedding),
+        /// Of those, shed when their wait ended.
+        timed_out: Counter "queue_timeout" if levels(shedding),
+        /// Of those, whose client went away.
+        abandoned: Counter "queue_abandoned" if levels(shedding),
+    }
+}
+
+metric_ids! {
+    /// Metric ids of load shedding as a whole: `<prefix>.load_shedding.<name>`. The per-key
+    /// cap's are defined with the section, cap configured or not (as `shed_by_lag`).
+    pub struct SheddingStats(shedding: &LoadShedding) {
+        /// Histogram of the lag probes.
+        loop_lag_ms: Histogram "loop_lag_ms",
+        /// Requests shed on contention.
+        contention: Counter "contention" if limits_in_flight(shedding),
+        /// Gauge: the proxy-wide in-flight count.
+        in_flight: Gauge "in_flight" if limits_in_flight(shedding),
+        /// Gauge: requests waiting for a slot, proxy-wide.
+        queue_length: Gauge "queue_length" if levels(shedding),
+        /// Histogram: each wait for a slot, ms.
+        queue_wait_ms: Histogram "queue_wait_ms" if levels(shedding),
+        /// Requests over their key's cap.
+        per_key_refused: Counter "per_key.refused",
+        /// Requests whose key could not be counted.
+        per_key_untracked: Counter "per_key.untracked",
+        /// Requests without the cap's key.
+        per_key_unkeyed: Counter "per_key.unkeyed",
+        /// Requests the per-key cap would have refused, let through in shadow.
+        per_key_shadow_refused: Counter "per_key.shadow_refused",
+    }
+}
+
+metric_ids! {
+    /// Metric ids of one cluster: `<prefix>.cluster.<cluster>.<name>`.
+    pub struct ClusterStats {
+        /// Routed to it.
+        selected: Counter "selected",
+        /// Succeeded in time.
+        success: Counter "success",
+        /// Succeeded slowly.
+        slow: Counter "slow",
+        /// Failed.
+        failure: Counter "failure",
+        /// Timed out.
+        timeout: Counter "timeout",
+        /// No response.
+        ignored: Counter "ignored",
+        /// Gauge: success rate in millionths.
+        success_rate_ppm: Gauge "success_rate_ppm",
+        /// Gauge: concurrency limit.
+        concurrency_limit: Gauge "concurrency_limit",
+        /// Gauge: permits held proxy-wide.
+        in_flight: Gauge "in_flight",
+    }
+}
+
+metric_ids! {
+    /// Metric ids of cluster selection as a whole: `<prefix>.cluster_selection.<name>`. The
+    /// partition's are defined with the section, partition configured or not.
+    pub struct SelectionStats {
+        /// Requests refused for lack of cluster capacity.
+        exhausted: Counter "exhausted",
+        /// Cluster-record writes that ran out of attempts.
+        contention: Counter "contention",
+        /// Requests routed outside their partition.
+        partition_spilled: Counter "partition.spilled",
+        /// Requests without the partition's key.
+        partition_unkeyed: Counter "partition.unkeyed",
+        /// Requests their partition would have refused, sent to another cluster in shadow.
+        partition_shadow_refused: Counter "partition.shadow_refused",
+    }
+}
+
+metric_ids! {
+    /// Metric ids of the global scope's batches: `<prefix>.global.<name>`.
+    pub struct GlobalStats {
+        /// Batches sent.
+        batches: Counter "batches",
+        /// Batches confirmed.
+        confirmed: Counter "confirmed",
+        /// Batches failed.
+        failures: Counter "failures",
+        /// Counters sent.
+        counters: Counter "counters",
+        /// Admissions never sent.
+        dropped: Counter "dropped",
+        /// Shared-data errors.
+        errors: Counter "errors",
+        /// Gauge: age of the last confirmed batch.
+        staleness_ms: Gauge "staleness_ms",
+        /// Gauge: keys in the view.
+        view_keys: Gauge "view_keys",
+        /// Requests that asked the store.
+        asked: Counter "asked",
+        /// Asks without an answer.
+        ask_failures: Counter "ask_failures",
+        /// Gauge: the fleet size.
+        proxies: Gauge "proxies",
+    }
+}
+
+metric_ids! {
+    /// Metric ids of the leased rules (`consistency: leased`): `<prefix>.lease.<name>`.
+    pub struct LeaseStats {
+        /// Calls sent.
+        calls: Counter "calls",
+        /// Calls failed.
+        failures: Counter "failures",
+        /// Requests that waited.
+        waited: Counter "waited",
+        /// Histogram: wait of each waiting request, ms.
+        wait_ms: Histogram "wait_ms",
+        /// Histogram: duration of each call, ms.
+        call_ms: Histogram "call_ms",
+        /// Decisions without the store.
+        without_store: Counter "without_store",
+        /// Units granted.
+        granted: Counter "granted",
+        /// Units given back.
+        returned: Counter "returned",
+        /// Gauge: units held.
+        held: Gauge "held",
+        /// Gauge: keys with a lease.
+        keys: Gauge "keys",
+    }
+}
+
+/// Whether `config` has a global rule of `consistency`.
+fn global_rules(config: &Config, consistency: Consistency) -> bool {
+    config.global.is_some() && config.rate_limits.iter().any(|r| r.scope == Scope::Global && r.consistency == consistency)
+}
+
+impl LeaseStats {
+    /// Defines them, when `config` has a leased rule.
+    pub fn define(config: &Config, metrics: &dyn Metrics) -> LeaseStats {
+        if !global_rules(config, Consistency::Leased) {
+            return LeaseStats::default();
+        }
+        let prefix = config.stat_prefix.as_str();
+        LeaseStats::define_named(metrics, &|name| format!("{prefix}.lease.{name}"))
+    }
 }
 
 /// All metric ids, defined once per configuration.
@@ -166,189 +389,16 @@ pub struct RuleStats {
 pub struct Stats {
     /// Per rule, in configuration order.
     pub rules: Vec<RuleStats>,
-    /// Per priority class, in configuration order: requests shed.
-    pub shed: Vec<Option<u32>>,
-    /// Per priority class: requests shed for the loop lag.
-    pub shed_by_lag: Vec<Option<u32>>,
-    /// Per priority class: requests shedding would have refused (either signal), let through in
-    /// shadow.
-    pub shadow_shed: Vec<Option<u32>>,
-    /// Histogram of the lag probes.
-    pub loop_lag_ms: Option<u32>,
-    /// Requests shed on contention.
-    pub shed_contention: Option<u32>,
-    /// The in-flight gauge.
-    pub in_flight: Option<u32>,
-    /// Load leveling's (`queue`).
-    pub queue: QueueStats,
+    /// Per priority class, in configuration order.
+    pub classes: Vec<ClassStats>,
+    /// Load shedding's, when the section is there.
+    pub shedding: SheddingStats,
     /// Per cluster, in configuration order.
     pub clusters: Vec<ClusterStats>,
-    /// Requests refused for lack of cluster capacity.
-    pub exhausted: Option<u32>,
-    /// Cluster-record writes that ran out of attempts.
-    pub selection_contention: Option<u32>,
-    /// Requests routed outside their partition.
-    pub partition_spilled: Option<u32>,
-    /// Requests without the partition's key.
-    pub partition_unkeyed: Option<u32>,
-    /// Requests over their key's cap.
-    pub per_key_refused: Option<u32>,
-    /// Requests whose key could not be counted.
-    pub per_key_untracked: Option<u32>,
-    /// Requests without the cap's key.
-    pub per_key_unkeyed: Option<u32>,
-    /// Requests the per-key cap would have refused, let through in shadow.
-    pub per_key_shadow_refused: Option<u32>,
-    /// Requests their partition would have refused, sent to another cluster in shadow.
-    pub partition_shadow_refused: Option<u32>,
-    /// The global scope's, when a rule is in it.
+    /// Cluster selection's, when the section is there.
+    pub selection: SelectionStats,
+    /// The global scope's, when a rule is in it (batched).
     pub global: GlobalStats,
-}
-
-/// Metric ids of load leveling (`load_shedding.queue`).
-#[derive(Clone, Debug, Default)]
-pub struct QueueStats {
-    /// Per priority class, in configuration order.
-    pub classes: Vec<QueueClassStats>,
-    /// Gauge: requests waiting, proxy-wide.
-    pub length: Option<u32>,
-    /// Histogram: each wait, ms.
-    pub wait_ms: Option<u32>,
-}
-
-/// Metric ids of one class's queue.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct QueueClassStats {
-    /// Requests that waited.
-    pub queued: Option<u32>,
-    /// Of those, admitted.
-    pub dequeued: Option<u32>,
-    /// Of those, shed when their wait ended.
-    pub timed_out: Option<u32>,
-    /// Of those, whose client went away.
-    pub abandoned: Option<u32>,
-}
-
-impl QueueStats {
-    /// The ids of class `index` (all absent for an unknown index).
-    pub fn class(&self, index: usize) -> QueueClassStats {
-        self.classes.get(index).copied().unwrap_or_default()
-    }
-}
-
-/// Metric ids of the global scope.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct GlobalStats {
-    /// Batches sent.
-    pub batches: Option<u32>,
-    /// Batches confirmed.
-    pub confirmed: Option<u32>,
-    /// Batches failed.
-    pub failures: Option<u32>,
-    /// Counters sent.
-    pub counters: Option<u32>,
-    /// Admissions never sent.
-    pub dropped: Option<u32>,
-    /// Shared-data errors.
-    pub errors: Option<u32>,
-    /// Gauge: age of the last confirmed batch.
-    pub staleness_ms: Option<u32>,
-    /// Gauge: keys in the view.
-    pub view_keys: Option<u32>,
-    /// Requests that asked the store.
-    pub asked: Option<u32>,
-    /// Asks without an answer.
-    pub ask_failures: Option<u32>,
-    /// Gauge: the fleet size.
-    pub proxies: Option<u32>,
-}
-
-/// Metric ids of the leased rules (`consistency: leased`).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct LeaseStats {
-    /// Calls sent.
-    pub calls: Option<u32>,
-    /// Calls failed.
-    pub failures: Option<u32>,
-    /// Requests that waited.
-    pub waited: Option<u32>,
-    /// Histogram: wait of each waiting request, ms.
-    pub wait_ms: Option<u32>,
-    /// Histogram: duration of each call, ms.
-    pub call_ms: Option<u32>,
-    /// Decisions without the store.
-    pub without_store: Option<u32>,
-    /// Units granted.
-    pub granted: Option<u32>,
-    /// Units given back.
-    pub returned: Option<u32>,
-    /// Gauge: units held.
-    pub held: Option<u32>,
-    /// Gauge: keys with a lease.
-    pub keys: Option<u32>,
-}
-
-impl LeaseStats {
-    /// Defines them, when `config` has a leased rule.
-    pub fn define(config: &Config, metrics: &dyn Metrics) -> LeaseStats {
-        let d = Define(metrics);
-        let leased = config.global.is_some()
-            && config.rate_limits.iter().any(|r| r.scope == Scope::Global && r.consistency == Consistency::Leased);
-        if !leased {
-            return LeaseStats::default();
-        }
-        let name = |what: &str| format!("{}.lease.{what}", config.stat_prefix.as_str());
-        LeaseStats {
-            calls: d.counter(&name("calls")),
-            failures: d.counter(&name("failures")),
-            waited: d.counter(&name("waited")),
-            wait_ms: d.histogram(&name("wait_ms")),
-            call_ms: d.histogram(&name("call_ms")),
-            without_store: d.counter(&name("without_store")),
-            granted: d.counter(&name("granted")),
-            returned: d.counter(&name("returned")),
-            held: d.gauge(&name("held")),
-            keys: d.gauge(&name("keys")),
-        }
-    }
-}
-
-/// Metric ids of one cluster.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct ClusterStats {
-    /// Routed to it.
-    pub selected: Option<u32>,
-    /// Succeeded in time.
-    pub success: Option<u32>,
-    /// Succeeded slowly.
-    pub slow: Option<u32>,
-    /// Failed.
-    pub failure: Option<u32>,
-    /// Timed out.
-    pub timeout: Option<u32>,
-    /// No response.
-    pub ignored: Option<u32>,
-    /// Gauge: success rate in millionths.
-    pub success_rate_ppm: Option<u32>,
-    /// Gauge: concurrency limit.
-    pub concurrency_limit: Option<u32>,
-    /// Gauge: permits held proxy-wide.
-    pub in_flight: Option<u32>,
-}
-
-/// Defines metrics of one kind.
-struct Define<'m>(&'m dyn Metrics);
-
-impl Define<'_> {
-    fn counter(&self, name: &str) -> Option<u32> {
-        self.0.define(MetricKind::Counter, name)
-    }
-    fn gauge(&self, name: &str) -> Option<u32> {
-        self.0.define(MetricKind::Gauge, name)
-    }
-    fn histogram(&self, name: &str) -> Option<u32> {
-        self.0.define(MetricKind::Histogram, name)
-    }
 }
 
 /// A cluster name as a metric-name segment: characters other than letters, digits, `-`, `_`
@@ -362,142 +412,31 @@ fn metric_safe(name: &str) -> String {
 impl Stats {
     /// Defines every metric of `config`.
     pub fn define(config: &Config, metrics: &dyn Metrics) -> Stats {
-        let d = Define(metrics);
         let prefix = config.stat_prefix.as_str();
         let rules = config
             .rate_limits
             .iter()
-            .map(|rule| {
-                let name = |what: &str| format!("{prefix}.rate_limit.{}.{what}", rule.name);
-                let from = rule.cost.as_ref().map(|c| c.from);
-                let body = from == Some(CostSource::ResponseBody);
-                let reported = body || from == Some(CostSource::ResponseHeader);
-                RuleStats {
-                    allowed: d.counter(&name("allowed")),
-                    rejected: d.counter(&name("rejected")),
-                    skipped: d.counter(&name("skipped")),
-                    contention: d.counter(&name("contention")),
-                    evictions: d.counter(&name("evictions")),
-                    reserved: d.gauge(&name("reserved")),
-                    invalid_cost: d.counter(&name("invalid_cost")),
-                    charged: d.counter(&name("charged")),
-                    refunded: reported.then(|| d.counter(&name("refunded"))).flatten(),
-                    unreported: reported.then(|| d.counter(&name("unreported"))).flatten(),
-                    unreadable: body.then(|| d.counter(&name("unreadable"))).flatten(),
-                    unreadable_compressed: body.then(|| d.counter(&name("unreadable_compressed"))).flatten(),
-                    shadow_rejected: d.counter(&name("shadow_rejected")),
-                    delayed: rule.max_delay.and_then(|_| d.counter(&name("delayed"))),
-                    delay_abandoned: rule.max_delay.and_then(|_| d.counter(&name("delay_abandoned"))),
-                }
-            })
+            .map(|rule| RuleStats::define_named(metrics, &|name| format!("{prefix}.rate_limit.{}.{name}", rule.name), rule))
             .collect();
-        let shedding = config.load_shedding.as_ref();
-        let shed = shedding.map_or_else(Vec::new, |s| {
-            s.classes
-                .iter()
-                .map(|c| d.counter(&format!("{prefix}.load_shedding.{}.shed", c.name)))
-                .collect()
+        let (classes, shedding) = config.load_shedding.as_ref().map_or_else(Default::default, |s| {
+            let classes =
+                s.classes.iter().map(|c| ClassStats::define_named(metrics, &|name| format!("{prefix}.load_shedding.{}.{name}", c.name), s)).collect();
+            (classes, SheddingStats::define_named(metrics, &|name| format!("{prefix}.load_shedding.{name}"), s))
         });
-        // Defined whenever shedding is: a dashboard's series exist (at 0) before lag shedding is
-        // turned on.
-        let by_lag = shedding;
-        let shed_by_lag = by_lag.map_or_else(Vec::new, |s| {
-            s.classes
+        let (clusters, selection) = config.cluster_selection.as_ref().map_or_else(Default::default, |s| {
+            let clusters = s
+                .clusters
                 .iter()
-                .map(|c| d.counter(&format!("{prefix}.load_shedding.{}.shed_by_lag", c.name)))
-                .collect()
+                .map(|cluster| ClusterStats::define_named(metrics, &|name| format!("{prefix}.cluster.{}.{name}", metric_safe(cluster.as_str()))))
+                .collect();
+            (clusters, SelectionStats::define_named(metrics, &|name| format!("{prefix}.cluster_selection.{name}")))
         });
-        let shadow_shed = shedding.map_or_else(Vec::new, |s| {
-            s.classes
-                .iter()
-                .map(|c| d.counter(&format!("{prefix}.load_shedding.{}.shadow_shed", c.name)))
-                .collect()
-        });
-        let loop_lag_ms = by_lag.and_then(|_| d.histogram(&format!("{prefix}.load_shedding.loop_lag_ms")));
-        let in_flight_limit = shedding.filter(|s| s.max_active_requests.is_some());
-        let shed_contention = in_flight_limit.and_then(|_| d.counter(&format!("{prefix}.load_shedding.contention")));
-        let in_flight = in_flight_limit.and_then(|_| d.gauge(&format!("{prefix}.load_shedding.in_flight")));
-        let queue = shedding.filter(|s| s.queue.is_some() && s.max_active_requests.is_some()).map_or_else(QueueStats::default, |s| QueueStats {
-            classes: s
-                .classes
-                .iter()
-                .map(|c| {
-                    let name = |what: &str| format!("{prefix}.load_shedding.{}.{what}", c.name);
-                    QueueClassStats {
-                        queued: d.counter(&name("queued")),
-                        dequeued: d.counter(&name("dequeued")),
-                        timed_out: d.counter(&name("queue_timeout")),
-                        abandoned: d.counter(&name("queue_abandoned")),
-                    }
-                })
-                .collect(),
-            length: d.gauge(&format!("{prefix}.load_shedding.queue_length")),
-            wait_ms: d.histogram(&format!("{prefix}.load_shedding.queue_wait_ms")),
-        });
-        let selection = config.cluster_selection.as_ref();
-        let clusters = selection.map_or_else(Vec::new, |s| {
-            s.clusters
-                .iter()
-                .map(|cluster| {
-                    let base = format!("{prefix}.cluster.{}", metric_safe(cluster.as_str()));
-                    ClusterStats {
-                        selected: d.counter(&format!("{base}.selected")),
-                        success: d.counter(&format!("{base}.success")),
-                        slow: d.counter(&format!("{base}.slow")),
-                        failure: d.counter(&format!("{base}.failure")),
-                        timeout: d.counter(&format!("{base}.timeout")),
-                        ignored: d.counter(&format!("{base}.ignored")),
-                        success_rate_ppm: d.gauge(&format!("{base}.success_rate_ppm")),
-                        concurrency_limit: d.gauge(&format!("{base}.concurrency_limit")),
-                        in_flight: d.gauge(&format!("{base}.in_flight")),
-                    }
-                })
-                .collect()
-        });
-        let global = if config.global.is_some()
-            && config.rate_limits.iter().any(|r| r.scope == Scope::Global && r.consistency == Consistency::Batched)
-        {
-            let name = |what: &str| format!("{prefix}.global.{what}");
-            GlobalStats {
-                batches: d.counter(&name("batches")),
-                confirmed: d.counter(&name("confirmed")),
-                failures: d.counter(&name("failures")),
-                counters: d.counter(&name("counters")),
-                dropped: d.counter(&name("dropped")),
-                errors: d.counter(&name("errors")),
-                staleness_ms: d.gauge(&name("staleness_ms")),
-                view_keys: d.gauge(&name("view_keys")),
-                asked: d.counter(&name("asked")),
-                ask_failures: d.counter(&name("ask_failures")),
-                proxies: d.gauge(&name("proxies")),
-            }
+        let global = if global_rules(config, Consistency::Batched) {
+            GlobalStats::define_named(metrics, &|name| format!("{prefix}.global.{name}"))
         } else {
             GlobalStats::default()
         };
-        // Defined with their sections, partition or cap configured or not (as shed_by_lag): a
-        // dashboard's series exist, at 0, before the bulkhead is turned on.
-        let (partition, per_key) = (config.cluster_selection.as_ref(), config.load_shedding.as_ref());
-        Stats {
-            global,
-            rules,
-            shed,
-            shed_by_lag,
-            shadow_shed,
-            loop_lag_ms,
-            shed_contention,
-            in_flight,
-            queue,
-            clusters,
-            exhausted: selection.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.exhausted"))),
-            selection_contention: selection.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.contention"))),
-            partition_spilled: partition.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.partition.spilled"))),
-            partition_unkeyed: partition.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.partition.unkeyed"))),
-            per_key_refused: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.refused"))),
-            per_key_untracked: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.untracked"))),
-            per_key_unkeyed: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.unkeyed"))),
-            per_key_shadow_refused: per_key.and_then(|_| d.counter(&format!("{prefix}.load_shedding.per_key.shadow_refused"))),
-            partition_shadow_refused: partition.and_then(|_| d.counter(&format!("{prefix}.cluster_selection.partition.shadow_refused"))),
-        }
+        Stats { rules, classes, shedding, clusters, selection, global }
     }
 
     /// The ids of cluster `index` (all absent for an unknown index).
@@ -508,5 +447,223 @@ impl Stats {
     /// The ids of rule `index` (all absent for an unknown index).
     pub fn rule(&self, index: usize) -> RuleStats {
         self.rules.get(index).copied().unwrap_or_default()
+    }
+
+    /// The ids of priority class `index` (all absent for an unknown index).
+    pub fn class(&self, index: usize) -> ClassStats {
+        self.classes.get(index).copied().unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use super::*;
+    use std::cell::RefCell;
+
+    /// Every metric defined, as `kind name`.
+    #[derive(Default)]
+    struct Defined(RefCell<Vec<String>>);
+
+    impl Metrics for Defined {
+        fn define(&self, kind: MetricKind, name: &str) -> Option<u32> {
+            let mut names = self.0.borrow_mut();
+            names.push(format!("{kind:?} {name}"));
+            u32::try_from(names.len()).ok()
+        }
+        fn add(&self, _id: u32, _delta: i64) {}
+        fn record(&self, _id: u32, _value: u64) {}
+    }
+
+    /// The metrics `config` defines, sorted.
+    fn defined(config: &str) -> Vec<String> {
+        let config = Config::parse(config.as_bytes()).unwrap();
+        let metrics = Defined::default();
+        Stats::define(&config, &metrics);
+        LeaseStats::define(&config, &metrics);
+        let mut names = metrics.0.into_inner();
+        names.sort();
+        names
+    }
+
+    /// A configuration with every stage and every kind of rule.
+    const EVERYTHING: &str = r#"{"stat_prefix":"fg","global":{"cluster":"sync"},
+        "rate_limits":[
+          {"name":"tokens","key":["source_ip"],"limit":100,"window":"1m","scope":"global",
+           "cost":{"from":"response_body","path":"usage.total_tokens","estimate":{"default":10,"max":10}}},
+          {"name":"units","key":["source_ip"],"limit":100,"window":"1m","scope":"global","consistency":"leased",
+           "cost":{"from":"request_header","header":"x-units"}},
+          {"name":"reported","key":["path"],"limit":9,"window":"1m","cost":{"from":"response_header","header":"x-units"}},
+          {"name":"burst","key":["path"],"limit":10,"window":"1s","algorithm":"token_bucket","burst":5,"max_delay":"1s"}],
+        "load_shedding":{"max_active_requests":10,"max_loop_lag":"50ms","queue":{"max_queued":3,"max_wait":"1s"},
+          "classes":[{"name":"high","shed_at":1.0},{"name":"low","shed_at":0.5}],"default_class":"high",
+          "per_key":{"key":[{"header":"x-client"}],"max_active_requests":2}},
+        "cluster_selection":{"clusters":["a","outbound|80||b"]}}"#;
+
+    #[test]
+    fn every_stage_defines_its_metrics_by_name_and_kind() {
+        let everything = EVERYTHING;
+        assert_eq!(defined(everything).join("\n"), "\
+         Counter fg.cluster.a.failure\n\
+         Counter fg.cluster.a.ignored\n\
+         Counter fg.cluster.a.selected\n\
+         Counter fg.cluster.a.slow\n\
+         Counter fg.cluster.a.success\n\
+         Counter fg.cluster.a.timeout\n\
+         Counter fg.cluster.outbound_80__b.failure\n\
+         Counter fg.cluster.outbound_80__b.ignored\n\
+         Counter fg.cluster.outbound_80__b.selected\n\
+         Counter fg.cluster.outbound_80__b.slow\n\
+         Counter fg.cluster.outbound_80__b.success\n\
+         Counter fg.cluster.outbound_80__b.timeout\n\
+         Counter fg.cluster_selection.contention\n\
+         Counter fg.cluster_selection.exhausted\n\
+         Counter fg.cluster_selection.partition.shadow_refused\n\
+         Counter fg.cluster_selection.partition.spilled\n\
+         Counter fg.cluster_selection.partition.unkeyed\n\
+         Counter fg.global.ask_failures\n\
+         Counter fg.global.asked\n\
+         Counter fg.global.batches\n\
+         Counter fg.global.confirmed\n\
+         Counter fg.global.counters\n\
+         Counter fg.global.dropped\n\
+         Counter fg.global.errors\n\
+         Counter fg.global.failures\n\
+         Counter fg.lease.calls\n\
+         Counter fg.lease.failures\n\
+         Counter fg.lease.granted\n\
+         Counter fg.lease.returned\n\
+         Counter fg.lease.waited\n\
+         Counter fg.lease.without_store\n\
+         Counter fg.load_shedding.contention\n\
+         Counter fg.load_shedding.high.dequeued\n\
+         Counter fg.load_shedding.high.queue_abandoned\n\
+         Counter fg.load_shedding.high.queue_timeout\n\
+         Counter fg.load_shedding.high.queued\n\
+         Counter fg.load_shedding.high.shadow_shed\n\
+         Counter fg.load_shedding.high.shed\n\
+         Counter fg.load_shedding.high.shed_by_lag\n\
+         Counter fg.load_shedding.low.dequeued\n\
+         Counter fg.load_shedding.low.queue_abandoned\n\
+         Counter fg.load_shedding.low.queue_timeout\n\
+         Counter fg.load_shedding.low.queued\n\
+         Counter fg.load_shedding.low.shadow_shed\n\
+         Counter fg.load_shedding.low.shed\n\
+         Counter fg.load_shedding.low.shed_by_lag\n\
+         Counter fg.load_shedding.per_key.refused\n\
+         Counter fg.load_shedding.per_key.shadow_refused\n\
+         Counter fg.load_shedding.per_key.unkeyed\n\
+         Counter fg.load_shedding.per_key.untracked\n\
+         Counter fg.rate_limit.burst.allowed\n\
+         Counter fg.rate_limit.burst.charged\n\
+         Counter fg.rate_limit.burst.contention\n\
+         Counter fg.rate_limit.burst.delay_abandoned\n\
+         Counter fg.rate_limit.burst.delayed\n\
+         Counter fg.rate_limit.burst.evictions\n\
+         Counter fg.rate_limit.burst.invalid_cost\n\
+         Counter fg.rate_limit.burst.rejected\n\
+         Counter fg.rate_limit.burst.shadow_rejected\n\
+         Counter fg.rate_limit.burst.skipped\n\
+         Counter fg.rate_limit.reported.allowed\n\
+         Counter fg.rate_limit.reported.charged\n\
+         Counter fg.rate_limit.reported.contention\n\
+         Counter fg.rate_limit.reported.evictions\n\
+         Counter fg.rate_limit.reported.invalid_cost\n\
+         Counter fg.rate_limit.reported.refunded\n\
+         Counter fg.rate_limit.reported.rejected\n\
+         Counter fg.rate_limit.reported.shadow_rejected\n\
+         Counter fg.rate_limit.reported.skipped\n\
+         Counter fg.rate_limit.reported.unreported\n\
+         Counter fg.rate_limit.tokens.allowed\n\
+         Counter fg.rate_limit.tokens.charged\n\
+         Counter fg.rate_limit.tokens.contention\n\
+         Counter fg.rate_limit.tokens.evictions\n\
+         Counter fg.rate_limit.tokens.invalid_cost\n\
+         Counter fg.rate_limit.tokens.refunded\n\
+         Counter fg.rate_limit.tokens.rejected\n\
+         Counter fg.rate_limit.tokens.shadow_rejected\n\
+         Counter fg.rate_limit.tokens.skipped\n\
+         Counter fg.rate_limit.tokens.unreadable\n\
+         Counter fg.rate_limit.tokens.unreadable_compressed\n\
+         Counter fg.rate_limit.tokens.unreported\n\
+         Counter fg.rate_limit.units.allowed\n\
+         Counter fg.rate_limit.units.charged\n\
+         Counter fg.rate_limit.units.contention\n\
+         Counter fg.rate_limit.units.evictions\n\
+         Counter fg.rate_limit.units.invalid_cost\n\
+         Counter fg.rate_limit.units.rejected\n\
+         Counter fg.rate_limit.units.shadow_rejected\n\
+         Counter fg.rate_limit.units.skipped\n\
+         Gauge fg.cluster.a.concurrency_limit\n\
+         Gauge fg.cluster.a.in_flight\n\
+         Gauge fg.cluster.a.success_rate_ppm\n\
+         Gauge fg.cluster.outbound_80__b.concurrency_limit\n\
+         Gauge fg.cluster.outbound_80__b.in_flight\n\
+         Gauge fg.cluster.outbound_80__b.success_rate_ppm\n\
+         Gauge fg.global.proxies\n\
+         Gauge fg.global.staleness_ms\n\
+         Gauge fg.global.view_keys\n\
+         Gauge fg.lease.held\n\
+         Gauge fg.lease.keys\n\
+         Gauge fg.load_shedding.in_flight\n\
+         Gauge fg.load_shedding.queue_length\n\
+         Gauge fg.rate_limit.burst.reserved\n\
+         Gauge fg.rate_limit.reported.reserved\n\
+         Gauge fg.rate_limit.tokens.reserved\n\
+         Gauge fg.rate_limit.units.reserved\n\
+         Histogram fg.lease.call_ms\n\
+         Histogram fg.lease.wait_ms\n\
+         Histogram fg.load_shedding.loop_lag_ms\n\
+         Histogram fg.load_shedding.queue_wait_ms");
+        let plain = r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m"}],
+            "load_shedding":{"max_loop_lag":"50ms"}}"#;
+        assert_eq!(defined(plain).join("\n"), "\
+         Counter floodgate.load_shedding.critical.shadow_shed\n\
+         Counter floodgate.load_shedding.critical.shed\n\
+         Counter floodgate.load_shedding.critical.shed_by_lag\n\
+         Counter floodgate.load_shedding.low.shadow_shed\n\
+         Counter floodgate.load_shedding.low.shed\n\
+         Counter floodgate.load_shedding.low.shed_by_lag\n\
+         Counter floodgate.load_shedding.normal.shadow_shed\n\
+         Counter floodgate.load_shedding.normal.shed\n\
+         Counter floodgate.load_shedding.normal.shed_by_lag\n\
+         Counter floodgate.load_shedding.per_key.refused\n\
+         Counter floodgate.load_shedding.per_key.shadow_refused\n\
+         Counter floodgate.load_shedding.per_key.unkeyed\n\
+         Counter floodgate.load_shedding.per_key.untracked\n\
+         Counter floodgate.rate_limit.r.allowed\n\
+         Counter floodgate.rate_limit.r.charged\n\
+         Counter floodgate.rate_limit.r.contention\n\
+         Counter floodgate.rate_limit.r.evictions\n\
+         Counter floodgate.rate_limit.r.invalid_cost\n\
+         Counter floodgate.rate_limit.r.rejected\n\
+         Counter floodgate.rate_limit.r.shadow_rejected\n\
+         Counter floodgate.rate_limit.r.skipped\n\
+         Gauge floodgate.rate_limit.r.reserved\n\
+         Histogram floodgate.load_shedding.loop_lag_ms");
+        assert!(defined("{}").is_empty());
+    }
+
+    #[test]
+    fn each_id_is_its_field_s_metric() {
+        let config = Config::parse(EVERYTHING.as_bytes()).unwrap();
+        let metrics = Defined::default();
+        let ids = format!("{:?},{:?}", Stats::define(&config, &metrics), LeaseStats::define(&config, &metrics));
+        let names = metrics.0.into_inner();
+        let mut seen = 0;
+        for member in ids.split([',', '{', '[']) {
+            let Some((field, id)) = member.trim().split_once(": Some(") else { continue };
+            let id: usize = id.trim_end_matches([')', ' ', '}', ']']).parse().unwrap();
+            let (_, name) = names[id - 1].split_once(' ').unwrap();
+            let segments = name.replace('.', "_");
+            let metric = match field {
+                "timed_out" => "queue_timeout",
+                "abandoned" => "queue_abandoned",
+                other => other,
+            };
+            assert!(segments.ends_with(&format!("_{metric}")), "{field}: {name}");
+            seen += 1;
+        }
+        assert_eq!(seen, names.len(), "every metric is a field's");
     }
 }

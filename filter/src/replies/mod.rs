@@ -1,4 +1,6 @@
-//! What the filter answers: the `429` of a rate limit, and the IETF `RateLimit` fields.
+//! What the filter answers: its refusals (the `429` of a rate limit, the `503`s of shedding,
+//! of the per-key cap and of cluster selection), the IETF `RateLimit` fields, and the health
+//! and liveness answers.
 //!
 //! - `retry-after` (RFC 9110 §10.2.3): whole seconds, at least 1, rounded up from the exact
 //!   earliest admission, so a request at `now + retry-after` is admitted and one a second
@@ -10,11 +12,18 @@
 //!   seconds until the bucket is full again (docs/configuration.md, *Token bucket*).
 //! - Body: RFC 9457 problem details with the `quota-exceeded` problem type of the IANA HTTP
 //!   problem types registry, `violated-policies`, and the figures of each refusing rule.
+//! - Every refusal (a `429`, a `503`) is written by one builder, `ProblemDetails`: whatever
+//!   refuses, the body has `type`, `title`, `status`, `detail` and `retry_after`, the headers
+//!   start with `content-type` and `retry-after`, and the gRPC form's words ([`Refusal`]) carry
+//!   the body's `detail` and wait.
 //!
 //! Rationale: docs/design.md, section "Replies".
 
 pub mod api;
 pub mod grpc;
+
+#[cfg(test)]
+mod bytes;
 
 use crate::config::RefusalFormat;
 use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
@@ -84,6 +93,98 @@ pub enum RefusalKind {
     Shed,
     /// Cluster selection found no cluster with room (`503`).
     NoCapacity,
+}
+
+/// A refusal as an RFC 9457 problem document: the one place that writes a refusal's status,
+/// headers and body. Its body always has `type`, `title`, `status`, `detail` and `retry_after`
+/// (the `retry-after` seconds), and the members a refusal adds; its headers are `content-type`,
+/// `retry-after` and those a refusal adds, in that order; its [`Refusal`] (the gRPC form's words)
+/// has the same `detail` and the wait. serde_json writes the members sorted by name.
+#[derive(Clone, Debug)]
+struct ProblemDetails {
+    status: u32,
+    kind: RefusalKind,
+    problem_type: &'static str,
+    title: &'static str,
+    detail: String,
+    retry_after_secs: u64,
+    retry_after_ms: u64,
+    members: serde_json::Map<String, serde_json::Value>,
+    headers: Vec<(&'static str, String)>,
+}
+
+impl ProblemDetails {
+    /// A `429` of a rate limit (`quota-exceeded`).
+    fn too_many_requests(detail: String, retry_after_secs: u64) -> ProblemDetails {
+        ProblemDetails::new(429, RefusalKind::RateLimited, QUOTA_EXCEEDED, "Too Many Requests", detail, retry_after_secs)
+    }
+
+    /// A `503` (`temporary-reduced-capacity`) of `kind`.
+    fn unavailable(kind: RefusalKind, detail: String, retry_after_secs: u64) -> ProblemDetails {
+        ProblemDetails::new(503, kind, TEMPORARY_REDUCED_CAPACITY, "Service Unavailable", detail, retry_after_secs)
+    }
+
+    /// A refusal with `status`, the problem `type` and `title`, and the wait of `retry-after`.
+    fn new(status: u32, kind: RefusalKind, problem_type: &'static str, title: &'static str, detail: String, retry_after_secs: u64) -> ProblemDetails {
+        ProblemDetails {
+            status,
+            kind,
+            problem_type,
+            title,
+            detail,
+            retry_after_secs,
+            retry_after_ms: retry_after_secs.saturating_mul(1000),
+            members: serde_json::Map::new(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// The exact wait, in milliseconds: the refusal's, and the body's `retry_after_ms` (without
+    /// it, the refusal's wait is the whole `retry_after` seconds, and the body has none).
+    fn exact_wait(mut self, retry_after_ms: u64) -> ProblemDetails {
+        self.retry_after_ms = retry_after_ms;
+        self.member("retry_after_ms", retry_after_ms)
+    }
+
+    /// A member of the body beside the standard ones.
+    fn member(mut self, name: &str, value: impl Into<serde_json::Value>) -> ProblemDetails {
+        self.members.insert(name.into(), value.into());
+        self
+    }
+
+    /// A header after `content-type` and `retry-after`.
+    fn header(mut self, name: &'static str, value: String) -> ProblemDetails {
+        self.headers.push((name, value));
+        self
+    }
+
+    /// The reply: the problem document (`application/problem+json`).
+    fn reply(mut self) -> Reply {
+        let standard = [
+            ("type", json!(self.problem_type)),
+            ("title", json!(self.title)),
+            ("status", json!(self.status)),
+            ("detail", json!(self.detail)),
+            ("retry_after", json!(self.retry_after_secs)),
+        ];
+        for (name, value) in standard {
+            self.members.insert(name.into(), value);
+        }
+        let body = serde_json::Value::Object(std::mem::take(&mut self.members)).to_string();
+        self.reply_as("application/problem+json", body)
+    }
+
+    /// The reply with another body of `content_type` (the same headers and refusal).
+    fn reply_as(self, content_type: &'static str, body: String) -> Reply {
+        let mut headers = vec![("content-type", content_type.to_owned()), ("retry-after", self.retry_after_secs.to_string())];
+        headers.extend(self.headers);
+        Reply {
+            status: self.status,
+            headers,
+            body,
+            refusal: Some(Refusal { kind: self.kind, detail: self.detail, retry_after_ms: self.retry_after_ms }),
+        }
+    }
 }
 
 /// The `ratelimit-policy` value of one rule for a key of limit `limit` (in the rule's units).
@@ -262,28 +363,23 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
         .iter()
         .filter_map(|v| limiter.tables().get(v.standing.rule).map(|t| t.name.as_str()))
         .collect();
-    let mut body = json!({
-        "type": QUOTA_EXCEEDED,
-        "title": "Too Many Requests",
-        "status": 429,
-        "detail": detail.as_str(),
-        "violated-policies": names,
-        "policy": table.name.as_str(),
-        "limit": limit.get(),
-        "unit": table.unit,
-        "window": window_text(table),
-        "window_ms": table.window.length_ms(),
-        "estimate": estimate,
-        "retry_after": retry_after_secs,
-        "retry_after_ms": retry_after_ms,
-        "quotas": quotas,
-    });
-    if let (Some(bucket), Some(fields)) = (bucket, body.as_object_mut()) {
-        fields.insert("algorithm".into(), "token_bucket".into());
-        fields.insert("burst".into(), bucket.burst.get().into());
+    let mut problem = ProblemDetails::too_many_requests(detail, retry_after_secs)
+        .exact_wait(retry_after_ms)
+        .member("violated-policies", names)
+        .member("policy", table.name.as_str())
+        .member("limit", limit.get())
+        .member("unit", table.unit)
+        .member("window", window_text(table))
+        .member("window_ms", table.window.length_ms())
+        .member("estimate", estimate)
+        .member("quotas", quotas)
+        .header("ratelimit-policy", policy)
+        .header("ratelimit", ratelimit);
+    if let Some(bucket) = bucket {
+        problem = problem.member("algorithm", "token_bucket").member("burst", bucket.burst.get());
     }
-    let (content_type, body) = match table.refusal_format {
-        RefusalFormat::Problem => ("application/problem+json", body.to_string()),
+    Some(match table.refusal_format {
+        RefusalFormat::Problem => problem.reply(),
         format => {
             let facts = api::Facts {
                 table,
@@ -294,19 +390,8 @@ pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Op
                 retry_after_secs,
                 contention: violation.cause == Cause::Contention,
             };
-            ("application/json", api::body(format, &facts))
+            problem.reply_as("application/json", api::body(format, &facts))
         }
-    };
-    Some(Reply {
-        status: 429,
-        headers: vec![
-            ("content-type", content_type.into()),
-            ("retry-after", retry_after_secs.to_string()),
-            ("ratelimit-policy", policy),
-            ("ratelimit", ratelimit),
-        ],
-        body,
-        refusal: Some(Refusal { kind: RefusalKind::RateLimited, detail, retry_after_ms }),
     })
 }
 
@@ -318,23 +403,7 @@ pub fn quota_store_unavailable(limiter: &Limiter, rule: usize) -> Reply {
     let detail = format!(
         "quota \"{name}\" cannot be checked: its store does not answer (global.on_store_failure: refuse); retry in {RETRY_AFTER_SECS} s"
     );
-    let body = json!({
-        "type": TEMPORARY_REDUCED_CAPACITY,
-        "title": "Service Unavailable",
-        "status": 503,
-        "detail": detail.as_str(),
-        "policy": name,
-        "retry_after": RETRY_AFTER_SECS,
-    });
-    Reply {
-        status: 503,
-        headers: vec![
-            ("content-type", "application/problem+json".into()),
-            ("retry-after", RETRY_AFTER_SECS.to_string()),
-        ],
-        body: body.to_string(),
-        refusal: Some(Refusal { kind: RefusalKind::Shed, detail, retry_after_ms: RETRY_AFTER_SECS * 1000 }),
-    }
+    ProblemDetails::unavailable(RefusalKind::Shed, detail, RETRY_AFTER_SECS).member("policy", name).reply()
 }
 
 /// The `503` of a shed request.
@@ -364,33 +433,15 @@ fn shed_reply(shedder: &Shedder, shed: &Shed, waited_ms: Option<u64>) -> Reply {
         Some(waited) => format!("waited {waited} ms for a slot; {detail}"),
         None => detail,
     };
-    let mut body = json!({
-        "type": TEMPORARY_REDUCED_CAPACITY,
-        "title": "Service Unavailable",
-        "status": 503,
-        "detail": detail.as_str(),
-        "in_flight": shed.in_flight,
-        "max_active_requests": shedder.max_active_requests,
-        "class": class_name,
-        "class_threshold": threshold,
-        "retry_after": shedder.retry_after_secs,
-    });
-    if let (Some(waited), Some(members)) = (waited_ms, body.as_object_mut()) {
-        members.insert("waited_ms".into(), waited.into());
+    let mut problem = ProblemDetails::unavailable(RefusalKind::Shed, detail, shedder.retry_after_secs)
+        .member("in_flight", shed.in_flight)
+        .member("max_active_requests", shedder.max_active_requests)
+        .member("class", class_name)
+        .member("class_threshold", threshold);
+    if let Some(waited) = waited_ms {
+        problem = problem.member("waited_ms", waited);
     }
-    Reply {
-        status: 503,
-        headers: vec![
-            ("content-type", "application/problem+json".into()),
-            ("retry-after", shedder.retry_after_secs.to_string()),
-        ],
-        body: body.to_string(),
-        refusal: Some(Refusal {
-            kind: RefusalKind::Shed,
-            detail,
-            retry_after_ms: shedder.retry_after_secs.saturating_mul(1000),
-        }),
-    }
+    problem.reply()
 }
 
 /// The `503` when cluster selection found no cluster with room under its concurrency limit.
@@ -431,31 +482,12 @@ pub fn no_capacity_within(selector: &Selector, exhausted: &Exhausted, confinemen
     } else {
         format!("every {which} is at its concurrency limit; retry in {} s", selector.retry_after_secs)
     };
-    let mut body = json!({
-        "type": TEMPORARY_REDUCED_CAPACITY,
-        "title": "Service Unavailable",
-        "status": 503,
-        "detail": detail.as_str(),
-        "clusters": clusters,
-        "retry_after": selector.retry_after_secs,
-    });
-    if let (Some(c), Some(object)) = (confinement, body.as_object_mut()) {
+    let mut problem = ProblemDetails::unavailable(RefusalKind::NoCapacity, detail, selector.retry_after_secs).member("clusters", clusters);
+    if let Some(c) = confinement {
         let names: Vec<&str> = c.members.iter().filter_map(|i| selector.clusters.get(*i)).map(|c| c.name.as_str()).collect();
-        object.insert("partition".into(), json!(names));
+        problem = problem.member("partition", names);
     }
-    Reply {
-        status: 503,
-        headers: vec![
-            ("content-type", "application/problem+json".into()),
-            ("retry-after", selector.retry_after_secs.to_string()),
-        ],
-        body: body.to_string(),
-        refusal: Some(Refusal {
-            kind: RefusalKind::NoCapacity,
-            detail,
-            retry_after_ms: selector.retry_after_secs.saturating_mul(1000),
-        }),
-    }
+    problem.reply()
 }
 
 /// The `503` of a request over its key's in-flight cap (`load_shedding.per_key`), or whose key
@@ -478,26 +510,12 @@ pub fn per_key_capped(cap: &PerKeyCap, refusal: &CapRefusal, retry_after_secs: u
             None,
         ),
     };
-    let body = json!({
-        "type": TEMPORARY_REDUCED_CAPACITY,
-        "title": "Service Unavailable",
-        "status": 503,
-        "detail": detail.as_str(),
-        "cap": "load_shedding.per_key",
-        "key": key,
-        "in_flight": in_flight,
-        "max_active_requests": cap.max_active_requests,
-        "retry_after": retry_after_secs,
-    });
-    Reply {
-        status: 503,
-        headers: vec![
-            ("content-type", "application/problem+json".into()),
-            ("retry-after", retry_after_secs.to_string()),
-        ],
-        body: body.to_string(),
-        refusal: Some(Refusal { kind: RefusalKind::Shed, detail, retry_after_ms: retry_after_secs.saturating_mul(1000) }),
-    }
+    ProblemDetails::unavailable(RefusalKind::Shed, detail, retry_after_secs)
+        .member("cap", "load_shedding.per_key")
+        .member("key", key)
+        .member("in_flight", in_flight)
+        .member("max_active_requests", cap.max_active_requests)
+        .reply()
 }
 
 /// Whether a request method is one the health endpoint answers: `GET` and `HEAD` (exactly, as
@@ -691,26 +709,12 @@ pub fn shed_by_lag(classes: &Classes, monitor: &LagMonitor, shed: &LagShed, retr
         shed.threshold_ms,
         monitor.max_loop_lag_ms()
     );
-    let body = json!({
-        "type": TEMPORARY_REDUCED_CAPACITY,
-        "title": "Service Unavailable",
-        "status": 503,
-        "detail": detail.clone(),
-        "loop_lag_ms": shed.lag_ms,
-        "max_loop_lag_ms": monitor.max_loop_lag_ms(),
-        "class": class_name,
-        "class_lag_threshold_ms": shed.threshold_ms,
-        "retry_after": retry_after_secs,
-    });
-    Reply {
-        status: 503,
-        headers: vec![
-            ("content-type", "application/problem+json".into()),
-            ("retry-after", retry_after_secs.to_string()),
-        ],
-        body: body.to_string(),
-        refusal: Some(Refusal { kind: RefusalKind::Shed, detail, retry_after_ms: retry_after_secs.saturating_mul(1000) }),
-    }
+    ProblemDetails::unavailable(RefusalKind::Shed, detail, retry_after_secs)
+        .member("loop_lag_ms", shed.lag_ms)
+        .member("max_loop_lag_ms", monitor.max_loop_lag_ms())
+        .member("class", class_name)
+        .member("class_lag_threshold_ms", shed.threshold_ms)
+        .reply()
 }
 
 /// The window's length as configured (`"1m"`).
