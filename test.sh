@@ -27,7 +27,32 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step prints its title, and when the next one starts (or the run ends) its wall time; the
+# run ends with every step's time, so a CI log shows where the time goes.
+step_title= step_start=$SECONDS
+step_times=()
+step_end() {
+  [[ -n "$step_title" ]] || return 0
+  local took=$((SECONDS - step_start))
+  printf '<== %d:%02d  %s\n' $((took / 60)) $((took % 60)) "$step_title"
+  step_times+=("$(printf '%4d:%02d  %s' $((took / 60)) $((took % 60)) "$step_title")")
+  step_title=
+}
+step() {
+  step_end
+  step_title=$* step_start=$SECONDS
+  printf '\n==> %s\n' "$*"
+}
+step_summary() {
+  local status=$?
+  step_end
+  if ((${#step_times[@]} > 0)); then
+    printf '\n==> wall time per step (total %d:%02d)\n' $((SECONDS / 60)) $((SECONDS % 60))
+    printf '%s\n' "${step_times[@]}"
+  fi
+  return "$status"
+}
+trap step_summary EXIT
 
 step "history check: no development history in the tracked text files (scripts/history-check.sh)"
 scripts/history-check.sh --self-test | tail -n1
@@ -92,7 +117,7 @@ step "clippy: floodgate-trim (the module's last build step)"
 cargo clippy -p floodgate-trim --all-targets -- -D warnings
 
 results=$(mktemp)
-trap 'rm -f "$results"' EXIT
+trap 'rm -f "$results"; step_summary' EXIT
 
 step "unit tests: cargo test -p floodgate"
 cargo test -p floodgate 2>&1 | tee -a "$results"
