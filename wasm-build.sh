@@ -12,12 +12,16 @@ if ! rustup target list --installed | grep -qx "$target"; then
   echo "installing the $target target" >&2
   rustup target add "$target" >&2
 fi
+# The two modules build at once (their own target directories; most of each build is the one
+# long LTO compile of the module, on one core).
+cargo build --release --target "$target" -p floodgate --features response-body --target-dir "$PWD/target/response-body" >&2 &
+llm_build=$!
 cargo build --release --target "$target" -p floodgate >&2
 module="$PWD/target/$target/release/floodgate.wasm"
 # Remove the exports of callbacks floodgate does not implement, which Envoy would otherwise call
 # on every request for nothing (trim/src/lib.rs; a trimmed module is left as it is).
 cargo run --quiet -p floodgate-trim -- "$module" >&2
-cargo build --release --target "$target" -p floodgate --features response-body --target-dir "$PWD/target/response-body" >&2
+wait "$llm_build"
 llm="$PWD/target/$target/release/floodgate-llm.wasm"
 cp "$PWD/target/response-body/$target/release/floodgate.wasm" "$llm"
 ls -l "$module" "$llm" >&2
