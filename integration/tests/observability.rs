@@ -330,43 +330,76 @@ fn promtool_checks_the_rules_and_every_unit_test_can_fail() {
         assert!(recording_tests.contains(&format!("expr: {record}\n")), "no unit test of {record}");
     }
 
-    // Each test can fail.
-    let scratch = tempfile::tempdir().expect("tempdir");
-    std::fs::create_dir(scratch.path().join("tests")).expect("mkdir");
-    for test in ["alerts.test.yaml", "recording.test.yaml"] {
-        std::fs::copy(dir.join("tests").join(test), scratch.path().join("tests").join(test)).expect("copy");
-    }
+    // Each test can fail: every mutation below is one `promtool test rules` run, each in a
+    // scratch copy of its own, run on as many threads as there are cores (promtool computes; it
+    // times nothing).
     let (recording_text, alerts_text) = (recording.to_string(), alerts.to_string());
+    // (test file, recording rules, alerting rules)
+    let mut runs: Vec<(&str, String, String)> = Vec::new();
     for test in ["alerts.test.yaml", "recording.test.yaml"] {
-        assert!(unit_tests_pass(scratch.path(), test, &recording_text, &alerts_text).0, "{test} on the copies");
+        runs.push((test, recording_text.clone(), alerts_text.clone()));
     }
-    for (index, name) in alert_names.iter().enumerate() {
+    for index in 0..alert_names.len() {
         let expr = |e: &'static str| move |rule: &mut serde_json::Map<String, Value>| {
             rule.insert("expr".into(), json!(e));
         };
-        let mutations: [(&str, String); 3] = [
-            ("never fires", mutated(&alerts, index, expr("vector(0) > 1"))),
-            ("always fires", mutated(&alerts, index, expr("vector(1)"))),
-            ("no for:", mutated(&alerts, index, |rule| {
-                rule.remove("for");
-            })),
-        ];
-        for (what, text) in mutations {
-            let (passed, output) = unit_tests_pass(scratch.path(), "alerts.test.yaml", &recording_text, &text);
+        runs.push(("alerts.test.yaml", recording_text.clone(), mutated(&alerts, index, expr("vector(0) > 1"))));
+        runs.push(("alerts.test.yaml", recording_text.clone(), mutated(&alerts, index, expr("vector(1)"))));
+        let no_for = mutated(&alerts, index, |rule| {
+            rule.remove("for");
+        });
+        runs.push(("alerts.test.yaml", recording_text.clone(), no_for));
+    }
+    for index in 0..records.len() {
+        let text = mutated(&recording, index, |rule| {
+            rule.insert("expr".into(), json!("vector(0.25)"));
+        });
+        runs.push(("recording.test.yaml", text, alerts_text.clone()));
+    }
+    let mut outcomes = unit_test_runs(&dir, &runs).into_iter();
+    for test in ["alerts.test.yaml", "recording.test.yaml"] {
+        assert!(outcomes.next().expect("an outcome").0, "{test} on the copies");
+    }
+    for name in &alert_names {
+        for what in ["never fires", "always fires", "no for:"] {
+            let (passed, output) = outcomes.next().expect("an outcome");
             assert!(!passed, "{name} {what}: promtool test rules still passes");
             assert!(output.contains(&format!("alertname: {name},")), "{name} {what}:\n{output}");
         }
         println!("{name}: its unit tests fail when it never fires, always fires, or has no for:");
     }
-    for (index, record) in records.iter().enumerate() {
-        let text = mutated(&recording, index, |rule| {
-            rule.insert("expr".into(), json!("vector(0.25)"));
-        });
-        let (passed, output) = unit_tests_pass(scratch.path(), "recording.test.yaml", &text, &alerts_text);
+    for record in &records {
+        let (passed, output) = outcomes.next().expect("an outcome");
         assert!(!passed, "{record} replaced: promtool test rules still passes");
         assert!(output.contains(&format!("expr: \"{record}\"")), "{record}:\n{output}");
     }
     println!("every recording rule: its unit test fails when its expression is replaced");
+}
+
+/// [`unit_tests_pass`] for each run (test file, recording rules, alerting rules), in a scratch
+/// copy of `dir`'s tests each, on as many threads as there are cores: the outcomes in order.
+fn unit_test_runs(dir: &Path, runs: &[(&str, String, String)]) -> Vec<(bool, String)> {
+    let threads = std::thread::available_parallelism().map_or(1, usize::from).clamp(1, runs.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let outcomes = std::sync::Mutex::new(vec![None; runs.len()]);
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                let scratch = tempfile::tempdir().expect("tempdir");
+                std::fs::create_dir(scratch.path().join("tests")).expect("mkdir");
+                for test in ["alerts.test.yaml", "recording.test.yaml"] {
+                    std::fs::copy(dir.join("tests").join(test), scratch.path().join("tests").join(test)).expect("copy");
+                }
+                loop {
+                    let i = next.fetch_add(1, Ordering::SeqCst);
+                    let Some((test, recording, alerts)) = runs.get(i) else { break };
+                    let outcome = unit_tests_pass(scratch.path(), test, recording, alerts);
+                    outcomes.lock().expect("outcomes")[i] = Some(outcome);
+                }
+            });
+        }
+    });
+    outcomes.into_inner().expect("outcomes").into_iter().map(|o| o.expect("every run ran")).collect()
 }
 
 // ---------------------------------------------------------------------------------------------
