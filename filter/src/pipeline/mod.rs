@@ -1393,11 +1393,18 @@ impl Stream {
         }
         if let (Some(scope), Some(node), Some(stage), None) = (&filter.global, &filter.global_node, &filter.asks, &self.asking) {
             // A refusal of a batched global rule may ask the store first ([`asked`]).
-            // This proxy's units of the key that the store has not counted yet.
+            // This proxy's units of the key that the store has not counted yet: its counts less
+            // its part the store confirmed, as the view holds it now (another worker's ask may
+            // have been answered since this VM's last tick).
             let pending = |probe: &Probe| {
                 let counts = filter.limiter.counts_of(env.store, &filter.reserves.borrow(), probe, now);
-                counts.map_or(0, |c| c.current.saturating_sub(probe.remote.confirmed))
+                let mut fresh = [*probe];
+                scope.annotate(&node.borrow(), &mut fresh, now);
+                counts.map_or(0, |c| c.current.saturating_sub(fresh[0].remote.confirmed))
             };
+            if matches!(verdict, Verdict::Rejected { .. }) {
+                let _ = scope.refresh(env.store, &mut node.borrow_mut().cache);
+            }
             if let Some(asks) = stage.asks_of(scope, &node.borrow(), &verdict, &probes, pending, now) {
                 self.asking = Some(asked::Asking { asks, outcomes: None, end_of_stream: false, decided: false, body: (0, false) });
                 return None;

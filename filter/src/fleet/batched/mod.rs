@@ -385,7 +385,9 @@ impl GlobalScope {
         (taken, errors)
     }
 
-    fn refresh<S: SharedStore + ?Sized>(&self, store: &S, cache: &mut ViewCache) -> Result<(), StoreError> {
+    /// Reads into this VM's copy of the view the records another VM wrote since (a tick's work;
+    /// an ask's too, whose units must be weighed against the proxy's latest confirmed part).
+    pub fn refresh<S: SharedStore + ?Sized>(&self, store: &S, cache: &mut ViewCache) -> Result<(), StoreError> {
         let index = store
             .get(&self.index_key)?
             .and_then(|s| ViewIndex::decode(&s.value).ok())
