@@ -13,7 +13,10 @@ if ! rustup target list --installed | grep -qx "$target"; then
   rustup target add "$target" >&2
 fi
 # The two modules build at once (their own target directories; most of each build is the one
-# long LTO compile of the module, on one core).
+# long LTO compile of the module, on one core). Both target directories exist before either build
+# starts: cargo creates a missing one through a temporary sibling and a rename, and two builds
+# doing that at once under a missing target/ lose one of the two.
+mkdir -p "$PWD/target/response-body"
 cargo build --release --target "$target" -p floodgate --features response-body --target-dir "$PWD/target/response-body" >&2 &
 llm_build=$!
 cargo build --release --target "$target" -p floodgate >&2
