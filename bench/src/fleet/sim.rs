@@ -15,7 +15,7 @@ use floodgate::fleet::batched::VmNode;
 use floodgate::fleet::leased::protocol::LEASE_PATH;
 use floodgate::keys::fleet::FleetKey;
 use floodgate::pipeline::stats::{MetricKind, Metrics};
-use floodgate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Request, Schedule, SharedStream, Step, StreamCell, StreamEnd, VmParts};
+use floodgate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Request, Schedule, SharedStream, Step, StreamCell, StreamEnd, VmParts, Waiting};
 use floodgate::primitives::hash::{Random, SplitMix64};
 use floodgate::primitives::inflight::HEARTBEAT_MS;
 use floodgate::primitives::store::MemoryStore;
@@ -122,15 +122,6 @@ impl StreamEnd for Ended {
     fn flags(&self) -> u64 {
         0
     }
-}
-
-/// What paused a request.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Resume {
-    /// The leased stage.
-    Store,
-    /// An ask's answer.
-    Asked,
 }
 
 /// A paused request.
@@ -410,7 +401,7 @@ impl Fleet {
         if let Some(stage) = &filter.leased {
             stage.flush();
         }
-        self.resume(p, w, ready, Resume::Asked);
+        self.resume(p, w, ready, Waiting::Asked);
         self.send_calls(p, w);
     }
 
@@ -543,11 +534,11 @@ impl Fleet {
         let filter = Rc::clone(&self.proxies[p].workers[w].filter);
         let Some(stage) = &filter.leased else { return };
         let streams: Vec<(u32, SharedStream)> = keys.into_iter().flat_map(|key| stage.take_waiting(key)).collect();
-        self.resume(p, w, streams, Resume::Store);
+        self.resume(p, w, streams, Waiting::Store);
     }
 
     /// Resumes paused requests of worker `w` of proxy `p`.
-    fn resume(&mut self, p: usize, w: usize, streams: Vec<(u32, SharedStream)>, what: Resume) {
+    fn resume(&mut self, p: usize, w: usize, streams: Vec<(u32, SharedStream)>, what: Waiting) {
         if streams.is_empty() {
             return;
         }
@@ -558,26 +549,16 @@ impl Fleet {
         let filter = Rc::clone(&worker.filter);
         let env = Env::<Sim> { store: &proxy.store, metrics: &self.metrics, clock: &clock, vm: worker.vm };
         for (context, shared) in streams {
-            let waits = match what {
-                Resume::Store => shared.borrow().waiting_since().is_some(),
-                Resume::Asked => shared.borrow().ask_answered(),
-            };
-            if !waits {
+            if !shared.borrow().waits_for(what) {
                 continue;
             }
             let Some(paused) = worker.paused.remove(&context) else {
-                match what {
-                    Resume::Store => pipeline::abandon(&filter, &env, &shared),
-                    Resume::Asked => {}
-                }
+                pipeline::abandon(&filter, &env, &shared, what);
                 continue;
             };
             let name = format!("{}-{}", self.prefix, paused.key);
             let request = SimRequest { key: &name };
-            let step = match what {
-                Resume::Store => pipeline::resume(&filter, &env, &shared, context, &request, &mut worker.rng),
-                Resume::Asked => pipeline::resume_asked(&filter, &env, &shared, context, &request, &mut worker.rng),
-            };
+            let step = pipeline::resume(&filter, &env, &shared, context, &request, &mut worker.rng, what);
             match step {
                 Step::Wait => {
                     worker.paused.insert(context, paused);
@@ -620,7 +601,7 @@ impl Fleet {
             if stage.owns(done.token) {
                 let stream = stage.answered(scope, node, &self.proxies[p].store, &self.metrics, &filter.stats.global, done.token, done.answer, now.wall);
                 if let Some(stream) = stream {
-                    self.resume(p, w, vec![stream], Resume::Asked);
+                    self.resume(p, w, vec![stream], Waiting::Asked);
                 }
                 self.send_calls(p, w);
                 return;

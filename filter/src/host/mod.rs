@@ -26,7 +26,7 @@ use crate::config::{Config};
 use crate::keys::fleet::FleetKey;
 use crate::pipeline::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
-use crate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Flow, LocalReply, Request, Schedule, SharedStream, Step, Stream, StreamCell, StreamEnd, VmParts};
+use crate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Flow, LocalReply, Request, Schedule, SharedStream, Step, Stream, StreamCell, StreamEnd, VmParts, Waiting};
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
 use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use crate::primitives::time::Now;
@@ -283,25 +283,25 @@ impl RootContext for FilterRoot {
         if let Some(stage) = &filter.delays {
             let due = stage.take_due(now.mono);
             if !due.is_empty() {
-                resume_streams(&filter, due, self.id, &clock, Resume::Turn);
+                resume_streams(&filter, due, self.id, &clock, Waiting::Turn);
             }
         }
         if let Some(stage) = &filter.queue {
             let ready = stage.tick(&filter, &env);
             if !ready.is_empty() {
-                resume_streams(&filter, ready, self.id, &clock, Resume::Slot);
+                resume_streams(&filter, ready, self.id, &clock, Waiting::Slot);
             }
         }
         if let Some(stage) = &filter.body_waits {
             let due = stage.take_due(now.mono);
             if !due.is_empty() {
-                resume_streams(&filter, due, self.id, &clock, Resume::Body);
+                resume_streams(&filter, due, self.id, &clock, Waiting::Body);
             }
         }
         if let Some(stage) = &filter.asks {
             let ready = stage.take_ready();
             if !ready.is_empty() {
-                resume_streams(&filter, ready, self.id, &clock, Resume::Asked);
+                resume_streams(&filter, ready, self.id, &clock, Waiting::Asked);
             }
         }
         if due.heartbeat {
@@ -348,7 +348,7 @@ fn retire(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
     if let Some(stage) = &filter.queue {
         let ready = stage.drain(filter, &env(clock));
         if !ready.is_empty() {
-            resume_streams(filter, ready, current, clock, Resume::Slot);
+            resume_streams(filter, ready, current, clock, Waiting::Slot);
         }
     }
     send_calls(filter, current, clock);
@@ -380,7 +380,7 @@ fn ask_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size: 
     }
     let answer = call::answer(num_headers, body_size);
     if let Some(stream) = stage.answered(scope, node, &EnvoyStore, &EnvoyMetrics, &filter.stats.global, token, answer, clock.now().wall) {
-        resume_streams(filter, [stream], current, clock, Resume::Asked);
+        resume_streams(filter, [stream], current, clock, Waiting::Asked);
     }
     true
 }
@@ -455,58 +455,24 @@ fn wake(filter: &Rc<Filter>, keys: Vec<FleetKey>, current: u32, clock: &Callback
     // Every stream the answer wakes is taken before any is resumed: a resumed request that goes
     // on to wait on another of these keys waits for that key's next answer.
     let streams: Vec<(u32, SharedStream)> = keys.into_iter().flat_map(|key| stage.take_waiting(key)).collect();
-    resume_streams(filter, streams, current, clock, Resume::Store);
-}
-
-/// What a paused request waited for.
-#[derive(Clone, Copy)]
-enum Resume {
-    /// The store (the leased stage).
-    Store,
-    /// Its turn (the delay stage).
-    Turn,
-    /// A slot, or the end of its wait (the queue stage).
-    Slot,
-    /// Its body, none of which came in time (an estimate read from the body).
-    Body,
-    /// The answer to its ask (a batched global rule's key).
-    Asked,
+    resume_streams(filter, streams, current, clock, Waiting::Store);
 }
 
 /// Resumes the paused `streams`, in order, each from its own context (made the effective one),
 /// then gives the effective context back to `current`.
-fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, SharedStream)>, current: u32, clock: &CallbackClock, what: Resume) {
+fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, SharedStream)>, current: u32, clock: &CallbackClock, what: Waiting) {
     for (context, shared) in streams {
-        let waits = match what {
-            Resume::Store => shared.borrow().waiting_since().is_some(),
-            Resume::Turn => shared.borrow().delayed_until().is_some(),
-            Resume::Slot => shared.borrow().slot_decided(),
-            Resume::Body => shared.borrow().body_never_came(),
-            Resume::Asked => shared.borrow().ask_answered(),
-        };
-        if !waits {
+        if !shared.borrow().waits_for(what) {
             continue;
         }
         let env = env(clock);
         if hostcalls::set_effective_context(context).is_err() {
-            match what {
-                Resume::Store => pipeline::abandon(filter, &env, &shared),
-                Resume::Turn => pipeline::abandon_delayed(filter, &env, &shared),
-                Resume::Slot => pipeline::abandon_queued(filter, &env, &shared),
-                // It holds nothing yet; a grant stays counted (the fleet admits less).
-                Resume::Body | Resume::Asked => {}
-            }
+            pipeline::abandon(filter, &env, &shared, what);
             continue;
         }
         let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
         let request = RequestHeaders::new(&filter.headers, map.as_deref());
-        let step = match what {
-            Resume::Store => pipeline::resume(filter, &env, &shared, context, &request, &mut VmRandom),
-            Resume::Turn => pipeline::resume_delayed(filter, &env, &shared, &request, &mut VmRandom),
-            Resume::Slot => pipeline::resume_queued(filter, &env, &shared, context, &request, &mut VmRandom),
-            Resume::Body => pipeline::resume_without_body(filter, &env, &shared, context, &request, &mut VmRandom),
-            Resume::Asked => pipeline::resume_asked(filter, &env, &shared, context, &request, &mut VmRandom),
-        };
+        let step = pipeline::resume(filter, &env, &shared, context, &request, &mut VmRandom, what);
         if apply(filter, &env, &shared, step) == Action::Continue {
             if let Err(status) = hostcalls::resume_http_request() {
                 log::debug!("floodgate: cannot resume a request: {status:?}");

@@ -60,7 +60,7 @@ impl BodyWaitStage {
     }
 
     /// The requests that waited [`BODY_WAIT_MS`] by `now` and got none of their body: to decide
-    /// without it ([`super::resume_without_body`]). Those whose body came or that ended go.
+    /// without it ([`super::Waiting::Body`]). Those whose body came or that ended go.
     pub fn take_due(&self, now: MonoMillis) -> Vec<(u32, SharedStream)> {
         let mut waiting = self.waiting.borrow_mut();
         let mut due = Vec::new();

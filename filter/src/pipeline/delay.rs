@@ -2,7 +2,7 @@
 //! ([`crate::ratelimit::bucket`]). Such a request took its slot of the bucket when it came;
 //! it is parked here with the instant it goes, and the root's tick ([`TICK_MS`], only when a
 //! rule has `max_delay`) resumes the streams whose turn came, in the order of their turns, each
-//! from its own context ([`super::resume_delayed`]), as the leased stage's answers resume the
+//! from its own context ([`super::Waiting::Turn`]), as the leased stage's answers resume the
 //! streams waiting for the store. A stream that ends while it waits gives its slots back
 //! ([`super::Stream::end`]); the tick skips it.
 //!

@@ -7,14 +7,15 @@
 //! Each stage lets the request go on, possibly holding something (an in-flight [`Permit`], a
 //! [`KeyPermit`], units of a leased key, a [`ClusterPermit`]), or answers it; the host shell turns
 //! the answer ([`Step`]) into host calls. The `leased` stage may make the request wait; the store's
-//! answer resumes it ([`resume`]) on the same stream state ([`Stream`]); the `delay` stage parks
-//! a request a token bucket let in to wait for its turn, and the root's tick resumes it
-//! ([`resume_delayed`]); with `load_shedding.queue`, a request the in-flight limit would shed
-//! waits in the `queue` stage for a slot, which the root's tick gives it ([`resume_queued`]).
+//! answer resumes it on the same stream state ([`Stream`]); the `delay` stage parks
+//! a request a token bucket let in to wait for its turn, and the root's tick resumes it;
+//! with `load_shedding.queue`, a request the in-flight limit would shed
+//! waits in the `queue` stage for a slot, which the root's tick gives it. One [`resume`] and one
+//! [`abandon`] take every kind of wait ([`Waiting`]).
 //! Before all stages, a request whose estimate a rule reads in its JSON body
 //! (`cost.estimate.body`) waits for its body, holding nothing; the body's callbacks decide it
 //! once the estimate is read ([`request_body_estimates`]), or the root's tick, when none of the
-//! body reached the filter ([`resume_without_body`], [`body_wait`]).
+//! body reached the filter ([`Waiting::Body`], [`body_wait`]).
 //! The stream state also takes the
 //! stream's later events (body, response, end). What the pipeline needs of the host is narrow: the
 //! shared store, metrics and the VM's id ([`Env`]), the request's attributes ([`Request`]), the
@@ -676,9 +677,60 @@ pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     Some(step)
 }
 
+/// What a paused request waits for. A stage that makes a request wait parks its stream where
+/// that comes from; the shell, told it came, checks [`Stream::waits_for`] and then [`resume`]s
+/// the request from its own context, or [`abandon`]s it when that context is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Waiting {
+    /// Units of a leased rule's key (the `leased` stage; the store's answer).
+    Store,
+    /// Its turn (the `delay` stage; the root's tick).
+    Turn,
+    /// A slot (the `queue` stage; a freed slot or the root's tick).
+    Slot,
+    /// Its body, none of which came in time (an estimate read from the body; the root's tick).
+    Body,
+    /// The answer to its ask (a batched global rule's key; the store's answer).
+    Asked,
+}
+
+/// A paused request whose `what` came (its stream `context`, made the host's effective
+/// context): the rest of its pipeline from where it waited, and the body that came meanwhile.
+/// [`Step::Wait`] when it waits on (for the same or the next thing).
+pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    filter: &Filter,
+    env: &Env<'_, H>,
+    shared: &SharedStream,
+    context: u32,
+    request: &R,
+    rng: &mut G,
+    what: Waiting,
+) -> Step {
+    match what {
+        Waiting::Store => resume_store(filter, env, shared, context, request, rng),
+        Waiting::Turn => resume_turn(filter, env, shared, request, rng),
+        Waiting::Slot => resume_slot(filter, env, shared, context, request, rng),
+        Waiting::Body => resume_body(filter, env, shared, context, request, rng),
+        Waiting::Asked => resume_asked(filter, env, shared, context, request, rng),
+    }
+}
+
+/// A paused request whose `what` came and whose host context is gone: it will never be
+/// decided, and what it holds goes back (units of a leased key, the slots of its turn, a queue
+/// slot). One waiting for its body or its ask holds nothing yet (a grant its ask took stays
+/// counted: the fleet admits less, never more).
+pub fn abandon<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream, what: Waiting) {
+    match what {
+        Waiting::Store => abandon_store(filter, env, shared),
+        Waiting::Turn => abandon_turn(filter, env, shared),
+        Waiting::Slot => abandon_slot(filter, env, shared),
+        Waiting::Body | Waiting::Asked => {}
+    }
+}
+
 /// A request none of whose body reached the filter in time (its stream `context`, made the
 /// host's effective context): decided without its body, on its rules' `estimate.default`.
-pub fn resume_without_body<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+fn resume_body<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
     shared: &SharedStream,
@@ -774,7 +826,7 @@ fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 
 /// A request whose turn came (its stream `context`, made the host's effective context): the
 /// rest of its pipeline after the `delay` stage, and the body that came while it waited.
-pub fn resume_delayed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+fn resume_turn<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
     shared: &SharedStream,
@@ -791,7 +843,7 @@ pub fn resume_delayed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 }
 
 /// A request whose turn came and whose host context is gone: its slots go back.
-pub fn abandon_delayed<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
+fn abandon_turn<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if let Some(delayed) = stream.delayed.take() {
         stream.give_back_slots(filter, env, &delayed);
@@ -801,7 +853,7 @@ pub fn abandon_delayed<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &Shar
 /// A request whose wait for a slot is over (its stream `context`, made the host's effective
 /// context): admitted, the rest of its pipeline after the `shed` stage; its wait ended, the
 /// shed `503`. Then the body that came while it waited.
-pub fn resume_queued<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+fn resume_slot<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
     shared: &SharedStream,
@@ -830,7 +882,7 @@ pub fn resume_queued<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 
 /// A request whose wait for a slot is over and whose host context is gone: the slot it was
 /// given goes back.
-pub fn abandon_queued<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
+fn abandon_slot<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if stream.queued.take().is_some() {
         let now = env.clock.now().mono;
@@ -841,7 +893,7 @@ pub fn abandon_queued<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &Share
 /// A request the leased stage woke (its stream `context`, made the host's effective context):
 /// takes its units again; decided, runs the rest of its pipeline; still short of units, waits
 /// again.
-pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+fn resume_store<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
     shared: &SharedStream,
@@ -873,7 +925,7 @@ pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 
 /// A request whose ask was answered (its stream `context`, made the host's effective context):
 /// decided again with the answer, then the rest of its pipeline.
-pub fn resume_asked<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+fn resume_asked<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
     shared: &SharedStream,
@@ -894,7 +946,7 @@ pub fn resume_asked<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 }
 
 /// A woken request whose host context is gone: it will never be decided.
-pub fn abandon<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
+fn abandon_store<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if let (Some(wait), Some(stage)) = (stream.waiting.take(), &filter.leased) {
         stage.abandon(env.store, &wait, env.clock.now());
@@ -922,6 +974,17 @@ impl Stream {
     /// The keys it asks the store for, while it waits for the answer.
     fn pending_asks(&self) -> Option<Vec<crate::fleet::batched::ask::KeyAsk>> {
         self.asking.as_ref().filter(|a| a.outcomes.is_none()).map(|a| a.asks.clone())
+    }
+
+    /// Whether it still waits for `what` (and has not ended): the shell resumes only those.
+    pub fn waits_for(&self, what: Waiting) -> bool {
+        match what {
+            Waiting::Store => self.waiting_since().is_some(),
+            Waiting::Turn => self.delayed_until().is_some(),
+            Waiting::Slot => self.slot_decided(),
+            Waiting::Body => self.body_never_came(),
+            Waiting::Asked => self.ask_answered(),
+        }
     }
 
     /// Whether its ask was answered and it waits to be decided again.
@@ -1277,7 +1340,7 @@ impl Stream {
     }
 
     /// A waiting request's wait is over (`ready`; with a slot, its in-flight `permit`): the
-    /// host resumes it next ([`resume_queued`]).
+    /// host resumes it next ([`Waiting::Slot`]).
     pub(crate) fn wait_over(&mut self, ready: Ready, permit: Option<Permit>) {
         if let Some(queued) = self.queued.as_mut() {
             queued.ready = Some(ready);

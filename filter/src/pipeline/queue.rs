@@ -3,7 +3,7 @@
 //! root's tick ([`TICK_MS`], only with `load_shedding.queue`) first ends the waits that are
 //! over (their requests get the shed `503`), then, while the next slot goes to one of this
 //! VM's tickets and the in-flight count has room for its class, takes the slot for that
-//! request; the host then resumes each from its own context ([`super::resume_queued`]). A
+//! request; the host then resumes each from its own context ([`super::Waiting::Slot`]). A
 //! stream that ends while it waits leaves the queue ([`super::Stream::end`]).
 //!
 //! Nothing here calls the host.

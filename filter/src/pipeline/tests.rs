@@ -764,10 +764,10 @@ fn a_request_whose_body_never_reaches_the_filter_is_decided_on_the_default_by_th
     assert!(stage.is_empty(), "the other is dropped: its body flows");
     let (context, shared) = due.into_iter().next().unwrap();
     assert!(Rc::ptr_eq(&shared, &never.share()));
-    let step = resume_without_body(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut());
+    let step = resume(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut(), Waiting::Body);
     assert_eq!(status(&step), 0, "decided on the default");
     assert!(estimate_wants(&never, 10).is_none(), "its body, if it comes now, goes by unread");
-    assert_eq!(status(&resume_without_body(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut())), 1, "once");
+    assert_eq!(status(&resume(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut(), Waiting::Body)), 1, "once");
     // 50 reserved: 950 left.
     let (c, mut s, _) = host.send_with_body(&post("k"));
     assert_eq!(status(&host.body(&mut s, c, &post("k"), &[br#"{"max_completion_tokens":400}"#, b"}"], false).unwrap()), 0);
@@ -786,7 +786,7 @@ fn after_two_requests_without_their_body_requests_no_longer_wait_unless_a_body_e
         assert_eq!(step, Step::Wait);
         host.clock.advance(body_wait::BODY_WAIT_MS);
         for (context, shared) in host.filter.body_waits.as_ref().unwrap().take_due(host.clock.now().mono) {
-            assert_eq!(status(&resume_without_body(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut())), 0);
+            assert_eq!(status(&resume(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut(), Waiting::Body)), 0);
         }
     };
     miss(&host);
@@ -850,7 +850,7 @@ fn wake(host: &Host, keys: Vec<crate::keys::fleet::FleetKey>, request: &TestRequ
             if stream.borrow().waiting_since().is_none() {
                 continue;
             }
-            steps.push((context, resume(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut())));
+            steps.push((context, resume(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut(), Waiting::Store)));
         }
     }
     steps
@@ -978,7 +978,7 @@ fn a_woken_request_whose_context_is_gone_is_abandoned() {
     let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(1), host.clock.now()).unwrap();
     for key in keys {
         for (_, woken) in stage.take_waiting(key) {
-            abandon(&host.filter, &host.env(), &woken);
+            abandon(&host.filter, &host.env(), &woken, Waiting::Store);
         }
     }
     assert!(stream.borrow().waiting_since().is_none());
@@ -1322,7 +1322,7 @@ fn tick(host: &Host) -> Vec<(u32, Step)> {
             continue;
         }
         let request = keyed("k");
-        steps.push((context, resume_delayed(&host.filter, &host.env(), &stream, &request, &mut *host.rng.borrow_mut())));
+        steps.push((context, resume(&host.filter, &host.env(), &stream, context, &request, &mut *host.rng.borrow_mut(), Waiting::Turn)));
     }
     steps
 }
@@ -1444,7 +1444,7 @@ fn slot_tick(host: &Host, request: &TestRequest) -> Vec<(u32, Step)> {
         if !stream.borrow().slot_decided() {
             continue;
         }
-        steps.push((context, resume_queued(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut())));
+        steps.push((context, resume(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut(), Waiting::Slot)));
     }
     steps
 }
@@ -1624,7 +1624,7 @@ fn answer_ask(host: &Host, token: u32, answer: Answer, request: &TestRequest) ->
     let (scope, node) = (host.filter.global.as_ref().unwrap(), host.filter.global_node.as_ref().unwrap());
     let (context, stream) = stage.answered(scope, node, &host.store, &host.metrics, &host.filter.stats.global, token, answer, host.clock.now().wall).unwrap();
     assert!(stream.borrow().ask_answered());
-    (context, resume_asked(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut()))
+    (context, resume(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut(), Waiting::Asked))
 }
 
 #[test]
