@@ -14,6 +14,7 @@ use floodgate::keys::fleet::FleetHasher;
 use floodgate::ratelimit::probes::probes_where;
 use floodgate::ratelimit::rules::{capped, Attributes, Later, LimitFrom, Rules, Unmet};
 use floodgate::replies::is_health_method;
+use floodgate::pipeline::Stage;
 use floodgate::selection::partition::Partitioner;
 use floodgate::shedding::lag::LagMonitor;
 use floodgate::shedding::{Classes, Shedder};
@@ -282,9 +283,17 @@ pub fn explain(config: &Config, request: &Request) -> String {
             return out;
         }
     }
-    rate_limits(config, request, &mut line);
-    cluster_selection(config, request, &mut line);
-    load_shedding(config, request, &mut line);
+    // The stages in the order the filter runs them. The endpoints are answered above; the queue
+    // is told with shedding, leased rules and the delay with the rate-limit rules.
+    for stage in Stage::ORDER {
+        match stage {
+            Stage::Shed => load_shedding(config, request, &mut line),
+            Stage::Cap => per_key_cap(config, request, &mut line),
+            Stage::RateLimit => rate_limits(config, request, &mut line),
+            Stage::Select => cluster_selection(config, request, &mut line),
+            Stage::Endpoints | Stage::Queue | Stage::Leased | Stage::Delay => {}
+        }
+    }
     out
 }
 
@@ -527,6 +536,10 @@ fn load_shedding(config: &Config, request: &Request, line: &mut impl FnMut(Strin
             limits.max_wait_ms, queue.target, queue.interval, limits.max_queued.saturating_sub(1)
         ));
     }
+}
+
+fn per_key_cap(config: &Config, request: &Request, line: &mut impl FnMut(String)) {
+    let Some(shedding) = &config.load_shedding else { return };
     if let Some(per_key) = &shedding.per_key {
         let (key, _) = key_values(&per_key.key, request);
         let mode = mode_text(config, per_key.mode, "load_shedding.per_key.mode");
@@ -765,6 +778,18 @@ mod tests {
     }
 
     #[test]
+    fn the_stages_are_told_in_the_order_the_filter_runs_them() {
+        let json = r#"{"load_shedding": {"max_active_requests": 100, "queue": {"max_queued": 8, "max_wait": "1s"},
+                        "per_key": {"key": [{"header": "x-api-key"}], "max_active_requests": 3}},
+                       "rate_limits": [{"name": "per-key", "key": [{"header": "x-api-key"}], "limit": 5, "window": "1s"}],
+                       "cluster_selection": {"clusters": ["a", "b"]}}"#;
+        let text = explained(json, &["--header", "x-api-key:k"]);
+        let at = |start: &str| text.lines().position(|l| l.starts_with(start)).expect(start);
+        let told = [at("  priority class:"), at("  queue:"), at("  per-key cap:"), at("  rate_limits[0]"), at("  cluster selection:")];
+        assert!(told.windows(2).all(|w| w[0] < w[1]), "shed, queue, cap, rate limits, selection: {told:?} in {text}");
+    }
+
+    #[test]
     fn a_queue_says_how_long_the_class_waits() {
         let json = r#"{"load_shedding": {"max_active_requests": 10, "queue": {"max_queued": 50, "max_wait": "1s"},
                         "classes": [{"name": "normal", "shed_at": 1.0}, {"name": "low", "shed_at": 0.5, "queue": {"max_wait": "200ms"}}]}}"#;
@@ -827,8 +852,8 @@ mod tests {
                  \x20   scope: proxy (the workers of this Envoy share the quota)\n\
                  {name}: Wasm filter \"floodgate-edge\" at http_filters[1].typed_config:\n\
                  \x20 request: GET /, no authority, no route name, from 10.0.0.9:1234\n\
-                 \x20 rate limits: none\n\
-                 \x20 priority class: \"normal\" (the default class: no x-floodgate-priority header), shed from 9 requests in flight; mode enforce\n"
+                 \x20 priority class: \"normal\" (the default class: no x-floodgate-priority header), shed from 9 requests in flight; mode enforce\n\
+                 \x20 rate limits: none\n"
             )
         );
         std::fs::write(&file, r#"{"rate_limits": [{"name": "a", "key": ["path"], "limit": 5, "window": "1s", "mode": "observe"}]}"#).unwrap();

@@ -677,6 +677,34 @@ pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     Some(step)
 }
 
+/// The pipeline's stages, in the order a request meets them (the module doc's diagram;
+/// `floodgate explain` tells a request's path in this order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stage {
+    /// The health endpoint and the watchdog's liveness path, answered by the filter itself.
+    Endpoints,
+    /// Load shedding: the loop lag, then the proxy-wide in-flight count, by priority class.
+    Shed,
+    /// The load-leveling queue: a request the in-flight count would shed waits for a slot.
+    Queue,
+    /// The per-key in-flight cap (the bulkhead).
+    Cap,
+    /// Leased global rules: units the store lends ahead of use.
+    Leased,
+    /// The rate-limit rules (local, and batched global ones).
+    RateLimit,
+    /// A token bucket's delay instead of refusal: the request waits for its turn.
+    Delay,
+    /// Cluster selection.
+    Select,
+}
+
+impl Stage {
+    /// Every stage, in order.
+    pub const ORDER: [Stage; 8] =
+        [Stage::Endpoints, Stage::Shed, Stage::Queue, Stage::Cap, Stage::Leased, Stage::RateLimit, Stage::Delay, Stage::Select];
+}
+
 /// What a paused request waits for. A stage that makes a request wait parks its stream where
 /// that comes from; the shell, told it came, checks [`Stream::waits_for`] and then [`resume`]s
 /// the request from its own context, or [`abandon`]s it when that context is gone.
