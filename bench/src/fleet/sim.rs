@@ -15,7 +15,7 @@ use floodgate::fleet::batched::VmNode;
 use floodgate::fleet::leased::protocol::LEASE_PATH;
 use floodgate::keys::fleet::FleetKey;
 use floodgate::pipeline::stats::{MetricKind, Metrics};
-use floodgate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Request, Schedule, SharedStream, Step, StreamCell, StreamEnd, VmParts, Waiting};
+use floodgate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Request, Schedule, Records, SharedStream, Step, StreamCell, StreamEnd, VmParts, Waiting};
 use floodgate::primitives::hash::{Random, SplitMix64};
 use floodgate::primitives::inflight::HEARTBEAT_MS;
 use floodgate::primitives::store::MemoryStore;
@@ -261,11 +261,11 @@ impl Fleet {
             let config = Config::parse(self.config.as_bytes()).map_err(|e| e.to_string())?;
             let vm = self.seed.borrow_mut().next_u64();
             let root = self.context();
-            let parts = VmParts {
+            let parts = |records: Records<'_>| VmParts {
                 local: Default::default(),
                 key_counts: LocalKeys::default(),
-                cluster_counts: Vec::new(),
-                global_node: config.global.as_ref().map(|_| Rc::new(RefCell::new(VmNode::new(vm)))),
+                cluster_counts: records.clusters.iter().map(|_| Default::default()).collect(),
+                global_node: records.global.then(|| Rc::new(RefCell::new(VmNode::new(vm)))),
             };
             let filter = Filter::new(config, NAMESPACE, seed, vm, root, parts, &self.metrics);
             let clock = CallbackClock(self.now());

@@ -26,12 +26,11 @@ use crate::config::{Config};
 use crate::keys::fleet::FleetKey;
 use crate::pipeline::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
-use crate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Flow, LocalReply, Request, Schedule, SharedStream, Step, Stream, StreamCell, StreamEnd, VmParts, Waiting};
-use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
-use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
+use crate::pipeline::{self, Attributes, Clock, Env, Filter, Host, Flow, LocalReply, Request, Schedule, SharedStream, Records, Step, Stream, StreamCell, StreamEnd, VmParts, Waiting};
+use crate::primitives::inflight::LocalCount;
 use crate::primitives::time::Now;
 use crate::primitives::hash::{Random, SplitMix64};
-use crate::shedding::per_key::{LocalKeys, PerKeyCap};
+use crate::shedding::per_key::LocalKeys;
 use metrics::EnvoyMetrics;
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -203,7 +202,7 @@ impl RootContext for FilterRoot {
             return false;
         }
         let namespace = plugin_name();
-        let seed = match shared_seed(&EnvoyStore, &namespace) {
+        let seed = match crate::keys::shared_seed(&EnvoyStore, &namespace, |seed| getrandom::fill(seed).map_err(|e| format!("getrandom: {e}"))) {
             Ok(seed) => seed,
             Err(err) => {
                 log::error!("floodgate: cannot set up the shared key seed: {err}");
@@ -214,29 +213,13 @@ impl RootContext for FilterRoot {
         if let Some(old) = self.filter.take() {
             retire(&old, self.id, &clock);
         }
-        let shedder_record = config.load_shedding.as_ref().and_then(|s| crate::shedding::Shedder::new(s, &namespace)).map(|s| s.record_key().to_owned());
-        let selector = config.cluster_selection.as_ref().map(|s| crate::selection::Selector::new(s, &namespace));
-        let vm = VmParts {
-            local: local_count(shedder_record.as_deref().unwrap_or("")),
-            key_counts: local_keys(&config.load_shedding.as_ref().and_then(|s| s.per_key.as_ref()).map(|p| PerKeyCap::new(p, &namespace).table().to_owned()).unwrap_or_default()),
-            cluster_counts: selector.as_ref().map_or_else(Vec::new, |s| (0..s.clusters.len()).filter_map(|i| s.record_key(i)).map(local_count).collect()),
-            global_node: config.global.as_ref().map(|_| global::node(&namespace, vm_id())),
+        let vm = |records: Records<'_>| VmParts {
+            local: local_count(records.inflight),
+            key_counts: local_keys(records.key_table),
+            cluster_counts: records.clusters.into_iter().map(local_count).collect(),
+            global_node: records.global.then(|| global::node(&namespace, vm_id())),
         };
         let filter = Filter::new(config, &namespace, seed, vm_id(), self.id, vm, &EnvoyMetrics);
-        // The tick is every second; a global scope ticks every sync_interval, a lag probe
-        // every lag_probe_interval, leased rules every quarter lease_timeout (2 to 10 ms) to send
-        // the calls queued for the root, again those of streams that ended, and to end waits
-        // past the timeout.
-        let tick_ms = [
-            filter.global.as_ref().map(|g| g.interval_ms),
-            filter.lag.as_ref().map(|l| l.borrow().probe_ms()),
-            filter.leased.as_ref().map(|l| crate::fleet::leased::tick_ms(l.timeout_ms)),
-            filter.delays.as_ref().map(|_| pipeline::delay::TICK_MS),
-            filter.queue.as_ref().map(|_| pipeline::queue::TICK_MS),
-        ]
-        .into_iter()
-        .flatten()
-        .fold(HEARTBEAT_MS, u64::min);
         self.wake_queue = filter.leased.as_ref().and_then(|stage| match hostcalls::register_shared_queue(&stage.wake_queue(vm_id())) {
             Ok(queue) => Some(queue),
             Err(status) => {
@@ -244,8 +227,7 @@ impl RootContext for FilterRoot {
                 None
             }
         });
-        let config = &filter.config;
-        if filter.shedder.is_some() || filter.lag.is_some() || filter.selector.is_some() || filter.watchdog.is_some() || !config.rate_limits.is_empty() {
+        if let Some(tick_ms) = filter.tick_ms() {
             if let Err(status) = hostcalls::set_tick_period(Duration::from_millis(tick_ms)) {
                 log::warn!("floodgate: no tick ({status:?}): in-flight heartbeats and quota reserves disabled");
                 // Reserves need the heartbeat to come back when unused.
@@ -545,29 +527,6 @@ fn plugin_name() -> String {
         .filter(|name| !name.is_empty())
         .unwrap_or_else(|| "default".into())
 }
-
-/// The secret key-hash seed every worker of this proxy shares: drawn once from `getrandom`
-/// by whichever VM configures first, and read by all others. A record of the wrong length
-/// (corrupt, or from another version) is replaced, with a compare-and-swap, by a fresh seed.
-fn shared_seed(store: &dyn SharedStore, namespace: &str) -> Result<[u8; 16], String> {
-    let key = format!("floodgate/{namespace}/seed");
-    let seed = update(store, &key, |current| {
-        if let Some(seed) = current.and_then(|s| <[u8; 16]>::try_from(s.value.as_slice()).ok()) {
-            return Attempt::Done(Ok(seed));
-        }
-        let mut seed = [0u8; 16];
-        match getrandom::fill(&mut seed) {
-            Ok(()) => Attempt::Write(seed, Ok(seed)),
-            Err(e) => Attempt::Done(Err(format!("getrandom: {e}"))),
-        }
-    });
-    match seed {
-        Ok(seed) => seed,
-        Err(StoreError::CasMismatch) => Err(format!("shared key {key} could not be created")),
-        Err(err) => Err(err.to_string()),
-    }
-}
-
 
 struct FilterStream {
     filter: Rc<Filter>,

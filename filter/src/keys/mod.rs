@@ -11,8 +11,32 @@ pub mod fleet;
 
 use crate::config::KeyPart;
 use crate::primitives::hash::write_parts;
+use crate::primitives::store::{update, Attempt, SharedStore, StoreError};
 use siphasher::sip::SipHasher13;
 use std::hash::Hasher;
+
+/// The secret key-hash seed every worker of this proxy shares under `namespace`: drawn once
+/// (`draw`, the host's `getrandom`) by whichever VM configures first, and read by all others. A
+/// record of the wrong length (corrupt, or from another version) is replaced, with a
+/// compare-and-swap, by a fresh seed.
+pub fn shared_seed(store: &dyn SharedStore, namespace: &str, draw: impl Fn(&mut [u8; 16]) -> Result<(), String>) -> Result<[u8; 16], String> {
+    let key = format!("floodgate/{namespace}/seed");
+    let seed = update(store, &key, |current| {
+        if let Some(seed) = current.and_then(|s| <[u8; 16]>::try_from(s.value.as_slice()).ok()) {
+            return Attempt::Done(Ok(seed));
+        }
+        let mut seed = [0u8; 16];
+        match draw(&mut seed) {
+            Ok(()) => Attempt::Write(seed, Ok(seed)),
+            Err(e) => Attempt::Done(Err(e)),
+        }
+    });
+    match seed {
+        Ok(seed) => seed,
+        Err(StoreError::CasMismatch) => Err(format!("shared key {key} could not be created")),
+        Err(err) => Err(err.to_string()),
+    }
+}
 
 /// The attribute a key part reads from the request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -100,8 +124,30 @@ pub fn hash_key<V: AsRef<[u8]>>(parts: &[KeyPart], hasher: &KeyHasher, mut fetch
 
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_seed_is_drawn_once_per_proxy_and_a_bad_record_is_replaced() {
+        use crate::primitives::store::MemoryStore;
+        let store = MemoryStore::new();
+        let draws = std::cell::Cell::new(0u8);
+        let draw = |seed: &mut [u8; 16]| {
+            draws.set(draws.get() + 1);
+            *seed = [draws.get(); 16];
+            Ok(())
+        };
+        assert_eq!(shared_seed(&store, "ns", draw), Ok([1; 16]), "the first VM draws it");
+        assert_eq!(shared_seed(&store, "ns", draw), Ok([1; 16]), "every other VM reads it");
+        assert_eq!(draws.get(), 1);
+        assert_eq!(shared_seed(&store, "other", draw), Ok([2; 16]), "a namespace of its own");
+        store.set("floodgate/ns/seed", b"short", None).unwrap();
+        assert_eq!(shared_seed(&store, "ns", draw), Ok([3; 16]), "a record of the wrong length is replaced");
+        assert_eq!(shared_seed(&store, "ns", draw), Ok([3; 16]));
+        let failed = shared_seed(&MemoryStore::new(), "ns", |_| Err("getrandom: unavailable".to_owned()));
+        assert_eq!(failed, Err("getrandom: unavailable".to_owned()), "no seed without the host's random source");
+    }
 
     #[test]
     fn ports_are_stripped_from_both_address_families() {

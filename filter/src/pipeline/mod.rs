@@ -173,6 +173,20 @@ pub struct GrpcCall {
     pub status: Option<GrpcStatus>,
 }
 
+/// The shared-data records under which a configuration keeps counts of its own VM (the host
+/// keeps one VM-local count per record, which the configurations of the VM share): what
+/// [`Filter::new`] hands the host to get the configuration's [`VmParts`].
+pub struct Records<'a> {
+    /// The shedder's in-flight record ("" when nothing is shed).
+    pub inflight: &'a str,
+    /// The per-key cap's table ("" when there is no cap).
+    pub key_table: &'a str,
+    /// Each selected cluster's permit record.
+    pub clusters: Vec<&'a str>,
+    /// Whether the configuration has a global scope (its VM's side outlives configurations).
+    pub global: bool,
+}
+
 /// The per-VM parts a configuration shares with the other configurations of its VM.
 pub struct VmParts {
     /// This VM's in-flight count under the shedder's record.
@@ -256,11 +270,27 @@ pub struct Filter {
 
 impl Filter {
     /// The filter of `config` under `namespace` (the plugin's name), with the proxy's key seed,
-    /// in the VM whose parts are `vm` and whose id is `vm_id`, under the root context `root`.
-    pub fn new(config: Config, namespace: &str, seed: [u8; 16], vm_id: u64, root: u32, vm: VmParts, metrics: &dyn Metrics) -> Filter {
+    /// in the VM whose id is `vm_id`, under the root context `root`; `vm` gives the VM's parts
+    /// kept under the configuration's records.
+    pub fn new(
+        config: Config,
+        namespace: &str,
+        seed: [u8; 16],
+        vm_id: u64,
+        root: u32,
+        vm: impl FnOnce(Records<'_>) -> VmParts,
+        metrics: &dyn Metrics,
+    ) -> Filter {
         let limiter = Limiter::new(&config, namespace);
         let shedder = config.load_shedding.as_ref().and_then(|s| Shedder::new(s, namespace));
         let selector = config.cluster_selection.as_ref().map(|s| Selector::new(s, namespace));
+        let per_key = config.load_shedding.as_ref().and_then(|s| s.per_key.as_ref()).map(|p| PerKeyCap::new(p, namespace));
+        let vm = vm(Records {
+            inflight: shedder.as_ref().map_or("", |s| s.record_key()),
+            key_table: per_key.as_ref().map_or("", |p| p.table()),
+            clusters: selector.as_ref().map_or_else(Vec::new, |s| (0..s.clusters.len()).filter_map(|i| s.record_key(i)).collect()),
+            global: config.global.is_some(),
+        });
         let global = GlobalScope::new(&config, namespace);
         let rules = Rules::new(&config, &KeyHasher::new(seed));
         Filter {
@@ -278,7 +308,7 @@ impl Filter {
             partitioner: config.cluster_selection.as_ref().and_then(Partitioner::new),
             selection_vm: RefCell::new(VmState::new(vm_id, vm.cluster_counts)),
             selector,
-            per_key: config.load_shedding.as_ref().and_then(|s| s.per_key.as_ref()).map(|p| PerKeyCap::new(p, namespace)),
+            per_key,
             key_counts: vm.key_counts,
             asks: asked::AskStage::new(&config, global.as_ref()),
             global_node: global.as_ref().and(vm.global_node),
@@ -296,6 +326,27 @@ impl Filter {
             retired: Cell::new(false),
             said_compressed: Cell::new(false),
         }
+    }
+
+    /// How often the VM's root ticks, when it needs to: every second (heartbeats, reserves,
+    /// the watchdog), a global scope every `sync_interval`, a lag probe every
+    /// `lag_probe_interval`, leased rules every quarter `lease_timeout` (2 to 10 ms: to send the
+    /// calls queued for the root, again those of streams that ended, and to end waits past the
+    /// timeout), the delay and queue stages at their own ticks. `None`: nothing needs a tick.
+    pub fn tick_ms(&self) -> Option<u64> {
+        let ticks = self.shedder.is_some()
+            || self.lag.is_some()
+            || self.selector.is_some()
+            || self.watchdog.is_some()
+            || !self.config.rate_limits.is_empty();
+        let periods = [
+            self.global.as_ref().map(|g| g.interval_ms),
+            self.lag.as_ref().map(|l| l.borrow().probe_ms()),
+            self.leased.as_ref().map(|l| crate::fleet::leased::tick_ms(l.timeout_ms)),
+            self.delays.as_ref().map(|_| delay::TICK_MS),
+            self.queue.as_ref().map(|_| queue::TICK_MS),
+        ];
+        ticks.then(|| periods.into_iter().flatten().fold(HEARTBEAT_MS, u64::min))
     }
 
     /// No quota reserves: the VM does not tick, and reserves need the heartbeat to come back

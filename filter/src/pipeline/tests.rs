@@ -134,12 +134,11 @@ impl Host {
     fn new(config: serde_json::Value) -> Host {
         let config = Config::parse(config.to_string().as_bytes()).unwrap();
         let metrics = TestMetrics::default();
-        let clusters = config.cluster_selection.as_ref().map_or(0, |s| s.clusters.len());
-        let vm = VmParts {
+        let vm = |records: Records<'_>| VmParts {
             local: LocalCount::default(),
             key_counts: LocalKeys::default(),
-            cluster_counts: (0..clusters).map(|_| LocalCount::default()).collect(),
-            global_node: config.global.as_ref().map(|_| Rc::new(RefCell::new(VmNode::new(VM)))),
+            cluster_counts: records.clusters.iter().map(|_| LocalCount::default()).collect(),
+            global_node: records.global.then(|| Rc::new(RefCell::new(VmNode::new(VM)))),
         };
         let filter = Filter::new(config, "test", [3; 16], VM, ROOT, vm, &metrics);
         Host {
@@ -275,6 +274,23 @@ fn a_key_over_its_cap_is_refused_before_the_rate_limit_counts_it() {
     host.end(first, &held, &OK);
     let (_, _, step) = host.send(&keyed("k"));
     assert_eq!(status(&step), 0, "the cap came back at the end of the first stream");
+}
+
+#[test]
+fn the_root_ticks_as_often_as_its_most_frequent_need_and_not_at_all_without_one() {
+    let tick = |config: serde_json::Value| Host::new(config).filter.tick_ms();
+    assert_eq!(tick(serde_json::json!({})), None, "nothing configured");
+    assert_eq!(tick(serde_json::json!({"health": {"path": "/healthz"}})), None, "the health endpoint alone needs no tick");
+    assert_eq!(tick(serde_json::json!({"rate_limits": [rule(5)]})), Some(1_000), "reserves and heartbeats: every second");
+    assert_eq!(tick(serde_json::json!({"load_shedding": {"max_active_requests": 4}})), Some(1_000));
+    assert_eq!(tick(serde_json::json!({"rate_limits": [bucket_rule(Some("1s"))]})), Some(delay::TICK_MS), "the delay stage's tick");
+    let global = |consistency: &str, interval: &str| {
+        serde_json::json!({"rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 5, "window": "1m",
+                                            "scope": "global", "consistency": consistency}],
+                           "global": {"cluster": "floodgate-sync", "sync_interval": interval, "lease_timeout": "24ms"}})
+    };
+    assert_eq!(tick(global("batched", "300ms")), Some(300), "every sync_interval");
+    assert_eq!(tick(global("leased", "1s")), Some(6), "a quarter of lease_timeout");
 }
 
 fn selection(clusters: &[&str], max: u32) -> serde_json::Value {
