@@ -99,7 +99,7 @@ pub struct Refused {
 }
 
 /// How the leased rules took a request's units.
-pub enum Decision {
+pub enum Admission {
     /// Every leased rule admitted it.
     All(Taken),
     /// Refused by a rule.
@@ -268,11 +268,11 @@ impl LeasedStage {
     /// A new request: takes the units of every probe, or refuses it, or has it wait. The call
     /// it would wait on goes from its own stream (`context`, alive until the answer); a refill
     /// from the root.
-    pub fn admit(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, probes: &[LeaseProbe], context: u32, now: Now) -> Decision {
+    pub fn admit(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, probes: &[LeaseProbe], context: u32, now: Now) -> Admission {
         let mut sends = Vec::new();
-        let decision = self.take_all(filter, store, metrics, probes, None, Waited::No, now, &mut sends);
-        let waits_on = match &decision {
-            Decision::Wait(key, _) => Some(*key),
+        let admission = self.take_all(filter, store, metrics, probes, None, Waited::No, now, &mut sends);
+        let waits_on = match &admission {
+            Admission::Wait(key, _) => Some(*key),
             _ => None,
         };
         let (own, background): (Vec<Ask>, Vec<Ask>) = sends.into_iter().partition(|a| Some(a.key) == waits_on);
@@ -281,21 +281,21 @@ impl LeasedStage {
         if waits_on.is_some() {
             increment(metrics, self.stats.waited);
         }
-        decision
+        admission
     }
 
     /// A waiting request, woken by an answer or a tick: takes its units again (`wait`: what it
     /// waits for); past `lease_timeout` it is decided without the store, unless a call of its
     /// key is on its way and not past its timeout ([`Waited`]). Calls it needs go from the root.
-    pub fn decide(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, wait: &Wait, now: Now) -> Decision {
+    pub fn decide(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, wait: &Wait, now: Now) -> Admission {
         let waited = if self.overdue(wait.since, now) { Waited::Overdue } else { Waited::Within };
         let mut sends = Vec::new();
-        let decision = self.take_all(filter, store, metrics, &wait.probes, Some(wait.on.0), waited, now, &mut sends);
+        let admission = self.take_all(filter, store, metrics, &wait.probes, Some(wait.on.0), waited, now, &mut sends);
         self.queued.borrow_mut().extend(sends);
-        if matches!(decision, Decision::All(_)) {
+        if matches!(admission, Admission::All(_)) {
             stats::set(metrics, self.stats.wait_ms, now.mono.saturating_since(wait.since));
         }
-        decision
+        admission
     }
 
     /// Takes the units of every probe, or none (`waited_on`: the key the request waited for,
@@ -311,12 +311,12 @@ impl LeasedStage {
         waited: Waited,
         now: Now,
         sends: &mut Vec<Ask>,
-    ) -> Decision {
+    ) -> Admission {
         let mut book = self.book.borrow_mut();
         let mut standings = Vec::with_capacity(probes.len());
         let mut taken: Vec<&LeaseProbe> = Vec::with_capacity(probes.len());
         let mut shadowed = Vec::new();
-        let decision = 'rules: {
+        let admission = 'rules: {
             for lp in probes {
                 let units = lp.units();
                 // A request waits on one key: overdue, the others decide without the store too;
@@ -339,7 +339,7 @@ impl LeasedStage {
                     }
                     Take::Wait { call } => {
                         sends.extend(call);
-                        break 'rules Decision::Wait(lp.key, units);
+                        break 'rules Admission::Wait(lp.key, units);
                     }
                     Take::Refused { refusal, counts } => {
                         let rule = lp.probe.rule;
@@ -358,7 +358,7 @@ impl LeasedStage {
                             Refusal::StoreDown => (None, None),
                         };
                         increment(metrics, filter.stats.rule(rule).rejected);
-                        break 'rules Decision::Refused(Refused {
+                        break 'rules Admission::Refused(Refused {
                             reply: reply.unwrap_or_else(|| replies::quota_store_unavailable(&filter.limiter, rule)),
                             rule,
                             standing,
@@ -371,12 +371,12 @@ impl LeasedStage {
             }
             let units = taken.iter().map(|lp| (lp.key, lp.units())).collect();
             let owed = taken.iter().filter(|lp| lp.later != Later::Nothing).map(|lp| (lp.probe, lp.later, lp.spec.limit)).collect();
-            return Decision::All(Taken { standings, units, at: now.wall, shadowed, owed });
+            return Admission::All(Taken { standings, units, at: now.wall, shadowed, owed });
         };
         for lp in taken {
             book.untake(store, lp.key, lp.units(), now.wall);
         }
-        decision
+        admission
     }
 
     /// Queues one call from `owner` (nothing for no asks).

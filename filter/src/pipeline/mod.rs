@@ -877,9 +877,9 @@ fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         let probes = stage.probes(filter, env.metrics, request, stream.estimates.as_deref());
         if !probes.is_empty() {
             match stage.admit(filter, env.store, env.metrics, &probes, context, now) {
-                leased::Decision::All(taken) => stream.took(taken),
-                leased::Decision::Refused(refusal) => reply = Some(stream.leased_refusal(refusal)),
-                leased::Decision::Wait(key, units) => {
+                leased::Admission::All(taken) => stream.took(taken),
+                leased::Admission::Refused(refusal) => reply = Some(stream.leased_refusal(refusal)),
+                leased::Admission::Wait(key, units) => {
                     stream.waiting = Some(Wait { probes, since: now.mono, on: (key, units), end_of_stream, body: (0, false) });
                     drop(stream);
                     stage.park(key, context, cell.share());
@@ -985,12 +985,12 @@ fn resume_store<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     let mut stream = shared.borrow_mut();
     let Some(wait) = stream.waiting.take() else { return Step::Wait };
     let reply = match stage.decide(filter, env.store, env.metrics, &wait, now) {
-        leased::Decision::All(taken) => {
+        leased::Admission::All(taken) => {
             stream.took(taken);
             None
         }
-        leased::Decision::Refused(refusal) => Some(stream.leased_refusal(refusal)),
-        leased::Decision::Wait(key, units) => {
+        leased::Admission::Refused(refusal) => Some(stream.leased_refusal(refusal)),
+        leased::Admission::Wait(key, units) => {
             stream.waiting = Some(Wait { on: (key, units), ..wait });
             drop(stream);
             stage.park(key, context, Rc::clone(shared));
