@@ -346,7 +346,7 @@ impl LeasedStage {
                         let standing = standing(filter, lp, counts, now.wall);
                         if filter.shadows.rule(rule) {
                             // It takes nothing, as a refused request does; the others go on.
-                            increment(metrics, filter.stats.rule(rule).shadow_rejected);
+                            increment(metrics, filter.stats.rule(rule).shadow_refused);
                             shadowed.push(standing);
                             continue;
                         }
@@ -357,7 +357,7 @@ impl LeasedStage {
                             }
                             Refusal::StoreDown => (None, None),
                         };
-                        increment(metrics, filter.stats.rule(rule).rejected);
+                        increment(metrics, filter.stats.rule(rule).refused);
                         break 'rules Admission::Refused(Refused {
                             reply: reply.unwrap_or_else(|| replies::quota_store_unavailable(&filter.limiter, rule)),
                             rule,

@@ -1560,7 +1560,7 @@ impl Stream {
             increment(env.metrics, filter.stats.rule(rule).invalid_cost);
         }
         for violation in &shadow_refusals {
-            increment(env.metrics, filter.stats.rule(violation.standing.rule).shadow_rejected);
+            increment(env.metrics, filter.stats.rule(violation.standing.rule).shadow_refused);
             self.decision.shadow(By::Rule(violation.standing.rule), Some(&violation.standing));
         }
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
@@ -1619,10 +1619,10 @@ impl Stream {
                     let ids = filter.stats.rule(violation.standing.rule);
                     if filter.shadows.rule(violation.standing.rule) {
                         // Refused by another rule; this one would have refused it too.
-                        increment(env.metrics, ids.shadow_rejected);
+                        increment(env.metrics, ids.shadow_refused);
                         continue;
                     }
-                    increment(env.metrics, ids.rejected);
+                    increment(env.metrics, ids.refused);
                     if violation.cause == Cause::Contention {
                         increment(env.metrics, ids.contention);
                     }

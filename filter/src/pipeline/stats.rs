@@ -197,7 +197,7 @@ metric_ids! {
         /// Admitted.
         allowed: Counter "allowed",
         /// Refused.
-        rejected: Counter "rejected",
+        refused: Counter "rejected",
         /// Key part missing.
         skipped: Counter "skipped",
         /// CAS attempts exhausted.
@@ -219,7 +219,7 @@ metric_ids! {
         /// Of those, bodies that came compressed (a `content-encoding`).
         unreadable_compressed: Counter "unreadable_compressed" if reads_body(rule),
         /// Requests the rule would have refused, let through in shadow.
-        shadow_rejected: Counter "shadow_rejected",
+        shadow_refused: Counter "shadow_rejected",
         /// Requests let in to wait for their turn (`max_delay`).
         delayed: Counter "delayed" if rule.max_delay.is_some(),
         /// Of those, requests whose client went away first.
@@ -659,6 +659,9 @@ mod tests {
             let metric = match field {
                 "timed_out" => "queue_timeout",
                 "abandoned" => "queue_abandoned",
+                // The code says refused; the metric keeps its documented name.
+                "refused" if name.contains(".rate_limit.") => "rejected",
+                "shadow_refused" if name.contains(".rate_limit.") => "shadow_rejected",
                 other => other,
             };
             assert!(segments.ends_with(&format!("_{metric}")), "{field}: {name}");
