@@ -141,18 +141,58 @@ step "build floodgate-sync for the global-scope tests (cargo build -p floodgate-
 cargo build -p floodgate-sync
 sync_bin="$PWD/target/debug/floodgate-sync"
 
-# The smoke suite (integration/tests/smoke.rs) on the oldest supported minor; the full suite below
-# runs it, with everything else, on the newest (docs/operations.md, "Compatibility").
-step "smoke suite on Envoy 1.36 (cargo test -p floodgate-integration --test smoke)"
-FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_oldest" \
-  cargo test -p floodgate-integration --test smoke -- --test-threads=1 --show-output 2>&1 | tee -a "$results"
-
+# The suite runs in two lanes at once, each one test at a time: the timing and load tests in
+# one, and in the other the tests that mostly wait on something slower than the CPU (containers
+# starting, Envoy refusing or reloading a configuration, SDKs retrying, a Redis restart,
+# promtool) and whose bounds hold on a busy machine. Every test binary is in exactly one lane:
+# the second lane's are named below, the first takes the rest. The second lane then runs the
+# smoke suite (integration/tests/smoke.rs) on the oldest supported minor, Envoy 1.36 (the lanes
+# run it, with everything else, on the newest: docs/operations.md, "Compatibility").
 # --show-output: each passing test's printed figures (statuses, counters, timings) follow its
 # name in the log, so a CI log shows what was measured, not only that it passed.
-step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration)"
-FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
-  GRPC_PYTHON="$grpc_python" LLM_PYTHON="$llm_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
-  cargo test -p floodgate-integration -- --test-threads=1 --show-output 2>&1 | tee -a "$results"
+step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration, two lanes), and the smoke suite on Envoy 1.36"
+waiting_lane=(operator configs docs demo rollout reliability observability llm_sdk llm llm_global secure_store leased rules smoke)
+timing_lane=()
+for file in integration/tests/*.rs; do
+  name=$(basename "$file" .rs)
+  [[ " ${waiting_lane[*]} " == *" $name "* ]] || timing_lane+=("$name")
+done
+for name in "${waiting_lane[@]}"; do
+  [[ -f "integration/tests/$name.rs" ]] || { echo "test.sh: no integration test named $name" >&2; exit 1; }
+done
+lane_args() { printf -- '--test\n%s\n' "$@"; }
+cargo test -p floodgate-integration --no-run
+lanes=$(mktemp -d)
+# run_lane LOG ENVOY [cargo test selection...]
+run_lane() {
+  local log=$1 envoy_bin=$2
+  shift 2
+  FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_bin" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
+    GRPC_PYTHON="$grpc_python" LLM_PYTHON="$llm_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
+    cargo test -p floodgate-integration "$@" -- --test-threads=1 --show-output >>"$log" 2>&1
+}
+echo "timing lane: ${timing_lane[*]}"
+echo "waiting lane: lib ${waiting_lane[*]}"
+mapfile -t timing_args < <(lane_args "${timing_lane[@]}")
+mapfile -t waiting_args < <(lane_args "${waiting_lane[@]}")
+timing_status=0 waiting_status=0
+run_lane "$lanes/timing" "$envoy" "${timing_args[@]}" &
+timing_pid=$!
+run_lane "$lanes/waiting" "$envoy" --lib "${waiting_args[@]}" || waiting_status=$?
+if ((waiting_status == 0)); then
+  echo "==> the smoke suite on Envoy 1.36 ($envoy_oldest)" >>"$lanes/waiting"
+  run_lane "$lanes/waiting" "$envoy_oldest" --test smoke || waiting_status=$?
+fi
+wait "$timing_pid" || timing_status=$?
+for lane in timing waiting; do
+  printf '\n==> integration tests, %s lane\n' "$lane"
+  tee -a "$results" <"$lanes/$lane"
+done
+rm -rf "$lanes"
+if ((timing_status != 0 || waiting_status != 0)); then
+  echo "integration tests failed (timing lane: exit $timing_status, waiting lane: exit $waiting_status)" >&2
+  exit 1
+fi
 
 # The release artifacts (scripts/release.sh; most are built above already, so this adds the static
 # CLI's build and the image archives), and the release's own CLI on an example file and a bad one.

@@ -39,22 +39,46 @@ cargo +nightly fuzz build --fuzz-dir "$fuzz_dir"
 
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
-failed=()
-summary=()
-for t in "${targets[@]}"; do
-  mkdir -p "$fuzz_dir/corpus/$t" "$fuzz_dir/seeds/$t" "$fuzz_dir/regressions/$t"
-  extra=()
+
+# Runs one target for $secs seconds; its log goes to $logs/<target>.log and its exit status to
+# $logs/<target>.status.
+fuzz_one() {
+  local t=$1 status=0
+  local extra=()
   [[ -f "$fuzz_dir/dicts/$t.dict" ]] && extra+=("-dict=$fuzz_dir/dicts/$t.dict")
-  echo "==> fuzzing $t for ${secs} s"
-  status=0
   cargo +nightly fuzz run --fuzz-dir "$fuzz_dir" "$t" \
     "$fuzz_dir/corpus/$t" "$fuzz_dir/seeds/$t" "$fuzz_dir/regressions/$t" -- \
     -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -close_fd_mask=1 "${extra[@]}" >"$logs/$t.log" 2>&1 || status=$?
-  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logs/$t.log" | tail -n1)
-  cov=$(grep -Eo 'cov: [0-9]+' "$logs/$t.log" | tail -n1 | awk '{print $2}')
+  echo "$status" >"$logs/$t.status"
+}
+
+# The targets run side by side, one per core (FUZZ_JOBS overrides): each is one libFuzzer
+# process, and each still gets its $secs seconds.
+jobs=${FUZZ_JOBS:-$(nproc)}
+[[ "$jobs" =~ ^[0-9]+$ && "$jobs" -gt 0 ]] || jobs=1
+echo "==> fuzzing ${#targets[@]} targets for ${secs} s each, $jobs at a time"
+running=0
+for t in "${targets[@]}"; do
+  mkdir -p "$fuzz_dir/corpus/$t" "$fuzz_dir/seeds/$t" "$fuzz_dir/regressions/$t"
+  if ((running >= jobs)); then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  echo "==> fuzzing $t"
+  fuzz_one "$t" &
+  running=$((running + 1))
+done
+wait || true
+
+failed=()
+summary=()
+for t in "${targets[@]}"; do
+  status=$(cat "$logs/$t.status" 2>/dev/null || echo "no status")
+  execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$logs/$t.log" | tail -n1 || true)
+  cov=$(grep -Eo 'cov: [0-9]+' "$logs/$t.log" | tail -n1 | awk '{print $2}' || true)
   corpus=$(find "$fuzz_dir/corpus/$t" -type f | wc -l)
-  if [[ $status -ne 0 ]]; then
+  if [[ "$status" != 0 ]]; then
     failed+=("$t")
     summary+=("$(printf '%-20s FAILED (exit %s) after %s executions' "$t" "$status" "${execs:-?}")")
     echo "---- $t failed ----"
