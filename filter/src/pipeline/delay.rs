@@ -3,7 +3,7 @@
 //! it is parked here with the instant it goes, and the root's tick ([`TICK_MS`], only when a
 //! rule has `max_delay`) resumes the streams whose turn came, in the order of their turns, each
 //! from its own context ([`super::Waiting::Turn`]), as the leased stage's answers resume the
-//! streams waiting for the store. A stream that ends while it waits gives its slots back
+//! streams waiting for the store. A stream that ends while it waits gives its turns back
 //! ([`super::Stream::end`]); the tick skips it.
 //!
 //! Nothing here calls the host.
@@ -30,8 +30,8 @@ pub struct Delayed {
     pub since: MonoMillis,
     /// The rule whose turn it waits for (the latest of the enforced buckets').
     pub rule: usize,
-    /// The slots it took of token buckets, given back if its client goes away first.
-    pub slots: Vec<Probe>,
+    /// The turns it took of token buckets, given back if its client goes away first.
+    pub turns: Vec<Probe>,
     /// Whether the request headers ended the request.
     pub end_of_stream: bool,
     /// Request body seen while waiting: bytes, and whether it ended.

@@ -795,7 +795,7 @@ pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 }
 
 /// A paused request whose `what` came and whose host context is gone: it will never be
-/// decided, and what it holds goes back (units of a leased key, the slots of its turn, a queue
+/// decided, and what it holds goes back (units of a leased key, the turns it took, a queue
 /// slot). One waiting for its body or its ask holds nothing yet (a grant its ask took stays
 /// counted: the fleet admits less, never more).
 pub fn abandon<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream, what: Waiting) {
@@ -921,11 +921,11 @@ fn resume_turn<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     step
 }
 
-/// A request whose turn came and whose host context is gone: its slots go back.
+/// A request whose turn came and whose host context is gone: its turns go back.
 fn abandon_turn<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if let Some(delayed) = stream.delayed.take() {
-        stream.give_back_slots(filter, env, &delayed);
+        stream.give_back_turns(filter, env, &delayed);
     }
 }
 
@@ -1094,9 +1094,9 @@ impl Stream {
         }
     }
 
-    /// The slots a request waiting for its turn took go back (its client went away).
-    fn give_back_slots<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, delayed: &Delayed) {
-        for probe in &delayed.slots {
+    /// The turns a request waiting for its turn took go back (its client went away).
+    fn give_back_turns<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, delayed: &Delayed) {
+        for probe in &delayed.turns {
             filter.limiter.give_back_turn(env.store, *probe);
             increment(env.metrics, filter.stats.rule(probe.rule).delay_abandoned);
         }
@@ -1646,7 +1646,7 @@ impl Stream {
     }
 
     /// The `delay` stage's part of an admission: the latest turn of the enforced token buckets
-    /// that let the request in to wait (a bucket in shadow lets it go at once), and the slots
+    /// that let the request in to wait (a bucket in shadow lets it go at once), and the turns
     /// it took of every bucket, to give back if its client goes away while it waits.
     fn delay_for_turn<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, standings: &[Standing], probes: &[Probe]) {
         let waits = standings.iter().filter(|s| s.go_at.is_some() && !filter.shadows.rule(s.rule));
@@ -1655,8 +1655,8 @@ impl Stream {
             increment(env.metrics, filter.stats.rule(standing.rule).delayed);
         }
         let tables = filter.limiter.tables();
-        let slots = probes.iter().filter(|p| tables.get(p.rule).is_some_and(|t| t.bucket.is_some())).copied().collect();
-        self.delayed = Some(Delayed { go_at, rule, slots, ..Delayed::default() });
+        let turns = probes.iter().filter(|p| tables.get(p.rule).is_some_and(|t| t.bucket.is_some())).copied().collect();
+        self.delayed = Some(Delayed { go_at, rule, turns, ..Delayed::default() });
     }
 
     /// Cluster selection: takes a permit on a cluster (the request goes there: `Ok(Some(index))`),
@@ -1851,7 +1851,7 @@ impl Stream {
         }
         if let Some(delayed) = self.delayed.take() {
             // Its client went away while it waited for its turn.
-            self.give_back_slots(filter, env, &delayed);
+            self.give_back_turns(filter, env, &delayed);
         }
         if let (Some(queued), Some(stage)) = (self.queued.take(), &filter.queue) {
             // Its client went away while it waited for a slot (or before its resumption).

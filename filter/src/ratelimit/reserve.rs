@@ -26,7 +26,7 @@ pub const MAX_RETURNS_PER_HEARTBEAT: usize = 256;
 
 /// One key's reserve in this VM.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Slot {
+struct Reserve {
     /// The window bucket the units were counted in.
     bucket_index: u64,
     /// Units counted in shared data and not used yet.
@@ -35,11 +35,11 @@ struct Slot {
     counts: Counts,
     /// The next grant for this key, before the room and [`RESERVE_MAX`] bound it.
     next_grant: u32,
-    /// Whether a request used this slot since the last heartbeat.
+    /// Whether a request used this reserve since the last heartbeat.
     used: bool,
 }
 
-type Slots = MixMap<(usize, u64), Slot>;
+type ByKey = MixMap<(usize, u64), Reserve>;
 
 fn id(probe: Probe) -> (usize, u64) {
     (probe.rule, probe.key_hash)
@@ -79,7 +79,7 @@ pub struct Return {
 /// This VM's quota reserves for one configuration.
 #[derive(Clone, Debug)]
 pub struct Reserves {
-    slots: Slots,
+    by_key: ByKey,
     /// Keys followed at most ([`MAX_KEYS`]; 0: no reserves).
     max_keys: usize,
 }
@@ -93,20 +93,20 @@ impl Default for Reserves {
 impl Reserves {
     /// Follows up to [`MAX_KEYS`] keys.
     pub fn new() -> Reserves {
-        Reserves { slots: Slots::default(), max_keys: MAX_KEYS }
+        Reserves { by_key: ByKey::default(), max_keys: MAX_KEYS }
     }
 
     /// No reserves at all: every request reads and writes shared data.
     pub fn disabled() -> Reserves {
-        Reserves { slots: Slots::default(), max_keys: 0 }
+        Reserves { by_key: ByKey::default(), max_keys: 0 }
     }
 
-    fn slot(&self, probe: Probe) -> Option<&Slot> {
-        self.slots.get(&id(probe))
+    fn reserve(&self, probe: Probe) -> Option<&Reserve> {
+        self.by_key.get(&id(probe))
     }
 
-    fn slot_mut(&mut self, probe: Probe) -> Option<&mut Slot> {
-        self.slots.get_mut(&id(probe))
+    fn reserve_mut(&mut self, probe: Probe) -> Option<&mut Reserve> {
+        self.by_key.get_mut(&id(probe))
     }
 
     /// Admits a request of `cost` for `probe` from the reserve counted in `bucket_index`, if
@@ -114,29 +114,29 @@ impl Reserves {
     /// excluding the units still unused (what an exact count would say, as of this VM's last
     /// write).
     pub fn take(&mut self, probe: Probe, bucket_index: u64, cost: u32) -> Option<Counts> {
-        let slot = self.slot_mut(probe)?;
-        if slot.bucket_index != bucket_index {
+        let reserve = self.reserve_mut(probe)?;
+        if reserve.bucket_index != bucket_index {
             return None;
         }
-        slot.units = slot.units.checked_sub(cost)?;
-        slot.used = true;
-        let current = slot.counts.current.saturating_sub(slot.units);
-        Some(Counts { current, ..slot.counts })
+        reserve.units = reserve.units.checked_sub(cost)?;
+        reserve.used = true;
+        let current = reserve.counts.current.saturating_sub(reserve.units);
+        Some(Counts { current, ..reserve.counts })
     }
 
     /// Puts back what [`Reserves::take`] took for a request that another rule refused.
     pub fn untake(&mut self, probe: Probe, cost: u32) {
-        if let Some(slot) = self.slot_mut(probe) {
-            slot.units = slot.units.saturating_add(cost);
+        if let Some(reserve) = self.reserve_mut(probe) {
+            reserve.units = reserve.units.saturating_add(cost);
         }
     }
 
     /// The units this VM holds for `probe`, counted in this bucket or the one before, which the
     /// key's next write gives back (they are not in use).
     pub fn leftover(&self, probe: Probe, bucket_index: u64) -> Leftover {
-        match self.slot(probe) {
-            Some(slot) if slot.units > 0 && slot.bucket_index.saturating_add(1) >= bucket_index => {
-                Leftover { bucket_index: slot.bucket_index, units: slot.units }
+        match self.reserve(probe) {
+            Some(reserve) if reserve.units > 0 && reserve.bucket_index.saturating_add(1) >= bucket_index => {
+                Leftover { bucket_index: reserve.bucket_index, units: reserve.units }
             }
             _ => Leftover::default(),
         }
@@ -147,21 +147,21 @@ impl Reserves {
     /// VM (or once it follows [`MAX_KEYS`] keys), then a doubling grant bounded by
     /// [`RESERVE_MAX`] and a [`QUOTA_SPREAD`]th of the room.
     pub fn grant(&self, probe: Probe, room: u64) -> u32 {
-        let Some(slot) = self.slot(probe) else { return 0 };
+        let Some(reserve) = self.reserve(probe) else { return 0 };
         let share = u32::try_from(room / QUOTA_SPREAD).unwrap_or(u32::MAX);
-        slot.next_grant.min(RESERVE_MAX).min(share)
+        reserve.next_grant.min(RESERVE_MAX).min(share)
     }
 
     /// Records a write for `probe` in `bucket_index` that left `units` unused in the key's
     /// counters `counts` (any earlier leftover having been given back by the same write).
     pub fn record(&mut self, probe: Probe, bucket_index: u64, units: u32, counts: Counts) {
-        let next_grant = match self.slots.get(&id(probe)) {
-            Some(slot) => slot.next_grant.saturating_mul(2).clamp(1, RESERVE_MAX),
+        let next_grant = match self.by_key.get(&id(probe)) {
+            Some(reserve) => reserve.next_grant.saturating_mul(2).clamp(1, RESERVE_MAX),
             // A new key, while there is room to follow it (it got no units: see `grant`).
-            None if self.slots.len() < self.max_keys => 1,
+            None if self.by_key.len() < self.max_keys => 1,
             None => return,
         };
-        self.slots.insert(id(probe), Slot { bucket_index, units, counts, next_grant, used: true });
+        self.by_key.insert(id(probe), Reserve { bucket_index, units, counts, next_grant, used: true });
     }
 
     /// Once per heartbeat: takes the reserves that no request used since the last heartbeat, or
@@ -171,37 +171,37 @@ impl Reserves {
     /// start over) once nothing is left to give back.
     pub fn heartbeat(&mut self, bucket_of: impl Fn(usize) -> Option<u64>) -> Vec<Return> {
         let mut returns = Vec::new();
-        self.slots.retain(|&(rule, key_hash), slot| {
+        self.by_key.retain(|&(rule, key_hash), reserve| {
             let current = bucket_of(rule);
-            let ended = current != Some(slot.bucket_index);
-            if slot.units > 0 && (ended || !slot.used) {
+            let ended = current != Some(reserve.bucket_index);
+            if reserve.units > 0 && (ended || !reserve.used) {
                 if returns.len() >= MAX_RETURNS_PER_HEARTBEAT {
                     // The next heartbeat takes it (`take` no longer serves an ended bucket).
-                    slot.used = false;
+                    reserve.used = false;
                     return true;
                 }
-                let leftover = Leftover { bucket_index: slot.bucket_index, units: slot.units };
-                if current.is_some_and(|b| slot.bucket_index.saturating_add(1) >= b) {
+                let leftover = Leftover { bucket_index: reserve.bucket_index, units: reserve.units };
+                if current.is_some_and(|b| reserve.bucket_index.saturating_add(1) >= b) {
                     returns.push(Return { probe: Probe::new(rule, key_hash), leftover });
                 }
-                slot.units = 0;
+                reserve.units = 0;
             }
-            std::mem::replace(&mut slot.used, false)
+            std::mem::replace(&mut reserve.used, false)
         });
         returns
     }
 
     /// How many keys this VM follows.
     pub fn followed(&self) -> usize {
-        self.slots.len()
+        self.by_key.len()
     }
 
     /// Units held per rule, for `rules` rules.
     pub fn held(&self, rules: usize) -> Vec<u64> {
         let mut held = vec![0u64; rules];
-        for (&(rule, _), slot) in &self.slots {
+        for (&(rule, _), reserve) in &self.by_key {
             if let Some(sum) = held.get_mut(rule) {
-                *sum = sum.saturating_add(u64::from(slot.units));
+                *sum = sum.saturating_add(u64::from(reserve.units));
             }
         }
         held
@@ -210,12 +210,12 @@ impl Reserves {
     /// Takes every reserve (a configuration is being replaced): all of them are worth giving
     /// back.
     pub fn drain(&mut self) -> Vec<Return> {
-        self.slots
+        self.by_key
             .drain()
-            .filter(|(_, slot)| slot.units > 0)
-            .map(|((rule, key_hash), slot)| Return {
+            .filter(|(_, reserve)| reserve.units > 0)
+            .map(|((rule, key_hash), reserve)| Return {
                 probe: Probe::new(rule, key_hash),
-                leftover: Leftover { bucket_index: slot.bucket_index, units: slot.units },
+                leftover: Leftover { bucket_index: reserve.bucket_index, units: reserve.units },
             })
             .collect()
     }
