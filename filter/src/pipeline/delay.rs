@@ -1,5 +1,5 @@
 //! The `delay` stage: requests a token bucket with `max_delay` let in to wait for their turn
-//! ([`crate::ratelimit::bucket`]). Such a request took its slot of the bucket when it came;
+//! ([`crate::ratelimit::bucket`]). Such a request took its turn of the bucket when it came;
 //! it is parked here with the instant it goes, and the root's tick ([`TICK_MS`], only when a
 //! rule has `max_delay`) resumes the streams whose turn came, in the order of their turns, each
 //! from its own context ([`super::Waiting::Turn`]), as the leased stage's answers resume the
