@@ -10,12 +10,12 @@
 //! ```text
 //! after = max(TAT, now) + cost × T
 //! after − now ≤ τ                  → goes now; TAT := after
-//! after − now ≤ τ + max_delay      → takes its slot now (TAT := after) and goes at after − τ
+//! after − now ≤ τ + max_delay      → takes its turn now (TAT := after) and goes at after − τ
 //! otherwise                        → refused; the same request goes at after − τ − max_delay
 //! ```
 //!
 //! The bucket's level is `(TAT − now) / T` units (0 when the TAT is past): a full bucket of
-//! tokens is a level of 0. A request that waits takes its slot when it arrives, so the requests
+//! tokens is a level of 0. A request that waits takes its turn when it arrives, so the requests
 //! that go are never more than `burst` at once and `limit` per `window` after that, however
 //! many wait; each waiting request goes `T × cost` after the one before it. A request of more
 //! than `burst` units never goes.
@@ -237,7 +237,7 @@ mod tests {
     }
 
     #[test]
-    fn waiting_requests_take_their_slots_at_the_rate() {
+    fn waiting_requests_take_their_turns_at_the_rate() {
         // 10 per second, burst 5, waits up to 3 s: 30 requests at once all go, 5 now and one
         // every 100 ms after.
         let b = bucket(10, 1000, 5, 3000);
