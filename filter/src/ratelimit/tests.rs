@@ -758,7 +758,7 @@ mod token_bucket {
             match check(&limiter, &store, &probe, NOW) {
                 Verdict::Admitted { standings, .. } => turns.push(standings[0].go_at),
                 refused => {
-                    // Let in to wait from the moment the tenth slot is 500 ms away.
+                    // Let in to wait from the moment the tenth turn is 500 ms away.
                     assert_eq!(refused.retry_at(), Some(UnixMillis(NOW + 100)));
                 }
             }
@@ -766,7 +766,7 @@ mod token_bucket {
         let expected: Vec<Option<UnixMillis>> =
             (0..10).map(|i: u64| (i >= 5).then(|| UnixMillis(NOW + (i - 4) * 100))).collect();
         assert_eq!(turns, expected);
-        // A waiting client goes away: its slot comes back.
+        // A waiting client goes away: its turn comes back.
         limiter.give_back_turn(&store, probe[0]);
         assert!(admitted(&check(&limiter, &store, &probe, NOW)));
         assert!(!admitted(&check(&limiter, &store, &probe, NOW)));
