@@ -6,8 +6,8 @@ use super::tally::Summary;
 use crate::table::{count, Table};
 use std::collections::BTreeMap;
 
-/// The acceptance bound on admitted counts: real ÷ tool within 1 ± this.
-pub const BOUND: f64 = 0.02;
+/// The acceptance bound on admitted counts: real within this per cent of the tool's.
+pub const BOUND_PERCENT: u64 = 2;
 
 /// What one side of a cross-check measured.
 #[derive(Clone, Debug, Default)]
@@ -28,7 +28,8 @@ pub struct Side {
     pub sync_batches: u64,
     /// Calls `floodgate-sync` answered on `/v1/lease` (asks, lease calls).
     pub sync_leases: u64,
-    /// The module's own counts: `global.batches`, `global.asked`, `lease.calls`.
+    /// The store calls the proxies sent: batches, asks, lease calls (Envoys: the module's
+    /// `global.batches`, `global.asked`, `lease.calls`; the tool: its calls by kind).
     pub module: [u64; 3],
     /// Requests that waited for the store (`global.asked` + `lease.waited`).
     pub waited: u64,
@@ -46,7 +47,7 @@ pub struct Side {
 pub struct Agreement {
     /// Admitted, real ÷ tool.
     pub ratio: f64,
-    /// Whether the ratio is within 1 ± [`BOUND`].
+    /// Whether real is within [`BOUND_PERCENT`] of the tool's count.
     pub within: bool,
     /// (key, window) pairs either side admitted in.
     pub windows: usize,
@@ -84,7 +85,7 @@ pub fn agreement(real: &Side, tool: &Side) -> Agreement {
     }
     Agreement {
         ratio,
-        within: (ratio - 1.0).abs() <= BOUND,
+        within: real.admitted.abs_diff(tool.admitted) * 100 <= BOUND_PERCENT * tool.admitted && (tool.admitted > 0 || real.admitted == 0),
         windows: pairs.len(),
         differing,
         largest,
@@ -147,7 +148,7 @@ pub fn table(pairs: &[Pair]) -> String {
         "windows over L (largest over)",
         "refused (other)",
         "store calls /1k: batches, asks or leases (floodgate-sync)",
-        "module: batches, asks, lease calls /1k",
+        "sent by the proxies: batches, asks, lease calls /1k",
         "waited; decided without the store",
         "Redis cmds /1k",
         "worst lateness ms",
@@ -174,7 +175,7 @@ pub fn table(pairs: &[Pair]) -> String {
                 format!("{}; {}", count(side.waited), count(side.without_store)),
                 per_k(side.redis_commands, side.requests),
                 format!("{:.0}", side.lateness_ms),
-                if first { format!("**{:.4}**{}", a.ratio, if a.within { "" } else { " (outside ±2 %)" }) } else { String::new() },
+                if first { format!("**{:.4}**{}", a.ratio, if a.within { String::new() } else { format!(" (outside ±{BOUND_PERCENT} %)") }) } else { String::new() },
                 if first { format!("{} of {}; {:+} (key {}, window {}); {:.2} %", a.differing, a.windows, a.largest.0, a.largest.1, a.largest.2, a.moved * 100.0) } else { String::new() },
             ]);
         }

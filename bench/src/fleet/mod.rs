@@ -128,8 +128,6 @@ struct RunResult {
     holders: Vec<usize>,
     /// Unix ms when the traffic started.
     start_wall_ms: u64,
-    /// The module's `global.batches`, `global.asked`, `lease.calls`.
-    module: [i64; 3],
 }
 
 /// Runs the measurement.
@@ -321,7 +319,6 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 event_note: notes.join("; "),
                 holders,
                 start_wall_ms,
-                module: [metrics.get("floodgate.global.batches"), metrics.get("floodgate.global.asked"), metrics.get("floodgate.lease.calls")],
                 tally: std::mem::replace(&mut fleet.tally, Tally::new(1, 1)),
                 mix,
             })
@@ -493,7 +490,7 @@ fn side_of(r: &RunResult) -> compare::Side {
         windows: r.tally.per_window(r.start_wall_ms / r.tally.window_ms()),
         sync_batches: r.spent.sync_batches,
         sync_leases: r.spent.sync_leases,
-        module: r.module.map(n),
+        module: r.calls.sent,
         waited: n(r.asked) + n(r.lease_waits),
         without_store: n(r.without_store),
         redis_commands: r.spent.commands,
