@@ -1,5 +1,5 @@
 //! The cross-check of the fleet tool against real Envoys (`bench/run.sh fleet --envoys`): what
-//! one run measured on either side ([`Side`]), how the two agree ([`agreement`]), and the
+//! one run measured on either side ([`Side`]), how they agree ([`agreement`]), and the
 //! side-by-side table. Pure.
 
 use super::tally::Summary;
@@ -118,6 +118,9 @@ pub struct Pair {
     pub real: Side,
     /// Through the tool's proxies.
     pub tool: Side,
+    /// Through the tool's proxies, each with one more VM that serves no request (Envoy's main
+    /// thread's), if run.
+    pub tool_main: Option<Side>,
 }
 
 /// Per 1 000 requests.
@@ -152,14 +155,15 @@ pub fn table(pairs: &[Pair]) -> String {
         "waited; decided without the store",
         "Redis cmds /1k",
         "worst lateness ms",
-        "admitted real ÷ tool",
-        "(key, window) pairs differing; largest; moved",
+        "admitted: Envoys ÷ this row",
+        "(key, window) pairs differing from the Envoys; largest; moved",
     ]);
     for p in pairs {
-        let a = agreement(&p.real, &p.tool);
-        for (name, side) in [("Envoys", &p.real), ("tool", &p.tool)] {
+        let rows = [("Envoys", Some(&p.real)), ("tool", Some(&p.tool)), ("tool, + idle VM", p.tool_main.as_ref())];
+        for (name, side) in rows.into_iter().filter_map(|(n, s)| Some((n, s?))) {
             let s = &side.summary;
-            let first = std::ptr::eq(side, &p.real);
+            let simulated = !std::ptr::eq(side, &p.real);
+            let a = agreement(&p.real, side);
             t.row(vec![
                 p.proxies.to_string(),
                 p.consistency.clone(),
@@ -175,8 +179,8 @@ pub fn table(pairs: &[Pair]) -> String {
                 format!("{}; {}", count(side.waited), count(side.without_store)),
                 per_k(side.redis_commands, side.requests),
                 format!("{:.0}", side.lateness_ms),
-                if first { format!("**{:.4}**{}", a.ratio, if a.within { String::new() } else { format!(" (outside ±{BOUND_PERCENT} %)") }) } else { String::new() },
-                if first { format!("{} of {}; {:+} (key {}, window {}); {:.2} %", a.differing, a.windows, a.largest.0, a.largest.1, a.largest.2, a.moved * 100.0) } else { String::new() },
+                if simulated { format!("**{:.4}**{}", a.ratio, if a.within { String::new() } else { format!(" (outside ±{BOUND_PERCENT} %)") }) } else { String::new() },
+                if simulated { format!("{} of {}; {:+} (key {}, window {}); {:.2} %", a.differing, a.windows, a.largest.0, a.largest.1, a.largest.2, a.moved * 100.0) } else { String::new() },
             ]);
         }
     }
@@ -222,13 +226,18 @@ mod tests {
     }
 
     #[test]
-    fn the_table_has_two_rows_per_configuration_and_the_ratio_on_the_first() {
-        let pair = Pair { proxies: 12, consistency: "leased".into(), mix: "hot".into(), real: side(1010, &[((0, 0), 1010)]), tool: side(1000, &[((0, 0), 1000)]) };
+    fn the_table_has_a_row_per_side_and_the_ratios_on_the_simulated_ones() {
+        let pair = Pair { proxies: 12, consistency: "leased".into(), mix: "hot".into(), real: side(1010, &[((0, 0), 1010)]), tool: side(1000, &[((0, 0), 1000)]), tool_main: None };
         let text = table(&[pair]);
         let rows: Vec<&str> = text.lines().skip(2).collect();
         assert_eq!(rows.len(), 2);
-        assert!(rows[0].contains("Envoys") && rows[0].contains("**1.0100**"), "{}", rows[0]);
-        assert!(rows[0].contains("1 of 1; +10 (key 0, window 0); 1.00 %"), "{}", rows[0]);
-        assert!(rows[1].contains("tool") && !rows[1].contains("**"));
+        assert!(rows[0].contains("Envoys") && !rows[0].contains("**"), "{}", rows[0]);
+        assert!(rows[1].contains("tool") && rows[1].contains("**1.0100**"), "{}", rows[1]);
+        assert!(rows[1].contains("1 of 1; +10 (key 0, window 0); 1.00 %"), "{}", rows[1]);
+        let pair = Pair { proxies: 12, consistency: "leased".into(), mix: "hot".into(), real: side(1010, &[]), tool: side(1000, &[]), tool_main: Some(side(1030, &[])) };
+        let text = table(&[pair]);
+        let rows: Vec<&str> = text.lines().skip(2).collect();
+        assert_eq!(rows.len(), 3);
+        assert!(rows[2].contains("idle VM") && rows[2].contains("**0.9806**"), "{}", rows[2]);
     }
 }

@@ -55,6 +55,8 @@ pub struct FleetOptions {
     pub events: Vec<String>,
     /// Each configuration through real Envoys too, side by side with the simulated proxies.
     pub envoys: bool,
+    /// VMs per simulated proxy that serve no request but tick (Envoy's main thread's).
+    pub idle_vms: usize,
 }
 
 impl Default for FleetOptions {
@@ -68,6 +70,7 @@ impl Default for FleetOptions {
             rate: None,
             events: Vec::new(),
             envoys: false,
+            idle_vms: 0,
         }
     }
 }
@@ -205,7 +208,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
     }
     local
         .run_until(async move {
-            let mut fleet = Fleet::new(&config(consistency, mix.limit, mix.window_ms), proxies, o.workers.max(1), &addrs, prefix, tally, done_tx, run_id)?;
+            let mut fleet = Fleet::new(&config(consistency, mix.limit, mix.window_ms), proxies, o.workers.max(1), o.idle_vms, &addrs, prefix, tally, done_tx, run_id)?;
             let before = stack.lock().map_err(|_| "stack lock")?.snapshot();
             let start_wall_ms = envoys::wall_ms();
             let start = Instant::now();
@@ -458,7 +461,17 @@ async fn crosscheck(s: &Settings, stack: &Arc<Mutex<Stack>>, mixes: &[MixKind]) 
                 }
                 let a = compare::agreement(&real, &tool);
                 crate::progress!("tool: {} requests, {} admitted, {} refused; admitted real ÷ tool {:.4}", tool.requests, tool.admitted, tool.refused, a.ratio);
-                pairs.push(compare::Pair { proxies, consistency: consistency.clone(), mix: mix.describe(), real, tool });
+                // Once more with each proxy's idle VM, as an Envoy's main thread has one.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                crate::progress!("{what}: through the tool with an idle VM per proxy, {} s", o.seconds);
+                let with_main = FleetOptions { idle_vms: 1, ..o.clone() };
+                let r = one_run(&with_main, stack, proxies, consistency, mix.clone(), Event::Steady, run_id, "k", Some(PHASE_MS)).await?;
+                let tool_main = side_of(&r);
+                if r.calls.failed > 0 || r.lease_failures > 0 {
+                    notes.push(format!("- {what}, tool with an idle VM: {} calls failed (lease.failures {})", r.calls.failed, r.lease_failures));
+                }
+                crate::progress!("tool with an idle VM: {} admitted; admitted real ÷ it {:.4}", tool_main.admitted, compare::agreement(&real, &tool_main).ratio);
+                pairs.push(compare::Pair { proxies, consistency: consistency.clone(), mix: mix.describe(), real, tool, tool_main: Some(tool_main) });
             }
         }
     }
@@ -467,7 +480,8 @@ async fn crosscheck(s: &Settings, stack: &Arc<Mutex<Stack>>, mixes: &[MixKind]) 
          Each configuration twice, one worker per proxy: through real Envoys (`--concurrency 1`, the built module) in front of a real upstream, then through \
          as many simulated proxies; the same schedule (each request's time, proxy and key), the same rule, the same 2 floodgate-sync replicas (proxy i calls \
          replica i mod 2) and Redis Cluster (3 masters + 3 replicas), the store emptied (`FLUSHALL`) before each run and each run starting {PHASE_MS} ms into a \
-         window; `sync_interval` {SYNC_INTERVAL_MS} ms, {} s of open-loop traffic per run. Store calls from floodgate-sync's `/metrics` (calls answered \
+         window; `sync_interval` {SYNC_INTERVAL_MS} ms, {} s of open-loop traffic per run. The third row of each configuration runs the tool again with \
+         one more VM per proxy that ticks and serves no request, as the main thread's VM of an Envoy does. Store calls from floodgate-sync's `/metrics` (calls answered \
          on `/v1/sync` and `/v1/lease`), the module's own counters beside them; Redis commands on the masters.\n",
         o.seconds
     );
