@@ -477,7 +477,7 @@ async fn crosscheck(s: &Settings, stack: &Arc<Mutex<Stack>>, mixes: &[MixKind]) 
     }
     println!(
         "## Fleet cross-check: real Envoys against the simulated proxies\n\n\
-         Each configuration twice, one worker per proxy: through real Envoys (`--concurrency 1`, the built module) in front of a real upstream, then through \
+         Each configuration, one worker per proxy: through real Envoys (`--concurrency 1`, the built module) in front of a real upstream, then through \
          as many simulated proxies; the same schedule (each request's time, proxy and key), the same rule, the same 2 floodgate-sync replicas (proxy i calls \
          replica i mod 2) and Redis Cluster (3 masters + 3 replicas), the store emptied (`FLUSHALL`) before each run and each run starting {PHASE_MS} ms into a \
          window; `sync_interval` {SYNC_INTERVAL_MS} ms, {} s of open-loop traffic per run. The third row of each configuration runs the tool again with \
