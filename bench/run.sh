@@ -17,6 +17,10 @@
 # two floodgate-sync replicas in front of a local Redis Cluster (3 masters, 3 replicas); options
 # --proxies N,N --workers N --mix hot,users,zipf --consistency batched,leased --seconds S
 # --rate R --events restart,failover,sync-restart. Each run is bounded (--seconds, default 20).
+# `fleet --envoys` builds the module and gets Envoy too: each configuration runs through real
+# Envoys of one worker and through as many simulated proxies of one worker, the same schedule,
+# side by side (the cross-check of the simulation; --rate defaults to 400 there). ENVOY_BIN=path
+# uses that Envoy instead of scripts/envoy.sh's.
 # Other options go to the tool (bench/run.sh --help lists them). FLOODGATE_WASM=path measures a
 # module built elsewhere instead of building this tree's. FLOODGATE_BENCH_DUMPS=dir keeps the
 # callgrind dump of each `instructions` variant there (read it with callgrind_annotate).
@@ -46,11 +50,13 @@ if [[ "$(nproc)" -lt 2 ]]; then
   echo "bench/run.sh: warning: one CPU only; Envoy and the load generator will share it" >&2
 fi
 
-# `fleet` alone needs no module and no Envoy.
+# `fleet` alone needs no module and no Envoy; `fleet --envoys` needs both, not the contrast modules.
 fleet_only=
+fleet_envoys=
 for a in "$@"; do
   case "$a" in
     fleet) fleet_only=1 ;;
+    --envoys) fleet_envoys=1 ;;
   esac
 done
 for a in "$@"; do
@@ -59,7 +65,7 @@ for a in "$@"; do
   esac
 done
 
-if [[ -n "$fleet_only" ]]; then
+if [[ -n "$fleet_only" && -z "$fleet_envoys" ]]; then
   wasm=; rev="built from $(git rev-parse --short HEAD 2>/dev/null || echo '?') (native)"; filters=; envoy=
 elif [[ -n "${FLOODGATE_WASM:-}" ]]; then
   wasm=$FLOODGATE_WASM
@@ -72,7 +78,17 @@ else
   if ! git diff --quiet HEAD -- filter 2>/dev/null; then rev="$rev + uncommitted changes in filter/"; fi
 fi
 
-if [[ -z "$fleet_only" ]]; then
+if [[ -n "$fleet_only" && -n "$fleet_envoys" ]]; then
+  rev="$rev; the simulated proxies: the native build of the same tree"
+  filters=
+  if [[ -n "${ENVOY_BIN:-}" ]]; then
+    envoy=$ENVOY_BIN
+    step "Envoy: $envoy (ENVOY_BIN)"
+  else
+    step "get Envoy (scripts/envoy.sh)"
+    envoy=$(scripts/envoy.sh | tail -n1)
+  fi
+elif [[ -z "$fleet_only" ]]; then
   step "build the contrast modules (bench/filters: no-op, naive per-key limiter)"
   if ! rustup target list --installed | grep -qx wasm32-wasip1; then
     rustup target add wasm32-wasip1 >&2

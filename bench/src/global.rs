@@ -209,10 +209,11 @@ impl Fleet {
     }
 }
 
-/// One request of a paced run: when it was due (since the start), its status (0: no response),
-/// and when its response was in.
+/// One request of a paced run: its number, when it was due (since the start), its status (0: no
+/// response), and when its response was in.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sent {
+    pub(crate) n: u64,
     pub(crate) due: Duration,
     pub(crate) status: u16,
     pub(crate) done: Duration,
@@ -222,7 +223,13 @@ pub(crate) struct Sent {
 /// [`PACED_CONNECTIONS`] keep-alive connections per target, until `duration`. A request is not
 /// sent again after a transport error (it would count twice); it is recorded with status 0.
 pub(crate) async fn paced(targets: &[SocketAddr], rate: f64, duration: Duration, make: impl Fn(u64) -> Vec<u8>) -> Vec<Sent> {
-    type Job = (Duration, Vec<u8>);
+    let len = targets.len().max(1) as u64;
+    paced_routed(targets, rate, duration, |i| ((i % len) as usize, make(i))).await
+}
+
+/// [`paced`], request `i` going to `targets[route(i).0]` with `route(i).1` as its bytes.
+pub(crate) async fn paced_routed(targets: &[SocketAddr], rate: f64, duration: Duration, route: impl Fn(u64) -> (usize, Vec<u8>)) -> Vec<Sent> {
+    type Job = (u64, Duration, Vec<u8>);
     let start = Instant::now();
     let out: Arc<Mutex<Vec<Sent>>> = Arc::new(Mutex::new(Vec::new()));
     let mut senders = Vec::new();
@@ -237,7 +244,7 @@ pub(crate) async fn paced(targets: &[SocketAddr], rate: f64, duration: Duration,
                 let mut conn: Option<Conn> = None;
                 loop {
                     let job = rx.lock().await.recv().await;
-                    let Some((due, request)) = job else { break };
+                    let Some((n, due, request)) = job else { break };
                     if conn.is_none() {
                         conn = Conn::connect(target).await;
                     }
@@ -248,7 +255,7 @@ pub(crate) async fn paced(targets: &[SocketAddr], rate: f64, duration: Duration,
                     if status.is_none() {
                         conn = None;
                     }
-                    let sent = Sent { due, status: status.unwrap_or(0), done: start.elapsed() };
+                    let sent = Sent { n, due, status: status.unwrap_or(0), done: start.elapsed() };
                     out.lock().map(|mut o| o.push(sent)).unwrap_or_default();
                 }
             }));
@@ -263,7 +270,9 @@ pub(crate) async fn paced(targets: &[SocketAddr], rate: f64, duration: Duration,
         if let Some(wait) = due.checked_sub(start.elapsed()) {
             tokio::time::sleep(wait).await;
         }
-        if senders[(i % targets.len() as u64) as usize].send((due, make(i))).await.is_err() {
+        let (target, request) = route(i);
+        let Some(sender) = senders.get(target) else { break };
+        if sender.send((i, due, request)).await.is_err() {
             break;
         }
         i += 1;

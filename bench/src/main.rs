@@ -98,7 +98,8 @@ fn usage() -> ! {
          \x20      [--envoy PATH] [--wasm PATH] [--llm-wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
          \x20      [--wasm-shim PATH] [--limitador PATH]\n\
          \x20      [--extra-wasm PATH [--extra-config STRING]]...\n\
-         \x20      fleet: [--proxies N,N] [--workers N] [--mix hot,users,zipf] [--consistency batched,leased] [--rate REQ_PER_S] [--events restart,failover,sync-restart]\n\
+         \x20      fleet: [--proxies N,N] [--workers N] [--mix hot,users,zipf] [--consistency batched,leased] [--rate REQ_PER_S] [--events restart,failover,sync-restart] [--envoys]\n\
+         fleet --envoys runs each configuration through real Envoys of one worker (--envoy, --wasm) and through the simulated proxies, side by side.\n\
          --extra-wasm adds another module to `cpu` and `instructions` as variant ext1, ext2, ... with the --extra-config after it, and to global part (f) as one more `leased` row.\n\
          The LLM variants of `instructions` (--variants llm-plain,llm-json-1k,...; docs/benchmarks.md) load --llm-wasm,\n\
          by default $FLOODGATE_LLM_WASM, or floodgate-llm.wasm beside the floodgate module.\n\
@@ -167,6 +168,7 @@ fn main() {
             "--consistency" => s.fleet.consistencies = value().split(',').map(str::to_string).collect(),
             "--rate" => s.fleet.rate = Some(value().parse().ok().filter(|r: &f64| *r > 0.0).unwrap_or_else(|| usage())),
             "--events" => s.fleet.events = value().split(',').map(str::to_string).collect(),
+            "--envoys" => s.fleet.envoys = true,
             "--warmup" => s.warmup = value().parse().unwrap_or_else(|_| usage()),
             "--connections" => s.connections = value().parse().unwrap_or_else(|_| usage()),
             "--variants" => s.only = Some(value().split(',').map(str::to_string).collect()),
@@ -232,6 +234,14 @@ fn main() {
             if !p.is_file() {
                 eprintln!("floodgate-bench: {name} not found at {:?}; run bench/run.sh, which installs and builds it", p);
                 std::process::exit(2);
+            }
+        }
+        if s.fleet.envoys {
+            for (name, p) in [("Envoy", &s.envoy), ("floodgate module", &s.floodgate_wasm)] {
+                if !p.is_file() {
+                    eprintln!("floodgate-bench: {name} not found at {:?}; run bench/run.sh fleet --envoys, which builds it", p);
+                    std::process::exit(2);
+                }
             }
         }
     }

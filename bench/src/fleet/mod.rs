@@ -10,8 +10,15 @@
 //! `floodgate-sync` and the tool per 1 000 requests, the added latency of requests that waited,
 //! and, with `--events`, a rolling restart of the fleet, a Redis master failover, or the
 //! `floodgate-sync` replicas restarted mid-run.
+//!
+//! With `--envoys`, each configuration runs twice, one worker per proxy: through real Envoys
+//! loading the built module ([`envoys`]) and through the simulated proxies, the same schedule of
+//! keys, proxies and times, the store emptied before each and each starting at the same point
+//! of its window; [`compare`] sets the two side by side.
 
 mod calls;
+mod compare;
+mod envoys;
 mod mix;
 mod sim;
 mod stack;
@@ -46,6 +53,10 @@ pub struct FleetOptions {
     pub rate: Option<f64>,
     /// Fleet events, one run each: `restart`, `failover`, `sync-restart`.
     pub events: Vec<String>,
+    /// Each configuration through real Envoys too, side by side with the simulated proxies.
+    pub envoys: bool,
+    /// VMs per simulated proxy that serve no request but tick (Envoy's main thread's).
+    pub idle_vms: usize,
 }
 
 impl Default for FleetOptions {
@@ -58,6 +69,8 @@ impl Default for FleetOptions {
             seconds: 20.0,
             rate: None,
             events: Vec::new(),
+            envoys: false,
+            idle_vms: 0,
         }
     }
 }
@@ -116,6 +129,8 @@ struct RunResult {
     event_note: String,
     /// Leased keys sampled: holders of each in its current bucket, as `GET /v1/holders` gives.
     holders: Vec<usize>,
+    /// Unix ms when the traffic started.
+    start_wall_ms: u64,
 }
 
 /// Runs the measurement.
@@ -135,6 +150,9 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
     };
     crate::progress!("start a Redis Cluster (3 masters, 3 replicas) and 2 floodgate-sync replicas");
     let stack = Arc::new(Mutex::new(Stack::start(&s.redis_server, &s.sync_bin)?));
+    if o.envoys {
+        return crosscheck(s, &stack, &mixes).await;
+    }
     let mut results = Vec::new();
     let mut run_id = 0;
     for &proxies in &o.proxies {
@@ -151,7 +169,7 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
                     // The fleet size floodgate-sync counts covers the last 3 s: the previous
                     // run's proxies leave it first.
                     tokio::time::sleep(Duration::from_secs(3)).await;
-                    match one_run(o, &stack, proxies, consistency, mix, event, run_id).await {
+                    match one_run(o, &stack, proxies, consistency, mix, event, run_id, &format!("r{run_id}"), None).await {
                         Ok(r) => {
                             crate::progress!("{} requests, {} admitted, {} refused ({} with room), {} store calls", r.requests, r.tally.admitted, r.tally.refused, r.tally.refused_with_room, r.calls.sent.iter().sum::<u64>());
                             results.push(r);
@@ -176,15 +194,23 @@ fn config(consistency: &str, limit: u32, window_ms: u64) -> String {
     .to_string()
 }
 
-async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, consistency: &str, mut mix: Mix, event: Event, run_id: u64) -> Result<RunResult, String> {
+/// One run of the simulated fleet, keys named `<prefix>-<index>`. With `phase_ms`, the store is
+/// emptied first and the traffic starts that far into a window (a cross-check's run).
+#[allow(clippy::too_many_arguments)]
+async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, consistency: &str, mut mix: Mix, event: Event, run_id: u64, prefix: &str, phase_ms: Option<u64>) -> Result<RunResult, String> {
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
     let addrs = stack.lock().map_err(|_| "stack lock")?.addrs();
     let tally = Tally::new(mix.limit, mix.window_ms);
     let local = tokio::task::LocalSet::new();
+    if let Some(phase_ms) = phase_ms {
+        stack.lock().map_err(|_| "stack lock")?.flush()?;
+        tokio::time::sleep(Duration::from_millis(compare::until_phase(envoys::wall_ms(), mix.window_ms, phase_ms))).await;
+    }
     local
         .run_until(async move {
-            let mut fleet = Fleet::new(&config(consistency, mix.limit, mix.window_ms), proxies, o.workers.max(1), &addrs, &format!("r{run_id}"), tally, done_tx, run_id)?;
+            let mut fleet = Fleet::new(&config(consistency, mix.limit, mix.window_ms), proxies, o.workers.max(1), o.idle_vms, &addrs, prefix, tally, done_tx, run_id)?;
             let before = stack.lock().map_err(|_| "stack lock")?.snapshot();
+            let start_wall_ms = envoys::wall_ms();
             let start = Instant::now();
             let end_us = (o.seconds * 1e6) as u64;
             let mut n: u64 = 0;
@@ -295,6 +321,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
                 abandoned: fleet.abandoned,
                 event_note: notes.join("; "),
                 holders,
+                start_wall_ms,
                 tally: std::mem::replace(&mut fleet.tally, Tally::new(1, 1)),
                 mix,
             })
@@ -391,5 +418,96 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
         .collect();
     if !notes.is_empty() {
         println!("Events:\n\n{}\n", notes.join("\n"));
+    }
+}
+
+/// Where in its window every run of a cross-check starts, ms: the same for both sides, so that
+/// their windows hold the same part of the schedule.
+const PHASE_MS: u64 = 500;
+
+/// `--envoys`: each configuration through real Envoys of one worker, then through as many
+/// simulated proxies of one worker, the same schedule (a mix's seed is the same for both); the
+/// two side by side.
+async fn crosscheck(s: &Settings, stack: &Arc<Mutex<Stack>>, mixes: &[MixKind]) -> Result<(), String> {
+    let o = FleetOptions { workers: 1, ..s.fleet.clone() };
+    let (upstream, _) = crate::load::start_upstream().await;
+    let addrs = stack.lock().map_err(|_| "stack lock")?.addrs();
+    let mut pairs = Vec::new();
+    let mut notes = Vec::new();
+    let mut run_id = 0;
+    for &proxies in &o.proxies {
+        for consistency in &o.consistencies {
+            for &kind in mixes {
+                run_id += 1;
+                let rate = o.rate.unwrap_or(400.0);
+                let mix = Mix::new(kind, rate, proxies, 0x5eed + run_id);
+                let what = format!("{proxies} proxies × 1 worker, {consistency}, {} ({})", kind.name(), mix.describe());
+                crate::progress!("{what}: start {proxies} Envoys");
+                let fleet = envoys::start(s, &config(consistency, mix.limit, mix.window_ms), proxies, upstream, &addrs)?;
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                crate::progress!("{what}: through the Envoys, {} s", o.seconds);
+                let (real, note) = envoys::run(stack, &fleet, mix.clone(), o.seconds, "k", PHASE_MS).await?;
+                drop(fleet);
+                if !note.is_empty() {
+                    notes.push(format!("- {what}, Envoys: {note}"));
+                }
+                crate::progress!("Envoys: {} requests, {} admitted, {} refused, {} other", real.requests, real.admitted, real.refused, real.other);
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                crate::progress!("{what}: through the tool, {} s", o.seconds);
+                let r = one_run(&o, stack, proxies, consistency, mix.clone(), Event::Steady, run_id, "k", Some(PHASE_MS)).await?;
+                let tool = side_of(&r);
+                if r.calls.failed > 0 || r.lease_failures > 0 {
+                    notes.push(format!("- {what}, tool: {} calls failed (lease.failures {})", r.calls.failed, r.lease_failures));
+                }
+                let a = compare::agreement(&real, &tool);
+                crate::progress!("tool: {} requests, {} admitted, {} refused; admitted real ÷ tool {:.4}", tool.requests, tool.admitted, tool.refused, a.ratio);
+                // Once more with each proxy's idle VM, as an Envoy's main thread has one.
+                tokio::time::sleep(Duration::from_secs(3)).await;
+                crate::progress!("{what}: through the tool with an idle VM per proxy, {} s", o.seconds);
+                let with_main = FleetOptions { idle_vms: 1, ..o.clone() };
+                let r = one_run(&with_main, stack, proxies, consistency, mix.clone(), Event::Steady, run_id, "k", Some(PHASE_MS)).await?;
+                let tool_main = side_of(&r);
+                if r.calls.failed > 0 || r.lease_failures > 0 {
+                    notes.push(format!("- {what}, tool with an idle VM: {} calls failed (lease.failures {})", r.calls.failed, r.lease_failures));
+                }
+                crate::progress!("tool with an idle VM: {} admitted; admitted real ÷ it {:.4}", tool_main.admitted, compare::agreement(&real, &tool_main).ratio);
+                pairs.push(compare::Pair { proxies, consistency: consistency.clone(), mix: mix.describe(), real, tool, tool_main: Some(tool_main) });
+            }
+        }
+    }
+    println!(
+        "## Fleet cross-check: real Envoys against the simulated proxies\n\n\
+         Each configuration, one worker per proxy: through real Envoys (`--concurrency 1`, the built module) in front of a real upstream, then through \
+         as many simulated proxies; the same schedule (each request's time, proxy and key), the same rule, the same 2 floodgate-sync replicas (proxy i calls \
+         replica i mod 2) and Redis Cluster (3 masters + 3 replicas), the store emptied (`FLUSHALL`) before each run and each run starting {PHASE_MS} ms into a \
+         window; `sync_interval` {SYNC_INTERVAL_MS} ms, {} s of open-loop traffic per run. The third row of each configuration runs the tool again with \
+         one more VM per proxy that ticks and serves no request, as the main thread's VM of an Envoy does. Store calls from floodgate-sync's `/metrics` (calls answered \
+         on `/v1/sync` and `/v1/lease`), the module's own counters beside them; Redis commands on the masters.\n",
+        o.seconds
+    );
+    println!("{}\n", compare::table(&pairs));
+    if !notes.is_empty() {
+        println!("{}\n", notes.join("\n"));
+    }
+    Ok(())
+}
+
+/// The simulated side of a cross-check.
+fn side_of(r: &RunResult) -> compare::Side {
+    let n = |v: i64| u64::try_from(v).unwrap_or(0);
+    compare::Side {
+        requests: r.requests,
+        admitted: r.tally.admitted,
+        refused: r.tally.refused,
+        other: 0,
+        summary: r.tally.summary(),
+        windows: r.tally.per_window(r.start_wall_ms / r.tally.window_ms()),
+        sync_batches: r.spent.sync_batches,
+        sync_leases: r.spent.sync_leases,
+        module: r.calls.sent,
+        waited: n(r.asked) + n(r.lease_waits),
+        without_store: n(r.without_store),
+        redis_commands: r.spent.commands,
+        lateness_ms: r.lateness_ms,
     }
 }

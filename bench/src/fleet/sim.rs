@@ -146,7 +146,10 @@ struct Worker {
 /// One proxy: its shared data, its workers, its connection to its `floodgate-sync` replica.
 struct Proxy {
     store: MemoryStore,
+    /// The VMs: first those that serve requests, then the idle ones (Envoy's main thread's).
     workers: Vec<Worker>,
+    /// VMs that serve requests.
+    serving: usize,
     /// Which worker gets the next request.
     next: usize,
     generation: u32,
@@ -172,6 +175,9 @@ type TickAt = Reverse<(u64, usize, u32, usize)>;
 /// The whole simulated fleet.
 pub struct Fleet {
     config: String,
+    /// VMs per proxy that serve no request but tick, as the main thread's VM of an Envoy does
+    /// (`on_tick` fires in every VM: it may lead the proxy's batches).
+    idle_vms: usize,
     proxies: Vec<Proxy>,
     metrics: FleetMetrics,
     /// When the run started (the monotonic clock's origin).
@@ -202,12 +208,14 @@ const HOLDER_SAMPLE: usize = 8;
 
 impl Fleet {
     /// A fleet of `proxies` proxies with `workers` workers each running `config` (JSON), the
-    /// proxy `i` calling `sync[i % sync.len()]`; keys named `<prefix>-<index>`.
+    /// proxy `i` calling `sync[i % sync.len()]`; keys named `<prefix>-<index>`; `idle_vms` more
+    /// VMs per proxy that tick and serve no request (Envoy's main thread's).
     #[allow(clippy::too_many_arguments)]
-    pub fn new(config: &str, proxies: usize, workers: usize, sync: &[std::net::SocketAddr], prefix: &str, tally: Tally, done: UnboundedSender<Done>, seed: u64) -> Result<Fleet, String> {
+    pub fn new(config: &str, proxies: usize, workers: usize, idle_vms: usize, sync: &[std::net::SocketAddr], prefix: &str, tally: Tally, done: UnboundedSender<Done>, seed: u64) -> Result<Fleet, String> {
         Config::parse(config.as_bytes()).map_err(|e| e.to_string())?;
         let mut fleet = Fleet {
             config: config.to_owned(),
+            idle_vms,
             proxies: Vec::new(),
             metrics: FleetMetrics::default(),
             origin: Instant::now(),
@@ -256,8 +264,8 @@ impl Fleet {
             seed[..8].copy_from_slice(&rng.next_u64().to_le_bytes());
             seed[8..].copy_from_slice(&rng.next_u64().to_le_bytes());
         }
-        let mut proxy = Proxy { store: MemoryStore::new(), workers: Vec::new(), next: 0, generation, conn };
-        for _ in 0..workers {
+        let mut proxy = Proxy { store: MemoryStore::new(), workers: Vec::new(), serving: workers.max(1), next: 0, generation, conn };
+        for _ in 0..workers.max(1) + self.idle_vms {
             let config = Config::parse(self.config.as_bytes()).map_err(|e| e.to_string())?;
             let vm = self.seed.borrow_mut().next_u64();
             let root = self.context();
@@ -324,7 +332,7 @@ impl Fleet {
     /// One request of key `key` on proxy `p`.
     pub fn request(&mut self, p: usize, key: u32) {
         let Some(proxy) = self.proxies.get_mut(p) else { return };
-        let w = proxy.next % proxy.workers.len();
+        let w = proxy.next % proxy.serving;
         proxy.next = proxy.next.wrapping_add(1);
         let context = self.context();
         let name = format!("{}-{key}", self.prefix);
@@ -625,7 +633,7 @@ impl Fleet {
     /// VMs, a new seed) takes its place.
     pub fn restart(&mut self, p: usize) -> Result<(), String> {
         let Some(proxy) = self.proxies.get(p) else { return Ok(()) };
-        let workers = proxy.workers.len();
+        let (workers, serving) = (proxy.workers.len(), proxy.serving);
         let now = self.now();
         let clock = CallbackClock(now);
         for w in 0..workers {
@@ -638,7 +646,7 @@ impl Fleet {
         self.abandoned += self.proxies[p].workers.iter().map(|w| w.paused.len() as u64).sum::<u64>();
         let generation = self.proxies[p].generation.wrapping_add(1);
         let conn = Rc::clone(&self.proxies[p].conn);
-        let fresh = self.proxy(workers, generation, conn)?;
+        let fresh = self.proxy(serving, generation, conn)?;
         self.proxies[p] = fresh;
         self.schedule_ticks(p);
         Ok(())

@@ -32,6 +32,9 @@ pub struct Snapshot {
     sync_cpu_ns: Vec<(u32, u64)>,
     /// CPU time of this tool, ns.
     pub tool_cpu_ns: u64,
+    /// Per replica: the calls it answered so far on `/v1/sync` and on `/v1/lease` (its
+    /// `/metrics`: the count of each route's duration histogram).
+    sync_calls: Vec<(u64, u64)>,
 }
 
 /// What the store did between two snapshots.
@@ -47,6 +50,10 @@ pub struct Spent {
     pub sync_cpu_ns: u64,
     /// CPU of the tool, ns.
     pub tool_cpu_ns: u64,
+    /// Calls the replicas answered on `/v1/sync` (batches).
+    pub sync_batches: u64,
+    /// Calls the replicas answered on `/v1/lease` (asks of batched keys, lease calls).
+    pub sync_leases: u64,
 }
 
 impl Stack {
@@ -84,7 +91,24 @@ impl Stack {
             redis_cpu_ns: self.cluster.nodes.iter().filter_map(|n| n.pid()).map(|p| (p, cpu_ns_of(p))).collect(),
             sync_cpu_ns: self.syncs.iter().map(|s| s.pid()).filter(|&p| p > 0).map(|p| (p, cpu_ns_of(p))).collect(),
             tool_cpu_ns: cpu_ns_of(std::process::id()),
+            sync_calls: self
+                .syncs
+                .iter()
+                .map(|s| {
+                    let text = crate::envoy::http_get(s.addr, "/metrics").map(|(_, body)| body).unwrap_or_default();
+                    (metric(&text, "floodgate_sync_request_duration_seconds_count"), metric(&text, "floodgate_sync_lease_duration_seconds_count"))
+                })
+                .collect(),
         }
+    }
+
+    /// Empties the store (`FLUSHALL` on every master; the replicas follow): a run that follows
+    /// starts from nothing, as the one before it did, and may use the same keys.
+    pub fn flush(&self) -> Result<(), String> {
+        for m in self.cluster.masters() {
+            self.cluster.nodes[m].command("FLUSHALL")?;
+        }
+        Ok(())
     }
 
     /// Kills a master (SIGKILL) and waits (at most 10 s) until its replica took over.
@@ -107,6 +131,10 @@ pub fn spent(before: &Snapshot, after: &Snapshot) -> Spent {
         tool_cpu_ns: after.tool_cpu_ns.saturating_sub(before.tool_cpu_ns),
         ..Spent::default()
     };
+    for (b, a) in before.sync_calls.iter().zip(&after.sync_calls) {
+        s.sync_batches += a.0.saturating_sub(b.0);
+        s.sync_leases += a.1.saturating_sub(b.1);
+    }
     for (b, a) in before.nodes.iter().zip(&after.nodes) {
         if (b.2 || a.2) && a.0 >= b.0 {
             s.commands += a.0 - b.0;
@@ -127,9 +155,25 @@ fn field(info: &str, name: &str) -> u64 {
     info.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok()).unwrap_or(0)
 }
 
+/// A metric without labels from Prometheus text (0 when absent).
+pub fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 #[cfg(test)]
 mod tests {
-    use super::cpu_since;
+    use super::{cpu_since, metric};
+
+    #[test]
+    fn a_metric_by_its_exact_name() {
+        let text = "# TYPE x_count counter\nx_sum 3.5\nx_count 12\nx_count_other 7\ny{a=\"b\"} 4\n";
+        assert_eq!(metric(text, "x_count"), 12);
+        assert_eq!(metric(text, "x_sum"), 3);
+        assert_eq!(metric(text, "y"), 0, "labelled series are not read");
+        assert_eq!(metric(text, "z"), 0);
+    }
 
     #[test]
     fn cpu_of_processes_replaced_meanwhile() {

@@ -112,6 +112,21 @@ impl Tally {
         self.waits_us.push(us);
     }
 
+    /// The window (ms) the tally counts in.
+    pub fn window_ms(&self) -> u64 {
+        self.window_ms
+    }
+
+    /// What was admitted per key and window bucket, the buckets numbered from `first_bucket`
+    /// (`start unix ms / window`): two runs started at the same point of a window compare
+    /// window by window.
+    pub fn per_window(&self, first_bucket: u64) -> BTreeMap<(u32, u64), u32> {
+        self.keys
+            .iter()
+            .flat_map(|(&key, k)| k.buckets.iter().map(move |(&b, &n)| ((key, b.saturating_sub(first_bucket)), n)))
+            .collect()
+    }
+
     /// The summary.
     pub fn summary(&self) -> Summary {
         let limit = u64::from(self.limit);
@@ -231,6 +246,19 @@ mod tests {
         assert_eq!(s.keys, 4);
         assert_eq!(s.fullest, [0.5, 1.0, 1.0]);
         assert_eq!(s.waits, (4, 2.0, 50.0, 50.0));
+    }
+
+    #[test]
+    fn admissions_per_window_count_from_the_first_bucket() {
+        let mut t = Tally::new(10, 10_000);
+        t.admit(1, at(5));
+        t.admit(1, at(6));
+        t.admit(1, at(10_001));
+        t.admit(2, at(20_000));
+        t.refuse(3, at(7));
+        let w = t.per_window(1000);
+        assert_eq!(w.into_iter().collect::<Vec<_>>(), vec![((1, 0), 2), ((1, 1), 1), ((2, 2), 1)], "a key only refused has no window");
+        assert_eq!(t.window_ms(), 10_000);
     }
 
     #[test]
