@@ -4,15 +4,27 @@
 -- node every shard in one script.)
 --
 -- ARGV[1]  the number of groups
--- then per group:    ARGV  seq (its batch's, canonical decimal u64), seen_ttl_ms, counter count
---                    KEYS  the shard's dedup key of the batch's proxy (<prefix>{s}:seen:<proxy>)
+-- then per group:    ARGV  seq (its batch's, canonical decimal u64), proxy (its batch's id),
+--                          seen_period_ms, counter count
+--                    KEYS  the shard's dedup base key (<prefix>{s}:seen)
 --   then per counter: ARGV delta, refund, expire_at_ms, has_previous (1|0)
 --                     KEYS current key [, previous key when has_previous is 1]
 --
--- Groups are taken in order. A group is applied only when its seq is newer than its dedup key
--- (absent counts as older): the dedup key takes seq (SET PX seen_ttl_ms GET, which returns the
--- seq it held; when that one was not older, it is set back), so a later group of the same proxy
--- and shard in this call is compared with the newest. Then, over the applied groups,
+-- Dedup. A shard keeps the last seq it applied of each proxy in hashes (proxy -> seq), one per
+-- period and generation: <prefix>{s}:seen:<period_ms>:<generation>, generation = floor(now / period_ms)
+-- by Redis's clock (TIME). A call reads the seqs of its proxies in the current generation
+-- (HMGET), and those it does not find there in the previous one (HMGET), writes the newer seqs
+-- into the current generation (one HSET), and gives a hash it creates its expiry,
+-- (generation + 2) * period_ms (PEXPIREAT): a seq written lives from one to two periods, and a
+-- hash holds the proxies that sent to the shard in the last two periods at most. The period is
+-- at least the dedup's life (2 windows of the part's longest, at least 10 minutes; see
+-- layout.rs). So the dedup costs a call a few commands per hash (TIME, HMGET, HSET, rarely one
+-- more HMGET and a PEXPIREAT), whatever the number of parts and proxies in it; a call holds one
+-- shard in a cluster, and usually one period.
+--
+-- Groups are taken in order. A group is applied only when its seq is newer than its proxy's
+-- last seq (absent counts as older); a later group of the same proxy in this call is compared
+-- with the newest. Then, over the applied groups,
 -- every counter's deltas are summed and added once (INCRBY, and PEXPIREAT expire_at_ms when
 -- that INCRBY created it: a counter's expiry only depends on its bucket, so an existing counter
 -- has it already); then every counter's give-backs are summed and, if it exists, taken off once
@@ -36,6 +48,69 @@ local function newer(a, b)
 end
 
 local groups = tonumber(ARGV[1])
+
+-- The dedup: every group's proxy's last seq, per period (usually one), read in one pass.
+local time = redis.call('TIME')
+local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+-- Per dedup hash (a shard's base key and a period): its proxies, their last seqs, the changed.
+local hashes, hash_order = {}, {}
+local hash_of = {} -- per group
+do
+  local a, k = 2, 1
+  for g = 1, groups do
+    local proxy, period = ARGV[a + 1], ARGV[a + 2]
+    local count = tonumber(ARGV[a + 3])
+    local base = KEYS[k]
+    k = k + 1
+    a = a + 4
+    for _ = 1, count do
+      if ARGV[a + 3] == '1' then
+        k = k + 2
+      else
+        k = k + 1
+      end
+      a = a + 4
+    end
+    local id = base .. ' ' .. period
+    local p = hashes[id]
+    if not p then
+      p = {base = base, period = period, proxies = {}, listed = {}, last = {}, written = {}, changed = {}}
+      hashes[id] = p
+      hash_order[#hash_order + 1] = p
+    end
+    hash_of[g] = p
+    if not p.listed[proxy] then
+      p.listed[proxy] = true
+      p.proxies[#p.proxies + 1] = proxy
+    end
+  end
+end
+for _, p in ipairs(hash_order) do
+  local generation = math.floor(now_ms / tonumber(p.period))
+  p.key = p.base .. ':' .. p.period .. ':' .. string.format('%d', generation)
+  p.expire_at = string.format('%d', (generation + 2) * tonumber(p.period))
+  local found = redis.call('HMGET', p.key, unpack(p.proxies))
+  local missing = {}
+  p.fresh = true
+  for n, proxy in ipairs(p.proxies) do
+    if found[n] then
+      p.last[proxy] = found[n]
+      p.fresh = false
+    else
+      missing[#missing + 1] = proxy
+    end
+  end
+  if #missing > 0 then
+    local before = p.base .. ':' .. p.period .. ':' .. string.format('%d', generation - 1)
+    local older = redis.call('HMGET', before, unpack(missing))
+    for n, proxy in ipairs(missing) do
+      if older[n] then
+        p.last[proxy] = older[n]
+      end
+    end
+  end
+end
+
 local k, a = 1, 2
 local out = {}
 local order = {} -- counters with a change, in order of first appearance
@@ -52,19 +127,21 @@ local function read(key)
   return at
 end
 for g = 1, groups do
-  local seq = ARGV[a]
-  local seen_ttl_ms = ARGV[a + 1]
-  local count = tonumber(ARGV[a + 2])
-  a = a + 3
-  local seen_key = KEYS[k]
+  local seq, proxy = ARGV[a], ARGV[a + 1]
+  local count = tonumber(ARGV[a + 3])
+  a = a + 4
   k = k + 1
-  -- One command when the part is new (the usual case); a retry puts the newer seq back.
-  local seen = redis.call('SET', seen_key, seq, 'PX', seen_ttl_ms, 'GET')
-  local apply = (not seen) or newer(seq, seen)
+  local p = hash_of[g]
+  local last = p.last[proxy]
+  local apply = (not last) or newer(seq, last)
   if apply then
+    p.last[proxy] = seq
+    if not p.changed[proxy] then
+      p.changed[proxy] = true
+      p.written[#p.written + 1] = proxy
+    end
     out[g] = 1
   else
-    redis.call('SET', seen_key, seen, 'PX', seen_ttl_ms)
     out[g] = 0
   end
   for _ = 1, count do
@@ -90,6 +167,21 @@ for g = 1, groups do
       k = k + 1
     else
       where[#where + 1] = false
+    end
+  end
+end
+
+-- The newer seqs, one HSET per period; a hash this call creates gets its expiry.
+for _, p in ipairs(hash_order) do
+  if #p.written > 0 then
+    local pairs_ = {}
+    for _, proxy in ipairs(p.written) do
+      pairs_[#pairs_ + 1] = proxy
+      pairs_[#pairs_ + 1] = p.last[proxy]
+    end
+    redis.call('HSET', p.key, unpack(pairs_))
+    if p.fresh then
+      redis.call('PEXPIREAT', p.key, p.expire_at)
     end
   end
 end

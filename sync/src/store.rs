@@ -725,14 +725,15 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
         Vec::with_capacity(groups.len().saturating_add(counters.saturating_mul(2)));
     let mut args: Vec<String> = Vec::with_capacity(
         1usize
-            .saturating_add(groups.len().saturating_mul(3))
+            .saturating_add(groups.len().saturating_mul(4))
             .saturating_add(counters.saturating_mul(4)),
     );
     args.push(groups.len().to_string());
     for (seq, group) in groups {
         keys.push(&group.seen_key);
         args.push(seq.to_string());
-        args.push(group.seen_ttl_ms.to_string());
+        args.push(group.proxy.clone());
+        args.push(group.seen_period_ms.to_string());
         args.push(group.counters.len().to_string());
         for counter in &group.counters {
             keys.push(&counter.current_key);
@@ -909,16 +910,19 @@ mod tests {
         assert_eq!(
             keys,
             vec![
-                "fg:{0}:seen:0123456789abcdef",
+                "fg:{0}:seen",
                 "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0",
-                "fg:{1}:seen:0123456789abcdef",
+                "fg:{1}:seen",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:6",
             ]
         );
         assert_eq!(
             args,
-            vec!["2", "5", "600000", "1", "0", "0", "62000", "0", "5", "600000", "1", "3", "2", "69000", "1"]
+            vec![
+                "2", "5", "0123456789abcdef", "600000", "1", "0", "0", "62000", "0",
+                "5", "0123456789abcdef", "600000", "1", "3", "2", "69000", "1"
+            ]
         );
     }
 
