@@ -5,22 +5,23 @@
 --
 -- ARGV[1]  the number of groups
 -- then per group:    ARGV  seq (its batch's, canonical decimal u64), proxy (its batch's id),
---                          seen_period_ms, counter count
---                    KEYS  the shard's dedup base key (<prefix>{s}:seen)
+--                          seen_expire_at_ms, counter count
+--                    KEYS  the shard's dedup hash of the part's generation
+--                          (<prefix>{s}:seen:<period_ms>:<generation>), the one before
 --   then per counter: ARGV delta, refund, expire_at_ms, has_previous (1|0)
 --                     KEYS current key [, previous key when has_previous is 1]
 --
 -- Dedup. A shard keeps the last seq it applied of each proxy in hashes (proxy -> seq), one per
--- period and generation: <prefix>{s}:seen:<period_ms>:<generation>, generation = floor(now / period_ms)
--- by Redis's clock (TIME). A call reads the seqs of its proxies in the current generation
--- (HMGET), and those it does not find there in the previous one (HMGET), writes the newer seqs
--- into the current generation (one HSET), and gives a hash it creates its expiry,
--- (generation + 2) * period_ms (PEXPIREAT): a seq written lives from one to two periods, and a
--- hash holds the proxies that sent to the shard in the last two periods at most. The period is
--- at least the dedup's life (2 windows of the part's longest, at least 10 minutes; see
--- layout.rs). So the dedup costs a call a few commands per hash (TIME, HMGET, HSET, rarely one
--- more HMGET and a PEXPIREAT), whatever the number of parts and proxies in it; a call holds one
--- shard in a cluster, and usually one period.
+-- period and generation (layout.rs: a part's generation is that of its counters' latest bucket
+-- start, the same for a retry on any instance; the period covers 2 windows of the part's
+-- longest, at least 10 minutes). A call reads its proxies' seqs in their parts' hashes (HMGET,
+-- with the field '-' that every hash holds from its creation), and those it does not find
+-- there in the generation before (HMGET); it writes the newer seqs (one HSET per hash), and a
+-- hash it creates gets '-' and its expiry, the end of the next generation (PEXPIREAT). A seq thus
+-- lives one to two periods past its counters' time, and a hash holds the proxies of two periods
+-- at most. The dedup costs a call two commands per hash (usually one hash per call: a call
+-- holds one shard in a cluster), whatever the number of parts and proxies in it, and rarely two
+-- more.
 --
 -- Groups are taken in order. A group is applied only when its seq is newer than its proxy's
 -- last seq (absent counts as older); a later group of the same proxy in this call is compared
@@ -49,19 +50,16 @@ end
 
 local groups = tonumber(ARGV[1])
 
--- The dedup: every group's proxy's last seq, per period (usually one), read in one pass.
-local time = redis.call('TIME')
-local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
--- Per dedup hash (a shard's base key and a period): its proxies, their last seqs, the changed.
+-- The dedup: per hash (usually one), its proxies' last seqs, read in one pass.
 local hashes, hash_order = {}, {}
 local hash_of = {} -- per group
 do
   local a, k = 2, 1
   for g = 1, groups do
-    local proxy, period = ARGV[a + 1], ARGV[a + 2]
+    local proxy, expire_at = ARGV[a + 1], ARGV[a + 2]
     local count = tonumber(ARGV[a + 3])
-    local base = KEYS[k]
-    k = k + 1
+    local key, before = KEYS[k], KEYS[k + 1]
+    k = k + 2
     a = a + 4
     for _ = 1, count do
       if ARGV[a + 3] == '1' then
@@ -71,11 +69,11 @@ do
       end
       a = a + 4
     end
-    local id = base .. ' ' .. period
-    local p = hashes[id]
+    local p = hashes[key]
     if not p then
-      p = {base = base, period = period, proxies = {}, listed = {}, last = {}, written = {}, changed = {}}
-      hashes[id] = p
+      p = {key = key, before = before, expire_at = expire_at, proxies = {'-'}, listed = {}, last = {},
+           written = {}, changed = {}}
+      hashes[key] = p
       hash_order[#hash_order + 1] = p
     end
     hash_of[g] = p
@@ -86,23 +84,19 @@ do
   end
 end
 for _, p in ipairs(hash_order) do
-  local generation = math.floor(now_ms / tonumber(p.period))
-  p.key = p.base .. ':' .. p.period .. ':' .. string.format('%d', generation)
-  p.expire_at = string.format('%d', (generation + 2) * tonumber(p.period))
   local found = redis.call('HMGET', p.key, unpack(p.proxies))
+  p.fresh = not found[1]
   local missing = {}
-  p.fresh = true
-  for n, proxy in ipairs(p.proxies) do
+  for n = 2, #p.proxies do
+    local proxy = p.proxies[n]
     if found[n] then
       p.last[proxy] = found[n]
-      p.fresh = false
     else
       missing[#missing + 1] = proxy
     end
   end
-  if #missing > 0 then
-    local before = p.base .. ':' .. p.period .. ':' .. string.format('%d', generation - 1)
-    local older = redis.call('HMGET', before, unpack(missing))
+  if #missing > 0 and p.before ~= p.key then
+    local older = redis.call('HMGET', p.before, unpack(missing))
     for n, proxy in ipairs(missing) do
       if older[n] then
         p.last[proxy] = older[n]
@@ -130,7 +124,7 @@ for g = 1, groups do
   local seq, proxy = ARGV[a], ARGV[a + 1]
   local count = tonumber(ARGV[a + 3])
   a = a + 4
-  k = k + 1
+  k = k + 2
   local p = hash_of[g]
   local last = p.last[proxy]
   local apply = (not last) or newer(seq, last)
@@ -171,10 +165,13 @@ for g = 1, groups do
   end
 end
 
--- The newer seqs, one HSET per period; a hash this call creates gets its expiry.
+-- The newer seqs, one HSET per hash; a hash this call creates gets '-' and its expiry.
 for _, p in ipairs(hash_order) do
   if #p.written > 0 then
     local pairs_ = {}
+    if p.fresh then
+      pairs_[1], pairs_[2] = '-', '1'
+    end
     for _, proxy in ipairs(p.written) do
       pairs_[#pairs_ + 1] = proxy
       pairs_[#pairs_ + 1] = p.last[proxy]

@@ -7,9 +7,12 @@
 //! - Dedup `<prefix>{<s>}:seen:<period_ms>:<generation>`, a hash: per proxy, the last `seq` of
 //!   it applied to shard `s` (see `apply.lua`). A seq must be kept
 //!   `max(2 * the longest window of the batch's counters in s, 10 min)` ([`seen_ttl_ms`]); the
-//!   period is the first of 10 min × 2^k that covers it ([`seen_period_ms`]), a generation lasts
-//!   a period (by Redis's clock) and its hash expires at the end of the next one, so a seq lives
-//!   one to two periods and a hash holds the proxies of the last two periods at most.
+//!   period is the first of 10 min × 2^k that covers it ([`seen_period_ms`]). A batch's part
+//!   goes into the generation of its counters' latest bucket start (so a retry, whichever
+//!   instance takes it, finds the same hash), and is looked up there and in the generation
+//!   before; a generation's hash expires at the end of the next generation, so a seq lives one
+//!   to two periods past its counters' time, and a hash holds the proxies of two periods at
+//!   most.
 //!
 //! All keys of a shard share the hash tag `{<s>}`: one Redis Cluster slot, so one Lua script can
 //! touch them all atomically. A batch becomes a [`Plan`]: one [`Group`] per shard present, each
@@ -134,12 +137,16 @@ pub struct PlannedCounter {
 pub struct Group {
     /// The shard.
     pub shard: u32,
-    /// The shard's dedup base key ([`Layout::seen_key`]).
+    /// The dedup hash that keeps the batch's seq: `<seen_key>:<period>:<generation>`
+    /// ([`Layout::seen_key`], [`seen_period_ms`]; the generation of the latest bucket start of the
+    /// part's counters).
     pub seen_key: String,
+    /// The hash of the generation before.
+    pub seen_before_key: String,
+    /// When `seen_key` expires: the end of the next generation, in ms since the epoch.
+    pub seen_expire_at_ms: u64,
     /// The batch's proxy.
     pub proxy: String,
-    /// The period of the dedup hash that keeps the batch's seq ([`seen_period_ms`]).
-    pub seen_period_ms: u64,
     /// The shard's distinct counters, in order of first appearance in the batch.
     pub counters: Vec<PlannedCounter>,
 }
@@ -165,14 +172,16 @@ impl Plan {
 
 /// Lays a validated batch out on shards.
 pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
-    // shard -> (max window, distinct counters); (key, window, bucket) -> (shard, position).
-    let mut shards: BTreeMap<u32, (u64, Vec<PlannedCounter>)> = BTreeMap::new();
+    // shard -> (max window, latest bucket start, distinct counters); (key, window, bucket) ->
+    // (shard, position).
+    let mut shards: BTreeMap<u32, (u64, u64, Vec<PlannedCounter>)> = BTreeMap::new();
     let mut seen: HashMap<(&CounterKey, u64, u64), (u32, usize)> = HashMap::new();
     let mut located: Vec<(u32, usize)> = Vec::with_capacity(batch.counters.len());
     for counter in &batch.counters {
         let shard = layout.shard(&counter.key);
-        let (max_window, counters) = shards.entry(shard).or_insert((0, Vec::new()));
+        let (max_window, latest, counters) = shards.entry(shard).or_insert((0, 0, Vec::new()));
         *max_window = (*max_window).max(counter.window_ms);
+        *latest = (*latest).max(counter.bucket.saturating_mul(counter.window_ms));
         let id = (&counter.key, counter.window_ms, counter.bucket);
         let at = match seen.get(&id) {
             Some(&at) => {
@@ -208,14 +217,18 @@ pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
     let mut offsets: HashMap<u32, usize> = HashMap::with_capacity(shards.len());
     let mut next = 0usize;
     let mut groups = Vec::with_capacity(shards.len());
-    for (shard, (max_window, counters)) in shards {
+    for (shard, (max_window, latest, counters)) in shards {
         offsets.insert(shard, next);
         next = next.saturating_add(counters.len());
+        let period = seen_period_ms(max_window);
+        let generation = latest.checked_div(period).unwrap_or(0);
+        let base = layout.seen_key(shard);
         groups.push(Group {
             shard,
-            seen_key: layout.seen_key(shard),
+            seen_key: format!("{base}:{period}:{generation}"),
+            seen_before_key: format!("{base}:{period}:{}", generation.saturating_sub(1)),
+            seen_expire_at_ms: generation.saturating_add(2).saturating_mul(period).min(MAX_REDIS_MS),
             proxy: batch.proxy.as_str().to_owned(),
-            seen_period_ms: seen_period_ms(max_window),
             counters,
         });
     }
@@ -328,9 +341,11 @@ mod tests {
         let shards: Vec<u32> = plan.groups.iter().map(|g| g.shard).collect();
         assert_eq!(shards, vec![0, 1]);
         let g0 = &plan.groups[0];
-        assert_eq!(g0.seen_key, "fg:{0}:seen");
+        // Bucket 0 of 1 s: generation 0 of 10 min (whose "before" is itself: nothing earlier).
+        assert_eq!(g0.seen_key, "fg:{0}:seen:600000:0");
+        assert_eq!(g0.seen_before_key, "fg:{0}:seen:600000:0");
+        assert_eq!(g0.seen_expire_at_ms, 1_200_000);
         assert_eq!(g0.proxy, "0123456789abcdef");
-        assert_eq!(g0.seen_period_ms, 600_000);
         assert_eq!(
             g0.counters,
             vec![PlannedCounter {
@@ -342,7 +357,10 @@ mod tests {
             }]
         );
         let g1 = &plan.groups[1];
-        assert_eq!(g1.seen_period_ms, 9_600_000);
+        // An hour's window: 9 600 000 ms periods; the latest bucket start is 7 h.
+        assert_eq!(g1.seen_key, "fg:{1}:seen:9600000:2");
+        assert_eq!(g1.seen_before_key, "fg:{1}:seen:9600000:1");
+        assert_eq!(g1.seen_expire_at_ms, 4 * 9_600_000);
         let summary: Vec<(&str, Option<&str>, u64)> = g1
             .counters
             .iter()
