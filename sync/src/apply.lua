@@ -4,15 +4,28 @@
 -- node every shard in one script.)
 --
 -- ARGV[1]  the number of groups
--- then per group:    ARGV  seq (its batch's, canonical decimal u64), seen_ttl_ms, counter count
---                    KEYS  the shard's dedup key of the batch's proxy (<prefix>{s}:seen:<proxy>)
+-- then per group:    ARGV  seq (its batch's, canonical decimal u64), proxy (its batch's id),
+--                          seen_expire_at_ms, counter count
+--                    KEYS  the shard's dedup hash of the part's generation
+--                          (<prefix>{s}:seen:<period_ms>:<generation>), the one before
 --   then per counter: ARGV delta, refund, expire_at_ms, has_previous (1|0)
 --                     KEYS current key [, previous key when has_previous is 1]
 --
--- Groups are taken in order. A group is applied only when its seq is newer than its dedup key
--- (absent counts as older): the dedup key takes seq (SET PX seen_ttl_ms GET, which returns the
--- seq it held; when that one was not older, it is set back), so a later group of the same proxy
--- and shard in this call is compared with the newest. Then, over the applied groups,
+-- Dedup. A shard keeps the last seq it applied of each proxy in hashes (proxy -> seq), one per
+-- period and generation (layout.rs: a part's generation is that of its counters' latest bucket
+-- start, the same for a retry on any instance; the period covers 2 windows of the part's
+-- longest, at least 10 minutes). A call reads its proxies' seqs in their parts' hashes (HMGET,
+-- with the field '-' that every hash holds from its creation), and those it does not find
+-- there in the generation before (HMGET); it writes the newer seqs (one HSET per hash), and a
+-- hash it creates gets '-' and its expiry, the end of the next generation (PEXPIREAT). A seq thus
+-- lives one to two periods past its counters' time, and a hash holds the proxies of two periods
+-- at most. The dedup costs a call two commands per hash (usually one hash per call: a call
+-- holds one shard in a cluster), whatever the number of parts and proxies in it, and rarely two
+-- more.
+--
+-- Groups are taken in order. A group is applied only when its seq is newer than its proxy's
+-- last seq (absent counts as older); a later group of the same proxy in this call is compared
+-- with the newest. Then, over the applied groups,
 -- every counter's deltas are summed and added once (INCRBY, and PEXPIREAT expire_at_ms when
 -- that INCRBY created it: a counter's expiry only depends on its bucket, so an existing counter
 -- has it already); then every counter's give-backs are summed and, if it exists, taken off once
@@ -36,6 +49,62 @@ local function newer(a, b)
 end
 
 local groups = tonumber(ARGV[1])
+
+-- The dedup: per hash (usually one), its proxies' last seqs, read in one pass.
+local hashes, hash_order = {}, {}
+local hash_of = {} -- per group
+do
+  local a, k = 2, 1
+  for g = 1, groups do
+    local proxy, expire_at = ARGV[a + 1], ARGV[a + 2]
+    local count = tonumber(ARGV[a + 3])
+    local key, before = KEYS[k], KEYS[k + 1]
+    k = k + 2
+    a = a + 4
+    for _ = 1, count do
+      if ARGV[a + 3] == '1' then
+        k = k + 2
+      else
+        k = k + 1
+      end
+      a = a + 4
+    end
+    local p = hashes[key]
+    if not p then
+      p = {key = key, before = before, expire_at = expire_at, proxies = {'-'}, listed = {}, last = {},
+           written = {}, changed = {}}
+      hashes[key] = p
+      hash_order[#hash_order + 1] = p
+    end
+    hash_of[g] = p
+    if not p.listed[proxy] then
+      p.listed[proxy] = true
+      p.proxies[#p.proxies + 1] = proxy
+    end
+  end
+end
+for _, p in ipairs(hash_order) do
+  local found = redis.call('HMGET', p.key, unpack(p.proxies))
+  p.fresh = not found[1]
+  local missing = {}
+  for n = 2, #p.proxies do
+    local proxy = p.proxies[n]
+    if found[n] then
+      p.last[proxy] = found[n]
+    else
+      missing[#missing + 1] = proxy
+    end
+  end
+  if #missing > 0 and p.before ~= p.key then
+    local older = redis.call('HMGET', p.before, unpack(missing))
+    for n, proxy in ipairs(missing) do
+      if older[n] then
+        p.last[proxy] = older[n]
+      end
+    end
+  end
+end
+
 local k, a = 1, 2
 local out = {}
 local order = {} -- counters with a change, in order of first appearance
@@ -52,19 +121,21 @@ local function read(key)
   return at
 end
 for g = 1, groups do
-  local seq = ARGV[a]
-  local seen_ttl_ms = ARGV[a + 1]
-  local count = tonumber(ARGV[a + 2])
-  a = a + 3
-  local seen_key = KEYS[k]
-  k = k + 1
-  -- One command when the part is new (the usual case); a retry puts the newer seq back.
-  local seen = redis.call('SET', seen_key, seq, 'PX', seen_ttl_ms, 'GET')
-  local apply = (not seen) or newer(seq, seen)
+  local seq, proxy = ARGV[a], ARGV[a + 1]
+  local count = tonumber(ARGV[a + 3])
+  a = a + 4
+  k = k + 2
+  local p = hash_of[g]
+  local last = p.last[proxy]
+  local apply = (not last) or newer(seq, last)
   if apply then
+    p.last[proxy] = seq
+    if not p.changed[proxy] then
+      p.changed[proxy] = true
+      p.written[#p.written + 1] = proxy
+    end
     out[g] = 1
   else
-    redis.call('SET', seen_key, seen, 'PX', seen_ttl_ms)
     out[g] = 0
   end
   for _ = 1, count do
@@ -90,6 +161,24 @@ for g = 1, groups do
       k = k + 1
     else
       where[#where + 1] = false
+    end
+  end
+end
+
+-- The newer seqs, one HSET per hash; a hash this call creates gets '-' and its expiry.
+for _, p in ipairs(hash_order) do
+  if #p.written > 0 then
+    local pairs_ = {}
+    if p.fresh then
+      pairs_[1], pairs_[2] = '-', '1'
+    end
+    for _, proxy in ipairs(p.written) do
+      pairs_[#pairs_ + 1] = proxy
+      pairs_[#pairs_ + 1] = p.last[proxy]
+    end
+    redis.call('HSET', p.key, unpack(pairs_))
+    if p.fresh then
+      redis.call('PEXPIREAT', p.key, p.expire_at)
     end
   end
 end

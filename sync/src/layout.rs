@@ -4,8 +4,15 @@
 //! - Counter `<prefix>{<s>}:<key>:<window_ms>:<bucket>`, an integer that expires at
 //!   `(bucket + 2) * window_ms + 60000` ms since the epoch: the end of the next window plus a
 //!   minute, so at most about two windows of a key live in Redis.
-//! - Dedup `<prefix>{<s>}:seen:<proxy>`, the last `seq` of that proxy applied to shard `s`, which
-//!   lives `max(2 * the longest window of the batch's counters in s, 10 min)`.
+//! - Dedup `<prefix>{<s>}:seen:<period_ms>:<generation>`, a hash: per proxy, the last `seq` of
+//!   it applied to shard `s` (see `apply.lua`). A seq must be kept
+//!   `max(2 * the longest window of the batch's counters in s, 10 min)` ([`seen_ttl_ms`]); the
+//!   period is the first of 10 min × 2^k that covers it ([`seen_period_ms`]). A batch's part
+//!   goes into the generation of its counters' latest bucket start (so a retry, whichever
+//!   instance takes it, finds the same hash), and is looked up there and in the generation
+//!   before; a generation's hash expires at the end of the next generation, so a seq lives one
+//!   to two periods past its counters' time, and a hash holds the proxies of two periods at
+//!   most.
 //!
 //! All keys of a shard share the hash tag `{<s>}`: one Redis Cluster slot, so one Lua script can
 //! touch them all atomically. A batch becomes a [`Plan`]: one [`Group`] per shard present, each
@@ -13,7 +20,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use crate::protocol::{Batch, CounterKey, ProxyId};
+use crate::protocol::{Batch, CounterKey};
 
 /// The slack after a counter's last useful moment before Redis drops it, in ms.
 pub const EXPIRY_SLACK_MS: u64 = 60_000;
@@ -74,9 +81,10 @@ impl Layout {
         format!("{}{{fleet}}:{second}", self.prefix)
     }
 
-    /// `<prefix>{<shard>}:seen:<proxy>`.
-    pub fn seen_key(&self, shard: u32, proxy: &ProxyId) -> String {
-        format!("{}{{{shard}}}:seen:{}", self.prefix, proxy.as_str())
+    /// `<prefix>{<shard>}:seen`: what the shard's dedup hashes are named after
+    /// (`<prefix>{<shard>}:seen:<period_ms>:<generation>`, see `apply.lua`).
+    pub fn seen_key(&self, shard: u32) -> String {
+        format!("{}{{{shard}}}:seen", self.prefix)
     }
 }
 
@@ -90,11 +98,23 @@ pub fn expire_at_ms(window_ms: u64, bucket: u64) -> u64 {
         .min(MAX_REDIS_MS)
 }
 
-/// How long a shard's dedup key lives, in ms: `max(2 * max_window_ms, 600000)`.
+/// How long a shard keeps a proxy's last seq at least, in ms: `max(2 * max_window_ms, 600000)`.
 pub fn seen_ttl_ms(max_window_ms: u64) -> u64 {
     max_window_ms
         .saturating_mul(2)
         .clamp(MIN_SEEN_TTL_MS, MAX_REDIS_MS)
+}
+
+/// The period of the dedup hashes that keep a seq [`seen_ttl_ms`]`(max_window_ms)` at least, in
+/// ms: the first of `600000 × 2^k` that is not shorter (a few periods in all, so that batches of
+/// similar windows share a hash).
+pub fn seen_period_ms(max_window_ms: u64) -> u64 {
+    let ttl = seen_ttl_ms(max_window_ms);
+    let mut period = MIN_SEEN_TTL_MS;
+    while period < ttl {
+        period = period.saturating_mul(2);
+    }
+    period
 }
 
 /// One distinct counter of a shard's part of a batch.
@@ -117,10 +137,16 @@ pub struct PlannedCounter {
 pub struct Group {
     /// The shard.
     pub shard: u32,
-    /// The shard's dedup key for the batch's proxy.
+    /// The dedup hash that keeps the batch's seq: `<seen_key>:<period>:<generation>`
+    /// ([`Layout::seen_key`], [`seen_period_ms`]; the generation of the latest bucket start of the
+    /// part's counters).
     pub seen_key: String,
-    /// The dedup key's time to live (PX), in ms.
-    pub seen_ttl_ms: u64,
+    /// The hash of the generation before.
+    pub seen_before_key: String,
+    /// When `seen_key` expires: the end of the next generation, in ms since the epoch.
+    pub seen_expire_at_ms: u64,
+    /// The batch's proxy.
+    pub proxy: String,
     /// The shard's distinct counters, in order of first appearance in the batch.
     pub counters: Vec<PlannedCounter>,
 }
@@ -146,14 +172,16 @@ impl Plan {
 
 /// Lays a validated batch out on shards.
 pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
-    // shard -> (max window, distinct counters); (key, window, bucket) -> (shard, position).
-    let mut shards: BTreeMap<u32, (u64, Vec<PlannedCounter>)> = BTreeMap::new();
+    // shard -> (max window, latest bucket start, distinct counters); (key, window, bucket) ->
+    // (shard, position).
+    let mut shards: BTreeMap<u32, (u64, u64, Vec<PlannedCounter>)> = BTreeMap::new();
     let mut seen: HashMap<(&CounterKey, u64, u64), (u32, usize)> = HashMap::new();
     let mut located: Vec<(u32, usize)> = Vec::with_capacity(batch.counters.len());
     for counter in &batch.counters {
         let shard = layout.shard(&counter.key);
-        let (max_window, counters) = shards.entry(shard).or_insert((0, Vec::new()));
+        let (max_window, latest, counters) = shards.entry(shard).or_insert((0, 0, Vec::new()));
         *max_window = (*max_window).max(counter.window_ms);
+        *latest = (*latest).max(counter.bucket.saturating_mul(counter.window_ms));
         let id = (&counter.key, counter.window_ms, counter.bucket);
         let at = match seen.get(&id) {
             Some(&at) => {
@@ -189,13 +217,18 @@ pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
     let mut offsets: HashMap<u32, usize> = HashMap::with_capacity(shards.len());
     let mut next = 0usize;
     let mut groups = Vec::with_capacity(shards.len());
-    for (shard, (max_window, counters)) in shards {
+    for (shard, (max_window, latest, counters)) in shards {
         offsets.insert(shard, next);
         next = next.saturating_add(counters.len());
+        let period = seen_period_ms(max_window);
+        let generation = latest.checked_div(period).unwrap_or(0);
+        let base = layout.seen_key(shard);
         groups.push(Group {
             shard,
-            seen_key: layout.seen_key(shard, &batch.proxy),
-            seen_ttl_ms: seen_ttl_ms(max_window),
+            seen_key: format!("{base}:{period}:{generation}"),
+            seen_before_key: format!("{base}:{period}:{}", generation.saturating_sub(1)),
+            seen_expire_at_ms: generation.saturating_add(2).saturating_mul(period).min(MAX_REDIS_MS),
+            proxy: batch.proxy.as_str().to_owned(),
             counters,
         });
     }
@@ -259,12 +292,8 @@ mod tests {
             layout.counter_key(3, &k, 60_000, 28_333_333),
             "fg:{3}:00112233445566778899aabbccddeeff:60000:28333333"
         );
-        let proxy = ProxyId::try_from("0123456789abcdef".to_string()).unwrap();
-        assert_eq!(layout.seen_key(3, &proxy), "fg:{3}:seen:0123456789abcdef");
-        assert_eq!(
-            Layout::new("", 16).seen_key(12, &proxy),
-            "{12}:seen:0123456789abcdef"
-        );
+        assert_eq!(layout.seen_key(3), "fg:{3}:seen");
+        assert_eq!(Layout::new("", 16).seen_key(12), "{12}:seen");
     }
 
     #[test]
@@ -286,6 +315,15 @@ mod tests {
         assert_eq!(seen_ttl_ms(300_000), 600_000);
         assert_eq!(seen_ttl_ms(3_600_000), 7_200_000);
         assert_eq!(seen_ttl_ms(crate::protocol::MAX_WINDOW_MS), 63_244_800_000);
+        assert_eq!(seen_period_ms(1), 600_000);
+        assert_eq!(seen_period_ms(300_000), 600_000);
+        assert_eq!(seen_period_ms(300_001), 1_200_000);
+        assert_eq!(seen_period_ms(3_600_000), 9_600_000);
+        assert_eq!(seen_period_ms(crate::protocol::MAX_WINDOW_MS), 600_000 << 17);
+        for window in [1, 60_000, 3_600_000, 86_400_000, crate::protocol::MAX_WINDOW_MS] {
+            assert!(seen_period_ms(window) >= seen_ttl_ms(window));
+            assert!(seen_period_ms(window) < 2 * seen_ttl_ms(window));
+        }
     }
 
     #[test]
@@ -303,8 +341,11 @@ mod tests {
         let shards: Vec<u32> = plan.groups.iter().map(|g| g.shard).collect();
         assert_eq!(shards, vec![0, 1]);
         let g0 = &plan.groups[0];
-        assert_eq!(g0.seen_key, "fg:{0}:seen:0123456789abcdef");
-        assert_eq!(g0.seen_ttl_ms, 600_000);
+        // Bucket 0 of 1 s: generation 0 of 10 min (whose "before" is itself: nothing earlier).
+        assert_eq!(g0.seen_key, "fg:{0}:seen:600000:0");
+        assert_eq!(g0.seen_before_key, "fg:{0}:seen:600000:0");
+        assert_eq!(g0.seen_expire_at_ms, 1_200_000);
+        assert_eq!(g0.proxy, "0123456789abcdef");
         assert_eq!(
             g0.counters,
             vec![PlannedCounter {
@@ -316,7 +357,10 @@ mod tests {
             }]
         );
         let g1 = &plan.groups[1];
-        assert_eq!(g1.seen_ttl_ms, 7_200_000);
+        // An hour's window: 9 600 000 ms periods; the latest bucket start is 7 h.
+        assert_eq!(g1.seen_key, "fg:{1}:seen:9600000:2");
+        assert_eq!(g1.seen_before_key, "fg:{1}:seen:9600000:1");
+        assert_eq!(g1.seen_expire_at_ms, 4 * 9_600_000);
         let summary: Vec<(&str, Option<&str>, u64)> = g1
             .counters
             .iter()

@@ -150,7 +150,22 @@ local function give_back(counter, holders, value, returned, reported)
   return value
 end
 
-local current = read(KEYS[1])
+-- Both counters in one command (an ask of a batched rule is then MGET, INCRBY and, for a
+-- counter it creates, PEXPIREAT).
+local function count(value)
+  value = tonumber(value or '0') or 0
+  if value < 0 then
+    return 0
+  end
+  return value
+end
+local current, previous_read
+if KEYS[3] then
+  local both = redis.call('MGET', KEYS[1], KEYS[3])
+  current, previous_read = count(both[1]), count(both[2])
+else
+  current = read(KEYS[1])
+end
 if consumed > 0 then
   current = redis.call('INCRBY', KEYS[1], consumed)
   if current == consumed then
@@ -160,7 +175,7 @@ end
 local previous = 0
 local reclaimed = 0
 if KEYS[3] then
-  previous = read(KEYS[3])
+  previous = previous_read
   previous = give_back(KEYS[3], KEYS[4], previous, returned_previous, used_previous)
   previous = refund(KEYS[3], previous, refunded_previous)
   -- The previous bucket's holders had their grace: what is still outstanding is a stopped

@@ -8,11 +8,15 @@
 //!
 //! **Merging.** A batch's shard parts wait in a lane (one on a single node, one per shard in a
 //! cluster); a lane has at most one script call in flight, and each call takes every part
-//! waiting (whole parts up to 1 000 counters), from whichever proxies. An instance that receives
-//! batches faster than Redis answers them therefore sends fewer, larger calls: the counters the
-//! merged parts share are added once, and read once. A lone batch goes at once, as its own call.
+//! waiting (whole parts up to 1 000 counters), from whichever proxies, and a lane starts a call
+//! at most every [`LANE_PACE`] (25 ms). An instance that receives batches faster than that (or
+//! than Redis answers them) therefore sends fewer, larger calls: the counters the merged parts
+//! share are added once, and read once, and a call's dedup costs the same whatever the proxies
+//! in it, so the Redis commands of an instance's batches are bounded by its lanes, not by the
+//! proxies. A lone batch on an idle lane goes at once, as its own call; a batch waits at most
+//! [`LANE_PACE`] besides the call before it.
 //! The parts waiting are the only state, in memory for one call's time at most; a part whose
-//! call fails is answered with the error, and its proxy retries it (the dedup keys keep the
+//! call fails is answered with the error, and its proxy retries it (the dedup hashes keep the
 //! retry exactly once).
 //!
 //! Scripts go as EVALSHA; on NOSCRIPT (a restarted or promoted node) the same call goes again as
@@ -49,6 +53,9 @@ const LEASE_SOURCE: &str = include_str!("lease.lua");
 
 /// The most counters one script call takes on a single node, unless one shard has more.
 const MAX_SCRIPT_COUNTERS: usize = 1000;
+/// A lane starts a script call at most this often: the parts that arrive meanwhile wait and go
+/// together in the next call (a lone part on an idle lane goes at once).
+pub const LANE_PACE: Duration = Duration::from_millis(25);
 
 /// How to reach Redis.
 #[derive(Debug, Clone)]
@@ -175,7 +182,7 @@ pub struct Outcome {
 #[derive(Clone)]
 enum Backend {
     Single(ConnectionManager),
-    /// Two clients: one that retries (batches, made idempotent by their dedup keys), one that
+    /// Two clients: one that retries (batches, made idempotent by the dedup hashes), one that
     /// never does, for leases (a grant or a give-back run twice would count twice).
     Cluster {
         retrying: watch::Receiver<Option<ClusterConnection>>,
@@ -262,7 +269,7 @@ struct Part {
 /// What one shard part of a batch did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupOutcome {
-    /// Applied (its seq was newer than the shard's dedup key), or only read.
+    /// Applied (its seq was newer than its proxy's last in the shard), or only read.
     pub applied: bool,
     /// Its counters' totals, in the group's order.
     pub totals: Vec<Totals>,
@@ -651,7 +658,12 @@ impl Runner {
     /// [`MAX_SCRIPT_COUNTERS`] counters, at least one), runs them in one script call, answers
     /// each; then the parts that came meanwhile.
     async fn run(self, id: u32) {
+        let mut started: Option<Instant> = None;
         loop {
+            // At most one call per LANE_PACE: the parts arriving meanwhile merge into the next.
+            if let Some(rest) = started.and_then(|at| LANE_PACE.checked_sub(at.elapsed())) {
+                tokio::time::sleep(rest).await;
+            }
             let parts: Vec<Part> = {
                 let mut lanes = self.lanes.lock().unwrap_or_else(PoisonError::into_inner);
                 let Some(lane) = lanes.get_mut(&id) else { return };
@@ -664,6 +676,7 @@ impl Runner {
                 }
                 taken
             };
+            started = Some(Instant::now());
             let result = match tokio::time::timeout(self.timeout, self.call(&parts)).await {
                 Ok(result) => result,
                 Err(_) => Err(StoreError::Timeout(self.timeout)),
@@ -722,17 +735,19 @@ fn to_take(sizes: impl Iterator<Item = usize>, max: usize) -> usize {
 fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<String>) {
     let counters: usize = groups.iter().map(|(_, group)| group.counters.len()).sum();
     let mut keys: Vec<&str> =
-        Vec::with_capacity(groups.len().saturating_add(counters.saturating_mul(2)));
+        Vec::with_capacity(groups.len().saturating_mul(2).saturating_add(counters.saturating_mul(2)));
     let mut args: Vec<String> = Vec::with_capacity(
         1usize
-            .saturating_add(groups.len().saturating_mul(3))
+            .saturating_add(groups.len().saturating_mul(4))
             .saturating_add(counters.saturating_mul(4)),
     );
     args.push(groups.len().to_string());
     for (seq, group) in groups {
         keys.push(&group.seen_key);
+        keys.push(&group.seen_before_key);
         args.push(seq.to_string());
-        args.push(group.seen_ttl_ms.to_string());
+        args.push(group.proxy.clone());
+        args.push(group.seen_expire_at_ms.to_string());
         args.push(group.counters.len().to_string());
         for counter in &group.counters {
             keys.push(&counter.current_key);
@@ -909,16 +924,21 @@ mod tests {
         assert_eq!(
             keys,
             vec![
-                "fg:{0}:seen:0123456789abcdef",
+                "fg:{0}:seen:600000:0",
+                "fg:{0}:seen:600000:0",
                 "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0",
-                "fg:{1}:seen:0123456789abcdef",
+                "fg:{1}:seen:600000:0",
+                "fg:{1}:seen:600000:0",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:6",
             ]
         );
         assert_eq!(
             args,
-            vec!["2", "5", "600000", "1", "0", "0", "62000", "0", "5", "600000", "1", "3", "2", "69000", "1"]
+            vec![
+                "2", "5", "0123456789abcdef", "1200000", "1", "0", "0", "62000", "0",
+                "5", "0123456789abcdef", "1200000", "1", "3", "2", "69000", "1"
+            ]
         );
     }
 

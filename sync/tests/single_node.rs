@@ -30,6 +30,30 @@ fn present() -> u64 {
     now_ms() / 1000
 }
 
+/// The dedup period of windows up to 5 min (`fg:{s}:seen:600000:<generation>`).
+const PERIOD: u64 = 600_000;
+
+/// The dedup hashes of `shard`, sorted (generations of every period).
+fn seen_hashes(redis: &Redis, shard: u32) -> Vec<String> {
+    let prefix = format!("fg:{{{shard}}}:seen:");
+    redis.keys().into_iter().filter(|k| k.starts_with(&prefix)).collect()
+}
+
+/// The last seq `shard` keeps of `proxy`: in the newest generation that has it.
+fn last_seq(redis: &Redis, shard: u32, proxy: &str) -> Option<u64> {
+    let mut hashes = seen_hashes(redis, shard);
+    hashes.sort_by_key(|k| k.rsplit(':').next().and_then(|g| g.parse::<u64>().ok()));
+    hashes.iter().rev().find_map(|hash| {
+        redis::cmd("HGET").arg(hash).arg(proxy).query::<Option<u64>>(&mut redis.conn()).unwrap()
+    })
+}
+
+/// Writes `seq` as `proxy`'s last in `shard`, `back` generations of 10 min before the current.
+fn set_seq(redis: &Redis, shard: u32, proxy: &str, seq: &str, back: u64) {
+    let hash = format!("fg:{{{shard}}}:seen:{PERIOD}:{}", now_ms() / PERIOD - back);
+    let _: () = redis::cmd("HSET").arg(&hash).arg(proxy).arg(seq).query(&mut redis.conn()).unwrap();
+}
+
 fn single() -> (Redis, Sync) {
     let redis = Redis::start(free_ports(1, false)[0], false);
     let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "500ms"]);
@@ -81,28 +105,34 @@ fn totals_come_in_request_order_and_sum_across_proxies() {
         ),
     );
     assert_eq!(read.totals(), vec![(0, 0), (2, 0), (12, 1), (0, 12)]);
-    // Only counters with a delta exist (C and D were never written), plus one dedup key per
-    // proxy and shard.
+    // Only counters with a delta exist (C and D were never written), plus a dedup hash per shard
+    // of the present (two if the test straddled the start of a generation).
     let mut expected = vec![
         format!("fg:{{1}}:{A}:1000:{}", t + 10),
         format!("fg:{{1}}:{A}:1000:{}", t + 11),
-        format!("fg:{{1}}:seen:{P1}"),
-        format!("fg:{{1}}:seen:{P2}"),
-        format!("fg:{{15}}:seen:{P1}"),
         format!("fg:{{2}}:{B}:60000:{m}"),
-        format!("fg:{{2}}:seen:{P1}"),
-        format!("fg:{{3}}:seen:{P1}"),
     ];
     expected.sort();
     // Besides, the HyperLogLogs of the proxies per second (the fleet size).
-    let (fleet, keys): (Vec<String>, Vec<String>) = redis.keys().into_iter().partition(|k| k.starts_with("fg:{fleet}:"));
+    let (fleet, rest): (Vec<String>, Vec<String>) = redis.keys().into_iter().partition(|k| k.starts_with("fg:{fleet}:"));
+    let (dedup, keys): (Vec<String>, Vec<String>) = rest.into_iter().partition(|k| k.contains(":seen:"));
     assert_eq!(keys, expected);
     assert!(!fleet.is_empty() && fleet.len() <= 3, "{fleet:?}");
-    assert_eq!(redis.get(&format!("fg:{{1}}:seen:{P1}")), Some(2));
+    // (Shard 3's part holds bucket 0 alone: its generation ended long ago, and its hash with it.)
+    assert_eq!(seen_hashes(&redis, 3), Vec::<String>::new());
+    for shard in [1, 2, 15] {
+        let hashes = seen_hashes(&redis, shard);
+        assert!((1..=2).contains(&hashes.len()), "{hashes:?}");
+        assert!(hashes.iter().all(|h| h.starts_with(&format!("fg:{{{shard}}}:seen:{PERIOD}:"))), "{hashes:?}");
+    }
+    assert!(dedup.len() <= 8, "{dedup:?}");
+    assert_eq!(last_seq(&redis, 1, P1), Some(2));
+    assert_eq!(last_seq(&redis, 1, P2), Some(1));
+    assert_eq!(last_seq(&redis, 2, P2), None);
     // An empty batch is fine and touches no counter.
     let empty = post(sync.port, &batch(P1, 3, &[]));
     assert_eq!(empty.totals(), vec![]);
-    assert_eq!(redis.get(&format!("fg:{{1}}:seen:{P1}")), Some(2));
+    assert_eq!(last_seq(&redis, 1, P1), Some(2));
 }
 
 /// Every sync answer gives the fleet size: the distinct proxies that sent a batch in the last 3
@@ -180,6 +210,49 @@ fn a_retried_batch_counts_once_and_an_older_seq_only_reads() {
     );
 }
 
+/// A shard keeps each proxy's last seq in a hash per generation of 10 minutes, read in the current
+/// generation and then the previous one: a retry is found in either, an older seq only reads, and
+/// a seq two generations back (its hash expired by then) is forgotten.
+#[test]
+fn a_shards_dedup_hash_keeps_each_proxys_last_seq_for_one_to_two_periods() {
+    let t = present();
+    let (redis, sync) = single();
+    // Proxy 1's seq 7 was applied in the previous generation: a retry of it only reads, an
+    // older one too, the next is applied and goes into the current generation.
+    set_seq(&redis, 1, P1, "7", 1);
+    assert_eq!(post(sync.port, &batch(P1, 7, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 0)]);
+    assert_eq!(post(sync.port, &batch(P1, 6, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 0)]);
+    assert_eq!(post(sync.port, &batch(P1, 8, &[(A, 1000, t + 5, 3)])).totals(), vec![(0, 3)]);
+    let current = format!("fg:{{1}}:seen:{PERIOD}:{}", now_ms() / PERIOD);
+    let held: Option<u64> = redis::cmd("HGET").arg(&current).arg(P1).query(&mut redis.conn()).unwrap();
+    if held.is_some() {
+        // (Unless the generation turned between the batch and this read.)
+        assert_eq!(held, Some(8));
+    }
+    assert_eq!(last_seq(&redis, 1, P1), Some(8));
+    // The same batch again counts nothing.
+    assert_eq!(post(sync.port, &batch(P1, 8, &[(A, 1000, t + 5, 3)])).totals(), vec![(0, 3)]);
+    // Proxy 2's seq 50, two generations back, is past the dedup's life: a lower seq is
+    // applied (that hash would have expired; it is not read).
+    set_seq(&redis, 1, P2, "50", 2);
+    assert_eq!(post(sync.port, &batch(P2, 40, &[(A, 1000, t + 5, 1)])).totals(), vec![(0, 4)]);
+    assert_eq!(last_seq(&redis, 1, P2), Some(40));
+    // One hash per shard and generation, whatever the number of proxies; it expires at the end
+    // of the next generation.
+    for n in 0..30u64 {
+        let proxy = format!("{:016x}", n + 100);
+        assert_eq!(post(sync.port, &batch(&proxy, 1, &[(A, 1000, t + 5, 1)])).status, 200);
+    }
+    assert_eq!(redis.get(&format!("fg:{{1}}:{A}:1000:{}", t + 5)), Some(34));
+    let generation = now_ms() / PERIOD;
+    let hash = format!("fg:{{1}}:seen:{PERIOD}:{generation}");
+    let fields: u64 = redis::cmd("HLEN").arg(&hash).query(&mut redis.conn()).unwrap();
+    if fields > 0 {
+        assert_eq!(redis.pexpiretime(&hash), ((generation + 2) * PERIOD) as i64);
+    }
+    assert!(seen_hashes(&redis, 1).len() <= 4, "{:?}", seen_hashes(&redis, 1));
+}
+
 #[test]
 fn refunds_give_back_once_never_below_zero_and_create_nothing() {
     let t = present();
@@ -227,13 +300,13 @@ fn a_batch_applied_in_some_shards_completes_in_the_others_only() {
     // did not. The retry must add shard 2's deltas only.
     let (redis, sync) = single();
     redis.set(&format!("fg:{{1}}:{A}:1000:{}", t + 5), "10");
-    redis.set(&format!("fg:{{1}}:seen:{P1}"), "7");
+    set_seq(&redis, 1, P1, "7", 0);
     let retry = batch(P1, 7, &[(A, 1000, t + 5, 10), (B, 1000, t + 5, 20)]);
     assert_eq!(post(sync.port, &retry).totals(), vec![(0, 10), (0, 20)]);
     assert_eq!(post(sync.port, &retry).totals(), vec![(0, 10), (0, 20)]);
     // seq comparisons are exact for every u64, not as doubles: 2^64-1 > 2^64-2.
     let big = u64::MAX;
-    redis.set(&format!("fg:{{1}}:seen:{P1}"), &(big - 1).to_string());
+    set_seq(&redis, 1, P1, &(big - 1).to_string(), 0);
     assert_eq!(
         post(sync.port, &batch(P1, big, &[(A, 1000, t + 5, 1)])).totals(),
         vec![(0, 11)]
@@ -242,7 +315,7 @@ fn a_batch_applied_in_some_shards_completes_in_the_others_only() {
         post(sync.port, &batch(P1, big, &[(A, 1000, t + 5, 1)])).totals(),
         vec![(0, 11)]
     );
-    assert_eq!(redis.get(&format!("fg:{{1}}:seen:{P1}")), Some(big));
+    assert_eq!(last_seq(&redis, 1, P1), Some(big));
 }
 
 #[test]
@@ -261,14 +334,18 @@ fn counters_and_dedup_keys_expire_as_specified() {
     let a2 = format!("fg:{{1}}:{A}:{w2}:{b2}");
     assert_eq!(redis.pexpiretime(&a1), ((b1 + 2) * w1 + 60_000) as i64);
     assert_eq!(redis.pexpiretime(&a2), ((b2 + 2) * w2 + 60_000) as i64);
-    // Dedup keys: PX max(2 * the longest window of the shard's counters, 600000).
-    let seen1 = redis.pttl(&format!("fg:{{1}}:seen:{P1}"));
-    assert!(
-        (2 * w2 as i64 - 10_000..=2 * w2 as i64).contains(&seen1),
-        "{seen1}"
-    );
-    let seen2 = redis.pttl(&format!("fg:{{2}}:seen:{P1}"));
-    assert!((590_000..=600_000).contains(&seen2), "{seen2}");
+    // Dedup hashes: the period covers max(2 * the longest window of the shard's counters,
+    // 600000) (10 min × 2^k: 9 600 000 for an hour); the generation is the one of the part's
+    // latest bucket start, and its hash expires at the end of the next generation, so a seq
+    // lives one to two periods past its counters' time.
+    for (shard, period, latest) in [(1u32, 9_600_000u64, (b1 * w1).max(b2 * w2)), (2, PERIOD, b1 * w1)] {
+        let hashes = seen_hashes(&redis, shard);
+        let [hash] = hashes.as_slice() else { panic!("{hashes:?}") };
+        let generation = latest / period;
+        assert_eq!(hash, &format!("fg:{{{shard}}}:seen:{period}:{generation}"));
+        assert_eq!(redis.pexpiretime(hash), ((generation + 2) * period) as i64, "{hash}");
+        assert!(redis.pttl(hash) >= period as i64 - 3_600_000 - 10_000, "{hash}");
+    }
     // A read (delta 0) of an existing counter leaves its expiry alone; an increment sets it to
     // the same instant again.
     post(sync.port, &batch(P1, 2, &[(A, w1, b1, 0), (A, w1, b1, 2)])).totals();
@@ -894,4 +971,13 @@ fn batches_arriving_together_merge_into_fewer_calls_and_count_exactly_once() {
     let parts: u64 = (0..40u32).map(|n| if n % 16 == 1 { 1 } else { 2 }).sum();
     assert_eq!((applied, read), (25 * parts, parts));
     assert!(calls < applied + read, "merged: {calls} calls for {} parts", applied + read);
+    // The dedup: the shard of A keeps every proxy's last seq in one hash (or two, in two
+    // generations), and its commands come per call and shard, not per part.
+    assert!(seen_hashes(&redis, 1).len() <= 2, "{:?}", seen_hashes(&redis, 1));
+    for n in 0..40u64 {
+        assert_eq!(last_seq(&redis, 1, &format!("{:016x}", n + 1)), Some(25));
+    }
+    let (hmget, hset) = (redis.command_calls("hmget"), redis.command_calls("hset"));
+    eprintln!("dedup: {hmget} HMGET and {hset} HSET for {} parts", applied + read);
+    assert!(hset < applied, "{hset} HSET for {applied} parts applied");
 }

@@ -411,6 +411,19 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
         ]);
     }
     println!("### Store cost and waits\n\n{}\n", t.render());
+    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "Redis commands /1k by command (those inside scripts included)"]);
+    for r in results {
+        let mut named: Vec<(&String, &u64)> = r.spent.by_name.iter().collect();
+        named.sort_by(|a, b| b.1.cmp(a.1));
+        t.row(vec![
+            r.proxies.to_string(),
+            r.consistency.clone(),
+            r.mix.kind.name().into(),
+            r.event.name().into(),
+            named.iter().map(|(name, calls)| format!("{name} {}", per_k(**calls as f64, r.requests))).collect::<Vec<_>>().join(", "),
+        ]);
+    }
+    println!("### Redis commands by name\n\n{}\n", t.render());
     let notes: Vec<String> = results
         .iter()
         .filter(|r| !r.event_note.is_empty() || r.abandoned > 0)

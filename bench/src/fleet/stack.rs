@@ -4,6 +4,7 @@
 
 use crate::envoy::cpu_ns_of;
 use crate::services::{RedisCluster, Sync};
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
@@ -26,6 +27,8 @@ pub struct Snapshot {
     /// Per node: commands executed (`INFO commandstats`, `INFO`/`PING` left out), bytes in and
     /// out (`INFO stats`), and whether it was a master.
     nodes: Vec<(u64, u64, bool)>,
+    /// Per node: calls per command (`INFO commandstats`).
+    by_name: Vec<BTreeMap<String, u64>>,
     /// CPU time of every Redis node, ns, by pid.
     redis_cpu_ns: Vec<(u32, u64)>,
     /// CPU time of the `floodgate-sync` replicas, ns, by pid.
@@ -38,10 +41,12 @@ pub struct Snapshot {
 }
 
 /// What the store did between two snapshots.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Spent {
     /// Redis commands on the masters.
     pub commands: u64,
+    /// The same per command (`evalsha`, `get`, ...), those inside scripts included.
+    pub by_name: BTreeMap<String, u64>,
     /// Redis bytes in and out on the masters.
     pub bytes: u64,
     /// CPU of the Redis nodes, ns.
@@ -86,8 +91,10 @@ impl Stack {
                 (commands, bytes, masters.contains(&i))
             })
             .collect();
+        let by_name = self.cluster.nodes.iter().map(|n| n.command("INFO commandstats").map(|info| calls_by_name(&info)).unwrap_or_default()).collect();
         Snapshot {
             nodes,
+            by_name,
             redis_cpu_ns: self.cluster.nodes.iter().filter_map(|n| n.pid()).map(|p| (p, cpu_ns_of(p))).collect(),
             sync_cpu_ns: self.syncs.iter().map(|s| s.pid()).filter(|&p| p > 0).map(|p| (p, cpu_ns_of(p))).collect(),
             tool_cpu_ns: cpu_ns_of(std::process::id()),
@@ -135,13 +142,35 @@ pub fn spent(before: &Snapshot, after: &Snapshot) -> Spent {
         s.sync_batches += a.0.saturating_sub(b.0);
         s.sync_leases += a.1.saturating_sub(b.1);
     }
-    for (b, a) in before.nodes.iter().zip(&after.nodes) {
+    for (i, (b, a)) in before.nodes.iter().zip(&after.nodes).enumerate() {
         if (b.2 || a.2) && a.0 >= b.0 {
             s.commands += a.0 - b.0;
             s.bytes += a.1.saturating_sub(b.1);
+            let empty = BTreeMap::new();
+            let (nb, na) = (before.by_name.get(i).unwrap_or(&empty), after.by_name.get(i).unwrap_or(&empty));
+            for (name, calls) in na {
+                let since = calls.saturating_sub(nb.get(name).copied().unwrap_or(0));
+                if since > 0 {
+                    *s.by_name.entry(name.clone()).or_default() += since;
+                }
+            }
         }
     }
     s
+}
+
+/// Calls per command of an `INFO commandstats` answer (`INFO` and `PING` left out).
+fn calls_by_name(info: &str) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for line in info.lines() {
+        let Some((name, fields)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':')) else { continue };
+        if name == "info" || name == "ping" {
+            continue;
+        }
+        let calls = fields.split(',').find_map(|f| f.strip_prefix("calls=")).and_then(|c| c.trim().parse().ok()).unwrap_or(0);
+        out.insert(name.to_owned(), calls);
+    }
+    out
 }
 
 /// The CPU time the processes of `after` used since `before` (a process started meanwhile: all

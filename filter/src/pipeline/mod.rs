@@ -1569,12 +1569,18 @@ impl Stream {
             let mut node = node.borrow_mut();
             for probe in &probes {
                 // Units the store granted to an ask are counted there already.
-                let granted = self.asking.as_ref().is_some_and(|a| a.outcome(probe.rule, probe.key_hash) == Some(crate::fleet::batched::ask::Asked::Granted));
+                let asked = self.asking.as_ref().and_then(|a| a.outcome(probe.rule, probe.key_hash));
+                let granted = asked == Some(crate::fleet::batched::ask::Asked::Granted);
                 if granted && !admitted {
                     let back = scope.refund(&mut node, probe, probe.cost, now, now);
                     stats::add_count(env.metrics, filter.stats.global.dropped, back);
                 }
                 let cost = if admitted && !granted { probe.cost } else { 0 };
+                // An answered ask has just read the key's totals into the view and counted the
+                // request there (`GlobalScope::learn`): no read of it goes in the next batch.
+                if cost == 0 && matches!(asked, Some(crate::fleet::batched::ask::Asked::Granted | crate::fleet::batched::ask::Asked::Refused)) {
+                    continue;
+                }
                 let dropped = scope.count(&mut node, std::slice::from_ref(probe), now, cost, 1);
                 stats::add_count(env.metrics, filter.stats.global.dropped, dropped);
             }

@@ -13,7 +13,8 @@
 //! `exact`, that takes the units `at_once` (no lease is kept), granted whole while the sliding
 //! window has room for them, else not at all. The answer
 //! teaches the proxy the key's counts ([`GlobalScope::learn`]), and an admitted unit is then in
-//! the store already: it is never sent in a batch.
+//! the store already: it is never sent in a batch, nor is a read of the key (the answer gave its
+//! totals).
 //!
 //! Invariants: a hot key's requests never ask (its view holds it and its projection admits, or
 //! its counts as synced are within 1 % of the limit); a request asks at most once; a refused
