@@ -2,6 +2,7 @@
 //! one run measured on either side ([`Side`]), how they agree ([`agreement`]), and the
 //! side-by-side table. Pure.
 
+use super::per_k;
 use super::tally::Summary;
 use crate::table::{count, Table};
 use std::collections::BTreeMap;
@@ -123,20 +124,6 @@ pub struct Pair {
     pub tool_main: Option<Side>,
 }
 
-/// Per 1 000 requests.
-fn per_k(x: u64, requests: u64) -> String {
-    if requests == 0 {
-        return "-".into();
-    }
-    let v = x as f64 * 1000.0 / requests as f64;
-    if v >= 100.0 {
-        format!("{v:.0}")
-    } else if v >= 10.0 {
-        format!("{v:.1}")
-    } else {
-        format!("{v:.2}")
-    }
-}
 
 /// The side-by-side table: two rows per configuration.
 pub fn table(pairs: &[Pair]) -> String {
@@ -174,10 +161,10 @@ pub fn table(pairs: &[Pair]) -> String {
                 format!("{:.3}, {:.3}, {:.3}", s.fullest[0], s.fullest[1], s.fullest[2]),
                 format!("{} of {} ({})", s.windows_over, side.windows.len(), s.largest_over),
                 format!("{} ({})", count(side.refused), count(side.other)),
-                format!("{}, {}", per_k(side.sync_batches, side.requests), per_k(side.sync_leases, side.requests)),
-                format!("{}, {}, {}", per_k(side.module[0], side.requests), per_k(side.module[1], side.requests), per_k(side.module[2], side.requests)),
+                format!("{}, {}", per_k(side.sync_batches as f64, side.requests), per_k(side.sync_leases as f64, side.requests)),
+                format!("{}, {}, {}", per_k(side.module[0] as f64, side.requests), per_k(side.module[1] as f64, side.requests), per_k(side.module[2] as f64, side.requests)),
                 format!("{}; {}", count(side.waited), count(side.without_store)),
-                per_k(side.redis_commands, side.requests),
+                per_k(side.redis_commands as f64, side.requests),
                 format!("{:.0}", side.lateness_ms),
                 if simulated { format!("**{:.4}**{}", a.ratio, if a.within { String::new() } else { format!(" (outside ±{BOUND_PERCENT} %)") }) } else { String::new() },
                 if simulated { format!("{} of {}; {:+} (key {}, window {}); {:.2} %", a.differing, a.windows, a.largest.0, a.largest.1, a.largest.2, a.moved * 100.0) } else { String::new() },

@@ -341,7 +341,7 @@ fn holders_of(sync: std::net::SocketAddr, key: &str, window_ms: u64) -> Option<u
 }
 
 /// Per 1 000 requests.
-fn per_k(x: f64, requests: u64) -> String {
+pub(super) fn per_k(x: f64, requests: u64) -> String {
     if requests == 0 {
         return "-".into();
     }
