@@ -14,7 +14,7 @@
 //! build of the filter, side by side with this one).
 
 use crate::envoy::{cpu_ns_of, http_get, SYNC_CLUSTER};
-use crate::global::{fit_in_window, paced, run_id, Fleet, Sent};
+use crate::fleet_harness::{fit_in_window, paced, run_id, Fleet, Sent};
 use crate::load;
 use crate::services::{Redis, Sync};
 use crate::table::{count, median, range, Table};
@@ -247,7 +247,7 @@ pub async fn modes(s: &Settings, redis: &Redis, sync: &Sync, upstream: SocketAdd
          round on a fresh fleet, in an order rotated from round to round; medians over the rounds. Store calls: HTTP calls to floodgate-sync \
          (batches and lease calls); latency: admitted requests, from when each was due; CPU: the three Envoys' CPU time (all pinned to core 0) \
          over the requests sent, and over proxy scope's in the same round. Proxy scope admits the hot key's limit on each proxy (3 × the limit).\n",
-        crate::global::PROXIES,
+        crate::fleet_harness::PROXIES,
         s.rounds.max(1)
     );
     println!("{}\n", t.render());

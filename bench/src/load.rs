@@ -5,7 +5,7 @@
 //! The load generator is closed-loop: a fixed number of keep-alive connections, each sending
 //! its next request as soon as the previous response is complete (for gRPC: one unary call at a
 //! time per HTTP/2 connection, as in the HTTP/1.1 runs). [`Conn`] is one HTTP/1.1 connection,
-//! for generators that pace their requests instead (`global.rs`).
+//! for generators that pace their requests instead (`fleet_harness.rs`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;

@@ -11,6 +11,7 @@ mod cpu;
 mod envoy;
 mod flood;
 mod fleet;
+mod fleet_harness;
 mod global;
 mod idle;
 mod instructions;

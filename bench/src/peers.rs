@@ -19,7 +19,7 @@
 //! rotated, and the ratios to floodgate batched taken within a round.
 
 use crate::envoy::{cpu_ns_of, machine_busy_ns, LIMITADOR_CLUSTER};
-use crate::global::{fleet_spec, Fleet, Sent, PROXIES};
+use crate::fleet_harness::{fleet_spec, Fleet, Sent, PROXIES};
 use crate::leased::{latency_ms, shared_traffic, Mode, Traffic};
 use crate::services::{free_port, Limitador, LimitadorStorage, Redis, RedisCounts, Sync};
 use crate::table::{count, median, range, Table};

@@ -11,7 +11,7 @@ use super::sim::KEY_HEADER;
 use super::stack::{spent, Stack};
 use super::tally::Tally;
 use crate::envoy::{Filter, Route, Spec, SYNC_CLUSTER};
-use crate::global::{paced_routed, Fleet};
+use crate::fleet_harness::{paced_routed, Fleet};
 use crate::{load, Settings};
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
