@@ -1,10 +1,11 @@
 //! Measurement 4: every worker hammering one key. CPU per request against the same load
 //! spread over many keys (and against no filter), and whether the admitted count is exact.
 
-use crate::cpu::{key_requests, measure, rule, KEYS};
+use crate::cpu::{key_requests, measure, KEYS};
 use crate::envoy::{Envoy, Filter, Route, Spec};
 use crate::load::{self, Load, Requests};
 use crate::table::{count, median, Table};
+use crate::variant::rule;
 use crate::{progress, Settings};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -6,6 +6,7 @@
 use crate::envoy::{Envoy, Filter, KernelCounts, Route, Spec};
 use crate::load::{self, Load, Requests};
 use crate::table::{median, range, Table};
+use crate::variant::{rule, Variant, NAIVE_RULE};
 use crate::{progress, Selection, Settings};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -15,16 +16,6 @@ use std::time::Duration;
 pub const KEYS: usize = 1000;
 /// The route header of cluster selection.
 pub const ROUTE_HEADER: &str = "x-floodgate-cluster";
-
-/// One rule, per `x-api-key`, with a limit no benchmark reaches: every request is admitted,
-/// so what is measured is the common path (read, decide, count).
-pub fn rule(name: &str) -> String {
-    format!(r#"{{"name": "{name}", "key": [{{"header": "x-api-key"}}], "limit": 1000000000, "window": "1m"}}"#)
-}
-
-/// The naive module's configuration for the same rule as [`rule`]: its key is `x-api-key`
-/// (fixed in the module), a limit no benchmark reaches, a 1 min fixed window.
-pub const NAIVE_RULE: &str = "limit=1000000000,window_ms=60000";
 
 /// floodgate's "everything on" configuration.
 pub fn everything_config(selection: bool) -> String {
@@ -37,19 +28,6 @@ pub fn everything_config(selection: bool) -> String {
         r#"{{"rate_limits": [{}], "load_shedding": {{"max_active_requests": 100000}}, "health": {{"path": "/floodgate/health"}}{selection}}}"#,
         rule("per-key")
     )
-}
-
-/// A variant of the comparison.
-#[derive(Clone, Debug)]
-pub struct Variant {
-    /// Short id.
-    pub id: &'static str,
-    /// What it is.
-    pub label: String,
-    /// Filter chain.
-    pub filter: Filter,
-    /// Route.
-    pub route: Route,
 }
 
 fn wasm(module: &std::path::Path, config: impl Into<String>) -> Filter {

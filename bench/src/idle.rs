@@ -3,10 +3,11 @@
 //! its timers cost: the module's heartbeat (every second), the loop-lag probe (every
 //! `lag_probe_interval`), and Envoy's own.
 
-use crate::cpu::{self, Variant};
+use crate::cpu;
 use crate::envoy::{cpu_ns_of, Filter, Route, Spec};
 use crate::load;
 use crate::table::{median, Table};
+use crate::variant::Variant;
 use crate::{progress, Settings};
 use std::time::Duration;
 

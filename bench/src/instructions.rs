@@ -5,10 +5,11 @@
 //! CPU time on a noisy machine cannot. It leaves out the kernel (syscalls, scheduling), which is
 //! the same for every variant: the ratios are therefore larger than the CPU-time ratios.
 
-use crate::cpu::{self, Variant, CALLS};
+use crate::cpu::{self, CALLS};
 use crate::envoy::{Envoy, Filter};
 use crate::load::{self, Load};
 use crate::table::{count, Table};
+use crate::variant::Variant;
 use crate::{progress, Settings};
 use std::process::Command;
 use std::time::Duration;

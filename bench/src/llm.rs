@@ -22,10 +22,10 @@
 //! and `llm-plain`: `floodgate-llm.wasm` with `fg-rl`'s rule on `fg-rl`'s traffic (`GET /`, 12
 //! bytes).
 
-use crate::cpu::{self, Variant};
 use crate::envoy::{Filter, Route};
 use crate::load::{self, UpstreamCount};
 use crate::table::{count, Table};
+use crate::variant::{self, Variant};
 use crate::Settings;
 use bytes::Bytes;
 use std::collections::HashMap;
@@ -97,7 +97,7 @@ pub fn token_config() -> String {
 
 /// The LLM variants (see the module's documentation).
 pub fn variants(s: &Settings) -> Vec<Variant> {
-    let plain = format!(r#"{{"rate_limits": [{}]}}"#, cpu::rule("per-key"));
+    let plain = format!(r#"{{"rate_limits": [{}]}}"#, variant::rule("per-key"));
     let fg = || Filter::Wasm { module: s.floodgate_wasm.clone(), config: plain.clone() };
     let llm = |config: String| Filter::Wasm { module: s.llm_wasm.clone(), config };
     let mut v = vec![Variant {

@@ -22,6 +22,7 @@ mod memory;
 mod peers;
 mod services;
 mod table;
+mod variant;
 
 use std::path::PathBuf;
 use std::time::Instant;

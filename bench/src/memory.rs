@@ -33,7 +33,7 @@ pub async fn run(s: &Settings) {
                 ),
             },
         ),
-        ("naive: one shared-data entry per key".into(), Filter::Wasm { module: s.naive_wasm.clone(), config: crate::cpu::NAIVE_RULE.into() }),
+        ("naive: one shared-data entry per key".into(), Filter::Wasm { module: s.naive_wasm.clone(), config: crate::variant::NAIVE_RULE.into() }),
         ("no-op wasm filter (reference)".into(), Filter::Wasm { module: s.noop_wasm.clone(), config: String::new() }),
     ];
     // The no-op reference (what Envoy with a wasm filter does by itself with many distinct header
