@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of floodgate: a check that no tracked text speaks of development history
-# (scripts/history-check.sh), lints, the filter's and the CLI's unit tests, floodgate-sync's
+# (scripts/history-check.sh), a check that no two modules of a crate import each other, directly or
+# through others (scripts/import-cycles.sh), lints, the filter's and the CLI's unit tests, floodgate-sync's
 # tests against real redis-server processes (a single node and a local Redis Cluster), and the
 # integration tests that load the built Wasm module into a real Envoy (127.0.0.1 only), with real
 # gRPC servers and clients (grpcio) and h2load for the gRPC ones, the official openai and
@@ -13,7 +14,7 @@
 # product (integration/tests/docs.rs: the README's length, links and anchors, blocks that show
 # shipped files, every metric and default of the reference); last, the release artifacts
 # (scripts/release.sh) and the release's own `floodgate validate`.
-# First (after the history check), scripts/preflight.sh names everything this machine lacks that
+# First (after those two checks), scripts/preflight.sh names everything this machine lacks that
 # no script installs (Rust with rustup, a C/C++ compiler, Python 3 with venv, curl, Docker with
 # Compose, apt-get with root or sudo unless Redis, h2load and Prometheus are installed) and stops
 # before building anything.
@@ -57,6 +58,10 @@ trap step_summary EXIT
 step "history check: no development history in the tracked text files (scripts/history-check.sh)"
 scripts/history-check.sh --self-test | tail -n1
 scripts/history-check.sh
+
+step "import cycles: no module of a crate imports itself through others (scripts/import-cycles.sh)"
+scripts/import-cycles.sh --self-test | tail -n1
+scripts/import-cycles.sh
 
 step "preflight: what this machine needs (scripts/preflight.sh test)"
 scripts/preflight.sh test

@@ -13,13 +13,47 @@
 #     root itself (the root is every module's parent, so these are tree edges); `self::` and
 #     `super::` paths (they stay inside one top-level module, or name the root's own items);
 #     anything in a comment, so doc links do not count.
+#   * Not looked for: circles among the files of one folder module (src/x/a.rs and src/x/b.rs), and
+#     names a module re-exports from its own sub-modules.
 # A circle of edges (x -> y -> x, or longer) fails the check: `tsort` finds it, and the script prints
 # the modules in the circle and every import between them, as `path:line`.
 #
-#   scripts/import-cycles.sh          check the workspace this script is in; exits 1 on a circle
-#   scripts/import-cycles.sh --edges  print every edge, as "crate: from -> to  path:line"
+#   scripts/import-cycles.sh              check the workspace this script is in; exits 1 on a circle
+#   scripts/import-cycles.sh DIR          check the workspace at DIR
+#   scripts/import-cycles.sh --edges      print every edge, as "crate: from -> to  path:line"
+#   scripts/import-cycles.sh --self-test  plant a circle (one edge of each kind) in a scratch
+#                                         workspace, check it is caught, then that it passes
+#                                         once one edge is gone
 set -euo pipefail
-cd "$(dirname "$0")/.."
+
+self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+mode=check
+case ${1:-} in
+  --edges) mode=edges; shift ;;
+  --self-test)
+    tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+    mkdir -p "$tmp/a/src/y" "$tmp/b/src"
+    printf '[workspace]\nmembers = ["a", "b"]\n' >"$tmp/Cargo.toml"
+    printf 'mod x;\nmod y;\nmod z;\npub use x::*;\n' >"$tmp/a/src/lib.rs"
+    printf 'pub const H: u8 = 1;\n// crate::z::k is only a comment\npub fn g() { crate::y::f() }\n' >"$tmp/a/src/x.rs"
+    printf 'use crate::{\n    z::k,\n};\npub fn f() { k() }\n' >"$tmp/a/src/y/mod.rs"
+    printf 'pub fn k() -> u8 { crate::H }\n' >"$tmp/a/src/z.rs"
+    printf 'mod p;\nmod q;\n' >"$tmp/b/src/main.rs"
+    printf 'use crate::q::r;\n' >"$tmp/b/src/p.rs"
+    printf 'pub fn r() {}\n' >"$tmp/b/src/q.rs"
+    out=$("$self" "$tmp" 2>&1) && { echo "import-cycles self-test: the circle x -> y -> z -> x was not caught" >&2; exit 1; }
+    want="import-cycles: a: modules import each other in a circle: x y z
+  x -> y  a/src/x.rs:3
+  y -> z  a/src/y/mod.rs:1
+  z -> x  a/src/z.rs:1"
+    [[ "$out" == "$want" ]] || { printf 'import-cycles self-test: expected\n%s\ngot\n%s\n' "$want" "$out" >&2; exit 1; }
+    sed -i 's/crate::H/1/' "$tmp/a/src/z.rs"
+    out=$("$self" "$tmp" 2>&1) || { printf 'import-cycles self-test: no circle left, yet\n%s\n' "$out" >&2; exit 1; }
+    echo "import-cycles self-test: the planted circle was caught, and its absence passed"
+    exit 0
+    ;;
+esac
+cd "${1:-$(dirname "$self")/..}"
 
 members=$(sed -n 's/^members *= *\[\(.*\)\]/\1/p' Cargo.toml | tr -d '",')
 [[ -n "$members" ]] || { echo "import-cycles: no workspace members in Cargo.toml" >&2; exit 2; }
@@ -108,7 +142,7 @@ for crate in $members; do
   [[ -d "$crate/src" ]] || continue
   edges=$(edges_of "$crate/src")
   [[ -n "$edges" ]] || continue
-  if [[ "${1:-}" == --edges ]]; then
+  if [[ $mode == edges ]]; then
     awk -v crate="$crate" '{ printf "%s: %s -> %s  %s/src/%s\n", crate, $1, $2, crate, $3 }' <<<"$edges"
     continue
   fi
@@ -120,6 +154,6 @@ for crate in $members; do
     awk -v set=" ${circle[*]} " 'index(set, " " $1 " ") && index(set, " " $2 " ") { printf "  %s -> %s  %s/src/%s\n", $1, $2, crate, $3 }' crate="$crate" <<<"$edges" | sort -u -V
   done < <(awk '/input contains a loop/ { if (c != "") print c; c = ""; next } { sub(/^tsort: /, ""); c = c (c == "" ? "" : " ") $0 } END { if (c != "") print c }' <<<"$loops")
 done
-[[ "${1:-}" == --edges ]] && exit 0
+[[ $mode == edges ]] && exit 0
 ((status == 0)) && echo "import-cycles: no module imports itself through others ($members)"
 exit "$status"
