@@ -112,7 +112,19 @@ pub struct EnvoyContext {
     /// Every `cluster_header` of the file's inline routes; `None` when the file has no inline
     /// route configuration (routes from RDS).
     pub cluster_headers: Option<Vec<String>>,
+    /// The smallest `request_body_buffer_limit` of the file's inline routes, 0 when a route
+    /// sets none; `None` when the file has no inline route.
+    pub body_buffer_limit: Option<u64>,
+    /// The largest `per_connection_buffer_limit_bytes` of the file's listeners (Envoy's default,
+    /// 1 MiB, for a listener without one): how much Envoy reads from a client at once.
+    pub read_limit: u64,
 }
+
+/// Envoy's default `per_connection_buffer_limit_bytes`.
+const ENVOY_BUFFER_LIMIT: u64 = 1 << 20;
+
+/// Room for one more frame in a stream's buffer, beyond the estimate's bound and one read.
+const FRAME_BYTES: u64 = 64 << 10;
 
 /// A configuration that parsed, with remarks about how it fits its Envoy configuration.
 #[derive(Debug)]
@@ -197,6 +209,40 @@ pub fn find_configurations(name: &str, contents: &[u8], options: Options) -> Res
     Ok(walker.found)
 }
 
+/// The rules that read their estimate from the request body, where the file's routes let Envoy
+/// hold less of a body than the estimate's bound plus one read from the client: Envoy answers
+/// `413` to such a request when its first bytes come alone and the rest at once.
+fn body_buffer_warnings(config: &Config, envoy: &EnvoyContext) -> Vec<String> {
+    let Some(limit) = envoy.body_buffer_limit else { return Vec::new() };
+    let mut warnings = Vec::new();
+    for (index, rule) in config.rate_limits.iter().enumerate() {
+        let Some(estimate) = rule.cost.as_ref().and_then(|cost| cost.estimate.as_ref()) else { continue };
+        if estimate.body.is_none() && estimate.sum.is_none() {
+            continue;
+        }
+        let bound = estimate.max_body_bytes.map_or(floodgate::config::DEFAULT_ESTIMATE_BODY_BYTES, |b| u64::from(b.get().get()));
+        let needed = bound.saturating_add(envoy.read_limit).saturating_add(FRAME_BYTES);
+        if limit >= needed {
+            continue;
+        }
+        let routes = if limit == 0 {
+            "a route of this file sets no request_body_buffer_limit".to_owned()
+        } else {
+            format!("a route of this file sets request_body_buffer_limit: {limit}")
+        };
+        warnings.push(format!(
+            "rate_limits[{index}] (\"{name}\"): reads its estimate from the request body (up to {bound} bytes), but \
+             {routes}: Envoy holds what it read of a body plus one read from the client (up to the listener's \
+             per_connection_buffer_limit_bytes, {read}) and answers 413 past the stream's limit, so a long body whose \
+             first bytes come alone is refused. Set request_body_buffer_limit: {needed} (or more) on the routes (Envoy \
+             1.37 and later; docs/llm.md, \"The estimate in the request body\")",
+            name = rule.name,
+            read = envoy.read_limit,
+        ));
+    }
+    warnings
+}
+
 /// Parses a configuration found by [`find_configurations`] with the module's own parser, then
 /// cross-checks it against the Envoy configuration around it.
 pub fn check(found: &Found) -> Result<Checked, String> {
@@ -234,6 +280,9 @@ pub fn check(found: &Found) -> Result<Checked, String> {
                 global.cluster
             ));
         }
+    }
+    if let Some(envoy) = &found.envoy {
+        warnings.extend(body_buffer_warnings(&config, envoy));
     }
     if let Some(manager) = &found.connection_manager {
         if !manager.use_remote_address && !manager.detection_extensions {
@@ -768,25 +817,46 @@ fn envoy_context(document: &Value) -> EnvoyContext {
                 .filter_map(|c| c.get("name").and_then(Value::as_str).map(str::to_owned))
                 .collect()
         });
-    let mut headers = Vec::new();
-    let mut inline_routes = false;
-    collect_routes(document, &mut headers, &mut inline_routes);
+    let mut routes = Routes::default();
+    collect_routes(document, &mut routes);
     EnvoyContext {
         static_clusters,
-        cluster_headers: inline_routes.then_some(headers),
+        cluster_headers: routes.inline.then_some(routes.cluster_headers),
+        body_buffer_limit: routes.body_buffer_limit,
+        read_limit: routes.read_limit.unwrap_or(ENVOY_BUFFER_LIMIT),
     }
 }
 
-fn collect_routes(value: &Value, headers: &mut Vec<String>, inline_routes: &mut bool) {
+/// What [`collect_routes`] finds in a document.
+#[derive(Default)]
+struct Routes {
+    /// Whether it holds an inline route configuration.
+    inline: bool,
+    cluster_headers: Vec<String>,
+    /// The smallest `request_body_buffer_limit` of a route (0: a route without one).
+    body_buffer_limit: Option<u64>,
+    /// The largest `per_connection_buffer_limit_bytes` of a listener (default for one without).
+    read_limit: Option<u64>,
+}
+
+fn collect_routes(value: &Value, routes: &mut Routes) {
     match value {
         Value::Object(map) => {
-            *inline_routes |= map.contains_key("virtual_hosts");
+            routes.inline |= map.contains_key("virtual_hosts");
             if let Some(header) = map.get("cluster_header").and_then(Value::as_str) {
-                headers.push(header.to_owned());
+                routes.cluster_headers.push(header.to_owned());
             }
-            map.values().for_each(|v| collect_routes(v, headers, inline_routes));
+            if map.contains_key("match") && map.contains_key("route") {
+                let limit = map.get("request_body_buffer_limit").and_then(Value::as_u64).unwrap_or(0);
+                routes.body_buffer_limit = Some(routes.body_buffer_limit.map_or(limit, |l| l.min(limit)));
+            }
+            if map.contains_key("filter_chains") {
+                let read = map.get("per_connection_buffer_limit_bytes").and_then(Value::as_u64).unwrap_or(ENVOY_BUFFER_LIMIT);
+                routes.read_limit = Some(routes.read_limit.map_or(read, |r| r.max(read)));
+            }
+            map.values().for_each(|v| collect_routes(v, routes));
         }
-        Value::Array(items) => items.iter().for_each(|v| collect_routes(v, headers, inline_routes)),
+        Value::Array(items) => items.iter().for_each(|v| collect_routes(v, routes)),
         _ => {}
     }
 }
@@ -1004,6 +1074,39 @@ static_resources:
         assert!(warnings(&format!("{listener}  clusters:\n  - name: upstream\n  - name: floodgate-sync\n")).is_empty());
         // Without static clusters (they may come from CDS) there is nothing to compare with.
         assert!(warnings(&listener).is_empty());
+    }
+
+    #[test]
+    fn a_body_estimate_without_room_for_the_body_in_the_routes_is_reported() {
+        let config = r#"{"rate_limits": [{"name": "tokens", "key": [{"header": "k"}], "limit": 1000, "window": "1m",
+            "cost": {"from": "response_body", "path": "usage.total_tokens",
+                     "estimate": {"body": ["max_tokens"], "default": 256, "max": 4096}}}]}"#;
+        let routes = |route_settings: &str| {
+            format!(
+                "route_config:\n            virtual_hosts:\n            - name: all\n              domains: [\"*\"]\n              \
+                 routes:\n              - match: {{ prefix: \"/\" }}\n                route: {{ cluster: upstream }}\n{route_settings}"
+            )
+        };
+        let warnings = |settings: &str, config: &str| check(&find("b.yaml", &edge_listener(settings, config))[0]).unwrap().warnings;
+        let missing = warnings(&routes(""), config);
+        assert_eq!(missing.len(), 1, "{missing:?}");
+        assert!(missing[0].starts_with("rate_limits[0] (\"tokens\"): reads its estimate from the request body (up to 262144 bytes), but a route of this file sets no request_body_buffer_limit"), "{}", missing[0]);
+        assert!(missing[0].contains("request_body_buffer_limit: 1376256 (or more)"), "{}", missing[0]);
+        let small = warnings(&routes("                request_body_buffer_limit: 1048576\n"), config);
+        assert!(small[0].contains("sets request_body_buffer_limit: 1048576"), "{small:?}");
+        assert!(warnings(&routes("                request_body_buffer_limit: 2097152\n"), config).is_empty());
+        // Without inline routes (RDS) or without a body estimate there is nothing to compare.
+        assert!(warnings("stat_prefix: edge", config).is_empty());
+        let header_only = config.replace(r#""body": ["max_tokens"], "#, r#""header": "x-max-tokens", "#);
+        assert!(warnings(&routes(""), &header_only).is_empty());
+    }
+
+    #[test]
+    fn the_shipped_llm_example_leaves_room_for_the_body() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../envoy/llm.yaml")).expect("envoy/llm.yaml");
+        let found = find("llm.yaml", &text);
+        assert!(found[0].envoy.as_ref().is_some_and(|e| e.body_buffer_limit == Some(2 << 20)), "{:?}", found[0].envoy);
+        assert!(check(&found[0]).unwrap().warnings.is_empty(), "{:?}", check(&found[0]).unwrap().warnings);
     }
 
     #[test]

@@ -118,6 +118,9 @@ pub struct EnvoyBuilder {
     /// The plugin's `allow_on_headers_stop_iteration` (a request paused on its headers still
     /// hands its body to the filter).
     stop_iteration: bool,
+    /// The routes' `request_body_buffer_limit`: how much of a request body Envoy holds for the
+    /// filters (default: the listener's `per_connection_buffer_limit_bytes`, 1 MiB).
+    body_buffer_limit: Option<u64>,
 }
 
 /// The file access log's name, in Envoy's working directory.
@@ -179,7 +182,16 @@ impl EnvoyBuilder {
             access_log: false,
             module: None,
             stop_iteration: false,
+            body_buffer_limit: None,
         }
+    }
+
+    /// Sets every route's `request_body_buffer_limit` (Envoy 1.40; docs/llm.md, "The estimate in
+    /// the request body"): what Envoy holds of a request body while the filter reads it, apart
+    /// from how much it reads at once.
+    pub fn request_body_buffer_limit(mut self, bytes: u64) -> EnvoyBuilder {
+        self.body_buffer_limit = Some(bytes);
+        self
     }
 
     /// Sets the plugin's `allow_on_headers_stop_iteration`: a request the filter pauses on its
@@ -289,11 +301,14 @@ impl EnvoyBuilder {
             self.upstreams.iter().map(|a| endpoint(*a)).collect()
         };
         let route = self.routing.route();
-        let routes: Vec<Value> = if self.named_routes.is_empty() {
+        let mut routes: Vec<Value> = if self.named_routes.is_empty() {
             vec![json!({"match": {"prefix": "/"}, "route": route})]
         } else {
             self.named_routes.iter().map(|(prefix, name)| json!({"name": name, "match": {"prefix": prefix}, "route": route})).collect()
         };
+        if let Some(bytes) = self.body_buffer_limit {
+            routes.iter_mut().for_each(|r| r["request_body_buffer_limit"] = json!(bytes));
+        }
         let access_log = if self.access_log { access_log() } else { json!([]) };
         let mut clusters = vec![static_cluster("upstream", endpoints)];
         clusters.extend(self.routing.clusters());

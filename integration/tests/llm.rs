@@ -34,8 +34,17 @@ fn config(extra_cost: serde_json::Value) -> Value {
 /// The LLM module in Envoy (2 workers) in front of `upstream`, the body handed to the filter
 /// while it decides.
 fn llm_envoy(config: Value, upstream: &LlmUpstream) -> Envoy {
-    Envoy::builder(config).module(llm_wasm_module()).allow_on_headers_stop_iteration().upstream_at(upstream.addr()).start()
+    Envoy::builder(config)
+        .module(llm_wasm_module())
+        .allow_on_headers_stop_iteration()
+        .request_body_buffer_limit(BODY_BUFFER_LIMIT)
+        .upstream_at(upstream.addr())
+        .start()
 }
+
+/// The routes' `request_body_buffer_limit`, as envoy/llm.yaml sets it: the estimate's bound
+/// (256 KiB) and one read of the listener (1 MiB) fit in it.
+const BODY_BUFFER_LIMIT: u64 = 2 << 20;
 
 /// A key no earlier run used (counts live in Envoy's shared data only, but be safe).
 fn fresh_key(name: &str) -> String {
@@ -310,7 +319,9 @@ async fn a_client_that_leaves_before_its_body_ends_leaves_nothing_behind() {
 /// A request body of 3 MiB goes on whole: with `max_completion_tokens` at its start, the
 /// estimate is read from it (100: 70 refunded); with `max_tokens` after 3 MiB of prompt, past
 /// `estimate.max_body_bytes` (256 KiB by default), the request reserves the default (256: 226
-/// refunded). Envoy held at most about the bound of it meanwhile (below its buffer limit, 1 MiB).
+/// refunded). The same when its first kilobyte comes alone and the rest at once: Envoy holds the
+/// kilobyte, then reads up to its listener's buffer limit (1 MiB) in one go, more than that limit
+/// in all; the route's `request_body_buffer_limit` holds it (without it: a `413` from Envoy).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_request_body_is_read_up_to_the_bound_and_goes_on_whole() {
     let upstream = LlmUpstream::start();
@@ -335,6 +346,27 @@ async fn a_large_request_body_is_read_up_to_the_bound_and_goes_on_whole() {
         assert_eq!(stat("refunded") - before, refund, "estimate first: {first}");
         assert_eq!(count(&envoy, &key).await, 30.0);
     }
+    let body = format!(r#"{{"model":"test","messages":[{{"role":"user","content":"{prompt}"}}],"max_tokens":100}}"#);
+    let key = fresh_key("large-split");
+    let before = stat("refunded");
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: floodgate.test\r\nx-api-key: {key}\r\nx-test-usage: 30\r\nx-test-mode: json\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(envoy.addr()).await.expect("connect");
+    stream.write_all(head.as_bytes()).await.expect("send");
+    stream.write_all(&body.as_bytes()[..1024]).await.expect("send");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stream.write_all(&body.as_bytes()[1024..]).await.expect("send the rest");
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).await.expect("the answer");
+    let answer = String::from_utf8_lossy(&answer);
+    println!("3 MiB body, its first kilobyte alone: {}", answer.lines().next().unwrap_or_default());
+    assert!(answer.starts_with("HTTP/1.1 200"), "{}", answer.get(..400).unwrap_or(&answer));
+    assert_eq!(upstream.last_body_bytes(), u64::try_from(body.len()).unwrap_or(0), "the whole body reached the upstream");
+    assert_eq!(stat("refunded") - before, 226);
+    assert_eq!(count(&envoy, &key).await, 30.0);
 }
 
 /// Without `allow_on_headers_stop_iteration`, Envoy holds the body back from the filter: a
@@ -395,3 +427,4 @@ fn the_shipped_examples_hold_the_same_rules() {
     let names: Vec<&str> = config["rate_limits"].as_array().expect("rules").iter().filter_map(|r| r["name"].as_str()).collect();
     assert_eq!(names, ["chat-tokens", "responses-tokens", "messages-tokens", "messages-tokens-x-api-key"]);
 }
+
