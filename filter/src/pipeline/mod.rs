@@ -10,8 +10,9 @@
 //! answer resumes it on the same stream state ([`Stream`]); the `delay` stage parks
 //! a request a token bucket let in to wait for its turn, and the root's tick resumes it;
 //! with `load_shedding.queue`, a request the in-flight limit would shed
-//! waits in the `queue` stage for a slot, which the root's tick gives it. One [`resume`] and one
-//! [`abandon`] take every kind of wait ([`Waiting`]).
+//! waits in the `queue` stage for a slot, which the root's tick gives it. A stream waits on one
+//! thing at a time, holding what that wait holds; one [`resume`] and one [`abandon`] take every
+//! kind of wait ([`Waiting`]).
 //! Before all stages, a request whose estimate a rule reads in its JSON body
 //! (`cost.estimate.body`) waits for its body, holding nothing; the body's callbacks decide it
 //! once the estimate is read ([`request_body_estimates`]), or the root's tick, when none of the
