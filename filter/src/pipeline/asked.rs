@@ -8,7 +8,7 @@
 //! Rationale: docs/global.md, "A key a proxy has not learned".
 
 use super::stats::{increment, GlobalStats, Metrics};
-use super::SharedStream;
+use super::{SharedStream, Wait};
 use crate::config::{Config, StoreRoute};
 use crate::fleet::batched::ask::{Asked, KeyAsk};
 use crate::fleet::batched::{GlobalScope, VmNode};
@@ -21,7 +21,7 @@ use crate::ratelimit::{Probe, Verdict};
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-/// A request that waits for its ask's answer (its stream's part).
+/// A request that waits for its ask's answer, then to be decided with it (its stream's wait).
 #[derive(Clone, Debug)]
 pub struct Asking {
     /// The keys it asks for.
@@ -30,8 +30,6 @@ pub struct Asking {
     pub outcomes: Option<Vec<Asked>>,
     /// Whether the request headers ended the request.
     pub end_of_stream: bool,
-    /// Whether it was decided with the answer.
-    pub decided: bool,
     /// The body that came while it waited (bytes, and whether it ended): held, not forwarded.
     pub body: (usize, bool),
 }
@@ -176,7 +174,7 @@ impl AskStage {
     #[allow(clippy::too_many_arguments)]
     fn decide(scope: &GlobalScope, node: &RefCell<VmNode>, store: &dyn SharedStore, metrics: &dyn Metrics, ids: &GlobalStats, stream: &SharedStream, answer: Answer, now: UnixMillis) {
         let mut stream = stream.borrow_mut();
-        let Some(asking) = stream.asking.as_mut() else { return };
+        let Some(Wait::Asked(asking)) = stream.wait.as_mut() else { return };
         let grants = match answer {
             Answer::Ok(body) => protocol::decode(&body, asking.asks.len()).ok(),
             Answer::Failed(_) => None,

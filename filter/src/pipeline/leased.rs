@@ -57,7 +57,7 @@ impl LeaseProbe {
 
 /// A request waiting for the store (kept in its stream's state).
 #[derive(Clone, Debug)]
-pub struct Wait {
+pub struct StoreWait {
     /// Its keys of the leased rules.
     pub probes: Vec<LeaseProbe>,
     /// When it started to wait.
@@ -287,7 +287,7 @@ impl LeasedStage {
     /// A waiting request, woken by an answer or a tick: takes its units again (`wait`: what it
     /// waits for); past `lease_timeout` it is decided without the store, unless a call of its
     /// key is on its way and not past its timeout ([`Waited`]). Calls it needs go from the root.
-    pub fn decide(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, wait: &Wait, now: Now) -> Admission {
+    pub fn decide(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, wait: &StoreWait, now: Now) -> Admission {
         let waited = if self.overdue(wait.since, now) { Waited::Overdue } else { Waited::Within };
         let mut sends = Vec::new();
         let admission = self.take_all(filter, store, metrics, &wait.probes, Some(wait.on.0), waited, now, &mut sends);
@@ -460,7 +460,7 @@ impl LeasedStage {
     }
 
     /// A waiting request will never be decided (its stream is gone): its units are not wanted.
-    pub fn abandon(&self, store: &dyn SharedStore, wait: &Wait, now: Now) {
+    pub fn abandon(&self, store: &dyn SharedStore, wait: &StoreWait, now: Now) {
         let (on, units) = wait.on;
         self.book.borrow_mut().abandon(store, on, units, now.wall);
     }
@@ -468,7 +468,7 @@ impl LeasedStage {
     /// Stream `context` ended (`wait`: what it still waited for): its request stops waiting,
     /// and the calls it sent are lost (the host cancels them): their keys' waiting requests get
     /// a new call at the next tick.
-    pub fn stream_ended(&self, store: &dyn SharedStore, context: u32, wait: Option<&Wait>, now: Now) {
+    pub fn stream_ended(&self, store: &dyn SharedStore, context: u32, wait: Option<&StoreWait>, now: Now) {
         if let Some(wait) = wait {
             self.abandon(store, wait, now);
         }

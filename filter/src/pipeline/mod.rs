@@ -10,8 +10,9 @@
 //! answer resumes it on the same stream state ([`Stream`]); the `delay` stage parks
 //! a request a token bucket let in to wait for its turn, and the root's tick resumes it;
 //! with `load_shedding.queue`, a request the in-flight limit would shed
-//! waits in the `queue` stage for a slot, which the root's tick gives it. One [`resume`] and one
-//! [`abandon`] take every kind of wait ([`Waiting`]).
+//! waits in the `queue` stage for a slot, which the root's tick gives it. A stream waits on one
+//! thing at a time, holding what that wait holds; one [`resume`] and one [`abandon`] take every
+//! kind of wait ([`Waiting`]).
 //! Before all stages, a request whose estimate a rule reads in its JSON body
 //! (`cost.estimate.body`) waits for its body, holding nothing; the body's callbacks decide it
 //! once the estimate is read ([`request_body_estimates`]), or the root's tick, when none of the
@@ -62,7 +63,7 @@ use crate::shedding::{Classes, Shedder};
 use crate::watchdog::{self, Watchdog, WorkerState};
 use decision::{By, Decision};
 use delay::{DelayStage, Delayed};
-use leased::{LeasedStage, Taken, Wait};
+use leased::{LeasedStage, StoreWait, Taken};
 use queue::{QueueStage, Queued, Ready};
 pub use rules::Attributes;
 use stats::{increment, Metrics, Stats};
@@ -574,15 +575,8 @@ pub struct Stream {
     cluster_permit: Option<ClusterPermit>,
     /// The units it took of the leased rules' keys.
     leased: Taken,
-    /// While it waits for the store.
-    waiting: Option<Wait>,
-    /// While it waits for an ask's answer, and after (a batched global rule's key:
-    /// [`asked`]).
-    asking: Option<asked::Asking>,
-    /// While it waits for its turn (a token bucket's `max_delay`).
-    delayed: Option<Delayed>,
-    /// While it waits for a slot (`load_shedding.queue`).
-    queued: Option<Queued>,
+    /// What it waits on while it is paused, and what it holds meanwhile (one thing at a time).
+    wait: Option<Wait>,
     /// For an admitted request: the tightest rule and its `ratelimit` value.
     fields: Option<Tightest>,
     /// Costs it still owes its rules (a streamed body, a reported count).
@@ -598,8 +592,8 @@ pub struct Stream {
     timing: Timing,
     /// How the request was decided, for the access log.
     decision: Decision,
-    /// The estimates its rules read in its body (`cost.estimate.body`): while it waits for
-    /// them, then what they found.
+    /// What the estimates its rules read in its body (`cost.estimate.body`) found, once read
+    /// (while they are read, its wait holds them: [`Wait::Body`]).
     estimates: Option<Box<BodyEstimates>>,
     /// With cluster selection, the rules' keys that counted the admitted request, and when:
     /// given back if selection refuses it.
@@ -668,7 +662,7 @@ pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     if !end_of_stream && filter.body_waits.as_ref().is_some_and(|s| !s.withheld()) {
         if let Some(estimates) = filter.rules.body_estimates(request) {
             // Nothing is taken yet: a client that goes away now leaves nothing behind.
-            cell.borrow_mut().estimates = Some(Box::new(estimates));
+            cell.borrow_mut().wait = Some(Wait::Body(Box::new(estimates)));
             if let Some(stage) = &filter.body_waits {
                 stage.park(env.clock.now().mono, context, cell.share());
             }
@@ -683,7 +677,7 @@ pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 /// reached); `None` when the request does not wait for them.
 pub fn estimate_wants(cell: &StreamCell, body_size: usize) -> Option<(usize, usize)> {
     let stream = cell.borrow();
-    let estimates = stream.estimates.as_ref().filter(|e| !e.done() && !stream.ended)?;
+    let Some(Wait::Body(estimates)) = stream.wait.as_ref().filter(|_| !stream.ended) else { return None };
     Some(estimates.wants(body_size).unwrap_or((body_size, 0)))
 }
 
@@ -706,7 +700,7 @@ pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 ) -> Option<Step> {
     let body_size = {
         let mut stream = cell.borrow_mut();
-        let estimates = stream.estimates.as_mut().filter(|e| !e.done())?;
+        let Some(Wait::Body(estimates)) = stream.wait.as_mut() else { return None };
         estimates.hold(body_size.unwrap_or_default());
         if !chunk.is_empty() {
             if let Some(stage) = &filter.body_waits {
@@ -717,7 +711,9 @@ pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         if !estimates.feed(chunk, end, |rule| rules.estimate_places(rule)) {
             return None;
         }
-        estimates.held()
+        let held = estimates.held();
+        stream.estimates_read(false);
+        held
     };
     let step = decide(filter, env, cell, context, request, false, rng);
     if !matches!(step, Step::Reply(_)) {
@@ -773,6 +769,55 @@ pub enum Waiting {
     Asked,
 }
 
+/// What a paused request waits on, holding what that kind of wait holds: a stream has one
+/// ([`Stream`]), so it waits on one thing at a time, and what it holds goes back once, taken
+/// out of it ([`resume`], [`abandon`], [`Stream::end`]).
+#[derive(Debug)]
+enum Wait {
+    /// Units of a leased rule's key: its keys, and the units it wants.
+    Store(StoreWait),
+    /// Its turn: the turns it took of token buckets.
+    Turn(Delayed),
+    /// A slot: its ticket, and, once the wait is over, how it ended.
+    Slot(Queued),
+    /// Its body: the estimates read in it so far (none done).
+    Body(Box<BodyEstimates>),
+    /// The answer to its ask, then its decision with the answer.
+    Asked(asked::Asking),
+}
+
+impl Wait {
+    /// Its kind.
+    fn kind(&self) -> Waiting {
+        match self {
+            Wait::Store(_) => Waiting::Store,
+            Wait::Turn(_) => Waiting::Turn,
+            Wait::Slot(_) => Waiting::Slot,
+            Wait::Body(_) => Waiting::Body,
+            Wait::Asked(_) => Waiting::Asked,
+        }
+    }
+
+    /// Whether it holds something to give back when the stream ends: units wanted of a leased
+    /// key, turns, a ticket. One for its body or its ask holds nothing yet (its ask's answer is
+    /// still learned: [`asked`]).
+    fn holds(&self) -> bool {
+        matches!(self, Wait::Store(_) | Wait::Turn(_) | Wait::Slot(_))
+    }
+
+    /// The request body that comes while it waits, held (`None`: the body is read, waiting for
+    /// its estimates).
+    fn body(&mut self) -> Option<&mut (usize, bool)> {
+        match self {
+            Wait::Store(wait) => Some(&mut wait.body),
+            Wait::Turn(delayed) => Some(&mut delayed.body),
+            Wait::Slot(queued) => Some(&mut queued.body),
+            Wait::Asked(asking) => Some(&mut asking.body),
+            Wait::Body(_) => None,
+        }
+    }
+}
+
 /// A paused request whose `what` came (its stream `context`, made the host's effective
 /// context): the rest of its pipeline from where it waited, and the body that came meanwhile.
 /// [`Step::Wait`] when it waits on (for the same or the next thing).
@@ -822,9 +867,7 @@ fn resume_body<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         if !stream.body_never_came() {
             return Step::Wait;
         }
-        if let Some(estimates) = stream.estimates.as_mut() {
-            estimates.give_up();
-        }
+        stream.estimates_read(true);
     }
     let mut cell = StreamCell::Shared(Rc::clone(shared));
     decide(filter, env, &mut cell, context, request, false, rng)
@@ -844,7 +887,7 @@ fn decide<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     let now = env.clock.now();
     let mut stream = cell.borrow_mut();
     let reply = stream.endpoints(filter, env, request, now.mono).or_else(|| stream.shed(filter, env, request, end_of_stream, now.mono));
-    if let Some(queued) = &stream.queued {
+    if let Some(Wait::Slot(queued)) = &stream.wait {
         // The queue stage: it waits for a slot; its state is shared from now on.
         let queued = queued.clone();
         drop(stream);
@@ -880,7 +923,7 @@ fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
                 leased::Admission::All(taken) => stream.took(taken),
                 leased::Admission::Refused(refusal) => reply = Some(stream.leased_refusal(refusal)),
                 leased::Admission::Wait(key, units) => {
-                    stream.waiting = Some(Wait { probes, since: now.mono, on: (key, units), end_of_stream, body: (0, false) });
+                    stream.wait = Some(Wait::Store(StoreWait { probes, since: now.mono, on: (key, units), end_of_stream, body: (0, false) }));
                     drop(stream);
                     stage.park(key, context, cell.share());
                     return Step::Wait;
@@ -895,7 +938,10 @@ fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         return Step::Wait;
     }
     // A request the `delay` stage holds waits for its turn: its state is shared from now on.
-    let until = stream.delayed.as_ref().filter(|_| step == Step::Wait).map(|d| d.until);
+    let until = match &stream.wait {
+        Some(Wait::Turn(delayed)) if step == Step::Wait => Some(delayed.until),
+        _ => None,
+    };
     drop(stream);
     if let (Some(until), Some(stage)) = (until, &filter.delays) {
         stage.park(until, context, cell.share());
@@ -913,7 +959,7 @@ fn resume_turn<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     rng: &mut G,
 ) -> Step {
     let mut stream = shared.borrow_mut();
-    let Some(delayed) = stream.delayed.take().filter(|_| !stream.ended) else { return Step::Wait };
+    let Some(Wait::Turn(delayed)) = stream.take_wait(Waiting::Turn).filter(|_| !stream.ended) else { return Step::Wait };
     let now = env.clock.now();
     stream.decision.delayed(By::Rule(delayed.rule), now.mono.saturating_since(delayed.since));
     let step = stream.finish_selected(filter, env, request, delayed.end_of_stream, None, false, rng, now);
@@ -924,7 +970,7 @@ fn resume_turn<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 /// A request whose turn came and whose host context is gone: its turns go back.
 fn abandon_turn<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
-    if let Some(delayed) = stream.delayed.take() {
+    if let Some(Wait::Turn(delayed)) = stream.take_wait(Waiting::Turn) {
         stream.give_back_turns(filter, env, &delayed);
     }
 }
@@ -943,7 +989,8 @@ fn resume_slot<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     let now = env.clock.now();
     let (queued, reply) = {
         let mut stream = shared.borrow_mut();
-        let Some(queued) = stream.queued.take_if(|q| q.ready.is_some()).filter(|_| !stream.ended) else { return Step::Wait };
+        let over = |wait: &mut Wait| matches!(wait, Wait::Slot(queued) if queued.ready.is_some());
+        let Some(Wait::Slot(queued)) = stream.wait.take_if(over).filter(|_| !stream.ended) else { return Step::Wait };
         let waited_ms = now.mono.saturating_since(queued.since);
         stream.decision.waited_ms = Some(waited_ms);
         stats::set(env.metrics, filter.stats.shedding.queue_wait_ms, waited_ms);
@@ -963,7 +1010,7 @@ fn resume_slot<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 /// given goes back.
 fn abandon_slot<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
-    if stream.queued.take().is_some() {
+    if stream.take_wait(Waiting::Slot).is_some() {
         let now = env.clock.now().mono;
         stream.release(filter, env, now);
     }
@@ -983,7 +1030,7 @@ fn resume_store<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     let Some(stage) = &filter.leased else { return Step::Wait };
     let now = env.clock.now();
     let mut stream = shared.borrow_mut();
-    let Some(wait) = stream.waiting.take() else { return Step::Wait };
+    let Some(Wait::Store(wait)) = stream.take_wait(Waiting::Store) else { return Step::Wait };
     let reply = match stage.decide(filter, env.store, env.metrics, &wait, now) {
         leased::Admission::All(taken) => {
             stream.took(taken);
@@ -991,7 +1038,7 @@ fn resume_store<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         }
         leased::Admission::Refused(refusal) => Some(stream.leased_refusal(refusal)),
         leased::Admission::Wait(key, units) => {
-            stream.waiting = Some(Wait { on: (key, units), ..wait });
+            stream.wait = Some(Wait::Store(StoreWait { on: (key, units), ..wait }));
             drop(stream);
             stage.park(key, context, Rc::clone(shared));
             return Step::Wait;
@@ -1017,7 +1064,7 @@ fn resume_asked<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     if !stream.ask_answered() {
         return Step::Wait;
     }
-    let Some(asking) = stream.asking.as_mut() else { return Step::Wait };
+    let Some(Wait::Asked(asking)) = stream.wait.as_mut() else { return Step::Wait };
     let (end_of_stream, body) = (asking.end_of_stream, std::mem::take(&mut asking.body));
     let step = stream.finish_headers(filter, env, request, end_of_stream, None, rng, now);
     stream.carry_body(filter, env, &step, body);
@@ -1027,7 +1074,7 @@ fn resume_asked<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 /// A woken request whose host context is gone: it will never be decided.
 fn abandon_store<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
-    if let (Some(wait), Some(stage)) = (stream.waiting.take(), &filter.leased) {
+    if let (Some(Wait::Store(wait)), Some(stage)) = (stream.take_wait(Waiting::Store), &filter.leased) {
         stage.abandon(env.store, &wait, env.clock.now());
     }
 }
@@ -1041,7 +1088,7 @@ impl Stream {
     /// A request the `delay` stage holds (`step` is [`Step::Wait`] and it waits for its turn)
     /// is parked there under its stream `context`; returns `step`.
     fn park(&self, filter: &Filter, context: u32, shared: &SharedStream, step: Step) -> Step {
-        if let (Step::Wait, Some(stage), Some(delayed)) = (&step, &filter.delays, &self.delayed) {
+        if let (Step::Wait, Some(stage), Some(Wait::Turn(delayed))) = (&step, &filter.delays, &self.wait) {
             stage.park(delayed.until, context, Rc::clone(shared));
         }
         if let (Step::Wait, Some(stage), Some(asks)) = (&step, &filter.asks, self.pending_asks()) {
@@ -1052,23 +1099,40 @@ impl Stream {
 
     /// The keys it asks the store for, while it waits for the answer.
     fn pending_asks(&self) -> Option<Vec<crate::fleet::batched::ask::KeyAsk>> {
-        self.asking.as_ref().filter(|a| a.outcomes.is_none()).map(|a| a.asks.clone())
+        self.asking().filter(|a| a.outcomes.is_none()).map(|a| a.asks.clone())
     }
 
-    /// Whether it still waits for `what` (and has not ended): the shell resumes only those.
+    /// Its ask, while it waits for the answer and then to be decided with it.
+    fn asking(&self) -> Option<&asked::Asking> {
+        match &self.wait {
+            Some(Wait::Asked(asking)) => Some(asking),
+            _ => None,
+        }
+    }
+
+    /// Takes its wait out, if it waits for `what`.
+    fn take_wait(&mut self, what: Waiting) -> Option<Wait> {
+        self.wait.take_if(|wait| wait.kind() == what)
+    }
+
+    /// Whether it still waits for `what`, and what it waits for came (and it has not ended):
+    /// the shell resumes only those.
     pub fn waits_for(&self, what: Waiting) -> bool {
-        match what {
-            Waiting::Store => self.waiting_since().is_some(),
-            Waiting::Turn => self.delayed_until().is_some(),
-            Waiting::Slot => self.slot_decided(),
-            Waiting::Body => self.body_never_came(),
-            Waiting::Asked => self.ask_answered(),
+        if self.ended {
+            return false;
+        }
+        match (&self.wait, what) {
+            (Some(Wait::Store(_)), Waiting::Store) | (Some(Wait::Turn(_)), Waiting::Turn) => true,
+            (Some(Wait::Slot(queued)), Waiting::Slot) => queued.ready.is_some(),
+            (Some(Wait::Body(estimates)), Waiting::Body) => !estimates.started(),
+            (Some(Wait::Asked(asking)), Waiting::Asked) => !self.replied && asking.outcomes.is_some(),
+            _ => false,
         }
     }
 
     /// Whether its ask was answered and it waits to be decided again.
     pub fn ask_answered(&self) -> bool {
-        !self.ended && !self.replied && self.asking.as_ref().is_some_and(|a| a.outcomes.is_some() && !a.decided)
+        self.waits_for(Waiting::Asked)
     }
 
     /// The body that came while the request waited (bytes, and whether it ended), counted now
@@ -1087,9 +1151,9 @@ impl Stream {
     /// is decided (`step`): it waits on with the request if the request waits again (for the
     /// store or its turn), else it is counted.
     fn carry_body<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, step: &Step, body: (usize, bool)) {
-        match (step, &mut self.waiting, &mut self.delayed) {
-            (Step::Wait, Some(wait), _) => wait.body = body,
-            (Step::Wait, None, Some(delayed)) => delayed.body = body,
+        match (step, &mut self.wait) {
+            (Step::Wait, Some(Wait::Store(wait))) => wait.body = body,
+            (Step::Wait, Some(Wait::Turn(delayed))) => delayed.body = body,
             _ => self.body_held(filter, env, body),
         }
     }
@@ -1104,26 +1168,35 @@ impl Stream {
 
     /// Whether it waits for the body its estimate is read from, none of which came yet.
     pub fn body_never_came(&self) -> bool {
-        !self.ended && self.estimates.as_ref().is_some_and(|e| !e.done() && !e.started())
+        self.waits_for(Waiting::Body)
+    }
+
+    /// Its body's estimates are read (`give_up`: none is, as none of the body came): its wait
+    /// for them is over, and what they found stays with the request.
+    fn estimates_read(&mut self, give_up: bool) {
+        if let Some(Wait::Body(mut estimates)) = self.take_wait(Waiting::Body) {
+            if give_up {
+                estimates.give_up();
+            }
+            self.estimates = Some(estimates);
+        }
     }
 
     /// When it goes, while it waits for its turn.
     pub fn delayed_until(&self) -> Option<MonoMillis> {
-        self.delayed.as_ref().filter(|_| !self.ended).map(|d| d.until)
+        match &self.wait {
+            Some(Wait::Turn(delayed)) if !self.ended => Some(delayed.until),
+            _ => None,
+        }
     }
 
-    /// The body slot of a request that waits (for the store or its turn).
+    /// The body slot of a request that waits (for the store, its turn, a slot, or its ask's
+    /// answer and its decision with it).
     fn held_body(&mut self) -> Option<&mut (usize, bool)> {
         if self.ended {
             return None;
         }
-        match (&mut self.waiting, &mut self.delayed, &mut self.queued) {
-            (Some(wait), _, _) => Some(&mut wait.body),
-            (None, Some(delayed), _) => Some(&mut delayed.body),
-            (None, None, Some(queued)) => Some(&mut queued.body),
-            // Waiting for its ask's answer, or answered and not yet decided.
-            (None, None, None) => self.asking.as_mut().filter(|a| !a.decided).map(|a| &mut a.body),
-        }
+        self.wait.as_mut().and_then(Wait::body)
     }
 
     /// The leased rules took the request's units (shadow rules that would have refused it
@@ -1143,7 +1216,10 @@ impl Stream {
 
     /// When it started to wait for the store, while it waits.
     pub fn waiting_since(&self) -> Option<MonoMillis> {
-        self.waiting.as_ref().filter(|_| !self.ended).map(|w| w.since)
+        match &self.wait {
+            Some(Wait::Store(wait)) if !self.ended => Some(wait.since),
+            _ => None,
+        }
     }
 
     /// Whether it holds anything a stage gave it (for tests and the host's checks).
@@ -1168,15 +1244,17 @@ impl Stream {
     ) -> Step {
         let refused_before = reply.is_some();
         let reply = reply.or_else(|| self.rate_limit(filter, env, request, now.wall));
-        if let Some(asking) = self.asking.as_mut() {
-            if asking.outcomes.is_none() {
+        match self.wait.as_mut() {
+            Some(Wait::Asked(asking)) if asking.outcomes.is_none() => {
                 // It waits for its ask's answer ([`asked`]).
                 asking.end_of_stream = end_of_stream;
                 return Step::Wait;
             }
-            asking.decided = true;
+            // Decided with the answer: its wait is over.
+            Some(Wait::Asked(_)) => self.wait = None,
+            _ => {}
         }
-        if let (None, Some(delayed)) = (&reply, self.delayed.as_mut()) {
+        if let (None, Some(Wait::Turn(delayed))) = (&reply, self.wait.as_mut()) {
             // The delay stage: it goes at its turn.
             delayed.until = now.mono.plus_ms(delayed.go_at.saturating_since(now.wall));
             delayed.since = now.mono;
@@ -1401,7 +1479,7 @@ impl Stream {
         match stage.enter(filter, env, class, end_of_stream, now) {
             Ok(queued) => {
                 log::debug!("floodgate: waits for a slot {:?}", queued.ticket);
-                self.queued = Some(queued);
+                self.wait = Some(Wait::Slot(queued));
                 None
             }
             Err(no_room) => {
@@ -1421,7 +1499,7 @@ impl Stream {
     /// A waiting request's wait is over (`ready`; with a slot, its in-flight `permit`): the
     /// host resumes it next ([`Waiting::Slot`]).
     pub(crate) fn wait_over(&mut self, ready: Ready, permit: Option<Permit>) {
-        if let Some(queued) = self.queued.as_mut() {
+        if let Some(Wait::Slot(queued)) = self.wait.as_mut() {
             queued.ready = Some(ready);
         }
         if permit.is_some() {
@@ -1431,7 +1509,7 @@ impl Stream {
 
     /// Whether its wait for a slot is over and it awaits its resumption.
     pub fn slot_decided(&self) -> bool {
-        !self.ended && self.queued.as_ref().is_some_and(|q| q.ready.is_some())
+        self.waits_for(Waiting::Slot)
     }
 
     /// A request's wait for a slot ended without one (`waited_ms` long): the shed `503`.
@@ -1498,7 +1576,7 @@ impl Stream {
         );
         if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
             scope.annotate(&node.borrow(), &mut probes, now);
-            if let Some(asking) = &self.asking {
+            if let Some(asking) = self.asking() {
                 asked::apply_outcomes(asking, scope, &node.borrow(), &mut probes);
             }
         }
@@ -1533,7 +1611,7 @@ impl Stream {
                 verdict = filter.limiter.check(env.store, &mut filter.reserves.borrow_mut(), &probes, now);
             }
         }
-        if let (Some(scope), Some(node), Some(stage), None) = (&filter.global, &filter.global_node, &filter.asks, &self.asking) {
+        if let (Some(scope), Some(node), Some(stage), None) = (&filter.global, &filter.global_node, &filter.asks, self.asking()) {
             // A refusal of a batched global rule may ask the store first ([`asked`]).
             // This proxy's units of the key that the store has not counted yet: its counts less
             // its part the store confirmed, as the view holds it now (another worker's ask may
@@ -1548,7 +1626,7 @@ impl Stream {
                 let _ = scope.refresh(env.store, &mut node.borrow_mut().cache);
             }
             if let Some(asks) = stage.asks_of(scope, &node.borrow(), &verdict, &probes, pending, now) {
-                self.asking = Some(asked::Asking { asks, outcomes: None, end_of_stream: false, decided: false, body: (0, false) });
+                self.wait = Some(Wait::Asked(asked::Asking { asks, outcomes: None, end_of_stream: false, body: (0, false) }));
                 return None;
             }
         }
@@ -1569,7 +1647,7 @@ impl Stream {
             let mut node = node.borrow_mut();
             for probe in &probes {
                 // Units the store granted to an ask are counted there already.
-                let asked = self.asking.as_ref().and_then(|a| a.outcome(probe.rule, probe.key_hash));
+                let asked = self.asking().and_then(|a| a.outcome(probe.rule, probe.key_hash));
                 let granted = asked == Some(crate::fleet::batched::ask::Asked::Granted);
                 if granted && !admitted {
                     let back = scope.refund(&mut node, probe, probe.cost, now, now);
@@ -1662,7 +1740,8 @@ impl Stream {
         }
         let tables = filter.limiter.tables();
         let turns = probes.iter().filter(|p| tables.get(p.rule).is_some_and(|t| t.bucket.is_some())).copied().collect();
-        self.delayed = Some(Delayed { go_at, rule, turns, ..Delayed::default() });
+        // After an ask, this ends its wait for the answer (decided with it).
+        self.wait = Some(Wait::Turn(Delayed { go_at, rule, turns, ..Delayed::default() }));
     }
 
     /// Cluster selection: takes a permit on a cluster (the request goes there: `Ok(Some(index))`),
@@ -1838,7 +1917,7 @@ impl Stream {
 
     /// Whether the stream still needs what [`Stream::end`] reads of the host.
     pub fn needs_end(&self) -> bool {
-        !self.charges.is_empty() || self.holds_permits() || self.waiting.is_some() || self.delayed.is_some() || self.queued.is_some() || self.pending_asks().is_some()
+        !self.charges.is_empty() || self.holds_permits() || self.wait.as_ref().is_some_and(Wait::holds) || self.pending_asks().is_some()
     }
 
     /// The stream ended, whatever ended it (`context`: its host context): a waiting request
@@ -1849,19 +1928,28 @@ impl Stream {
             return;
         }
         self.ended = true;
+        // What its wait holds goes back (one for its body or its ask holds nothing).
+        let held = self.wait.take_if(|wait| wait.holds());
         if let Some(stage) = &filter.leased {
-            stage.stream_ended(env.store, context, self.waiting.take().as_ref(), env.clock.now());
+            let wait = match &held {
+                Some(Wait::Store(wait)) => Some(wait),
+                _ => None,
+            };
+            stage.stream_ended(env.store, context, wait, env.clock.now());
         }
         if let (Some(_), Some(stage)) = (self.pending_asks(), &filter.asks) {
             stage.forget(context);
         }
-        if let Some(delayed) = self.delayed.take() {
-            // Its client went away while it waited for its turn.
-            self.give_back_turns(filter, env, &delayed);
-        }
-        if let (Some(queued), Some(stage)) = (self.queued.take(), &filter.queue) {
-            // Its client went away while it waited for a slot (or before its resumption).
-            stage.abandon(filter, env, &queued);
+        match (held, &filter.queue) {
+            (Some(Wait::Turn(delayed)), _) => {
+                // Its client went away while it waited for its turn.
+                self.give_back_turns(filter, env, &delayed);
+            }
+            (Some(Wait::Slot(queued)), Some(stage)) => {
+                // Its client went away while it waited for a slot (or before its resumption).
+                stage.abandon(filter, env, &queued);
+            }
+            _ => {}
         }
         if !self.charges.is_empty() {
             let owed = self.charges.end();

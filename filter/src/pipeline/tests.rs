@@ -1435,6 +1435,24 @@ fn a_client_that_leaves_while_it_waits_gives_its_slot_back() {
 }
 
 #[test]
+fn a_request_whose_turn_came_and_whose_context_is_gone_gives_its_turns_back_once() {
+    let host = Host::new(serde_json::json!({"rate_limits": [bucket_rule(Some("1s"))]}));
+    let sent: Vec<(u32, StreamCell, Step)> = (0..6).map(|_| host.send(&keyed("k"))).collect();
+    assert_eq!(status(&sent[5].2), 1);
+    host.clock.advance(100);
+    let due = host.filter.delays.as_ref().unwrap().take_due(host.clock.now().mono);
+    assert_eq!(due.len(), 1);
+    for _ in 0..2 {
+        abandon(&host.filter, &host.env(), &due[0].1, Waiting::Turn);
+    }
+    assert_eq!(host.metric("floodgate.rate_limit.b.delay_abandoned"), 1);
+    assert!(sent[5].1.borrow().delayed_until().is_none());
+    // Ending its stream afterwards gives nothing back again.
+    host.end(sent[5].0, &sent[5].1, &OK);
+    assert_eq!(host.metric("floodgate.rate_limit.b.delay_abandoned"), 1);
+}
+
+#[test]
 fn a_bucket_in_shadow_neither_delays_nor_refuses() {
     let mut rule = bucket_rule(Some("200ms"));
     rule["mode"] = "shadow".into();
@@ -1514,6 +1532,25 @@ fn requests_over_the_limit_wait_for_a_slot_in_order_and_the_queue_is_bounded() {
     host.end(sent[4].0, &sent[4].1, &OK);
     host.end(late, &late_stream, &OK);
     assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn a_waiter_given_a_slot_whose_context_is_gone_gives_the_slot_back() {
+    let host = leveling(1, serde_json::json!({"max_queued": 10, "max_wait": "5s"}));
+    let (first, held, _) = host.send(&keyed("k"));
+    let (waiter, stream, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 1);
+    host.end(first, &held, &OK);
+    host.clock.advance(10);
+    let ready = host.filter.queue.as_ref().unwrap().tick(&host.filter, &host.env());
+    assert_eq!(ready.iter().map(|(c, _)| *c).collect::<Vec<_>>(), [waiter]);
+    assert!(stream.borrow().slot_decided() && stream.borrow().holds_permits());
+    assert_eq!(host.in_flight(), 1);
+    abandon(&host.filter, &host.env(), &ready[0].1, Waiting::Slot);
+    assert!(!stream.borrow().slot_decided() && !stream.borrow().holds_permits());
+    assert_eq!(host.in_flight(), 0);
+    host.end(waiter, &stream, &OK);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.queue_abandoned"), 0, "its ticket had left the queue");
 }
 
 #[test]
