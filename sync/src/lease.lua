@@ -57,6 +57,8 @@
 -- Returns {granted, current, previous, reclaimed}: the counters after the call, and the units of
 -- stopped holders taken back.
 
+-- (window.lua, the sliding window's arithmetic, comes before this script.)
+
 local window = tonumber(ARGV[1])
 local remaining = tonumber(ARGV[2])
 local limit = tonumber(ARGV[3])
@@ -83,43 +85,8 @@ local function refund(counter, value, units)
   return value
 end
 
--- floor(x / c) and x mod c for integers 0 <= x < 2^53, 1 <= c < 2^53, exact: the double
--- quotient is off by at most one, which the remainder's sign corrects.
-local function divmod(x, c)
-  local q = math.floor(x / c)
-  local r = x - q * c
-  while r < 0 do
-    q = q - 1
-    r = r + c
-  end
-  while r >= c do
-    q = q + 1
-    r = r - c
-  end
-  return q, r
-end
-
--- ceil(a x b / c) exactly for 0 <= a < 2^33 and 0 <= b <= c < 2^35: b is split at 2^17 so
--- every product stays below 2^53, where doubles are exact.
-local function ceil_mul_div(a, b, c)
-  local k = 131072
-  local bh = math.floor(b / k)
-  local bl = b - bh * k
-  local q1, r1 = divmod(a * bh, c)
-  local q2, r2 = divmod(r1 * k + a * bl, c)
-  local q = q1 * k + q2
-  if r2 > 0 then
-    q = q + 1
-  end
-  return q
-end
-
 local function read(key)
-  local value = tonumber(redis.call('GET', key) or '0') or 0
-  if value < 0 then
-    return 0
-  end
-  return value
+  return count(redis.call('GET', key))
 end
 
 -- Takes `returned` units of a holder off `counter` (at most what it has outstanding in
@@ -150,15 +117,7 @@ local function give_back(counter, holders, value, returned, reported)
   return value
 end
 
--- Both counters in one command (an ask of a batched rule is then MGET, INCRBY and, for a
--- counter it creates, PEXPIREAT).
-local function count(value)
-  value = tonumber(value or '0') or 0
-  if value < 0 then
-    return 0
-  end
-  return value
-end
+-- Both counters in one command.
 local current, previous_read
 if KEYS[3] then
   local both = redis.call('MGET', KEYS[1], KEYS[3])

@@ -149,6 +149,8 @@ pub struct LeaseResponse {
 /// One entry laid out for the script (see `lease.lua`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlannedLease {
+    /// The shard of its key (one slot in a cluster).
+    pub shard: u32,
     /// The bucket's counter key.
     pub current_key: String,
     /// The previous bucket's counter key; `None` for bucket 0.
@@ -166,6 +168,14 @@ pub struct PlannedLease {
 }
 
 impl PlannedLease {
+    /// Whether it is the ask of a batched rule's request: `exact`, its units taken at once,
+    /// nothing given back, reported or refunded (so no holder's units change). Such asks merge
+    /// into one script call per shard (`ask.lua`); it grants what `lease.lua` would.
+    pub fn is_ask(&self) -> bool {
+        let [_, _, _, want, returned, returned_previous, _, consumed, used, used_previous, ..] = self.args;
+        self.exact && self.at_once == want && [returned, returned_previous, consumed, used, used_previous] == [0; 5] && self.refunded == [0, 0]
+    }
+
     /// The script's KEYS: the counters and their holders hashes.
     pub fn keys(&self) -> Vec<String> {
         let mut keys = vec![self.current_key.clone(), holders_key(&self.current_key)];
@@ -227,6 +237,7 @@ pub fn parse_lease_request(body: &[u8], max_entries: usize) -> Result<LeaseReque
 pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
     let shard = layout.shard(&entry.key);
     PlannedLease {
+        shard,
         current_key: layout.counter_key(shard, &entry.key, entry.window_ms, entry.bucket),
         previous_key: entry
             .bucket
@@ -306,6 +317,26 @@ mod tests {
         assert_eq!(first.previous_key, None);
         assert_eq!(first.keys().len(), 2);
         assert_eq!(first.args[10], 250, "the default grace: a quarter window, at most 250 ms");
+    }
+
+    #[test]
+    fn only_the_asks_of_batched_rules_merge() {
+        let planned = |fields: &str| plan_lease(&Layout::new("fg:", 16), &parse_lease_request(entry(fields).as_bytes(), 10).unwrap().leases[0]);
+        assert!(planned(r#","want":3,"at_once":3,"exact":true,"holder":"0000000000000000""#).is_ask());
+        assert_eq!(planned(r#","want":3,"at_once":3,"exact":true"#).shard, 1);
+        for other in [
+            r#","want":3,"at_once":3"#,
+            r#","want":3,"at_once":2,"exact":true"#,
+            r#","want":3,"at_once":3,"exact":true,"returned":1"#,
+            r#","want":3,"at_once":3,"exact":true,"returned_previous":1"#,
+            r#","want":3,"at_once":3,"exact":true,"consumed":1"#,
+            r#","want":3,"at_once":3,"exact":true,"used":1"#,
+            r#","want":3,"at_once":3,"exact":true,"used_previous":1"#,
+            r#","want":3,"at_once":3,"exact":true,"refunded":1"#,
+            r#","want":3,"at_once":3,"exact":true,"refunded_previous":1"#,
+        ] {
+            assert!(!planned(other).is_ask(), "{other}");
+        }
     }
 
     #[test]

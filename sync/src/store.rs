@@ -1,4 +1,5 @@
-//! Redis: applies a [`Plan`] with the Lua script `apply.lua`, single node or Redis Cluster.
+//! Redis: applies a [`Plan`] with the Lua script `apply.lua`, and grants leases with `lease.lua`
+//! and `ask.lua`, single node or Redis Cluster.
 //!
 //! - Single node: one lazily connected, auto-reconnecting multiplexed connection (redis-rs
 //!   `ConnectionManager`); one script call applies every shard of a batch (one round trip).
@@ -18,6 +19,9 @@
 //! The parts waiting are the only state, in memory for one call's time at most; a part whose
 //! call fails is answered with the error, and its proxy retries it (the dedup hashes keep the
 //! retry exactly once).
+//! The asks of batched rules ([`PlannedLease::is_ask`]) have lanes of their own, the same
+//! mechanism ([`LaneWork`]): a call (`ask.lua`) reads each distinct counter once and adds each
+//! counter's grants once, whatever the proxies asking; other leases go one script call each.
 //!
 //! Scripts go as EVALSHA; on NOSCRIPT (a restarted or promoted node) the same call goes again as
 //! EVAL with the source. Everything a batch does is bounded by `--redis-timeout`.
@@ -49,7 +53,8 @@ use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::Totals;
 
 const SCRIPT_SOURCE: &str = include_str!("apply.lua");
-const LEASE_SOURCE: &str = include_str!("lease.lua");
+const LEASE_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("lease.lua"));
+const ASK_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("ask.lua"));
 
 /// The most counters one script call takes on a single node, unless one shard has more.
 const MAX_SCRIPT_COUNTERS: usize = 1000;
@@ -241,29 +246,61 @@ impl ErrorLog {
 
 /// The Redis side of the service. Cheap to share (`Arc`).
 pub struct Store {
+    calls: Calls,
+    lease_script: Script,
+    /// The shard parts of batches waiting for their script call.
+    batches: Lanes<BatchPart>,
+    /// The asks of batched rules waiting for theirs.
+    asks: Lanes<PlannedLease>,
+}
+
+/// What a lane's script call needs of the store (a lane's runner, a spawned task, owns a copy).
+#[derive(Clone)]
+struct Calls {
     backend: Backend,
     script: Script,
-    lease_script: Script,
+    ask_script: Script,
     timeout: Duration,
     metrics: Arc<Metrics>,
     errors: Arc<ErrorLog>,
-    lanes: Arc<Mutex<HashMap<u32, Lane>>>,
 }
 
-/// The shard parts of batches waiting for a lane's script call (module doc, "Merging"): one lane
-/// on a single node, one per shard (slot) in a cluster.
-#[derive(Default)]
-struct Lane {
-    waiting: VecDeque<Part>,
+/// Work that waits in a lane (module doc, "Merging"): one lane per kind of work on a single
+/// node, one per kind and shard (slot) in a cluster; a lane's call takes every unit waiting.
+trait LaneWork: Sized + Send + 'static {
+    /// What one unit of work gets back.
+    type Outcome: Send + 'static;
+    /// What the error log calls a failed call.
+    const WHAT: &'static str;
+    /// Its size toward [`MAX_SCRIPT_COUNTERS`] per call.
+    fn size(&self) -> usize;
+    /// One script call over `work` (all on one slot in a cluster), an outcome per unit.
+    fn call<'a>(calls: &'a Calls, work: &'a [Self]) -> impl Future<Output = Result<Vec<Self::Outcome>, StoreError>> + Send + 'a;
+}
+
+/// The lanes of one kind of work, by lane id (the shard in a cluster, else 0).
+type Lanes<W> = Arc<Mutex<HashMap<u32, Lane<W>>>>;
+
+/// Where a unit of work's outcome goes.
+type Answer<W> = oneshot::Sender<Result<<W as LaneWork>::Outcome, StoreError>>;
+
+/// The work waiting in one lane, each unit with where its outcome goes.
+struct Lane<W: LaneWork> {
+    waiting: VecDeque<(W, Answer<W>)>,
     /// Whether a runner serves the lane.
     running: bool,
 }
 
-/// One batch's part on one shard, and where its outcome goes.
-struct Part {
+impl<W: LaneWork> Default for Lane<W> {
+    fn default() -> Self {
+        Lane { waiting: VecDeque::new(), running: false }
+    }
+}
+
+/// One batch's part on one shard.
+struct BatchPart {
     seq: u64,
     group: Group,
-    answer: oneshot::Sender<Result<GroupOutcome, StoreError>>,
 }
 
 /// What one shard part of a batch did.
@@ -275,15 +312,6 @@ pub struct GroupOutcome {
     pub totals: Vec<Totals>,
 }
 
-/// What a lane's runner needs of the store (a spawned task owns it).
-struct Runner {
-    backend: Backend,
-    script: Script,
-    timeout: Duration,
-    metrics: Arc<Metrics>,
-    errors: Arc<ErrorLog>,
-    lanes: Arc<Mutex<HashMap<u32, Lane>>>,
-}
 
 impl Store {
     /// Sets up the connection (lazily: no Redis needs to be up yet). Fails only on a bad URL.
@@ -340,14 +368,43 @@ impl Store {
             Backend::Single(manager)
         };
         Ok(Store {
-            backend,
-            script: Script::new(SCRIPT_SOURCE),
+            calls: Calls {
+                backend,
+                script: Script::new(SCRIPT_SOURCE),
+                ask_script: Script::new(ASK_SOURCE),
+                timeout: config.timeout,
+                metrics,
+                errors,
+            },
             lease_script: Script::new(LEASE_SOURCE),
-            timeout: config.timeout,
-            metrics,
-            errors,
-            lanes: Arc::default(),
+            batches: Arc::default(),
+            asks: Arc::default(),
         })
+    }
+
+    /// Puts `work` in lane `id` of `lanes` (a runner starts on an idle lane); its outcome comes
+    /// on the receiver.
+    fn enqueue<W: LaneWork>(&self, lanes: &Lanes<W>, id: u32, work: W) -> oneshot::Receiver<Result<W::Outcome, StoreError>> {
+        let (answer, receiver) = oneshot::channel();
+        let start = {
+            let mut lanes = lanes.lock().unwrap_or_else(PoisonError::into_inner);
+            let lane = lanes.entry(id).or_default();
+            lane.waiting.push_back((work, answer));
+            !std::mem::replace(&mut lane.running, true)
+        };
+        if start {
+            tokio::spawn(run_lane(self.calls.clone(), lanes.clone(), id));
+        }
+        receiver
+    }
+
+    /// The lane of a shard: the shard in a cluster (a script touches one slot), else one lane.
+    fn lane_of(&self, shard: u32) -> u32 {
+        if matches!(self.calls.backend, Backend::Cluster { .. }) {
+            shard
+        } else {
+            0
+        }
     }
 
     /// Applies a plan (see `apply.lua`) and returns every distinct counter's totals. Each
@@ -362,26 +419,11 @@ impl Store {
                 deduplicated: 0,
             });
         }
-        let cluster = matches!(self.backend, Backend::Cluster { .. });
-        let mut answers = Vec::with_capacity(plan.groups.len());
-        let mut start = Vec::new();
-        {
-            let mut lanes = self.lanes.lock().unwrap_or_else(PoisonError::into_inner);
-            for group in &plan.groups {
-                let id = if cluster { group.shard } else { 0 };
-                let (answer, receiver) = oneshot::channel();
-                let lane = lanes.entry(id).or_default();
-                lane.waiting.push_back(Part { seq: plan.seq, group: group.clone(), answer });
-                if !lane.running {
-                    lane.running = true;
-                    start.push(id);
-                }
-                answers.push(receiver);
-            }
-        }
-        for id in start {
-            tokio::spawn(self.runner().run(id));
-        }
+        let answers: Vec<_> = plan
+            .groups
+            .iter()
+            .map(|group| self.enqueue(&self.batches, self.lane_of(group.shard), BatchPart { seq: plan.seq, group: group.clone() }))
+            .collect();
         let work = async {
             let mut outcome = Outcome {
                 totals: Vec::with_capacity(plan.distinct()),
@@ -418,18 +460,7 @@ impl Store {
 
     /// The client's own timeouts (connection, response) are the service's: `--redis-timeout`.
     fn classify(&self, err: RedisError) -> StoreError {
-        classify(self.timeout, err)
-    }
-
-    fn runner(&self) -> Runner {
-        Runner {
-            backend: self.backend.clone(),
-            script: self.script.clone(),
-            timeout: self.timeout,
-            metrics: self.metrics.clone(),
-            errors: self.errors.clone(),
-            lanes: self.lanes.clone(),
-        }
+        classify(self.calls.timeout, err)
     }
 
     /// Counts `proxies` among the senders of a second (a HyperLogLog per second, `keys[0]`,
@@ -443,8 +474,8 @@ impl Store {
         pipe.cmd("PEXPIRE").arg(first).arg(crate::layout::FLEET_TTL_MS).ignore();
         pipe.cmd("PFCOUNT").arg(keys);
         let work = async {
-            self.metrics.redis_round_trip();
-            let counted: (u64,) = match &self.backend {
+            self.calls.metrics.redis_round_trip();
+            let counted: (u64,) = match &self.calls.backend {
                 Backend::Single(manager) => {
                     let mut conn = manager.clone();
                     pipe.query_async(&mut conn).await
@@ -465,10 +496,10 @@ impl Store {
     /// any proxy calls).
     pub async fn ping(&self) -> Result<(), StoreError> {
         let work = async {
-            match &self.backend {
+            match &self.calls.backend {
                 Backend::Single(manager) => {
                     let mut conn = manager.clone();
-                    self.metrics.redis_round_trip();
+                    self.calls.metrics.redis_round_trip();
                     redis::cmd("PING")
                         .query_async::<Value>(&mut conn)
                         .await
@@ -476,7 +507,7 @@ impl Store {
                 }
                 Backend::Cluster { retrying, .. } => {
                     let mut conn = connected(retrying)?;
-                    self.metrics.redis_round_trip();
+                    self.calls.metrics.redis_round_trip();
                     conn.route_command(
                         redis::cmd("PING"),
                         RoutingInfo::MultiNode((
@@ -495,42 +526,37 @@ impl Store {
 
     /// `work` within `--redis-timeout`; its error logged (rate-limited) as `what`.
     async fn bounded<T>(&self, what: &str, work: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-        let result = match tokio::time::timeout(self.timeout, work).await {
+        let result = match tokio::time::timeout(self.calls.timeout, work).await {
             Ok(result) => result,
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
+            Err(_) => Err(StoreError::Timeout(self.calls.timeout)),
         };
         if let Err(err) = &result {
-            self.errors.log(what, err);
+            self.calls.errors.log(what, err);
         }
         result
     }
 
-    /// Runs `script` as EVALSHA, and again as EVAL with its `source` on NOSCRIPT.
-    async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
-        &self,
-        conn: &mut C,
-        script: &Script,
-        source: &str,
-        keys: &[K],
-        args: &[A],
-    ) -> Result<Value, StoreError> {
-        eval(conn, script, source, keys, args, &self.metrics, self.timeout).await
-    }
-
     /// Grants the leases of a request (see `lease.lua`): one script call per entry (each entry's
-    /// counters are on one slot), all at once, in request order. One failure fails the whole:
-    /// grants already counted stay counted, and give-backs already made stay made. Never
-    /// retried (in a cluster, by a client of its own that does not retry): a script that timed
-    /// out may have run, and running it again would grant or give back twice.
+    /// counters are on one slot), all at once, in request order; the asks of batched rules
+    /// ([`PlannedLease::is_ask`]) wait in their shard's lane and go with the asks of other
+    /// requests (`ask.lua`, module doc, "Merging"). One failure fails the whole: grants already
+    /// counted stay counted, and give-backs already made stay made. Never retried (in a cluster,
+    /// by a client of its own that does not retry): a script that timed out may have run, and
+    /// running it again would grant or give back twice.
     pub async fn lease(&self, planned: &[PlannedLease]) -> Result<Vec<Grant>, StoreError> {
         let work = async {
-            match &self.backend {
-                Backend::Single(manager) => self.run_leases(manager, planned).await,
-                Backend::Cluster { once, .. } => {
-                    let conn = connected(once)?;
-                    self.run_leases(&conn, planned).await
+            let calls = planned.iter().map(|lease| async move {
+                if lease.is_ask() {
+                    return self
+                        .enqueue(&self.asks, self.lane_of(lease.shard), lease.clone())
+                        .await
+                        .unwrap_or_else(|_| Err(StoreError::Reply("the lane's call ended without an answer".into())));
                 }
-            }
+                let (keys, argv) = (lease.keys(), lease.argv());
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                parse_grant(self.calls.eval(false, &self.lease_script, LEASE_SOURCE, &keys, &argv).await?)
+            });
+            join_all(calls).await.into_iter().collect()
         };
         self.bounded("lease", work).await
     }
@@ -539,7 +565,7 @@ impl Store {
     /// holders, their units outstanding and their entries' expiry (`now_ms`: the caller's clock).
     pub async fn holders(&self, counters: &[(u64, String)], now_ms: u64) -> Result<Vec<BucketHolders>, StoreError> {
         let work = async {
-            match &self.backend {
+            match &self.calls.backend {
                 Backend::Single(manager) => self.read_holders(&mut manager.clone(), counters, now_ms).await,
                 Backend::Cluster { retrying, .. } => {
                     self.read_holders(&mut connected(retrying)?, counters, now_ms).await
@@ -560,7 +586,7 @@ impl Store {
             let holders = holders_key(counter);
             pipe.get(counter).hgetall(&holders).pttl(&holders);
         }
-        self.metrics.redis_round_trip();
+        self.calls.metrics.redis_round_trip();
         let replies: Vec<HoldersReply> = {
             let flat: Vec<Value> = pipe.query_async(conn).await.map_err(|err| self.classify(err))?;
             flat.chunks(3)
@@ -588,23 +614,6 @@ impl Store {
                 BucketHolders { bucket: *bucket, counter: counter.clone(), count: count.unwrap_or(0), holders }
             })
             .collect())
-    }
-
-    async fn run_leases<C: ConnectionLike + Clone>(
-        &self,
-        conn: &C,
-        planned: &[PlannedLease],
-    ) -> Result<Vec<Grant>, StoreError> {
-        let calls = planned.iter().map(|lease| {
-            let mut conn = conn.clone();
-            async move {
-                let reply = self
-                    .eval(&mut conn, &self.lease_script, LEASE_SOURCE, &lease.keys(), &lease.argv())
-                    .await?;
-                parse_grant(reply)
-            }
-        });
-        join_all(calls).await.into_iter().collect()
     }
 }
 
@@ -653,66 +662,94 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
     }
 }
 
-impl Runner {
-    /// Serves lane `id` until it is empty: takes the parts waiting (whole parts up to
-    /// [`MAX_SCRIPT_COUNTERS`] counters, at least one), runs them in one script call, answers
-    /// each; then the parts that came meanwhile.
-    async fn run(self, id: u32) {
-        let mut started: Option<Instant> = None;
-        loop {
-            // At most one call per LANE_PACE: the parts arriving meanwhile merge into the next.
-            if let Some(rest) = started.and_then(|at| LANE_PACE.checked_sub(at.elapsed())) {
-                tokio::time::sleep(rest).await;
+/// Serves lane `id` of `lanes` until it is empty: takes the work waiting (whole units up to
+/// [`MAX_SCRIPT_COUNTERS`], at least one), runs it in one script call, answers each unit; then
+/// the work that came meanwhile, at most one call per [`LANE_PACE`].
+async fn run_lane<W: LaneWork>(calls: Calls, lanes: Lanes<W>, id: u32) {
+    let mut started: Option<Instant> = None;
+    loop {
+        // At most one call per LANE_PACE: the work arriving meanwhile merges into the next.
+        if let Some(rest) = started.and_then(|at| LANE_PACE.checked_sub(at.elapsed())) {
+            tokio::time::sleep(rest).await;
+        }
+        let (work, answers): (Vec<W>, Vec<_>) = {
+            let mut lanes = lanes.lock().unwrap_or_else(PoisonError::into_inner);
+            let Some(lane) = lanes.get_mut(&id) else { return };
+            let count = to_take(lane.waiting.iter().map(|(work, _)| work.size()), MAX_SCRIPT_COUNTERS);
+            if count == 0 {
+                lanes.remove(&id);
+                return;
             }
-            let parts: Vec<Part> = {
-                let mut lanes = self.lanes.lock().unwrap_or_else(PoisonError::into_inner);
-                let Some(lane) = lanes.get_mut(&id) else { return };
-                let count = to_take(lane.waiting.iter().map(|part| part.group.counters.len()), MAX_SCRIPT_COUNTERS);
-                let taken: Vec<Part> = lane.waiting.drain(..count).collect();
-                if taken.is_empty() {
-                    lane.running = false;
-                    lanes.remove(&id);
-                    return;
+            lane.waiting.drain(..count).unzip()
+        };
+        started = Some(Instant::now());
+        let result = match tokio::time::timeout(calls.timeout, W::call(&calls, &work)).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Timeout(calls.timeout)),
+        };
+        match result {
+            Ok(outcomes) => {
+                for (answer, outcome) in answers.into_iter().zip(outcomes) {
+                    let _ = answer.send(Ok(outcome));
                 }
-                taken
-            };
-            started = Some(Instant::now());
-            let result = match tokio::time::timeout(self.timeout, self.call(&parts)).await {
-                Ok(result) => result,
-                Err(_) => Err(StoreError::Timeout(self.timeout)),
-            };
-            match result {
-                Ok(outcomes) => {
-                    self.metrics.batch_call();
-                    for (part, outcome) in parts.into_iter().zip(outcomes) {
-                        let _ = part.answer.send(Ok(outcome));
-                    }
-                }
-                Err(err) => {
-                    self.errors.log("batch", &err);
-                    for part in parts {
-                        let _ = part.answer.send(Err(err.clone()));
-                    }
+            }
+            Err(err) => {
+                calls.errors.log(W::WHAT, &err);
+                for answer in answers {
+                    let _ = answer.send(Err(err.clone()));
                 }
             }
         }
     }
+}
 
-    /// One script call over `parts` (all on one slot in a cluster).
-    async fn call(&self, parts: &[Part]) -> Result<Vec<GroupOutcome>, StoreError> {
-        let groups: Vec<(u64, &Group)> = parts.iter().map(|part| (part.seq, &part.group)).collect();
-        let (keys, args) = script_arguments(&groups);
-        let reply = match &self.backend {
+impl Calls {
+    /// A script call on the lane's connection: the retrying one for batches (their dedup makes a
+    /// retry safe), the one that does not retry for asks (a grant must not be counted twice).
+    async fn eval(&self, retry: bool, script: &Script, source: &str, keys: &[&str], args: &[String]) -> Result<Value, StoreError> {
+        match &self.backend {
             Backend::Single(manager) => {
                 let mut conn = manager.clone();
-                eval(&mut conn, &self.script, SCRIPT_SOURCE, &keys, &args, &self.metrics, self.timeout).await?
+                eval(&mut conn, script, source, keys, args, &self.metrics, self.timeout).await
             }
-            Backend::Cluster { retrying, .. } => {
-                let mut conn = connected(retrying)?;
-                eval(&mut conn, &self.script, SCRIPT_SOURCE, &keys, &args, &self.metrics, self.timeout).await?
+            Backend::Cluster { retrying, once } => {
+                let mut conn = connected(if retry { retrying } else { once })?;
+                eval(&mut conn, script, source, keys, args, &self.metrics, self.timeout).await
             }
-        };
-        parse_reply(reply, &groups)
+        }
+    }
+}
+
+impl LaneWork for BatchPart {
+    type Outcome = GroupOutcome;
+    const WHAT: &'static str = "batch";
+
+    fn size(&self) -> usize {
+        self.group.counters.len()
+    }
+
+    async fn call(calls: &Calls, parts: &[BatchPart]) -> Result<Vec<GroupOutcome>, StoreError> {
+        let groups: Vec<(u64, &Group)> = parts.iter().map(|part| (part.seq, &part.group)).collect();
+        let (keys, args) = script_arguments(&groups);
+        let reply = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args).await?;
+        let outcomes = parse_reply(reply, &groups)?;
+        calls.metrics.batch_call();
+        Ok(outcomes)
+    }
+}
+
+impl LaneWork for PlannedLease {
+    type Outcome = Grant;
+    const WHAT: &'static str = "ask";
+
+    fn size(&self) -> usize {
+        1
+    }
+
+    async fn call(calls: &Calls, asks: &[PlannedLease]) -> Result<Vec<Grant>, StoreError> {
+        let (keys, args) = ask_arguments(asks);
+        let reply = calls.eval(false, &calls.ask_script, ASK_SOURCE, &keys, &args).await?;
+        parse_grants(reply, asks.len())
     }
 }
 
@@ -822,6 +859,42 @@ fn parse_grant(reply: Value) -> Result<Grant, StoreError> {
         },
         other => Err(StoreError::Reply(format!("expected an array, got {other:?}"))),
     }
+}
+
+/// The script's KEYS and ARGV for `asks` (see `ask.lua`).
+fn ask_arguments(asks: &[PlannedLease]) -> (Vec<&str>, Vec<String>) {
+    let mut keys: Vec<&str> = Vec::with_capacity(asks.len().saturating_mul(2));
+    let mut args: Vec<String> = Vec::with_capacity(asks.len().saturating_mul(6).saturating_add(1));
+    args.push(asks.len().to_string());
+    for ask in asks {
+        keys.push(&ask.current_key);
+        let [window_ms, remaining_ms, limit, want, _, _, expire_at_ms, ..] = ask.args;
+        args.extend([window_ms, remaining_ms, limit, want, expire_at_ms].iter().map(u64::to_string));
+        match &ask.previous_key {
+            Some(previous) => {
+                keys.push(previous);
+                args.push("1".into());
+            }
+            None => args.push("0".into()),
+        }
+    }
+    (keys, args)
+}
+
+/// `{granted, current, previous}` per ask (see `ask.lua`) into its [`Grant`].
+fn parse_grants(reply: Value, asks: usize) -> Result<Vec<Grant>, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(StoreError::Reply(format!("expected an array, got {reply:?}")));
+    };
+    if items.len() != asks.saturating_mul(3) {
+        return Err(StoreError::Reply(format!("expected {} values, got {}", asks.saturating_mul(3), items.len())));
+    }
+    let mut items = items.into_iter();
+    let mut grants = Vec::with_capacity(asks);
+    while let (Some(granted), Some(current), Some(previous)) = (items.next(), items.next(), items.next()) {
+        grants.push(Grant { granted: total(granted)?, current: total(current)?, previous: total(previous)?, reclaimed: 0 });
+    }
+    Ok(grants)
 }
 
 /// A counter's value: absent is 0; a negative one (written by someone else) reads as 0.

@@ -206,6 +206,60 @@ fn racing_callers_are_granted_the_limit_exactly() {
     assert_eq!(redis.get(&format!("fg:{{1}}:{A}:60000:{bucket}")), Some(1000));
 }
 
+/// Asks of batched rules from many callers at once (`exact`, taken at once): they merge into
+/// fewer script calls than asks (a shard's lane takes the asks that came while its last call ran),
+/// and the callers are granted the sliding window's room exactly, each ask whole or not at all,
+/// the previous bucket weighing as in the filter; the counter gets its expiry. A lease in the same
+/// request as an ask is answered in its place.
+#[test]
+fn racing_asks_merge_and_are_granted_the_room_exactly() {
+    let (redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    // 30 s into the bucket, a previous bucket of 400 weighs ceil(400 × 30/60) = 200: room 1 000.
+    redis.set(&format!("fg:{{1}}:{A}:60000:{}", bucket - 1), "400");
+    let scripts_before = redis.command_calls("evalsha") + redis.command_calls("eval");
+    let port = sync.port;
+    let ask = move || {
+        let mut e = entry(A, bucket, 30_000, 1200, 3);
+        e["exact"] = json!(true);
+        e["at_once"] = json!(3);
+        e
+    };
+    let callers: Vec<_> = (0..16)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let (mut total, mut asks) = (0, 0);
+                loop {
+                    let [(granted, current, previous)] = grants(&lease_call(port, &[ask()]))[..] else {
+                        panic!("one grant");
+                    };
+                    assert!(granted == 0 || granted == 3, "whole or nothing: {granted}");
+                    assert!(current <= 1000 && previous == 400, "({current}, {previous})");
+                    asks += 1;
+                    if granted == 0 {
+                        return (total, asks);
+                    }
+                    total += granted;
+                }
+            })
+        })
+        .collect();
+    let (granted, asks) = callers.into_iter().map(|c| c.join().unwrap()).fold((0, 0), |(g, a), (cg, ca)| (g + cg, a + ca));
+    let scripts = redis.command_calls("evalsha") + redis.command_calls("eval") - scripts_before;
+    println!("{asks} asks in {scripts} script calls");
+    assert_eq!(granted, 999, "the room (1 000) in whole asks of 3");
+    let counter = format!("fg:{{1}}:{A}:60000:{bucket}");
+    assert_eq!(redis.get(&counter), Some(999));
+    assert!(redis.pttl(&counter) > 0, "the counter expires");
+    assert!(scripts < asks, "{asks} asks merged into {scripts} calls");
+    // An ask for the last unit and a lease, in one request: each answered in its place.
+    let mut last = entry(A, bucket, 30_000, 1200, 1);
+    last["exact"] = json!(true);
+    last["at_once"] = json!(1);
+    let other = "00000002bbbbbbbbbbbbbbbbbbbbbbbb";
+    assert_eq!(grants(&lease_call(port, &[entry(other, bucket, 0, 8, 100), last])), [(2, 2, 0), (1, 1000, 400)]);
+}
+
 #[test]
 fn refusals_name_the_field_and_touch_nothing() {
     let (redis, sync) = single();

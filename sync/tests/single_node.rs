@@ -156,22 +156,25 @@ fn sync_answers_give_the_number_of_proxies_that_called_in_lately() {
 }
 
 /// A thousand proxies calling in one after the other cost Redis one count per 200 ms, and every
-/// one of them is counted.
+/// one of them that called in the last 2 seconds is counted (all of them, unless a loaded machine
+/// took longer to send them).
 #[test]
 fn many_proxies_calling_at_once_share_one_count() {
     let (redis, sync) = single();
     let started = std::time::Instant::now();
     let proxies: Vec<String> = (0..1000u64).map(|n| format!("{:016x}", n * 7_919 + 1)).collect();
-    let answers: Vec<_> = proxies.iter().map(|p| post(sync.port, &batch(p, 1, &[]))).collect();
+    let answers: Vec<_> = proxies.iter().map(|p| (post(sync.port, &batch(p, 1, &[])), std::time::Instant::now())).collect();
     let periods = started.elapsed().as_millis() as u64 / 200 + 1;
-    assert!(answers.iter().all(|a| a.status == 200));
+    assert!(answers.iter().all(|(a, _)| a.status == 200));
     let pfadds = redis.command_calls("pfadd");
     eprintln!("1000 proxies in {} ms: {pfadds} PFADD", started.elapsed().as_millis());
     assert!(pfadds <= 1 + periods, "{pfadds} counts in {periods} periods");
     std::thread::sleep(std::time::Duration::from_millis(250));
+    let asked = std::time::Instant::now();
     let last = post(sync.port, &batch(&proxies[0], 2, &[])).proxies.unwrap();
+    let recent = answers.iter().filter(|(_, at)| asked.duration_since(*at) < std::time::Duration::from_secs(2)).count() as u64;
     // HyperLogLog's estimate at 1000 (0.81 % standard error).
-    assert!((970..=1030).contains(&last), "{last} proxies counted");
+    assert!(last * 100 >= recent * 97 && last <= 1030, "{last} proxies counted, {recent} called in the last 2 s");
 }
 
 #[test]
