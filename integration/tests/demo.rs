@@ -30,33 +30,44 @@ fn start_demo() -> Demo {
     start_demo_edited(|text| text)
 }
 
-/// [`start_demo`] with the demo config's text passed through `edit` first.
-fn start_demo_edited(edit: impl FnOnce(String) -> String) -> Demo {
-    let (text, admin, front) = demo_config(edit);
-    let dir = tempfile::tempdir().expect("tempdir");
-    let config = dir.path().join("demo.yaml");
-    std::fs::write(&config, text).expect("write config");
-    let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log");
-    let child = Command::new(envoy_binary())
-        .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info", "-c"])
-        .arg(&config)
-        .current_dir(dir.path())
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(log))
-        .spawn()
-        .expect("start envoy");
-    let demo = Demo { child, dir, front, admin };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok((200, body)) = http_get_blocking(demo.admin, "/ready") {
-            if body.trim() == "LIVE" {
-                return demo;
+/// [`start_demo`] with the demo config's text passed through `edit` first. A port picked free
+/// that another process took before Envoy bound it (its listeners' ports are fixed in the
+/// config) makes Envoy exit: the demo then starts again on other ports, up to three times.
+fn start_demo_edited(edit: impl Fn(String) -> String) -> Demo {
+    for attempt in 1..=3 {
+        let (text, admin, front) = demo_config(&edit);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = dir.path().join("demo.yaml");
+        std::fs::write(&config, text).expect("write config");
+        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log");
+        let child = Command::new(envoy_binary())
+            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info", "-c"])
+            .arg(&config)
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(log))
+            .spawn()
+            .expect("start envoy");
+        let mut demo = Demo { child, dir, front, admin };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok((200, body)) = http_get_blocking(demo.admin, "/ready") {
+                if body.trim() == "LIVE" {
+                    return demo;
+                }
             }
+            let exited = matches!(demo.child.try_wait(), Ok(Some(_)));
+            let log = log_of(demo.dir.path());
+            if exited && attempt < 3 && log.contains("Address already in use") {
+                eprintln!("a port of the demo was taken before Envoy bound it; starting again on others");
+                break;
+            }
+            assert!(!exited && Instant::now() < deadline, "the demo did not start:\n{}", tail(&log, 40));
+            std::thread::sleep(Duration::from_millis(100));
         }
-        assert!(Instant::now() < deadline, "the demo did not start:\n{}", tail(&log_of(demo.dir.path()), 40));
-        std::thread::sleep(Duration::from_millis(100));
     }
+    unreachable!("the third attempt returns or fails")
 }
 
 fn log_of(dir: &Path) -> String {
