@@ -430,7 +430,7 @@ mod tests {
     use super::rate_limits::default_capacity;
     use super::*;
 
-    fn error_of(json: &str) -> String {
+    pub(super) fn error_of(json: &str) -> String {
         Config::parse(json.as_bytes()).unwrap_err().to_string()
     }
 

@@ -257,11 +257,8 @@ impl Config {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
+    use super::super::tests::error_of;
     use super::*;
-
-    fn error_of(json: &str) -> String {
-        Config::parse(json.as_bytes()).unwrap_err().to_string()
-    }
 
     #[test]
     fn token_bucket_fields_are_checked_and_named() {
