@@ -3,8 +3,9 @@
 //! key each: a key's first units) then a count-min sketch of [`SKETCH_ROWS`] × [`SKETCH_COLUMNS`]
 //! cells with conservative update, kept as stored in the record.
 //!
-//! Invariant: a key's estimate is never below its true count (a unit sets bits or raises cells,
-//! nothing lowers them), so a key without an entry is never counted below what it sent.
+//! Invariant: a key's estimate is never below its true count in the bucket (a unit sets bits or
+//! raises cells, and within a bucket nothing clears or lowers them), so a key without an entry is
+//! never counted below what it sent.
 
 use crate::primitives::hash::{mix64, GOLDEN_GAMMA};
 
