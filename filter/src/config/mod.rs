@@ -9,11 +9,14 @@
 //! What each field does: docs/configuration.md; why: docs/design.md.
 
 mod bulkhead;
+mod endpoints;
 mod global;
 mod grpc;
 mod leveling;
+mod rate_limits;
 mod rules;
 mod selection;
+mod shedding;
 mod values;
 
 pub use global::{Global, OnStoreFailure, StoreRoute, MAX_GLOBAL_KEYS, MAX_LEASE_TIMEOUT_MS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
@@ -29,19 +32,17 @@ pub use rules::{
     DEFAULT_MAX_BODY_BYTES, MAX_SUM_PLACES, MAX_SUM_TERMS, MAX_TERM_PLACES, MAX_WEIGHT,
 };
 pub use values::{DurationMs, Fraction, Name, Positive, MAX_DURATION_MS};
+pub use endpoints::{Dependencies, Health, Watchdog, MAX_RECOVER_AFTER, MIN_WATCHDOG_LAG_MS, MIN_WORKER_SILENCE_MS};
+pub use rate_limits::{
+    Algorithm, Consistency, KeyPart, MissingKey, RateLimitHeaders, RateLimitRule, RefusalFormat, Scope, DEFAULT_CAPACITY, MAX_BURST,
+    MAX_CAPACITY, MAX_DELAY_MS,
+};
+pub use shedding::{LoadShedding, PriorityClass, DEFAULT_PRIORITY_HEADER, MAX_LAG_PROBE_MS, MIN_LAG_PROBE_MS};
 
-use serde::de::{self, Deserializer, MapAccess, Visitor};
+use endpoints::check_path;
 use serde::Deserialize;
 use std::fmt;
 
-/// Tracked keys per rule when `capacity` is not given.
-pub const DEFAULT_CAPACITY: u32 = 16_384;
-/// The largest accepted `capacity` (tracked keys per rule).
-pub const MAX_CAPACITY: u32 = 1 << 24;
-/// The largest accepted token-bucket `burst`.
-pub const MAX_BURST: u32 = 1 << 20;
-/// The longest accepted `max_delay`: a minute.
-pub const MAX_DELAY_MS: u64 = 60_000;
 /// The metric name prefix when `stat_prefix` is not given.
 pub const DEFAULT_STAT_PREFIX: &str = "floodgate";
 
@@ -109,380 +110,8 @@ impl Config {
     }
 }
 
-/// `load_shedding`: refuse new requests fast when the proxy already has this many in flight, or
-/// when a worker's event loop lags (at least one of the two).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct LoadShedding {
-    /// Proxy-wide (all workers) in-flight limit.
-    #[serde(default)]
-    pub max_active_requests: Option<Positive>,
-    /// Shed on a worker while its event loop runs its timer this late ([`crate::shedding::lag`]).
-    #[serde(default)]
-    pub max_loop_lag: Option<DurationMs>,
-    /// How often each worker probes its event loop's lag (with `max_loop_lag`).
-    #[serde(default = "default_lag_probe_interval")]
-    pub lag_probe_interval: DurationMs,
-    /// A cap on each key's requests in flight (the bulkhead).
-    #[serde(default)]
-    pub per_key: Option<PerKey>,
-    /// Load leveling: a request the in-flight limit would shed waits for a slot instead.
-    #[serde(default)]
-    pub queue: Option<Queue>,
-    /// The request header whose value names the priority class.
-    #[serde(default = "default_priority_header")]
-    pub priority_header: String,
-    /// Priority classes, each shed once the in-flight count reaches its fraction of the limit.
-    #[serde(default = "default_classes")]
-    pub classes: Vec<PriorityClass>,
-    /// The class of requests without the header or with an unknown value.
-    #[serde(default = "default_class")]
-    pub default_class: Name,
-    /// `retry-after` of a shed request (rounded up to whole seconds, at least 1).
-    #[serde(default = "default_retry_after")]
-    pub retry_after: DurationMs,
-    /// `shadow`: shedding (in-flight and loop lag) only counts what it would shed.
-    #[serde(default)]
-    pub mode: Mode,
-}
-
-/// A priority class.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PriorityClass {
-    /// The header value that selects it.
-    pub name: Name,
-    /// Fraction of `max_active_requests` from which the class is shed, in (0, 1].
-    pub shed_at: Fraction,
-    /// The class's overrides of `load_shedding.queue`.
-    #[serde(default)]
-    pub queue: Option<ClassQueue>,
-}
-
-/// `health`: a path the filter answers itself.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Health {
-    /// The path (matched without its query), e.g. `/floodgate/health`.
-    pub path: String,
-    /// What the answer says of the upstream clusters (cluster selection's view).
-    #[serde(default)]
-    pub dependencies: Dependencies,
-    /// With `dependencies: "fail"`: the answer is `503` while every cluster's success rate is
-    /// below this.
-    #[serde(default = "default_min_success_rate")]
-    pub min_success_rate: Fraction,
-}
-
-/// `watchdog`: a liveness path the filter answers itself, failing (`503`) while the proxy is
-/// degraded in ways a restart cures ([`crate::watchdog`]).
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Watchdog {
-    /// The path (matched without its query), e.g. `/floodgate/alive`.
-    pub path: String,
-    /// A worker whose heartbeat is older than this, while another worker's is recent, fails
-    /// the answer.
-    #[serde(default = "default_worker_silence")]
-    pub worker_silence: DurationMs,
-    /// A worker's loop lag from which it counts as lagging.
-    #[serde(default = "default_watchdog_lag")]
-    pub max_loop_lag: DurationMs,
-    /// How long a worker must lag past `max_loop_lag` (without `recover_after` good heartbeats
-    /// in a row) before the answer fails.
-    #[serde(default = "default_lag_for")]
-    pub lag_for: DurationMs,
-    /// A worker's Wasm linear memory past this many MiB fails the answer (none: not checked).
-    #[serde(default)]
-    pub max_memory_mb: Option<Positive>,
-    /// Good heartbeats in a row a worker needs to count as recovered, after a silence or a lag.
-    #[serde(default = "default_recover_after")]
-    pub recover_after: Positive,
-}
-
-/// The shortest `watchdog.worker_silence`: three heartbeats (a heartbeat is every second, a
-/// little later on a busy loop), so that a worker between two heartbeats is never silent.
-pub const MIN_WORKER_SILENCE_MS: u64 = 3_000;
-/// The shortest `watchdog.max_loop_lag`: what the heartbeat measures the lag to.
-pub const MIN_WATCHDOG_LAG_MS: u64 = 100;
-/// The most heartbeats `watchdog.recover_after` may ask for.
-pub const MAX_RECOVER_AFTER: u32 = 60;
-
-fn default_worker_silence() -> DurationMs {
-    DurationMs::from_ms(5_000).unwrap_or(DurationMs::MIN)
-}
-
-fn default_watchdog_lag() -> DurationMs {
-    DurationMs::from_ms(2_000).unwrap_or(DurationMs::MIN)
-}
-
-fn default_lag_for() -> DurationMs {
-    DurationMs::from_ms(30_000).unwrap_or(DurationMs::MIN)
-}
-
-fn default_recover_after() -> Positive {
-    Positive::new(3).unwrap_or(Positive::ONE)
-}
-
-/// What the health endpoint says of the upstream clusters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Dependencies {
-    /// Nothing: the answer is the proxy's own load only.
-    #[default]
-    Off,
-    /// The clusters' success rates and limits in the body; the status stays the proxy's own.
-    Report,
-    /// As `report`, and `503` while every cluster fails (success rate below
-    /// `min_success_rate`). Beware: every proxy of a fleet sees the same clusters, so they
-    /// all turn red at once (see docs/configuration.md, `health`).
-    Fail,
-}
-
-fn default_min_success_rate() -> Fraction {
-    Fraction::trusted(0.5)
-}
-
-fn default_lag_probe_interval() -> DurationMs {
-    DurationMs::from_ms(100).unwrap_or(DurationMs::MIN)
-}
-
-/// The shortest `lag_probe_interval`: Envoy's timers are millisecond timers, and a probe is a
-/// tick of every worker.
-pub const MIN_LAG_PROBE_MS: u64 = 10;
-/// The longest `lag_probe_interval`.
-pub const MAX_LAG_PROBE_MS: u64 = 1_000;
-
-/// The priority header when `priority_header` is not given.
-pub const DEFAULT_PRIORITY_HEADER: &str = "x-floodgate-priority";
-
-fn default_priority_header() -> String {
-    DEFAULT_PRIORITY_HEADER.into()
-}
-
-fn default_classes() -> Vec<PriorityClass> {
-    [("critical", 1.0), ("normal", 0.9), ("low", 0.5)]
-        .into_iter()
-        .map(|(name, shed_at)| PriorityClass {
-            name: Name::trusted(name),
-            shed_at: Fraction::trusted(shed_at),
-            queue: None,
-        })
-        .collect()
-}
-
-fn default_class() -> Name {
-    Name::trusted("normal")
-}
-
-fn default_retry_after() -> DurationMs {
-    DurationMs::from_ms(1000).unwrap_or(DurationMs::MIN)
-}
-
 fn default_stat_prefix() -> Name {
     Name::trusted(DEFAULT_STAT_PREFIX)
-}
-
-/// One rate-limit rule.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RateLimitRule {
-    /// Unique name, used in metrics, shared-data keys and responses.
-    pub name: Name,
-    /// The parts of the request that make the key, joined in order.
-    pub key: Vec<KeyPart>,
-    /// Requests admitted per window and key.
-    pub limit: Positive,
-    /// The window length.
-    pub window: DurationMs,
-    /// How many distinct keys the rule tracks exactly (default 16384); beyond that, keys share
-    /// slots as documented in [`crate::ratelimit::table`].
-    #[serde(default = "default_capacity")]
-    pub capacity: Positive,
-    /// What the rule does with a request that lacks a key part.
-    #[serde(default)]
-    pub missing_key: MissingKey,
-    /// Whether the quota holds across the workers of this proxy or across the whole fleet.
-    #[serde(default)]
-    pub scope: Scope,
-    /// When the rule applies (`match`; absent: to every request).
-    #[serde(default, rename = "match")]
-    pub condition: Option<Match>,
-    /// Limits by tier, a request header naming the tier.
-    #[serde(default)]
-    pub tiers: Option<Tiers>,
-    /// Keys with a limit of their own.
-    #[serde(default)]
-    pub overrides: Vec<Override>,
-    /// What a request costs (absent: 1).
-    #[serde(default)]
-    pub cost: Option<Cost>,
-    /// The shape of the rule's `429` bodies (absent: the top-level `refusal_format`).
-    #[serde(default)]
-    pub refusal_format: Option<RefusalFormat>,
-    /// In global scope: how the fleet shares the quota (default `batched`).
-    #[serde(default)]
-    pub consistency: Consistency,
-    /// `shadow`: the rule only counts the requests it would refuse.
-    #[serde(default)]
-    pub mode: Mode,
-    /// How the rule counts: a sliding window (the default) or a token bucket whose sustained
-    /// rate is `limit` per `window`.
-    #[serde(default)]
-    pub algorithm: Algorithm,
-    /// Token bucket: the bucket's size, the units a key may spend at once (required with
-    /// `"algorithm": "token_bucket"`, refused otherwise).
-    #[serde(default)]
-    pub burst: Option<Positive>,
-    /// Token bucket: a request over the rate whose turn comes within this waits for its turn
-    /// instead of being refused (absent: refused at once).
-    #[serde(default)]
-    pub max_delay: Option<DurationMs>,
-}
-
-/// How a rule counts ([`crate::ratelimit::window`], [`crate::ratelimit::bucket`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Algorithm {
-    /// `limit` units per sliding `window` (the default).
-    #[default]
-    SlidingWindow,
-    /// A token bucket of `burst` units refilled at `limit` per `window` (GCRA).
-    TokenBucket,
-}
-
-/// How the proxies of a fleet share a rule's quota in global scope (`docs/global.md`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Consistency {
-    /// Each proxy decides on its own counts plus the fleet's as last synced, and sends its
-    /// admissions in batches: no request waits, the fleet may overshoot a little.
-    #[default]
-    Batched,
-    /// Each proxy takes units from the store ahead of use, shared by its workers
-    /// ([`crate::fleet::leased`]): never over the limit; a request waits on the store when its
-    /// key's lease is empty.
-    Leased,
-}
-
-/// Where a rule's quota holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Scope {
-    /// Across the workers of one proxy (the default).
-    #[default]
-    Proxy,
-    /// Across every proxy of the fleet, through the store named in the `global` section.
-    Global,
-}
-
-fn default_capacity() -> Positive {
-    Positive::new(DEFAULT_CAPACITY).unwrap_or(Positive::ONE)
-}
-
-/// What a rule does when a request lacks one of its key parts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum MissingKey {
-    /// The rule does not apply to the request (the default).
-    #[default]
-    Skip,
-    /// All requests lacking any part share one counter per rule, whatever the present parts hold.
-    Shared,
-}
-
-/// The shape of a rate limit's `429` body: the problem document, or the error object of the
-/// API the rule guards, so that the API's own clients show it (the headers are the same).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RefusalFormat {
-    /// RFC 9457 problem details (`application/problem+json`), the default.
-    #[default]
-    Problem,
-    /// OpenAI's error object: `{"error": {"message", "type", "param", "code": "rate_limit_exceeded"}}`.
-    Openai,
-    /// Anthropic's: `{"type": "error", "error": {"type": "rate_limit_error", "message"}}`.
-    Anthropic,
-}
-
-/// When admitted responses carry the `ratelimit` / `ratelimit-policy` fields.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum RateLimitHeaders {
-    /// On every response a rule applied to: the rule with the least remaining quota (default).
-    #[default]
-    Always,
-    /// Only on `429` responses.
-    OnReject,
-}
-
-/// One part of a rate-limit key.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum KeyPart {
-    /// A request header (name stored lower-case); its raw bytes.
-    Header(String),
-    /// The downstream peer address without its port.
-    SourceIp,
-    /// The request path without its query.
-    Path,
-    /// The request method.
-    Method,
-    /// The `:authority` (host) header.
-    Authority,
-}
-
-impl fmt::Display for KeyPart {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            KeyPart::Header(name) => write!(f, "header:{name}"),
-            KeyPart::SourceIp => f.write_str("source_ip"),
-            KeyPart::Path => f.write_str("path"),
-            KeyPart::Method => f.write_str("method"),
-            KeyPart::Authority => f.write_str("authority"),
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for KeyPart {
-    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct KeyPartVisitor;
-        impl<'de> Visitor<'de> for KeyPartVisitor {
-            type Value = KeyPart;
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(
-                    "\"source_ip\", \"path\", \"method\", \"authority\" or {\"header\": NAME}",
-                )
-            }
-            fn visit_str<E: de::Error>(self, text: &str) -> Result<KeyPart, E> {
-                match text {
-                    "source_ip" => Ok(KeyPart::SourceIp),
-                    "path" => Ok(KeyPart::Path),
-                    "method" => Ok(KeyPart::Method),
-                    "authority" => Ok(KeyPart::Authority),
-                    other => Err(E::custom(format!(
-                        "unknown key part {other:?} (expected \"source_ip\", \"path\", \"method\", \"authority\" or {{\"header\": NAME}})"
-                    ))),
-                }
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<KeyPart, A::Error> {
-                let mut header: Option<String> = None;
-                while let Some(field) = map.next_key::<String>()? {
-                    if field != "header" {
-                        return Err(de::Error::custom(format!(
-                            "unknown field {field:?} in a key part (expected {{\"header\": NAME}})"
-                        )));
-                    }
-                    if header.is_some() {
-                        return Err(de::Error::custom("duplicate field \"header\""));
-                    }
-                    header = Some(map.next_value()?);
-                }
-                let name = header.ok_or_else(|| de::Error::custom("missing field \"header\""))?;
-                header_name(&name).map(KeyPart::Header).map_err(de::Error::custom)
-            }
-        }
-        deserializer.deserialize_any(KeyPartVisitor)
-    }
 }
 
 /// Checks an HTTP header name (RFC 9110 token) and lower-cases it, as Envoy stores them.
@@ -643,105 +272,6 @@ impl Config {
         Ok(())
     }
 
-    fn validate_watchdog(&self, watchdog: &Watchdog) -> Result<(), ConfigError> {
-        check_path(&watchdog.path, "watchdog.path")?;
-        if self.health.as_ref().is_some_and(|h| h.path == watchdog.path) {
-            return Err(ConfigError {
-                path: "watchdog.path".into(),
-                problem: format!("{:?} is health.path too: liveness and readiness need paths of their own", watchdog.path),
-            });
-        }
-        let at_least = |field: &str, value: DurationMs, min_ms: u64, why: &str| {
-            if value.get().get() < min_ms {
-                return Err(ConfigError {
-                    path: format!("watchdog.{field}"),
-                    problem: format!("must be at least {min_ms}ms ({why}), got {value}"),
-                });
-            }
-            Ok(())
-        };
-        at_least("worker_silence", watchdog.worker_silence, MIN_WORKER_SILENCE_MS, "three heartbeats")?;
-        at_least("max_loop_lag", watchdog.max_loop_lag, MIN_WATCHDOG_LAG_MS, "the heartbeat measures the lag to that")?;
-        let recover_after = watchdog.recover_after.get().get();
-        if recover_after > MAX_RECOVER_AFTER {
-            return Err(ConfigError {
-                path: "watchdog.recover_after".into(),
-                problem: format!("must be at most {MAX_RECOVER_AFTER}, got {recover_after}"),
-            });
-        }
-        Ok(())
-    }
-
-    /// A token bucket's fields, only with the token bucket, and only in proxy scope.
-    fn validate_algorithm(&self, rule: &RateLimitRule, at: &dyn Fn(&str) -> String) -> Result<(), ConfigError> {
-        let error = |field: &str, problem: &str| Err(ConfigError { path: at(field), problem: problem.into() });
-        match rule.algorithm {
-            Algorithm::SlidingWindow => {
-                if rule.burst.is_some() {
-                    return error("burst", "needs \"algorithm\": \"token_bucket\" (a sliding window has no burst: its limit is the most a key may send in one window)");
-                }
-                if rule.max_delay.is_some() {
-                    return error("max_delay", "needs \"algorithm\": \"token_bucket\" (a request waits for its turn in a bucket; a sliding window has no turns)");
-                }
-            }
-            Algorithm::TokenBucket => {
-                let Some(burst) = rule.burst else {
-                    return error("burst", "is required with \"algorithm\": \"token_bucket\" (the units a key may spend at once, at least 1)");
-                };
-                if burst.get().get() > MAX_BURST {
-                    return error("burst", &format!("must be at most {MAX_BURST}, got {}", burst.get()));
-                }
-                if rule.max_delay.is_some_and(|d| d.get().get() > MAX_DELAY_MS) {
-                    return error("max_delay", &format!("must be at most {}s (a request waits in the proxy, holding its connection)", MAX_DELAY_MS / 1000));
-                }
-                if rule.scope == Scope::Global {
-                    return error("scope", "a token bucket holds in proxy scope only: its state is one instant per key, which neither the batched sync (counts added across proxies) nor leases (units taken ahead) can share");
-                }
-            }
-        }
-        Ok(())
-    }
-
-    fn validate_shedding(&self, shedding: &LoadShedding) -> Result<(), ConfigError> {
-        let error = |path: String, problem: String| ConfigError { path, problem };
-        if shedding.max_active_requests.is_none() && shedding.max_loop_lag.is_none() && shedding.per_key.is_none() {
-            return Err(error(
-                "load_shedding".into(),
-                "needs max_active_requests (an in-flight limit), max_loop_lag (a lag limit) or per_key (a cap per key), or several".into(),
-            ));
-        }
-        if let Some(per_key) = &shedding.per_key {
-            bulkhead::validate_per_key(per_key)?;
-        }
-        let probe = shedding.lag_probe_interval.get().get();
-        if !(MIN_LAG_PROBE_MS..=MAX_LAG_PROBE_MS).contains(&probe) {
-            return Err(error(
-                "load_shedding.lag_probe_interval".into(),
-                format!("must be from {MIN_LAG_PROBE_MS}ms to {MAX_LAG_PROBE_MS}ms, got {probe}ms"),
-            ));
-        }
-        header_name(&shedding.priority_header)
-            .map_err(|problem| error("load_shedding.priority_header".into(), problem))?;
-        if shedding.classes.is_empty() {
-            return Err(error("load_shedding.classes".into(), "must list at least one class".into()));
-        }
-        for (index, class) in shedding.classes.iter().enumerate() {
-            if let Some(first) = earlier_duplicate(&shedding.classes, index, |c| &c.name) {
-                return Err(error(
-                    format!("load_shedding.classes[{index}].name"),
-                    format!("duplicate class name \"{}\" (also load_shedding.classes[{first}].name)", class.name),
-                ));
-            }
-        }
-        if !shedding.classes.iter().any(|c| c.name == shedding.default_class) {
-            return Err(error(
-                "load_shedding.default_class".into(),
-                format!("\"{}\" is not one of the classes", shedding.default_class),
-            ));
-        }
-        leveling::validate(shedding)
-    }
-
     /// A one-line summary of what the configuration enforces, for the configure-time log.
     pub fn summary(&self) -> String {
         let mut parts = vec![self.rate_limit_summary()];
@@ -834,18 +364,6 @@ impl Config {
     }
 }
 
-/// Checks a path the filter answers itself (`field`: where it is in the configuration).
-fn check_path(path: &str, field: &str) -> Result<(), ConfigError> {
-    let odd = |c: char| c.is_control() || c.is_whitespace() || c == '?' || c == '#';
-    if !path.starts_with('/') || path.contains(odd) {
-        return Err(ConfigError {
-            path: field.into(),
-            problem: format!("{path:?} must be a path starting with '/', without query, spaces or control characters"),
-        });
-    }
-    Ok(())
-}
-
 /// The index of the first item before `index` with the same name as item `index`.
 fn earlier_duplicate<T>(items: &[T], index: usize, name: impl Fn(&T) -> &Name) -> Option<usize> {
     let wanted = name(items.get(index)?);
@@ -909,28 +427,11 @@ fn without_position(message: &str) -> String {
 #[cfg(test)]
 #[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
+    use super::rate_limits::default_capacity;
     use super::*;
 
-    fn error_of(json: &str) -> String {
+    pub(super) fn error_of(json: &str) -> String {
         Config::parse(json.as_bytes()).unwrap_err().to_string()
-    }
-
-    #[test]
-    fn token_bucket_fields_are_checked_and_named() {
-        let rule = |extra: &str| format!(r#"{{"rate_limits":[{{"name":"b","key":["path"],"limit":10,"window":"1s"{extra}}}]}}"#);
-        let ok = Config::parse(rule(r#","algorithm":"token_bucket","burst":5,"max_delay":"3s""#).as_bytes()).unwrap();
-        let parsed = &ok.rate_limits[0];
-        assert_eq!((parsed.algorithm, parsed.burst.map(|b| b.get().get()), parsed.max_delay.map(|d| d.get().get())), (Algorithm::TokenBucket, Some(5), Some(3000)));
-        assert!(ok.summary().contains("b = 10 per 1s (token bucket of 5, waits up to 3s)"), "{}", ok.summary());
-        assert!(error_of(&rule(r#","algorithm":"token_bucket","burst":0"#)).starts_with("rate_limits[0].burst: "));
-        assert!(error_of(&rule(r#","algorithm":"token_bucket""#)).starts_with("rate_limits[0].burst: is required"));
-        assert!(error_of(&rule(r#","burst":5"#)).starts_with("rate_limits[0].burst: needs \"algorithm\": \"token_bucket\""));
-        assert!(error_of(&rule(r#","max_delay":"1s""#)).starts_with("rate_limits[0].max_delay: needs \"algorithm\": \"token_bucket\""));
-        assert!(error_of(&rule(r#","algorithm":"token_bucket","burst":5,"max_delay":"0s""#)).starts_with("rate_limits[0].max_delay: "));
-        assert!(error_of(&rule(r#","algorithm":"token_bucket","burst":5,"max_delay":"2m""#)).starts_with("rate_limits[0].max_delay: must be at most 60s"));
-        assert!(error_of(&rule(r#","algorithm":"leaky""#)).starts_with("rate_limits[0].algorithm: unknown variant `leaky`"));
-        let global = r#"{"global":{"cluster":"sync"},"rate_limits":[{"name":"b","key":["path"],"limit":10,"window":"1s","algorithm":"token_bucket","burst":5,"scope":"global"}]}"#;
-        assert!(error_of(global).starts_with("rate_limits[0].scope: a token bucket holds in proxy scope only"), "{}", error_of(global));
     }
 
     const RULE: &str = r#"{"name":"a","key":[{"header":"X-Api-Key"}],"limit":5,"window":"10s"}"#;
@@ -1071,33 +572,6 @@ mod tests {
     fn missing_required_fields_are_named() {
         let err = error_of(r#"{"rate_limits":[{"name":"a","key":["path"],"window":"1s"}]}"#);
         assert!(err.starts_with("rate_limits[0]: missing field `limit`"), "{err}");
-    }
-
-    #[test]
-    fn load_shedding_and_health_parse_with_defaults() {
-        let config = Config::parse(
-            br#"{"load_shedding":{"max_active_requests":500},"health":{"path":"/floodgate/health"}}"#,
-        )
-        .unwrap();
-        let shedding = config.load_shedding.unwrap();
-        assert_eq!(shedding.max_active_requests.unwrap().get().get(), 500);
-        assert_eq!((shedding.max_loop_lag, shedding.lag_probe_interval.get().get()), (None, 100));
-        assert_eq!(shedding.priority_header, DEFAULT_PRIORITY_HEADER);
-        assert_eq!(shedding.classes.len(), 3);
-        assert_eq!(shedding.default_class.as_str(), "normal");
-        assert_eq!(shedding.retry_after.get().get(), 1000);
-        assert_eq!(config.health.unwrap().path, "/floodgate/health");
-    }
-
-    #[test]
-    fn the_watchdog_parses_with_defaults() {
-        let config = Config::parse(br#"{"watchdog":{"path":"/floodgate/alive"}}"#).unwrap();
-        let dog = config.watchdog.as_ref().unwrap();
-        assert_eq!(
-            (dog.worker_silence.get().get(), dog.max_loop_lag.get().get(), dog.lag_for.get().get(), dog.max_memory_mb, dog.recover_after.get().get()),
-            (5_000, 2_000, 30_000, None, 3)
-        );
-        assert!(config.summary().contains("watchdog /floodgate/alive: a worker silent 5s, or lagging past 2s for 30s"), "{}", config.summary());
     }
 
     #[test]
