@@ -67,6 +67,12 @@ pub struct Args {
     #[arg(long, env = "FLOODGATE_SYNC_REDIS_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub redis_timeout: Duration,
 
+    /// The least time between two script calls of one shard's asks (the synchronous asks of
+    /// batched rules' requests, merged): longer merges more asks per call (fewer Redis commands),
+    /// shorter makes an ask wait less. 0ms: a call as soon as the one before returned. E.g. 10ms.
+    #[arg(long, env = "FLOODGATE_SYNC_ASK_PACE", default_value = "10ms", value_parser = parse_duration)]
+    pub ask_pace: Duration,
+
     /// With rediss:// URLs: the CA certificates (PEM) that Redis's certificate must chain to,
     /// instead of the built-in public roots (Mozilla's, through webpki-roots).
     #[arg(long, env = "FLOODGATE_SYNC_REDIS_CA")]
@@ -213,6 +219,7 @@ mod tests {
         assert_eq!(args.max_counters, 10_000);
         assert_eq!(args.max_body_bytes, 1_048_576);
         assert_eq!(args.redis_timeout, Duration::from_secs(1));
+        assert_eq!(args.ask_pace, Duration::from_millis(10));
         assert!(args.tokens.is_empty() && args.token_file.is_none());
         assert!(args.redis_ca.is_none() && args.redis_cert.is_none());
     }

@@ -73,6 +73,7 @@ pub async fn run(args: Args) -> Result<(), String> {
             urls: args.redis.clone(),
             cluster: args.cluster,
             timeout: args.redis_timeout,
+            ask_pace: args.ask_pace,
             tls: tls.clone(),
         },
         metrics.clone(),

@@ -20,8 +20,9 @@
 //! call fails is answered with the error, and its proxy retries it (the dedup hashes keep the
 //! retry exactly once).
 //! The asks of batched rules ([`PlannedLease::is_ask`]) have lanes of their own, the same
-//! mechanism ([`LaneWork`]): a call (`ask.lua`) reads each distinct counter once and adds each
-//! counter's grants once, whatever the proxies asking; other leases go one script call each.
+//! mechanism ([`LaneWork`]), paced at `--ask-pace` ([`DEFAULT_ASK_PACE`]: a request waits for its ask): a call
+//! (`ask.lua`) reads each distinct counter once and adds each counter's grants once, whatever the
+//! proxies asking; other leases go one script call each.
 //!
 //! Scripts go as EVALSHA; on NOSCRIPT (a restarted or promoted node) the same call goes again as
 //! EVAL with the source. Everything a batch does is bounded by `--redis-timeout`.
@@ -58,9 +59,12 @@ const ASK_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("ask.l
 
 /// The most counters one script call takes on a single node, unless one shard has more.
 const MAX_SCRIPT_COUNTERS: usize = 1000;
-/// A lane starts a script call at most this often: the parts that arrive meanwhile wait and go
-/// together in the next call (a lone part on an idle lane goes at once).
+/// A batches' lane starts a script call at most this often: the parts that arrive meanwhile wait
+/// and go together in the next call (a lone part on an idle lane goes at once).
 pub const LANE_PACE: Duration = Duration::from_millis(25);
+/// An asks' lane starts a script call at most this often by default (`--ask-pace`): shorter
+/// than [`LANE_PACE`], since a request waits for its ask's answer.
+pub const DEFAULT_ASK_PACE: Duration = Duration::from_millis(10);
 
 /// How to reach Redis.
 #[derive(Debug, Clone)]
@@ -71,6 +75,8 @@ pub struct StoreConfig {
     pub cluster: bool,
     /// The bound on everything one request asks of Redis (connecting included).
     pub timeout: Duration,
+    /// The least time between two calls of one asks' lane (`--ask-pace`, [`DEFAULT_ASK_PACE`]).
+    pub ask_pace: Duration,
     /// Certificates for `rediss://` URLs.
     pub tls: StoreTls,
 }
@@ -261,6 +267,7 @@ struct Calls {
     script: Script,
     ask_script: Script,
     timeout: Duration,
+    ask_pace: Duration,
     metrics: Arc<Metrics>,
     errors: Arc<ErrorLog>,
 }
@@ -272,6 +279,8 @@ trait LaneWork: Sized + Send + 'static {
     type Outcome: Send + 'static;
     /// What the error log calls a failed call.
     const WHAT: &'static str;
+    /// The least time between the starts of two calls of one lane.
+    fn pace(calls: &Calls) -> Duration;
     /// Its size toward [`MAX_SCRIPT_COUNTERS`] per call.
     fn size(&self) -> usize;
     /// One script call over `work` (all on one slot in a cluster), an outcome per unit.
@@ -373,6 +382,7 @@ impl Store {
                 script: Script::new(SCRIPT_SOURCE),
                 ask_script: Script::new(ASK_SOURCE),
                 timeout: config.timeout,
+                ask_pace: config.ask_pace,
                 metrics,
                 errors,
             },
@@ -664,12 +674,12 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
 
 /// Serves lane `id` of `lanes` until it is empty: takes the work waiting (whole units up to
 /// [`MAX_SCRIPT_COUNTERS`], at least one), runs it in one script call, answers each unit; then
-/// the work that came meanwhile, at most one call per [`LANE_PACE`].
+/// the work that came meanwhile, at most one call per [`LaneWork::pace`].
 async fn run_lane<W: LaneWork>(calls: Calls, lanes: Lanes<W>, id: u32) {
     let mut started: Option<Instant> = None;
     loop {
-        // At most one call per LANE_PACE: the work arriving meanwhile merges into the next.
-        if let Some(rest) = started.and_then(|at| LANE_PACE.checked_sub(at.elapsed())) {
+        // At most one call per pace: the work arriving meanwhile merges into the next.
+        if let Some(rest) = started.and_then(|at| W::pace(&calls).checked_sub(at.elapsed())) {
             tokio::time::sleep(rest).await;
         }
         let (work, answers): (Vec<W>, Vec<_>) = {
@@ -724,6 +734,10 @@ impl LaneWork for BatchPart {
     type Outcome = GroupOutcome;
     const WHAT: &'static str = "batch";
 
+    fn pace(_: &Calls) -> Duration {
+        LANE_PACE
+    }
+
     fn size(&self) -> usize {
         self.group.counters.len()
     }
@@ -741,6 +755,10 @@ impl LaneWork for BatchPart {
 impl LaneWork for PlannedLease {
     type Outcome = Grant;
     const WHAT: &'static str = "ask";
+
+    fn pace(calls: &Calls) -> Duration {
+        calls.ask_pace
+    }
 
     fn size(&self) -> usize {
         1
@@ -1082,6 +1100,7 @@ mod tests {
             urls: urls.iter().map(|u| u.to_string()).collect(),
             cluster: urls.len() > 1,
             timeout: Duration::from_secs(1),
+            ask_pace: DEFAULT_ASK_PACE,
             tls: StoreTls {
                 ca: ca.then(|| b"pem".to_vec()),
                 client: None,
