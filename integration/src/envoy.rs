@@ -186,7 +186,7 @@ impl EnvoyBuilder {
         }
     }
 
-    /// Sets every route's `request_body_buffer_limit` (Envoy 1.40; docs/llm.md, "The estimate in
+    /// Sets every route's `request_body_buffer_limit` (Envoy 1.37 and later; docs/llm.md, "The estimate in
     /// the request body"): what Envoy holds of a request body while the filter reads it, apart
     /// from how much it reads at once.
     pub fn request_body_buffer_limit(mut self, bytes: u64) -> EnvoyBuilder {

@@ -287,24 +287,13 @@ trait LaneWork: Sized + Send + 'static {
     fn call<'a>(calls: &'a Calls, work: &'a [Self]) -> impl Future<Output = Result<Vec<Self::Outcome>, StoreError>> + Send + 'a;
 }
 
-/// The lanes of one kind of work, by lane id (the shard in a cluster, else 0).
-type Lanes<W> = Arc<Mutex<HashMap<u32, Lane<W>>>>;
+/// The lanes of one kind of work, by lane id (the shard in a cluster, else 0): the work waiting
+/// in each, each unit with where its outcome goes. A lane is in the map exactly while a runner
+/// serves it.
+type Lanes<W> = Arc<Mutex<HashMap<u32, VecDeque<(W, Answer<W>)>>>>;
 
 /// Where a unit of work's outcome goes.
 type Answer<W> = oneshot::Sender<Result<<W as LaneWork>::Outcome, StoreError>>;
-
-/// The work waiting in one lane, each unit with where its outcome goes.
-struct Lane<W: LaneWork> {
-    waiting: VecDeque<(W, Answer<W>)>,
-    /// Whether a runner serves the lane.
-    running: bool,
-}
-
-impl<W: LaneWork> Default for Lane<W> {
-    fn default() -> Self {
-        Lane { waiting: VecDeque::new(), running: false }
-    }
-}
 
 /// One batch's part on one shard.
 struct BatchPart {
@@ -320,7 +309,6 @@ pub struct GroupOutcome {
     /// Its counters' totals, in the group's order.
     pub totals: Vec<Totals>,
 }
-
 
 impl Store {
     /// Sets up the connection (lazily: no Redis needs to be up yet). Fails only on a bad URL.
@@ -398,9 +386,9 @@ impl Store {
         let (answer, receiver) = oneshot::channel();
         let start = {
             let mut lanes = lanes.lock().unwrap_or_else(PoisonError::into_inner);
-            let lane = lanes.entry(id).or_default();
-            lane.waiting.push_back((work, answer));
-            !std::mem::replace(&mut lane.running, true)
+            let idle = !lanes.contains_key(&id);
+            lanes.entry(id).or_default().push_back((work, answer));
+            idle
         };
         if start {
             tokio::spawn(run_lane(self.calls.clone(), lanes.clone(), id));
@@ -684,13 +672,13 @@ async fn run_lane<W: LaneWork>(calls: Calls, lanes: Lanes<W>, id: u32) {
         }
         let (work, answers): (Vec<W>, Vec<_>) = {
             let mut lanes = lanes.lock().unwrap_or_else(PoisonError::into_inner);
-            let Some(lane) = lanes.get_mut(&id) else { return };
-            let count = to_take(lane.waiting.iter().map(|(work, _)| work.size()), MAX_SCRIPT_COUNTERS);
+            let Some(waiting) = lanes.get_mut(&id) else { return };
+            let count = to_take(waiting.iter().map(|(work, _)| work.size()), MAX_SCRIPT_COUNTERS);
             if count == 0 {
                 lanes.remove(&id);
                 return;
             }
-            lane.waiting.drain(..count).unzip()
+            waiting.drain(..count).unzip()
         };
         started = Some(Instant::now());
         let result = match tokio::time::timeout(calls.timeout, W::call(&calls, &work)).await {
