@@ -25,36 +25,41 @@ pub struct Checked {
 
 /// The rules that read their estimate from the request body, where the file's routes let Envoy
 /// hold less of a body than the estimate's bound plus one read from the client: Envoy answers
-/// `413` to such a request when its first bytes come alone and the rest at once.
+/// `413` to such a request when its first bytes come alone and the rest at once. One warning
+/// names every such rule and the room the largest bound needs.
 fn body_buffer_warnings(config: &Config, envoy: &EnvoyContext) -> Vec<String> {
     let Some(limit) = envoy.body_buffer_limit else { return Vec::new() };
-    let mut warnings = Vec::new();
+    let mut short = Vec::new();
+    let mut needed = 0;
     for (index, rule) in config.rate_limits.iter().enumerate() {
         let Some(estimate) = rule.cost.as_ref().and_then(|cost| cost.estimate.as_ref()) else { continue };
         if estimate.body.is_none() && estimate.sum.is_none() {
             continue;
         }
         let bound = estimate.max_body_bytes.map_or(floodgate::config::DEFAULT_ESTIMATE_BODY_BYTES, |b| u64::from(b.get().get()));
-        let needed = bound.saturating_add(envoy.read_limit).saturating_add(FRAME_BYTES);
-        if limit >= needed {
-            continue;
+        let rule_needs = bound.saturating_add(envoy.read_limit).saturating_add(FRAME_BYTES);
+        if limit < rule_needs {
+            short.push(format!("rate_limits[{index}] (\"{name}\", up to {bound} bytes)", name = rule.name));
+            needed = needed.max(rule_needs);
         }
-        let routes = if limit == 0 {
-            "a route of this file sets no request_body_buffer_limit".to_owned()
-        } else {
-            format!("a route of this file sets request_body_buffer_limit: {limit}")
-        };
-        warnings.push(format!(
-            "rate_limits[{index}] (\"{name}\"): reads its estimate from the request body (up to {bound} bytes), but \
-             {routes}: Envoy holds what it read of a body plus one read from the client (up to the listener's \
-             per_connection_buffer_limit_bytes, {read}) and answers 413 past the stream's limit, so a long body whose \
-             first bytes come alone is refused. Set request_body_buffer_limit: {needed} (or more) on the routes (Envoy \
-             1.37 and later; docs/llm.md, \"The estimate in the request body\")",
-            name = rule.name,
-            read = envoy.read_limit,
-        ));
     }
-    warnings
+    if short.is_empty() {
+        return Vec::new();
+    }
+    let routes = if limit == 0 {
+        "a route of this file sets no request_body_buffer_limit".to_owned()
+    } else {
+        format!("a route of this file sets request_body_buffer_limit: {limit}")
+    };
+    let (rules, read) = (short.join(", "), envoy.read_limit);
+    vec![format!(
+        "{rules}: {verb} {its} estimate from the request body, but {routes}: Envoy holds what it read of a body plus \
+         one read from the client (up to the listener's per_connection_buffer_limit_bytes, {read}) and answers 413 past \
+         the stream's limit, so a long body whose first bytes come alone is refused. Set request_body_buffer_limit: \
+         {needed} (or more) on the routes (Envoy 1.37 and later; docs/llm.md, \"The estimate in the request body\")",
+        verb = if short.len() == 1 { "reads" } else { "read" },
+        its = if short.len() == 1 { "its" } else { "their" },
+    )]
 }
 
 /// Parses a configuration found by [`find_configurations`](crate::find_configurations) with the
@@ -352,11 +357,19 @@ static_resources:
         let warnings = |settings: &str, config: &str| check(&find("b.yaml", &edge_listener(settings, config))[0]).unwrap().warnings;
         let missing = warnings(&routes(""), config);
         assert_eq!(missing.len(), 1, "{missing:?}");
-        assert!(missing[0].starts_with("rate_limits[0] (\"tokens\"): reads its estimate from the request body (up to 262144 bytes), but a route of this file sets no request_body_buffer_limit"), "{}", missing[0]);
+        assert!(missing[0].starts_with("rate_limits[0] (\"tokens\", up to 262144 bytes): reads its estimate from the request body, but a route of this file sets no request_body_buffer_limit"), "{}", missing[0]);
         assert!(missing[0].contains("request_body_buffer_limit: 1376256 (or more)"), "{}", missing[0]);
         let small = warnings(&routes("                request_body_buffer_limit: 1048576\n"), config);
         assert!(small[0].contains("sets request_body_buffer_limit: 1048576"), "{small:?}");
         assert!(warnings(&routes("                request_body_buffer_limit: 2097152\n"), config).is_empty());
+        // Two rules short of room: one warning names both, with the room the larger bound needs.
+        let two = config.replace("}}}]}", r#"}}}, {"name": "big", "key": [{"header": "k"}], "limit": 1000, "window": "1m",
+            "cost": {"from": "response_body", "path": "usage.total_tokens",
+                     "estimate": {"body": ["max_tokens"], "default": 256, "max": 4096, "max_body_bytes": 1048576}}}]}"#);
+        let both = warnings(&routes(""), &two);
+        assert_eq!(both.len(), 1, "{both:?}");
+        assert!(both[0].starts_with("rate_limits[0] (\"tokens\", up to 262144 bytes), rate_limits[1] (\"big\", up to 1048576 bytes): read their estimate"), "{}", both[0]);
+        assert!(both[0].contains("request_body_buffer_limit: 2162688 (or more)"), "{}", both[0]);
         // Without inline routes (RDS) or without a body estimate there is nothing to compare.
         assert!(warnings("stat_prefix: edge", config).is_empty());
         let header_only = config.replace(r#""body": ["max_tokens"], "#, r#""header": "x-max-tokens", "#);
