@@ -84,6 +84,16 @@ step "build the Wasm module (./wasm-build.sh)"
 wasm=$(./wasm-build.sh | tail -n1)
 echo "module: $wasm"
 
+# The static musl builds of floodgate-sync and floodgate (release: LTO, one codegen unit; minutes of
+# compiling, mostly on one core; cargo builds them in target/release and target/<musl target>/,
+# which nothing else builds in before the release step) go on while the steps below build and test:
+# the integration suite's compose test puts floodgate-sync's in its image, and the release step
+# ships both, each then finding its build done. The integration step waits for them (and shows
+# their log); should one fail, the step that needs it builds it again and fails there.
+musl_log=$(mktemp)
+(scripts/musl-build.sh floodgate-sync floodgate-sync && scripts/musl-build.sh floodgate-cli floodgate) >"$musl_log" 2>&1 &
+musl_build=$!
+
 step "get Envoy (scripts/envoy.sh)"
 envoy=$(scripts/envoy.sh | tail -n1)
 echo "envoy: $envoy"
@@ -174,6 +184,10 @@ for name in "${waiting_lane[@]}"; do
   [[ -f "integration/tests/$name.rs" ]] || { echo "test.sh: no integration test named $name" >&2; exit 1; }
 done
 cargo test -p floodgate-integration --no-run
+echo "==> the static musl builds of floodgate-sync and floodgate (scripts/musl-build.sh), started after the Wasm build"
+wait "$musl_build" || echo "scripts/musl-build.sh failed (exit $?): the steps that need its build will build it again"
+cat "$musl_log"
+rm -f "$musl_log"
 lanes=$(mktemp -d)
 # run_lane LANE ENVOY NAME...: runs each named test binary (a file of integration/tests/, or lib for
 # the harness's own tests), one after the other and each one test at a time, into $lanes/LANE; each
