@@ -55,6 +55,13 @@ step_summary() {
 }
 trap step_summary EXIT
 
+# On CI (CI=true, a fresh clone): no incremental compilation caches and line tables only in the
+# debug builds (a panic's backtrace still names file and line), which compile and link the
+# test binaries faster. A local run keeps the usual profile, and so the builds of target/.
+if [[ "${CI:-}" == true ]]; then
+  export CARGO_INCREMENTAL=0 CARGO_PROFILE_DEV_DEBUG=line-tables-only
+fi
+
 step "history check: no development history in the tracked text files (scripts/history-check.sh)"
 scripts/history-check.sh --self-test | tail -n1
 scripts/history-check.sh
@@ -66,9 +73,29 @@ scripts/import-cycles.sh
 step "preflight: what this machine needs (scripts/preflight.sh test)"
 scripts/preflight.sh test
 
+# The fuzz targets build on their own toolchain and target directory (nightly, sanitizers; a few
+# minutes of compiling, installing nightly and cargo-fuzz first if missing) while the steps below
+# build and check; the fuzz step waits for that build, then fuzzes.
+fuzz_build_log=$(mktemp)
+fuzz/run.sh --build-only >"$fuzz_build_log" 2>&1 &
+fuzz_build=$!
+
 step "build the Wasm module (./wasm-build.sh)"
 wasm=$(./wasm-build.sh | tail -n1)
 echo "module: $wasm"
+
+# The static musl builds of floodgate-sync and floodgate (release: LTO, one codegen unit; minutes of
+# compiling, mostly on one core; cargo builds them in target/release and target/<musl target>/,
+# which nothing else builds in before the release step) go on while the steps below build and test:
+# the integration suite's compose test puts floodgate-sync's in its image, and the release step
+# ships both; each runs scripts/musl-build.sh again, which rebuilds only what cargo finds stale
+# (after the compose test, which builds in cargo test's environment, the release step still finds
+# floodgate-sync's crates with build scripts stale, ring and rustls among them: about a minute).
+# The integration step waits for them (and shows their log); should one fail, the step that needs
+# it builds it again and fails there.
+musl_log=$(mktemp)
+(scripts/musl-build.sh floodgate-sync floodgate-sync && scripts/musl-build.sh floodgate-cli floodgate) >"$musl_log" 2>&1 &
+musl_build=$!
 
 step "get Envoy (scripts/envoy.sh)"
 envoy=$(scripts/envoy.sh | tail -n1)
@@ -100,26 +127,13 @@ prometheus=$(scripts/prometheus.sh | tail -n1)
 echo "prometheus: $prometheus"
 "$prometheus" --version 2>&1 | sed -n 1p
 
-step "clippy: floodgate, native, all targets"
-cargo clippy -p floodgate --all-targets -- -D warnings
+# One clippy over the whole workspace (floodgate, floodgate-integration, floodgate-cli,
+# floodgate-bench, floodgate-sync, floodgate-trim; every target): each dependency is checked once.
+step "clippy: every crate of the workspace, all targets (the filter, the test harness, floodgate-cli, floodgate-bench, floodgate-sync, floodgate-trim)"
+cargo clippy --workspace --all-targets -- -D warnings
 
 step "clippy: floodgate, wasm32-wasip1"
 cargo clippy -p floodgate --lib --target wasm32-wasip1 -- -D warnings
-
-step "clippy: floodgate-integration (the test harness)"
-cargo clippy -p floodgate-integration --all-targets -- -D warnings
-
-step "clippy: floodgate-cli (the floodgate command)"
-cargo clippy -p floodgate-cli --all-targets -- -D warnings
-
-step "clippy: floodgate-bench (the benchmark tool; CI times nothing)"
-cargo clippy -p floodgate-bench --all-targets -- -D warnings
-
-step "clippy: floodgate-sync (the ambassador to Redis)"
-cargo clippy -p floodgate-sync --all-targets -- -D warnings
-
-step "clippy: floodgate-trim (the module's last build step)"
-cargo clippy -p floodgate-trim --all-targets -- -D warnings
 
 results=$(mktemp)
 trap 'rm -f "$results"; step_summary' EXIT
@@ -127,24 +141,28 @@ trap 'rm -f "$results"; step_summary' EXIT
 step "unit tests: cargo test -p floodgate"
 cargo test -p floodgate 2>&1 | tee -a "$results"
 
-step "fuzz: every target for 20 s (fuzz/run.sh; installs nightly and cargo-fuzz if missing)"
-fuzz/run.sh 20
+step "fuzz: every target for 10 s (fuzz/run.sh, once its build, started after the preflight, is done)"
+fuzz_build_status=0
+wait "$fuzz_build" || fuzz_build_status=$?
+cat "$fuzz_build_log"
+rm -f "$fuzz_build_log"
+if ((fuzz_build_status != 0)); then
+  echo "fuzz/run.sh --build-only failed (exit $fuzz_build_status)" >&2
+  exit 1
+fi
+fuzz/run.sh 10
 
-step "unit tests: cargo test -p floodgate-cli"
-cargo test -p floodgate-cli 2>&1 | tee -a "$results"
+# The other crates' tests in one cargo run (their dependencies built once, with one set of features):
+# the CLI's, the trim step's, what the benchmark tool reads from /proc (it times nothing here), and
+# floodgate-sync's against real redis-server processes (a single node and a local Redis Cluster).
+step "unit tests: cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench, and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
+REDIS_SERVER="$redis" cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-sync 2>&1 | tee -a "$results"
 
-step "unit tests: cargo test -p floodgate-trim"
-cargo test -p floodgate-trim 2>&1 | tee -a "$results"
-
-step "unit tests: cargo test -p floodgate-bench (what the benchmark tool reads from /proc; it times nothing here)"
-cargo test -p floodgate-bench 2>&1 | tee -a "$results"
-
-step "sync tests: floodgate-sync against real redis-server processes (cargo test -p floodgate-sync)"
-REDIS_SERVER="$redis" cargo test -p floodgate-sync 2>&1 | tee -a "$results"
-
-step "build floodgate-sync for the global-scope tests (cargo build -p floodgate-sync)"
-cargo build -p floodgate-sync
+# The global-scope tests run the floodgate-sync binary that the sync tests above built and ran
+# (target/debug/floodgate-sync; a `cargo build -p floodgate-sync` would build it again without the
+# test-only features of its dependencies).
 sync_bin="$PWD/target/debug/floodgate-sync"
+[[ -x "$sync_bin" ]] || { echo "test.sh: cargo test -p floodgate-sync built no $sync_bin" >&2; exit 1; }
 
 # The suite runs in two lanes at once, each one test at a time: the timing and load tests in
 # one, and in the other the tests that mostly wait on something slower than the CPU (containers
@@ -168,33 +186,51 @@ done
 for name in "${waiting_lane[@]}"; do
   [[ -f "integration/tests/$name.rs" ]] || { echo "test.sh: no integration test named $name" >&2; exit 1; }
 done
-lane_args() { printf -- '--test\n%s\n' "$@"; }
 cargo test -p floodgate-integration --no-run
+echo "==> the static musl builds of floodgate-sync and floodgate (scripts/musl-build.sh), started after the Wasm build"
+wait "$musl_build" || echo "scripts/musl-build.sh failed (exit $?): the steps that need its build will build it again"
+cat "$musl_log"
+rm -f "$musl_log"
 lanes=$(mktemp -d)
-# run_lane LOG ENVOY [cargo test selection...]
+# run_lane LANE ENVOY NAME...: runs each named test binary (a file of integration/tests/, or lib for
+# the harness's own tests), one after the other and each one test at a time, into $lanes/LANE; each
+# binary's wall time goes to $lanes/LANE.times. Every binary runs even after one failed; the
+# status is non-zero if any did.
 run_lane() {
-  local log=$1 envoy_bin=$2
+  local lane=$1 envoy_bin=$2 name started took status=0
+  local selection=()
   shift 2
-  FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_bin" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
-    GRPC_PYTHON="$grpc_python" LLM_PYTHON="$llm_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
-    cargo test -p floodgate-integration --no-fail-fast "$@" -- --test-threads=1 --show-output >>"$log" 2>&1
+  for name in "$@"; do
+    if [[ "$name" == lib ]]; then selection=(--lib); else selection=(--test "$name"); fi
+    started=$SECONDS
+    FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_bin" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
+      GRPC_PYTHON="$grpc_python" LLM_PYTHON="$llm_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
+      cargo test -p floodgate-integration "${selection[@]}" -- --test-threads=1 --show-output >>"$lanes/$lane" 2>&1 || status=1
+    took=$((SECONDS - started))
+    printf '%4d:%02d  %s\n' $((took / 60)) $((took % 60)) "$name" >>"$lanes/$lane.times"
+  done
+  return "$status"
 }
 echo "timing lane: ${timing_lane[*]}"
 echo "waiting lane: lib ${waiting_lane[*]}"
-mapfile -t timing_args < <(lane_args "${timing_lane[@]}")
-mapfile -t waiting_args < <(lane_args "${waiting_lane[@]}")
 timing_status=0 waiting_status=0
-run_lane "$lanes/timing" "$envoy" "${timing_args[@]}" &
+run_lane timing "$envoy" "${timing_lane[@]}" &
 timing_pid=$!
-run_lane "$lanes/waiting" "$envoy" --lib "${waiting_args[@]}" || waiting_status=$?
+run_lane waiting "$envoy" lib "${waiting_lane[@]}" || waiting_status=$?
 if ((waiting_status == 0)); then
   echo "==> the smoke suite on Envoy 1.36 ($envoy_oldest)" >>"$lanes/waiting"
-  run_lane "$lanes/waiting" "$envoy_oldest" --test smoke || waiting_status=$?
+  echo "==> on Envoy 1.36:" >>"$lanes/waiting.times"
+  run_lane waiting "$envoy_oldest" smoke || waiting_status=$?
 fi
 wait "$timing_pid" || timing_status=$?
 for lane in timing waiting; do
   printf '\n==> integration tests, %s lane\n' "$lane"
   tee -a "$results" <"$lanes/$lane"
+done
+for lane in timing waiting; do
+  printf '\n==> the %s lane: the wall time of each test binary\n' "$lane"
+  cat "$lanes/$lane.times"
+  awk -F'[: ]+' '/^ *[0-9]+:/ { s += $2 * 60 + $3 } END { printf "%4d:%02d  in all\n", s / 60, s % 60 }' "$lanes/$lane.times"
 done
 rm -rf "$lanes"
 if ((timing_status != 0 || waiting_status != 0)); then

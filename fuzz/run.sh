@@ -3,6 +3,7 @@
 # for a bounded time and prints the executions of each.
 #
 #   fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]     (default 25 s, every target)
+#   fuzz/run.sh --build-only                           (installs and builds, fuzzes nothing)
 #
 # Installs what it needs: the nightly toolchain (rustup) and cargo-fuzz (crates.io) when missing.
 # Inputs: fuzz/seeds/<target>/ and fuzz/regressions/<target>/ (committed, read only), plus the
@@ -14,9 +15,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzz_dir=fuzz
+build_only=
+if [[ "${1:-}" == --build-only ]]; then
+  build_only=1
+  shift
+fi
 secs=${1:-25}
 shift || true
-[[ "$secs" =~ ^[0-9]+$ && "$secs" -gt 0 ]] || { echo "usage: fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]" >&2; exit 2; }
+[[ "$secs" =~ ^[0-9]+$ && "$secs" -gt 0 ]] || { echo "usage: fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...] | --build-only" >&2; exit 2; }
 
 if ! rustup toolchain list | grep -q '^nightly'; then
   echo "fuzz/run.sh: installing the nightly toolchain" >&2
@@ -36,6 +42,7 @@ fi
 
 echo "==> building ${#targets[@]} fuzz targets (cargo +nightly fuzz build)"
 cargo +nightly fuzz build --fuzz-dir "$fuzz_dir"
+[[ -z "$build_only" ]] || exit 0
 
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
