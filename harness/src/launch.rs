@@ -140,21 +140,20 @@ impl Launch {
     /// Starts Envoy on `bootstrap` (JSON or YAML text) and waits until it is ready. `Err` says
     /// why not, with the end of Envoy's log.
     pub fn start(&self, bootstrap: &str) -> Result<Running, String> {
-        let bootstrap = bootstrap.to_owned();
-        self.start_with(move || bootstrap.clone())
+        self.start_with(|| bootstrap.to_owned())
     }
 
     /// Starts Envoy on the bootstrap `make` returns and waits until it is ready; when Envoy exits
     /// because a port it was to bind is taken, starts it again on a bootstrap `make` returns
     /// afresh (picking other ports), up to [`Launch::attempts`] times.
-    pub fn start_with(&self, make: impl FnMut() -> String + 'static) -> Result<Running, String> {
+    pub fn start_with<'a>(&self, make: impl FnMut() -> String + 'a) -> Result<Running, String> {
         self.spawn_with(make)?.wait_ready()
     }
 
     /// Starts Envoy on the bootstrap `make` returns, without waiting (several Envoys can then
     /// start side by side); [`Spawned::wait_ready`] waits, starting it again as
     /// [`Launch::start_with`] does.
-    pub fn spawn_with(&self, mut make: impl FnMut() -> String + 'static) -> Result<Spawned, String> {
+    pub fn spawn_with<'a>(&self, mut make: impl FnMut() -> String + 'a) -> Result<Spawned<'a>, String> {
         let process = self.spawn(&make())?;
         Ok(Spawned { launch: self.clone(), make: Box::new(make), process, attempt: 1 })
     }
@@ -198,14 +197,14 @@ impl Launch {
 }
 
 /// An Envoy started by [`Launch::spawn_with`], not yet known to be ready.
-pub struct Spawned {
+pub struct Spawned<'a> {
     launch: Launch,
-    make: Box<dyn FnMut() -> String>,
+    make: Box<dyn FnMut() -> String + 'a>,
     process: Running,
     attempt: u32,
 }
 
-impl Spawned {
+impl Spawned<'_> {
     /// Its process id.
     pub fn pid(&self) -> u32 {
         self.process.pid()
