@@ -162,8 +162,9 @@ impl Launch {
     /// say: see [`Running::wait_exit`] and [`Running::is_ready`]).
     pub fn spawn(&self, bootstrap: &str) -> Result<Running, String> {
         let dir = tempfile::Builder::new().prefix(&self.prefix).tempdir().map_err(|e| format!("temporary directory: {e}"))?;
-        // JSON is YAML too; Envoy reads a `.yaml` file either way.
-        let path = dir.path().join("bootstrap.yaml");
+        // Envoy parses a file by its extension (and JSON is YAML too).
+        let json = bootstrap.trim_start().starts_with('{');
+        let path = dir.path().join(if json { "bootstrap.json" } else { "bootstrap.yaml" });
         std::fs::write(&path, bootstrap).map_err(|e| format!("write {}: {e}", path.display()))?;
         let log = std::fs::File::create(dir.path().join(LOG_FILE)).map_err(|e| format!("create {LOG_FILE}: {e}"))?;
         let mut command = match self.wrapper.split_first() {
@@ -210,10 +211,16 @@ impl Spawned<'_> {
         self.process.pid()
     }
 
-    /// Waits until Envoy is ready (see [`Launch::start_with`]).
-    pub fn wait_ready(mut self) -> Result<Running, String> {
+    /// Waits until Envoy is ready (see [`Launch::start_with`]), as long as [`Launch::wait`] says.
+    pub fn wait_ready(self) -> Result<Running, String> {
+        let wait = self.launch.wait;
+        self.wait_ready_within(wait)
+    }
+
+    /// Waits until Envoy is ready (see [`Launch::start_with`]), as long as `wait` says.
+    pub fn wait_ready_within(mut self, wait: Wait) -> Result<Running, String> {
         loop {
-            match self.process.wait_ready(self.launch.wait) {
+            match self.process.wait_ready(wait) {
                 Ok(()) => return Ok(self.process),
                 Err(why) if self.attempt < self.launch.attempts && self.process.port_taken() => {
                     eprintln!(
