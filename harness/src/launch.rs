@@ -222,9 +222,11 @@ impl Spawned<'_> {
         loop {
             match self.process.wait_ready(wait) {
                 Ok(()) => return Ok(self.process),
-                Err(why) if self.attempt < self.launch.attempts && self.process.port_taken() => {
+                Err(_) if self.attempt < self.launch.attempts && self.process.port_taken() => {
+                    let log = self.process.log();
+                    let line = log.lines().find(|l| l.contains(PORT_TAKEN)).unwrap_or(PORT_TAKEN).trim();
                     eprintln!(
-                        "Envoy (attempt {} of {}): a port was taken before it bound it; starting again on others ({why})",
+                        "Envoy (start {} of at most {}): a port was taken before it bound it ({line}); starting again on others",
                         self.attempt, self.launch.attempts
                     );
                     self.attempt += 1;
