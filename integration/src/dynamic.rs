@@ -20,8 +20,6 @@ use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use floodgate_harness::bootstrap::router;
@@ -103,7 +101,6 @@ pub enum Delivery {
 }
 
 /// Builds a [`DynamicEnvoy`].
-#[derive(Clone)]
 pub struct DynamicEnvoyBuilder {
     first: FilterVersion,
     routing: Routing,
@@ -228,17 +225,13 @@ impl DynamicEnvoyBuilder {
             .tempdir()
             .expect("tempdir");
         let filter_file = files.path().join("floodgate-filter.json");
-        let port = Arc::new(AtomicU16::new(0));
-        let make = {
-            let (builder, filter_file, port) = (self.clone(), filter_file.clone(), port.clone());
-            move || {
-                // A changed listener keeps its port (an LDS listener on port 0 would move); one
-                // picked afresh for each start.
-                let picked = if builder.lds { crate::free_ports(1)[0] } else { 0 };
-                port.store(picked, Ordering::SeqCst);
-                write_atomically(&filter_file, &builder.discovery(&builder.first, 1, picked));
-                builder.bootstrap(&filter_file).to_string()
-            }
+        let mut port = 0;
+        let make = || {
+            // A changed listener keeps its port (an LDS listener on port 0 would move); one picked
+            // afresh for each start.
+            port = if self.lds { crate::free_ports(1)[0] } else { 0 };
+            write_atomically(&filter_file, &self.discovery(&self.first, 1, port));
+            self.bootstrap(&filter_file).to_string()
         };
         let process = launch()
             .concurrency(self.concurrency)
@@ -252,7 +245,7 @@ impl DynamicEnvoyBuilder {
             filter_file,
             version: 1,
             builder: self,
-            port: port.load(Ordering::SeqCst),
+            port,
         }
     }
 }
