@@ -1,13 +1,17 @@
 //! Envoy for the benchmark: bootstraps for each variant (no filter, native `local_ratelimit`, a
-//! wasm module with a configuration), started with `--disable-hot-restart`, pinned with
-//! `taskset`, listening on 127.0.0.1 ports picked at run time; its CPU time, RSS and stats.
+//! wasm module with a configuration), started through `floodgate-harness` with
+//! `--disable-hot-restart`, pinned with `taskset`, listening on 127.0.0.1 ports picked at run
+//! time; its CPU time, RSS and stats.
 
+use floodgate_harness::bootstrap::{endpoint, http2_protocol_options, router, static_cluster, wasm_filter};
+use floodgate_harness::{Launch, Running, Spawned, Wait};
 use serde_json::{json, Value};
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+pub use floodgate_harness::http_get;
+pub use floodgate_harness::launch::cpu_ns_of;
 
 /// The filter chain in front of the router.
 #[derive(Clone, Debug)]
@@ -75,28 +79,9 @@ impl Spec {
                     "filter_enforced": {"runtime_key": "local_rate_limit_enforced", "default_value": {"numerator": 100, "denominator": "HUNDRED"}}
                 }
             })),
-            Filter::Wasm { module, config } => filters.push(json!({
-                "name": "envoy.filters.http.wasm",
-                "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                    "config": {
-                        "name": "floodgate",
-                        "root_id": "floodgate",
-                        "failure_policy": "FAIL_CLOSED",
-                        "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": config},
-                        "vm_config": {
-                            "vm_id": "floodgate",
-                            "runtime": "envoy.wasm.runtime.v8",
-                            "code": {"local": {"filename": module.display().to_string()}}
-                        }
-                    }
-                }
-            })),
+            Filter::Wasm { module, config } => filters.push(wasm_filter(module, config)),
         }
-        filters.push(json!({
-            "name": "envoy.filters.http.router",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
-        }));
+        filters.push(router());
         let route = match &self.route {
             Route::Fixed => json!({"cluster": "a", "timeout": "30s"}),
             Route::ClusterHeader(header) => json!({"cluster_header": header, "timeout": "30s"}),
@@ -105,22 +90,11 @@ impl Spec {
             .iter()
             .zip(self.clusters)
             .map(|(name, addr)| {
-                let protocol = if self.http2 {
-                    json!({"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                        "explicit_http_config": {"http2_protocol_options": {}}
-                    }})
-                } else {
-                    json!({})
-                };
-                json!({
-                    "name": name,
-                    "type": "STATIC",
-                    "connect_timeout": "2s",
-                    "typed_extension_protocol_options": protocol,
-                    "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000, "max_retries": 100000}]},
-                    "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": addr.ip().to_string(), "port_value": addr.port()}}}}]}]}
-                })
+                let mut cluster = static_cluster(name, vec![endpoint(addr)]);
+                if self.http2 {
+                    cluster["typed_extension_protocol_options"] = http2_protocol_options();
+                }
+                cluster
             })
             .collect();
         for &(name, addr) in &self.services {
@@ -128,15 +102,12 @@ impl Spec {
                 "name": name,
                 "type": "STATIC",
                 "connect_timeout": "1s",
-                "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": addr.ip().to_string(), "port_value": addr.port()}}}}]}]},
-                "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                    "explicit_http_config": {"http2_protocol_options": {}}
-                }}
+                "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [endpoint(addr)]}]},
+                "typed_extension_protocol_options": http2_protocol_options()
             }));
         }
         json!({
-            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+            "admin": floodgate_harness::bootstrap::admin(),
             "static_resources": {
                 "listeners": [{
                     "name": "front",
@@ -166,137 +137,62 @@ impl Spec {
     }
 
     /// Starts Envoy without waiting for it.
-    pub fn spawn(&self, envoy: &Path) -> Result<Envoy, String> {
-        let dir = tempfile::Builder::new().prefix("floodgate-bench-").tempdir().map_err(|e| e.to_string())?;
-        let bootstrap = dir.path().join("bootstrap.json");
-        std::fs::write(&bootstrap, self.bootstrap().to_string()).map_err(|e| e.to_string())?;
-        let log = std::fs::File::create(dir.path().join("envoy.log")).map_err(|e| e.to_string())?;
-        let mut command = Command::new("taskset");
-        command.arg("-c").arg(&self.cpus);
-        command.args(&self.wrapper);
-        let child = command
-            .arg(envoy)
-            .arg("-c")
-            .arg(&bootstrap)
-            .arg("--concurrency")
-            .arg(self.concurrency.to_string())
-            .arg("--disable-hot-restart")
-            .arg("-l")
-            .arg("warn")
-            .arg("--admin-address-path")
-            .arg(dir.path().join("admin-address"))
-            .current_dir(dir.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .map_err(|e| format!("cannot start taskset {}: {e}", envoy.display()))?;
-        Ok(Envoy { child, dir, admin: None, listener: None })
+    pub fn spawn(&self, envoy: &Path) -> Result<Starting, String> {
+        let bootstrap = self.bootstrap().to_string();
+        let launch = Launch::new(envoy)
+            .wrapper(["taskset", "-c", self.cpus.as_str()])
+            .wrapper(&self.wrapper)
+            .concurrency(self.concurrency)
+            .log_level("warn")
+            .dir_prefix("floodgate-bench-");
+        Ok(Starting(launch.spawn_with(move || bootstrap.clone())?))
     }
 }
 
-impl Envoy {
-    /// Waits (at most `timeout`) until a [`Spec::spawn`]ed Envoy is ready.
+/// An Envoy [`Spec::spawn`] started, not yet known to be ready.
+pub struct Starting(Spawned<'static>);
+
+impl Starting {
+    /// Waits (at most `timeout`) until it is ready.
     pub fn wait_ready(self, timeout: Duration) -> Result<Envoy, String> {
-        let deadline = Instant::now() + timeout;
-        self.wait_ready_until(|_| (Instant::now() > deadline).then(|| format!("not ready after {timeout:?}")))
+        Ok(Envoy(self.0.wait_ready_within(Wait::For(timeout))?))
     }
 
-    /// Waits until a [`Spec::spawn`]ed Envoy is ready for as long as it works towards it: it
-    /// fails when the process has used no CPU time for `stall`, or after `cap` in all. For an
-    /// Envoy under valgrind, whose start (V8 compiling the module, instrumented) takes minutes of
-    /// CPU time: on a loaded machine it gets a fraction of a core, and a bound on the wall-clock
-    /// time alone gives up on an Envoy that is starting, slowly.
+    /// Waits until it is ready for as long as it works towards it: it fails when the process has
+    /// used no CPU time for `stall`, or after `cap` in all ([`Wait::WhileWorking`]: an Envoy under
+    /// valgrind).
     pub fn wait_ready_while_working(self, stall: Duration, cap: Duration) -> Result<Envoy, String> {
-        let started = Instant::now();
-        let mut last = (0, started);
-        self.wait_ready_until(|envoy| {
-            let cpu = cpu_ns_of(envoy.pid());
-            if cpu > last.0 {
-                last = (cpu, Instant::now());
-            }
-            if last.1.elapsed() > stall {
-                Some(format!("not ready, and no CPU time used for {stall:?} (after {:.0} s of CPU time)", cpu as f64 / 1e9))
-            } else if started.elapsed() > cap {
-                Some(format!("not ready after {cap:?} ({:.0} s of CPU time)", cpu as f64 / 1e9))
-            } else {
-                None
-            }
-        })
-    }
-
-    /// Waits until a [`Spec::spawn`]ed Envoy is ready, or it exits, or `give_up` says why not.
-    fn wait_ready_until(mut self, mut give_up: impl FnMut(&Envoy) -> Option<String>) -> Result<Envoy, String> {
-        let envoy = &mut self;
-        loop {
-            if let Ok(Some(status)) = envoy.child.try_wait() {
-                return Err(format!("Envoy exited ({status}); end of its log:\n{}", envoy.log_tail(15)));
-            }
-            if let Some(why) = give_up(envoy) {
-                return Err(format!("Envoy {why}; end of its log:\n{}", envoy.log_tail(15)));
-            }
-            if envoy.admin.is_none() {
-                envoy.admin = std::fs::read_to_string(envoy.dir.path().join("admin-address"))
-                    .ok()
-                    .and_then(|s| s.trim().parse().ok());
-            }
-            if let Some(admin) = envoy.admin {
-                if matches!(http_get(admin, "/ready"), Ok((200, body)) if body.trim() == "LIVE") {
-                    break;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        let (_, body) = envoy.admin_get("/listeners?format=json")?;
-        let v: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
-        let port = v["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
-            .as_u64()
-            .ok_or_else(|| format!("no listener port in {body}"))?;
-        envoy.listener = Some(SocketAddr::from(([127, 0, 0, 1], port as u16)));
-        Ok(self)
-    }
-
-    /// Its temporary directory (bootstrap, log, profiles).
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
+        Ok(Envoy(self.0.wait_ready_within(Wait::WhileWorking { stall, cap })?))
     }
 }
 
 /// A running Envoy; killed when dropped.
-pub struct Envoy {
-    child: Child,
-    dir: tempfile::TempDir,
-    admin: Option<SocketAddr>,
-    listener: Option<SocketAddr>,
-}
+pub struct Envoy(Running);
 
 impl Envoy {
     /// The listener.
     pub fn addr(&self) -> SocketAddr {
-        self.listener.expect("listener")
+        self.0.listener("front").expect("listener")
     }
 
     /// Its process id.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.0.pid()
+    }
+
+    /// Its temporary directory (bootstrap, log, profiles).
+    pub fn dir(&self) -> &Path {
+        self.0.dir()
     }
 
     /// Resident set size in bytes (`VmRSS`).
     pub fn rss_bytes(&self) -> u64 {
-        std::fs::read_to_string(format!("/proc/{}/status", self.pid()))
-            .ok()
-            .and_then(|s| {
-                s.lines()
-                    .find(|l| l.starts_with("VmRSS:"))
-                    .and_then(|l| l.split_whitespace().nth(1))
-                    .and_then(|v| v.parse::<u64>().ok())
-            })
-            .map_or(0, |kb| kb * 1024)
+        floodgate_harness::launch::rss_bytes_of(self.pid()).unwrap_or(0)
     }
 
     /// GET on the admin API.
     pub fn admin_get(&self, path: &str) -> Result<(u16, String), String> {
-        http_get(self.admin.ok_or("no admin address")?, path)
+        http_get(self.0.admin().ok_or("no admin address")?, path)
     }
 
     /// A counter or gauge of `/stats` by full name (e.g. `wasmcustom.floodgate...`).
@@ -308,28 +204,8 @@ impl Envoy {
 
     /// The last `n` lines of its log.
     pub fn log_tail(&self, n: usize) -> String {
-        let log = std::fs::read_to_string(self.dir.path().join("envoy.log")).unwrap_or_default();
-        let lines: Vec<&str> = log.lines().collect();
-        lines[lines.len().saturating_sub(n)..].join("\n")
+        self.0.log_tail(n)
     }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// CPU time of every thread of `pid` so far, in nanoseconds (the first field of
-/// `/proc/<pid>/task/<tid>/schedstat`, summed; Envoy's threads live as long as it does).
-pub fn cpu_ns_of(pid: u32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
 }
 
 /// What the kernel counted for process `pid` so far: CPU time split into user and system
@@ -399,33 +275,6 @@ impl KernelCounts {
             context_switches: self.context_switches.saturating_sub(earlier.context_switches),
         }
     }
-}
-
-/// A blocking `GET` with `connection: close`; status and (de-chunked) body.
-pub fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5)).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(Duration::from_secs(20))).map_err(|e| e.to_string())?;
-    write!(s, "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n").map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
-    let text = String::from_utf8_lossy(&buf).into_owned();
-    let (head, body) = text.split_once("\r\n\r\n").ok_or("no response head")?;
-    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).ok_or("bad status line")?;
-    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
-    Ok((status, if chunked { dechunk(body) } else { body.to_string() }))
-}
-
-fn dechunk(mut raw: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = raw.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else { break };
-        if size == 0 || rest.len() < size {
-            break;
-        }
-        out.push_str(&rest[..size]);
-        raw = rest[size..].trim_start_matches("\r\n");
-    }
-    out
 }
 
 /// CPU time used by the whole machine so far (all CPUs, busy time only), in nanoseconds, from

@@ -3,7 +3,7 @@
 //! cross-check): [`PROXIES`] Envoys running the module, and the paced (open-loop) load sent to
 //! them.
 
-use crate::envoy::{Envoy, Filter, Route, Spec, SYNC_CLUSTER};
+use crate::envoy::{Envoy, Filter, Route, Spec, Starting, SYNC_CLUSTER};
 use crate::load::Conn;
 use crate::{progress, Settings};
 use serde_json::Value;
@@ -61,7 +61,7 @@ impl Fleet {
     /// An Envoy of each spec.
     pub(crate) fn of_each(s: &Settings, specs: Vec<Spec>) -> Result<Fleet, String> {
         // Spawn all, then wait: each compiles the module.
-        let spawned: Vec<Result<Envoy, String>> = specs.iter().map(|spec| spec.spawn(&s.envoy)).collect();
+        let spawned: Vec<Result<Starting, String>> = specs.iter().map(|spec| spec.spawn(&s.envoy)).collect();
         let mut envoys = Vec::new();
         for e in spawned {
             envoys.push(e.and_then(|e| e.wait_ready(Duration::from_secs(60)))?);

@@ -19,7 +19,7 @@
 //! * **batched, leased, or a store call per request** ([`crate::leased`]): the same traffic
 //!   under each, store calls, waits, latency and CPU per request side by side.
 
-use crate::envoy::{cpu_ns_of, Envoy, SYNC_CLUSTER};
+use crate::envoy::{cpu_ns_of, Envoy, Starting, SYNC_CLUSTER};
 use crate::fleet_harness::{envoy_spec, fit_in_window, paced, run_id, Fleet, Sent, PACED_CONNECTIONS, PROXIES, WORKERS};
 use crate::load::{self, Load, Requests};
 use crate::services::{Redis, RedisCounts, Sync};
@@ -709,7 +709,7 @@ async fn instructions(s: &Settings, sync: &Sync, upstream: SocketAddr) -> Result
     let kinds: Vec<Option<usize>> =
         (0..E_ENVOYS).flat_map(|_| std::iter::once(None).chain((0..E_PER_INTERVAL.len()).map(Some))).collect();
     // Spawn all, then wait: each compiles the module under valgrind for a minute or more.
-    let spawned: Vec<Result<Envoy, String>> = kinds
+    let spawned: Vec<Result<Starting, String>> = kinds
         .iter()
         .map(|kind| {
             let config = match kind {

@@ -2,8 +2,7 @@
 //! keep-alive connection), [`get`] (one request on a new connection), [`raw_request`] (arbitrary
 //! bytes over a TCP stream) and [`http_get_blocking`] (a blocking `GET`).
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream as StdTcpStream};
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -201,58 +200,5 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 /// A blocking `GET` (HTTP/1.1, `connection: close`) used for Envoy's admin API; returns status and
 /// body (de-chunked).
 pub fn http_get_blocking(addr: SocketAddr, path: &str) -> Result<(u16, String), Error> {
-    let mut s = StdTcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
-    s.set_read_timeout(Some(REQUEST_TIMEOUT))?;
-    s.set_write_timeout(Some(REQUEST_TIMEOUT))?;
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n\r\n"
-    )?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf)?;
-    let head_end = find(&buf, b"\r\n\r\n").ok_or("no response head")? + 4;
-    let head = String::from_utf8_lossy(&buf[..head_end]).into_owned();
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or("bad status line")?;
-    let chunked = head.lines().any(|l| {
-        l.split_once(':').is_some_and(|(k, v)| {
-            k.trim().eq_ignore_ascii_case("transfer-encoding")
-                && v.to_ascii_lowercase().contains("chunked")
-        })
-    });
-    let raw = &buf[head_end..];
-    let body = if chunked { dechunk(raw)? } else { raw.to_vec() };
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
-}
-
-fn dechunk(mut raw: &[u8]) -> Result<Vec<u8>, Error> {
-    let mut out = Vec::new();
-    loop {
-        let line_end = find(raw, b"\r\n").ok_or("bad chunk")?;
-        let size_str = std::str::from_utf8(&raw[..line_end])?;
-        let size = usize::from_str_radix(size_str.split(';').next().unwrap_or("").trim(), 16)?;
-        raw = &raw[line_end + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if raw.len() < size + 2 {
-            return Err("truncated chunk".into());
-        }
-        out.extend_from_slice(&raw[..size]);
-        raw = &raw[size + 2..];
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dechunks() {
-        let body = dechunk(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap();
-        assert_eq!(body, b"abcde");
-    }
+    Ok(floodgate_harness::http_get(addr, path)?)
 }

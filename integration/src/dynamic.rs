@@ -20,13 +20,13 @@ use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::Child;
 use std::time::{Duration, Instant};
 
+use floodgate_harness::bootstrap::router;
+use floodgate_harness::Running;
 use serde_json::{json, Value};
 
-use crate::envoy::{spawn_envoy, wait_for_envoy, Routing};
-use crate::logs::read_logs;
+use crate::envoy::{launch, Routing};
 use crate::{http_get_blocking, rss_bytes_of, tail, wasm_module, Error};
 
 /// How long a delivered configuration may take to be taken or refused.
@@ -155,7 +155,7 @@ impl DynamicEnvoyBuilder {
         if self.lds {
             return json!({
                 "node": {"id": "floodgate-test", "cluster": "floodgate-test"},
-                "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+                "admin": floodgate_harness::bootstrap::admin(),
                 "dynamic_resources": {
                     "lds_config": {"path_config_source": {"path": filter_file.display().to_string()}, "resource_api_version": "V3"}
                 },
@@ -174,7 +174,7 @@ impl DynamicEnvoyBuilder {
         });
         json!({
             "node": {"id": "floodgate-test", "cluster": "floodgate-test"},
-            "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}},
+            "admin": floodgate_harness::bootstrap::admin(),
             "static_resources": {
                 "listeners": [self.listener(filter, 0)],
                 "clusters": clusters
@@ -199,13 +199,7 @@ impl DynamicEnvoyBuilder {
                                 "routes": [{"match": {"prefix": "/"}, "route": route}]
                             }]},
                             "access_log": crate::envoy::access_log(),
-                            "http_filters": [
-                                filter,
-                                {
-                                    "name": "envoy.filters.http.router",
-                                    "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
-                                }
-                            ]
+                            "http_filters": [filter, router()]
                         }
                     }]}]
         })
@@ -226,27 +220,33 @@ impl DynamicEnvoyBuilder {
     /// Starts Envoy and waits (bounded) until it is ready. Panics with the end of its log if it
     /// does not start.
     pub fn start(self) -> DynamicEnvoy {
-        let dir = tempfile::Builder::new()
+        let files = tempfile::Builder::new()
             .prefix("floodgate-dynamic-")
             .tempdir()
             .expect("tempdir");
-        let filter_file = dir.path().join("floodgate-filter.json");
-        // A changed listener keeps its port (an LDS listener on port 0 would move).
-        let port = if self.lds { crate::free_ports(1)[0] } else { 0 };
-        write_atomically(&filter_file, &self.discovery(&self.first, 1, port));
-        let child = spawn_envoy(dir.path(), &self.bootstrap(&filter_file), self.concurrency, &[]);
-        let mut envoy = DynamicEnvoy {
-            child,
-            dir,
+        let filter_file = files.path().join("floodgate-filter.json");
+        let mut port = 0;
+        let make = || {
+            // A changed listener keeps its port (an LDS listener on port 0 would move); one picked
+            // afresh for each start.
+            port = if self.lds { crate::free_ports(1)[0] } else { 0 };
+            write_atomically(&filter_file, &self.discovery(&self.first, 1, port));
+            self.bootstrap(&filter_file).to_string()
+        };
+        let process = launch()
+            .concurrency(self.concurrency)
+            .dir_prefix("floodgate-dynamic-")
+            .start_with(make)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(process.listener("front").is_some(), "no listener `front`; end of Envoy's log:\n{}", process.log_tail(60));
+        DynamicEnvoy {
+            process,
+            _files: files,
             filter_file,
-            admin: None,
-            listener: None,
             version: 1,
             builder: self,
             port,
-        };
-        envoy.wait_ready();
-        envoy
+        }
     }
 }
 
@@ -268,11 +268,10 @@ fn write_atomically(path: &Path, contents: &str) {
 /// A running Envoy whose floodgate configuration can be replaced (see the module docs). Killed
 /// on drop; if the test is panicking, the end of its log is printed first.
 pub struct DynamicEnvoy {
-    child: Child,
-    dir: tempfile::TempDir,
+    process: Running,
+    /// The directory of the filter file.
+    _files: tempfile::TempDir,
     filter_file: PathBuf,
-    admin: Option<SocketAddr>,
-    listener: Option<SocketAddr>,
     version: u64,
     builder: DynamicEnvoyBuilder,
     port: u16,
@@ -282,18 +281,12 @@ impl DynamicEnvoy {
     /// The access log's lines ([`crate::envoy::access_log`]), once there are at least
     /// `expected` (or after a bounded wait).
     pub fn access_log(&self, expected: usize) -> Vec<Value> {
-        crate::envoy::access_log_lines(self.dir.path(), expected)
+        crate::envoy::access_log_lines(self.process.dir(), expected)
     }
 
     /// A builder with `first` as the initial configuration.
     pub fn builder(first: FilterVersion) -> DynamicEnvoyBuilder {
         DynamicEnvoyBuilder::new(first)
-    }
-
-    fn wait_ready(&mut self) {
-        let (admin, listener) = wait_for_envoy(&mut self.child, self.dir.path());
-        self.admin = Some(admin);
-        self.listener = Some(listener);
     }
 
     /// The ECDS counter `what` (`update_success`, `update_rejected`, `config_reload`, ...) of
@@ -352,20 +345,24 @@ impl DynamicEnvoy {
             .sum()
     }
 
+    /// The admin API's address.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.process.admin().expect("admin address")
+    }
+
     /// The listener's address.
     pub fn addr(&self) -> SocketAddr {
-        self.listener.expect("listener address")
+        self.process.listener("front").expect("listener address")
     }
 
     /// GET on the admin API; returns status and body.
     pub fn admin_get(&self, path: &str) -> (u16, String) {
-        let admin = self.admin.expect("admin address");
-        http_get_blocking(admin, path).unwrap_or_else(|e| panic!("admin GET {path}: {e}"))
+        http_get_blocking(self.admin_addr(), path).unwrap_or_else(|e| panic!("admin GET {path}: {e}"))
     }
 
     /// Counters and gauges of `/stats` by name (see [`crate::stats_of`]).
     pub fn stats(&self) -> BTreeMap<String, u64> {
-        crate::stats_of(self.admin.expect("admin address"))
+        crate::stats_of(self.admin_addr())
     }
 
     /// One stat by name.
@@ -375,12 +372,12 @@ impl DynamicEnvoy {
 
     /// Polls (at most `timeout`) until stat `name` equals `expected`; returns its last value.
     pub fn wait_for_stat(&self, name: &str, expected: u64, timeout: Duration) -> Option<u64> {
-        crate::wait_for_stat_of(self.admin.expect("admin address"), name, expected, timeout)
+        crate::wait_for_stat_of(self.admin_addr(), name, expected, timeout)
     }
 
     /// Envoy's process id.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.process.pid()
     }
 
     /// Envoy's resident set size, in bytes.
@@ -390,7 +387,7 @@ impl DynamicEnvoy {
 
     /// Envoy's log so far.
     pub fn log(&self) -> String {
-        read_logs(self.dir.path())
+        self.process.log()
     }
 
     /// `GET path` through the listener on a new connection; status and JSON body (`Null` if the
@@ -399,19 +396,5 @@ impl DynamicEnvoy {
         let mut c = crate::Client::connect(self.addr()).await?;
         let r = c.get(path, headers).await?;
         Ok((r.status, serde_json::from_slice(&r.body).unwrap_or(Value::Null)))
-    }
-}
-
-impl Drop for DynamicEnvoy {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "---- end of Envoy's log (pid {}) ----\n{}\n----",
-                self.child.id(),
-                tail(&self.log(), 60)
-            );
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }

@@ -6,41 +6,20 @@ use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use floodgate_harness::bootstrap::{endpoint, http2_protocol_options, router, static_cluster, wasm_filter};
+pub use floodgate_harness::{Launch, Running, Wait};
 use serde_json::{json, Value};
 
 use crate::artifacts::{envoy_binary, wasm_module};
 use crate::client::http_get_blocking;
-use crate::logs::{read_logs, tail};
+use crate::logs::tail;
 use crate::stats::{stats_of, wait_for_stat_of};
 use crate::upstream::Upstream;
 
-/// How long Envoy may take to become ready (V8 compiles the module once per VM).
-const ENVOY_START_TIMEOUT: Duration = Duration::from_secs(60);
-
 /// How long [`EnvoyBuilder::start_expecting_failure`] waits for Envoy to exit.
 const ENVOY_FAILURE_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// A static cluster with generous circuit breakers (tests measure floodgate, not Envoy's limits).
-fn static_cluster(name: &str, endpoints: Vec<Value>) -> Value {
-    json!({
-        "name": name,
-        "type": "STATIC",
-        "connect_timeout": "2s",
-        "circuit_breakers": {"thresholds": [{
-            "max_connections": 100000,
-            "max_pending_requests": 100000,
-            "max_requests": 100000,
-            "max_retries": 100000
-        }]},
-        "load_assignment": {
-            "cluster_name": name,
-            "endpoints": [{"lb_endpoints": endpoints}]
-        }
-    })
-}
 
 /// The routes and extra clusters of a test Envoy, shared by [`EnvoyBuilder`] and
 /// [`crate::dynamic::DynamicEnvoyBuilder`].
@@ -86,12 +65,7 @@ impl Routing {
         self.clusters.iter().map(|(name, addrs)| {
             let mut cluster = static_cluster(name, addrs.iter().map(|a| endpoint(*a)).collect());
             if self.http2.contains(name) {
-                cluster["typed_extension_protocol_options"] = json!({
-                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                        "explicit_http_config": {"http2_protocol_options": {}}
-                    }
-                });
+                cluster["typed_extension_protocol_options"] = http2_protocol_options();
             }
             cluster
         })
@@ -312,38 +286,15 @@ impl EnvoyBuilder {
         let access_log = if self.access_log { access_log() } else { json!([]) };
         let mut clusters = vec![static_cluster("upstream", endpoints)];
         clusters.extend(self.routing.clusters());
-        let mut http_filters = vec![json!({
-            "name": "envoy.filters.http.wasm",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                "config": {
-                    "name": "floodgate",
-                    "root_id": "floodgate",
-                    "failure_policy": "FAIL_CLOSED",
-                    "configuration": {
-                        "@type": "type.googleapis.com/google.protobuf.StringValue",
-                        "value": self.filter_config
-                    },
-                    "vm_config": {
-                        "vm_id": "floodgate",
-                        "runtime": "envoy.wasm.runtime.v8",
-                        "code": {"local": {"filename": self.module.clone().unwrap_or_else(wasm_module).display().to_string()}}
-                    }
-                }
-            }
-        })];
+        let module = self.module.clone().unwrap_or_else(wasm_module);
+        let mut http_filters = vec![wasm_filter(&module, &self.filter_config)];
         if self.stop_iteration {
             http_filters[0]["typed_config"]["config"]["allow_on_headers_stop_iteration"] = json!(true);
         }
         http_filters.extend(self.filters_after.iter().cloned());
-        http_filters.push(json!({
-            "name": "envoy.filters.http.router",
-            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
-        }));
+        http_filters.push(router());
         json!({
-            "admin": {
-                "address": {"socket_address": {"address": "127.0.0.1", "port_value": 0}}
-            },
+            "admin": floodgate_harness::bootstrap::admin(),
             "static_resources": {
                 "listeners": [{
                     "name": "front",
@@ -375,147 +326,48 @@ impl EnvoyBuilder {
         })
     }
 
-    fn spawn(&self) -> (Child, tempfile::TempDir) {
-        let dir = tempfile::Builder::new()
-            .prefix("floodgate-envoy-")
-            .tempdir()
-            .expect("tempdir");
-        let child = spawn_envoy(dir.path(), &self.bootstrap(), self.concurrency, &self.env);
-        (child, dir)
+    fn launch(&self) -> Launch {
+        launch().concurrency(self.concurrency).env(self.env.iter().cloned())
     }
 
     /// Starts Envoy and waits (bounded) until it is ready and its listener's port is known.
     /// Panics, showing the end of Envoy's log, if it exits or does not become ready.
     pub fn start(self) -> Envoy {
-        let (child, dir) = self.spawn();
-        let mut envoy = Envoy {
-            child,
-            dir,
-            admin: None,
-            listener: None,
-        };
-        let (admin, listener) = wait_for_envoy(&mut envoy.child, envoy.dir.path());
-        envoy.admin = Some(admin);
-        envoy.listener = Some(listener);
-        envoy
+        Envoy::launched(&self.launch(), &self.bootstrap().to_string())
     }
 
     /// Starts Envoy expecting it to refuse the configuration: waits (bounded) for it to exit with
     /// a non-zero status and returns its log. Panics if it becomes ready or keeps running.
     pub fn start_expecting_failure(self) -> String {
-        let (mut child, dir) = self.spawn();
-        let deadline = Instant::now() + ENVOY_FAILURE_TIMEOUT;
-        let read_log = |dir: &Path| read_logs(dir);
-        loop {
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                let log = read_log(dir.path());
+        let mut envoy = self.launch().spawn(&self.bootstrap().to_string()).unwrap_or_else(|e| panic!("{e}"));
+        let outcome = envoy.wait_exit(ENVOY_FAILURE_TIMEOUT);
+        envoy.stop();
+        let log = envoy.log();
+        match outcome {
+            Ok(Some(status)) => {
                 assert!(
                     !status.success(),
                     "Envoy exited successfully; expected a configuration error. Log:\n{}",
                     tail(&log, 40)
                 );
-                return log;
+                log
             }
-            let ready = read_admin_address(dir.path())
-                .and_then(|a| http_get_blocking(a, "/ready").ok())
-                .is_some_and(|(s, b)| s == 200 && b.trim() == "LIVE");
-            if ready || Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                let log = read_log(dir.path());
-                panic!(
-                    "Envoy {} with a configuration that should be refused; end of its log:\n{}",
-                    if ready { "became ready" } else { "kept running" },
-                    tail(&log, 40)
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
+            Ok(None) => panic!("Envoy became ready with a configuration that should be refused; end of its log:\n{}", tail(&log, 40)),
+            Err(why) => panic!("{why} with a configuration that should be refused; end of its log:\n{}", tail(&log, 40)),
         }
     }
 }
 
-fn endpoint(addr: SocketAddr) -> Value {
-    json!({"endpoint": {"address": {"socket_address": {
-        "address": addr.ip().to_string(), "port_value": addr.port()
-    }}}})
-}
-
-/// Starts Envoy with `bootstrap`, written into `dir`, which also receives its log (`envoy.log`,
-/// line by line: `--log-path` would buffer for up to 10 s) and its admin address.
-pub(crate) fn spawn_envoy(dir: &Path, bootstrap: &Value, concurrency: usize, env: &[(String, String)]) -> Child {
-    let path = dir.join("bootstrap.json");
-    std::fs::write(&path, serde_json::to_string_pretty(bootstrap).expect("bootstrap json")).expect("write bootstrap");
-    let log = std::fs::File::create(dir.join("envoy.log")).expect("log file");
-    Command::new(envoy_binary())
-        .arg("-c")
-        .arg(&path)
-        .arg("--concurrency")
-        .arg(concurrency.to_string())
-        .arg("--disable-hot-restart")
-        // Access logs reach their files within 100 ms (Envoy's default is 10 s).
-        .arg("--file-flush-interval-msec")
-        .arg("100")
-        .arg("-l")
-        .arg("info")
-        .arg("--admin-address-path")
-        .arg(dir.join("admin-address"))
-        .current_dir(dir)
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(log))
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {}: {e}", envoy_binary().display()))
-}
-
-/// Waits (bounded) until the Envoy started by [`spawn_envoy`] in `dir` is ready; returns its
-/// admin address and the address of its listener `front`. Panics, showing the end of its log, if
-/// it exits or does not become ready.
-pub(crate) fn wait_for_envoy(child: &mut Child, dir: &Path) -> (SocketAddr, SocketAddr) {
-    let deadline = Instant::now() + ENVOY_START_TIMEOUT;
-    let admin = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            panic!("Envoy exited ({status}) instead of starting; end of its log:\n{}", tail(&read_logs(dir), 60));
-        }
-        assert!(
-            Instant::now() < deadline,
-            "Envoy not ready after {ENVOY_START_TIMEOUT:?}; end of its log:\n{}",
-            tail(&read_logs(dir), 60)
-        );
-        if let Some(admin) = read_admin_address(dir) {
-            if let Ok((200, body)) = http_get_blocking(admin, "/ready") {
-                if body.trim() == "LIVE" {
-                    break admin;
-                }
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let (status, body) = http_get_blocking(admin, "/listeners?format=json").expect("GET /listeners");
-    assert_eq!(status, 200, "GET /listeners: {body}");
-    let v: Value = serde_json::from_str(&body).expect("listeners json");
-    let port = v["listener_statuses"]
-        .as_array()
-        .and_then(|ls| ls.iter().find(|l| l["name"] == "front"))
-        .and_then(|l| l["local_address"]["socket_address"]["port_value"].as_u64())
-        .and_then(|p| u16::try_from(p).ok())
-        .unwrap_or_else(|| panic!("no port for listener `front` in {body}"));
-    (admin, SocketAddr::from(([127, 0, 0, 1], port)))
-}
-
-fn read_admin_address(dir: &Path) -> Option<SocketAddr> {
-    std::fs::read_to_string(dir.join("admin-address"))
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
+/// How the tests run Envoy ([`envoy_binary`], 2 workers, log level `info`): with access logs
+/// reaching their files within 100 ms (Envoy's default is 10 s).
+pub fn launch() -> Launch {
+    Launch::new(envoy_binary()).args(["--file-flush-interval-msec", "100"])
 }
 
 /// A running Envoy (see [`EnvoyBuilder`]); killed when dropped. If the test is panicking, the end
 /// of Envoy's log is printed first.
 pub struct Envoy {
-    child: Child,
-    dir: tempfile::TempDir,
-    admin: Option<SocketAddr>,
-    listener: Option<SocketAddr>,
+    process: Running,
 }
 
 impl Envoy {
@@ -533,13 +385,26 @@ impl Envoy {
     /// Starts Envoy (2 workers) with a whole bootstrap (a shipped example's, say, its ports and
     /// paths set by the test), whose listener is named `front`.
     pub fn from_bootstrap(bootstrap: &Value) -> Envoy {
-        let dir = tempfile::Builder::new().prefix("floodgate-envoy-").tempdir().expect("tempdir");
-        let child = spawn_envoy(dir.path(), bootstrap, 2, &[]);
-        let mut envoy = Envoy { child, dir, admin: None, listener: None };
-        let (admin, listener) = wait_for_envoy(&mut envoy.child, envoy.dir.path());
-        envoy.admin = Some(admin);
-        envoy.listener = Some(listener);
-        envoy
+        Envoy::launched(&launch(), &bootstrap.to_string())
+    }
+
+    /// Starts Envoy with `launch` on `bootstrap` (JSON or YAML text) and waits (bounded) until
+    /// it is ready. Panics, showing the end of its log, if it does not start.
+    pub fn launched(launch: &Launch, bootstrap: &str) -> Envoy {
+        Envoy { process: launch.start(bootstrap).unwrap_or_else(|e| panic!("{e}")) }
+    }
+
+    /// Starts Envoy with `launch` on the bootstrap `make` returns (JSON or YAML text, its ports
+    /// picked free, e.g. with [`free_ports`](crate::free_ports)); when one of them is taken
+    /// before Envoy binds it, starts again on a bootstrap `make` returns afresh (see
+    /// [`Launch::start_with`]). [`Envoy::admin_addr`] and [`Envoy::addr`] are the ports bound.
+    pub fn launched_with(launch: &Launch, make: impl FnMut() -> String) -> Envoy {
+        Envoy { process: launch.start_with(make).unwrap_or_else(|e| panic!("{e}")) }
+    }
+
+    /// The process (its directory, listeners by name).
+    pub fn process(&self) -> &Running {
+        &self.process
     }
 
     /// Starts Envoy with `filter_config` expecting it to refuse it; returns Envoy's log.
@@ -547,9 +412,9 @@ impl Envoy {
         EnvoyBuilder::new(filter_config).start_expecting_failure()
     }
 
-    /// The address of the listener with the floodgate filter.
+    /// The address of the listener with the floodgate filter (`front`).
     pub fn addr(&self) -> SocketAddr {
-        self.listener.expect("listener address")
+        self.process.listener("front").expect("an address for listener `front`")
     }
 
     /// `http://127.0.0.1:<port><path>` on the floodgate listener.
@@ -559,7 +424,7 @@ impl Envoy {
 
     /// The admin API's address.
     pub fn admin_addr(&self) -> SocketAddr {
-        self.admin.expect("admin address")
+        self.process.admin().expect("admin address")
     }
 
     /// `http://127.0.0.1:<admin port><path>`.
@@ -575,7 +440,7 @@ impl Envoy {
 
     /// Envoy's process id.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.process.pid()
     }
 
     /// Envoy's resident set size (`VmRSS` of `/proc/<pid>/status`), in bytes.
@@ -632,44 +497,19 @@ impl Envoy {
 
     /// Envoy's log so far (its stderr, at level info, kept in a file of the temporary directory).
     pub fn log(&self) -> String {
-        read_logs(self.dir.path())
+        self.process.log()
     }
 
     /// The access log's lines (with [`EnvoyBuilder::with_access_log`]), once there are at least
     /// `expected` (or after a bounded wait).
     pub fn access_log(&self, expected: usize) -> Vec<Value> {
-        access_log_lines(self.dir.path(), expected)
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "---- end of Envoy's log (pid {}) ----\n{}\n----",
-                self.child.id(),
-                tail(&self.log(), 60)
-            );
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        access_log_lines(self.process.dir(), expected)
     }
 }
 
 /// The resident set size of process `pid` (`VmRSS` of `/proc/<pid>/status`), in bytes.
 pub fn rss_bytes_of(pid: u32) -> u64 {
-    let status =
-        std::fs::read_to_string(format!("/proc/{pid}/status")).expect("read /proc/<pid>/status");
-    let line = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .expect("VmRSS line");
-    let kb: u64 = line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS value");
-    kb * 1024
+    floodgate_harness::launch::rss_bytes_of(pid).unwrap_or_else(|| panic!("no VmRSS in /proc/{pid}/status"))
 }
 
 /// Floodgate's cluster selection (default tuning) over clusters `a`, `b` and `c`, routed by

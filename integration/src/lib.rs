@@ -11,6 +11,8 @@
 //!   receives.
 //! * [`envoy`]: [`Envoy`], a real Envoy started from a generated bootstrap with the floodgate
 //!   filter in front of the router; exposes its listener address, admin API, stats, RSS and log.
+//!   It starts through `floodgate-harness` ([`Launch`], [`launch`]), which the benchmarks use
+//!   too, and which starts Envoy again on fresh ports when one it was to bind was taken.
 //!   [`stats`] reads its counters, [`logs`] scans its log.
 //! * [`client`]: [`Client`] (hyper, keep-alive) and [`raw_request`] (arbitrary bytes over a
 //!   `TcpStream`) to send requests; [`load`] drives many of them.

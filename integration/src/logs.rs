@@ -1,20 +1,7 @@
 //! Reading an Envoy's log: its last lines, the lines that show a Wasm VM failure or a panic in
 //! the module, and the line that reports a refused filter configuration.
 
-use std::path::Path;
-
-/// Envoy's log so far: `envoy.log` in the directory it was started in (see
-/// [`crate::envoy::spawn_envoy`]).
-pub(crate) fn read_logs(dir: &Path) -> String {
-    let bytes = std::fs::read(dir.join("envoy.log")).unwrap_or_default();
-    String::from_utf8_lossy(&bytes).into_owned()
-}
-
-/// The last `n` lines of `s`.
-pub fn tail(s: &str, n: usize) -> String {
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(n)..].join("\n")
-}
+pub use floodgate_harness::tail;
 
 /// Log lines that show a Wasm VM failure or a panic in the module: a Rust panic message, a V8
 /// trap (`Uncaught RuntimeError`), a stream failed by a broken VM (`wasm_fail_stream`), or any

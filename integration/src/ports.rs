@@ -5,18 +5,7 @@ use std::net::SocketAddr;
 
 use crate::artifacts::{wasm_module, workspace_root};
 
-/// `n` distinct free loopback ports for a configuration to bind. All `n` are held bound at once
-/// while they are picked: a port bound and released one at a time can be handed out again by
-/// the kernel for the next pick, and two listeners of one Envoy would then collide.
-pub fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<std::net::TcpListener> = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port"))
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().expect("local address").port())
-        .collect()
-}
+pub use floodgate_harness::free_ports;
 
 /// `envoy/demo.yaml` (what `./demo.sh` runs) passed through `edit`, then with its fixed ports
 /// (admin 9901, front 10000, zones 10001 to 10003) replaced by free ones and its module path made

@@ -4,24 +4,16 @@
 //! ports are swapped for free ones.
 
 use std::net::SocketAddr;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use floodgate_integration::*;
 
+/// The demo's Envoy and the addresses it bound.
 struct Demo {
-    child: Child,
-    dir: tempfile::TempDir,
+    _envoy: Envoy,
     front: SocketAddr,
     admin: SocketAddr,
-}
-
-impl Drop for Demo {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// Starts Envoy with the demo config, its ports (9901, 10000 to 10003) replaced by free ones
@@ -31,47 +23,10 @@ fn start_demo() -> Demo {
 }
 
 /// [`start_demo`] with the demo config's text passed through `edit` first. A port picked free
-/// that another process took before Envoy bound it (its listeners' ports are fixed in the
-/// config) makes Envoy exit: the demo then starts again on other ports, up to three times.
+/// that another process took before Envoy bound it makes the launch start again on others.
 fn start_demo_edited(edit: impl Fn(String) -> String) -> Demo {
-    for attempt in 1..=3 {
-        let (text, admin, front) = demo_config(&edit);
-        let dir = tempfile::tempdir().expect("tempdir");
-        let config = dir.path().join("demo.yaml");
-        std::fs::write(&config, text).expect("write config");
-        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log");
-        let child = Command::new(envoy_binary())
-            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info", "-c"])
-            .arg(&config)
-            .current_dir(dir.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("start envoy");
-        let mut demo = Demo { child, dir, front, admin };
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok((200, body)) = http_get_blocking(demo.admin, "/ready") {
-                if body.trim() == "LIVE" {
-                    return demo;
-                }
-            }
-            let exited = matches!(demo.child.try_wait(), Ok(Some(_)));
-            let log = log_of(demo.dir.path());
-            if exited && attempt < 3 && log.contains("Address already in use") {
-                eprintln!("a port of the demo was taken before Envoy bound it; starting again on others");
-                break;
-            }
-            assert!(!exited && Instant::now() < deadline, "the demo did not start:\n{}", tail(&log, 40));
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-    unreachable!("the third attempt returns or fails")
-}
-
-fn log_of(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("envoy.log")).unwrap_or_default()
+    let envoy = Envoy::launched_with(&launch(), || demo_config(&edit).0);
+    Demo { front: envoy.addr(), admin: envoy.admin_addr(), _envoy: envoy }
 }
 
 /// The page with the demo's walkthrough.

@@ -406,57 +406,27 @@ fn unit_test_runs(dir: &Path, runs: &[(&str, String, String)]) -> Vec<(bool, Str
 // Envoy: the demo, and stats_tags
 // ---------------------------------------------------------------------------------------------
 
-/// An Envoy started here; killed when dropped (its log printed if the test is failing).
+/// An Envoy started here (through the harness: a port taken before Envoy bound it makes it start
+/// again on others); killed when dropped (its log printed if the test is failing).
 struct RunningEnvoy {
-    child: Child,
-    dir: tempfile::TempDir,
+    envoy: Envoy,
     admin: SocketAddr,
+    front: SocketAddr,
 }
 
 impl RunningEnvoy {
-    /// Starts Envoy 1.40 (2 workers) on the bootstrap `config` (admin at `admin`) with `extra`
-    /// arguments, and waits (bounded) until its admin says LIVE.
-    fn start(config: &str, admin: SocketAddr, extra: &[&str]) -> RunningEnvoy {
-        let dir = tempfile::Builder::new().prefix("floodgate-envoy-").tempdir().expect("tempdir");
-        let path = dir.path().join("envoy.yaml");
-        std::fs::write(&path, config).expect("write config");
-        let log = std::fs::File::create(dir.path().join("envoy.log")).expect("log");
-        let child = Command::new(envoy_binary())
-            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "warning", "-c"])
-            .arg(&path)
-            .args(extra)
-            .current_dir(dir.path())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log))
-            .spawn()
-            .expect("start envoy");
-        let mut envoy = RunningEnvoy { child, dir, admin };
-        let log = envoy.dir.path().join("envoy.log");
-        wait_ready(&mut envoy.child, "Envoy", &log, Duration::from_secs(60), || {
-            http_get_blocking(admin, "/ready").is_ok_and(|(s, b)| s == 200 && b.trim() == "LIVE")
-        });
-        envoy
-    }
-
-    fn log(&self) -> String {
-        log_tail(&self.dir.path().join("envoy.log"))
+    /// Starts Envoy 1.40 (2 workers) on the bootstrap `make` returns (its ports picked free, made
+    /// afresh for each start) with `extra` arguments, and waits (bounded) until its admin says
+    /// LIVE.
+    fn start(make: impl FnMut() -> String, extra: &[&str]) -> RunningEnvoy {
+        let envoy = Envoy::launched_with(&launch().log_level("warning").args(extra), make);
+        RunningEnvoy { admin: envoy.admin_addr(), front: envoy.addr(), envoy }
     }
 
     fn admin_get(&self, path: &str) -> String {
-        let (status, body) = http_get_blocking(self.admin, path).unwrap_or_else(|e| panic!("GET {path}: {e}"));
+        let (status, body) = self.envoy.admin_get(path);
         assert_eq!(status, 200, "GET {path}: {body}");
         body
-    }
-}
-
-impl Drop for RunningEnvoy {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("---- end of Envoy's log ----\n{}\n----", self.log());
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 
@@ -624,13 +594,20 @@ fn stats_tags_give_one_metric_with_a_label_per_rule_class_and_cluster() {
         assert_eq!(config, &configs[0].1, "{origin} and {} differ", configs[0].0);
     }
 
-    let (tagged_text, admin, front) = demo_config(|text| text);
-    let mut bootstrap = parse_documents(&tagged_text).expect("demo.yaml").remove(0);
-    bootstrap.as_object_mut().expect("a bootstrap").remove("stats_config");
+    let demo = |tagged: bool| {
+        let text = demo_config(|text| text).0;
+        if tagged {
+            return text;
+        }
+        let mut bootstrap = parse_documents(&text).expect("demo.yaml").remove(0);
+        bootstrap.as_object_mut().expect("a bootstrap").remove("stats_config");
+        bootstrap.to_string()
+    };
     let mut pages = Vec::new();
     let mut examples = Vec::new();
-    for (tagged, config) in [(false, bootstrap.to_string()), (true, tagged_text)] {
-        let envoy = RunningEnvoy::start(&config, admin, &[]);
+    for tagged in [false, true] {
+        let envoy = RunningEnvoy::start(|| demo(tagged), &[]);
+        let (admin, front) = (envoy.admin, envoy.front);
         // A little traffic: a refusal, a few routed requests.
         for i in 0..7 {
             let path = if i % 2 == 0 { "/api/" } else { "/" };
@@ -687,9 +664,7 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
         let map = yaml_file(&observability().join("istio/stats-tags-bootstrap.yaml"));
         map["data"]["custom_bootstrap.json"].as_str().expect("custom_bootstrap.json").to_owned()
     };
-    let ports = free_ports(3);
-    let at = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
-    let (admin, front, nowhere) = (at(ports[0]), at(ports[1]), ports[2]);
+    let nowhere = free_ports(1)[0];
     let istio_cluster = "outbound|80||reviews.shop.svc.cluster.local";
     let filter = json!({
         "stat_prefix": "edge",
@@ -707,15 +682,19 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
         json!({"name": name, "type": "STATIC", "connect_timeout": "0.25s", "load_assignment": {"cluster_name": name,
                "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": nowhere}}}}]}]}})
     };
-    let bootstrap = json!({
-        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}},
+    // The admin API and the listener on ports picked free, afresh for each start.
+    let bootstrap = || {
+        let ports = free_ports(2);
+        let (admin, front) = (ports[0], ports[1]);
+        json!({
+        "admin": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": admin}}},
         "stats_config": {
             "use_all_default_tags": false,
             "stats_tags": [{"tag_name": "cluster_name", "regex": "^cluster\\.((.+?)\\.)"}],
             "stats_matcher": {"inclusion_list": {"patterns": [{"prefix": "cluster_manager"}, {"prefix": "cluster.zone-a."}, {"prefix": "server"}, {"prefix": "wasm"}]}}
         },
         "static_resources": {
-            "listeners": [{"name": "front", "address": {"socket_address": {"address": "127.0.0.1", "port_value": front.port()}},
+            "listeners": [{"name": "front", "address": {"socket_address": {"address": "127.0.0.1", "port_value": front}},
                 "filter_chains": [{"filters": [{"name": "envoy.filters.network.http_connection_manager", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
                     "stat_prefix": "inbound",
@@ -731,8 +710,10 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
                     ]}}]}]}],
             "clusters": [cluster("zone-a"), cluster(istio_cluster), cluster("floodgate-sync")]
         }
-    });
-    let envoy = RunningEnvoy::start(&bootstrap.to_string(), admin, &["--config-yaml", &override_json]);
+        })
+        .to_string()
+    };
+    let envoy = RunningEnvoy::start(bootstrap, &["--config-yaml", &override_json]);
     let page = envoy.admin_get("/stats/prometheus");
     let series = prometheus_series(&page);
     let expected = expected_series(
@@ -976,7 +957,8 @@ fn alerts(prometheus: &Prometheus) -> BTreeMap<(String, String), String> {
 #[test]
 fn prometheus_scrapes_the_demo_under_load_records_and_alerts() {
     let nowhere = free_ports(1)[0];
-    let (text, admin, front) = demo_config(|text| {
+    // The demo on ports picked free, afresh for each start.
+    let demo = || demo_config(|text| {
         let per_ip = r#"{"name": "per-ip", "key": ["source_ip"], "limit": 1000, "window": "1m"}],"#;
         let global_rule = r#"{"name": "per-tenant", "key": [{"header": "x-tenant"}], "limit": 100000, "window": "1m", "scope": "global"}"#;
         // A cost the upstream reports in a header it never sends: every admission unreported.
@@ -1000,8 +982,9 @@ fn prometheus_scrapes_the_demo_under_load_records_and_alerts() {
             &format!("        - endpoint: {{ address: {{ socket_address: {{ address: 127.0.0.1, port_value: {nowhere} }} }} }}"),
         ];
         format!("{text}{}\n", sync.join("\n"))
-    });
-    let envoy = RunningEnvoy::start(&text, admin, &[]);
+    }).0;
+    let envoy = RunningEnvoy::start(demo, &[]);
+    let (admin, front) = (envoy.admin, envoy.front);
 
     let dir = observability().join("prometheus");
     let mut alert_rules = yaml_file(&dir.join("alerts.yaml"));

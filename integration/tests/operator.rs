@@ -1110,25 +1110,6 @@ fn addresses(value: &Value, out: &mut Vec<String>) {
     }
 }
 
-/// An Envoy started from a file; killed when dropped.
-struct Started {
-    child: std::process::Child,
-    log: PathBuf,
-}
-
-impl Drop for Started {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!(
-                "---- end of Envoy's log ----\n{}",
-                tail(&std::fs::read_to_string(&self.log).unwrap_or_default(), 40)
-            );
-        }
-    }
-}
-
 async fn probe(addr: std::net::SocketAddr, path: &str, headers: &[(&str, &str)]) -> RawResponse {
     let headers: Vec<(&[u8], &[u8])> = headers.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())).collect();
     raw_request(addr, &raw_get_request(path.as_bytes(), &headers))
@@ -1143,7 +1124,6 @@ async fn probe(addr: std::net::SocketAddr, path: &str, headers: &[(&str, &str)])
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loopback_envoy_configurations_start_and_answer() {
     let module = wasm_module().display().to_string();
-    let dir = tempfile::tempdir().expect("tempdir");
     let mut started_any = Vec::new();
     for file in envoy_dir_files() {
         let text = std::fs::read_to_string(&file).expect("read");
@@ -1165,44 +1145,22 @@ async fn loopback_envoy_configurations_start_and_answer() {
         let config =
             Config::parse(found[0].bytes.as_ref().expect("configuration bytes")).expect("a valid configuration");
         use_module(&mut bootstrap, &module);
-        remap_ports(&mut bootstrap);
-        let port_of = |v: &Value| v["address"]["socket_address"]["port_value"].as_u64().expect("port") as u16;
-        let admin = std::net::SocketAddr::from(([127, 0, 0, 1], port_of(&bootstrap["admin"])));
         let front = bootstrap["static_resources"]["listeners"]
             .as_array()
             .and_then(|ls| ls.iter().find(|l| l.to_string().contains(WASM_FILTER_TYPE)))
-            .map(|l| std::net::SocketAddr::from(([127, 0, 0, 1], port_of(l))))
-            .expect("a listener with the floodgate filter");
-        let path = dir.path().join(format!(
-            "{}.json",
-            file.file_stem().and_then(|s| s.to_str()).unwrap_or("config")
-        ));
-        std::fs::write(&path, bootstrap.to_string()).expect("write");
-        let log = path.with_extension("log");
-        let child = Command::new(envoy_binary())
-            .args(["--concurrency", "2", "--disable-hot-restart", "-l", "info", "-c"])
-            .arg(&path)
-            .current_dir(workspace_root())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("start envoy");
-        let mut envoy = Started { child, log };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        loop {
-            if let Some(status) = envoy.child.try_wait().expect("try_wait") {
-                panic!("{origin}: Envoy exited ({status})");
-            }
-            if http_get_blocking(admin, "/ready").is_ok_and(|(s, b)| s == 200 && b.trim() == "LIVE") {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{origin}: Envoy not ready in 60 s"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-        }
+            .and_then(|l| l["name"].as_str())
+            .expect("a listener with the floodgate filter")
+            .to_owned();
+        println!("{origin}: starting Envoy");
+        // Its fixed ports moved to free ones, afresh for each start (one can be taken before
+        // Envoy binds it).
+        let envoy = Envoy::launched_with(&launch().current_dir(workspace_root()), || {
+            let mut bootstrap = bootstrap.clone();
+            remap_ports(&mut bootstrap);
+            bootstrap.to_string()
+        });
+        let admin = envoy.admin_addr();
+        let front = envoy.process().listener(&front).unwrap_or_else(|| panic!("{origin}: no address for listener {front}"));
 
         let mut statuses = Vec::new();
         for i in 0..10 {
