@@ -154,9 +154,10 @@ fuzz/run.sh 10
 
 # The other crates' tests in one cargo run (their dependencies built once, with one set of features):
 # the CLI's, the trim step's, what the benchmark tool reads from /proc (it times nothing here), and
-# floodgate-sync's against real redis-server processes (a single node and a local Redis Cluster).
-step "unit tests: cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench, and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
-REDIS_SERVER="$redis" cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-sync 2>&1 | tee -a "$results"
+# floodgate-sync's against real redis-server processes (a single node and a local Redis Cluster),
+# and the Envoy harness's restart on a taken port (with a stand-in and with the real Envoy).
+step "unit tests: cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness, and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
+REDIS_SERVER="$redis" ENVOY_BIN="$envoy" cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-sync 2>&1 | tee -a "$results"
 
 # The global-scope tests run the floodgate-sync binary that the sync tests above built and ran
 # (target/debug/floodgate-sync; a `cargo build -p floodgate-sync` would build it again without the
