@@ -1,29 +1,34 @@
 //! The request pipeline: what floodgate does with a request, in pure code, stage by stage.
 //!
 //! ```text
-//! endpoints → shed (→ queue) → cap → leased → rate_limit → delay → select
+//! body → endpoints → shed → queue → cap → leased → rate_limit → delay → select
 //! ```
 //!
-//! Each stage lets the request go on, possibly holding something (an in-flight [`Permit`](crate::primitives::inflight::Permit), a
-//! [`KeyPermit`](crate::shedding::per_key::KeyPermit), units of a leased key, a [`ClusterPermit`](crate::selection::ClusterPermit)), or answers it; the host shell turns
-//! the answer ([`Step`]) into host calls. The `leased` stage may make the request wait; the store's
-//! answer resumes it on the same stream state ([`Stream`]); the `delay` stage parks
-//! a request a token bucket let in to wait for its turn, and the root's tick resumes it;
-//! with `load_shedding.queue`, a request the in-flight limit would shed
-//! waits in the `queue` stage for a slot, which the root's tick gives it. A stream waits on one
-//! thing at a time, holding what that wait holds; one [`resume`] and one [`abandon`] take every
-//! kind of wait ([`Waiting`]).
-//! Before all stages, a request whose estimate a rule reads in its JSON body
-//! (`cost.estimate.body`) waits for its body, holding nothing; the body's callbacks decide it
-//! once the estimate is read ([`request_body_estimates`]), or the root's tick, when none of the
-//! body reached the filter ([`Waiting::Body`], [`body_wait`]).
-//! The stream state also takes the
-//! stream's later events (body, response, end). What the pipeline needs of the host is narrow: the
-//! shared store, metrics and the VM's id ([`Env`]), the request's attributes ([`Request`]), the
-//! response's ([`Attributes`], [`StreamEnd`]), and a random source.
+//! The order is data ([`Stage::ORDER`], which `floodgate explain` reads too), and one walk runs
+//! it (`walk`): each stage takes what it needs and lets the request go on, possibly holding
+//! something (an in-flight [`Permit`](crate::primitives::inflight::Permit), a
+//! [`KeyPermit`](crate::shedding::per_key::KeyPermit), units of a leased key, a
+//! [`ClusterPermit`](crate::selection::ClusterPermit)), answers it, or makes it wait; the host
+//! shell turns the answer ([`Step`]) into host calls. Some stages make a request wait, holding
+//! what that wait holds: `body` for its body, when a rule reads its cost's estimate in it
+//! (`cost.estimate.body`), holding nothing; `queue` for a slot, when the in-flight limit would
+//! shed it (`load_shedding.queue`); `leased` for the store's units; `rate_limit` for the answer
+//! to a batched global rule's ask ([`asked`]); `delay` for its turn, when a token bucket let it
+//! in to wait. A waiting stream is parked in one place, by what it waits for ([`Waiting`]); one
+//! [`resume`] re-enters the walk after the stage it waited in (or at that stage, for one that
+//! decides again with what came: the store's answer, an ask's), and one [`abandon`] gives back
+//! what a stream whose context is gone holds. A stream waits on one thing at a time.
 //!
-//! Invariant: everything a stage holds goes back exactly once: before the reply when a later stage
-//! answers, otherwise when the stream ends, whatever ended it.
+//! The modules: `filter` (a configuration as its streams share it), `stream` (a request's
+//! state and its events after the request headers: body, response, end), `stages` (the
+//! stages' decisions), `walk` (the order and the walk), `wait` (waits, resumption,
+//! abandonment), and one per stage that keeps requests waiting or state of its own. What the
+//! pipeline needs of the host is narrow: the shared store, metrics and the VM's id ([`Env`]),
+//! the request's attributes ([`Request`]), the response's ([`Attributes`], [`StreamEnd`]), and
+//! a random source.
+//!
+//! Invariant: everything a stage holds goes back exactly once: before the reply when a later
+//! stage answers (at the walk's end), otherwise when the stream ends, whatever ended it.
 //!
 //! Rationale: docs/design.md, section "A request's path".
 

@@ -14,6 +14,10 @@ use crate::replies::{self, Reply};
 use crate::selection::Confinement;
 use crate::shedding::per_key::CapRefusal;
 use super::*;
+use super::leased::StoreWait;
+use super::walk::Next;
+use crate::keys::fleet::FleetKey;
+use crate::primitives::time::Now;
 use super::decision::By;
 use super::delay::Delayed;
 use super::leased::Taken;
@@ -21,6 +25,86 @@ use super::queue::{QueueStage, Queued};
 use super::stats::increment;
 
 impl Stream {
+    /// The `body` stage: a request whose estimate a rule that applies reads in its body waits
+    /// for the body (the stage exists only where some rule reads its estimate in request
+    /// bodies). Nothing is taken yet: a client that goes away now leaves nothing behind.
+    pub(super) fn body_wait<R: Request + ?Sized>(&mut self, filter: &Filter, request: &R, end_of_stream: bool) -> Next {
+        if end_of_stream || filter.body_waits.as_ref().is_none_or(|s| s.withheld()) {
+            return Next::Go;
+        }
+        let Some(estimates) = filter.rules.body_estimates(request) else { return Next::Go };
+        self.wait = Some(Wait::Body(Box::new(estimates)));
+        Next::Wait(Waiting::Body)
+    }
+
+    /// The `queue` stage: a request `shed` let wait for a slot ([`Stream::wait_for_slot`])
+    /// waits here.
+    pub(super) fn queue(&self) -> Next {
+        match &self.wait {
+            Some(Wait::Slot(_)) => Next::Wait(Waiting::Slot),
+            _ => Next::Go,
+        }
+    }
+
+    /// The `leased` stage: takes the request's units of the leased rules' keys, or, for a
+    /// request the store's answer woke (its wait for the store is in the stream), takes them
+    /// again with the answer.
+    pub(super) fn lease<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, context: u32, end_of_stream: bool, now: Now) -> Next {
+        let Some(stage) = &filter.leased else { return Next::Go };
+        if let Some(Wait::Store(wait)) = self.take_wait(Waiting::Store) {
+            let admission = stage.decide(filter, env.store, env.metrics, &wait, now);
+            return self.leased_admission(admission, |on| StoreWait { on, ..wait });
+        }
+        let probes = stage.probes(filter, env.metrics, request, self.estimates.as_deref());
+        if probes.is_empty() {
+            return Next::Go;
+        }
+        let admission = stage.admit(filter, env.store, env.metrics, &probes, context, now);
+        self.leased_admission(admission, |on| StoreWait { probes, since: now.mono, on, end_of_stream, body: (0, false) })
+    }
+
+    /// What the leased rules' `admission` makes of the request: it goes on holding the units
+    /// it took, is refused, or waits for the store (`wait`, for the key and units it waits on).
+    fn leased_admission(&mut self, admission: leased::Admission, wait: impl FnOnce((FleetKey, u32)) -> StoreWait) -> Next {
+        match admission {
+            leased::Admission::All(taken) => {
+                self.took(taken);
+                Next::Go
+            }
+            leased::Admission::Refused(refusal) => Next::Reply(self.leased_refusal(refusal)),
+            leased::Admission::Wait(key, units) => {
+                self.wait = Some(Wait::Store(wait((key, units))));
+                Next::Wait(Waiting::Store)
+            }
+        }
+    }
+
+    /// The `rate_limit` stage: the rules decide the request ([`Stream::rate_limit`]), or, for a
+    /// batched global rule, it waits for its ask's answer first ([`asked`]); decided with the
+    /// answer, its wait is over.
+    pub(super) fn rate_limit_or_ask<H: Host, R: Request + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, request: &R, end_of_stream: bool, now: UnixMillis) -> Next {
+        let reply = self.rate_limit(filter, env, request, now);
+        match self.wait.as_mut() {
+            Some(Wait::Asked(asking)) if asking.outcomes.is_none() => {
+                asking.end_of_stream = end_of_stream;
+                return Next::Wait(Waiting::Asked);
+            }
+            Some(Wait::Asked(_)) => self.wait = None,
+            _ => {}
+        }
+        reply.into()
+    }
+
+    /// The `delay` stage: a request a token bucket let in to wait for its turn
+    /// ([`Stream::delay_for_turn`]) waits here until it comes.
+    pub(super) fn delay(&mut self, end_of_stream: bool, now: Now) -> Next {
+        let Some(Wait::Turn(delayed)) = self.wait.as_mut() else { return Next::Go };
+        delayed.until = now.mono.plus_ms(delayed.go_at.saturating_since(now.wall));
+        delayed.since = now.mono;
+        delayed.end_of_stream = end_of_stream;
+        Next::Wait(Waiting::Turn)
+    }
+
     /// The leased rules took the request's units (shadow rules that would have refused it
     /// took none).
     pub(super) fn took(&mut self, taken: Taken) {

@@ -15,7 +15,7 @@ use super::delay::Delayed;
 use super::leased::StoreWait;
 use super::queue::{Queued, Ready};
 use super::stats::{self, increment};
-use super::walk::{after_shed, decide};
+use super::walk::{walk, Next, Pass, Start};
 use std::rc::Rc;
 
 /// What a paused request waits for. A stage that makes a request wait parks its stream where
@@ -85,8 +85,9 @@ impl Wait {
 }
 
 /// A paused request whose `what` came (its stream `context`, made the host's effective
-/// context): the rest of its pipeline from where it waited, and the body that came meanwhile.
-/// [`Step::Wait`] when it waits on (for the same or the next thing).
+/// context): the walk goes on from where it waited (`Stream::resumed`), and the body that
+/// came meanwhile goes with it. [`Step::Wait`] when it waits on (for the same or the next
+/// thing).
 pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
@@ -96,13 +97,26 @@ pub fn resume<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     rng: &mut G,
     what: Waiting,
 ) -> Step {
-    match what {
-        Waiting::Store => resume_store(filter, env, shared, context, request, rng),
-        Waiting::Turn => resume_turn(filter, env, shared, request, rng),
-        Waiting::Slot => resume_slot(filter, env, shared, context, request, rng),
-        Waiting::Body => resume_body(filter, env, shared, context, request, rng),
-        Waiting::Asked => resume_asked(filter, env, shared, context, request, rng),
+    let now = env.clock.now();
+    let Some(Resumed { start, end_of_stream, body }) = shared.borrow_mut().resumed(filter, env, what, now) else { return Step::Wait };
+    let mut cell = StreamCell::Shared(Rc::clone(shared));
+    let mut pass = Pass { request, context, end_of_stream, rng, now, route: None };
+    let step = walk(filter, env, &mut cell, &mut pass, start);
+    if let Some(body) = body {
+        shared.borrow_mut().carry_body(filter, env, &step, body);
     }
+    step
+}
+
+/// Where a resumed request's walk goes on.
+struct Resumed {
+    /// After the stage it waited in, or at the stage that decides again with what came.
+    start: Start,
+    /// Whether its request headers ended the request.
+    end_of_stream: bool,
+    /// The body that came while it waited (bytes, and whether it ended); `None` for one that
+    /// waited for its body (the body callbacks hold it).
+    body: Option<(usize, bool)>,
 }
 
 /// A paused request whose `what` came and whose host context is gone: it will never be
@@ -118,82 +132,12 @@ pub fn abandon<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream
     }
 }
 
-/// A request none of whose body reached the filter in time (its stream `context`, made the
-/// host's effective context): decided without its body, on its rules' `estimate.default`.
-pub(super) fn resume_body<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
-    filter: &Filter,
-    env: &Env<'_, H>,
-    shared: &SharedStream,
-    context: u32,
-    request: &R,
-    rng: &mut G,
-) -> Step {
-    {
-        let mut stream = shared.borrow_mut();
-        if !stream.body_never_came() {
-            return Step::Wait;
-        }
-        stream.estimates_read(true);
-    }
-    let mut cell = StreamCell::Shared(Rc::clone(shared));
-    decide(filter, env, &mut cell, context, request, false, rng)
-}
-
-/// A request whose turn came (its stream `context`, made the host's effective context): the
-/// rest of its pipeline after the `delay` stage, and the body that came while it waited.
-pub(super) fn resume_turn<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
-    filter: &Filter,
-    env: &Env<'_, H>,
-    shared: &SharedStream,
-    request: &R,
-    rng: &mut G,
-) -> Step {
-    let mut stream = shared.borrow_mut();
-    let Some(Wait::Turn(delayed)) = stream.take_wait(Waiting::Turn).filter(|_| !stream.ended) else { return Step::Wait };
-    let now = env.clock.now();
-    stream.decision.delayed(By::Rule(delayed.rule), now.mono.saturating_since(delayed.since));
-    let step = stream.finish_selected(filter, env, request, delayed.end_of_stream, None, false, rng, now);
-    stream.body_held(filter, env, delayed.body);
-    step
-}
-
 /// A request whose turn came and whose host context is gone: its turns go back.
 pub(super) fn abandon_turn<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if let Some(Wait::Turn(delayed)) = stream.take_wait(Waiting::Turn) {
         stream.give_back_turns(filter, env, &delayed);
     }
-}
-
-/// A request whose wait for a slot is over (its stream `context`, made the host's effective
-/// context): admitted, the rest of its pipeline after the `shed` stage; its wait ended, the
-/// shed `503`. Then the body that came while it waited.
-pub(super) fn resume_slot<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
-    filter: &Filter,
-    env: &Env<'_, H>,
-    shared: &SharedStream,
-    context: u32,
-    request: &R,
-    rng: &mut G,
-) -> Step {
-    let now = env.clock.now();
-    let (queued, reply) = {
-        let mut stream = shared.borrow_mut();
-        let over = |wait: &mut Wait| matches!(wait, Wait::Slot(queued) if queued.ready.is_some());
-        let Some(Wait::Slot(queued)) = stream.wait.take_if(over).filter(|_| !stream.ended) else { return Step::Wait };
-        let waited_ms = now.mono.saturating_since(queued.since);
-        stream.decision.waited_ms = Some(waited_ms);
-        stats::set(env.metrics, filter.stats.shedding.queue_wait_ms, waited_ms);
-        let reply = match queued.ready {
-            Some(Ready::Admitted) => None,
-            _ => stream.wait_ended(filter, env, &queued, waited_ms, now.mono),
-        };
-        (queued, reply)
-    };
-    let mut cell = StreamCell::Shared(Rc::clone(shared));
-    let step = after_shed(filter, env, &mut cell, context, request, queued.end_of_stream, reply, rng, now);
-    shared.borrow_mut().carry_body(filter, env, &step, queued.body);
-    step
 }
 
 /// A request whose wait for a slot is over and whose host context is gone: the slot it was
@@ -206,61 +150,6 @@ pub(super) fn abandon_slot<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &
     }
 }
 
-/// A request the leased stage woke (its stream `context`, made the host's effective context):
-/// takes its units again; decided, runs the rest of its pipeline; still short of units, waits
-/// again.
-pub(super) fn resume_store<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
-    filter: &Filter,
-    env: &Env<'_, H>,
-    shared: &SharedStream,
-    context: u32,
-    request: &R,
-    rng: &mut G,
-) -> Step {
-    let Some(stage) = &filter.leased else { return Step::Wait };
-    let now = env.clock.now();
-    let mut stream = shared.borrow_mut();
-    let Some(Wait::Store(wait)) = stream.take_wait(Waiting::Store) else { return Step::Wait };
-    let reply = match stage.decide(filter, env.store, env.metrics, &wait, now) {
-        leased::Admission::All(taken) => {
-            stream.took(taken);
-            None
-        }
-        leased::Admission::Refused(refusal) => Some(stream.leased_refusal(refusal)),
-        leased::Admission::Wait(key, units) => {
-            stream.wait = Some(Wait::Store(StoreWait { on: (key, units), ..wait }));
-            drop(stream);
-            stage.park(key, context, Rc::clone(shared));
-            return Step::Wait;
-        }
-    };
-    let step = stream.finish_headers(filter, env, request, wait.end_of_stream, reply, rng, now);
-    stream.carry_body(filter, env, &step, wait.body);
-    stream.park(filter, context, shared, step)
-}
-
-/// A request whose ask was answered (its stream `context`, made the host's effective context):
-/// decided again with the answer, then the rest of its pipeline.
-pub(super) fn resume_asked<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
-    filter: &Filter,
-    env: &Env<'_, H>,
-    shared: &SharedStream,
-    context: u32,
-    request: &R,
-    rng: &mut G,
-) -> Step {
-    let now = env.clock.now();
-    let mut stream = shared.borrow_mut();
-    if !stream.ask_answered() {
-        return Step::Wait;
-    }
-    let Some(Wait::Asked(asking)) = stream.wait.as_mut() else { return Step::Wait };
-    let (end_of_stream, body) = (asking.end_of_stream, std::mem::take(&mut asking.body));
-    let step = stream.finish_headers(filter, env, request, end_of_stream, None, rng, now);
-    stream.carry_body(filter, env, &step, body);
-    stream.park(filter, context, shared, step)
-}
-
 /// A woken request whose host context is gone: it will never be decided.
 pub(super) fn abandon_store<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
@@ -270,16 +159,55 @@ pub(super) fn abandon_store<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: 
 }
 
 impl Stream {
-    /// A request the `delay` stage holds (`step` is [`Step::Wait`] and it waits for its turn)
-    /// is parked there under its stream `context`; returns `step`.
-    pub(super) fn park(&self, filter: &Filter, context: u32, shared: &SharedStream, step: Step) -> Step {
-        if let (Step::Wait, Some(stage), Some(Wait::Turn(delayed))) = (&step, &filter.delays, &self.wait) {
-            stage.park(delayed.until, context, Rc::clone(shared));
+    /// A paused request whose `what` came: where its walk goes on, once its wait is over (or
+    /// still on, for the store, at the stage that decides again); `None` when it no longer
+    /// waits for `what` (it ended, or was resumed already).
+    fn resumed<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, what: Waiting, now: Now) -> Option<Resumed> {
+        match what {
+            // Decided without its body, on its rules' `estimate.default`.
+            Waiting::Body => {
+                if !self.body_never_came() {
+                    return None;
+                }
+                self.estimates_read(true);
+                Some(Resumed { start: Start::After(Stage::Body, Next::Go), end_of_stream: false, body: None })
+            }
+            // Admitted, on after the queue; its wait ended, the shed `503`.
+            Waiting::Slot => {
+                let over = |wait: &mut Wait| matches!(wait, Wait::Slot(queued) if queued.ready.is_some());
+                let Some(Wait::Slot(queued)) = self.wait.take_if(over).filter(|_| !self.ended) else { return None };
+                let waited_ms = now.mono.saturating_since(queued.since);
+                self.decision.waited_ms = Some(waited_ms);
+                stats::set(env.metrics, filter.stats.shedding.queue_wait_ms, waited_ms);
+                let reply = match queued.ready {
+                    Some(Ready::Admitted) => None,
+                    _ => self.wait_ended(filter, env, &queued, waited_ms, now.mono),
+                };
+                Some(Resumed { start: Start::After(Stage::Queue, reply.into()), end_of_stream: queued.end_of_stream, body: Some(queued.body) })
+            }
+            // The `leased` stage takes its units again: decided, the walk goes on; still short
+            // of units, it waits again.
+            Waiting::Store => {
+                let Some(Wait::Store(wait)) = self.wait.as_mut().filter(|_| filter.leased.is_some()) else { return None };
+                let body = std::mem::take(&mut wait.body);
+                Some(Resumed { start: Start::At(Stage::Leased), end_of_stream: wait.end_of_stream, body: Some(body) })
+            }
+            // Decided again with the answer.
+            Waiting::Asked => {
+                if !self.ask_answered() {
+                    return None;
+                }
+                let Some(Wait::Asked(asking)) = self.wait.as_mut() else { return None };
+                let body = std::mem::take(&mut asking.body);
+                Some(Resumed { start: Start::At(Stage::RateLimit), end_of_stream: asking.end_of_stream, body: Some(body) })
+            }
+            // On after the delay.
+            Waiting::Turn => {
+                let Some(Wait::Turn(delayed)) = self.take_wait(Waiting::Turn).filter(|_| !self.ended) else { return None };
+                self.decision.delayed(By::Rule(delayed.rule), now.mono.saturating_since(delayed.since));
+                Some(Resumed { start: Start::After(Stage::Delay, Next::Go), end_of_stream: delayed.end_of_stream, body: Some(delayed.body) })
+            }
         }
-        if let (Step::Wait, Some(stage), Some(asks)) = (&step, &filter.asks, self.pending_asks()) {
-            stage.park(context, Rc::clone(shared), &asks);
-        }
-        step
     }
 
     /// The keys it asks the store for, while it waits for the answer.

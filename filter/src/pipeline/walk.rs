@@ -1,19 +1,26 @@
-//! The walk of a request through the pipeline's stages, in their order ([`Stage::ORDER`]),
-//! from its request headers (or its body's estimates) to its step.
+//! The walk of a request through the pipeline's stages ([`Stage::ORDER`]), from its request
+//! headers, or from where it waited, to its step.
 //!
-//! Invariant: the stages run in [`Stage::ORDER`]; what a stage holds goes back before the reply
-//! when a later stage answers.
+//! Each stage is a method of the stream ([`Stream::run`] names it) that takes what it needs and
+//! says what comes next ([`Next`]): the next stage, a reply, or a wait. One loop runs the stages
+//! in order from a given one ([`walk()`]); a waiting stream is parked in one place, by what it
+//! waits for ([`park`]); a resumed one re-enters the walk after the stage it waited in, or at
+//! that stage when the stage decides again with what came ([`super::resume`]). Whatever ends the
+//! walk, its end ([`Stream::finish`]) is the one place where what the stages took goes back
+//! before a reply.
+//!
+//! Invariant: the stages run in [`Stage::ORDER`] and nowhere else; a stage that answers or
+//! waits ends the walk; what the stages took goes back before the reply, once.
 
 use crate::primitives::hash::Random;
 use crate::primitives::time::Now;
 use crate::replies::Reply;
 use crate::replies::grpc;
 use super::*;
-use super::leased::StoreWait;
+use std::rc::Rc;
 
-/// The request headers came: runs the pipeline, or, when a rule that applies reads its
-/// estimate in the request's body, waits for the body ([`request_body_estimates`] decides).
-#[allow(clippy::too_many_arguments)]
+/// The request headers came: walks the stages from the first (the first may make the request
+/// wait for its body: [`request_body_estimates`] then decides it).
 pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
@@ -24,18 +31,8 @@ pub fn request_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     rng: &mut G,
 ) -> Step {
     filter.serving(env);
-    // The stage exists only where some rule reads its estimate in request bodies.
-    if !end_of_stream && filter.body_waits.as_ref().is_some_and(|s| !s.withheld()) {
-        if let Some(estimates) = filter.rules.body_estimates(request) {
-            // Nothing is taken yet: a client that goes away now leaves nothing behind.
-            cell.borrow_mut().wait = Some(Wait::Body(Box::new(estimates)));
-            if let Some(stage) = &filter.body_waits {
-                stage.park(env.clock.now().mono, context, cell.share());
-            }
-            return Step::Wait;
-        }
-    }
-    decide(filter, env, cell, context, request, end_of_stream, rng)
+    let mut pass = Pass { request, context, end_of_stream, rng, now: env.clock.now(), route: None };
+    walk(filter, env, cell, &mut pass, Start::At(Stage::Body))
 }
 
 /// For a request that waits for its body's estimates, the bytes of the body (of `body_size`
@@ -81,7 +78,8 @@ pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         stream.estimates_read(false);
         held
     };
-    let step = decide(filter, env, cell, context, request, false, rng);
+    let mut pass = Pass { request, context, end_of_stream: false, rng, now: env.clock.now(), route: None };
+    let step = walk(filter, env, cell, &mut pass, Start::After(Stage::Body, Next::Go));
     if !matches!(step, Step::Reply(_)) {
         // The body held so far: it waits on with the request (for the store, its turn or a
         // slot), or is counted now.
@@ -91,9 +89,14 @@ pub fn request_body_estimates<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
 }
 
 /// The pipeline's stages, in the order a request meets them (the module doc's diagram;
-/// `floodgate explain` tells a request's path in this order).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// `floodgate explain` tells a request's path in this order). The walk runs them in this order
+/// ([`Stage::ORDER`]); a stage is a variant here, its place in the order, and its method
+/// (`Stream::run`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Stage {
+    /// A request whose estimate a rule reads in its JSON body (`cost.estimate.body`) waits for
+    /// its body, holding nothing.
+    Body,
     /// The health endpoint and the watchdog's liveness path, answered by the filter itself.
     Endpoints,
     /// Load shedding: the loop lag, then the proxy-wide in-flight count, by priority class.
@@ -104,7 +107,7 @@ pub enum Stage {
     Cap,
     /// Leased global rules: units the store lends ahead of use.
     Leased,
-    /// The rate-limit rules (local, and batched global ones).
+    /// The rate-limit rules (local, and batched global ones, which may ask the store first).
     RateLimit,
     /// A token bucket's delay instead of refusal: the request waits for its turn.
     Delay,
@@ -114,175 +117,249 @@ pub enum Stage {
 
 impl Stage {
     /// Every stage, in order.
-    pub const ORDER: [Stage; 8] =
-        [Stage::Endpoints, Stage::Shed, Stage::Queue, Stage::Cap, Stage::Leased, Stage::RateLimit, Stage::Delay, Stage::Select];
-}
+    pub const ORDER: [Stage; 9] = [
+        Stage::Body,
+        Stage::Endpoints,
+        Stage::Shed,
+        Stage::Queue,
+        Stage::Cap,
+        Stage::Leased,
+        Stage::RateLimit,
+        Stage::Delay,
+        Stage::Select,
+    ];
 
-/// Runs the pipeline on the request headers.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn decide<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
-    filter: &Filter,
-    env: &Env<'_, H>,
-    cell: &mut StreamCell,
-    context: u32,
-    request: &R,
-    end_of_stream: bool,
-    rng: &mut G,
-) -> Step {
-    let now = env.clock.now();
-    let mut stream = cell.borrow_mut();
-    let reply = stream.endpoints(filter, env, request, now.mono).or_else(|| stream.shed(filter, env, request, end_of_stream, now.mono));
-    if let Some(Wait::Slot(queued)) = &stream.wait {
-        // The queue stage: it waits for a slot; its state is shared from now on.
-        let queued = queued.clone();
-        drop(stream);
-        if let Some(stage) = &filter.queue {
-            stage.park(&queued, context, cell.share());
-        }
-        return Step::Wait;
+    /// Its place in [`Stage::ORDER`].
+    const fn index(self) -> usize {
+        self as usize
     }
-    drop(stream);
-    after_shed(filter, env, cell, context, request, end_of_stream, reply, rng, now)
 }
 
-/// The pipeline after the `shed` stage (`reply`: a refusal so far, if any): `cap → leased →
-/// rate_limit → delay → select`, parking the stream where a stage makes it wait.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn after_shed<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+/// Whether each stage of `stages` has its place as its discriminant.
+const fn in_order(stages: &[Stage]) -> bool {
+    match stages {
+        [rest @ .., last] => last.index() == rest.len() && in_order(rest),
+        [] => true,
+    }
+}
+
+// The variants are declared in the order's order: a stage's place is its discriminant, and the
+// stages compare by their place.
+const _: () = assert!(in_order(&Stage::ORDER));
+
+/// What a stage says comes next.
+#[derive(Debug)]
+pub(super) enum Next {
+    /// The next stage (after the last, the request goes on).
+    Go,
+    /// The request is answered here.
+    Reply(Reply),
+    /// The request waits (the stage put its wait in the stream): it is parked.
+    Wait(Waiting),
+}
+
+impl From<Option<Reply>> for Next {
+    fn from(reply: Option<Reply>) -> Next {
+        reply.map_or(Next::Go, Next::Reply)
+    }
+}
+
+/// Where a walk starts.
+#[derive(Debug)]
+pub(super) enum Start {
+    /// At a stage.
+    At(Stage),
+    /// After a stage that has decided already (a resumed wait's stage).
+    After(Stage, Next),
+}
+
+/// What the walk carries from stage to stage: the request and what the stages read with it.
+pub(super) struct Pass<'p, R: ?Sized, G: ?Sized> {
+    /// The request's attributes.
+    pub(super) request: &'p R,
+    /// Its stream's host context.
+    pub(super) context: u32,
+    /// Whether the request headers ended the request.
+    pub(super) end_of_stream: bool,
+    /// The random source (cluster selection).
+    pub(super) rng: &'p mut G,
+    /// The clocks, read once for the walk.
+    pub(super) now: Now,
+    /// The cluster selection chose.
+    pub(super) route: Option<usize>,
+}
+
+/// How a walk ended.
+enum Walked {
+    /// With a step.
+    Done(Step),
+    /// The request waits.
+    Waits(Waiting),
+}
+
+/// Walks the stream's stages from `start` to its step; a request that waits is parked
+/// ([`Step::Wait`]).
+pub(super) fn walk<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
     filter: &Filter,
     env: &Env<'_, H>,
     cell: &mut StreamCell,
-    context: u32,
-    request: &R,
-    end_of_stream: bool,
-    reply: Option<Reply>,
-    rng: &mut G,
-    now: Now,
+    pass: &mut Pass<'_, R, G>,
+    start: Start,
 ) -> Step {
-    let mut stream = cell.borrow_mut();
-    let mut reply = reply.or_else(|| stream.cap(filter, env, request, now.mono));
-    if let (None, Some(stage)) = (&reply, &filter.leased) {
-        let probes = stage.probes(filter, env.metrics, request, stream.estimates.as_deref());
-        if !probes.is_empty() {
-            match stage.admit(filter, env.store, env.metrics, &probes, context, now) {
-                leased::Admission::All(taken) => stream.took(taken),
-                leased::Admission::Refused(refusal) => reply = Some(stream.leased_refusal(refusal)),
-                leased::Admission::Wait(key, units) => {
-                    stream.wait = Some(Wait::Store(StoreWait { probes, since: now.mono, on: (key, units), end_of_stream, body: (0, false) }));
-                    drop(stream);
-                    stage.park(key, context, cell.share());
-                    return Step::Wait;
-                }
+    let walked = {
+        let mut stream = cell.borrow_mut();
+        match start {
+            Start::At(stage) => stream.walk_from(stage.index(), filter, env, pass),
+            Start::After(stage, next) => stream.next(stage, next, filter, env, pass),
+        }
+    };
+    match walked {
+        Walked::Done(step) => step,
+        Walked::Waits(what) => park(filter, cell, pass.context, what, pass.now),
+    }
+}
+
+/// Parks a stream that waits for `what` where that comes from (its state is shared from now
+/// on): [`Step::Wait`].
+fn park(filter: &Filter, cell: &mut StreamCell, context: u32, what: Waiting, now: Now) -> Step {
+    let shared = cell.share();
+    let stream = shared.borrow();
+    match (what, &stream.wait) {
+        (Waiting::Body, Some(Wait::Body(_))) => {
+            if let Some(stage) = &filter.body_waits {
+                stage.park(now.mono, context, Rc::clone(&shared));
             }
         }
+        (Waiting::Slot, Some(Wait::Slot(queued))) => {
+            if let Some(stage) = &filter.queue {
+                stage.park(queued, context, Rc::clone(&shared));
+            }
+        }
+        (Waiting::Store, Some(Wait::Store(wait))) => {
+            if let Some(stage) = &filter.leased {
+                stage.park(wait.on.0, context, Rc::clone(&shared));
+            }
+        }
+        (Waiting::Asked, Some(Wait::Asked(asking))) => {
+            if let Some(stage) = &filter.asks {
+                stage.park(context, Rc::clone(&shared), &asking.asks);
+            }
+        }
+        (Waiting::Turn, Some(Wait::Turn(delayed))) => {
+            if let Some(stage) = &filter.delays {
+                stage.park(delayed.until, context, Rc::clone(&shared));
+            }
+        }
+        _ => {}
     }
-    let step = stream.finish_headers(filter, env, request, end_of_stream, reply, rng, now);
-    if let (Step::Wait, Some(asks), Some(stage)) = (&step, stream.pending_asks(), &filter.asks) {
-        drop(stream);
-        stage.park(context, cell.share(), &asks);
-        return Step::Wait;
-    }
-    // A request the `delay` stage holds waits for its turn: its state is shared from now on.
-    let until = match &stream.wait {
-        Some(Wait::Turn(delayed)) if step == Step::Wait => Some(delayed.until),
-        _ => None,
-    };
-    drop(stream);
-    if let (Some(until), Some(stage)) = (until, &filter.delays) {
-        stage.park(until, context, cell.share());
-    }
-    step
+    Step::Wait
 }
 
 impl Stream {
-    /// The rest of the pipeline after the `leased` stage (`reply`: a refusal so far, if any):
-    /// `rate_limit → delay → select`, then the local reply or the request goes on; or it
-    /// waits for its turn ([`Step::Wait`], the stream to park in the `delay` stage). A later
-    /// stage's refusal gives the leased units back.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn finish_headers<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    /// Runs the stages of [`Stage::ORDER`] from the `from`th on.
+    fn walk_from<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         &mut self,
+        from: usize,
         filter: &Filter,
         env: &Env<'_, H>,
-        request: &R,
-        end_of_stream: bool,
-        reply: Option<Reply>,
-        rng: &mut G,
-        now: Now,
-    ) -> Step {
-        let refused_before = reply.is_some();
-        let reply = reply.or_else(|| self.rate_limit(filter, env, request, now.wall));
-        match self.wait.as_mut() {
-            Some(Wait::Asked(asking)) if asking.outcomes.is_none() => {
-                // It waits for its ask's answer ([`asked`]).
-                asking.end_of_stream = end_of_stream;
-                return Step::Wait;
+        pass: &mut Pass<'_, R, G>,
+    ) -> Walked {
+        for stage in Stage::ORDER.into_iter().skip(from) {
+            let next = self.run(stage, filter, env, pass);
+            if !matches!(next, Next::Go) {
+                return self.next(stage, next, filter, env, pass);
             }
-            // Decided with the answer: its wait is over.
-            Some(Wait::Asked(_)) => self.wait = None,
-            _ => {}
         }
-        if let (None, Some(Wait::Turn(delayed))) = (&reply, self.wait.as_mut()) {
-            // The delay stage: it goes at its turn.
-            delayed.until = now.mono.plus_ms(delayed.go_at.saturating_since(now.wall));
-            delayed.since = now.mono;
-            delayed.end_of_stream = end_of_stream;
-            return Step::Wait;
-        }
-        self.finish_selected(filter, env, request, end_of_stream, reply, refused_before, rng, now)
+        Walked::Done(self.finish(filter, env, pass, None))
     }
 
-    /// The rest of the pipeline after the `delay` stage (`reply`: a refusal so far, if any;
-    /// `refused_before`: by a stage before `rate_limit`): `select`, then the local reply or the
-    /// request goes on. A later stage's refusal gives the leased units back.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn finish_selected<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+    /// What comes after `stage` said `next`.
+    fn next<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+        &mut self,
+        stage: Stage,
+        next: Next,
+        filter: &Filter,
+        env: &Env<'_, H>,
+        pass: &mut Pass<'_, R, G>,
+    ) -> Walked {
+        match next {
+            Next::Go => self.walk_from(stage.index().saturating_add(1), filter, env, pass),
+            Next::Reply(reply) => Walked::Done(self.finish(filter, env, pass, Some((stage, reply)))),
+            Next::Wait(what) => Walked::Waits(what),
+        }
+    }
+
+    /// Runs `stage` on the request.
+    fn run<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
+        &mut self,
+        stage: Stage,
+        filter: &Filter,
+        env: &Env<'_, H>,
+        pass: &mut Pass<'_, R, G>,
+    ) -> Next {
+        let (request, now) = (pass.request, pass.now);
+        match stage {
+            Stage::Body => self.body_wait(filter, request, pass.end_of_stream),
+            Stage::Endpoints => self.endpoints(filter, env, request, now.mono).into(),
+            Stage::Shed => self.shed(filter, env, request, pass.end_of_stream, now.mono).into(),
+            Stage::Queue => self.queue(),
+            Stage::Cap => self.cap(filter, env, request, now.mono).into(),
+            Stage::Leased => self.lease(filter, env, request, pass.context, pass.end_of_stream, now),
+            Stage::RateLimit => self.rate_limit_or_ask(filter, env, request, pass.end_of_stream, now.wall),
+            Stage::Delay => self.delay(pass.end_of_stream, now),
+            Stage::Select => match self.select(filter, env, request, pass.rng, now.mono) {
+                Ok(chosen) => {
+                    pass.route = chosen;
+                    self.decision.cluster = chosen;
+                    Next::Go
+                }
+                Err(reply) => Next::Reply(reply),
+            },
+        }
+    }
+
+    /// The end of the walk (`refused`: the stage that answered, and its reply): the local reply,
+    /// or the request goes on. A refused request gives back what the stages before took: the
+    /// leased units (when a stage after `leased` refused), the units its rules counted, its
+    /// permits.
+    fn finish<H: Host, R: Request + ?Sized, G: Random + ?Sized>(
         &mut self,
         filter: &Filter,
         env: &Env<'_, H>,
-        request: &R,
-        end_of_stream: bool,
-        reply: Option<Reply>,
-        refused_before: bool,
-        rng: &mut G,
-        now: Now,
+        pass: &Pass<'_, R, G>,
+        refused: Option<(Stage, Reply)>,
     ) -> Step {
-        let mut route = None;
-        let reply = reply
-            .or_else(|| match self.select(filter, env, request, rng, now.mono) {
-                Ok(chosen) => {
-                    route = chosen;
-                    self.decision.cluster = chosen;
-                    None
+        let now = pass.now;
+        let reply = match refused {
+            Some((stage, reply)) => {
+                if let (Some(leased), true) = (&filter.leased, stage > Stage::Leased) {
+                    leased.untake(env.store, &std::mem::take(&mut self.leased));
                 }
-                Err(reply) => Some(reply),
-            });
-        if let (Some(stage), false, true) = (&filter.leased, refused_before, reply.is_some()) {
-            stage.untake(env.store, &std::mem::take(&mut self.leased));
-        }
-        if reply.is_some() {
-            self.give_back_counted(filter, env, now.wall);
-        }
-        if reply.is_none() {
-            // The leased rules' reservations settle when the upstream reports.
-            for (probe, later, limit) in std::mem::take(&mut self.leased.owed) {
-                self.charges.owe(probe, later, limit, now.wall);
+                self.give_back_counted(filter, env, now.wall);
+                Some(reply)
             }
-        }
+            None => {
+                // The leased rules' reservations settle when the upstream reports.
+                for (probe, later, limit) in std::mem::take(&mut self.leased.owed) {
+                    self.charges.owe(probe, later, limit, now.wall);
+                }
+                None
+            }
+        };
         if reply.as_ref().is_some_and(|r| r.refusal.is_some()) || self.cluster_permit.is_some() {
-            self.grpc.request = grpc::is_grpc(request.get("content-type").as_deref());
+            self.grpc.request = grpc::is_grpc(pass.request.get("content-type").as_deref());
         }
         match reply {
             Some(reply) => Step::Reply(self.reply(filter, env, reply, now.mono)),
             None => {
-                if end_of_stream && self.cluster_permit.is_some() {
+                if pass.end_of_stream && self.cluster_permit.is_some() {
                     self.timing.request_end = Some(now.mono);
                 }
-                if end_of_stream && self.charges.counts_body() {
+                if pass.end_of_stream && self.charges.counts_body() {
                     // No body: nothing to count.
                     let _ = self.charges.body_done();
                 }
-                Step::Continue { route }
+                Step::Continue { route: pass.route }
             }
         }
     }
