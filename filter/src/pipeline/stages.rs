@@ -115,7 +115,7 @@ impl Stream {
     }
 
     /// A leased rule refused the request.
-    pub(super) fn leased_refusal(&mut self, refusal: leased::Refused) -> Reply {
+    fn leased_refusal(&mut self, refusal: leased::Refused) -> Reply {
         self.decision.refused(decision::Outcome::Refused, By::Rule(refusal.rule), refusal.standing.as_ref());
         refusal.reply
     }
@@ -253,7 +253,7 @@ impl Stream {
     /// Load leveling: the request takes a ticket of its class and waits for a slot (`None`), or,
     /// its class's queue full, is shed (`in_flight`: the count, for the reply).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn wait_for_slot<H: Host>(
+    fn wait_for_slot<H: Host>(
         &mut self,
         filter: &Filter,
         env: &Env<'_, H>,
@@ -504,7 +504,7 @@ impl Stream {
     /// The `delay` stage's part of an admission: the latest turn of the enforced token buckets
     /// that let the request in to wait (a bucket in shadow lets it go at once), and the turns
     /// it took of every bucket, to give back if its client goes away while it waits.
-    pub(super) fn delay_for_turn<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, standings: &[Standing], probes: &[Probe]) {
+    fn delay_for_turn<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, standings: &[Standing], probes: &[Probe]) {
         let waits = standings.iter().filter(|s| s.go_at.is_some() && !filter.shadows.rule(s.rule));
         let Some((go_at, rule)) = waits.clone().filter_map(|s| Some((s.go_at?, s.rule))).max_by_key(|(go_at, _)| *go_at) else { return };
         for standing in waits {

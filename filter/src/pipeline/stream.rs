@@ -294,7 +294,7 @@ impl Stream {
     }
 
     /// Ends the chosen cluster's permit with the stream's outcome.
-    pub(super) fn finish_cluster<H: Host, E: StreamEnd + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, ended: &E, now: MonoMillis) {
+    fn finish_cluster<H: Host, E: StreamEnd + ?Sized>(&mut self, filter: &Filter, env: &Env<'_, H>, ended: &E, now: MonoMillis) {
         let (Some(permit), Some(selector)) = (self.cluster_permit.take(), filter.selector.as_ref()) else {
             return;
         };
@@ -405,7 +405,7 @@ impl Stream {
 
 /// Gives back `units` that `probe`'s key counted at `admitted_at` and that were not used: out
 /// of the key's counters, and fleet-wide for a rule in batched global scope.
-pub(super) fn give_back<H: Host>(filter: &Filter, env: &Env<'_, H>, probe: &Probe, units: u32, admitted_at: UnixMillis, now: UnixMillis) {
+fn give_back<H: Host>(filter: &Filter, env: &Env<'_, H>, probe: &Probe, units: u32, admitted_at: UnixMillis, now: UnixMillis) {
     filter.limiter.refund(env.store, *probe, units, admitted_at);
     if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
         // A give-back with no room in the VM's buffer is lost: the fleet over-counts.

@@ -133,7 +133,7 @@ pub fn abandon<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream
 }
 
 /// A request whose turn came and whose host context is gone: its turns go back.
-pub(super) fn abandon_turn<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
+fn abandon_turn<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if let Some(Wait::Turn(delayed)) = stream.take_wait(Waiting::Turn) {
         stream.give_back_turns(filter, env, &delayed);
@@ -142,7 +142,7 @@ pub(super) fn abandon_turn<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &
 
 /// A request whose wait for a slot is over and whose host context is gone: the slot it was
 /// given goes back.
-pub(super) fn abandon_slot<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
+fn abandon_slot<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if stream.take_wait(Waiting::Slot).is_some() {
         let now = env.clock.now().mono;
@@ -151,7 +151,7 @@ pub(super) fn abandon_slot<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &
 }
 
 /// A woken request whose host context is gone: it will never be decided.
-pub(super) fn abandon_store<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
+fn abandon_store<H: Host>(filter: &Filter, env: &Env<'_, H>, shared: &SharedStream) {
     let mut stream = shared.borrow_mut();
     if let (Some(Wait::Store(wait)), Some(stage)) = (stream.take_wait(Waiting::Store), &filter.leased) {
         stage.abandon(env.store, &wait, env.clock.now());
@@ -250,7 +250,7 @@ impl Stream {
 
     /// The body that came while the request waited (bytes, and whether it ended), counted now
     /// that it goes on.
-    pub(super) fn body_held<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, (bytes, ended): (usize, bool)) {
+    fn body_held<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, (bytes, ended): (usize, bool)) {
         if self.charges.counts_body() && bytes > 0 {
             self.charges.body(bytes);
         }
@@ -263,7 +263,7 @@ impl Stream {
     /// The body that came while the request waited (bytes, and whether it ended), now that it
     /// is decided (`step`): it waits on with the request if the request waits again (for the
     /// store or its turn), else it is counted.
-    pub(super) fn carry_body<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, step: &Step, body: (usize, bool)) {
+    fn carry_body<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, step: &Step, body: (usize, bool)) {
         match (step, &mut self.wait) {
             (Step::Wait, Some(Wait::Store(wait))) => wait.body = body,
             (Step::Wait, Some(Wait::Turn(delayed))) => delayed.body = body,
