@@ -576,8 +576,6 @@ fn settle(host: &Host, context: u32, stream: &RefCell<Stream>, tokens: u32) {
 #[test]
 fn a_batched_reservation_gives_back_to_its_admission_s_bucket_and_charges_its_excess_now() {
     let host = Host::new(llm_rule(250, "batched"));
-    // A proxy alone: it decides on its own counts, without asking the store.
-    host.filter.global_node.as_ref().unwrap().borrow_mut().proxies = 1;
     let request = || keyed("k").with("x-max", "100");
     let (first, a, step_a) = host.send(&request());
     let (second, b, step_b) = host.send(&request());

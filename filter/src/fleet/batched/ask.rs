@@ -18,8 +18,8 @@
 //!
 //! Invariants: a hot key's requests never ask (its view holds it and its projection admits, or
 //! its counts as synced are within 1 % of the limit); a request asks at most once; a refused
-//! ask's answer counts nothing; with `P` 1 a proxy decides a key it has not learned on its own
-//! counts; with `P` not known yet (before the store gave it) it asks ([`VmNode::fleet_size`]).
+//! ask's answer counts nothing; with `P` unknown (no answer yet) or 1, a proxy decides a key it has
+//! not learned on its own counts.
 //!
 //! Rationale: docs/global.md, "A key a proxy has not learned".
 
@@ -43,8 +43,8 @@ pub const ROOM_DIVISOR: u32 = 100;
 
 /// What the other proxies add to the counts of a key this proxy has not learned, in a fleet of
 /// `proxies`: as many units per unit of its own as there are other proxies (each admitting
-/// alike), for the next 3 intervals (a projection, recomputed at every request); nothing with a
-/// fleet of 1.
+/// alike), for the next 3 intervals (a projection, recomputed at every request); nothing with the
+/// fleet size unknown or 1.
 pub fn unlearned(proxies: u32, now: UnixMillis, interval_ms: u64) -> Remote {
     let others = proxies.min(MAX_PROXIES).saturating_sub(1);
     if others == 0 {
@@ -121,7 +121,7 @@ impl GlobalScope {
         let Some(window_ms) = NonZeroU64::new(rule.window_ms) else { return false };
         let window = Window::new(window_ms);
         match node.cache.totals(rule.id, probe.key_hash, bucket_of(now, rule.window_ms)) {
-            None => node.fleet_size() > 1,
+            None => node.proxies > 1,
             Some(totals) => {
                 // Room for the request, and more than 1 % of the limit.
                 let need = probe.cost.max(limit.get() / ROOM_DIVISOR).max(1).saturating_add(pending);

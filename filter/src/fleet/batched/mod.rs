@@ -115,17 +115,6 @@ impl VmNode {
             proxies: 0,
         }
     }
-
-    /// The fleet size a projection takes ([`ask`]): the store's, once it gave one; until then
-    /// [`ask::MAX_PROXIES`]. A proxy that has just started (or whose `floodgate-sync` gives no
-    /// fleet size) does not know how many others share its keys: its first request of a key
-    /// asks the store, rather than take a unit that every new proxy would take.
-    pub fn fleet_size(&self) -> u32 {
-        match self.proxies {
-            0 => ask::MAX_PROXIES,
-            proxies => proxies,
-        }
-    }
 }
 
 /// What a tick did, for the metrics and the host.
@@ -197,8 +186,8 @@ impl GlobalScope {
                     Projection::AsSynced => Remote { synced: node.cache.remote(rule.id, probe.key_hash, bucket), ..Remote::NONE },
                     // A key not learned yet: the others admit alike ([`ask`]).
                     Projection::Ahead => match node.cache.shared_known(rule.id, probe.key_hash, bucket, now, self.interval_ms) {
-                        Some((remote, synced)) => ask::spread(remote, synced, node.fleet_size(), now, self.interval_ms),
-                        None => ask::unlearned(node.fleet_size(), now, self.interval_ms),
+                        Some((remote, synced)) => ask::spread(remote, synced, node.proxies, now, self.interval_ms),
+                        None => ask::unlearned(node.proxies, now, self.interval_ms),
                     },
                 };
             }

@@ -86,21 +86,7 @@ struct Proxy {
 }
 
 impl Proxy {
-    /// A proxy told by the store that it is alone (`P` = 1): it decides keys it has not learned
-    /// on its own counts, as every proxy of a fleet did before the fleet size (the tests that
-    /// look at other things than the fleet size); an answer that gives `P` replaces it.
     fn new(config: &Config, vms: usize, seed: u64) -> Proxy {
-        let mut proxy = Proxy::starting(config, vms, seed);
-        proxy.scope.bump_index(&proxy.store, &[], Some(1), UnixMillis(1));
-        for (_, node, _) in &mut proxy.vms {
-            proxy.scope.refresh(&proxy.store, &mut node.cache).unwrap();
-            node.proxies = node.cache.index.proxies;
-        }
-        proxy
-    }
-
-    /// A proxy that has just started: no batch confirmed yet.
-    fn starting(config: &Config, vms: usize, seed: u64) -> Proxy {
         Proxy {
             store: MemoryStore::new(),
             limiter: Limiter::new(config, "t"),
@@ -1041,62 +1027,3 @@ fn two_proxies_of_two_workers_taking_turns_admit_the_limit() {
     println!("{statuses:?}");
     assert_eq!(admitted, LIMIT as usize, "{statuses:?}");
 }
-
-/// A fleet that starts together (a new deployment, a rolling restart): until a proxy's store
-/// gives the fleet size, the proxy does not know how many others share a key, so its first
-/// request of each key asks the store rather than take a unit every new proxy would take. 200
-/// proxies of 2 workers, a key at 160 req/s spread at random over them (`L` = 50 per 10 s, a
-/// request on a proxy every 1.25 s), and the store's answers give no fleet size for the first
-/// second (a `floodgate-sync` that has not counted the fleet yet): the first window stays
-/// within a few units of `L` (the bound of a key that reaches its limit within two intervals of
-/// its first request, docs/global.md), the others at `L`. Deciding such keys on the proxy's own
-/// counts, the first window admitted 167: a unit per proxy that saw the key before it knew `P`.
-#[test]
-fn a_fleet_that_starts_together_admits_the_limit_not_a_unit_per_new_proxy() {
-    const LIMIT: u32 = 50;
-    let (n, workers, told_after_ms) = (200u64, 2usize, 1_000u64);
-    let config = config(LIMIT, "10s");
-    let mut proxies: Vec<Proxy> = (0..n).map(|i| Proxy::starting(&config, workers, i + 1)).collect();
-    let mut sync = FakeSync::default();
-    let mut noise = Noise(0x2545_f491_4f6c_dd1d);
-    let start = (T0 / 10_000 + 1) * 10_000;
-    let phases: Vec<u64> = (0..n).map(|_| noise.next() % 100).collect();
-    let key = proxies[0].scope.hasher.hash("per-key", [Some(&b"top"[..])]);
-    let (mut admitted, mut asks) = (HashMap::<u64, u32>::new(), 0u32);
-    for ms in 0..25_000u64 {
-        let now = UnixMillis(start + ms);
-        for (p, proxy) in proxies.iter_mut().enumerate() {
-            if ms % 100 == phases[p] {
-                proxy.tick(now);
-            }
-            if ms % 100 == (phases[p] + 30) % 100 {
-                for (token, i, body) in std::mem::take(&mut proxy.calls) {
-                    let answer = sync.call(&body);
-                    let (_, node, _) = &mut proxy.vms[i];
-                    let told = Some(n as u32).filter(|_| ms >= told_after_ms);
-                    let _ = proxy.scope.answered(&proxy.store, node, token, answer, told, now);
-                }
-            }
-        }
-        for _ in 0..noise.poisson(160.0 / 1000.0) {
-            let (p, vm) = ((noise.next() % n) as usize, (noise.next() % workers as u64) as usize);
-            let (ok, asked) = proxies[p].request_asking(vm, "top", LIMIT, &mut sync, now);
-            *admitted.entry(now.0 / 10_000).or_default() += u32::from(ok);
-            asks += u32::from(asked);
-        }
-    }
-    let mut windows: Vec<(u64, u32)> = admitted.into_iter().collect();
-    windows.sort_unstable();
-    println!("admitted per 10 s window {windows:?}, {asks} asks");
-    for (bucket, admitted) in windows {
-        let (first, last) = (bucket == start / 10_000, bucket == (start + 24_999) / 10_000);
-        assert!(admitted <= if first { LIMIT + LIMIT / 5 } else { LIMIT }, "window {bucket}: {admitted} admitted");
-        if !last {
-            // The fleet takes its quota, and the store holds each admission once (the last,
-            // partial window may have units on their way).
-            assert!(admitted >= LIMIT - 2, "window {bucket}: only {admitted}");
-            assert_eq!(sync.total(key, 10_000, bucket), u64::from(admitted), "window {bucket}");
-        }
-    }
-}
-
