@@ -256,7 +256,7 @@ fn score(trace: &Trace) -> Score {
             let probe = Probe::new(0, one_shot);
             match limiter.check(&store, &mut reserves, &[probe], UnixMillis(at)) {
                 Verdict::Admitted { evictions, .. } => s.evictions += evictions.len() as u64,
-                Verdict::Refused { .. } => s.flood_refused += 1,
+                Verdict::Rejected { .. } => s.flood_refused += 1,
             }
             flood_sent += 1;
         }
@@ -280,7 +280,7 @@ fn score(trace: &Trace) -> Score {
                 s.evictions += evictions.len() as u64;
                 true
             }
-            Verdict::Refused { .. } => false,
+            Verdict::Rejected { .. } => false,
         };
         s.count(t, ours, exact);
     }
