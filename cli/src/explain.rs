@@ -283,16 +283,15 @@ pub fn explain(config: &Config, request: &Request) -> String {
             return out;
         }
     }
-    // The stages in the order the filter runs them. A wait for the body decides nothing, and the
-    // endpoints are answered above; the queue is told with shedding, leased rules and the delay
-    // with the rate-limit rules.
+    // The stages in the order the filter runs them. The endpoints are answered above; the queue
+    // is told with shedding, leased rules and the delay with the rate-limit rules.
     for stage in Stage::ORDER {
         match stage {
             Stage::Shed => load_shedding(config, request, &mut line),
             Stage::Cap => per_key_cap(config, request, &mut line),
             Stage::RateLimit => rate_limits(config, request, &mut line),
             Stage::Select => cluster_selection(config, request, &mut line),
-            Stage::Body | Stage::Endpoints | Stage::Queue | Stage::Leased | Stage::Delay => {}
+            Stage::Endpoints | Stage::Queue | Stage::Leased | Stage::Delay => {}
         }
     }
     out

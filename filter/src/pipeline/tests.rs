@@ -3,16 +3,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
 
-use super::decision::{By, Decision};
-use super::headers::HeaderPlan;
 use super::stats::{MetricKind, Metrics};
 use super::*;
-use crate::fleet::batched::VmNode;
-use crate::primitives::inflight::LocalCount;
-use crate::primitives::time::{MonoMillis, UnixMillis};
-use crate::shedding::per_key::LocalKeys;
-use std::cell::{Cell, RefCell};
-use std::rc::Rc;
 use crate::config::Config;
 use crate::fleet::Answer;
 use crate::primitives::inflight::InFlight;
