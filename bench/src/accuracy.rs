@@ -256,7 +256,7 @@ fn score(trace: &Trace) -> Score {
             let probe = Probe::new(0, one_shot);
             match limiter.check(&store, &mut reserves, &[probe], UnixMillis(at)) {
                 Verdict::Admitted { evictions, .. } => s.evictions += evictions.len() as u64,
-                Verdict::Rejected { .. } => s.flood_refused += 1,
+                Verdict::Refused { .. } => s.flood_refused += 1,
             }
             flood_sent += 1;
         }
@@ -280,7 +280,7 @@ fn score(trace: &Trace) -> Score {
                 s.evictions += evictions.len() as u64;
                 true
             }
-            Verdict::Rejected { .. } => false,
+            Verdict::Refused { .. } => false,
         };
         s.count(t, ours, exact);
     }

@@ -353,7 +353,7 @@ fn accepted_config(config: &Config) {
                 assert!(!policy.contains(['\r', '\n']) && !fields.contains(['\r', '\n']));
             }
         }
-        rejected @ Verdict::Rejected { .. } => panic!("a first request is admitted: {rejected:?}"),
+        rejected @ Verdict::Refused { .. } => panic!("a first request is admitted: {rejected:?}"),
     }
 }
 
@@ -478,11 +478,11 @@ pub fn key(data: &[u8]) {
     let now = UnixMillis(1_700_000_000_500);
     match limiter.check(&store, &mut Reserves::new(), &probes, now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings.len(), probes.len()),
-        rejected @ Verdict::Rejected { .. } => panic!("first request refused: {rejected:?}"),
+        rejected @ Verdict::Refused { .. } => panic!("first request refused: {rejected:?}"),
     }
     let second = limiter.check(&store, &mut Reserves::new(), &probes, now);
     match &second {
-        Verdict::Rejected { violations } => {
+        Verdict::Refused { violations } => {
             assert_eq!(violations.len(), probes.len(), "limit 1: every rule refuses the second");
             let reply = replies::rate_limited(&limiter, &second, now).expect("a 429");
             assert_eq!(reply.status, 429);
@@ -599,7 +599,7 @@ pub fn ratelimit_record(data: &[u8]) {
                 }
             }
         }
-        Verdict::Rejected { violations } => {
+        Verdict::Refused { violations } => {
             assert!(!violations.is_empty());
             let reply = replies::rate_limited(&limiter, &verdict, now).expect("a 429");
             check_reply(&reply);

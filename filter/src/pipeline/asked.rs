@@ -86,7 +86,7 @@ impl AskStage {
     /// ([`GlobalScope::wants_ask`]); `None` otherwise (the refusal stands).
     /// `pending` gives, per probe, this proxy's units of its key the store has not counted yet.
     pub fn asks_of(&self, scope: &GlobalScope, node: &VmNode, verdict: &Verdict, probes: &[Probe], pending: impl Fn(&Probe) -> u32, now: UnixMillis) -> Option<Vec<KeyAsk>> {
-        let Verdict::Rejected { violations } = verdict else { return None };
+        let Verdict::Refused { violations } = verdict else { return None };
         let mut asks = Vec::with_capacity(violations.len());
         for violation in violations {
             let probe = probes.iter().find(|p| p.rule == violation.standing.rule)?;

@@ -352,7 +352,7 @@ impl LeasedStage {
                         }
                         let (reply, standing) = match refusal {
                             Refusal::OverLimit => {
-                                let verdict = Verdict::Rejected { violations: vec![Violation { standing, cause: Cause::OverLimit }] };
+                                let verdict = Verdict::Refused { violations: vec![Violation { standing, cause: Cause::OverLimit }] };
                                 (replies::rate_limited(&filter.limiter, &verdict, now.wall), Some(standing))
                             }
                             Refusal::StoreDown => (None, None),

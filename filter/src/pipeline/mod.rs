@@ -1599,7 +1599,7 @@ impl Stream {
         // Rules in shadow: a request only they refuse goes on, counted by the other rules alone.
         let (mut shadowed, mut shadow_refusals) = (Vec::new(), Vec::new());
         if filter.shadows.any_rule() {
-            while let Verdict::Rejected { violations } = &verdict {
+            while let Verdict::Refused { violations } = &verdict {
                 if !violations.iter().all(|v| filter.shadows.rule(v.standing.rule)) {
                     break;
                 }
@@ -1622,7 +1622,7 @@ impl Stream {
                 scope.annotate(&node.borrow(), &mut fresh, now);
                 counts.map_or(0, |c| c.current.saturating_sub(fresh[0].remote.confirmed))
             };
-            if matches!(verdict, Verdict::Rejected { .. }) {
+            if matches!(verdict, Verdict::Refused { .. }) {
                 let _ = scope.refresh(env.store, &mut node.borrow_mut().cache);
             }
             if let Some(asks) = stage.asks_of(scope, &node.borrow(), &verdict, &probes, pending, now) {
@@ -1698,7 +1698,7 @@ impl Stream {
                 }
                 None
             }
-            Verdict::Rejected { violations } => {
+            Verdict::Refused { violations } => {
                 for violation in violations {
                     let ids = filter.stats.rule(violation.standing.rule);
                     if filter.shadows.rule(violation.standing.rule) {
@@ -1716,8 +1716,8 @@ impl Stream {
                 } else {
                     Vec::new()
                 };
-                let verdict = if enforced.is_empty() { verdict } else { Verdict::Rejected { violations: enforced } };
-                if let Verdict::Rejected { violations } = &verdict {
+                let verdict = if enforced.is_empty() { verdict } else { Verdict::Refused { violations: enforced } };
+                if let Verdict::Refused { violations } = &verdict {
                     if let Some(first) = violations.first() {
                         self.decision.refused(decision::Outcome::Refused, By::Rule(first.standing.rule), Some(&first.standing));
                     }

@@ -177,7 +177,7 @@ pub enum Verdict {
         evictions: Vec<usize>,
     },
     /// At least one rule refused; no rule counted the request.
-    Rejected {
+    Refused {
         /// The refusing rules (never empty).
         violations: Vec<Violation>,
     },
@@ -189,7 +189,7 @@ impl Verdict {
     pub fn retry_at(&self) -> Option<UnixMillis> {
         match self {
             Verdict::Admitted { .. } => None,
-            Verdict::Rejected { violations } => violations
+            Verdict::Refused { violations } => violations
                 .iter()
                 .map(|v| v.standing.retry_at)
                 .try_fold(UnixMillis(0), |latest, at| at.map(|at| latest.max(at))),
@@ -348,7 +348,7 @@ impl Limiter {
         }
         if !violations.is_empty() {
             untake(reserves);
-            return Verdict::Rejected { violations };
+            return Verdict::Refused { violations };
         }
         let mut evictions = Vec::new();
         let mut committed: Vec<(&Read, u64)> = Vec::with_capacity(reads.len());
@@ -368,7 +368,7 @@ impl Limiter {
                         self.give_back(store, done.probe, Leftover { bucket_index: bucket, units: done.probe.cost });
                     }
                     untake(reserves);
-                    return Verdict::Rejected {
+                    return Verdict::Refused {
                         violations: vec![violation],
                     };
                 }

@@ -155,7 +155,7 @@ proptest! {
         let mut refusal = None;
         for _ in 0..limit + extra {
             now += gap;
-            if let v @ Verdict::Rejected { .. } = limiter.check(&store, &mut Reserves::disabled(), &probes, UnixMillis(now)) {
+            if let v @ Verdict::Refused { .. } = limiter.check(&store, &mut Reserves::disabled(), &probes, UnixMillis(now)) {
                 refusal = Some((now, v));
                 break;
             }
@@ -260,7 +260,7 @@ fn a_refusal_by_another_rule_puts_reserved_units_back() {
         assert!(admitted(&limiter.check(&store, &mut other, &[narrow], now)));
     }
     match limiter.check(&store, &mut reserves, &[wide, narrow], now) {
-        Verdict::Rejected { violations } => assert_eq!(violations[0].standing.rule, 1),
+        Verdict::Refused { violations } => assert_eq!(violations[0].standing.rule, 1),
         other => panic!("{other:?}"),
     }
     match limiter.check(&store, &mut reserves, &[wide], now) {
@@ -337,7 +337,7 @@ fn exhausted_attempts_reject_as_contention_and_count_nothing() {
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now)));
     store.mismatches.set(MAX_ATTEMPTS);
     match limiter.check(&store, &mut Reserves::disabled(), &probes, now) {
-        Verdict::Rejected { violations } => assert_eq!(violations[0].cause, Cause::Contention),
+        Verdict::Refused { violations } => assert_eq!(violations[0].cause, Cause::Contention),
         other => panic!("{other:?}"),
     }
     match limiter.check(&store, &mut Reserves::disabled(), &probes, now) {
@@ -356,7 +356,7 @@ fn a_refused_request_consumes_no_quota_of_any_rule() {
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, now)));
     for _ in 0..5 {
         match limiter.check(&store, &mut Reserves::disabled(), &both, now) {
-            Verdict::Rejected { violations } => {
+            Verdict::Refused { violations } => {
                 assert_eq!(violations.len(), 1);
                 assert_eq!(violations[0].standing.rule, 1);
                 assert_eq!(violations[0].cause, Cause::OverLimit);
@@ -396,7 +396,7 @@ fn a_lost_race_on_a_later_rule_takes_back_the_earlier_ones() {
     let now = UnixMillis(1_700_000_000_000);
     let both = [Probe::new(0, 1), Probe::new(1, 2)];
     match limiter.check(&store, &mut Reserves::disabled(), &both, now) {
-        Verdict::Rejected { violations } => assert_eq!(violations[0].standing.rule, 1),
+        Verdict::Refused { violations } => assert_eq!(violations[0].standing.rule, 1),
         other => panic!("{other:?}"),
     }
     match limiter.check(&store.inner, &mut Reserves::disabled(), &both[..1], now) {
@@ -643,7 +643,7 @@ proptest! {
                     prop_assert!(fits, "admitted {cost} with {admitted_units} of {limit} used");
                     admitted_units += u64::from(cost);
                 }
-                Verdict::Rejected { .. } => {}
+                Verdict::Refused { .. } => {}
             }
             prop_assert!(admitted_units <= u64::from(limit));
         }
@@ -664,7 +664,7 @@ fn a_key_of_a_tier_or_an_override_gets_its_own_limit() {
     assert_eq!(count(Some(12), 2), 12, "a tier's");
     // The same key, its tier raised by a reload or its header: the counts stay, the new limit applies.
     assert_eq!(count(Some(5), 1), 2);
-    let Verdict::Rejected { violations } = limiter.check(&store, &mut Reserves::disabled(), &[with(Probe::new(0, 2), Some(12), 1)], now) else {
+    let Verdict::Refused { violations } = limiter.check(&store, &mut Reserves::disabled(), &[with(Probe::new(0, 2), Some(12), 1)], now) else {
         panic!("refused")
     };
     assert_eq!(violations[0].standing.limit.get(), 12, "the refusal names the key's limit");
@@ -683,7 +683,7 @@ fn a_cost_charged_later_refuses_the_key_once_its_quota_is_spent() {
     assert!(limiter.charge(&store, probe, 60, now));
     assert!(admitted(&check(&mut reserves)));
     assert!(limiter.charge(&store, probe, 45, now));
-    let Verdict::Rejected { violations } = check(&mut reserves) else { panic!("spent: refused") };
+    let Verdict::Refused { violations } = check(&mut reserves) else { panic!("spent: refused") };
     assert_eq!(violations[0].standing.remaining, 0);
     assert!(violations[0].standing.estimate >= 105.0);
     // Retry-After is tight: in the next bucket (now is 800 s into the hour) the 105 weigh
@@ -699,7 +699,7 @@ fn a_cost_larger_than_one_needs_room_for_all_of_it_and_retry_after_says_when() {
     let now = UnixMillis(1_700_000_040_000); // the start of a minute
     let probe = |cost| with(Probe::new(0, 3), None, cost);
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &[probe(700)], now)));
-    let Verdict::Rejected { violations } = limiter.check(&store, &mut Reserves::disabled(), &[probe(400)], now) else {
+    let Verdict::Refused { violations } = limiter.check(&store, &mut Reserves::disabled(), &[probe(400)], now) else {
         panic!("400 more do not fit")
     };
     assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &[probe(300)], now)), "300 do");
@@ -860,7 +860,7 @@ mod token_bucket {
                         tats[key as usize] = tat;
                         prop_assert_eq!(standings[0].go_at, Some(at).filter(|at| at.0 > now));
                     }
-                    (Verdict::Rejected { .. }, Turn::Refuse { retry_at }) => prop_assert_eq!(verdict.retry_at(), retry_at),
+                    (Verdict::Refused { .. }, Turn::Refuse { retry_at }) => prop_assert_eq!(verdict.retry_at(), retry_at),
                     (got, want) => prop_assert!(false, "{:?} where the bucket says {:?} at {}", got, want, micros(UnixMillis(now))),
                 }
             }

@@ -41,7 +41,7 @@ fn violation(rule: usize, limit: u32, estimate: f64, remaining: u64, retry_in_ms
 }
 
 fn refused(limiter: &Limiter, violations: Vec<Violation>) -> String {
-    render(rate_limited(limiter, &Verdict::Rejected { violations }, NOW).unwrap())
+    render(rate_limited(limiter, &Verdict::Refused { violations }, NOW).unwrap())
 }
 
 const TWO_RULES: &str = r#"{"name":"per-api-key","key":[{"header":"x-api-key"}],"limit":4,"window":"4s"},

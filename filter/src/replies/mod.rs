@@ -308,7 +308,7 @@ fn retry_after(retry_at: Option<UnixMillis>, now: UnixMillis, fallback_ms: u64) 
 
 /// The `429` for a rejected verdict (`None` for an admitted one).
 pub fn rate_limited(limiter: &Limiter, verdict: &Verdict, now: UnixMillis) -> Option<Reply> {
-    let Verdict::Rejected { violations } = verdict else {
+    let Verdict::Refused { violations } = verdict else {
         return None;
     };
     let describe = |v: &Violation| -> Option<(&RuleTable, u64)> {

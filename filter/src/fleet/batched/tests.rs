@@ -884,7 +884,7 @@ impl Proxy {
         let mut granted = false;
         let mut asked = false;
         let pending = self.limiter.counts_of(&self.store, &self.vms[vm].2, &probes[0], now).map_or(0, |c| c.current.saturating_sub(probes[0].remote.confirmed));
-        let verdict = if matches!(verdict, Verdict::Rejected { .. }) && self.scope.wants_ask(&self.vms[vm].1, &probes[0], limit, pending, now) {
+        let verdict = if matches!(verdict, Verdict::Refused { .. }) && self.scope.wants_ask(&self.vms[vm].1, &probes[0], limit, pending, now) {
             asked = true;
             let request = self.scope.ask_for(&probes[0], limit, pending, now).unwrap();
             let grant = sync.lease(&request, limit.get());
