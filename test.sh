@@ -88,9 +88,8 @@ echo "module: $wasm"
 # compiling, mostly on one core; cargo builds them in target/release and target/<musl target>/,
 # which nothing else builds in before the release step) go on while the steps below build and test:
 # the integration suite's compose test puts floodgate-sync's in its image, and the release step
-# ships both; each runs scripts/musl-build.sh again, which rebuilds only what cargo finds stale
-# (after the compose test, which builds in cargo test's environment, the release step still finds
-# floodgate-sync's crates with build scripts stale, ring and rustls among them: about a minute).
+# ships both; each runs scripts/musl-build.sh again, which finds the build fresh (it clears the
+# variables cargo sets for a calling test, which ring's build script would see change).
 # The integration step waits for them (and shows their log); should one fail, the step that needs
 # it builds it again and fails there.
 musl_log=$(mktemp)

@@ -24,6 +24,10 @@ cc_var=CC_${musl//-/_}
 if [[ -z "${!cc_var:-}" ]] && ! command -v "${musl%%-*}-linux-musl-gcc" >/dev/null && ! command -v musl-gcc >/dev/null; then
   export "$cc_var"=cc
 fi
+# A caller that cargo runs (an integration test) hands on the variables cargo sets for its own
+# crate; build scripts that read them (ring's reads CARGO_MANIFEST_DIR) would see them change and
+# rebuild their crates and everything above: the build runs without them.
+while read -r name; do unset "$name"; done < <(compgen -e | grep -E '^CARGO_(MANIFEST_|PKG_|CRATE_NAME$|BIN_|PRIMARY_PACKAGE$|TARGET_TMPDIR$)' || true)
 echo "scripts/musl-build.sh: cargo build -p $package --release --target $musl" >&2
 cargo build -p "$package" --release --target "$musl" >&2
 bin=$PWD/target/$musl/release/$binary

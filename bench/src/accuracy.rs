@@ -254,7 +254,7 @@ fn score(trace: &Trace) -> Score {
             let at = T0 + (flood_sent as f64 * flood_gap) as u64;
             let one_shot = hasher.hash([Some(&flood_sent.to_le_bytes()[..]), None]);
             let probe = Probe::new(0, one_shot);
-            match limiter.check(&store, &mut reserves, &[probe], UnixMillis(at)) {
+            match limiter.check(&store, &mut reserves, &[probe], &[], UnixMillis(at)) {
                 Verdict::Admitted { evictions, .. } => s.evictions += evictions.len() as u64,
                 Verdict::Refused { .. } => s.flood_refused += 1,
             }
@@ -275,7 +275,7 @@ fn score(trace: &Trace) -> Score {
             log.push_back(now);
         }
         let probe = Probe::new(0, hashes[key as usize]);
-        let ours = match limiter.check(&store, &mut reserves, &[probe], UnixMillis(now)) {
+        let ours = match limiter.check(&store, &mut reserves, &[probe], &[], UnixMillis(now)) {
             Verdict::Admitted { evictions, .. } => {
                 s.evictions += evictions.len() as u64;
                 true

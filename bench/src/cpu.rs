@@ -17,6 +17,9 @@ pub const KEYS: usize = 1000;
 /// The route header of cluster selection.
 pub const ROUTE_HEADER: &str = "x-floodgate-cluster";
 
+/// The path of the health endpoint of the variants that have one.
+pub const HEALTH_PATH: &str = "/floodgate/health";
+
 /// floodgate's "everything on" configuration.
 pub fn everything_config(selection: bool) -> String {
     let selection = if selection {
@@ -25,7 +28,7 @@ pub fn everything_config(selection: bool) -> String {
         String::new()
     };
     format!(
-        r#"{{"rate_limits": [{}], "load_shedding": {{"max_active_requests": 100000}}, "health": {{"path": "/floodgate/health"}}{selection}}}"#,
+        r#"{{"rate_limits": [{}], "load_shedding": {{"max_active_requests": 100000}}, "health": {{"path": "{HEALTH_PATH}"}}{selection}}}"#,
         rule("per-key")
     )
 }
@@ -100,6 +103,13 @@ fn diagnostic_variants(s: &Settings) -> Vec<Variant> {
             filter: fg(r#"{"load_shedding": {"max_active_requests": 100000}}"#.into()),
             route: Route::Fixed,
         },
+        Variant {
+            id: "fg-queue",
+            label: "floodgate: load shedding with a queue (load leveling)".into(),
+            filter: fg(r#"{"load_shedding": {"max_active_requests": 100000, "queue": {"max_queued": 64, "max_wait": "1s"}}}"#.into()),
+            route: Route::Fixed,
+        },
+        Variant { id: "fg-health", label: "floodgate: health endpoint only".into(), filter: fg(format!(r#"{{"health": {{"path": "{HEALTH_PATH}"}}}}"#)), route: Route::Fixed },
         Variant { id: "fg-rl-shed", label: "floodgate: rate limiting + shedding + health".into(), filter: fg(everything_config(false)), route: Route::Fixed },
         // Ten rules whose condition never matches, next to fg-rl's rule: what
         // conditions cost a request they do not apply to.

@@ -124,7 +124,7 @@ fn simulate(trace: &Trace, flood: bool) -> Outcome {
             next_heartbeat = now + HEARTBEAT_MS;
         }
         let probe = Probe::new(0, hasher.hash([Some(key.as_bytes())]));
-        matches!(limiter.check(&store, reserves, &[probe], UnixMillis(now)), Verdict::Admitted { .. })
+        matches!(limiter.check(&store, reserves, &[probe], &[], UnixMillis(now)), Verdict::Admitted { .. })
     };
     for k in 0..trace.established {
         for _ in 0..2 {

@@ -449,10 +449,7 @@ async fn cpu_run(s: &Settings, fleet: &Fleet, pace: Pace, requests: &Arc<Vec<Vec
     CpuRun {
         envoy_ns: envoy / n,
         store_ns: store / n,
-        redis: RedisCounts {
-            scripts: after.redis.scripts.saturating_sub(before.redis.scripts),
-            commands: after.redis.commands.saturating_sub(before.redis.commands),
-        },
+        redis: after.redis.since(before.redis),
         completed,
         seconds: secs,
         bad: completed - ok + errors,

@@ -4,8 +4,12 @@
 //!
 //! The load generator is closed-loop: a fixed number of keep-alive connections, each sending
 //! its next request as soon as the previous response is complete (for gRPC: one unary call at a
-//! time per HTTP/2 connection, as in the HTTP/1.1 runs). [`Conn`] is one HTTP/1.1 connection,
-//! for generators that pace their requests instead (`fleet_harness.rs`).
+//! time per HTTP/2 connection, as in the HTTP/1.1 runs). [`run_paced`] runs the same
+//! connections at a fixed rate instead: request number `i` (over all connections) is not sent
+//! before `i / rate` seconds into the run, so a connection waits for its request's turn, and one
+//! behind its turn sends at once (a run the target cannot keep up with ends as a closed-loop one).
+//! [`Conn`] is one HTTP/1.1 connection, for generators that pace their requests with their own
+//! schedule (`fleet_harness.rs`).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -216,6 +220,8 @@ impl Outcome {
 }
 
 struct Shared {
+    /// With a fixed rate: when the run started, and the requests per second.
+    pace: Option<(Instant, f64)>,
     stop: AtomicBool,
     measuring: AtomicBool,
     completed: AtomicU64,
@@ -228,13 +234,25 @@ struct Shared {
 /// `probe` is called, e.g. to read Envoy's CPU time), then stops. In `Numbered` mode with
 /// `max_requests`, the interval ends early when they have all been answered. Returns the
 /// outcome and the two probe readings.
-pub async fn run<P: Clone>(
+pub async fn run<P: Clone>(load: &Load, warmup: Duration, duration: Duration, probe: impl FnMut() -> P) -> (Outcome, P, P) {
+    run_at(load, None, warmup, duration, probe).await
+}
+
+/// [`run`] at `rate` requests per second in all (no faster; as fast as the answers come if
+/// the target cannot keep up), the rate kept from the start of `warmup`.
+pub async fn run_paced<P: Clone>(load: &Load, rate: f64, warmup: Duration, duration: Duration, probe: impl FnMut() -> P) -> (Outcome, P, P) {
+    run_at(load, Some(rate).filter(|r| *r > 0.0), warmup, duration, probe).await
+}
+
+async fn run_at<P: Clone>(
     load: &Load,
+    rate: Option<f64>,
     warmup: Duration,
     duration: Duration,
     mut probe: impl FnMut() -> P,
 ) -> (Outcome, P, P) {
     let shared = Arc::new(Shared {
+        pace: rate.map(|rate| (Instant::now(), rate)),
         stop: AtomicBool::new(false),
         measuring: AtomicBool::new(warmup.is_zero()),
         completed: AtomicU64::new(0),
@@ -276,6 +294,26 @@ pub async fn run<P: Clone>(
     (outcome, before, after)
 }
 
+impl Shared {
+    /// A connection's next request: its number over all connections when the requests are
+    /// `numbered`, once its turn came at a fixed rate (`Some(None)`: not numbered); `None` once
+    /// `max` requests were sent.
+    async fn next_request(&self, numbered: bool, max: Option<u64>) -> Option<Option<u64>> {
+        if !numbered {
+            return Some(None);
+        }
+        let i = self.next_number.fetch_add(1, Ordering::Relaxed);
+        if max.is_some_and(|max| i >= max) {
+            return None;
+        }
+        if let Some((start, rate)) = self.pace {
+            let due = start + Duration::from_secs_f64(i as f64 / rate);
+            tokio::time::sleep_until(due.into()).await;
+        }
+        Some(Some(i))
+    }
+}
+
 async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
     if let Requests::Grpc(keys) = &load.requests {
         return grpc_connection(load.clone(), Arc::clone(keys), index, shared).await;
@@ -297,25 +335,16 @@ async fn connection(load: Load, index: usize, shared: Arc<Shared>) {
             tokio::time::sleep(Duration::from_millis(50)).await;
             continue;
         };
+        let numbered = shared.pace.is_some() || load.max_requests.is_some() || matches!(load.requests, Requests::Numbered(_));
         while !shared.stop.load(Ordering::Relaxed) {
-            if let (Requests::Cycle(_), Some(max)) = (&load.requests, load.max_requests) {
-                if shared.next_number.fetch_add(1, Ordering::Relaxed) >= max {
-                    break 'reconnect;
-                }
-            }
+            let Some(number) = shared.next_request(numbered, load.max_requests).await else { break 'reconnect };
             let req = match &load.requests {
                 Requests::Cycle(list) => {
                     let i = (index as u64).wrapping_mul(7919).wrapping_add(n) as usize % list.len();
                     std::borrow::Cow::Borrowed(list[i].as_slice())
                 }
                 Requests::Grpc(_) => unreachable!("gRPC calls go through grpc_connection"),
-                Requests::Numbered(make) => {
-                    let i = shared.next_number.fetch_add(1, Ordering::Relaxed);
-                    if load.max_requests.is_some_and(|max| i >= max) {
-                        break 'reconnect;
-                    }
-                    std::borrow::Cow::Owned(make(i))
-                }
+                Requests::Numbered(make) => std::borrow::Cow::Owned(make(number.unwrap_or_default())),
             };
             n += 1;
             let sent = Instant::now();
@@ -386,8 +415,9 @@ async fn grpc_connection(load: Load, keys: Arc<Vec<String>>, index: usize, share
         tokio::spawn(async move {
             let _ = conn.await;
         });
+        let numbered = shared.pace.is_some() || load.max_requests.is_some();
         while !shared.stop.load(Ordering::Relaxed) {
-            if load.max_requests.is_some_and(|max| shared.next_number.fetch_add(1, Ordering::Relaxed) >= max) {
+            if shared.next_request(numbered, load.max_requests).await.is_none() {
                 break 'reconnect;
             }
             let key = &keys[(index as u64).wrapping_mul(7919).wrapping_add(n) as usize % keys.len()];
@@ -452,5 +482,30 @@ impl Conn {
                 Ok(k) => self.buf.extend_from_slice(&self.chunk[..k]),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{request, run, run_paced, start_upstream, Load, Requests};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    fn load(target: std::net::SocketAddr, requests: u64) -> Load {
+        Load { targets: vec![target], connections: 4, requests: Requests::Cycle(Arc::new(vec![request("/", &[])])), max_requests: Some(requests) }
+    }
+
+    /// Paced, 60 requests at 200 a second take 0.3 s however fast the upstream answers; a
+    /// closed loop sends them as fast as it answers.
+    #[tokio::test]
+    async fn a_paced_run_holds_its_rate_and_a_closed_loop_does_not_wait() {
+        let (upstream, _) = start_upstream().await;
+        let (paced, _, _) = run_paced(&load(upstream, 60), 200.0, Duration::ZERO, Duration::from_secs(30), || ()).await;
+        assert_eq!(paced.status(200), 60, "{paced:?}");
+        assert!(paced.elapsed >= Duration::from_millis(290), "{:?}", paced.elapsed);
+        assert!(paced.throughput() <= 205.0, "{}", paced.throughput());
+        let (closed, _, _) = run(&load(upstream, 60), Duration::ZERO, Duration::from_secs(30), || ()).await;
+        assert_eq!(closed.status(200), 60, "{closed:?}");
+        assert!(closed.elapsed < Duration::from_millis(290), "{:?}", closed.elapsed);
     }
 }

@@ -12,6 +12,7 @@ mod envoy;
 mod flood;
 mod fleet;
 mod fleet_harness;
+mod host_calls;
 mod global;
 mod idle;
 mod instructions;
@@ -82,6 +83,38 @@ pub struct Settings {
     pub fleet: fleet::FleetOptions,
 }
 
+impl Settings {
+    /// The defaults, the artifacts' paths from the environment (`ENVOY_BIN`, `FLOODGATE_WASM`,
+    /// ...; empty when unset), before the command line changes them.
+    pub fn from_env() -> Settings {
+        let env_path = |k: &str| std::env::var_os(k).map(PathBuf::from).unwrap_or_default();
+        Settings {
+            quick: false,
+            envoy: env_path("ENVOY_BIN"),
+            floodgate_wasm: env_path("FLOODGATE_WASM"),
+            llm_wasm: env_path("FLOODGATE_LLM_WASM"),
+            noop_wasm: env_path("NOOP_WASM"),
+            naive_wasm: env_path("NAIVE_WASM"),
+            extra: Vec::new(),
+            rounds: 0,
+            seconds: 0.0,
+            warmup: 0.0,
+            connections: 32,
+            diagnose: true,
+            selection: Selection::Auto,
+            cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            only: None,
+            capacity: None,
+            keys: None,
+            redis_server: env_path("REDIS_SERVER"),
+            sync_bin: env_path("FLOODGATE_SYNC_BIN"),
+            wasm_shim_wasm: env_path("WASM_SHIM_WASM"),
+            limitador_bin: env_path("LIMITADOR_BIN"),
+            fleet: fleet::FleetOptions::default(),
+        }
+    }
+}
+
 /// Cluster selection in the "everything on" variant.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Selection {
@@ -100,7 +133,7 @@ fn usage() -> ! {
          \x20      [--envoy PATH] [--wasm PATH] [--llm-wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
          \x20      [--wasm-shim PATH] [--limitador PATH]\n\
          \x20      [--extra-wasm PATH [--extra-config STRING]]...\n\
-         \x20      fleet: [--proxies N,N] [--workers N] [--mix hot,users,zipf] [--consistency batched,leased] [--rate REQ_PER_S] [--events restart,failover,sync-restart] [--envoys]\n\
+         \x20      fleet: [--proxies N,N] [--workers N] [--mix hot,users,zipf] [--consistency batched,leased] [--rate REQ_PER_S] [--events restart,failover,sync-restart] [--on-store-failure last_state|refuse] [--envoys]\n\
          fleet --envoys runs each configuration through real Envoys of one worker (--envoy, --wasm) and through the simulated proxies, side by side.\n\
          --extra-wasm adds another module to `cpu` and `instructions` as variant ext1, ext2, ... with the --extra-config after it, and to global part (f) as one more `leased` row.\n\
          The LLM variants of `instructions` (--variants llm-plain,llm-json-1k,...; docs/benchmarks.md) load --llm-wasm,\n\
@@ -126,32 +159,7 @@ fn cpu_model() -> String {
 fn main() {
     let mut args = std::env::args().skip(1);
     let mut what: Vec<String> = Vec::new();
-    let env_path = |k: &str| std::env::var_os(k).map(PathBuf::from).unwrap_or_default();
-    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let mut s = Settings {
-        quick: false,
-        envoy: env_path("ENVOY_BIN"),
-        floodgate_wasm: env_path("FLOODGATE_WASM"),
-        llm_wasm: env_path("FLOODGATE_LLM_WASM"),
-        noop_wasm: env_path("NOOP_WASM"),
-        naive_wasm: env_path("NAIVE_WASM"),
-        extra: Vec::new(),
-        rounds: 0,
-        seconds: 0.0,
-        warmup: 0.0,
-        connections: 32,
-        diagnose: true,
-        selection: Selection::Auto,
-        cpus,
-        only: None,
-        capacity: None,
-        keys: None,
-        redis_server: env_path("REDIS_SERVER"),
-        sync_bin: env_path("FLOODGATE_SYNC_BIN"),
-        wasm_shim_wasm: env_path("WASM_SHIM_WASM"),
-        limitador_bin: env_path("LIMITADOR_BIN"),
-        fleet: fleet::FleetOptions::default(),
-    };
+    let mut s = Settings::from_env();
     let mut fleet_seconds = None;
     let mut diagnose: Option<bool> = None;
     while let Some(a) = args.next() {
@@ -171,6 +179,7 @@ fn main() {
             "--rate" => s.fleet.rate = Some(value().parse().ok().filter(|r: &f64| *r > 0.0).unwrap_or_else(|| usage())),
             "--events" => s.fleet.events = value().split(',').map(str::to_string).collect(),
             "--envoys" => s.fleet.envoys = true,
+            "--on-store-failure" => s.fleet.on_store_failure = Some(value()).filter(|v| v == "last_state" || v == "refuse").unwrap_or_else(|| usage()),
             "--warmup" => s.warmup = value().parse().unwrap_or_else(|_| usage()),
             "--connections" => s.connections = value().parse().unwrap_or_else(|_| usage()),
             "--variants" => s.only = Some(value().split(',').map(str::to_string).collect()),

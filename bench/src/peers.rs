@@ -283,8 +283,10 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
                 machine: machine_busy_ns(),
                 redis: redis.counts().unwrap_or_default(),
             };
+            let by_name_before = redis.calls_by_name().unwrap_or_default();
             let started = Instant::now();
             let shared = shared_traffic(&fleet.addrs(), traffic, take).await;
+            let by_name = redis.calls_by_name().unwrap_or_default();
             let seconds = started.elapsed().as_secs_f64().max(1e-9);
             let (a, b) = (shared.before, shared.after);
             let envoy_ns = b.envoys.saturating_sub(a.envoys);
@@ -295,7 +297,7 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
                 hot_admitted: shared.hot_admitted,
                 envoy_ns,
                 service_ns,
-                redis: RedisCounts { scripts: b.redis.scripts.saturating_sub(a.redis.scripts), commands: b.redis.commands.saturating_sub(a.redis.commands) },
+                redis: b.redis.since(a.redis),
                 others_busy: (others / 1e9 / seconds).max(0.0),
             };
             drop(limitadors);
@@ -314,6 +316,12 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
                 run.redis.commands as f64 / run.sent.len().max(1) as f64,
                 run.bad()
             );
+            let mut per_request: Vec<(u64, &String)> =
+                by_name.iter().map(|(name, calls)| (calls.saturating_sub(by_name_before.get(name).copied().unwrap_or(0)), name)).filter(|(n, _)| *n > 0).collect();
+            per_request.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+            let listed: Vec<String> =
+                per_request.iter().map(|(n, name)| format!("{name} {:.3}", *n as f64 / run.sent.len().max(1) as f64)).collect();
+            progress!("  Redis commands per request by name (those inside scripts included): {}", listed.join(", "));
             runs[i].push(run);
         }
     }

@@ -4,6 +4,7 @@
 //! the tool itself dies (the release profile aborts on panic, which runs no destructor).
 //! Failures are values: the measurement reports them and goes on.
 
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -121,6 +122,27 @@ pub struct RedisCounts {
     pub commands: u64,
 }
 
+impl RedisCounts {
+    /// What was executed between `before` and these counts.
+    pub fn since(self, before: RedisCounts) -> RedisCounts {
+        RedisCounts { scripts: self.scripts.saturating_sub(before.scripts), commands: self.commands.saturating_sub(before.commands) }
+    }
+}
+
+/// Calls per command of an `INFO commandstats` answer (`INFO` and `PING` left out).
+pub fn calls_by_name(info: &str) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for line in info.lines() {
+        let Some((name, fields)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':')) else { continue };
+        if name == "info" || name == "ping" {
+            continue;
+        }
+        let calls = fields.split(',').find_map(|f| f.strip_prefix("calls=")).and_then(|c| c.trim().parse().ok()).unwrap_or(0);
+        out.insert(name.to_owned(), calls);
+    }
+    out
+}
+
 impl Redis {
     /// Starts `binary` on a free port and waits (at most 10 s) until it answers `PING`.
     pub fn start(binary: &Path) -> Result<Redis, String> {
@@ -227,25 +249,19 @@ impl Redis {
 
     /// Its counters now.
     pub fn counts(&self) -> Result<RedisCounts, String> {
-        let info = self.command("INFO commandstats")?;
         let mut counts = RedisCounts::default();
-        for line in info.lines() {
-            let Some((name, fields)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':')) else { continue };
-            let calls: u64 = fields
-                .split(',')
-                .find_map(|f| f.strip_prefix("calls="))
-                .and_then(|c| c.parse().ok())
-                .unwrap_or(0);
-            match name {
-                "info" | "ping" => {}
-                "evalsha" | "eval" => {
-                    counts.scripts += calls;
-                    counts.commands += calls;
-                }
-                _ => counts.commands += calls,
+        for (name, calls) in self.calls_by_name()? {
+            if name == "evalsha" || name == "eval" {
+                counts.scripts += calls;
             }
+            counts.commands += calls;
         }
         Ok(counts)
+    }
+
+    /// Calls per command so far (`INFO commandstats`, `INFO` and `PING` left out).
+    pub fn calls_by_name(&self) -> Result<BTreeMap<String, u64>, String> {
+        Ok(calls_by_name(&self.command("INFO commandstats")?))
     }
 
     fn log_tail(&self) -> String {

@@ -10,7 +10,7 @@
 
 use floodgate::config::{Config, Consistency, CostSource, KeyPart, MissingKey, Mode, RateLimitRule, RefusalFormat, Scope};
 use floodgate::keys::{hash_key, strip_port, KeyHasher, Source};
-use floodgate::keys::fleet::FleetHasher;
+use floodgate::keys::fleet::{FleetHasher, FleetKeys};
 use floodgate::ratelimit::probes::probes_where;
 use floodgate::ratelimit::rules::{capped, Attributes, Later, LimitFrom, Rules, Unmet};
 use floodgate::replies::is_health_method;
@@ -283,15 +283,16 @@ pub fn explain(config: &Config, request: &Request) -> String {
             return out;
         }
     }
-    // The stages in the order the filter runs them. The endpoints are answered above; the queue
-    // is told with shedding, leased rules and the delay with the rate-limit rules.
+    // The stages in the order the filter runs them. A wait for the body decides nothing, and the
+    // endpoints are answered above; the queue is told with shedding, leased rules and the delay
+    // with the rate-limit rules.
     for stage in Stage::ORDER {
         match stage {
             Stage::Shed => load_shedding(config, request, &mut line),
             Stage::Cap => per_key_cap(config, request, &mut line),
             Stage::RateLimit => rate_limits(config, request, &mut line),
             Stage::Select => cluster_selection(config, request, &mut line),
-            Stage::Endpoints | Stage::Queue | Stage::Leased | Stage::Delay => {}
+            Stage::Body | Stage::Endpoints | Stage::Queue | Stage::Leased | Stage::Delay => {}
         }
     }
     out
@@ -308,9 +309,19 @@ fn rate_limits(config: &Config, request: &Request, line: &mut impl FnMut(String)
     let mut skipped = Vec::new();
     // The fleet-wide ids, as every proxy of the fleet computes them (the store's keys).
     let fleet = config.global.as_ref().map(|g| FleetHasher::new(g.key_secret.as_deref()));
-    let probes = probes_where(config, &hasher, fleet.as_ref(), |source| request.fetch(source), &mut skipped, |rule| {
-        rules.applies(rule, request)
-    });
+    let mut fleet_keys = FleetKeys::default();
+    let probes = probes_where(
+        config,
+        &hasher,
+        |source| request.fetch(source),
+        &mut skipped,
+        |rule| rules.applies(rule, request),
+        |index, rule, parts| {
+            if let Some(fleet) = &fleet {
+                fleet_keys.keep(fleet, index, rule, parts);
+            }
+        },
+    );
     for (index, rule) in config.rate_limits.iter().enumerate() {
         let title = format!("rate_limits[{index}] {:?}", rule.name.as_str());
         if let Some(unmet) = rules.unmet(index, request) {
@@ -381,7 +392,7 @@ fn rate_limits(config: &Config, request: &Request, line: &mut impl FnMut(String)
             (Scope::Global, Consistency::Leased) => "global, consistency leased (units leased from the store ahead of use)".to_owned(),
         };
         line(detail(format!("scope: {scope}")));
-        if let Some(id) = probe.fleet {
+        if let Some(id) = fleet_keys.of(index) {
             let window_ms = rule.window.get().get();
             line(detail(format!(
                 "store key: {:032x} (who holds it: floodgate-sync's GET /v1/holders?key={:032x}&window_ms={window_ms})",

@@ -12,7 +12,7 @@
 //! | [`keys`] | key parts, the keyed hash of a key, a key's fleet-wide id |
 //! | [`ratelimit`] | the local limiters: the sliding window, the token bucket (GCRA), the bounded key table, quota reserves, the rules' conditions, tiers and costs |
 //! | [`fleet`] | global scope across proxies: batched and leased |
-//! | [`shedding`] | load shedding on the in-flight count and on the loop lag, load leveling (the queue for a slot), the per-key cap |
+//! | [`shedding`] | load shedding on the in-flight count and on the loop lag, load leveling (the queue for a slot), the per-key cap, fair shares among a class's flows |
 //! | [`watchdog`] | the liveness answer: every worker's heartbeat in a shared record, and what fails it |
 //! | [`selection`] | cluster selection and the partitions of the clusters |
 //! | [`replies`] | the `429`, the `503`s, the health and liveness answers, the `RateLimit` fields, the gRPC form |

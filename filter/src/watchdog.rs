@@ -156,7 +156,8 @@ pub struct WorkerState {
 
 impl WorkerState {
     /// The state of a VM configured at `now`: its entry, once written, says it started then
-    /// (which tells a VM that replaced a silent one, [`Record::replaced`]).
+    /// ([`Beat::first`]), which tells a VM that replaced a silent one: it started after the
+    /// silent one last beat.
     pub fn started(now: MonoMillis) -> WorkerState {
         WorkerState { first: Some(now), ..WorkerState::default() }
     }

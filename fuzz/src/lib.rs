@@ -21,7 +21,7 @@
 )]
 
 use floodgate::config::{Config, KeyPart, MissingKey};
-use floodgate::keys::fleet::FleetHasher;
+use floodgate::keys::fleet::{FleetHasher, FleetKeys};
 use floodgate::keys::{self, KeyHasher, Source};
 use floodgate::ratelimit::table::{self, fingerprint, Set, RECORD_LEN, RECORD_LEN_TWO_DOORS, RECORD_VERSION, RECORD_VERSION_TWO_DOORS, SHAPE_OFFSET};
 use floodgate::ratelimit::probes;
@@ -341,11 +341,11 @@ fn accepted_config(config: &Config) {
     let store = floodgate::primitives::store::MemoryStore::new();
     let hasher = KeyHasher::new([0x5a; 16]);
     let mut skipped = Vec::new();
-    let probes = probes::probes(config, &hasher, Some(&FleetHasher::new(None)), |_| Some(b"10.0.0.1:1234".to_vec()), &mut skipped);
+    let probes = probes::probes(config, &hasher, |_| Some(b"10.0.0.1:1234".to_vec()), &mut skipped);
     assert!(skipped.is_empty(), "every part is present");
     assert_eq!(probes.len(), config.rate_limits.len());
     let now = UnixMillis(1_700_000_000_123);
-    match limiter.check(&store, &mut Reserves::new(), &probes, now) {
+    match limiter.check(&store, &mut Reserves::new(), &probes, &[], now) {
         Verdict::Admitted { standings, evictions } => {
             assert_eq!(standings.len(), probes.len());
             assert!(evictions.is_empty());
@@ -421,15 +421,17 @@ pub fn key(data: &[u8]) {
     let mut asked = Vec::new();
     let mut skipped = Vec::new();
     let fleet = FleetHasher::new(Some("fuzzing-fleet-secret"));
-    let probes = probes::probes(
+    let mut fleet_keys = FleetKeys::default();
+    let probes = probes::probes_where(
         config,
         &hasher,
-        Some(&fleet),
         |source| {
             asked.push(format!("{source:?}"));
             value_of(source)
         },
         &mut skipped,
+        |_| true,
+        |index, rule, parts| fleet_keys.keep(&fleet, index, rule, parts),
     );
     let mut distinct = asked.clone();
     distinct.sort();
@@ -466,8 +468,10 @@ pub fn key(data: &[u8]) {
             assert_eq!(probe.key_hash, expected, "rule {}", rule.name);
         }
     }
-    let mut again = Vec::new();
-    assert_eq!(probes::probes(config, &hasher, Some(&fleet), value_of, &mut again), probes, "deterministic");
+    let (mut again, mut keys_again) = (Vec::new(), FleetKeys::default());
+    let probed_again = probes::probes_where(config, &hasher, value_of, &mut again, |_| true, |index, rule, parts| keys_again.keep(&fleet, index, rule, parts));
+    assert_eq!(probed_again, probes, "deterministic");
+    assert_eq!(keys_again, fleet_keys, "deterministic fleet-wide ids");
 
     let classes = floodgate::shedding::Classes::new(config.load_shedding.as_ref().expect("shedding"));
     let priority = values[5].as_deref();
@@ -476,11 +480,11 @@ pub fn key(data: &[u8]) {
     let limiter = Limiter::new(config, "fuzz");
     let store = floodgate::primitives::store::MemoryStore::new();
     let now = UnixMillis(1_700_000_000_500);
-    match limiter.check(&store, &mut Reserves::new(), &probes, now) {
+    match limiter.check(&store, &mut Reserves::new(), &probes, &[], now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings.len(), probes.len()),
         rejected @ Verdict::Refused { .. } => panic!("first request refused: {rejected:?}"),
     }
-    let second = limiter.check(&store, &mut Reserves::new(), &probes, now);
+    let second = limiter.check(&store, &mut Reserves::new(), &probes, &[], now);
     match &second {
         Verdict::Refused { violations } => {
             assert_eq!(violations.len(), probes.len(), "limit 1: every rule refuses the second");
@@ -579,7 +583,7 @@ pub fn ratelimit_record(data: &[u8]) {
     let store = PlantedStore::new(record, flags & 1 == 0, if with_faults { faults } else { 0 });
     let probes = [Probe::new(0, key_hash)];
     let mut reserves = Reserves::new();
-    let verdict = limiter.check(&store, &mut reserves, &probes, now);
+    let verdict = limiter.check(&store, &mut reserves, &probes, &[], now);
     match &verdict {
         Verdict::Admitted { standings, .. } => {
             assert_eq!(standings.len(), 1);
@@ -615,7 +619,7 @@ pub fn ratelimit_record(data: &[u8]) {
     // The reserve paths over the same record: later requests, heartbeats, a drain.
     for step in 0..6u64 {
         let later = UnixMillis(now.0.saturating_add(step.saturating_mul(700)));
-        let _ = limiter.check(&store, &mut reserves, &probes, later);
+        let _ = limiter.check(&store, &mut reserves, &probes, &[], later);
         if step % 2 == 1 {
             limiter.heartbeat(&store, &mut reserves, later);
         }

@@ -53,24 +53,37 @@ pub fn http2_protocol_options() -> Value {
     })
 }
 
-/// `envoy.filters.http.wasm` with `module` and the plugin configuration `config` (failing
-/// closed, V8, `vm_id` and `root_id` `floodgate`).
+/// The Wasm module's `vm_id`: Envoy shares its shared data among the VMs of one `vm_id`, across
+/// configurations and new VMs alike.
+pub const VM_ID: &str = "floodgate";
+
+/// `envoy.filters.http.wasm` with `module` and the plugin configuration `config` (see
+/// [`wasm_config`]).
 pub fn wasm_filter(module: &Path, config: &str) -> Value {
+    json!({"name": "envoy.filters.http.wasm", "typed_config": wasm_config(module, config, None)})
+}
+
+/// The Wasm filter's own configuration (`envoy.extensions.filters.http.wasm.v3.Wasm`): `module`
+/// and the plugin configuration `config`, failing closed, on V8, `root_id` `floodgate` and
+/// [`VM_ID`]. `vm_configuration` is the VM's configuration (`vm_config.configuration`, which
+/// floodgate ignores): a changed one makes Envoy start new VMs, as a code update would.
+pub fn wasm_config(module: &Path, config: &str, vm_configuration: Option<&str>) -> Value {
+    let mut vm_config = json!({
+        "vm_id": VM_ID,
+        "runtime": "envoy.wasm.runtime.v8",
+        "code": {"local": {"filename": module.display().to_string()}}
+    });
+    if let Some(vm_configuration) = vm_configuration {
+        vm_config["configuration"] = json!({"@type": "type.googleapis.com/google.protobuf.StringValue", "value": vm_configuration});
+    }
     json!({
-        "name": "envoy.filters.http.wasm",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-            "config": {
-                "name": "floodgate",
-                "root_id": "floodgate",
-                "failure_policy": "FAIL_CLOSED",
-                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": config},
-                "vm_config": {
-                    "vm_id": "floodgate",
-                    "runtime": "envoy.wasm.runtime.v8",
-                    "code": {"local": {"filename": module.display().to_string()}}
-                }
-            }
+        "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
+        "config": {
+            "name": "floodgate",
+            "root_id": "floodgate",
+            "failure_policy": "FAIL_CLOSED",
+            "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": config},
+            "vm_config": vm_config
         }
     })
 }
@@ -81,4 +94,23 @@ pub fn router() -> Value {
         "name": "envoy.filters.http.router",
         "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_wasm_filter_and_a_dynamic_configuration_are_one_message() {
+        let module = Path::new("/m.wasm");
+        let filter = wasm_filter(module, "{}");
+        assert_eq!(filter["name"], "envoy.filters.http.wasm");
+        assert_eq!(filter["typed_config"], wasm_config(module, "{}", None));
+        let vm = &filter["typed_config"]["config"]["vm_config"];
+        assert_eq!((&vm["vm_id"], &vm["code"]["local"]["filename"]), (&json!(VM_ID), &json!("/m.wasm")));
+        assert!(vm.get("configuration").is_none(), "no VM configuration unless asked: {vm}");
+        let next = wasm_config(module, "{}", Some("2"));
+        assert_eq!(next["config"]["vm_config"]["configuration"]["value"], "2");
+        assert_eq!(next["config"]["configuration"], filter["typed_config"]["config"]["configuration"]);
+    }
 }

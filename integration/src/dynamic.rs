@@ -22,7 +22,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use floodgate_harness::bootstrap::router;
+use floodgate_harness::bootstrap::{router, wasm_config};
 use floodgate_harness::Running;
 use serde_json::{json, Value};
 
@@ -33,8 +33,6 @@ use crate::{http_get_blocking, rss_bytes_of, tail, wasm_module, Error};
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 /// The ECDS resource name (also the HTTP filter's name in the listener).
 pub const FILTER_NAME: &str = "floodgate";
-/// The `vm_id` of the module: shared data lives per `vm_id`.
-pub const VM_ID: &str = "floodgate";
 
 /// One version of the Wasm filter's configuration.
 #[derive(Clone, Debug)]
@@ -61,32 +59,17 @@ impl FilterVersion {
         self
     }
 
+    /// The Wasm filter's configuration of this version.
+    fn wasm_config(&self) -> Value {
+        wasm_config(&wasm_module(), &self.plugin, Some(&self.vm_generation))
+    }
+
     /// The `TypedExtensionConfig` of this version.
     fn extension_config(&self) -> Value {
         json!({
             "@type": "type.googleapis.com/envoy.config.core.v3.TypedExtensionConfig",
             "name": FILTER_NAME,
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                "config": {
-                    "name": "floodgate",
-                    "root_id": "floodgate",
-                    "failure_policy": "FAIL_CLOSED",
-                    "configuration": {
-                        "@type": "type.googleapis.com/google.protobuf.StringValue",
-                        "value": self.plugin
-                    },
-                    "vm_config": {
-                        "vm_id": VM_ID,
-                        "runtime": "envoy.wasm.runtime.v8",
-                        "configuration": {
-                            "@type": "type.googleapis.com/google.protobuf.StringValue",
-                            "value": self.vm_generation
-                        },
-                        "code": {"local": {"filename": wasm_module().display().to_string()}}
-                    }
-                }
-            }
+            "typed_config": self.wasm_config()
         })
     }
 }
@@ -211,7 +194,7 @@ impl DynamicEnvoyBuilder {
         if !self.lds {
             return discovery_response(version, number);
         }
-        let filter = json!({"name": FILTER_NAME, "typed_config": version.extension_config()["typed_config"]});
+        let filter = json!({"name": FILTER_NAME, "typed_config": version.wasm_config()});
         let mut listener = self.listener(filter, port);
         listener["@type"] = json!("type.googleapis.com/envoy.config.listener.v3.Listener");
         serde_json::to_string_pretty(&json!({"version_info": number.to_string(), "resources": [listener]})).expect("json")

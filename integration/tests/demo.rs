@@ -70,8 +70,10 @@ fn readme_walkthrough() -> Vec<Step> {
 enum Check {
     /// Line for line.
     Exact,
-    /// `uniq -c` counts of 300 answers: zone-a and zone-b over 100 each, at most 5 zone-c
-    /// failures ("fault filter abort"); the page's example obeys the same bounds.
+    /// `uniq -c` counts of 300 answers: zone-a and zone-b over 100 each, zone-c's (its failures,
+    /// "fault filter abort", and its rare successes) at most 10: a success among zone-c's first
+    /// answers (one in ten) keeps its success rate above zero, and success-rate³ weighting still
+    /// sends it a request now and then; the page's example obeys the same bounds.
     ClusterCounts,
     /// The same metric names as the page; zone-c's `failure` and `selected` agree with the
     /// previous step's counts.
@@ -109,7 +111,10 @@ fn cluster_counts(lines: &[String], origin: &str) -> std::collections::BTreeMap<
     let count = |label: &str| counts.get(label).copied().unwrap_or(0);
     assert_eq!(counts.values().sum::<u64>(), 300, "{origin}: {counts:?}");
     assert!(count("zone-a") > 100 && count("zone-b") > 100, "{origin}: {counts:?}");
-    assert!(count("fault filter abort") <= 5, "{origin}: zone-c's failures are learned after a few: {counts:?}");
+    assert!(
+        count("fault filter abort") + count("zone-c") <= 10,
+        "{origin}: zone-c's failures are learned after a few: {counts:?}"
+    );
     counts
 }
 

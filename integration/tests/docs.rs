@@ -9,10 +9,10 @@
 //!   shipped file holds (its comments aside), and a YAML block showing a manifest of envoy/ must
 //!   carry that mark;
 //! * docs/configuration.md lists every metric the module defines, and no other: against the
-//!   table of `filter/src/pipeline/stats.rs`, and against the `/stats` of a real Envoy running
-//!   the module with every feature configured; docs/observability.md's label table names every
-//!   per-rule, per-class and per-cluster metric, and the `stats_tags` regexes of the shipped
-//!   configurations match them;
+//!   table of `filter/src/pipeline/stats.rs` (each with the same type), and against the `/stats`
+//!   of a real Envoy running the module with every feature configured; docs/observability.md's
+//!   label table names every per-rule, per-class and per-cluster metric, and the `stats_tags`
+//!   regexes of the shipped configurations match them;
 //! * each field's default in the reference's tables is the schema's `default`, and each table
 //!   lists its object's fields;
 //! * the Docker Compose demo runs the demo's floodgate configuration, and its header lists the
@@ -432,6 +432,29 @@ fn the_reference_and_the_module_source_list_the_same_metrics() {
     let unbuilt: Vec<_> = listed.difference(&built).collect();
     assert!(unlisted.is_empty(), "stats.rs builds metrics docs/configuration.md does not list: {unlisted:?}");
     assert!(unbuilt.is_empty(), "docs/configuration.md lists metrics stats.rs does not build: {unbuilt:?}");
+}
+
+/// The type column (`counter`, `gauge`, `histogram`) of a Markdown or rustdoc metric table, by
+/// metric name as [`documented_metrics`] gives it.
+fn documented_types(text: &str) -> BTreeMap<String, String> {
+    text.lines()
+        .filter_map(|l| l.trim_start_matches("//!").trim().strip_prefix("| `<prefix>."))
+        .filter_map(|rest| {
+            let (name, rest) = rest.split_once("` | ")?;
+            let kind = rest.split(' ').next()?;
+            Some((format!("floodgate.{name}"), kind.to_owned()))
+        })
+        .collect()
+}
+
+#[test]
+fn the_reference_and_the_module_source_give_each_metric_the_same_type() {
+    let reference = documented_types(&read("docs/configuration.md"));
+    let source = documented_types(&read("filter/src/pipeline/stats.rs"));
+    assert!(reference.len() > 50, "{reference:?}");
+    let differ: Vec<_> = reference.iter().filter(|(name, kind)| source.get(*name) != Some(kind)).collect();
+    assert!(differ.is_empty(), "docs/configuration.md's types that filter/src/pipeline/stats.rs does not give: {differ:?}");
+    assert_eq!(reference.len(), source.len(), "the same metrics (the_reference_and_the_module_source_list_the_same_metrics)");
 }
 
 /// A configuration with every feature that defines metrics: the rule `r` (and `tb`, a token

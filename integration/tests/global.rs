@@ -120,7 +120,13 @@ async fn three_proxies_keep_one_quota_through_redis_where_proxy_scope_gives_thre
     let admitted = global.get(&200).copied().unwrap_or(0);
     assert_eq!(global.keys().filter(|s| **s != 200 && **s != 429).count(), 0, "only 200 and 429: {global:?}");
     assert!(admitted >= floor(LIMIT) && admitted <= bound(LIMIT, RATE), "global: {admitted} admitted, limit {LIMIT}, bound {}", bound(LIMIT, RATE));
-    assert_eq!(in_redis, admitted, "Redis holds every admission once");
+    // An ask answered past `lease_timeout` may have been granted: its unit stays counted in Redis
+    // (docs/global.md, "A refusal with room asks the store").
+    let ask_failures = stat_sum(&envoys, &global_stat("ask_failures"));
+    assert!(
+        in_redis >= admitted && in_redis - admitted <= ask_failures,
+        "Redis holds every admission once, and at most the {ask_failures} asks answered too late once more: {in_redis} in Redis, {admitted} admitted"
+    );
     assert_eq!(upstream.count_for(&key), admitted);
     // Proxy scope, for contrast: each proxy its own quota (less, at most, the units the other
     // worker of a proxy holds in reserve near the limit: 16 per worker).
@@ -451,20 +457,53 @@ async fn a_first_sync_racing_a_batch_elsewhere_admits_what_fits_once_the_others_
             stored(&stored_as, 1).await;
             // A's 80 over 8 connections at once (10 units each), so that B's second unit follows
             // its first within a second: B re-reads a key it has no new request for once a second,
-            // and that sync, not the one of its second unit, would then find A's units.
+            // and that sync, not the one of its second unit, would then find A's units. A's
+            // projection refuses most of them (a key it has not learned, over 3 proxies) and they
+            // ask the store while A's batches come and go. An ask that A's next batch overtakes in
+            // floodgate-sync (sent after the ask, applied before it) counts the units of that
+            // batch twice and may be refused while the store has room (docs/global.md), so a
+            // refused request is sent again, at once, up to 3 times; all 80 are admitted, and the
+            // refusals are printed.
             let mut from_a = tokio::task::JoinSet::new();
             for _ in 0..8 {
                 let key = key.clone();
                 from_a.spawn(async move {
                     let mut at_a = Client::connect(a).await.expect("connect");
-                    statuses(send(&mut at_a, path, &key, 10).await)
+                    // The units of one request: 10 on /units, 1 on /requests.
+                    let each = if path == "/units" { 10 } else { 1 };
+                    let mut refused = Vec::new();
+                    let mut admitted = 0;
+                    for response in send(&mut at_a, path, &key, 10).await {
+                        let mut response = response;
+                        for _ in 0..3 {
+                            if response.status == 200 {
+                                break;
+                            }
+                            refused.push(response.text());
+                            response = send(&mut at_a, path, &key, each).await.remove(0);
+                        }
+                        admitted += if response.status == 200 { each } else { 0 };
+                    }
+                    (admitted, refused)
                 });
             }
-            let mut admitted_on_a = Vec::new();
+            let (mut admitted_on_a, mut refused_on_a) = (0, Vec::new());
             while let Some(done) = from_a.join_next().await {
-                admitted_on_a.extend(done.expect("A's requests"));
+                let (admitted, refused) = done.expect("A's requests");
+                admitted_on_a += admitted;
+                refused_on_a.extend(refused);
             }
-            assert!(admitted_on_a.iter().all(|s| *s == 200), "A's 80: {admitted_on_a:?}");
+            if let Some(first) = refused_on_a.first() {
+                println!("{path}: A's 80 met {} refusals before they were admitted, the first: {first}", refused_on_a.len());
+            }
+            assert_eq!(
+                admitted_on_a,
+                80,
+                "A's 80: {} refusals, the first: {:?}; A's {}",
+                refused_on_a.len(),
+                refused_on_a.first(),
+                envoys[0].stats_matching("floodgate.global.")
+            );
             stored(&stored_as, 81).await;
             assert_eq!(statuses(send(&mut at_b, path, &key, 1).await), [200], "B's second unit: its view holds none of A's");
             let (learned, _) = stored(&stored_as, 82).await;

@@ -273,8 +273,9 @@ async fn batched_token_quota_holds_fleet_wide_and_redis_ends_at_the_usage() {
 /// `estimate.default` of 512): each request reserves its `max_tokens`, 100 (the lone first
 /// request's `ratelimit` says 900 remain; every admitted request gives back 70), a burst on 2
 /// proxies of 2 workers admits as many requests as the quota holds reservations for (the proxies'
-/// own unused lease units do not count against a request), and the tokens used reach 80 % of
-/// the quota.
+/// own unused lease units do not count against a request), or one fewer (the other proxy's lease
+/// can hold fewer units than a reservation, which come back after their horizon without use),
+/// never more, and the tokens used reach 80 % of the quota.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_token_quota_reserves_the_estimate_read_in_the_body() {
     let Run { figures, reported, lone_remaining } = scenario("leased", 2, Estimate::Body, true).await;
@@ -282,7 +283,11 @@ async fn leased_token_quota_reserves_the_estimate_read_in_the_body() {
     // The lone request used 30: the rest holds this many reservations of 100.
     let room = (LIMIT - USAGE) / ESTIMATE;
     let burst: u64 = figures.burst_admitted.iter().sum();
-    assert_eq!(burst, room, "the burst admits what the quota holds reservations for: {:?}", figures.burst_admitted);
+    assert!(
+        (room - 1..=room).contains(&burst),
+        "the burst admits what the quota holds reservations for ({room}), the other proxy's lease at most one short: {:?}",
+        figures.burst_admitted
+    );
     assert!(figures.most_in_flight * ESTIMATE <= LIMIT, "{} reservations of {ESTIMATE} in flight", figures.most_in_flight);
     assert!(reported <= LIMIT, "{reported} tokens admitted of {LIMIT}");
     assert!(reported * 10 >= LIMIT * 8, "the tokens used reach 80 % of the quota: {reported}");

@@ -31,6 +31,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use floodgate_cli::parse_documents;
+use floodgate_harness::bootstrap::wasm_config;
 use floodgate_integration::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -701,11 +702,7 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
                     "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
                         "routes": [{"match": {"prefix": "/"}, "route": {"cluster_header": "x-floodgate-cluster"}}]}]},
                     "http_filters": [
-                        {"name": "floodgate", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.wasm.v3.Wasm",
-                            "config": {"name": "floodgate", "root_id": "floodgate", "failure_policy": "FAIL_CLOSED",
-                                "configuration": {"@type": "type.googleapis.com/google.protobuf.StringValue", "value": filter.to_string()},
-                                "vm_config": {"vm_id": "floodgate", "runtime": "envoy.wasm.runtime.v8",
-                                    "code": {"local": {"filename": wasm_module().display().to_string()}}}}}},
+                        {"name": "floodgate", "typed_config": wasm_config(&wasm_module(), &filter.to_string(), None)},
                         {"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
                     ]}}]}]}],
             "clusters": [cluster("zone-a"), cluster(istio_cluster), cluster("floodgate-sync")]

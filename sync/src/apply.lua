@@ -40,13 +40,7 @@
 
 -- Sums go back to Redis as integers (string.format %d: a double prints as 1e+15 otherwise).
 
--- a > b for canonical decimal strings (exact for every u64; Lua numbers are doubles).
-local function newer(a, b)
-  if #a ~= #b then
-    return #a > #b
-  end
-  return a > b
-end
+-- (seq.lua, the comparison of seqs, comes before this script.)
 
 local groups = tonumber(ARGV[1])
 

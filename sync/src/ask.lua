@@ -5,30 +5,46 @@
 --
 -- ARGV[1]  the number of asks
 -- then per ask:  ARGV  window_ms, remaining_ms (window_ms - elapsed_ms), limit, want,
---                      expire_at_ms, has_previous (1|0)
---                KEYS  the current bucket's counter [, the previous bucket's when has_previous]
+--                      expire_at_ms, has_previous (1|0), carried, proxy, seq, hashes
+--                KEYS  the current bucket's counter [, the previous bucket's when has_previous],
+--                      then `hashes` dedup hashes of the shard (apply.lua)
 --
 -- Asks are taken in order, each as lease.lua takes one (its counters after the asks before it):
 -- granted `want` whole when the sliding window has room for it,
 --
 --   limit - ceil(previous x remaining / window) - current >= want,
 --
--- else nothing. Every distinct counter is read once (MGET); the units granted are added once
--- per counter (INCRBY, and PEXPIREAT expire_at_ms when that INCRBY created it). A call thus
--- costs an MGET and an INCRBY per counter granted, whatever the asks in it.
+-- else nothing. `limit` comes lowered by the units of the key the proxy admitted that the
+-- store had not confirmed; `carried` of them travel in the proxy's batch `seq` (its source
+-- `proxy`). When one of the dedup hashes holds that batch, or a later one, applied (HGET per
+-- hash, until found), the counter holds those units already, and they go back to `limit`.
+--
+-- Every distinct counter is read once (MGET); the units granted are added once per counter
+-- (INCRBY, and PEXPIREAT expire_at_ms when that INCRBY created it). A call thus costs an MGET
+-- and an INCRBY per counter granted, whatever the asks in it, and an HGET or two per ask that
+-- names a batch on its way.
 --
 -- Returns {granted, current, previous} per ask: current is its counter after its own grant (and
 -- those of the asks before it in the call).
 --
--- (window.lua, the sliding window's arithmetic, comes before this script.)
+-- (window.lua, the sliding window's arithmetic, and seq.lua come before this script.)
 
 local asks = tonumber(ARGV[1])
 
+-- The counters (not the dedup hashes), each once.
 local distinct, seen = {}, {}
-for _, key in ipairs(KEYS) do
-  if not seen[key] then
-    seen[key] = true
-    distinct[#distinct + 1] = key
+do
+  local k = 1
+  for i = 0, asks - 1 do
+    local a = 2 + i * 10
+    local counters = ARGV[a + 5] == '1' and 2 or 1
+    for c = k, k + counters - 1 do
+      if not seen[KEYS[c]] then
+        seen[KEYS[c]] = true
+        distinct[#distinct + 1] = KEYS[c]
+      end
+    end
+    k = k + counters + tonumber(ARGV[a + 9])
   end
 end
 local value = {}
@@ -41,7 +57,7 @@ local added, expiry, order = {}, {}, {}
 local answer = {}
 local k = 1
 for i = 0, asks - 1 do
-  local a = 2 + i * 6
+  local a = 2 + i * 10
   local window = tonumber(ARGV[a])
   local remaining = tonumber(ARGV[a + 1])
   local limit = tonumber(ARGV[a + 2])
@@ -52,6 +68,18 @@ for i = 0, asks - 1 do
   if ARGV[a + 5] == '1' then
     previous = value[KEYS[k]]
     k = k + 1
+  end
+  local carried, proxy, seq = tonumber(ARGV[a + 6]), ARGV[a + 7], ARGV[a + 8]
+  local applied = false
+  for _ = 1, tonumber(ARGV[a + 9]) do
+    if carried > 0 and not applied then
+      local last = redis.call('HGET', KEYS[k], proxy)
+      applied = last and not newer(seq, last)
+    end
+    k = k + 1
+  end
+  if applied then
+    limit = limit + carried
   end
   local weighted = ceil_mul_div(math.min(previous, 8589934591), remaining, window)
   local granted = 0

@@ -86,6 +86,28 @@ impl Layout {
     pub fn seen_key(&self, shard: u32) -> String {
         format!("{}{{{shard}}}:seen", self.prefix)
     }
+
+    /// The dedup hashes in which a batch's part holding the counter (`key`, `window_ms`, `bucket`)
+    /// keeps its seq, when the batch was formed before `formed_before_ms` and its counters' longest
+    /// window is at most `longest_window_ms` (a part's longest window lies between the two, and its
+    /// latest bucket start between the counter's and `formed_before_ms`). At most two generations of
+    /// each period in that range; oldest period first.
+    pub fn seen_keys_of(&self, key: &CounterKey, window_ms: u64, bucket: u64, longest_window_ms: u64, formed_before_ms: u64) -> Vec<String> {
+        let base = self.seen_key(self.shard(key));
+        let start = bucket.saturating_mul(window_ms);
+        let (mut period, last) = (seen_period_ms(window_ms), seen_period_ms(longest_window_ms.max(window_ms)));
+        let mut keys = Vec::new();
+        loop {
+            let (from, to) = (start.checked_div(period).unwrap_or(0), formed_before_ms.max(start).checked_div(period).unwrap_or(0));
+            // A part's generation is its latest bucket start's, at most two of them here (a
+            // period covers two windows of the part's longest).
+            keys.extend((from..=to.min(from.saturating_add(1))).map(|generation| format!("{base}:{period}:{generation}")));
+            if period >= last {
+                return keys;
+            }
+            period = period.saturating_mul(2);
+        }
+    }
 }
 
 /// When a counter of (`window_ms`, `bucket`) expires, in ms since the epoch:
@@ -263,6 +285,32 @@ mod tests {
 
     fn key(text: &str) -> CounterKey {
         CounterKey::try_from(text.to_string()).unwrap()
+    }
+
+    /// Every hash a batch's part holding the counter can have used: the periods from the
+    /// counter's window's to the batch's longest's, each in the generations between the counter's
+    /// bucket start and the batch's forming; the same names a plan gives.
+    #[test]
+    fn an_asked_counter_s_batch_is_looked_up_where_its_part_can_be() {
+        let layout = Layout::new("fg:", 16);
+        let a = key("00000001aaaaaaaaaaaaaaaaaaaaaaaa");
+        // A minute's bucket at 9:59 into a 10 min generation, asked 30 s in: two generations.
+        let bucket = 599_000 / 60_000;
+        assert_eq!(layout.seen_keys_of(&a, 60_000, bucket, 60_000, 570_000), ["fg:{1}:seen:600000:0"]);
+        assert_eq!(layout.seen_keys_of(&a, 60_000, 9, 60_000, 600_500), ["fg:{1}:seen:600000:0", "fg:{1}:seen:600000:1"]);
+        // A batch with an hour's counter too: 600 000 up to 9 600 000.
+        let keys = layout.seen_keys_of(&a, 60_000, 100, 3_600_000, 6_010_000);
+        assert_eq!(keys.first().map(String::as_str), Some("fg:{1}:seen:600000:10"));
+        assert_eq!(keys.last().map(String::as_str), Some("fg:{1}:seen:9600000:0"));
+        assert_eq!(keys.len(), 5, "{keys:?}");
+        // The plan of a batch of that counter alone keeps its seq in one of them.
+        let batch = crate::protocol::parse_batch(
+            br#"{"version":1,"proxy":"0123456789abcdef","seq":1,"counters":[{"key":"00000001aaaaaaaaaaaaaaaaaaaaaaaa","window_ms":60000,"bucket":100,"delta":1}]}"#,
+            10,
+        )
+        .unwrap();
+        let plan = plan(&layout, &batch);
+        assert!(keys.contains(&plan.groups[0].seen_key));
     }
 
     #[test]

@@ -93,6 +93,28 @@ pub struct LeaseEntry {
     /// request, whose units are taken at once (default: false).
     #[serde(default)]
     pub exact: bool,
+    /// Units of the key that `limit` leaves out (the proxy admitted them, the store had not
+    /// confirmed them) and that travel in the proxy's batch on its way (absent: none). Only with
+    /// `exact`.
+    #[serde(default)]
+    pub carried: Option<Carried>,
+}
+
+/// Units of an ask's key in a batch on its way (`ask.lua`): when the shard's dedup shows that
+/// batch applied, the counter holds them, and the ask's `limit` takes them back.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a carried object")]
+pub struct Carried {
+    /// The batch's source (its `proxy`).
+    pub proxy: ProxyId,
+    /// The batch's `seq`.
+    pub seq: u64,
+    /// The key's units in it, 0..=[`MAX_DELTA`] (0: nothing to take back).
+    #[serde(deserialize_with = "units")]
+    pub units: u64,
+    /// The longest window of the batch's counters, 1..=[`MAX_WINDOW_MS`].
+    #[serde(deserialize_with = "window_ms")]
+    pub longest_window_ms: u64,
 }
 
 /// The default `grace_ms`, for windows of a second and more.
@@ -165,6 +187,21 @@ pub struct PlannedLease {
     pub refunded: [u64; 2],
     /// `exact` (ARGV 17).
     pub exact: bool,
+    /// Units in a batch on its way, for `ask.lua`.
+    pub carried: Option<PlannedCarried>,
+}
+
+/// [`Carried`] laid out for `ask.lua`: the dedup hashes where the batch's seq would be.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlannedCarried {
+    /// The batch's source.
+    pub proxy: String,
+    /// The batch's seq.
+    pub seq: u64,
+    /// The key's units in it.
+    pub units: u64,
+    /// The hashes ([`Layout::seen_keys_of`]).
+    pub seen_keys: Vec<String>,
 }
 
 impl PlannedLease {
@@ -222,6 +259,9 @@ pub fn parse_lease_request(body: &[u8], max_entries: usize) -> Result<LeaseReque
                 entry.window_ms, entry.elapsed_ms
             ));
         }
+        if entry.carried.is_some() && !entry.exact {
+            return Err(format!("leases[{at}].carried: only with exact"));
+        }
         if entry.grace_ms.is_some_and(|grace| grace >= entry.window_ms) {
             return Err(format!(
                 "leases[{at}].grace_ms: must be below window_ms ({}), got {}",
@@ -265,6 +305,18 @@ pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
         at_once: entry.at_once,
         refunded: [entry.refunded, entry.refunded_previous],
         exact: entry.exact,
+        carried: entry.carried.as_ref().map(|c| PlannedCarried {
+            proxy: c.proxy.as_str().to_owned(),
+            seq: c.seq,
+            units: c.units,
+            seen_keys: layout.seen_keys_of(
+                &entry.key,
+                entry.window_ms,
+                entry.bucket,
+                c.longest_window_ms,
+                entry.bucket.saturating_mul(entry.window_ms).saturating_add(entry.elapsed_ms),
+            ),
+        }),
     }
 }
 

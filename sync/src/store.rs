@@ -53,9 +53,9 @@ use crate::lease::{holders_key, Grant, PlannedLease};
 use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::Totals;
 
-const SCRIPT_SOURCE: &str = include_str!("apply.lua");
+const SCRIPT_SOURCE: &str = concat!(include_str!("seq.lua"), include_str!("apply.lua"));
 const LEASE_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("lease.lua"));
-const ASK_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("ask.lua"));
+const ASK_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("seq.lua"), include_str!("ask.lua"));
 
 /// The most counters one script call takes on a single node, unless one shard has more.
 const MAX_SCRIPT_COUNTERS: usize = 1000;
@@ -870,7 +870,7 @@ fn parse_grant(reply: Value) -> Result<Grant, StoreError> {
 /// The script's KEYS and ARGV for `asks` (see `ask.lua`).
 fn ask_arguments(asks: &[PlannedLease]) -> (Vec<&str>, Vec<String>) {
     let mut keys: Vec<&str> = Vec::with_capacity(asks.len().saturating_mul(2));
-    let mut args: Vec<String> = Vec::with_capacity(asks.len().saturating_mul(6).saturating_add(1));
+    let mut args: Vec<String> = Vec::with_capacity(asks.len().saturating_mul(10).saturating_add(1));
     args.push(asks.len().to_string());
     for ask in asks {
         keys.push(&ask.current_key);
@@ -882,6 +882,13 @@ fn ask_arguments(asks: &[PlannedLease]) -> (Vec<&str>, Vec<String>) {
                 args.push("1".into());
             }
             None => args.push("0".into()),
+        }
+        match &ask.carried {
+            Some(carried) => {
+                args.extend([carried.units.to_string(), carried.proxy.clone(), carried.seq.to_string(), carried.seen_keys.len().to_string()]);
+                keys.extend(carried.seen_keys.iter().map(String::as_str));
+            }
+            None => args.extend(["0", "", "0", "0"].map(String::from)),
         }
     }
     (keys, args)

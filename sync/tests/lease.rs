@@ -260,6 +260,39 @@ fn racing_asks_merge_and_are_granted_the_room_exactly() {
     assert_eq!(grants(&lease_call(port, &[entry(other, bucket, 0, 8, 100), last])), [(2, 2, 0), (1, 1000, 400)]);
 }
 
+/// An ask names the units of its key that travel in the proxy's batch on its way (`carried`),
+/// which its `limit` leaves out: once the shard shows that batch applied, the counter holds them
+/// and the ask's limit takes them back; while it does not (another seq, or a part kept in a
+/// hash of a longer window than the ask says the batch has), the limit stays as sent.
+#[test]
+fn an_ask_takes_back_the_units_of_a_batch_the_store_has_applied() {
+    let (_redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    let proxy = "00000000000000aa";
+    // The proxy's batch 5 carried 30 units of A (and, in the same shard, a counter of an hour's
+    // window, so that its part is kept with the hour's period).
+    let hour_key = "00000001cccccccccccccccccccccccc";
+    let hour_bucket = now_ms() / 3_600_000;
+    let applied = post(sync.port, &batch(proxy, 5, &[(A, 60_000, bucket, 30), (hour_key, 3_600_000, hour_bucket, 1)]));
+    assert_eq!(applied.status, 200, "{}", applied.body);
+    let ask = |want: u64, carried: Option<(u64, u64, u64)>| {
+        // The proxy's 30 units, not confirmed to it: the limit of 100 comes as 70.
+        let mut e = entry(A, bucket, 0, 70, want);
+        e["exact"] = json!(true);
+        e["at_once"] = json!(want);
+        if let Some((seq, units, longest)) = carried {
+            e["carried"] = json!({"proxy": proxy, "seq": seq, "units": units, "longest_window_ms": longest});
+        }
+        grants(&lease_call(sync.port, &[e]))
+    };
+    assert_eq!(ask(41, None), [(0, 30, 0)], "70 less the 30 counted twice: room 40");
+    assert_eq!(ask(41, Some((6, 30, 3_600_000))), [(0, 30, 0)], "batch 6 is not applied: as sent");
+    assert_eq!(ask(41, Some((5, 30, 60_000))), [(0, 30, 0)], "the part is in the hour's hash, which a minute's batch would not use");
+    assert_eq!(ask(41, Some((5, 30, 3_600_000))), [(41, 71, 0)], "batch 5 applied: the 30 go back to the limit");
+    assert_eq!(ask(30, Some((4, 30, 3_600_000))), [(0, 71, 0)], "room 29");
+    assert_eq!(ask(29, Some((4, 30, 3_600_000))), [(29, 100, 0)], "a seq older than the one applied counts as applied");
+}
+
 #[test]
 fn refusals_name_the_field_and_touch_nothing() {
     let (redis, sync) = single();

@@ -60,8 +60,8 @@ pub struct Done {
     pub token: u32,
     /// Its answer.
     pub answer: Answer,
-    /// The fleet size floodgate-sync gave, if any.
-    pub proxies: Option<u32>,
+    /// The fleet-size header floodgate-sync answered with, if any, as read.
+    pub proxies: Option<Vec<u8>>,
     /// Request and response body bytes.
     pub bytes: u64,
     /// How long it took, µs.
@@ -95,7 +95,7 @@ impl Conn {
         Ok(client)
     }
 
-    async fn post(&self, call: &Call) -> Result<(u16, Option<u32>, Vec<u8>), String> {
+    async fn post(&self, call: &Call) -> Result<(u16, Option<Vec<u8>>, Vec<u8>), String> {
         let client = self.client().await?;
         let mut client = client.ready().await.map_err(|e| e.to_string())?;
         let request = http::Request::builder()
@@ -108,7 +108,7 @@ impl Conn {
         send.send_data(Bytes::from(call.body.clone()), true).map_err(|e| e.to_string())?;
         let response = response.await.map_err(|e| e.to_string())?;
         let status = response.status().as_u16();
-        let proxies = response.headers().get(PROXIES_HEADER).and_then(|v| v.to_str().ok()?.parse().ok());
+        let proxies = response.headers().get(PROXIES_HEADER).map(|v| v.as_bytes().to_vec());
         let mut body = response.into_body();
         let mut out = Vec::new();
         while let Some(chunk) = body.data().await {

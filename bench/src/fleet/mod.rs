@@ -57,6 +57,8 @@ pub struct FleetOptions {
     pub envoys: bool,
     /// VMs per simulated proxy that serve no request but tick (Envoy's main thread's).
     pub idle_vms: usize,
+    /// `global.on_store_failure` of the leased runs.
+    pub on_store_failure: String,
 }
 
 impl Default for FleetOptions {
@@ -71,6 +73,7 @@ impl Default for FleetOptions {
             events: Vec::new(),
             envoys: false,
             idle_vms: 0,
+            on_store_failure: "last_state".into(),
         }
     }
 }
@@ -185,11 +188,11 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
 }
 
 /// The configuration of a run: one rule keyed on the key header, in global scope.
-fn config(consistency: &str, limit: u32, window_ms: u64) -> String {
+fn config(o: &FleetOptions, consistency: &str, limit: u32, window_ms: u64) -> String {
     serde_json::json!({
         "rate_limits": [{"name": "fleet", "key": [{"header": sim::KEY_HEADER}], "limit": limit, "window": format!("{}s", window_ms / 1000),
                          "scope": "global", "consistency": consistency}],
-        "global": {"cluster": "floodgate-sync", "sync_interval": format!("{SYNC_INTERVAL_MS}ms")},
+        "global": {"cluster": "floodgate-sync", "sync_interval": format!("{SYNC_INTERVAL_MS}ms"), "on_store_failure": o.on_store_failure},
     })
     .to_string()
 }
@@ -208,7 +211,7 @@ async fn one_run(o: &FleetOptions, stack: &Arc<Mutex<Stack>>, proxies: usize, co
     }
     local
         .run_until(async move {
-            let mut fleet = Fleet::new(&config(consistency, mix.limit, mix.window_ms), proxies, o.workers.max(1), o.idle_vms, &addrs, prefix, tally, done_tx, run_id)?;
+            let mut fleet = Fleet::new(&config(o, consistency, mix.limit, mix.window_ms), proxies, o.workers.max(1), o.idle_vms, &addrs, prefix, tally, done_tx, run_id)?;
             let before = stack.lock().map_err(|_| "stack lock")?.snapshot();
             let start_wall_ms = envoys::wall_ms();
             let start = Instant::now();
@@ -456,7 +459,7 @@ async fn crosscheck(s: &Settings, stack: &Arc<Mutex<Stack>>, mixes: &[MixKind]) 
                 let mix = Mix::new(kind, rate, proxies, 0x5eed + run_id);
                 let what = format!("{proxies} proxies × 1 worker, {consistency}, {} ({})", kind.name(), mix.describe());
                 crate::progress!("{what}: start {proxies} Envoys");
-                let fleet = envoys::start(s, &config(consistency, mix.limit, mix.window_ms), proxies, upstream, &addrs)?;
+                let fleet = envoys::start(s, &config(&o, consistency, mix.limit, mix.window_ms), proxies, upstream, &addrs)?;
                 tokio::time::sleep(Duration::from_secs(3)).await;
                 crate::progress!("{what}: through the Envoys, {} s", o.seconds);
                 let (real, note) = envoys::run(stack, &fleet, mix.clone(), o.seconds, "k", PHASE_MS).await?;

@@ -374,13 +374,11 @@ impl Fleet {
             filter.probe_lag(&env);
         }
         let mut batch = None;
-        if let (true, Some(scope), Some(node)) = (due.sync, &filter.global, &filter.global_node) {
-            let mut node = node.borrow_mut();
-            let tick = scope.tick(&proxy.store, &mut node, worker.vm, now.wall);
-            if let Some(body) = tick.send {
+        if let (true, Some(scope)) = (due.sync, filter.fleet().scope()) {
+            if let Some(outgoing) = filter.sync(&env) {
                 let token = self.next_token.get();
                 self.next_token.set(token.wrapping_add(1).max(1));
-                node.flusher.sent(token, now.wall);
+                filter.batch_sent(&env, &outgoing, token);
                 batch = Some(Call {
                     proxy: p,
                     generation,
@@ -389,16 +387,16 @@ impl Fleet {
                     kind: Kind::Batch,
                     path: SYNC_PATH,
                     authority: scope.route.authority.clone(),
-                    body,
+                    body: outgoing.body,
                     timeout: Duration::from_millis(scope.timeout_ms),
                 });
             }
         }
         let mut woken = Vec::new();
-        if let Some(stage) = &filter.leased {
+        if let Some(stage) = filter.fleet().leased() {
             woken = stage.tick(&proxy.store, &self.metrics, now);
         }
-        let ready = filter.asks.as_ref().map(|s| s.take_ready()).unwrap_or_default();
+        let ready = filter.fleet().asks().map(|s| s.take_ready()).unwrap_or_default();
         if due.heartbeat {
             filter.heartbeat(&env);
         }
@@ -406,7 +404,7 @@ impl Fleet {
             self.send(call);
         }
         self.wake(p, w, woken);
-        if let Some(stage) = &filter.leased {
+        if let Some(stage) = filter.fleet().leased() {
             stage.flush();
         }
         self.resume(p, w, ready, Waiting::Asked);
@@ -439,7 +437,7 @@ impl Fleet {
         let generation = proxy.generation;
         let filter = Rc::clone(&proxy.workers[w].filter);
         let mut calls = Vec::new();
-        if let (Some(stage), Some(_)) = (&filter.asks, &filter.global) {
+        if let (Some(stage), Some(_)) = (filter.fleet().asks(), filter.fleet().scope()) {
             for call in stage.take_outgoing() {
                 let token = self.token();
                 calls.push(Call {
@@ -453,10 +451,10 @@ impl Fleet {
                     body: call.body.clone(),
                     timeout: Duration::from_millis(stage.timeout_ms),
                 });
-                stage.sent(&self.metrics, &filter.stats.global, call, token);
+                stage.sent(&self.metrics, &filter.stats().global, call, token);
             }
         }
-        if let Some(stage) = &filter.leased {
+        if let Some(stage) = filter.fleet().leased() {
             for call in stage.take_outgoing() {
                 let token = self.token();
                 calls.push(Call {
@@ -485,7 +483,7 @@ impl Fleet {
         let mut todo = vec![w];
         while let Some(w) = todo.pop() {
             let proxy = &self.proxies[p];
-            let Some(stage) = &proxy.workers[w].filter.leased else { return };
+            let Some(stage) = proxy.workers[w].filter.fleet().leased() else { return };
             let notices = stage.take_notices();
             let mut by_worker: Vec<(usize, Vec<FleetKey>)> = Vec::new();
             for (vm, key) in notices {
@@ -499,7 +497,7 @@ impl Fleet {
             for (other, keys) in by_worker {
                 // on_queue_ready: wake, flush, send.
                 self.wake(p, other, keys);
-                if let Some(stage) = &self.proxies[p].workers[other].filter.leased {
+                if let Some(stage) = self.proxies[p].workers[other].filter.fleet().leased() {
                     stage.flush();
                 }
                 self.send_calls_only(p, other);
@@ -515,7 +513,7 @@ impl Fleet {
         let generation = proxy.generation;
         let filter = Rc::clone(&proxy.workers[w].filter);
         let mut calls = Vec::new();
-        if let Some(stage) = &filter.leased {
+        if let Some(stage) = filter.fleet().leased() {
             for call in stage.take_outgoing() {
                 let token = self.token();
                 calls.push(Call {
@@ -540,7 +538,7 @@ impl Fleet {
     /// The requests of worker `w` waiting on `keys` decided again.
     fn wake(&mut self, p: usize, w: usize, keys: Vec<FleetKey>) {
         let filter = Rc::clone(&self.proxies[p].workers[w].filter);
-        let Some(stage) = &filter.leased else { return };
+        let Some(stage) = filter.fleet().leased() else { return };
         let streams: Vec<(u32, SharedStream)> = keys.into_iter().flat_map(|key| stage.take_waiting(key)).collect();
         self.resume(p, w, streams, Waiting::Store);
     }
@@ -597,7 +595,7 @@ impl Fleet {
         }
         let now = self.now();
         let filter = Rc::clone(&self.proxies[p].workers[w].filter);
-        if let Some(stage) = filter.leased.as_ref().filter(|s| s.owns(done.token)) {
+        if let Some(stage) = filter.fleet().leased().filter(|s| s.owns(done.token)) {
             let keys = stage.answered(&self.proxies[p].store, &self.metrics, done.token, done.answer, now);
             if let Some(keys) = keys {
                 self.wake(p, w, keys);
@@ -605,9 +603,9 @@ impl Fleet {
             self.send_calls(p, w);
             return;
         }
-        if let (Some(stage), Some(scope), Some(node)) = (&filter.asks, &filter.global, &filter.global_node) {
+        if let (Some(stage), Some(scope), Some(node)) = (filter.fleet().asks(), filter.fleet().scope(), filter.fleet().node()) {
             if stage.owns(done.token) {
-                let stream = stage.answered(scope, node, &self.proxies[p].store, &self.metrics, &filter.stats.global, done.token, done.answer, now.wall);
+                let stream = stage.answered(scope, node, &self.proxies[p].store, &self.metrics, &filter.stats().global, done.token, done.answer, now.wall);
                 if let Some(stream) = stream {
                     self.resume(p, w, vec![stream], Waiting::Asked);
                 }
@@ -615,11 +613,11 @@ impl Fleet {
                 return;
             }
         }
-        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-            let mut node = node.borrow_mut();
-            if node.flusher.owns(done.token) {
-                let _ = scope.answered(&self.proxies[p].store, &mut node, done.token, done.answer, done.proxies, now.wall);
-            }
+        if filter.owns_batch(done.token) {
+            let clock = CallbackClock(now);
+            let proxy = &self.proxies[p];
+            let env = Env::<Sim> { store: &proxy.store, metrics: &self.metrics, clock: &clock, vm: proxy.workers[w].vm };
+            filter.batch_answered(&env, done.token, done.answer, done.proxies.as_deref());
         }
     }
 
@@ -686,16 +684,8 @@ fn record(tally: &mut Tally, key: u32, status: u16, wall_ms: u64, waited: Option
     }
 }
 
-/// The root context's tick period for `filter` (filter/src/host/mod.rs, `on_configure`).
+/// The root context's tick period for `filter` ([`Filter::tick_ms`], as `on_configure` sets it;
+/// the heartbeat's when nothing needs a tick: the simulation ticks anyway).
 fn tick_ms(filter: &Filter) -> u64 {
-    [
-        filter.global.as_ref().map(|g| g.interval_ms),
-        filter.lag.as_ref().map(|l| l.borrow().probe_ms()),
-        filter.leased.as_ref().map(|l| floodgate::fleet::leased::tick_ms(l.timeout_ms)),
-        filter.delays.as_ref().map(|_| pipeline::delay::TICK_MS),
-        filter.queue.as_ref().map(|_| pipeline::queue::TICK_MS),
-    ]
-    .into_iter()
-    .flatten()
-    .fold(HEARTBEAT_MS, u64::min)
+    filter.tick_ms().unwrap_or(HEARTBEAT_MS)
 }

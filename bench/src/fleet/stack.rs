@@ -91,7 +91,7 @@ impl Stack {
                 (commands, bytes, masters.contains(&i))
             })
             .collect();
-        let by_name = self.cluster.nodes.iter().map(|n| n.command("INFO commandstats").map(|info| calls_by_name(&info)).unwrap_or_default()).collect();
+        let by_name = self.cluster.nodes.iter().map(|n| n.calls_by_name().unwrap_or_default()).collect();
         Snapshot {
             nodes,
             by_name,
@@ -157,20 +157,6 @@ pub fn spent(before: &Snapshot, after: &Snapshot) -> Spent {
         }
     }
     s
-}
-
-/// Calls per command of an `INFO commandstats` answer (`INFO` and `PING` left out).
-fn calls_by_name(info: &str) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    for line in info.lines() {
-        let Some((name, fields)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':')) else { continue };
-        if name == "info" || name == "ping" {
-            continue;
-        }
-        let calls = fields.split(',').find_map(|f| f.strip_prefix("calls=")).and_then(|c| c.trim().parse().ok()).unwrap_or(0);
-        out.insert(name.to_owned(), calls);
-    }
-    out
 }
 
 /// The CPU time the processes of `after` used since `before` (a process started meanwhile: all

@@ -3,6 +3,35 @@
 //! (`core::fmt` took about 1 500 instructions per counter of a batch), numbers as serde_json
 //! writes them.
 
+/// Units of an ask's key that the proxy's batch on its way carries
+/// ([`crate::fleet::batched::in_flight`]): the `carried` object of a lease entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Carried {
+    /// The batch's source.
+    pub source: u64,
+    /// The batch's seq.
+    pub seq: u64,
+    /// The key's units in it that the ask's limit leaves out.
+    pub units: u32,
+    /// The longest window of the batch's counters.
+    pub longest_window_ms: u64,
+}
+
+impl Carried {
+    /// Appends `,"carried":{…}`.
+    pub fn write(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b",\"carried\":{\"proxy\":\"");
+        push_hex(out, u128::from(self.source), 16);
+        out.extend_from_slice(b"\",\"seq\":");
+        push_decimal(out, self.seq);
+        out.extend_from_slice(b",\"units\":");
+        push_decimal(out, u64::from(self.units));
+        out.extend_from_slice(b",\"longest_window_ms\":");
+        push_decimal(out, self.longest_window_ms);
+        out.push(b'}');
+    }
+}
+
 /// Appends the `digits` (≤ 32) low hex digits of `value`, lowercase, zero-padded.
 pub fn push_hex(out: &mut Vec<u8>, value: u128, digits: usize) {
     const HEX: &[u8; 16] = b"0123456789abcdef";

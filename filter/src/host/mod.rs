@@ -22,7 +22,8 @@ mod header_map;
 mod metrics;
 mod store;
 
-use crate::config::{Config};
+use crate::config::{Config, SYNC_PATH};
+use crate::fleet::batched::PROXIES_HEADER;
 use crate::keys::fleet::FleetKey;
 use crate::pipeline::headers::{HeaderPlan, HeaderView, Lookup};
 use crate::keys::Source;
@@ -170,12 +171,10 @@ impl Context for FilterRoot {
     fn on_http_call_response(&mut self, token_id: u32, num_headers: usize, body_size: usize, _num_trailers: usize) {
         let Some(filter) = &self.filter else { return };
         let clock = CallbackClock::default();
-        if lease_answered(filter, token_id, num_headers, body_size, self.id, &clock) || ask_answered(filter, token_id, num_headers, body_size, self.id, &clock) {
-            return;
-        }
-        if let (Some(scope), Some(node)) = (&filter.global, &filter.global_node) {
-            global::answered(scope, node, &filter.stats.global, token_id, num_headers, body_size, clock.now().wall);
-        }
+        // The answer goes to the first part whose call it is.
+        let _ = lease_answered(filter, token_id, num_headers, body_size, self.id, &clock)
+            || ask_answered(filter, token_id, num_headers, body_size, self.id, &clock)
+            || batch_answered(filter, token_id, num_headers, body_size, &clock);
     }
 }
 
@@ -220,7 +219,7 @@ impl RootContext for FilterRoot {
             global_node: records.global.then(|| global::node(&namespace, vm_id())),
         };
         let filter = Filter::new(config, &namespace, seed, vm_id(), self.id, vm, &EnvoyMetrics);
-        self.wake_queue = filter.leased.as_ref().and_then(|stage| match hostcalls::register_shared_queue(&stage.wake_queue(vm_id())) {
+        self.wake_queue = filter.fleet().leased().and_then(|stage| match hostcalls::register_shared_queue(&stage.wake_queue(vm_id())) {
             Ok(queue) => Some(queue),
             Err(status) => {
                 log::warn!("floodgate: no lease wake queue ({status:?}): requests waiting on another worker's call look at it at each tick");
@@ -236,8 +235,8 @@ impl RootContext for FilterRoot {
         }
         log::info!(
             "floodgate: configured {namespace:?}: {} ({} shared-data records at most)",
-            filter.config.summary(),
-            filter.limiter.tables().iter().map(|t| t.set_count()).sum::<u64>()
+            filter.config().summary(),
+            filter.limits().limiter().tables().iter().map(|t| t.set_count()).sum::<u64>()
         );
         filter.selection_heartbeat(&env(&clock));
         filter.configured(&env(&clock));
@@ -254,33 +253,33 @@ impl RootContext for FilterRoot {
         if due.lag_probe {
             filter.probe_lag(&env);
         }
-        if let (true, Some(scope), Some(node)) = (due.sync, &filter.global, &filter.global_node) {
-            global::tick(scope, node, &filter.stats.global, vm_id(), now.wall);
+        if due.sync {
+            sync(&filter, &clock);
         }
-        if let Some(stage) = &filter.leased {
+        if let Some(stage) = filter.fleet().leased() {
             let keys = stage.tick(&EnvoyStore, &EnvoyMetrics, now);
             wake(&filter, keys, self.id, &clock);
             stage.flush();
         }
-        if let Some(stage) = &filter.delays {
+        if let Some(stage) = filter.waits().delays() {
             let due = stage.take_due(now.mono);
             if !due.is_empty() {
                 resume_streams(&filter, due, self.id, &clock, Waiting::Turn);
             }
         }
-        if let Some(stage) = &filter.queue {
-            let ready = stage.tick(&filter, &env);
+        if let Some(stage) = filter.waits().queue() {
+            let ready = stage.tick(filter.shedding(), filter.stats(), &env);
             if !ready.is_empty() {
                 resume_streams(&filter, ready, self.id, &clock, Waiting::Slot);
             }
         }
-        if let Some(stage) = &filter.body_waits {
+        if let Some(stage) = filter.waits().body_waits() {
             let due = stage.take_due(now.mono);
             if !due.is_empty() {
                 resume_streams(&filter, due, self.id, &clock, Waiting::Body);
             }
         }
-        if let Some(stage) = &filter.asks {
+        if let Some(stage) = filter.fleet().asks() {
             let ready = stage.take_ready();
             if !ready.is_empty() {
                 resume_streams(&filter, ready, self.id, &clock, Waiting::Asked);
@@ -306,7 +305,7 @@ impl RootContext for FilterRoot {
         }
         let clock = CallbackClock::default();
         wake(&filter, keys, self.id, &clock);
-        if let Some(stage) = &filter.leased {
+        if let Some(stage) = filter.fleet().leased() {
             stage.flush();
         }
         send_calls(&filter, self.id, &clock);
@@ -327,8 +326,8 @@ impl RootContext for FilterRoot {
 /// sent.
 fn retire(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
     filter.retire(&env(clock));
-    if let Some(stage) = &filter.queue {
-        let ready = stage.drain(filter, &env(clock));
+    if let Some(stage) = filter.waits().queue() {
+        let ready = stage.drain(filter.stats(), &env(clock));
         if !ready.is_empty() {
             resume_streams(filter, ready, current, clock, Waiting::Slot);
         }
@@ -336,18 +335,45 @@ fn retire(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
     send_calls(filter, current, clock);
 }
 
+/// One tick of the batched global scope ([`Filter::sync`]): posts the batch it returns.
+fn sync(filter: &Filter, clock: &CallbackClock) {
+    let env = env(clock);
+    let (Some(batch), Some(scope)) = (filter.sync(&env), filter.fleet().scope()) else { return };
+    match call::post_json(&scope.route, SYNC_PATH, &batch.body, Duration::from_millis(scope.timeout_ms)) {
+        Ok(token) => filter.batch_sent(&env, &batch, token),
+        Err(status) => {
+            filter.batch_not_sent(&env);
+            log::warn!("floodgate: global sync to cluster {:?} not sent: {status:?}", scope.route.cluster);
+        }
+    }
+}
+
+/// The answer to the batched scope's batch call (`false`: `token` is not one): its status, body
+/// and fleet-size header, read for [`Filter::batch_answered`].
+fn batch_answered(filter: &Filter, token: u32, num_headers: usize, body_size: usize, clock: &CallbackClock) -> bool {
+    if !filter.owns_batch(token) {
+        return false;
+    }
+    let answer = call::answer(num_headers, body_size);
+    let proxies = (num_headers > 0)
+        .then(|| hostcalls::get_map_value_bytes(MapType::HttpCallResponseHeaders, PROXIES_HEADER).ok().flatten())
+        .flatten();
+    filter.batch_answered(&env(clock), token, answer, proxies.as_deref());
+    true
+}
+
 /// Sends the calls the ask step queued ([`pipeline::asked`]), from `current`; a call the host
 /// does not send decides its request at once, without the store.
 fn send_asks(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
-    let (Some(stage), Some(scope), Some(node)) = (&filter.asks, &filter.global, &filter.global_node) else { return };
+    let (Some(stage), Some(scope), Some(node)) = (filter.fleet().asks(), filter.fleet().scope(), filter.fleet().node()) else { return };
     let timeout = Duration::from_millis(stage.timeout_ms);
     for call in stage.take_outgoing() {
         match call::post_json(&stage.route, crate::fleet::leased::protocol::LEASE_PATH, &call.body, timeout) {
-            Ok(token) => stage.sent(&EnvoyMetrics, &filter.stats.global, call, token),
+            Ok(token) => stage.sent(&EnvoyMetrics, &filter.stats().global, call, token),
             Err(status) => {
                 // Decided at the next tick: not from the callback that paused it.
                 log::warn!("floodgate: ask to cluster {:?} not sent from {current}: {status:?}", stage.route.cluster);
-                stage.not_sent(scope, node, &EnvoyStore, &EnvoyMetrics, &filter.stats.global, call, clock.now().wall);
+                stage.not_sent(scope, node, &EnvoyStore, &EnvoyMetrics, &filter.stats().global, call, clock.now().wall);
             }
         }
     }
@@ -356,12 +382,12 @@ fn send_asks(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
 /// The answer to an ask's call (`false`: `token` is not one): decides its request again, from
 /// the context `current` whose callback runs.
 fn ask_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size: usize, current: u32, clock: &CallbackClock) -> bool {
-    let (Some(stage), Some(scope), Some(node)) = (&filter.asks, &filter.global, &filter.global_node) else { return false };
+    let (Some(stage), Some(scope), Some(node)) = (filter.fleet().asks(), filter.fleet().scope(), filter.fleet().node()) else { return false };
     if !stage.owns(token) {
         return false;
     }
     let answer = call::answer(num_headers, body_size);
-    if let Some(stream) = stage.answered(scope, node, &EnvoyStore, &EnvoyMetrics, &filter.stats.global, token, answer, clock.now().wall) {
+    if let Some(stream) = stage.answered(scope, node, &EnvoyStore, &EnvoyMetrics, &filter.stats().global, token, answer, clock.now().wall) {
         resume_streams(filter, [stream], current, clock, Waiting::Asked);
     }
     true
@@ -370,7 +396,7 @@ fn ask_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size: 
 /// Sends the calls the leased stage queued, from `current` (the context whose callback runs).
 fn send_calls(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
     send_asks(filter, current, clock);
-    let Some(stage) = &filter.leased else { return };
+    let Some(stage) = filter.fleet().leased() else { return };
     for call in stage.take_outgoing() {
         if call.owner != current {
             log::debug!("floodgate: a lease call of context {} sent from {current}", call.owner);
@@ -389,7 +415,7 @@ fn send_calls(filter: &Rc<Filter>, current: u32, clock: &CallbackClock) {
 
 /// Tells the other workers of this proxy that the calls of keys their requests wait on ended.
 fn tell_all(filter: &Filter) {
-    if let Some(stage) = &filter.leased {
+    if let Some(stage) = filter.fleet().leased() {
         for (vm, key) in stage.take_notices() {
             tell(&stage.wake_queue(vm), key);
         }
@@ -418,7 +444,7 @@ fn tell(name: &str, key: FleetKey) {
 /// The answer to a lease call (`false`: `token` is not one): wakes the requests waiting on its
 /// keys, from the context `current` whose callback runs.
 fn lease_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size: usize, current: u32, clock: &CallbackClock) -> bool {
-    let Some(stage) = &filter.leased else { return false };
+    let Some(stage) = filter.fleet().leased() else { return false };
     if !stage.owns(token) {
         return false;
     }
@@ -433,7 +459,7 @@ fn lease_answered(filter: &Rc<Filter>, token: u32, num_headers: usize, body_size
 /// Decides the requests waiting on `keys` again, in order, each from its own context (made the
 /// effective one), then gives the effective context back to `current`.
 fn wake(filter: &Rc<Filter>, keys: Vec<FleetKey>, current: u32, clock: &CallbackClock) {
-    let Some(stage) = &filter.leased else { return };
+    let Some(stage) = filter.fleet().leased() else { return };
     // Every stream the answer wakes is taken before any is resumed: a resumed request that goes
     // on to wait on another of these keys waits for that key's next answer.
     let streams: Vec<(u32, SharedStream)> = keys.into_iter().flat_map(|key| stage.take_waiting(key)).collect();
@@ -452,8 +478,8 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
             pipeline::abandon(filter, &env, &shared, what);
             continue;
         }
-        let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
-        let request = RequestHeaders::new(&filter.headers, map.as_deref());
+        let map = if filter.headers().whole_map() { header_map::request_headers() } else { None };
+        let request = RequestHeaders::new(filter.headers(), map.as_deref());
         let step = pipeline::resume(filter, &env, &shared, context, &request, &mut VmRandom, what);
         if apply(filter, &env, &shared, step) == Action::Continue {
             if let Err(status) = hostcalls::resume_http_request() {
@@ -470,9 +496,9 @@ fn resume_streams(filter: &Rc<Filter>, streams: impl IntoIterator<Item = (u32, S
 fn apply(filter: &Filter, env: &Env<'_, Envoy>, shared: &RefCell<Stream>, step: Step) -> Action {
     let decided = step != Step::Wait;
     let action = act(filter, env, shared, step);
-    if decided && filter.config.access_log {
+    if decided && filter.config().access_log {
         // Filter state, which access logs read as %FILTER_STATE(wasm.floodgate.outcome:PLAIN)%.
-        for (name, value) in shared.borrow().decision().fields(filter, &filter.decision_names) {
+        for (name, value) in shared.borrow().decision().fields(filter, filter.decision_names()) {
             if let Err(status) = hostcalls::set_property(vec![name], Some(value.as_bytes())) {
                 log::debug!("floodgate: cannot set {name}: {status:?}");
             }
@@ -486,7 +512,7 @@ fn act(filter: &Filter, env: &Env<'_, Envoy>, shared: &RefCell<Stream>, step: St
     match step {
         Step::Continue { route: None } => Action::Continue,
         Step::Continue { route: Some(cluster) } => {
-            let Some(selector) = &filter.selector else { return Action::Continue };
+            let Some(selector) = filter.selection().selector() else { return Action::Continue };
             let name = selector.clusters.get(cluster).map_or("", |c| c.name.as_str());
             // Setting a request header clears the route cache (ABI 0.2.1), so the route's
             // `cluster_header` reads the new value.
@@ -577,8 +603,8 @@ impl HttpContext for FilterStream {
         let filter = Rc::clone(&self.filter);
         let clock = CallbackClock::default();
         let env = env(&clock);
-        let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
-        let request = RequestHeaders::new(&filter.headers, map.as_deref());
+        let map = if filter.headers().whole_map() { header_map::request_headers() } else { None };
+        let request = RequestHeaders::new(filter.headers(), map.as_deref());
         let step = pipeline::request_headers(&filter, &env, &mut self.stream, self.context_id, &request, end_of_stream, &mut VmRandom);
         send_calls(&filter, self.context_id, &clock);
         apply(&filter, &env, &self.stream, step)
@@ -637,7 +663,7 @@ impl HttpContext for FilterStream {
         let clock = CallbackClock::default();
         let tightest = self.stream.borrow_mut().response_headers(&self.filter, &env(&clock), &ResponseMap(MapType::HttpResponseHeaders), end_of_stream);
         if let Some(tightest) = tightest {
-            let policy = self.filter.admitted_fields.policy(&tightest).unwrap_or_default();
+            let policy = self.filter.limits().admitted_fields().policy(&tightest).unwrap_or_default();
             for (name, value) in [("ratelimit-policy", policy.as_ref()), ("ratelimit", tightest.ratelimit.as_str())] {
                 if let Err(status) = hostcalls::add_map_value(MapType::HttpResponseHeaders, name, value) {
                     log::debug!("floodgate: cannot add {name}: {status:?}");
@@ -661,8 +687,8 @@ impl FilterStream {
         let filter = Rc::clone(&self.filter);
         let clock = CallbackClock::default();
         let env = env(&clock);
-        let map = if filter.headers.whole_map() { header_map::request_headers() } else { None };
-        let request = RequestHeaders::new(&filter.headers, map.as_deref());
+        let map = if filter.headers().whole_map() { header_map::request_headers() } else { None };
+        let request = RequestHeaders::new(filter.headers(), map.as_deref());
         let decided = pipeline::request_body_estimates(&filter, &env, &mut self.stream, self.context_id, &request, chunk, body_size, end, &mut VmRandom);
         let Some(step) = decided else { return Action::Pause };
         send_calls(&filter, self.context_id, &clock);

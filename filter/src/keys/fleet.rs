@@ -1,6 +1,7 @@
 //! A key's fleet-wide identity, for rules in global scope: the same key has the same id on
 //! every proxy of the fleet (unlike a proxy's own key hash, whose seed is each proxy's secret).
 
+use crate::config::{RateLimitRule, Scope};
 use crate::primitives::hash::write_parts;
 use siphasher::sip128::{Hasher128, SipHasher13};
 use std::hash::Hasher;
@@ -38,6 +39,35 @@ impl FleetHasher {
         write_parts(&mut h, [Some(rule.as_bytes())]);
         write_parts(&mut h, parts);
         FleetKey(h.finish128().as_u128())
+    }
+}
+
+/// A request's fleet-wide keys, one per rule in global scope that applies to it (by rule
+/// index): the fleet's side of its probes, which the local limiter's probes leave out.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FleetKeys(Vec<(usize, FleetKey)>);
+
+impl FleetKeys {
+    /// The key of rule `rule`, if it is in global scope and applies to the request.
+    pub fn of(&self, rule: usize) -> Option<FleetKey> {
+        self.0.iter().find(|(r, _)| *r == rule).map(|(_, key)| *key)
+    }
+
+    /// Keeps rule `index`'s key with these `parts` (as its probe's hash read them), hashed by
+    /// `hasher`, when `rule` is in global scope (a key kept before for the rule is replaced).
+    pub fn keep(&mut self, hasher: &FleetHasher, index: usize, rule: &RateLimitRule, parts: &mut dyn Iterator<Item = Option<&[u8]>>) {
+        if rule.scope != Scope::Global {
+            return;
+        }
+        self.insert(index, hasher.hash(rule.name.as_str(), parts));
+    }
+
+    /// Keeps `key` as rule `rule`'s (replacing one kept before).
+    pub fn insert(&mut self, rule: usize, key: FleetKey) {
+        match self.0.iter_mut().find(|(r, _)| *r == rule) {
+            Some(kept) => kept.1 = key,
+            None => self.0.push((rule, key)),
+        }
     }
 }
 

@@ -14,6 +14,7 @@ use crate::fleet::batched::ask::{Asked, KeyAsk};
 use crate::fleet::batched::{GlobalScope, VmNode};
 use crate::fleet::leased::protocol;
 use crate::fleet::Answer;
+use crate::keys::fleet::FleetKeys;
 use crate::primitives::store::SharedStore;
 use crate::primitives::time::UnixMillis;
 use crate::ratelimit::remote::Remote;
@@ -67,35 +68,46 @@ pub struct AskStage {
     ready: RefCell<Vec<(u32, SharedStream)>>,
 }
 
-/// Applies the outcomes of a request's asks to its probes: a key whose units the store granted
-/// is decided on this proxy's counts alone (the store had room for them); so is a key not learned
-/// whose ask failed (the store down: as the proxy decided such keys without a fleet size).
-pub fn apply_outcomes(asking: &Asking, scope: &GlobalScope, node: &VmNode, probes: &mut [Probe]) {
+/// Applies the outcomes of a request's asks to what the rest of the fleet adds to its probes'
+/// keys (`remotes`, by rule): a key whose units the store granted is decided on this proxy's
+/// counts alone (the store had room for them); so is a key not learned whose ask failed (the
+/// store down: as the proxy decided such keys without a fleet size).
+pub fn apply_outcomes(asking: &Asking, scope: &GlobalScope, node: &VmNode, probes: &[Probe], remotes: &mut [Remote]) {
     for probe in probes {
-        match asking.outcome(probe.rule, probe.key_hash) {
-            Some(Asked::Granted) => probe.remote = Remote::NONE,
-            Some(Asked::Failed) if !scope.learned(node, probe) => probe.remote = Remote::NONE,
-            _ => {}
+        let alone = match asking.outcome(probe.rule, probe.key_hash) {
+            Some(Asked::Granted) => true,
+            Some(Asked::Failed) => !scope.learned(node, probe),
+            _ => false,
+        };
+        if let Some(remote) = remotes.get_mut(probe.rule).filter(|_| alone) {
+            *remote = Remote::NONE;
         }
     }
 }
 
 impl AskStage {
     /// The asks a request refused by `verdict` makes: one per refusing rule, when every
-    /// refusing rule is in batched global scope and wants to ask
-    /// ([`GlobalScope::wants_ask`]); `None` otherwise (the refusal stands).
-    /// `pending` gives, per probe, this proxy's units of its key the store has not counted yet.
-    pub fn asks_of(&self, scope: &GlobalScope, node: &VmNode, verdict: &Verdict, probes: &[Probe], pending: impl Fn(&Probe) -> u32, now: UnixMillis) -> Option<Vec<KeyAsk>> {
+    /// refusing rule is in batched global scope and asks ([`GlobalScope::ask_of`], with the
+    /// key's fleet-wide id of `keys`, and `counts`, this proxy's count of a key in its current
+    /// bucket); `None` otherwise (the refusal stands).
+    #[allow(clippy::too_many_arguments)]
+    pub fn asks_of(
+        &self,
+        scope: &GlobalScope,
+        store: &dyn SharedStore,
+        node: &mut VmNode,
+        verdict: &Verdict,
+        probes: &[Probe],
+        keys: &FleetKeys,
+        counts: impl Fn(&Probe) -> u32,
+        now: UnixMillis,
+    ) -> Option<Vec<KeyAsk>> {
         let Verdict::Refused { violations } = verdict else { return None };
         let mut asks = Vec::with_capacity(violations.len());
         for violation in violations {
             let probe = probes.iter().find(|p| p.rule == violation.standing.rule)?;
-            let limit = violation.standing.limit;
-            let pending = pending(probe);
-            if !scope.wants_ask(node, probe, limit, pending, now) {
-                return None;
-            }
-            asks.push(scope.ask_for(probe, limit, pending, now)?);
+            let key = keys.of(probe.rule)?;
+            asks.push(scope.ask_of(store, node, probe, key, violation.standing.limit, &counts, now)?);
         }
         (!asks.is_empty()).then_some(asks)
     }
@@ -115,7 +127,7 @@ impl AskStage {
 
     /// The request of stream `context` waits for its `asks`: their call is queued.
     pub fn park(&self, context: u32, stream: SharedStream, asks: &[KeyAsk]) {
-        let entries: Vec<_> = asks.iter().map(|k| k.ask).collect();
+        let entries: Vec<_> = asks.iter().map(|k| (k.ask, k.carried)).collect();
         let body = protocol::exact_body(&entries);
         self.outgoing.borrow_mut().push(Outgoing { context, stream, body, keys: asks.len() });
     }

@@ -16,11 +16,11 @@
 //!
 //! Rationale: docs/design.md, sections "A request's path" and "Leased consistency".
 
-use super::stats::{self, increment, LeaseStats, Metrics};
-use super::{Filter, Request, SharedStream};
+use super::stats::{self, increment, LeaseStats, Metrics, Stats};
+use super::{Limits, Request, Shadows, SharedStream};
 use crate::config::{Config, Consistency, Scope, StoreRoute};
 use crate::fleet::Answer;
-use crate::keys::fleet::{FleetHasher, FleetKey};
+use crate::keys::fleet::{FleetHasher, FleetKey, FleetKeys};
 use crate::fleet::leased::protocol;
 use crate::fleet::leased::{Ask, LeaseBook, LeaseSpec, Refusal, Take, Terms, Waited};
 use crate::primitives::store::SharedStore;
@@ -28,7 +28,7 @@ use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::ratelimit::estimate::BodyEstimates;
 use crate::ratelimit::window::{Counts, Window};
 use crate::ratelimit::rules::Later;
-use crate::ratelimit::{Cause, Probe, Standing, Verdict, Violation};
+use crate::ratelimit::{Cause, Limiter, Probe, Standing, Verdict, Violation};
 use crate::replies::{self, Reply};
 use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
@@ -218,30 +218,31 @@ impl LeasedStage {
 
     /// The request's keys of the leased rules that apply to it, with their limits and costs
     /// (`body`: the estimates its rules read in its body, `cost.estimate.body`).
-    pub fn probes<R: Request + ?Sized>(&self, filter: &Filter, metrics: &dyn Metrics, request: &R, body: Option<&BodyEstimates>) -> Vec<LeaseProbe> {
-        let rules = &filter.rules;
+    pub fn probes<R: Request + ?Sized>(&self, config: &Config, limits: &Limits, stats: &Stats, metrics: &dyn Metrics, request: &R, body: Option<&BodyEstimates>) -> Vec<LeaseProbe> {
+        let rules = &limits.rules;
         let mut skipped = Vec::new();
+        let mut keys = FleetKeys::default();
         let probes = crate::ratelimit::probes::probes_where(
-            &filter.config,
-            &filter.hasher,
-            Some(&self.hasher),
+            config,
+            &limits.hasher,
             |source| request.fetch(source),
             &mut skipped,
             |rule| self.is_leased(rule) && rules.applies(rule, request),
+            |index, rule, parts| keys.keep(&self.hasher, index, rule, parts),
         );
         for rule in skipped {
-            increment(metrics, filter.stats.rule(rule).skipped);
+            increment(metrics, stats.rule(rule).skipped);
         }
         probes
             .into_iter()
             .filter_map(|mut probe| {
                 let window = self.windows.get(probe.rule).copied().flatten()?;
-                let key = probe.fleet?;
+                let key = keys.of(probe.rule)?;
                 probe.limit = rules.limit(probe.rule, probe.key_hash, request);
-                let limit = probe.limit.or_else(|| filter.limiter.tables().get(probe.rule).map(|t| t.limit))?;
+                let limit = probe.limit.or_else(|| limits.limiter.tables().get(probe.rule).map(|t| t.limit))?;
                 let admission = rules.admission(probe.rule, request, body);
                 if admission.invalid {
-                    increment(metrics, filter.stats.rule(probe.rule).invalid_cost);
+                    increment(metrics, stats.rule(probe.rule).invalid_cost);
                 }
                 probe.cost = crate::ratelimit::rules::capped(admission.now, limit);
                 Some(LeaseProbe { probe, key, spec: LeaseSpec { window, limit }, later: admission.later })
@@ -249,12 +250,13 @@ impl LeasedStage {
             .collect()
     }
 
-    /// Settles a reservation of a leased rule's key (`probe`, admitted at `admitted_at`) at
+    /// Settles a reservation of a leased rule's key (`probe`, of fleet-wide id `key`, admitted at `admitted_at`) at
     /// `units`: the unused part goes back ([`LeaseBook::refund`]: to the lease in the bucket it
     /// was taken in, to the store after); a count above the reservation is charged as units
     /// admitted without a grant, reported with the key's next call ([`LeaseBook::consume`]).
-    pub fn settle(&self, store: &dyn SharedStore, probe: &Probe, units: u32, limit: NonZeroU32, admitted_at: UnixMillis, now: UnixMillis) {
-        let (Some(window), Some(key)) = (self.windows.get(probe.rule).copied().flatten(), probe.fleet) else { return };
+    #[allow(clippy::too_many_arguments)]
+    pub fn settle(&self, store: &dyn SharedStore, probe: &Probe, key: FleetKey, units: u32, limit: NonZeroU32, admitted_at: UnixMillis, now: UnixMillis) {
+        let Some(window) = self.windows.get(probe.rule).copied().flatten() else { return };
         let reserved = probe.needs();
         let mut book = self.book.borrow_mut();
         let spec = LeaseSpec { window, limit };
@@ -268,9 +270,10 @@ impl LeasedStage {
     /// A new request: takes the units of every probe, or refuses it, or has it wait. The call
     /// it would wait on goes from its own stream (`context`, alive until the answer); a refill
     /// from the root.
-    pub fn admit(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, probes: &[LeaseProbe], context: u32, now: Now) -> Admission {
+    #[allow(clippy::too_many_arguments)]
+    pub fn admit(&self, limiter: &Limiter, shadows: &Shadows, stats: &Stats, store: &dyn SharedStore, metrics: &dyn Metrics, probes: &[LeaseProbe], context: u32, now: Now) -> Admission {
         let mut sends = Vec::new();
-        let admission = self.take_all(filter, store, metrics, probes, None, Waited::No, now, &mut sends);
+        let admission = self.take_all(limiter, shadows, stats, store, metrics, probes, None, Waited::No, now, &mut sends);
         let waits_on = match &admission {
             Admission::Wait(key, _) => Some(*key),
             _ => None,
@@ -287,10 +290,11 @@ impl LeasedStage {
     /// A waiting request, woken by an answer or a tick: takes its units again (`wait`: what it
     /// waits for); past `lease_timeout` it is decided without the store, unless a call of its
     /// key is on its way and not past its timeout ([`Waited`]). Calls it needs go from the root.
-    pub fn decide(&self, filter: &Filter, store: &dyn SharedStore, metrics: &dyn Metrics, wait: &StoreWait, now: Now) -> Admission {
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide(&self, limiter: &Limiter, shadows: &Shadows, stats: &Stats, store: &dyn SharedStore, metrics: &dyn Metrics, wait: &StoreWait, now: Now) -> Admission {
         let waited = if self.overdue(wait.since, now) { Waited::Overdue } else { Waited::Within };
         let mut sends = Vec::new();
-        let admission = self.take_all(filter, store, metrics, &wait.probes, Some(wait.on.0), waited, now, &mut sends);
+        let admission = self.take_all(limiter, shadows, stats, store, metrics, &wait.probes, Some(wait.on.0), waited, now, &mut sends);
         self.queued.borrow_mut().extend(sends);
         if matches!(admission, Admission::All(_)) {
             stats::set(metrics, self.stats.wait_ms, now.mono.saturating_since(wait.since));
@@ -303,7 +307,9 @@ impl LeasedStage {
     #[allow(clippy::too_many_arguments)]
     fn take_all(
         &self,
-        filter: &Filter,
+        limiter: &Limiter,
+        shadows: &Shadows,
+        stats: &Stats,
         store: &dyn SharedStore,
         metrics: &dyn Metrics,
         probes: &[LeaseProbe],
@@ -332,7 +338,7 @@ impl LeasedStage {
                 match take {
                     Take::Admitted { counts, held, refill } => {
                         sends.extend(refill);
-                        let mut standing = standing(filter, lp, counts, now.wall);
+                        let mut standing = standing(limiter, lp, counts, now.wall);
                         standing.remaining = standing.remaining.saturating_add(u64::from(held));
                         standings.push(standing);
                         taken.push(lp);
@@ -343,23 +349,23 @@ impl LeasedStage {
                     }
                     Take::Refused { refusal, counts } => {
                         let rule = lp.probe.rule;
-                        let standing = standing(filter, lp, counts, now.wall);
-                        if filter.shadows.rule(rule) {
+                        let standing = standing(limiter, lp, counts, now.wall);
+                        if shadows.rule(rule) {
                             // It takes nothing, as a refused request does; the others go on.
-                            increment(metrics, filter.stats.rule(rule).shadow_refused);
+                            increment(metrics, stats.rule(rule).shadow_refused);
                             shadowed.push(standing);
                             continue;
                         }
                         let (reply, standing) = match refusal {
                             Refusal::OverLimit => {
                                 let verdict = Verdict::Refused { violations: vec![Violation { standing, cause: Cause::OverLimit }] };
-                                (replies::rate_limited(&filter.limiter, &verdict, now.wall), Some(standing))
+                                (replies::rate_limited(limiter, &verdict, now.wall), Some(standing))
                             }
                             Refusal::StoreDown => (None, None),
                         };
-                        increment(metrics, filter.stats.rule(rule).refused);
+                        increment(metrics, stats.rule(rule).refused);
                         break 'rules Admission::Refused(Refused {
-                            reply: reply.unwrap_or_else(|| replies::quota_store_unavailable(&filter.limiter, rule)),
+                            reply: reply.unwrap_or_else(|| replies::quota_store_unavailable(limiter, rule)),
                             rule,
                             standing,
                         });
@@ -367,7 +373,7 @@ impl LeasedStage {
                 }
             }
             for lp in &taken {
-                increment(metrics, filter.stats.rule(lp.probe.rule).allowed);
+                increment(metrics, stats.rule(lp.probe.rule).allowed);
             }
             let units = taken.iter().map(|lp| (lp.key, lp.units())).collect();
             let owed = taken.iter().filter(|lp| lp.later != Later::Nothing).map(|lp| (lp.probe, lp.later, lp.spec.limit)).collect();
@@ -559,8 +565,8 @@ impl LeasedStage {
 }
 
 /// Where a key stands with the fleet's `counts`.
-fn standing(filter: &Filter, lp: &LeaseProbe, counts: Counts, now: UnixMillis) -> Standing {
-    filter.limiter.standing_of(&lp.probe, counts, now).unwrap_or(Standing {
+fn standing(limiter: &Limiter, lp: &LeaseProbe, counts: Counts, now: UnixMillis) -> Standing {
+    limiter.standing_of(&lp.probe, counts, now).unwrap_or(Standing {
         rule: lp.probe.rule,
         estimate: 0.0,
         remaining: 0,

@@ -8,8 +8,8 @@
 //!
 //! Nothing here calls the host.
 
-use super::stats::{self, increment};
-use super::{Clock, Env, Filter, Host, SharedStream};
+use super::stats::{self, increment, Stats};
+use super::{Clock, Env, Host, SharedStream, Shedding};
 use crate::primitives::time::MonoMillis;
 use crate::shedding::queue::{Leveler, LocalWaiters, NoRoom, Ticket};
 use std::cell::RefCell;
@@ -76,10 +76,10 @@ impl QueueStage {
     }
 
     /// A request of `class` takes a ticket (`Err`: it cannot wait).
-    pub fn enter<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, class: usize, end_of_stream: bool, now: MonoMillis) -> Result<Queued, NoRoom> {
+    pub fn enter<H: Host>(&self, stats: &Stats, env: &Env<'_, H>, class: usize, end_of_stream: bool, now: MonoMillis) -> Result<Queued, NoRoom> {
         let ticket = self.leveler.enter(env.store, env.vm, &mut self.local.borrow_mut(), class, now)?;
-        increment(env.metrics, filter.stats.class(class).queued);
-        stats::add(env.metrics, filter.stats.shedding.queue_length, 1);
+        increment(env.metrics, stats.class(class).queued);
+        stats::add(env.metrics, stats.shedding.queue_length, 1);
         Ok(Queued { ticket, since: now, until: now.plus_ms(ticket.wait_ms), end_of_stream, body: (0, false), ready: None })
     }
 
@@ -102,26 +102,27 @@ impl QueueStage {
 
     /// Takes `(class, ticket)` off this VM's queue: the ticket leaves the record and the stream
     /// is unparked (returned).
-    fn take<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, class: usize, ticket: u64, now: MonoMillis) -> Option<(u32, SharedStream)> {
+    fn take<H: Host>(&self, stats: &Stats, env: &Env<'_, H>, class: usize, ticket: u64, now: MonoMillis) -> Option<(u32, SharedStream)> {
         self.leveler.leave(env.store, env.vm, &mut self.local.borrow_mut(), class, ticket, now);
         let (context, until, shared) = self.parked.borrow_mut().remove(&(class, ticket))?;
         self.deadlines.borrow_mut().remove(&(until, class, ticket));
-        stats::add(env.metrics, filter.stats.shedding.queue_length, -1);
+        stats::add(env.metrics, stats.shedding.queue_length, -1);
         Some((context, shared))
     }
 
     /// A waiting stream ended (its client hung up, reset, or timed out): its ticket leaves.
-    pub fn abandon<H: Host>(&self, filter: &Filter, env: &Env<'_, H>, queued: &Queued) {
+    pub fn abandon<H: Host>(&self, stats: &Stats, env: &Env<'_, H>, queued: &Queued) {
         let now = env.clock.now().mono;
         let Ticket { class, ticket, .. } = queued.ticket;
-        if self.take(filter, env, class, ticket, now).is_some() {
-            increment(env.metrics, filter.stats.class(class).abandoned);
+        if self.take(stats, env, class, ticket, now).is_some() {
+            increment(env.metrics, stats.class(class).abandoned);
         }
     }
 
     /// The root's tick: the waits that are over end, then the free slots that are this VM's
-    /// go to its waiters, in order. Returns the streams to resume, each marked [`Ready`].
-    pub fn tick<H: Host>(&self, filter: &Filter, env: &Env<'_, H>) -> Vec<(u32, SharedStream)> {
+    /// (under `shedding`'s in-flight limit) go to its waiters, in order. Returns the streams to
+    /// resume, each marked [`Ready`].
+    pub fn tick<H: Host>(&self, shedding: &Shedding, stats: &Stats, env: &Env<'_, H>) -> Vec<(u32, SharedStream)> {
         if self.is_empty() {
             return Vec::new();
         }
@@ -133,20 +134,20 @@ impl QueueStage {
             std::mem::replace(&mut *deadlines, later).into_iter().collect()
         };
         for (_, class, ticket) in expired {
-            if let Some((context, shared)) = self.take(filter, env, class, ticket, now) {
-                increment(env.metrics, filter.stats.class(class).timed_out);
+            if let Some((context, shared)) = self.take(stats, env, class, ticket, now) {
+                increment(env.metrics, stats.class(class).timed_out);
                 mark(&shared, Ready::Expired, None);
                 ready.push((context, shared));
             }
         }
-        let Some(shedder) = filter.shedder.as_ref() else { return ready };
+        let Some(shedder) = shedding.shedder.as_ref() else { return ready };
         loop {
             let next = self.leveler.next_up(env.store, env.vm, &self.local.borrow(), now);
             let Some((class, ticket)) = next else { break };
-            let Ok(permit) = shedder.try_acquire(env.store, env.vm, &filter.local, class, now) else { break };
-            match self.take(filter, env, class, ticket, now) {
+            let Ok(permit) = shedder.try_acquire(env.store, env.vm, &shedding.local, class, now) else { break };
+            match self.take(stats, env, class, ticket, now) {
                 Some((context, shared)) => {
-                    increment(env.metrics, filter.stats.class(class).dequeued);
+                    increment(env.metrics, stats.class(class).dequeued);
                     mark(&shared, Ready::Admitted, Some(permit));
                     ready.push((context, shared));
                 }
@@ -158,13 +159,13 @@ impl QueueStage {
 
     /// The configuration is retired: every wait ends now (no tick of it will run again).
     /// Returns the streams to resume.
-    pub fn drain<H: Host>(&self, filter: &Filter, env: &Env<'_, H>) -> Vec<(u32, SharedStream)> {
+    pub fn drain<H: Host>(&self, stats: &Stats, env: &Env<'_, H>) -> Vec<(u32, SharedStream)> {
         let now = env.clock.now().mono;
         let keys: Vec<(usize, u64)> = self.parked.borrow().keys().copied().collect();
         let mut ready = Vec::new();
         for (class, ticket) in keys {
-            if let Some((context, shared)) = self.take(filter, env, class, ticket, now) {
-                increment(env.metrics, filter.stats.class(class).timed_out);
+            if let Some((context, shared)) = self.take(stats, env, class, ticket, now) {
+                increment(env.metrics, stats.class(class).timed_out);
                 mark(&shared, Ready::Expired, None);
                 ready.push((context, shared));
             }

@@ -39,7 +39,7 @@
 //! | `<prefix>.cluster.<cluster>.concurrency_limit` | gauge | the cluster's current concurrency limit, set at configuration and refreshed every second |
 //! | `<prefix>.cluster.<cluster>.in_flight` | gauge | permits held on the cluster (requests routed to it and not ended), proxy-wide, set at configuration and refreshed every second |
 //! | `<prefix>.cluster_selection.exhausted` | counter | requests refused with 503: no cluster had room |
-//! | `<prefix>.cluster_selection.contention` | counter | permit or outcome writes that ran out of CAS attempts |
+//! | `<prefix>.cluster_selection.contention` | counter | permit or grade writes that ran out of CAS attempts |
 //! | `<prefix>.cluster_selection.partition.spilled` | counter | requests routed outside their key's partition (`when_unavailable: spill`; 0 without `partition`) |
 //! | `<prefix>.cluster_selection.partition.unkeyed` | counter | requests without the partition's key: they may use every cluster (0 without `partition`) |
 //! | `<prefix>.load_shedding.per_key.refused` | counter | requests refused with 503: their key had `per_key.max_active_requests` in flight (0 without `per_key`) |
@@ -76,7 +76,9 @@
 //!
 //! Each stage declares its metrics once, as one list of (field, kind, name) entries
 //! (`metric_ids!`): the list makes both the struct of the stage's ids and the function that
-//! defines them, so a field's id is always the metric of its entry's name and kind.
+//! defines them, so a field's id is always the metric of its entry's name and kind. The table
+//! above describes them: a unit test holds it to what the stages define (every metric, with its
+//! kind), and docs/configuration.md's table is held to it by the docs' tests.
 
 use crate::config::{Config, Consistency, CostSource, LoadShedding, RateLimitRule, Scope};
 
@@ -642,6 +644,55 @@ mod tests {
          Gauge floodgate.rate_limit.r.reserved\n\
          Histogram floodgate.load_shedding.loop_lag_ms");
         assert!(defined("{}").is_empty());
+    }
+
+    /// The metric `name` of [`EVERYTHING`], as the module's table writes it: its rule, class or
+    /// cluster a placeholder.
+    fn generalized(name: &str) -> String {
+        let name = name.strip_prefix("fg.").unwrap_or(name);
+        let segments: Vec<&str> = name.splitn(3, '.').collect();
+        let placeholder = match segments.as_slice() {
+            ["rate_limit", _, _] => Some("<rule>"),
+            ["load_shedding", "high" | "low", _] => Some("<class>"),
+            ["cluster", _, _] => Some("<cluster>"),
+            _ => None,
+        };
+        match (placeholder, segments.as_slice()) {
+            (Some(placeholder), [stage, _, rest]) => format!("<prefix>.{stage}.{placeholder}.{rest}"),
+            _ => format!("<prefix>.{name}"),
+        }
+    }
+
+    #[test]
+    fn the_module_table_lists_every_metric_with_the_kind_its_stage_defines() {
+        let source = include_str!("stats.rs");
+        let doc = source.split("\nuse ").next().unwrap();
+        let listed: Vec<String> = doc
+            .lines()
+            .filter_map(|l| l.strip_prefix("//! | `<prefix>."))
+            .map(|row| {
+                let (name, rest) = row.split_once("` | ").unwrap();
+                let kind = rest.split(' ').next().unwrap();
+                format!("{kind} <prefix>.{name}")
+            })
+            .collect();
+        let mut once = listed.clone();
+        once.sort();
+        once.dedup();
+        assert_eq!(once.len(), listed.len(), "a metric listed twice");
+        let mut defined: Vec<String> = defined(EVERYTHING)
+            .iter()
+            .map(|d| {
+                let (kind, name) = d.split_once(' ').unwrap();
+                format!("{} {}", kind.to_lowercase(), generalized(name))
+            })
+            .collect();
+        defined.sort();
+        defined.dedup();
+        assert!(defined.len() > 60, "{defined:?}");
+        let unlisted: Vec<_> = defined.iter().filter(|d| !listed.contains(d)).collect();
+        let undefined: Vec<_> = listed.iter().filter(|l| !defined.contains(l)).collect();
+        assert!(unlisted.is_empty() && undefined.is_empty(), "the table lacks {unlisted:?} and lists {undefined:?} beyond the definitions");
     }
 
     #[test]

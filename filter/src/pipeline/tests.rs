@@ -3,8 +3,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic)]
 
+use super::decision::{By, Decision};
+use super::headers::HeaderPlan;
 use super::stats::{MetricKind, Metrics};
 use super::*;
+use crate::fleet::batched::VmNode;
+use crate::primitives::inflight::LocalCount;
+use crate::primitives::time::{MonoMillis, UnixMillis};
+use crate::shedding::per_key::LocalKeys;
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 use crate::config::Config;
 use crate::fleet::Answer;
 use crate::primitives::inflight::InFlight;
@@ -179,7 +187,7 @@ impl Host {
 
     /// The proxy-wide in-flight count, as the shared record says.
     fn in_flight(&self) -> u32 {
-        let shedder = self.filter.shedder.as_ref().unwrap();
+        let shedder = self.filter.shedding.shedder.as_ref().unwrap();
         let record = self.store.get(shedder.record_key()).unwrap().map(|s| InFlight::decode(&s.value).unwrap()).unwrap_or_default();
         record.total(self.clock.now().mono)
     }
@@ -255,7 +263,7 @@ fn a_shed_request_consumes_no_quota_and_a_refused_one_gives_its_permits_back() {
     assert_eq!(status(&step), 429);
     assert!(!refused.borrow().holds_permits());
     assert_eq!(host.in_flight(), 0);
-    assert_eq!(host.filter.per_key.as_ref().unwrap().in_flight(&host.store, VM, &host.filter.key_counts, 0, host.clock.now().mono), 0);
+    assert_eq!(host.filter.shedding.per_key.as_ref().unwrap().in_flight(&host.store, VM, &host.filter.shedding.key_counts, 0, host.clock.now().mono), 0);
     assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 1);
 }
 
@@ -291,6 +299,20 @@ fn the_root_ticks_as_often_as_its_most_frequent_need_and_not_at_all_without_one(
     };
     assert_eq!(tick(global("batched", "300ms")), Some(300), "every sync_interval");
     assert_eq!(tick(global("leased", "1s")), Some(6), "a quarter of lease_timeout");
+}
+
+#[test]
+fn a_filter_walks_only_the_stages_its_configuration_has_in_their_order() {
+    let stages = |config: serde_json::Value| Host::new(config).filter.stages.to_vec();
+    assert_eq!(stages(serde_json::json!({})), Vec::<Stage>::new(), "nothing configured: nothing to walk");
+    assert_eq!(stages(serde_json::json!({"rate_limits": [rule(5)]})), [Stage::RateLimit]);
+    let many = serde_json::json!({
+        "health": {"path": "/health"},
+        "load_shedding": {"max_active_requests": 4, "per_key": {"key": [{"header": "x-key"}], "max_active_requests": 2}},
+        "rate_limits": [bucket_rule(Some("1s"))],
+        "cluster_selection": selection(&["a", "b"], 4),
+    });
+    assert_eq!(stages(many), [Stage::Endpoints, Stage::Shed, Stage::Cap, Stage::RateLimit, Stage::Delay, Stage::Select]);
 }
 
 fn selection(clusters: &[&str], max: u32) -> serde_json::Value {
@@ -372,7 +394,7 @@ fn a_refused_grpc_request_gets_a_grpc_status() {
 // ---- the end of a stream, in every way it can end ----
 
 #[test]
-fn every_ending_releases_the_permits_once_and_finishes_the_cluster_with_its_outcome() {
+fn every_ending_releases_the_permits_once_and_finishes_the_cluster_with_its_grade() {
     let host = Host::new(serde_json::json!({
         "load_shedding": {"max_active_requests": 10},
         "cluster_selection": selection(&["a"], 10),
@@ -574,7 +596,7 @@ fn a_batched_reservation_gives_back_to_its_admission_s_bucket_and_charges_its_ex
     let (_, _, step_c) = host.send(&request());
     assert_eq!((status(&step_a), status(&step_b), status(&step_c)), (0, 0, 429), "two estimates of 100 in flight fill 250");
     let deltas = || -> Vec<(u64, u32, u32)> {
-        let node = host.filter.global_node.as_ref().unwrap().borrow();
+        let node = host.filter.fleet.global_node.as_ref().unwrap().borrow();
         node.deltas.iter().map(|d| (d.bucket, d.delta, d.refund)).collect()
     };
     let bucket = T0 / 3_600_000;
@@ -595,7 +617,7 @@ fn a_batched_reservation_gives_back_to_its_admission_s_bucket_and_charges_its_ex
     assert_eq!(status(&step_late), 0);
     host.clock.advance(2 * 3_600_000);
     settle(&host, late, &l, 0);
-    assert_eq!(host.filter.global_node.as_ref().unwrap().borrow().deltas.iter().map(|d| d.refund).sum::<u32>(), 70);
+    assert_eq!(host.filter.fleet.global_node.as_ref().unwrap().borrow().deltas.iter().map(|d| d.refund).sum::<u32>(), 70);
     assert_eq!(host.metric("floodgate.rate_limit.r.refunded"), 170, "counted locally all the same");
 }
 
@@ -606,7 +628,7 @@ fn a_leased_reservation_is_taken_from_the_lease_given_back_to_it_and_its_excess_
     let (context, stream, step) = host.send(&request());
     assert_eq!(step, Step::Wait);
     let tokens = send_calls(&host, context);
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(250), host.clock.now()).unwrap();
     assert_eq!(wake(&host, keys, &request()), vec![(context, Step::Continue { route: None })]);
     // 150 left: one more reservation of 100 fits, a third does not wait (the lease is short).
@@ -767,7 +789,7 @@ fn a_client_that_leaves_while_its_estimate_is_read_leaves_nothing_behind() {
 #[test]
 fn a_request_whose_body_never_reaches_the_filter_is_decided_on_the_default_by_the_tick() {
     let host = body_estimate_host(1000);
-    let stage = host.filter.body_waits.as_ref().unwrap();
+    let stage = host.filter.waits.body_waits.as_ref().unwrap();
     let (_, mut never, _) = host.send_with_body(&post("k"));
     let (c2, mut flowing, _) = host.send_with_body(&post("k"));
     assert!(host.body(&mut flowing, c2, &post("k"), &[b"{"], false).is_none(), "its body started: it waits on for the rest");
@@ -796,12 +818,12 @@ fn a_request_whose_body_never_reaches_the_filter_is_decided_on_the_default_by_th
 #[test]
 fn after_two_requests_without_their_body_requests_no_longer_wait_unless_a_body_ever_came() {
     let host = body_estimate_host(100_000);
-    let stage = host.filter.body_waits.as_ref().unwrap();
+    let stage = host.filter.waits.body_waits.as_ref().unwrap();
     let miss = |host: &Host| {
         let (_, _stream, step) = host.send_with_body(&post("k"));
         assert_eq!(step, Step::Wait);
         host.clock.advance(body_wait::BODY_WAIT_MS);
-        for (context, shared) in host.filter.body_waits.as_ref().unwrap().take_due(host.clock.now().mono) {
+        for (context, shared) in host.filter.waits.body_waits.as_ref().unwrap().take_due(host.clock.now().mono) {
             assert_eq!(status(&resume(&host.filter, &host.env(), &shared, context, &post("k"), &mut *host.rng.borrow_mut(), Waiting::Body)), 0);
         }
     };
@@ -822,7 +844,7 @@ fn after_two_requests_without_their_body_requests_no_longer_wait_unless_a_body_e
     for _ in 0..3 {
         miss(&host);
     }
-    assert!(!host.filter.body_waits.as_ref().unwrap().withheld());
+    assert!(!host.filter.waits.body_waits.as_ref().unwrap().withheld());
     assert_eq!(host.send_with_body(&post("k")).2, Step::Wait);
 }
 
@@ -843,7 +865,7 @@ fn grant(granted: u32) -> Answer {
 
 /// Sends the stage's queued calls as the host would: the tokens, in order.
 fn send_calls(host: &Host, from: u32) -> Vec<u32> {
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     stage
         .take_outgoing()
         .into_iter()
@@ -859,7 +881,7 @@ fn send_calls(host: &Host, from: u32) -> Vec<u32> {
 
 /// The host's wake loop: each woken stream resumed in turn.
 fn wake(host: &Host, keys: Vec<crate::keys::fleet::FleetKey>, request: &TestRequest) -> Vec<(u32, Step)> {
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     let mut steps = Vec::new();
     for key in keys {
         for (context, stream) in stage.take_waiting(key) {
@@ -883,7 +905,7 @@ fn a_request_waits_for_the_store_and_resumes_on_the_same_state() {
     let tokens = send_calls(&host, context);
     assert_eq!(tokens.len(), 1, "one call, from the waiting stream itself");
     host.clock.advance(5);
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(3), host.clock.now()).unwrap();
     let steps = wake(&host, keys, &keyed("k"));
     assert_eq!(steps, vec![(context, Step::Continue { route: None })]);
@@ -904,7 +926,7 @@ fn a_request_refused_after_its_wait_gives_back_its_permit_at_once() {
     let host = Host::new(leased(10));
     let (context, stream, _) = host.send(&keyed("k"));
     let tokens = send_calls(&host, context);
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     // The store has no room for the key: the fleet's counts are at the limit.
     let full = Answer::Ok(br#"{"version":1,"leases":[{"granted":0,"current":10,"previous":0}]}"#.to_vec());
     let keys = stage.answered(&host.store, &host.metrics, tokens[0], full, host.clock.now()).unwrap();
@@ -922,7 +944,7 @@ fn a_later_refusal_gives_the_leased_units_back() {
     let host = Host::new(config);
     let (context, stream, _) = host.send(&keyed("k"));
     let tokens = send_calls(&host, context);
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(10), host.clock.now()).unwrap();
     assert_eq!(wake(&host, keys, &keyed("k")), vec![(context, Step::Continue { route: None })]);
     host.end(context, &stream, &OK);
@@ -933,7 +955,7 @@ fn a_later_refusal_gives_the_leased_units_back() {
     assert!(refused.borrow().leased.units.is_empty(), "untaken");
     assert_eq!(host.metric("floodgate.rate_limit.local.rejected"), 1);
     // What the lease still holds: 10 granted − 1 used = 9, none lost to the refusal.
-    let returned = host.filter.leased.as_ref().unwrap();
+    let returned = host.filter.fleet.leased.as_ref().unwrap();
     returned.drain(&host.store, host.clock.now());
     let calls = returned.take_outgoing();
     let given_back: u32 = calls.iter().flat_map(|c| c.asks.iter()).map(|a| a.returned).sum();
@@ -952,7 +974,7 @@ fn a_stream_that_ends_while_waiting_leaves_nothing_behind() {
     host.end(gone, &gone_stream, &Ended { status: None, flags: 0 });
     assert!(!gone_stream.borrow().holds_permits());
     assert_eq!(host.in_flight(), 1);
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     assert!(!stage.owns(tokens[0]), "its call is forgotten");
     // The root's next tick sends the key's call again, for the request still waiting.
     host.clock.advance(10);
@@ -975,7 +997,7 @@ fn a_request_waiting_past_the_timeout_is_decided_without_the_store() {
     // No answer: its call, sent from its stream, times out at lease_timeout (50 ms), and it is
     // decided as on_store_failure says (last_state: admitted on the last counts, none here).
     host.clock.advance(50);
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     let keys = stage.tick(&host.store, &host.metrics, host.clock.now());
     assert!(wake(&host, keys, &keyed("k")).iter().all(|(_, step)| *step == Step::Wait), "its call has not failed yet");
     let keys = stage.answered(&host.store, &host.metrics, tokens[0], Answer::Failed(None), host.clock.now()).unwrap();
@@ -990,7 +1012,7 @@ fn a_woken_request_whose_context_is_gone_is_abandoned() {
     let host = Host::new(leased(10));
     let (context, stream, _) = host.send(&keyed("k"));
     let tokens = send_calls(&host, context);
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     let keys = stage.answered(&host.store, &host.metrics, tokens[0], grant(1), host.clock.now()).unwrap();
     for key in keys {
         for (_, woken) in stage.take_waiting(key) {
@@ -1206,7 +1228,7 @@ fn a_leased_rule_in_shadow_takes_nothing_for_a_request_it_would_refuse() {
     let host = Host::new(config);
     let (context, stream, _) = host.send(&keyed("k"));
     let tokens = send_calls(&host, context);
-    let stage = host.filter.leased.as_ref().unwrap();
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
     let full = Answer::Ok(br#"{"version":1,"leases":[{"granted":0,"current":10,"previous":0}]}"#.to_vec());
     let keys = stage.answered(&host.store, &host.metrics, tokens[0], full, host.clock.now()).unwrap();
     assert_eq!(wake(&host, keys, &keyed("k")), vec![(context, Step::Continue { route: None })]);
@@ -1331,7 +1353,7 @@ fn bucket_rule(max_delay: Option<&str>) -> serde_json::Value {
 
 /// The host's tick: the streams whose turn came, resumed in turn.
 fn tick(host: &Host) -> Vec<(u32, Step)> {
-    let stage = host.filter.delays.as_ref().unwrap();
+    let stage = host.filter.waits.delays.as_ref().unwrap();
     let mut steps = Vec::new();
     for (context, stream) in stage.take_due(host.clock.now().mono) {
         if stream.borrow().delayed_until().is_none() {
@@ -1346,7 +1368,7 @@ fn tick(host: &Host) -> Vec<(u32, Step)> {
 #[test]
 fn without_max_delay_there_is_no_delay_stage_and_a_bucket_refuses_with_its_fields() {
     let host = Host::new(serde_json::json!({"rate_limits": [bucket_rule(None)], "ratelimit_headers": "always"}));
-    assert!(host.filter.delays.is_none());
+    assert!(host.filter.waits.delays.is_none());
     let steps: Vec<u32> = (0..8).map(|_| status(&host.send(&keyed("k")).2)).collect();
     assert_eq!(steps, [0, 0, 0, 0, 0, 429, 429, 429]);
     let Step::Reply(LocalReply::Http(reply)) = host.send(&keyed("k")).2 else { panic!() };
@@ -1408,12 +1430,12 @@ fn a_request_over_the_rate_waits_for_its_turn_and_the_tick_resumes_it() {
     }
     let first = sent[5].0;
     assert_eq!(went, (0..5).map(|i| (first + i, 100 * (u64::from(i) + 1))).collect::<Vec<_>>());
-    assert!(host.filter.delays.as_ref().unwrap().is_empty());
+    assert!(host.filter.waits.delays.as_ref().unwrap().is_empty());
     for (context, stream, _) in &sent {
         host.end(*context, stream, &OK);
     }
-    let shedder = host.filter.shedder.as_ref().unwrap();
-    assert_eq!(shedder.in_flight(&host.store, VM, &host.filter.local, host.clock.now().mono), 0);
+    let shedder = host.filter.shedding.shedder.as_ref().unwrap();
+    assert_eq!(shedder.in_flight(&host.store, VM, &host.filter.shedding.local, host.clock.now().mono), 0);
 }
 
 #[test]
@@ -1440,7 +1462,7 @@ fn a_request_whose_turn_came_and_whose_context_is_gone_gives_its_turns_back_once
     let sent: Vec<(u32, StreamCell, Step)> = (0..6).map(|_| host.send(&keyed("k"))).collect();
     assert_eq!(status(&sent[5].2), 1);
     host.clock.advance(100);
-    let due = host.filter.delays.as_ref().unwrap().take_due(host.clock.now().mono);
+    let due = host.filter.waits.delays.as_ref().unwrap().take_due(host.clock.now().mono);
     assert_eq!(due.len(), 1);
     for _ in 0..2 {
         abandon(&host.filter, &host.env(), &due[0].1, Waiting::Turn);
@@ -1472,9 +1494,9 @@ fn leveling(max_active: u32, queue: serde_json::Value) -> Host {
 
 /// The host's tick: the waits that are over, resumed in order.
 fn slot_tick(host: &Host, request: &TestRequest) -> Vec<(u32, Step)> {
-    let stage = host.filter.queue.as_ref().unwrap();
+    let stage = host.filter.waits.queue.as_ref().unwrap();
     let mut steps = Vec::new();
-    for (context, stream) in stage.tick(&host.filter, &host.env()) {
+    for (context, stream) in stage.tick(&host.filter.shedding, &host.filter.stats, &host.env()) {
         if !stream.borrow().slot_decided() {
             continue;
         }
@@ -1486,7 +1508,7 @@ fn slot_tick(host: &Host, request: &TestRequest) -> Vec<(u32, Step)> {
 #[test]
 fn without_a_queue_there_is_no_queue_stage_and_the_limit_sheds_at_once() {
     let host = Host::new(serde_json::json!({"load_shedding": {"max_active_requests": 1}}));
-    assert!(host.filter.queue.is_none());
+    assert!(host.filter.waits.queue.is_none());
     let (_, _held, step) = host.send(&keyed("k"));
     assert_eq!(status(&step), 0);
     assert_eq!(status(&host.send(&keyed("k")).2), 503);
@@ -1542,7 +1564,7 @@ fn a_waiter_given_a_slot_whose_context_is_gone_gives_the_slot_back() {
     assert_eq!(status(&step), 1);
     host.end(first, &held, &OK);
     host.clock.advance(10);
-    let ready = host.filter.queue.as_ref().unwrap().tick(&host.filter, &host.env());
+    let ready = host.filter.waits.queue.as_ref().unwrap().tick(&host.filter.shedding, &host.filter.stats, &host.env());
     assert_eq!(ready.iter().map(|(c, _)| *c).collect::<Vec<_>>(), [waiter]);
     assert!(stream.borrow().slot_decided() && stream.borrow().holds_permits());
     assert_eq!(host.in_flight(), 1);
@@ -1595,7 +1617,7 @@ fn clients_that_leave_while_queued_leave_nothing_behind() {
     }
     assert_eq!(host.metric("floodgate.load_shedding.normal.queue_abandoned"), 10);
     assert_eq!(host.metric("floodgate.load_shedding.queue_length"), 0);
-    let stage = host.filter.queue.as_ref().unwrap();
+    let stage = host.filter.waits.queue.as_ref().unwrap();
     assert!(stage.is_empty());
     let record = stage.leveler.read(&host.store);
     assert!(record.entries.is_empty() && record.lines.iter().all(|l| l.since.is_none()), "{record:?}");
@@ -1652,13 +1674,13 @@ fn batched(limit: u32) -> serde_json::Value {
 /// A host whose proxy knows a fleet of `proxies`.
 fn fleet_host(limit: u32, proxies: u32) -> Host {
     let host = Host::new(batched(limit));
-    host.filter.global_node.as_ref().unwrap().borrow_mut().proxies = proxies;
+    host.filter.fleet.global_node.as_ref().unwrap().borrow_mut().proxies = proxies;
     host
 }
 
 /// Sends the ask stage's queued calls: the tokens, in order.
 fn send_asks(host: &Host) -> Vec<u32> {
-    let stage = host.filter.asks.as_ref().unwrap();
+    let stage = host.filter.fleet.asks.as_ref().unwrap();
     stage
         .take_outgoing()
         .into_iter()
@@ -1673,8 +1695,8 @@ fn send_asks(host: &Host) -> Vec<u32> {
 
 /// The answer to ask `token`: the request resumed with it.
 fn answer_ask(host: &Host, token: u32, answer: Answer, request: &TestRequest) -> (u32, Step) {
-    let stage = host.filter.asks.as_ref().unwrap();
-    let (scope, node) = (host.filter.global.as_ref().unwrap(), host.filter.global_node.as_ref().unwrap());
+    let stage = host.filter.fleet.asks.as_ref().unwrap();
+    let (scope, node) = (host.filter.fleet.global.as_ref().unwrap(), host.filter.fleet.global_node.as_ref().unwrap());
     let (context, stream) = stage.answered(scope, node, &host.store, &host.metrics, &host.filter.stats.global, token, answer, host.clock.now().wall).unwrap();
     assert!(stream.borrow().ask_answered());
     (context, resume(&host.filter, &host.env(), &stream, context, request, &mut *host.rng.borrow_mut(), Waiting::Asked))
@@ -1703,7 +1725,7 @@ fn a_key_not_learned_in_a_fleet_asks_the_store_and_holds_its_body_until_decided(
     assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 0);
     // The granted unit is in the store already: the batch does not count it again, nor read the
     // key (the answer gave its totals).
-    let node = host.filter.global_node.as_ref().unwrap().borrow();
+    let node = host.filter.fleet.global_node.as_ref().unwrap().borrow();
     assert!(node.deltas.is_empty(), "{:?}", node.deltas.iter().collect::<Vec<_>>());
 }
 
@@ -1723,11 +1745,91 @@ fn a_refused_ask_is_a_429_counted_once_and_its_held_body_never_goes_on() {
     assert_eq!(host.metric("floodgate.rate_limit.r.rejected"), 1, "counted once, not once per decision");
     assert_eq!(host.metric("floodgate.rate_limit.r.allowed"), 0);
     // The answer gave the key's totals: the next batch does not read it.
-    assert!(host.filter.global_node.as_ref().unwrap().borrow().deltas.is_empty());
+    assert!(host.filter.fleet.global_node.as_ref().unwrap().borrow().deltas.is_empty());
     // The key is learned now: its next request is refused at once, without asking.
     let (_, _, again) = host.send(&request);
     assert_eq!(status(&again), 429);
     assert!(send_asks(&host).is_empty(), "a learned key at its limit does not ask");
+}
+
+// ---- batched global scope: the root's tick and its batch's answer ----
+
+/// The `counters` of a store's answer to a batch: each counter's fleet-wide totals.
+fn totals(counters: &[(u64, u64)]) -> Answer {
+    let counters: Vec<String> = counters.iter().map(|(previous, current)| format!(r#"{{"previous":{previous},"current":{current}}}"#)).collect();
+    Answer::Ok(format!(r#"{{"version":1,"counters":[{}]}}"#, counters.join(",")).into_bytes())
+}
+
+#[test]
+fn the_flusher_s_tick_hands_the_host_its_batch_and_the_answer_fills_the_view() {
+    let host = Host::new(batched(100));
+    for _ in 0..3 {
+        assert_eq!(status(&host.send(&keyed("k")).2), 0);
+    }
+    let batch = host.filter.sync(&host.env()).expect("the only VM leads: its admissions go out");
+    assert_eq!(batch.counters, 1, "one key, one bucket: one counter");
+    assert!(String::from_utf8(batch.body.clone()).unwrap().contains(r#""delta":3"#), "{:?}", String::from_utf8(batch.body));
+    assert_eq!((host.metric("floodgate.global.batches"), host.metric("floodgate.global.counters")), (0, 0), "not sent yet");
+    host.filter.batch_sent(&host.env(), &batch, 9);
+    assert_eq!((host.metric("floodgate.global.batches"), host.metric("floodgate.global.counters")), (1, 1));
+    assert!(host.filter.owns_batch(9) && !host.filter.owns_batch(10), "the batch's call is 9 alone");
+    host.clock.advance(20);
+    host.filter.batch_answered(&host.env(), 9, totals(&[(0, 12)]), Some(b"4"));
+    assert_eq!((host.metric("floodgate.global.confirmed"), host.metric("floodgate.global.failures")), (1, 0));
+    assert!(!host.filter.owns_batch(9), "answered");
+    assert_eq!(host.filter.fleet.global_node.as_ref().unwrap().borrow().proxies, 4, "the fleet size the answer gave");
+    host.clock.advance(1_000);
+    let next = host.filter.sync(&host.env());
+    assert_eq!(next.map(|b| b.counters), Some(0), "nothing new: a batch that only calls in, once a second");
+    assert_eq!(host.metric("floodgate.global.staleness_ms"), 1_000, "the last batch was confirmed a second ago");
+    assert_eq!(host.metric("floodgate.global.view_keys"), 1);
+    assert_eq!(host.metric("floodgate.global.proxies"), 4);
+}
+
+#[test]
+fn a_batch_the_host_does_not_post_or_that_fails_goes_out_again_unchanged() {
+    let host = Host::new(batched(100));
+    host.send(&keyed("k"));
+    let batch = host.filter.sync(&host.env()).unwrap();
+    host.filter.batch_not_sent(&host.env());
+    assert_eq!(host.metric("floodgate.global.failures"), 1);
+    assert!(!host.filter.owns_batch(0));
+    // Another request meanwhile waits for the next batch: this one is the same again.
+    host.send(&keyed("k"));
+    let again = host.filter.sync(&host.env()).unwrap();
+    assert_eq!(again, batch, "sent again as it was (the store applies a batch once)");
+    host.filter.batch_sent(&host.env(), &again, 3);
+    // Another call's answer is not the batch's; a failed one leaves the batch for the next tick,
+    // and a fleet-size header that does not read leaves the size known.
+    host.filter.batch_answered(&host.env(), 4, totals(&[(0, 1)]), Some(b"9"));
+    assert_eq!(host.metric("floodgate.global.confirmed") + host.metric("floodgate.global.failures"), 1, "not its call");
+    host.filter.batch_answered(&host.env(), 3, Answer::Failed(Some(503)), Some(b"nine"));
+    assert_eq!(host.metric("floodgate.global.failures"), 2);
+    assert_eq!(host.filter.fleet.global_node.as_ref().unwrap().borrow().proxies, 0);
+    assert_eq!(host.filter.sync(&host.env()).unwrap(), batch, "still the same batch");
+    // An answer that does not read is a failure too.
+    host.filter.batch_sent(&host.env(), &batch, 5);
+    host.filter.batch_answered(&host.env(), 5, Answer::Ok(b"{".to_vec()), None);
+    assert_eq!(host.metric("floodgate.global.failures"), 3);
+    // Confirmed at last: the next batch carries the request that waited.
+    host.filter.batch_sent(&host.env(), &batch, 6);
+    host.filter.batch_answered(&host.env(), 6, totals(&[(0, 1)]), None);
+    assert_eq!(host.metric("floodgate.global.confirmed"), 1);
+    let next = host.filter.sync(&host.env()).unwrap();
+    assert_ne!(next, batch);
+    assert!(String::from_utf8(next.body).unwrap().contains(r#""delta":1"#));
+}
+
+#[test]
+fn admissions_whose_bucket_ended_before_the_tick_are_counted_as_dropped() {
+    let host = Host::new(batched(100));
+    host.send(&keyed("k"));
+    host.send(&keyed("k"));
+    // Two buckets later: the store no longer weighs them.
+    host.clock.advance(2 * 3_600_000);
+    let batch = host.filter.sync(&host.env());
+    assert_eq!(batch.map(|b| b.counters), Some(0));
+    assert_eq!(host.metric("floodgate.global.dropped"), 2);
 }
 
 // ---- the root's schedule ----

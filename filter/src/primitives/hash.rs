@@ -1,7 +1,8 @@
 //! The filter's hashes and its random source, each written once: FNV-1a (stable digests of a
 //! configuration, in shared-data key names and records), SplitMix64's finalizer (spreads a
-//! hash's bits) and the generator built on it, the multiply-rotate mix of [`MixMap`], and how a
-//! key's parts are framed for the keyed SipHash of [`crate::keys`].
+//! hash's bits) and the generator built on it, shuffle sharding's [`deal`] of a stable hand
+//! from a hash, the multiply-rotate mix of [`MixMap`], and how a key's parts are framed for the
+//! keyed SipHash of [`crate::keys`].
 //!
 //! Their outputs name and place records in shared data and on the fleet's store, so they are
 //! fixed: the same input gives the same bits in every build.
@@ -64,6 +65,22 @@ impl Random for SplitMix64 {
     }
 }
 
+/// Shuffle sharding's deal: moves to the front of `items` a hand of `size` of them (all of them if
+/// fewer), the first `size` steps of a Fisher–Yates shuffle driven by a [`SplitMix64`] seeded
+/// with `seed` (a key's hash). Every one of the `C(n, size)` hands is equally likely, and a seed
+/// always deals the same hand in the same order; the items not dealt follow, in no set order.
+pub fn deal<T>(seed: u64, items: &mut [T], size: usize) {
+    let mut rng = SplitMix64::new(seed);
+    let len = items.len();
+    for i in 0..size.min(len) {
+        let remaining = u64::try_from(len.saturating_sub(i)).unwrap_or(1).max(1);
+        // Uniform in [i, n): rejection-free multiply-shift is uniform enough for n ≤ 2¹⁶
+        // (bias below 2⁻⁴⁸).
+        let offset = usize::try_from(u128::from(rng.next_u64()).saturating_mul(u128::from(remaining)) >> 64).unwrap_or(0);
+        items.swap(i, i.saturating_add(offset));
+    }
+}
+
 /// A hash map over values that are already keyed hashes (a key's fingerprint, a rule's id):
 /// [`MixHasher`] mixes them instead of hashing them again with SipHash, which the standard
 /// map's default would do on every lookup of the request path.
@@ -120,6 +137,22 @@ mod tests {
         assert_eq!(fnv1a(b"a", FNV1A_BASIS), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(fnv1a(b"foobar", FNV1A_BASIS), 0x8594_4171_f739_67e8);
         assert_eq!(fnv1a(b"bar", fnv1a(b"foo", FNV1A_BASIS)), fnv1a(b"foobar", FNV1A_BASIS));
+    }
+
+    #[test]
+    fn a_deal_is_a_stable_hand_of_distinct_items() {
+        let mut deck: Vec<u32> = (0..10).collect();
+        deal(42, &mut deck, 3);
+        let mut again: Vec<u32> = (0..10).collect();
+        deal(42, &mut again, 3);
+        assert_eq!(deck, again, "a seed deals one hand");
+        let mut sorted = deck.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>(), "a permutation");
+        let mut short = vec![1, 2];
+        deal(7, &mut short, 5);
+        assert!(short == [1, 2] || short == [2, 1], "a hand larger than the deck is the deck");
+        deal(7, &mut Vec::<u8>::new(), 1);
     }
 
     #[test]

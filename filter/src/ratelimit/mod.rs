@@ -21,7 +21,6 @@ pub mod estimate;
 pub mod window;
 
 use crate::config::{Algorithm, Config, CostSource, Name, RefusalFormat};
-use crate::keys::fleet::FleetKey;
 use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
 use crate::primitives::store::{update, update_from, Attempt, SharedStore, Stored, StoreError, MAX_ATTEMPTS};
 use crate::primitives::time::UnixMillis;
@@ -103,11 +102,6 @@ pub struct Probe {
     pub rule: usize,
     /// The keyed hash of the request's key.
     pub key_hash: u64,
-    /// For a rule in global scope: the key's fleet-wide id.
-    pub fleet: Option<FleetKey>,
-    /// For a rule in global scope: what the other proxies of the fleet add to the key's counts
-    /// ([`remote`], [`crate::fleet::batched`]), in every decision.
-    pub remote: Remote,
     /// The key's limit when it is not the rule's (a tier's, an override's: [`crate::ratelimit::rules`]).
     pub limit: Option<NonZeroU32>,
     /// The units the request counts at admission (1 unless the rule has a `cost`). It is
@@ -117,9 +111,9 @@ pub struct Probe {
 }
 
 impl Probe {
-    /// A probe of a rule in proxy scope, of cost 1 and the rule's limit.
+    /// A probe of cost 1 and the rule's limit.
     pub fn new(rule: usize, key_hash: u64) -> Probe {
-        Probe { rule, key_hash, fleet: None, remote: Remote::NONE, limit: None, cost: 1 }
+        Probe { rule, key_hash, limit: None, cost: 1 }
     }
 
     /// The room the request needs: its cost, and at least one unit.
@@ -206,6 +200,8 @@ pub struct Limiter {
 /// A rule's set as read in phase 1.
 struct Read {
     probe: Probe,
+    /// What the rest of the fleet adds to the key's counts.
+    remote: Remote,
     key: String,
     stored: Option<Stored>,
     set: Set,
@@ -276,11 +272,14 @@ impl Limiter {
 
     /// Checks a request against the rules in `probes` (each with its key's limit and the
     /// request's cost) and, if all admit, counts it, from this VM's `reserves` where it can.
+    /// `remotes` holds, by rule index, what the rest of the fleet adds to each key's counts
+    /// ([`remote`]; a rule past its end, or an empty slice: nothing).
     pub fn check<S: SharedStore + ?Sized>(
         &self,
         store: &S,
         reserves: &mut Reserves,
         probes: &[Probe],
+        remotes: &[Remote],
         now: UnixMillis,
     ) -> Verdict {
         let mut standings = Vec::with_capacity(probes.len());
@@ -293,6 +292,7 @@ impl Limiter {
                 continue;
             };
             let phase = table.window.phase(now);
+            let remote = remote_of(remotes, probe.rule);
             // A request that counts nothing now (its cost comes later) needs room for one unit,
             // which only a read can tell.
             let taking = if probe.cost == 0 { None } else { reserves.take(*probe, phase.bucket_index, probe.cost) };
@@ -301,10 +301,10 @@ impl Limiter {
                 // its requests: a reserve counted before is only used while the whole estimate
                 // still fits the key's limit now.
                 Some(counts)
-                    if (probe.remote.is_none() && probe.limit.is_none())
-                        || table.window.fits(probe.remote.fleet(counts), phase.elapsed_ms, limit_of(table, probe)) =>
+                    if (remote.is_none() && probe.limit.is_none())
+                        || table.window.fits(remote.fleet(counts), phase.elapsed_ms, limit_of(table, probe)) =>
                 {
-                    standings.push(standing(table, probe, counts, now));
+                    standings.push(standing(table, probe, remote, counts, now));
                 }
                 Some(_) => {
                     reserves.untake(*probe, probe.cost);
@@ -330,7 +330,7 @@ impl Limiter {
         let mut reads = Vec::with_capacity(pending.len());
         let mut violations = Vec::new();
         for &probe in &pending {
-            match self.read(store, reserves, probe, now) {
+            match self.read(store, reserves, probe, remote_of(remotes, probe.rule), now) {
                 Ok(read) => {
                     if !read.admits {
                         violations.push(Violation {
@@ -411,6 +411,7 @@ impl Limiter {
         store: &S,
         reserves: &Reserves,
         probe: Probe,
+        remote: Remote,
         now: UnixMillis,
     ) -> Result<Read, StoreError> {
         let (table, key) = self.locate(probe).ok_or(StoreError::Host(0))?;
@@ -420,15 +421,16 @@ impl Limiter {
             let bucket = Bucket::new(table.window, limit_of(table, &probe), spec.burst, spec.max_delay_ms);
             let tat = set.tat_of(fingerprint(probe.key_hash), micros(now), bucket.interval_us());
             let admits = matches!(bucket.decide(tat, now, probe.cost, probe.needs()), Turn::Go { .. });
-            return Ok(Read { probe, key, stored, set, leftover: Leftover::default(), counts: Counts::default(), tat, admits });
+            return Ok(Read { probe, remote, key, stored, set, leftover: Leftover::default(), counts: Counts::default(), tat, admits });
         }
         let phase = table.window.phase(now);
         let set = decode_or_empty(stored.as_ref(), table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
         let leftover = reserves.leftover(probe, phase.bucket_index);
         let counts = leftover.remove_from(set.counts_of(fingerprint(probe.key_hash)), phase.bucket_index);
-        let admits = table.window.fits(probe.remote.fleet(counts.plus(probe.needs())), phase.elapsed_ms, limit_of(table, &probe));
+        let admits = table.window.fits(remote.fleet(counts.plus(probe.needs())), phase.elapsed_ms, limit_of(table, &probe));
         Ok(Read {
             probe,
+            remote,
             key,
             stored,
             set,
@@ -444,7 +446,7 @@ impl Limiter {
     fn standing_before(&self, read: &Read, now: UnixMillis) -> Standing {
         match self.table(read.probe.rule) {
             Some(table) if table.bucket.is_some() => bucket_standing(table, &read.probe, read.tat, now, None),
-            Some(table) => standing(table, &read.probe, read.counts, now),
+            Some(table) => standing(table, &read.probe, read.remote, read.counts, now),
             None => self.blank_standing(read.probe, now),
         }
     }
@@ -479,9 +481,9 @@ impl Limiter {
                 None => {
                     let set = decode_or_empty(current, table.shape, phase.bucket_index).rolled_to(phase.bucket_index);
                     let counts = first.leftover.remove_from(set.counts_of(fp), phase.bucket_index);
-                    if !table.window.fits(first.probe.remote.fleet(counts.plus(first.probe.needs())), phase.elapsed_ms, limit) {
+                    if !table.window.fits(first.remote.fleet(counts.plus(first.probe.needs())), phase.elapsed_ms, limit) {
                         return Attempt::Done(Err(Violation {
-                            standing: standing(table, &first.probe, counts, now),
+                            standing: standing(table, &first.probe, first.remote, counts, now),
                             cause: Cause::OverLimit,
                         }));
                     }
@@ -495,7 +497,7 @@ impl Limiter {
             // key whose requests cost more, or whose cost comes later, would only hold room
             // others may need.
             let grant = if added.resident && cost == 1 {
-                let room = table.window.remaining(first.probe.remote.fleet(after), phase.elapsed_ms, limit);
+                let room = table.window.remaining(first.remote.fleet(after), phase.elapsed_ms, limit);
                 reserves.grant(first.probe, room)
             } else {
                 0
@@ -509,7 +511,7 @@ impl Limiter {
             Ok(Ok((after, evicted, bucket_index, grant, counts))) => {
                 reserves.record(first.probe, phase.bucket_index, grant, counts);
                 Ok(Committed {
-                    standing: standing(table, &first.probe, after, now),
+                    standing: standing(table, &first.probe, first.remote, after, now),
                     evicted,
                     bucket_index,
                 })
@@ -638,15 +640,15 @@ impl Limiter {
     /// This proxy's counts of `probe`'s key at `now` (a sliding-window rule's; `None` for a
     /// token bucket's, an unknown rule's, or a record that cannot be read).
     pub fn counts_of<S: SharedStore + ?Sized>(&self, store: &S, reserves: &Reserves, probe: &Probe, now: UnixMillis) -> Option<Counts> {
-        let read = self.read(store, reserves, *probe, now).ok()?;
+        let read = self.read(store, reserves, *probe, Remote::NONE, now).ok()?;
         self.table(probe.rule).filter(|t| t.bucket.is_none()).map(|_| read.counts)
     }
 
-    /// Where `probe`'s key stands with this proxy's `counts` (the fleet's, for a leased rule,
-    /// whose probe adds no remote), against its limit, for a request of its cost; `None` for an
+    /// Where `probe`'s key stands with `counts` (this proxy's, or the fleet's for a leased
+    /// rule: nothing added), against its limit, for a request of its cost; `None` for an
     /// unknown rule.
     pub fn standing_of(&self, probe: &Probe, counts: Counts, now: UnixMillis) -> Option<Standing> {
-        self.table(probe.rule).map(|table| standing(table, probe, counts, now))
+        self.table(probe.rule).map(|table| standing(table, probe, Remote::NONE, counts, now))
     }
 
     fn blank_standing(&self, probe: Probe, now: UnixMillis) -> Standing {
@@ -667,18 +669,24 @@ fn limit_of(table: &RuleTable, probe: &Probe) -> NonZeroU32 {
     probe.limit.unwrap_or(table.limit)
 }
 
+/// What the rest of the fleet adds to the counts of rule `rule`'s key, of those by rule
+/// (nothing past their end).
+fn remote_of(remotes: &[Remote], rule: usize) -> Remote {
+    remotes.get(rule).copied().unwrap_or(Remote::NONE)
+}
+
 /// Where `probe`'s key stands with this proxy's `local` counts and what the rest of the fleet
-/// adds to them ([`Probe::remote`]), against its limit, for a request of its cost.
-fn standing(table: &RuleTable, probe: &Probe, local: Counts, now: UnixMillis) -> Standing {
+/// adds to them (`remote`), against its limit, for a request of its cost.
+fn standing(table: &RuleTable, probe: &Probe, remote: Remote, local: Counts, now: UnixMillis) -> Standing {
     let phase = table.window.phase(now);
     let limit = limit_of(table, probe);
-    let counts = probe.remote.fleet(local);
+    let counts = remote.fleet(local);
     Standing {
         rule: probe.rule,
         estimate: table.window.estimate(counts, phase.elapsed_ms),
         remaining: table.window.remaining(counts, phase.elapsed_ms, limit),
         reset_ms: table.window.ms_until_reset(counts, now),
-        retry_at: probe.remote.earliest_admission(table.window, local, now, probe.needs(), limit),
+        retry_at: remote.earliest_admission(table.window, local, now, probe.needs(), limit),
         limit,
         go_at: None,
     }
@@ -699,7 +707,7 @@ fn bucket_standing(table: &RuleTable, probe: &Probe, tat: u64, now: UnixMillis, 
             limit,
             go_at,
         },
-        None => standing(table, probe, Counts::default(), now),
+        None => standing(table, probe, Remote::NONE, Counts::default(), now),
     }
 }
 

@@ -75,7 +75,7 @@ proptest! {
             }
             let mut probes = vec![Probe::new(0, key * 7919 + 1)];
             if both { probes.push(Probe::new(1, key * 104_729 + 3)); }
-            let ours = admitted(&limiter.check(&store, &mut reserves, &probes, UnixMillis(now)));
+            let ours = admitted(&limiter.check(&store, &mut reserves, &probes, &[], UnixMillis(now)));
             prop_assert_eq!(ours, reference.check(&limiter, &probes, UnixMillis(now)), "at {} key {}", now, key);
         }
     }
@@ -101,7 +101,7 @@ proptest! {
             if tick == 0 {
                 limiter.heartbeat(&store, &mut vms[vm], UnixMillis(now));
             }
-            if admitted(&limiter.check(&store, &mut vms[vm], &probe, UnixMillis(now))) {
+            if admitted(&limiter.check(&store, &mut vms[vm], &probe, &[], UnixMillis(now))) {
                 prop_assert!(reference.check(&limiter, &probe, UnixMillis(now)), "admitted past the limit at {}", now);
             }
         }
@@ -124,7 +124,7 @@ proptest! {
             if tick == 0 {
                 limiter.heartbeat(&store, &mut vms[vm], now);
             }
-            if admitted(&limiter.check(&store, &mut vms[vm], &probe, now)) {
+            if admitted(&limiter.check(&store, &mut vms[vm], &probe, &[], now)) {
                 admitted_total += 1;
             }
             prop_assert!(admitted_total <= limit, "{} admitted, limit {}", admitted_total, limit);
@@ -134,7 +134,7 @@ proptest! {
             for reserves in &mut vms { limiter.heartbeat(&store, reserves, now); }
         }
         for reserves in &mut vms {
-            while admitted(&limiter.check(&store, reserves, &probe, now)) {
+            while admitted(&limiter.check(&store, reserves, &probe, &[], now)) {
                 admitted_total += 1;
                 prop_assert!(admitted_total <= limit);
             }
@@ -155,7 +155,7 @@ proptest! {
         let mut refusal = None;
         for _ in 0..limit + extra {
             now += gap;
-            if let v @ Verdict::Refused { .. } = limiter.check(&store, &mut Reserves::disabled(), &probes, UnixMillis(now)) {
+            if let v @ Verdict::Refused { .. } = limiter.check(&store, &mut Reserves::disabled(), &probes, &[], UnixMillis(now)) {
                 refusal = Some((now, v));
                 break;
             }
@@ -164,7 +164,7 @@ proptest! {
         let retry_at = verdict.retry_at().unwrap();
         prop_assert!(retry_at.0 > at);
         // A refused probe writes nothing, so the second probe sees the same state.
-        let probe_store = |t: u64| limiter.check(&store, &mut Reserves::disabled(), &probes, UnixMillis(t));
+        let probe_store = |t: u64| limiter.check(&store, &mut Reserves::disabled(), &probes, &[], UnixMillis(t));
         prop_assert!(!admitted(&probe_store(retry_at.0 - 1)));
         prop_assert!(admitted(&probe_store(retry_at.0)));
     }
@@ -187,7 +187,7 @@ fn grants_start_at_nothing_double_and_vanish_near_the_limit() {
     let mut writes = Vec::new();
     let mut last = 0;
     for n in 1..=200u32 {
-        match limiter.check(&store, &mut reserves, &[probe], now) {
+        match limiter.check(&store, &mut reserves, &[probe], &[], now) {
             Verdict::Admitted { standings, .. } => {
                 assert_eq!(standings[0].remaining, u64::from(200 - n), "request {n}: r counts only used units");
             }
@@ -204,7 +204,7 @@ fn grants_start_at_nothing_double_and_vanish_near_the_limit() {
     assert_eq!(&writes[..7], &[0, 1, 2, 4, 8, 16, 16]);
     assert!(writes.windows(2).skip(6).all(|w| w[1] <= w[0]), "{writes:?}");
     assert_eq!(*writes.last().unwrap(), 0, "no reserve at the limit: {writes:?}");
-    assert!(!admitted(&limiter.check(&store, &mut reserves, &[probe], now)));
+    assert!(!admitted(&limiter.check(&store, &mut reserves, &[probe], &[], now)));
     assert_eq!(stored_counts(&store, &limiter, probe, bucket).current, 200);
 }
 
@@ -217,16 +217,16 @@ fn leftover_units_go_back_at_the_next_bucket_and_at_idle_heartbeats() {
     let start = UnixMillis(1_700_000_040_000); // a multiple of the window
     let bucket = limiter.tables()[0].window.phase(start).bucket_index;
     for _ in 0..10 {
-        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], start)));
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], &[], start)));
     }
     assert!(stored_counts(&store, &limiter, probe, bucket).current > 10, "a reserve is counted");
     // The next bucket's first request gives the unused units back in its own write.
     let next = UnixMillis(start.0 + 60_000);
-    assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], next)));
+    assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], &[], next)));
     assert_eq!(stored_counts(&store, &limiter, probe, bucket + 1).previous, 10);
     // Idle for a heartbeat period: the reserve goes back.
     for _ in 0..5 {
-        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], next)));
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], &[], next)));
     }
     limiter.heartbeat(&store, &mut reserves, next);
     assert!(stored_counts(&store, &limiter, probe, bucket + 1).current > 6, "used since the last heartbeat: kept");
@@ -234,7 +234,7 @@ fn leftover_units_go_back_at_the_next_bucket_and_at_idle_heartbeats() {
     assert_eq!(stored_counts(&store, &limiter, probe, bucket + 1).current, 6, "idle: given back");
     // A replaced configuration gives back everything.
     for _ in 0..10 {
-        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], next)));
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[probe], &[], next)));
     }
     limiter.drain(&store, &mut reserves);
     assert_eq!(stored_counts(&store, &limiter, probe, bucket + 1).current, 16);
@@ -250,20 +250,20 @@ fn a_refusal_by_another_rule_puts_reserved_units_back() {
     let narrow = Probe::new(1, 2);
     // Writes grant 0, 1, 2 units: after 5 requests the VM holds 1 unit of 6 counted.
     for _ in 0..5 {
-        assert!(admitted(&limiter.check(&store, &mut reserves, &[wide], now)));
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[wide], &[], now)));
     }
     let bucket = limiter.tables()[0].window.phase(now).bucket_index;
     let before = stored_counts(&store, &limiter, wide, bucket);
     // Another VM fills the narrow rule's key.
     let mut other = Reserves::disabled();
     for _ in 0..1000 {
-        assert!(admitted(&limiter.check(&store, &mut other, &[narrow], now)));
+        assert!(admitted(&limiter.check(&store, &mut other, &[narrow], &[], now)));
     }
-    match limiter.check(&store, &mut reserves, &[wide, narrow], now) {
+    match limiter.check(&store, &mut reserves, &[wide, narrow], &[], now) {
         Verdict::Refused { violations } => assert_eq!(violations[0].standing.rule, 1),
         other => panic!("{other:?}"),
     }
-    match limiter.check(&store, &mut reserves, &[wide], now) {
+    match limiter.check(&store, &mut reserves, &[wide], &[], now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 1000 - 6, "the refused request used nothing"),
         other => panic!("{other:?}"),
     }
@@ -280,7 +280,7 @@ fn concurrent_workers_never_lose_an_update() {
             let (limiter, store) = (limiter.clone(), store.clone());
             std::thread::spawn(move || {
                 (0..250)
-                    .filter(|_| admitted(&limiter.check(&*store, &mut Reserves::disabled(), &[Probe::new(0, 9)], now)))
+                    .filter(|_| admitted(&limiter.check(&*store, &mut Reserves::disabled(), &[Probe::new(0, 9)], &[], now)))
                     .count()
             })
         })
@@ -318,11 +318,11 @@ fn cas_mismatches_are_retried_and_nothing_is_lost() {
     let store = Interfering { inner: MemoryStore::new(), mismatches: Cell::new(0) };
     let probes = [Probe::new(0, 5)];
     let now = UnixMillis(1_700_000_000_000);
-    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now)));
     store.mismatches.set(MAX_ATTEMPTS - 1);
-    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now)));
     assert_eq!(store.mismatches.get(), 0);
-    match limiter.check(&store, &mut Reserves::disabled(), &probes, now) {
+    match limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 7),
         other => panic!("{other:?}"),
     }
@@ -334,13 +334,13 @@ fn exhausted_attempts_reject_as_contention_and_count_nothing() {
     let store = Interfering { inner: MemoryStore::new(), mismatches: Cell::new(0) };
     let probes = [Probe::new(0, 5)];
     let now = UnixMillis(1_700_000_000_000);
-    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now)));
     store.mismatches.set(MAX_ATTEMPTS);
-    match limiter.check(&store, &mut Reserves::disabled(), &probes, now) {
+    match limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now) {
         Verdict::Refused { violations } => assert_eq!(violations[0].cause, Cause::Contention),
         other => panic!("{other:?}"),
     }
-    match limiter.check(&store, &mut Reserves::disabled(), &probes, now) {
+    match limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 8, "the contended request was not counted"),
         other => panic!("{other:?}"),
     }
@@ -352,10 +352,10 @@ fn a_refused_request_consumes_no_quota_of_any_rule() {
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
     let both = [Probe::new(0, 1), Probe::new(1, 2)];
-    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, now)));
-    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, now)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, &[], now)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &both, &[], now)));
     for _ in 0..5 {
-        match limiter.check(&store, &mut Reserves::disabled(), &both, now) {
+        match limiter.check(&store, &mut Reserves::disabled(), &both, &[], now) {
             Verdict::Refused { violations } => {
                 assert_eq!(violations.len(), 1);
                 assert_eq!(violations[0].standing.rule, 1);
@@ -364,7 +364,7 @@ fn a_refused_request_consumes_no_quota_of_any_rule() {
             other => panic!("{other:?}"),
         }
     }
-    match limiter.check(&store, &mut Reserves::disabled(), &both[..1], now) {
+    match limiter.check(&store, &mut Reserves::disabled(), &both[..1], &[], now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 97),
         other => panic!("{other:?}"),
     }
@@ -386,7 +386,7 @@ fn a_lost_race_on_a_later_rule_takes_back_the_earlier_ones() {
         fn set(&self, key: &str, value: &[u8], cas: Option<Cas>) -> Result<(), StoreError> {
             if self.armed.replace(false) {
                 let other = [Probe::new(1, 2)];
-                assert!(admitted(&self.limiter.check(&self.inner, &mut Reserves::disabled(), &other, UnixMillis(1_700_000_000_000))));
+                assert!(admitted(&self.limiter.check(&self.inner, &mut Reserves::disabled(), &other, &[], UnixMillis(1_700_000_000_000))));
             }
             self.inner.set(key, value, cas)
         }
@@ -395,11 +395,11 @@ fn a_lost_race_on_a_later_rule_takes_back_the_earlier_ones() {
     let store = Racing { inner: MemoryStore::new(), limiter: &limiter, armed: Cell::new(true) };
     let now = UnixMillis(1_700_000_000_000);
     let both = [Probe::new(0, 1), Probe::new(1, 2)];
-    match limiter.check(&store, &mut Reserves::disabled(), &both, now) {
+    match limiter.check(&store, &mut Reserves::disabled(), &both, &[], now) {
         Verdict::Refused { violations } => assert_eq!(violations[0].standing.rule, 1),
         other => panic!("{other:?}"),
     }
-    match limiter.check(&store.inner, &mut Reserves::disabled(), &both[..1], now) {
+    match limiter.check(&store.inner, &mut Reserves::disabled(), &both[..1], &[], now) {
         Verdict::Admitted { standings, .. } => assert_eq!(standings[0].remaining, 99, "rule 0 got its unit back"),
         other => panic!("{other:?}"),
     }
@@ -416,7 +416,7 @@ fn a_full_table_stays_bounded_and_never_loosens_a_quota() {
         for key in 0..10_000u64 {
             let hash = key.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ round;
             let hash = hash & !0xff | (key & 0xff); // keep keys distinct
-            if admitted(&limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, hash)], now)) {
+            if admitted(&limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, hash)], &[], now)) {
                 *admitted_per_key.entry(hash).or_default() += 1;
             }
         }
@@ -436,16 +436,16 @@ fn a_steady_key_keeps_its_quota_under_a_flood_of_other_keys() {
     let steady = [Probe::new(0, 1)];
     let mut steady_admitted = 0;
     for i in 0..40u64 {
-        if admitted(&limiter.check(&store, &mut Reserves::disabled(), &steady, now)) {
+        if admitted(&limiter.check(&store, &mut Reserves::disabled(), &steady, &[], now)) {
             steady_admitted += 1;
         }
         for j in 0..20u64 {
             let flood_key = (i * 20 + j + 7).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, flood_key)], now);
+            limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, flood_key)], &[], now);
         }
     }
     assert_eq!(steady_admitted, 40);
-    match limiter.check(&store, &mut Reserves::disabled(), &steady, now) {
+    match limiter.check(&store, &mut Reserves::disabled(), &steady, &[], now) {
         Verdict::Admitted { standings, .. } => {
             assert_eq!(standings[0].estimate, 41.0, "exact");
         }
@@ -464,7 +464,7 @@ fn a_flood_of_one_shot_keys_locks_no_well_behaved_key_out() {
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
     let mut reserves = Reserves::new();
-    let mut check = |hash: u64| admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, hash)], now));
+    let mut check = |hash: u64| admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, hash)], &[], now));
     let mix = |n: u64| n.wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(23);
     let established = mix(1);
     let mut established_admitted = 0;
@@ -497,7 +497,7 @@ fn a_corrupt_record_is_not_trusted_and_gets_replaced() {
     store.set(&key, b"\x01garbage", None).unwrap();
     let probes = [Probe::new(0, 8)];
     let now = UnixMillis(1_700_000_000_000);
-    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, now)));
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now)));
     assert!(table::Set::decode(&store.get(&key).unwrap().unwrap().value).is_ok());
 }
 
@@ -514,7 +514,7 @@ fn namespaces_and_rule_definitions_separate_counters() {
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_000_000);
     let probes = [Probe::new(0, 9)];
-    let check = |l: &Limiter| admitted(&l.check(&store, &mut Reserves::disabled(), &probes, now));
+    let check = |l: &Limiter| admitted(&l.check(&store, &mut Reserves::disabled(), &probes, &[], now));
     assert!(check(&a) && check(&a) && !check(&a), "a's limit of 2");
     assert!(check(&d), "a new limit applies to the existing counters");
     assert!(check(&c) && check(&c), "another window starts fresh counters");
@@ -532,7 +532,7 @@ fn changing_a_rule_any_number_of_times_reuses_its_records() {
         let limiter = Limiter::new(&config(&rule("a", 100, window, capacity)), "t");
         for key in 0..2_000u64 {
             let hash = key.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-            limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, hash)], now);
+            limiter.check(&store, &mut Reserves::disabled(), &[Probe::new(0, hash)], &[], now);
         }
     }
     assert_eq!(store.len(), 64 / 4 + 1, "the largest capacity's records and the token key");
@@ -549,20 +549,20 @@ fn unused_units_of_the_last_bucket_do_not_count_against_their_owner() {
     let start = UnixMillis(1_700_000_040_000); // a multiple of the window
     // Writes grant 0, 1, 2, 4 units: after 8 requests A holds 3 of the 11 counted.
     for _ in 0..8 {
-        assert!(admitted(&limiter.check(&store, &mut a, &probe, start)));
+        assert!(admitted(&limiter.check(&store, &mut a, &probe, &[], start)));
     }
     let mut by_b = 0;
-    while admitted(&limiter.check(&store, &mut b, &probe, start)) {
+    while admitted(&limiter.check(&store, &mut b, &probe, &[], start)) {
         by_b += 1;
     }
     assert_eq!(by_b, 89, "B sees A's 3 unused units counted");
     // The next bucket begins: previous holds 97 requests, so exactly 3 more fit right now.
     let next = UnixMillis(start.0 + 60_000);
-    assert!(!admitted(&limiter.check(&store, &mut b, &probe, next)), "B still sees 100");
+    assert!(!admitted(&limiter.check(&store, &mut b, &probe, &[], next)), "B still sees 100");
     for n in 0..3 {
-        assert!(admitted(&limiter.check(&store, &mut a, &probe, next)), "A's request {n}");
+        assert!(admitted(&limiter.check(&store, &mut a, &probe, &[], next)), "A's request {n}");
     }
-    assert!(!admitted(&limiter.check(&store, &mut a, &probe, next)));
+    assert!(!admitted(&limiter.check(&store, &mut a, &probe, &[], next)));
 }
 
 #[test]
@@ -573,12 +573,12 @@ fn a_vm_follows_a_bounded_number_of_keys_and_forgets_idle_ones() {
     let mut reserves = Reserves::new();
     let now = UnixMillis(1_700_000_000_000);
     for key in 0..MAX_KEYS as u64 + 100 {
-        assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, key + 1)], now)));
+        assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, key + 1)], &[], now)));
     }
     assert_eq!(reserves.followed(), MAX_KEYS);
     let hot = Probe::new(0, 1);
     limiter.heartbeat(&store, &mut reserves, now);
-    assert!(admitted(&limiter.check(&store, &mut reserves, &[hot], now)));
+    assert!(admitted(&limiter.check(&store, &mut reserves, &[hot], &[], now)));
     limiter.heartbeat(&store, &mut reserves, now);
     assert_eq!(reserves.followed(), 1, "only the key used in the last period is still followed");
 }
@@ -595,7 +595,7 @@ fn a_heartbeat_gives_back_a_bounded_number_of_reserves_and_the_next_one_the_rest
     // 2 units, which stay unused.
     for key in 1..=keys {
         for _ in 0..4 {
-            assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, key)], now)));
+            assert!(admitted(&limiter.check(&store, &mut reserves, &[Probe::new(0, key)], &[], now)));
         }
     }
     assert_eq!(reserves.held(1), vec![2 * keys]);
@@ -638,7 +638,7 @@ proptest! {
             let vm = &mut vms[usize::from(*second)];
             let now = start.plus_ms(i as u64);
             let fits = admitted_units + u64::from(probe.needs()) <= u64::from(limit);
-            match limiter.check(&store, vm, &[probe], now) {
+            match limiter.check(&store, vm, &[probe], &[], now) {
                 Verdict::Admitted { .. } => {
                     prop_assert!(fits, "admitted {cost} with {admitted_units} of {limit} used");
                     admitted_units += u64::from(cost);
@@ -657,14 +657,14 @@ fn a_key_of_a_tier_or_an_override_gets_its_own_limit() {
     let now = UnixMillis(1_700_003_600_000);
     let count = |limit: Option<u32>, key: u64| {
         (0..20)
-            .filter(|_| admitted(&limiter.check(&store, &mut Reserves::disabled(), &[with(Probe::new(0, key), limit, 1)], now)))
+            .filter(|_| admitted(&limiter.check(&store, &mut Reserves::disabled(), &[with(Probe::new(0, key), limit, 1)], &[], now)))
             .count()
     };
     assert_eq!(count(None, 1), 3, "the rule's limit");
     assert_eq!(count(Some(12), 2), 12, "a tier's");
     // The same key, its tier raised by a reload or its header: the counts stay, the new limit applies.
     assert_eq!(count(Some(5), 1), 2);
-    let Verdict::Refused { violations } = limiter.check(&store, &mut Reserves::disabled(), &[with(Probe::new(0, 2), Some(12), 1)], now) else {
+    let Verdict::Refused { violations } = limiter.check(&store, &mut Reserves::disabled(), &[with(Probe::new(0, 2), Some(12), 1)], &[], now) else {
         panic!("refused")
     };
     assert_eq!(violations[0].standing.limit.get(), 12, "the refusal names the key's limit");
@@ -676,7 +676,7 @@ fn a_cost_charged_later_refuses_the_key_once_its_quota_is_spent() {
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_003_600_000);
     let probe = with(Probe::new(0, 9), None, 0);
-    let check = |reserves: &mut Reserves| limiter.check(&store, reserves, &[probe], now);
+    let check = |reserves: &mut Reserves| limiter.check(&store, reserves, &[probe], &[], now);
     let mut reserves = Reserves::new();
     // Admitted while there is room for one unit, counting nothing; the upstream reports 60, then 45.
     assert!(admitted(&check(&mut reserves)));
@@ -698,11 +698,11 @@ fn a_cost_larger_than_one_needs_room_for_all_of_it_and_retry_after_says_when() {
     let store = MemoryStore::new();
     let now = UnixMillis(1_700_000_040_000); // the start of a minute
     let probe = |cost| with(Probe::new(0, 3), None, cost);
-    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &[probe(700)], now)));
-    let Verdict::Refused { violations } = limiter.check(&store, &mut Reserves::disabled(), &[probe(400)], now) else {
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &[probe(700)], &[], now)));
+    let Verdict::Refused { violations } = limiter.check(&store, &mut Reserves::disabled(), &[probe(400)], &[], now) else {
         panic!("400 more do not fit")
     };
-    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &[probe(300)], now)), "300 do");
+    assert!(admitted(&limiter.check(&store, &mut Reserves::disabled(), &[probe(300)], &[], now)), "300 do");
     // When 400 were refused, 700 were counted: in the next minute they weigh 700 × (1 − f), and
     // 400 fit once 700 × (1 − f) + 400 ≤ 1000: f ≥ 1/7, 8.572 s in (rounded up to the ms).
     assert_eq!(violations[0].standing.retry_at, Some(now.plus_ms(60_000 + 8_572)));
@@ -720,7 +720,7 @@ mod token_bucket {
     }
 
     fn check(limiter: &Limiter, store: &MemoryStore, probes: &[Probe], now: u64) -> Verdict {
-        limiter.check(store, &mut Reserves::new(), probes, UnixMillis(now))
+        limiter.check(store, &mut Reserves::new(), probes, &[], UnixMillis(now))
     }
 
     const NOW: u64 = 1_800_000_000_000;

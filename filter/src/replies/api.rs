@@ -141,8 +141,8 @@ mod tests {
         let now = UnixMillis(1_700_000_040_000 + 1_305);
         let mut reserves = Reserves::disabled();
         let probe = |cost| Probe { cost, ..Probe::new(0, 7) };
-        assert!(matches!(limiter.check(&store, &mut reserves, &[probe(100)], now), Verdict::Admitted { .. }));
-        let verdict = limiter.check(&store, &mut reserves, &[probe(30)], now);
+        assert!(matches!(limiter.check(&store, &mut reserves, &[probe(100)], &[], now), Verdict::Admitted { .. }));
+        let verdict = limiter.check(&store, &mut reserves, &[probe(30)], &[], now);
         rate_limited(&limiter, &verdict, now).unwrap().with_exact_wait()
     }
 

@@ -1,4 +1,4 @@
-//! gRPC requests: the gRPC form of the filter's refusals, and the outcome of a gRPC call for
+//! gRPC requests: the gRPC form of the filter's refusals, and the grade of a gRPC call for
 //! cluster selection. A request is gRPC when its `content-type` is `application/grpc` or starts
 //! with `application/grpc+` (Envoy's own rule; `application/grpc-web…` is not).
 //!
@@ -8,9 +8,9 @@
 //! `retry-after`, `ratelimit-policy` and `ratelimit`: left to itself, Envoy would make a `429`
 //! `UNAVAILABLE`, which gRPC clients retry by default, straight into their limit.
 //!
-//! Outcomes ([`effective_status`], [`outcome`]): a call counts by its `grpc-status` (the trailers,
+//! Grades ([`effective_status`], [`grade`]): a call counts by its `grpc-status` (the trailers,
 //! or a trailers-only response's headers; without one, the status its client would see), after the
-//! HTTP classification of [`crate::selection::outcome`]; `DEADLINE_EXCEEDED` is a timeout, a status
+//! HTTP classification of [`crate::selection::grade`]; `DEADLINE_EXCEEDED` is a timeout, a status
 //! in `failure_grpc_statuses` a failure, and a call whose client left first (flags DR / DC) is not
 //! counted.
 //!
@@ -18,7 +18,7 @@
 
 use crate::config::{Grpc, GrpcStatus};
 use crate::replies::{RefusalKind, Reply};
-use crate::selection::outcome::Outcome;
+use crate::selection::grade::Grade;
 
 /// The trailer (here: header of the trailers-only response) of gRFC A6 that tells a client
 /// how long to wait before it retries, in milliseconds.
@@ -125,16 +125,16 @@ pub fn needs_flags(grpc_status: Option<GrpcStatus>, failures: &[GrpcStatus]) -> 
     }
 }
 
-/// The outcome of a gRPC call for cluster selection: its HTTP outcome when that is a timeout or
+/// The grade of a gRPC call for cluster selection: its HTTP grade when that is a timeout or
 /// a failure; otherwise by its [`effective_status`]: none (`None`) is not counted,
 /// `DEADLINE_EXCEEDED` is a timeout, a status in `failures` a failure, any other status the
-/// HTTP outcome (a success, or a slow one).
-pub fn outcome(http: Outcome, status: Option<GrpcStatus>, failures: &[GrpcStatus]) -> Outcome {
+/// HTTP grade (a success, or a slow one).
+pub fn grade(http: Grade, status: Option<GrpcStatus>, failures: &[GrpcStatus]) -> Grade {
     match (http, status) {
-        (Outcome::Timeout | Outcome::Overflow | Outcome::Failure, _) => http,
-        (_, None) => Outcome::Ignored,
-        (_, Some(GrpcStatus::DEADLINE_EXCEEDED)) => Outcome::Timeout,
-        (_, Some(status)) if failures.contains(&status) => Outcome::Failure,
+        (Grade::Timeout | Grade::Overflow | Grade::Failure, _) => http,
+        (_, None) => Grade::Ignored,
+        (_, Some(GrpcStatus::DEADLINE_EXCEEDED)) => Grade::Timeout,
+        (_, Some(status)) if failures.contains(&status) => Grade::Failure,
         (_, Some(_)) => http,
     }
 }
@@ -182,9 +182,9 @@ mod tests {
         let probes = [Probe::new(0, 7)];
         // 2.5 s into a 10 s bucket: the third request waits for the next bucket's room.
         let now = UnixMillis(1_700_000_000_000 + 2_500);
-        let mut verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, now);
+        let mut verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now);
         while matches!(verdict, Verdict::Admitted { .. }) {
-            verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, now);
+            verdict = limiter.check(&store, &mut Reserves::disabled(), &probes, &[], now);
         }
         replies::rate_limited(&limiter, &verdict, now).unwrap()
     }
@@ -289,31 +289,31 @@ mod tests {
     }
 
     #[test]
-    fn outcomes_of_grpc_calls() {
+    fn grades_of_grpc_calls() {
         let failures = default_failure_grpc_statuses();
-        let of = |http, status| outcome(http, status, &failures);
+        let of = |http, status| grade(http, status, &failures);
         // The HTTP classification's timeouts and failures stand.
-        assert_eq!(of(Outcome::Timeout, Some(GrpcStatus::OK)), Outcome::Timeout);
-        assert_eq!(of(Outcome::Failure, Some(GrpcStatus::OK)), Outcome::Failure);
-        assert_eq!(of(Outcome::Failure, None), Outcome::Failure);
+        assert_eq!(of(Grade::Timeout, Some(GrpcStatus::OK)), Grade::Timeout);
+        assert_eq!(of(Grade::Failure, Some(GrpcStatus::OK)), Grade::Failure);
+        assert_eq!(of(Grade::Failure, None), Grade::Failure);
         // HTTP 200: the gRPC status decides.
-        assert_eq!(of(Outcome::Success, Some(GrpcStatus::OK)), Outcome::Success);
-        assert_eq!(of(Outcome::Slow, Some(GrpcStatus::OK)), Outcome::Slow);
+        assert_eq!(of(Grade::Success, Some(GrpcStatus::OK)), Grade::Success);
+        assert_eq!(of(Grade::Slow, Some(GrpcStatus::OK)), Grade::Slow);
         for failing in [GrpcStatus::UNAVAILABLE, GrpcStatus::INTERNAL, GrpcStatus::UNKNOWN, GrpcStatus::DATA_LOSS] {
-            assert_eq!(of(Outcome::Success, Some(failing)), Outcome::Failure, "{failing}");
-            assert_eq!(of(Outcome::Slow, Some(failing)), Outcome::Failure, "{failing}");
+            assert_eq!(of(Grade::Success, Some(failing)), Grade::Failure, "{failing}");
+            assert_eq!(of(Grade::Slow, Some(failing)), Grade::Failure, "{failing}");
         }
-        assert_eq!(of(Outcome::Success, Some(GrpcStatus::DEADLINE_EXCEEDED)), Outcome::Timeout);
+        assert_eq!(of(Grade::Success, Some(GrpcStatus::DEADLINE_EXCEEDED)), Grade::Timeout);
         for fine in [GrpcStatus::CANCELLED, GrpcStatus::RESOURCE_EXHAUSTED, GrpcStatus::UNIMPLEMENTED, GrpcStatus::PERMISSION_DENIED] {
-            assert_eq!(of(Outcome::Success, Some(fine)), Outcome::Success, "{fine}");
+            assert_eq!(of(Grade::Success, Some(fine)), Grade::Success, "{fine}");
         }
-        assert_eq!(of(Outcome::Success, None), Outcome::Ignored);
-        assert_eq!(of(Outcome::Ignored, None), Outcome::Ignored);
+        assert_eq!(of(Grade::Success, None), Grade::Ignored);
+        assert_eq!(of(Grade::Ignored, None), Grade::Ignored);
         // Configured failures replace the default.
         let custom = [GrpcStatus::RESOURCE_EXHAUSTED];
-        assert_eq!(outcome(Outcome::Success, Some(GrpcStatus::RESOURCE_EXHAUSTED), &custom), Outcome::Failure);
-        assert_eq!(outcome(Outcome::Success, Some(GrpcStatus::UNAVAILABLE), &custom), Outcome::Success);
-        assert_eq!(outcome(Outcome::Success, Some(GrpcStatus::DEADLINE_EXCEEDED), &[]), Outcome::Timeout);
+        assert_eq!(grade(Grade::Success, Some(GrpcStatus::RESOURCE_EXHAUSTED), &custom), Grade::Failure);
+        assert_eq!(grade(Grade::Success, Some(GrpcStatus::UNAVAILABLE), &custom), Grade::Success);
+        assert_eq!(grade(Grade::Success, Some(GrpcStatus::DEADLINE_EXCEEDED), &[]), Grade::Timeout);
     }
 
     proptest::proptest! {
@@ -327,7 +327,7 @@ mod tests {
     }
 
     #[test]
-    fn flags_only_when_they_can_change_the_outcome() {
+    fn flags_only_when_they_can_change_the_grade() {
         let failures = default_failure_grpc_statuses();
         assert!(!needs_flags(Some(GrpcStatus::OK), &failures));
         assert!(!needs_flags(GrpcStatus::new(5), &failures));

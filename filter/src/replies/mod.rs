@@ -761,9 +761,9 @@ mod tests {
         // 300 ms into a 4 s bucket.
         let now = UnixMillis(1_700_000_000_000 + 300);
         for _ in 0..4 {
-            assert!(matches!(limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now), Verdict::Admitted { .. }));
+            assert!(matches!(limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, &[], now), Verdict::Admitted { .. }));
         }
-        let verdict = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now);
+        let verdict = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, &[], now);
         let reply = rate_limited(&limiter, &verdict, now).unwrap();
         assert_eq!(reply.status, 429);
         let header = |name: &str| reply.headers.iter().find(|(n, _)| *n == name).unwrap().1.clone();
@@ -917,7 +917,7 @@ mod tests {
         let store = MemoryStore::new();
         let probes = [Probe::new(0, 1), Probe::new(1, 2)];
         let now = UnixMillis(1_700_000_000_000 + 300);
-        let Verdict::Admitted { standings, .. } = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, now) else {
+        let Verdict::Admitted { standings, .. } = limiter.check(&store, &mut crate::ratelimit::reserve::Reserves::disabled(), &probes, &[], now) else {
             panic!("admitted")
         };
         let (policy, ratelimit) = admitted_fields(&limiter, &standings).unwrap();

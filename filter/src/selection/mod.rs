@@ -3,7 +3,7 @@
 //! ([`buckets`]) gives its weight, `rate^exponent` (cubed by default; the no-data floor bounds the
 //! weight unless `no_data_floor_on: "rate"`); an exact weighted [`shuffle`] orders the clusters;
 //! the request takes a permit on the first whose proxy-wide in-flight count is below its [`limit`]
-//! (a compare-and-swap on its [`record`]), or fails fast. At the stream's end its [`outcome`] is
+//! (a compare-and-swap on its [`record`]), or fails fast. At the stream's end its [`grade`] is
 //! counted, the limit moves (AIMD) and the permit goes back.
 //!
 //! Invariants: a cluster's in-flight count is exact across workers, like the shedder's
@@ -16,7 +16,7 @@
 
 pub mod buckets;
 pub mod limit;
-pub mod outcome;
+pub mod grade;
 pub mod partition;
 pub mod record;
 pub mod shuffle;
@@ -30,7 +30,7 @@ use crate::primitives::store::{update, update_from, Attempt, SharedStore, StoreE
 use crate::primitives::time::MonoMillis;
 use buckets::{Basis, Tally};
 use limit::{Aimd, Sample};
-use outcome::{Ending, Outcome};
+use grade::{Ending, Grade};
 use record::ClusterRecord;
 use crate::primitives::hash::Random;
 use shuffle::weighted_shuffle;
@@ -87,7 +87,7 @@ pub struct ClusterPermit {
 }
 
 /// When a stream's milestones happened on the monotonic clock, as the shell saw them: what
-/// the upstream's latency is measured on (see [`outcome`]).
+/// the upstream's latency is measured on (see [`grade`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Timing {
     /// The request's last byte passed the filter (`None`: it had not, or never did, as for an
@@ -141,7 +141,7 @@ pub struct Finished {
     /// Index of the cluster.
     pub cluster: usize,
     /// How the request counted.
-    pub outcome: Outcome,
+    pub grade: Grade,
     /// False when the record could not be updated (the stats and limit move were lost; the
     /// permit itself is released regardless).
     pub recorded: bool,
@@ -181,7 +181,7 @@ impl Sightings {
     }
 }
 
-/// Outcomes this VM counted for one cluster and has not yet written to its record.
+/// Grades this VM counted for one cluster and has not yet written to its record.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Pending {
     /// Per bucket epoch, oldest first.
@@ -220,7 +220,7 @@ impl Pending {
 }
 
 /// One VM's side of cluster selection: its id in the records, its permit count per cluster
-/// (configuration order; the truth that the records mirror), its pending outcomes and its recent
+/// (configuration order; the truth that the records mirror), its pending grades and its recent
 /// weights.
 #[derive(Clone, Debug)]
 pub struct VmState {
@@ -228,7 +228,7 @@ pub struct VmState {
     pub vm: u64,
     /// Permits held by this VM, per cluster.
     pub permits: Vec<LocalCount>,
-    /// Outcomes not yet written, per cluster.
+    /// Grades not yet written, per cluster.
     pub pending: Vec<Pending>,
     /// Recent weights.
     pub seen: Sightings,
@@ -502,7 +502,7 @@ impl Selector {
         chosen
     }
 
-    /// Takes a permit on cluster `index` if it has room, writing the VM's pending outcomes and,
+    /// Takes a permit on cluster `index` if it has room, writing the VM's pending grades and,
     /// far below the limit, a reserve in the same compare-and-swap: `Ok(None)` when it is full,
     /// `Err` when its record could not be updated.
     #[allow(clippy::too_many_arguments)]
@@ -565,16 +565,16 @@ impl Selector {
     }
 
     /// Classifies how a stream ended, given when its milestones happened ([`Timing`]).
-    pub fn classify(&self, permit: &ClusterPermit, status: Option<u16>, flags: u64, timing: Timing) -> Outcome {
+    pub fn classify(&self, permit: &ClusterPermit, status: Option<u16>, flags: u64, timing: Timing) -> Grade {
         let ending = Ending {
             status,
             flags,
             latency_ms: timing.upstream_latency_ms(permit.started),
         };
-        Outcome::classify(&ending, &self.failure_statuses, self.limit.timeout_ms)
+        Grade::classify(&ending, &self.failure_statuses, self.limit.timeout_ms)
     }
 
-    /// Ends a permit with its outcome (module doc, step 5): the permit is released whatever
+    /// Ends a permit with its grade (module doc, step 5): the permit is released whatever
     /// happens. A success is counted locally; a failure, a timeout or a slow response, or a
     /// release that gives units back (see [`crate::primitives::inflight::Local::idle_surplus`]), writes
     /// everything pending at once.
@@ -583,7 +583,7 @@ impl Selector {
         store: &S,
         state: &mut VmState,
         mut permit: ClusterPermit,
-        outcome: Outcome,
+        grade: Grade,
         now: MonoMillis,
     ) -> Finished {
         let VmState {
@@ -598,7 +598,7 @@ impl Selector {
         let index = permit.cluster;
         let mut finished = Finished {
             cluster: index,
-            outcome,
+            grade,
             recorded: false,
         };
         let (Some(key), Some(local), Some(p)) = (
@@ -608,16 +608,16 @@ impl Selector {
         ) else {
             return finished;
         };
-        if let Some(succeeded) = outcome.tally() {
+        if let Some(succeeded) = grade.tally() {
             p.count(self.epoch(now), succeeded, self.bucket_count);
         }
-        let sample = outcome.sample();
+        let sample = grade.sample();
         if sample == Sample::Success
             && self.limit.update(p.limit_seen, permit.in_flight, sample) > p.limit_seen
         {
             p.grows = p.grows.saturating_add(1);
         }
-        let urgent = outcome.tally() == Some(false) || sample == Sample::Dropped;
+        let urgent = grade.tally() == Some(false) || sample == Sample::Dropped;
         if !urgent && !local.idle_surplus() {
             finished.recorded = true;
             return finished;
@@ -661,7 +661,7 @@ impl Selector {
             .collect()
     }
 
-    /// Refreshes this VM's entries (on every tick): writes its pending outcomes, gives back its
+    /// Refreshes this VM's entries (on every tick): writes its pending grades, gives back its
     /// reserves, and returns each cluster's state for the gauges (`None` for a record that could
     /// not be read).
     pub fn heartbeat<S: SharedStore + ?Sized>(

@@ -15,7 +15,7 @@
 
 use crate::config::{ClusterSelection, KeyPart};
 use crate::keys::{hash_key, KeyHasher, Source};
-use crate::primitives::hash::{fnv1a, Random, SplitMix64, FNV1A_BASIS};
+use crate::primitives::hash::{deal, fnv1a, FNV1A_BASIS};
 use crate::selection::Confinement;
 
 /// Confines each key to a stable subset of the clusters.
@@ -75,14 +75,7 @@ impl Partitioner {
     /// Every cluster (indexes), the key of hash `key_hash`'s members first.
     fn members(&self, key_hash: u64) -> Vec<usize> {
         let mut order: Vec<usize> = (0..self.clusters).collect();
-        let mut rng = SplitMix64::new(key_hash);
-        for i in 0..self.size.min(order.len()) {
-            let remaining = u64::try_from(order.len().saturating_sub(i)).unwrap_or(1).max(1);
-            // Uniform in [i, n): rejection-free multiply-shift is uniform enough for n ≤ 64
-            // (bias below 2⁻⁵⁷).
-            let offset = usize::try_from(u128::from(rng.next_u64()).saturating_mul(u128::from(remaining)) >> 64).unwrap_or(0);
-            order.swap(i, i.saturating_add(offset));
-        }
+        deal(key_hash, &mut order, self.size);
         order
     }
 }

@@ -4,7 +4,7 @@
 
 use super::buckets::{Buckets, Tally};
 use super::limit::{Aimd, Sample};
-use super::outcome::{flags, Ending, Outcome};
+use super::grade::{flags, Ending, Grade};
 use super::record::ClusterRecord;
 use super::shuffle::weighted_shuffle;
 use crate::primitives::hash::{Random, SplitMix64};
@@ -230,36 +230,36 @@ fn aimd_backs_off_multiplicatively_on_a_drop() {
     assert_eq!(limit.clamp(0), 2);
 }
 
-// ---- outcomes ----
+// ---- grades ----
 
 #[test]
-fn outcomes_by_status_flags_and_time() {
+fn grades_by_status_flags_and_time() {
     let fail = [StatusMatch::Class(5), StatusMatch::Code(429)];
     let classify = |status: Option<u16>, flags: u64, latency_ms: u64| {
-        Outcome::classify(&Ending { status, flags, latency_ms: Some(latency_ms) }, &fail, 1000)
+        Grade::classify(&Ending { status, flags, latency_ms: Some(latency_ms) }, &fail, 1000)
     };
-    assert_eq!(classify(Some(200), 0, 10), Outcome::Success);
-    assert_eq!(classify(Some(404), 0, 10), Outcome::Success);
-    assert_eq!(classify(Some(429), 0, 10), Outcome::Failure);
-    assert_eq!(classify(Some(500), 0, 10), Outcome::Failure);
-    assert_eq!(classify(Some(503), flags::UPSTREAM_CONNECTION_FAILURE, 10), Outcome::Failure);
-    assert_eq!(classify(Some(503), flags::NO_CLUSTER_FOUND, 1), Outcome::Failure);
-    assert_eq!(classify(Some(200), flags::UPSTREAM_REMOTE_RESET, 10), Outcome::Failure, "reset mid-body");
-    assert_eq!(classify(Some(504), flags::UPSTREAM_REQUEST_TIMEOUT, 1500), Outcome::Timeout);
-    assert_eq!(classify(Some(504), 0, 10), Outcome::Timeout);
-    assert_eq!(classify(None, flags::UPSTREAM_REQUEST_TIMEOUT, 10), Outcome::Timeout);
-    assert_eq!(classify(Some(200), 0, 1001), Outcome::Slow);
-    assert_eq!(classify(None, 0x4000, 10), Outcome::Ignored, "client left (DC)");
-    assert_eq!(classify(Some(503), flags::UPSTREAM_OVERFLOW, 1), Outcome::Overflow, "circuit breaker (UO)");
-    assert_eq!(Outcome::Overflow.tally(), Some(false), "a failure for the success rate");
-    assert_eq!(Outcome::Overflow.sample(), Sample::Dropped, "and the limit backs off");
+    assert_eq!(classify(Some(200), 0, 10), Grade::Success);
+    assert_eq!(classify(Some(404), 0, 10), Grade::Success);
+    assert_eq!(classify(Some(429), 0, 10), Grade::Failure);
+    assert_eq!(classify(Some(500), 0, 10), Grade::Failure);
+    assert_eq!(classify(Some(503), flags::UPSTREAM_CONNECTION_FAILURE, 10), Grade::Failure);
+    assert_eq!(classify(Some(503), flags::NO_CLUSTER_FOUND, 1), Grade::Failure);
+    assert_eq!(classify(Some(200), flags::UPSTREAM_REMOTE_RESET, 10), Grade::Failure, "reset mid-body");
+    assert_eq!(classify(Some(504), flags::UPSTREAM_REQUEST_TIMEOUT, 1500), Grade::Timeout);
+    assert_eq!(classify(Some(504), 0, 10), Grade::Timeout);
+    assert_eq!(classify(None, flags::UPSTREAM_REQUEST_TIMEOUT, 10), Grade::Timeout);
+    assert_eq!(classify(Some(200), 0, 1001), Grade::Slow);
+    assert_eq!(classify(None, 0x4000, 10), Grade::Ignored, "client left (DC)");
+    assert_eq!(classify(Some(503), flags::UPSTREAM_OVERFLOW, 1), Grade::Overflow, "circuit breaker (UO)");
+    assert_eq!(Grade::Overflow.tally(), Some(false), "a failure for the success rate");
+    assert_eq!(Grade::Overflow.sample(), Sample::Dropped, "and the limit backs off");
     let no_headers = Ending { status: Some(200), flags: 0, latency_ms: None };
-    assert_eq!(Outcome::classify(&no_headers, &fail, 1000), Outcome::Success, "no latency: not slow");
-    assert_eq!(Outcome::Slow.tally(), Some(true));
-    assert_eq!(Outcome::Slow.sample(), Sample::Dropped);
-    assert_eq!(Outcome::Timeout.tally(), Some(false));
-    assert_eq!(Outcome::Failure.sample(), Sample::Ignored);
-    assert_eq!(Outcome::Ignored.tally(), None);
+    assert_eq!(Grade::classify(&no_headers, &fail, 1000), Grade::Success, "no latency: not slow");
+    assert_eq!(Grade::Slow.tally(), Some(true));
+    assert_eq!(Grade::Slow.sample(), Sample::Dropped);
+    assert_eq!(Grade::Timeout.tally(), Some(false));
+    assert_eq!(Grade::Failure.sample(), Sample::Ignored);
+    assert_eq!(Grade::Ignored.tally(), None);
 }
 
 // ---- the record ----
@@ -307,13 +307,13 @@ fn the_cascade_takes_the_next_cluster_with_room_then_fails_fast() {
     // One release makes room again, on that cluster only.
     let permit = permits.pop().unwrap();
     let freed = permit.cluster;
-    let done = s.finish(&store, &mut mine, permit, Outcome::Failure, T0);
+    let done = s.finish(&store, &mut mine, permit, Grade::Failure, T0);
     assert!(done.recorded);
     let again = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     assert_eq!(again.cluster, freed);
     permits.push(again);
     for permit in permits {
-        s.finish(&store, &mut mine, permit, Outcome::Ignored, T0);
+        s.finish(&store, &mut mine, permit, Grade::Ignored, T0);
     }
     assert!(mine.permits.iter().all(|l| l.in_use() == 0));
     let states = s.heartbeat(&store, &mut mine, T0);
@@ -346,8 +346,8 @@ fn permits_are_exact_across_vms_and_a_dead_vm_stops_counting() {
     let stale = T0.plus_ms(STALE_AFTER_MS + 1);
     let d = s.choose(&store, &mut two, stale, &mut rng).unwrap();
     assert_eq!(d.in_flight, 2, "only VM 2's permits count");
-    s.finish(&store, &mut two, d, Outcome::Success, stale);
-    s.finish(&store, &mut two, b, Outcome::Success, stale);
+    s.finish(&store, &mut two, d, Grade::Success, stale);
+    s.finish(&store, &mut two, b, Grade::Success, stale);
     assert_eq!(
         s.heartbeat(&store, &mut two, stale)[0].unwrap().in_flight,
         0
@@ -375,21 +375,21 @@ fn a_dropped_permit_gives_its_unit_back_and_the_heartbeat_publishes_it() {
 }
 
 #[test]
-fn finishing_records_the_outcome_and_moves_the_limit() {
+fn finishing_records_the_grade_and_moves_the_limit() {
     let s = selector(
         r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":20,"min_limit":1,"max_limit":40,"timeout":"1s"}}"#,
     );
     let store = MemoryStore::new();
     let mut mine = vm(1, &locals(1));
     let mut rng = SplitMix64::new(5);
-    let mut finish = |outcome: Outcome| {
+    let mut finish = |grade: Grade| {
         let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
-        s.finish(&store, &mut mine, permit, outcome, T0)
+        s.finish(&store, &mut mine, permit, grade, T0)
     };
-    finish(Outcome::Timeout);
-    finish(Outcome::Failure);
-    finish(Outcome::Slow);
-    finish(Outcome::Ignored);
+    finish(Grade::Timeout);
+    finish(Grade::Failure);
+    finish(Grade::Slow);
+    finish(Grade::Ignored);
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(3, 1), "ignored is not counted");
     assert_eq!(view.record.limit, 16, "20 → 18 (timeout) → 18 (failure) → ⌊16.2⌋ (slow) → 16 (ignored)");
@@ -399,7 +399,7 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
         .collect();
     let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     assert_eq!(permit.in_flight, 8);
-    s.finish(&store, &mut mine, permit, Outcome::Success, T0);
+    s.finish(&store, &mut mine, permit, Grade::Success, T0);
     assert_eq!(
         s.read(&store, 0, T0).unwrap().record.limit,
         16,
@@ -412,18 +412,18 @@ fn finishing_records_the_outcome_and_moves_the_limit() {
     assert_eq!(view.record.limit, 17, "8 × 2 ≥ 16: grows by one");
     assert_eq!(view.record.buckets.recent[0], tally(4, 2));
     for permit in held {
-        s.finish(&store, &mut mine, permit, Outcome::Ignored, T0);
+        s.finish(&store, &mut mine, permit, Grade::Ignored, T0);
     }
     let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     let answered_after = |ms| Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(ms)) };
-    assert_eq!(s.classify(&permit, Some(200), 0, answered_after(1001)), Outcome::Slow);
-    assert_eq!(s.classify(&permit, Some(200), 0, answered_after(999)), Outcome::Success);
-    assert_eq!(s.classify(&permit, Some(502), 0, answered_after(0)), Outcome::Failure);
-    s.finish(&store, &mut mine, permit, Outcome::Success, T0);
+    assert_eq!(s.classify(&permit, Some(200), 0, answered_after(1001)), Grade::Slow);
+    assert_eq!(s.classify(&permit, Some(200), 0, answered_after(999)), Grade::Success);
+    assert_eq!(s.classify(&permit, Some(502), 0, answered_after(0)), Grade::Failure);
+    s.finish(&store, &mut mine, permit, Grade::Success, T0);
 }
 
 /// Runs `requests` requests at `rate_per_sec` through the selector, each finishing at once with
-/// the outcome `health(cluster, now)` gives, with the VM's heartbeat every second as in Envoy;
+/// the grade `health(cluster, now)` gives, with the VM's heartbeat every second as in Envoy;
 /// returns the requests per cluster.
 fn traffic(
     s: &Selector,
@@ -432,7 +432,7 @@ fn traffic(
     start: MonoMillis,
     requests: u64,
     rate_per_sec: u64,
-    health: impl Fn(&str) -> Outcome,
+    health: impl Fn(&str) -> Grade,
 ) -> Vec<u64> {
     let mut state = vm(1, &locals(s.clusters.len()));
     let mut per_cluster = vec![0u64; s.clusters.len()];
@@ -445,8 +445,8 @@ fn traffic(
         }
         let permit = s.choose(store, &mut state, now, rng).unwrap();
         per_cluster[permit.cluster] += 1;
-        let outcome = health(s.clusters[permit.cluster].name.as_str());
-        s.finish(store, &mut state, permit, outcome, now);
+        let grade = health(s.clusters[permit.cluster].name.as_str());
+        s.finish(store, &mut state, permit, grade, now);
     }
     s.heartbeat(store, &mut state, start.plus_ms(requests * 1000 / rate_per_sec));
     per_cluster
@@ -459,7 +459,7 @@ fn a_failing_cluster_loses_its_traffic_and_wins_it_back_when_it_recovers() {
     let s = selector(r#"{"clusters":["a","b","c"],"no_data_floor":0.03}"#);
     let store = MemoryStore::new();
     let mut rng = SplitMix64::new(11);
-    let bad_c = |name: &str| if name == "c" { Outcome::Failure } else { Outcome::Success };
+    let bad_c = |name: &str| if name == "c" { Grade::Failure } else { Grade::Success };
     // 10 s at 200 requests/s while c fails everything: after the first second c gets ≲1%.
     traffic(&s, &store, &mut rng, T0, 200, 200, bad_c);
     let counts = traffic(&s, &store, &mut rng, T0.plus_ms(1000), 1800, 200, bad_c);
@@ -467,7 +467,7 @@ fn a_failing_cluster_loses_its_traffic_and_wins_it_back_when_it_recovers() {
     assert!(share < 0.01, "failing cluster share {share} ({counts:?})");
     // c recovers. Its window must age out (6 × 5 s) before the sticky floor lets it back in;
     // once one request succeeds, it is competitive again.
-    let healthy = |_: &str| Outcome::Success;
+    let healthy = |_: &str| Grade::Success;
     let mut back_at = None;
     for second in 10..120u64 {
         let counts = traffic(&s, &store, &mut rng, T0.plus_ms(second * 1000), 200, 200, healthy);
@@ -507,12 +507,12 @@ fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
     for i in 0..500u64 {
         let now = T0.plus_ms(i);
         let permit = s.choose(&store, &mut mine, now, &mut rng).unwrap();
-        let outcome = if permit.cluster == 1 {
-            Outcome::Slow
+        let grade = if permit.cluster == 1 {
+            Grade::Slow
         } else {
-            Outcome::Success
+            Grade::Success
         };
-        s.finish(&store, &mut mine, permit, outcome, now);
+        s.finish(&store, &mut mine, permit, grade, now);
     }
     assert_eq!(s.read(&store, 1, T0.plus_ms(500)).unwrap().record.limit, 1, "slow cluster at min_limit");
     // With one permit held on the slow cluster, every further request goes to `a`.
@@ -523,16 +523,16 @@ fn a_slow_cluster_s_limit_falls_and_the_others_take_the_load() {
         if permit.cluster == 1 {
             break permit;
         }
-        s.finish(&store, &mut mine, permit, Outcome::Success, T0.plus_ms(600));
+        s.finish(&store, &mut mine, permit, Grade::Success, T0.plus_ms(600));
     };
     for _ in 0..100 {
         let permit = s
             .choose(&store, &mut mine, T0.plus_ms(601), &mut rng)
             .unwrap();
         assert_eq!(permit.cluster, 0);
-        s.finish(&store, &mut mine, permit, Outcome::Success, T0.plus_ms(601));
+        s.finish(&store, &mut mine, permit, Grade::Success, T0.plus_ms(601));
     }
-    s.finish(&store, &mut mine, held, Outcome::Slow, T0.plus_ms(700));
+    s.finish(&store, &mut mine, held, Grade::Slow, T0.plus_ms(700));
 }
 
 #[test]
@@ -546,7 +546,7 @@ fn a_record_from_another_layout_or_corrupt_reads_as_fresh() {
     let mut rng = SplitMix64::new(1);
     let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     assert_eq!(permit.in_flight, 1);
-    s.finish(&store, &mut mine, permit, Outcome::Success, T0);
+    s.finish(&store, &mut mine, permit, Grade::Success, T0);
     s.heartbeat(&store, &mut mine, T0);
     let view = s.read(&store, 0, T0).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(1, 1));
@@ -592,7 +592,7 @@ fn recent_weights_spare_reading_every_record_on_every_request() {
         store.gets.get()
     );
     for permit in [first, second, third] {
-        s.finish(&store, &mut state, permit, Outcome::Success, T0);
+        s.finish(&store, &mut state, permit, Grade::Success, T0);
     }
 }
 
@@ -604,16 +604,16 @@ fn a_finish_on_this_vm_updates_its_weight_at_once() {
     let mut rng = SplitMix64::new(9);
     let permit = s.choose(&store, &mut state, T0, &mut rng).unwrap();
     let failed = permit.cluster;
-    s.finish(&store, &mut state, permit, Outcome::Failure, T0);
+    s.finish(&store, &mut state, permit, Grade::Failure, T0);
     // Within the TTL, the failed cluster (weight 0 now) is never chosen first again.
     for i in 0..50 {
         let permit = s.choose(&store, &mut state, T0.plus_ms(i), &mut rng).unwrap();
         assert_ne!(permit.cluster, failed);
-        s.finish(&store, &mut state, permit, Outcome::Success, T0.plus_ms(i));
+        s.finish(&store, &mut state, permit, Grade::Success, T0.plus_ms(i));
     }
 }
 
-// ---- reserves and pending outcomes ----
+// ---- reserves and pending grades ----
 
 #[test]
 fn far_below_the_limit_permits_come_from_a_reserve_and_successes_wait() {
@@ -638,7 +638,7 @@ fn far_below_the_limit_permits_come_from_a_reserve_and_successes_wait() {
     store.gets.set(0);
     let mut held = held.into_iter();
     for permit in held.by_ref().take(49) {
-        s.finish(&store, &mut one, permit, Outcome::Success, T0);
+        s.finish(&store, &mut one, permit, Grade::Success, T0);
     }
     // Successes are counted locally; the VM writes only to give back units it stopped using
     // (once more than RESERVE_MAX of them are idle), with whatever is pending.
@@ -648,7 +648,7 @@ fn far_below_the_limit_permits_come_from_a_reserve_and_successes_wait() {
         store.gets.get()
     );
     let last = held.next().unwrap();
-    s.finish(&store, &mut one, last, Outcome::Success, T0);
+    s.finish(&store, &mut one, last, Grade::Success, T0);
     s.heartbeat(&store, &mut one, T0);
     assert!(one.pending[0].is_empty(), "the heartbeat writes everything");
     let view = s.read(&store.inner, 0, T0).unwrap();
@@ -673,13 +673,13 @@ fn a_failure_is_written_at_once_with_what_is_pending() {
         .collect();
     let mut permits = permits.into_iter();
     for permit in permits.by_ref().take(2) {
-        s.finish(&store, &mut one, permit, Outcome::Success, T0);
+        s.finish(&store, &mut one, permit, Grade::Success, T0);
     }
     s.finish(
         &store,
         &mut one,
         permits.next().unwrap(),
-        Outcome::Failure,
+        Grade::Failure,
         T0.plus_ms(1),
     );
     let view = s.read(&store, 0, T0).unwrap();
@@ -693,13 +693,13 @@ fn a_failure_is_written_at_once_with_what_is_pending() {
         &store,
         &mut one,
         permits.next().unwrap(),
-        Outcome::Success,
+        Grade::Success,
         T0,
     );
 }
 
 #[test]
-fn pending_outcomes_land_in_the_bucket_they_happened_in() {
+fn pending_grades_land_in_the_bucket_they_happened_in() {
     let s = selector(
         r#"{"clusters":["a"],"concurrency_limit":{"initial_limit":200,"min_limit":1,"max_limit":200}}"#,
     );
@@ -708,15 +708,15 @@ fn pending_outcomes_land_in_the_bucket_they_happened_in() {
     let mut rng = SplitMix64::new(4);
     let keep = s.choose(&store, &mut one, T0, &mut rng).unwrap();
     let early = s.choose(&store, &mut one, T0, &mut rng).unwrap();
-    s.finish(&store, &mut one, early, Outcome::Success, T0);
+    s.finish(&store, &mut one, early, Grade::Success, T0);
     let later = T0.plus_ms(5_000);
     let late = s.choose(&store, &mut one, later, &mut rng).unwrap();
-    s.finish(&store, &mut one, late, Outcome::Success, later);
+    s.finish(&store, &mut one, late, Grade::Success, later);
     s.heartbeat(&store, &mut one, later);
     let view = s.read(&store, 0, later).unwrap();
     assert_eq!(view.record.buckets.recent[0], tally(1, 1));
     assert_eq!(view.record.buckets.recent[1], tally(1, 1));
-    s.finish(&store, &mut one, keep, Outcome::Success, later);
+    s.finish(&store, &mut one, keep, Grade::Success, later);
 }
 
 #[test]
@@ -780,9 +780,9 @@ fn slow_clients_do_not_shrink_a_healthy_cluster() {
     let stream_end = T0.plus_ms(6_000);
     for permit in permits {
         let timing = Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(5)) };
-        let outcome = s.classify(&permit, Some(200), 0, timing);
-        assert_eq!(outcome, Outcome::Success);
-        s.finish(&store, &mut mine, permit, outcome, stream_end);
+        let grade = s.classify(&permit, Some(200), 0, timing);
+        assert_eq!(grade, Grade::Success);
+        s.finish(&store, &mut mine, permit, grade, stream_end);
     }
     s.heartbeat(&store, &mut mine, stream_end);
     assert_eq!(s.read(&store, 0, stream_end).unwrap().record.limit, 200);
@@ -800,9 +800,9 @@ fn an_overflow_backs_the_limit_off() {
     let mut mine = vm(1, &locals(1));
     let permit = s.choose(&store, &mut mine, T0, &mut rng).unwrap();
     let timing = Timing { request_end: Some(T0), response_headers: Some(T0.plus_ms(1)) };
-    let outcome = s.classify(&permit, Some(503), flags::UPSTREAM_OVERFLOW, timing);
-    assert_eq!(outcome, Outcome::Overflow);
-    let finished = s.finish(&store, &mut mine, permit, outcome, T0);
+    let grade = s.classify(&permit, Some(503), flags::UPSTREAM_OVERFLOW, timing);
+    assert_eq!(grade, Grade::Overflow);
+    let finished = s.finish(&store, &mut mine, permit, grade, T0);
     assert!(finished.recorded, "written at once");
     let record = s.read(&store, 0, T0).unwrap().record;
     assert_eq!(record.limit, 90, "×0.9");
@@ -826,7 +826,7 @@ fn a_reserve_is_not_spent_past_a_limit_another_vm_lowered() {
     // VM 2 sees timeouts until the limit is below what VM 1 holds (100, 50, 25, 12).
     while s.read(&store, 0, T0).unwrap().record.limit >= reserved {
         let permit = s.choose(&store, &mut two, T0, &mut rng).unwrap();
-        s.finish(&store, &mut two, permit, Outcome::Timeout, T0);
+        s.finish(&store, &mut two, permit, Grade::Timeout, T0);
     }
     let limit = s.read(&store, 0, T0).unwrap().record.limit;
     assert_eq!(limit, 12);
@@ -837,7 +837,7 @@ fn a_reserve_is_not_spent_past_a_limit_another_vm_lowered() {
     }
     assert_eq!(held.len() as u32, limit, "{} permits against a limit of {limit}", held.len());
     for permit in held {
-        s.finish(&store, &mut one, permit, Outcome::Ignored, later);
+        s.finish(&store, &mut one, permit, Grade::Ignored, later);
     }
 }
 
@@ -869,7 +869,7 @@ fn a_confined_request_stays_in_its_partition_and_is_refused_when_it_is_full() {
     // A failing member is still used when confined: the weights decide among members only.
     let failing = confinement(&[2], 4, None);
     let permit = s.choose_within(&store, &mut mine, T0, &mut rng, &failing).unwrap();
-    s.finish(&store, &mut mine, permit, Outcome::Failure, T0);
+    s.finish(&store, &mut mine, permit, Grade::Failure, T0);
     assert_eq!(s.choose_within(&store, &mut mine, T0, &mut rng, &failing).unwrap().cluster, 2);
 }
 
@@ -885,15 +885,15 @@ fn a_spilling_request_borrows_the_others_when_its_partition_is_full_or_failing()
     let spilled = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
     assert_ne!(spilled.cluster, 0, "full: spills");
     for permit in [first, spilled] {
-        s.finish(&store, &mut mine, permit, Outcome::Ignored, T0);
+        s.finish(&store, &mut mine, permit, Grade::Ignored, T0);
     }
     // Member 0 fails: its rate falls below spill_below, the others come first.
     let permit = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
     assert_eq!(permit.cluster, 0);
-    s.finish(&store, &mut mine, permit, Outcome::Failure, T0);
+    s.finish(&store, &mut mine, permit, Grade::Failure, T0);
     for _ in 0..20 {
         let permit = s.choose_within(&store, &mut mine, T0, &mut rng, &within).unwrap();
         assert_ne!(permit.cluster, 0, "failing member tried last");
-        s.finish(&store, &mut mine, permit, Outcome::Ignored, T0);
+        s.finish(&store, &mut mine, permit, Grade::Ignored, T0);
     }
 }

@@ -20,6 +20,7 @@
 //!
 //! Rationale: docs/design.md, section "Load shedding".
 
+pub mod fair;
 pub mod lag;
 pub mod per_key;
 pub mod queue;

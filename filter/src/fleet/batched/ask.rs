@@ -23,10 +23,11 @@
 //!
 //! Rationale: docs/global.md, "A key a proxy has not learned".
 
-use super::{bucket_of, GlobalRule, GlobalScope, VmNode};
+use super::{bucket_of, in_flight, GlobalRule, GlobalScope, VmNode};
 use crate::fleet::batched::outbox::Delta;
 use crate::fleet::batched::protocol::Totals;
 use crate::fleet::leased::{Ask, Grant};
+use crate::fleet::protocol::Carried;
 use crate::keys::fleet::FleetKey;
 use crate::primitives::store::SharedStore;
 use crate::primitives::time::UnixMillis;
@@ -90,6 +91,8 @@ pub struct KeyAsk {
     pub key_hash: u64,
     /// The call's entry.
     pub ask: Ask,
+    /// The key's units in this proxy's batch on its way that `ask.limit` leaves out, if any.
+    pub carried: Option<Carried>,
 }
 
 /// How a key's ask ended.
@@ -115,7 +118,7 @@ impl GlobalScope {
     /// for the request and for `limit / 100`. Never for a cost over the limit.
     pub fn wants_ask(&self, node: &VmNode, probe: &Probe, limit: NonZeroU32, pending: u32, now: UnixMillis) -> bool {
         let Some(rule) = self.rule(probe.rule) else { return false };
-        if probe.fleet.is_none() || probe.cost == 0 || probe.cost.saturating_add(pending) > limit.get() {
+        if probe.cost == 0 || probe.cost.saturating_add(pending) > limit.get() {
             return false;
         }
         let Some(window_ms) = NonZeroU64::new(rule.window_ms) else { return false };
@@ -134,10 +137,10 @@ impl GlobalScope {
     /// the key this proxy admitted that the store has not counted yet (on their way in a
     /// batch): the store grants only while its room holds the request and them, so it is asked
     /// under `limit − pending`.
-    pub fn ask_for(&self, probe: &Probe, limit: NonZeroU32, pending: u32, now: UnixMillis) -> Option<KeyAsk> {
+    /// `carried` of them travel in this proxy's batch on its way ([`in_flight`]).
+    pub fn ask_for(&self, probe: &Probe, key: FleetKey, limit: NonZeroU32, pending: u32, carried: Option<Carried>, now: UnixMillis) -> Option<KeyAsk> {
         let limit = NonZeroU32::new(limit.get().saturating_sub(pending))?;
         let global = self.rule(probe.rule)?;
-        let key = probe.fleet?;
         let window_ms = global.window_ms.max(1);
         Some(KeyAsk {
             rule: probe.rule,
@@ -161,7 +164,65 @@ impl GlobalScope {
                 refunded_previous: 0,
                 call: 0,
             },
+            carried,
         })
+    }
+
+    /// The ask a refusal of `probe` (its key `key`) under `limit` makes, if it asks
+    /// ([`GlobalScope::wants_ask`]), with `counts` giving this proxy's count of the key in its
+    /// current bucket. Its reads, in [`in_flight`]'s order: the view (refreshed into this VM's
+    /// copy: another worker may have written it since this VM's tick), the counts (this proxy's
+    /// units the view has not confirmed: `pending`), and when there are some, the batch on its
+    /// way, the view again and the counts again. The ask names the key's units of that batch
+    /// when the view read after it does not hold the batch confirmed ([`ViewCache::lacks`]);
+    /// every batch before it is. A request whose counts as synced leave room only if the
+    /// batch's units are in them asks too: the store tells.
+    ///
+    /// [`ViewCache::lacks`]: super::view::ViewCache::lacks
+    #[allow(clippy::too_many_arguments)]
+    pub fn ask_of<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        node: &mut VmNode,
+        probe: &Probe,
+        key: FleetKey,
+        limit: NonZeroU32,
+        counts: impl Fn(&Probe) -> u32,
+        now: UnixMillis,
+    ) -> Option<KeyAsk> {
+        let rule = self.rule(probe.rule)?;
+        let bucket = bucket_of(now, rule.window_ms);
+        let pending = |node: &VmNode| counts(probe).saturating_sub(node.cache.confirmed(rule.id, probe.key_hash, bucket));
+        // A refresh that fails leaves the copy as it was: its batches confirmed are still
+        // confirmed, and the ask leaves more units out of its limit (the fleet admits less).
+        let _ = self.refresh(store, &mut node.cache);
+        let first = pending(node);
+        if !self.wants_ask(node, probe, limit, 0, now) {
+            return None;
+        }
+        let (pending, named) = if first == 0 {
+            (0, None)
+        } else {
+            let batch = self.carried(store, probe, now);
+            let _ = self.refresh(store, &mut node.cache);
+            let pending = pending(node);
+            let unconfirmed = batch.filter(|b| node.cache.lacks(probe.key_hash, b.source, b.seq));
+            (pending, in_flight::named(unconfirmed, pending))
+        };
+        // Room for the request with the units that are not in the store's count yet (the named
+        // ones may be).
+        let unsent = pending.saturating_sub(named.map_or(0, |c| c.units));
+        if !self.wants_ask(node, probe, limit, unsent, now) {
+            return None;
+        }
+        self.ask_for(probe, key, limit, pending, named, now)
+    }
+
+    /// The units of `probe`'s key at `now` in this proxy's batch on its way ([`in_flight`]: read
+    /// before the view and the counts that give the ask's `pending`).
+    pub fn carried<S: SharedStore + ?Sized>(&self, store: &S, probe: &Probe, now: UnixMillis) -> Option<Carried> {
+        let rule = self.rule(probe.rule)?;
+        in_flight::read(store, &self.in_flight_key, (rule.id, probe.key_hash, bucket_of(now, rule.window_ms)))
     }
 
     /// Takes the store's answer to `asked` (`None`: the call failed): writes the key's counts
@@ -181,7 +242,7 @@ impl GlobalScope {
             refund: 0,
         };
         let totals = Totals { previous: u64::from(grant.counts.previous), current: u64::from(grant.counts.current) };
-        self.write_totals(store, node, &[(delta, totals)], None, now);
+        self.write_totals(store, node, &[(delta, totals)], None, None, now);
         if whole {
             return Asked::Granted;
         }

@@ -90,7 +90,7 @@ pub fn lead<S: SharedStore + ?Sized>(
 pub struct Batch {
     /// The sequence number.
     pub seq: u64,
-    /// The deltas.
+    /// The deltas, merged per rule, key and bucket (taken out of a [`super::outbox::Deltas`]).
     pub deltas: Vec<Delta>,
 }
 

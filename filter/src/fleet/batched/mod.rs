@@ -17,12 +17,13 @@
 //! docs/global.md.
 
 pub mod ask;
+pub mod in_flight;
 pub mod leadership;
 pub mod outbox;
 pub mod protocol;
 pub mod view;
 
-use crate::keys::fleet::FleetHasher;
+use crate::keys::fleet::{FleetHasher, FleetKey};
 use crate::config::{Config, Consistency, Scope, StoreRoute};
 use crate::primitives::hash::{fnv1a, FNV1A_BASIS};
 use crate::ratelimit::remote::Remote;
@@ -40,6 +41,11 @@ pub const MAX_VM_DELTAS: usize = 4096;
 pub const PROXIES_HEADER: &str = "floodgate-proxies";
 /// A batch with nothing but refreshes goes out at most this often (ms).
 pub const REFRESH_ONLY_EVERY_MS: u64 = 1000;
+
+/// The fleet size in the value of [`PROXIES_HEADER`] (`None`: not a number).
+pub fn fleet_size(value: &[u8]) -> Option<u32> {
+    std::str::from_utf8(value).ok()?.parse().ok()
+}
 
 
 /// What a decision adds for the other proxies of the fleet.
@@ -80,6 +86,7 @@ pub struct GlobalScope {
     /// View entries per record at most.
     view_capacity: usize,
     lease_key: String,
+    in_flight_key: String,
     outbox_keys: Vec<String>,
     index_key: String,
     view_keys: Vec<String>,
@@ -166,6 +173,7 @@ impl GlobalScope {
             projection: Projection::Ahead,
             view_capacity: max_keys.saturating_mul(count).div_ceil(VIEW_RECORDS).max(1),
             lease_key: format!("{base}/flusher"),
+            in_flight_key: format!("{base}/in-flight"),
             outbox_keys: (0..OUTBOXES).map(|i| format!("{base}/outbox/{i}")).collect(),
             index_key: format!("{base}/view"),
             view_keys: (0..VIEW_RECORDS).map(|i| format!("{base}/view/{i}")).collect(),
@@ -177,53 +185,63 @@ impl GlobalScope {
         self.rules.get(rule).copied().flatten()
     }
 
-    /// Fills in the remote counts of the probes of global rules from the VM's view.
-    pub fn annotate(&self, node: &VmNode, probes: &mut [Probe], now: UnixMillis) {
+    /// What the other proxies add to the counts of the probes' keys, by rule (what the local
+    /// limiter decides on: [`crate::ratelimit::Limiter::check`]), from the VM's view: nothing
+    /// for a rule not in global scope.
+    pub fn remotes(&self, node: &VmNode, probes: &[Probe], now: UnixMillis) -> Vec<Remote> {
+        let mut remotes = vec![Remote::NONE; self.rules.len()];
         for probe in probes {
-            if let Some(rule) = self.rule(probe.rule) {
-                let bucket = bucket_of(now, rule.window_ms);
-                probe.remote = match self.projection {
-                    Projection::AsSynced => Remote { synced: node.cache.remote(rule.id, probe.key_hash, bucket), ..Remote::NONE },
-                    // A key not learned yet: the others admit alike ([`ask`]).
-                    Projection::Ahead => match node.cache.shared_known(rule.id, probe.key_hash, bucket, now, self.interval_ms) {
-                        Some((remote, synced)) => ask::spread(remote, synced, node.proxies, now, self.interval_ms),
-                        None => ask::unlearned(node.proxies, now, self.interval_ms),
-                    },
-                };
+            if let Some(remote) = remotes.get_mut(probe.rule) {
+                *remote = self.remote_of(node, probe, now);
             }
+        }
+        remotes
+    }
+
+    /// What the other proxies add to the counts of `probe`'s key, from the VM's view (nothing
+    /// for a rule not in global scope).
+    pub fn remote_of(&self, node: &VmNode, probe: &Probe, now: UnixMillis) -> Remote {
+        let Some(rule) = self.rule(probe.rule) else { return Remote::NONE };
+        let bucket = bucket_of(now, rule.window_ms);
+        match self.projection {
+            Projection::AsSynced => Remote { synced: node.cache.remote(rule.id, probe.key_hash, bucket), ..Remote::NONE },
+            // A key not learned yet: the others admit alike ([`ask`]).
+            Projection::Ahead => match node.cache.shared_known(rule.id, probe.key_hash, bucket, now, self.interval_ms) {
+                Some((remote, synced)) => ask::spread(remote, synced, node.proxies, now, self.interval_ms),
+                None => ask::unlearned(node.proxies, now, self.interval_ms),
+            },
         }
     }
 
     /// Counts `cost` units admitted for the fleet, and `requests` requests decided (1 when a
-    /// request was decided, 0 for a cost charged later): one delta per global probe. A refused
-    /// request (`cost` 0) asks for the key's fleet-wide count all the same, and counts as demand.
-    pub fn count(&self, node: &mut VmNode, probes: &[Probe], now: UnixMillis, cost: u32, requests: u32) -> u64 {
-        let mut dropped = 0u64;
-        for probe in probes {
-            let (Some(rule), Some(key)) = (self.rule(probe.rule), probe.fleet) else { continue };
-            let delta = Delta {
-                rule: rule.id,
-                fingerprint: probe.key_hash,
-                key,
-                window_ms: rule.window_ms,
-                bucket: bucket_of(now, rule.window_ms),
-                delta: cost,
-                requests,
-                refund: 0,
-            };
-            if !node.deltas.add(delta) {
-                dropped = dropped.saturating_add(u64::from(cost));
-            }
+    /// request was decided, 0 for a cost charged later), of `probe`'s key (`key`, its
+    /// fleet-wide id), if its rule is in global scope. A refused request (`cost` 0) asks for the
+    /// key's fleet-wide count all the same, and counts as demand.
+    pub fn count(&self, node: &mut VmNode, probe: &Probe, key: FleetKey, now: UnixMillis, cost: u32, requests: u32) -> u64 {
+        let Some(rule) = self.rule(probe.rule) else { return 0 };
+        let delta = Delta {
+            rule: rule.id,
+            fingerprint: probe.key_hash,
+            key,
+            window_ms: rule.window_ms,
+            bucket: bucket_of(now, rule.window_ms),
+            delta: cost,
+            requests,
+            refund: 0,
+        };
+        if node.deltas.add(delta) {
+            0
+        } else {
+            u64::from(cost)
         }
-        dropped
     }
 
     /// Gives back `units` of a reservation admitted at `admitted_at` (settled below its
     /// estimate) to the fleet-wide count of the bucket they were counted in. A give-back of a
     /// bucket the store no longer weighs (ended more than a bucket ago) is dropped: it no
     /// longer matters. Returns the units dropped for want of room.
-    pub fn refund(&self, node: &mut VmNode, probe: &Probe, units: u32, admitted_at: UnixMillis, now: UnixMillis) -> u64 {
-        let (Some(rule), Some(key)) = (self.rule(probe.rule), probe.fleet) else { return 0 };
+    pub fn refund(&self, node: &mut VmNode, probe: &Probe, key: FleetKey, units: u32, admitted_at: UnixMillis, now: UnixMillis) -> u64 {
+        let Some(rule) = self.rule(probe.rule) else { return 0 };
         let bucket = bucket_of(admitted_at, rule.window_ms);
         if units == 0 || bucket.saturating_add(1) < bucket_of(now, rule.window_ms) {
             return 0;
@@ -294,6 +312,11 @@ impl GlobalScope {
             if let Some(batch) = batch {
                 tick.counters = batch.deltas.len();
                 tick.send = Some(batch.body(source));
+                // What an ask of a key in it names ([`in_flight`]); without it, an ask only
+                // leaves the batch's units out of its limit.
+                if fresh && in_flight::carries_units(batch) && in_flight::publish(store, &self.in_flight_key, source, batch).is_err() {
+                    tick.errors = tick.errors.saturating_add(1);
+                }
             }
         }
         tick
@@ -317,13 +340,29 @@ impl GlobalScope {
             node.proxies = proxies;
         }
         let pairs: Vec<(Delta, protocol::Totals)> = batch.deltas.iter().copied().zip(totals).collect();
-        self.write_totals(store, node, &pairs, proxies, now);
+        let source = node.flusher.source;
+        self.write_totals(store, node, &pairs, proxies, Some((source, batch.seq)), now);
+        // Once the view holds the batch, marked confirmed ([`in_flight`]'s order): an ask that
+        // still finds the record finds the batch confirmed in the view it reads next. A record
+        // left (a host error) is only read, never named.
+        if in_flight::carries_units(&batch) {
+            let _ = in_flight::clear(store, &self.in_flight_key);
+        }
         Ok(batch.deltas.len())
     }
 
     /// Writes the fleet totals the store answered for `pairs` (a batch's, or an ask's) into
-    /// the proxy's view, and into this VM's copy.
-    fn write_totals<S: SharedStore + ?Sized>(&self, store: &S, node: &mut VmNode, pairs: &[(Delta, protocol::Totals)], proxies: Option<u32>, now: UnixMillis) {
+    /// the proxy's view, and into this VM's copy; each record written takes `batch` (source,
+    /// seq: the batch answered) as its last batch confirmed.
+    fn write_totals<S: SharedStore + ?Sized>(
+        &self,
+        store: &S,
+        node: &mut VmNode,
+        pairs: &[(Delta, protocol::Totals)],
+        proxies: Option<u32>,
+        batch: Option<(u64, u64)>,
+        now: UnixMillis,
+    ) {
         let mut by_record: Vec<Vec<(Delta, protocol::Totals)>> = vec![Vec::new(); VIEW_RECORDS];
         let mut pairs = pairs.to_vec();
         pairs.sort_by_key(|(d, _)| d.bucket);
@@ -338,7 +377,7 @@ impl GlobalScope {
                 continue;
             }
             let Some(key) = self.view_keys.get(i) else { continue };
-            if let Ok(record) = self.update_record(store, key, list, now) {
+            if let Ok(record) = self.update_record(store, key, list, batch, now) {
                 written.push((i, record));
             }
         }
@@ -409,11 +448,15 @@ impl GlobalScope {
         store: &S,
         key: &str,
         list: &[(Delta, protocol::Totals)],
+        batch: Option<(u64, u64)>,
         now: UnixMillis,
     ) -> Result<ViewRecord, StoreError> {
         update(store, key, |current| {
             let mut record = current.and_then(|s| ViewRecord::decode(&s.value).ok()).unwrap_or_default();
             record.apply_batch(list, now, self.view_capacity);
+            if let Some((source, seq)) = batch {
+                record.confirmed.take(source, seq);
+            }
             Attempt::Write(record.encode(), record)
         })
     }

@@ -53,7 +53,8 @@ pub struct Delta {
 }
 
 impl Delta {
-    fn slot(&self) -> (u64, u64, u64) {
+    /// The counter it adds to: rule id, key fingerprint, bucket (deltas of one counter merge).
+    pub fn counter(&self) -> (u64, u64, u64) {
         (self.rule, self.fingerprint, self.bucket)
     }
 }
@@ -90,7 +91,7 @@ impl Deltas {
     /// Adds `delta`, merged with the same key's delta of the same bucket. False when it would be
     /// a new entry and there is no room (nothing is added).
     pub fn add(&mut self, delta: Delta) -> bool {
-        if let Some(&at) = self.index.get(&delta.slot()) {
+        if let Some(&at) = self.index.get(&delta.counter()) {
             if let Some(entry) = self.entries.get_mut(at) {
                 entry.delta = entry.delta.saturating_add(delta.delta);
                 entry.requests = entry.requests.saturating_add(delta.requests);
@@ -101,7 +102,7 @@ impl Deltas {
         if self.entries.len() >= self.max {
             return false;
         }
-        self.index.insert(delta.slot(), self.entries.len());
+        self.index.insert(delta.counter(), self.entries.len());
         self.entries.push(delta);
         true
     }
@@ -146,18 +147,8 @@ impl Deltas {
 
     /// The outbox record of these deltas.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(self.entries.len().saturating_mul(DELTA_LEN)));
-        out.put_list_header(RECORD_VERSION, self.entries.len());
-        for d in &self.entries {
-            out.put_u64(d.rule);
-            out.put_u64(d.fingerprint);
-            out.put_u128(d.key.0);
-            out.put_u64(d.window_ms);
-            out.put_u64(d.bucket);
-            out.put_u32(d.delta);
-            out.put_u32(d.requests);
-            out.put_u32(d.refund);
-        }
+        let mut out = Vec::with_capacity(record_len(self.entries.len()));
+        put_record(&mut out, &self.entries);
         out
     }
 
@@ -191,6 +182,27 @@ impl Deltas {
             deltas.add(delta);
         }
         Ok(deltas)
+    }
+}
+
+/// The length of the outbox record of `count` deltas.
+pub fn record_len(count: usize) -> usize {
+    HEADER_LEN.saturating_add(count.saturating_mul(DELTA_LEN))
+}
+
+/// Appends to `out` the outbox record of `deltas`, as they are: deltas already merged (a
+/// [`Deltas`]' own, or those a batch took out of one) make the record [`Deltas::encode`] makes.
+pub fn put_record(out: &mut Vec<u8>, deltas: &[Delta]) {
+    out.put_list_header(RECORD_VERSION, deltas.len());
+    for d in deltas {
+        out.put_u64(d.rule);
+        out.put_u64(d.fingerprint);
+        out.put_u128(d.key.0);
+        out.put_u64(d.window_ms);
+        out.put_u64(d.bucket);
+        out.put_u32(d.delta);
+        out.put_u32(d.requests);
+        out.put_u32(d.refund);
     }
 }
 

@@ -15,8 +15,12 @@
 //! proxy stops sending is still refreshed: each batch reads up to [`REFRESH_PER_BATCH`] keys synced
 //! longest ago (and not for [`REFRESH_AFTER_INTERVALS`] intervals).
 //!
-//! Record layout (little-endian, version 4; a record of another version reads as empty): version
-//! `u8`, 3 zero bytes, count `u32`, then per entry the rule id `u64`, the fingerprint `u64`, the
+//! Each record also names the last batch whose totals it took ([`Confirmed`]): an ask finds
+//! there whether the batch on its way ([`super::in_flight`]) is in the view it read.
+//!
+//! Record layout (little-endian, version 6; a record of another version reads as empty): version
+//! `u8`, 3 zero bytes, count `u32`, the last batch confirmed in it (its source `u64` and seq `u64`,
+//! 0 and 0 for none), then per entry the rule id `u64`, the fingerprint `u64`, the
 //! fleet key `u128`, the window (ms) `u64`, the bucket `u64`, total previous and current `u32`,
 //! applied previous and current `u32`, when it was last synced (ms) `u64`, the remote rate's units
 //! and milliseconds `u32`, and the share's local and remote averages (`f32` bits, finite). Index
@@ -46,10 +50,11 @@ pub const REFRESH_AFTER_INTERVALS: u64 = 5;
 /// A key's projections count for this many intervals after the last sync that found the other
 /// proxies' part grown, and no longer.
 pub const HOLD_INTERVALS: u64 = 3;
-const RECORD_VERSION: u8 = 5;
+const RECORD_VERSION: u8 = 6;
 const INDEX_VERSION: u8 = 3;
 const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8 + 4 + 4 + 4 + 4 + 8;
 const INDEX_LEN: usize = 16 + 8 * VIEW_RECORDS;
+const HEADER_LEN: usize = 8 + 8 + 8;
 
 /// What the proxy knows of one key's fleet-wide counts.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -266,6 +271,36 @@ pub fn record_of(fingerprint: u64) -> usize {
 pub struct ViewRecord {
     /// By (rule id, fingerprint).
     pub entries: MixMap<(u64, u64), ViewEntry>,
+    /// The last batch whose totals the record took.
+    pub confirmed: Confirmed,
+}
+
+/// A batch, by its source and seq: the last one whose totals a view record took (seq 0: none;
+/// a source's seqs start at 1).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Confirmed {
+    /// The batch's source.
+    pub source: u64,
+    /// Its seq.
+    pub seq: u64,
+}
+
+impl Confirmed {
+    /// Whether batch `seq` of `source` is known not to be in the record: no batch is, or the
+    /// last one is of the same source and before it (a source sends its next batch once the one
+    /// before is confirmed). A batch of another source (the leadership moved) cannot be placed:
+    /// not known.
+    pub fn lacks(&self, source: u64, seq: u64) -> bool {
+        self.seq == 0 || (self.source == source && self.seq < seq)
+    }
+
+    /// Takes batch `seq` of `source` as the last confirmed (a later one of the same source
+    /// stays).
+    pub fn take(&mut self, source: u64, seq: u64) {
+        if self.source != source || self.seq < seq {
+            *self = Confirmed { source, seq };
+        }
+    }
 }
 
 impl ViewRecord {
@@ -276,8 +311,10 @@ impl ViewRecord {
             return Ok(record);
         }
         let mut reader = Reader::new(bytes);
-        let (version, count) = reader.list_header(ENTRY_LEN)?;
-        if version != RECORD_VERSION {
+        let [version, _, _, _] = reader.array()?;
+        let count = usize::try_from(reader.u32()?).map_err(|_| DecodeError::Malformed)?;
+        record.confirmed = Confirmed { source: reader.u64()?, seq: reader.u64()? };
+        if version != RECORD_VERSION || reader.remaining() != count.saturating_mul(ENTRY_LEN) {
             return Err(DecodeError::Malformed);
         }
         record.entries.reserve(count);
@@ -309,8 +346,10 @@ impl ViewRecord {
     /// Writes the record.
     pub fn encode(&self) -> Vec<u8> {
         let count = self.entries.len().min(u32::MAX as usize);
-        let mut out = Vec::with_capacity(8usize.saturating_add(count.saturating_mul(ENTRY_LEN)));
+        let mut out = Vec::with_capacity(HEADER_LEN.saturating_add(count.saturating_mul(ENTRY_LEN)));
         out.put_list_header(RECORD_VERSION, count);
+        out.put_u64(self.confirmed.source);
+        out.put_u64(self.confirmed.seq);
         for e in self.entries.values().take(count) {
             out.put_u64(e.rule);
             out.put_u64(e.fingerprint);
@@ -483,6 +522,18 @@ impl ViewCache {
     /// nothing for a key never synced).
     pub fn shared(&self, rule: u64, fingerprint: u64, bucket: u64, now: UnixMillis, interval_ms: u64) -> Remote {
         self.entry(rule, fingerprint).map_or(Remote::NONE, |e| e.shared_at(bucket, now, interval_ms))
+    }
+
+    /// Whether batch `seq` of `source` is known not to be confirmed in the record that keeps
+    /// `fingerprint`: neither its totals nor this proxy's units in it are in this copy
+    /// ([`Confirmed::lacks`]).
+    pub fn lacks(&self, fingerprint: u64, source: u64, seq: u64) -> bool {
+        self.records.get(record_of(fingerprint)).is_some_and(|r| r.confirmed.lacks(source, seq))
+    }
+
+    /// This proxy's confirmed part of a key's counts in `bucket` (0 for a key never told of).
+    pub fn confirmed(&self, rule: u64, fingerprint: u64, bucket: u64) -> u32 {
+        self.entry(rule, fingerprint).map_or(0, |e| e.applied.rolled(e.bucket, bucket).current)
     }
 
     /// Whether the view holds a key (a sync or an ask told of it).
@@ -676,6 +727,11 @@ mod tests {
     fn a_record_of_an_earlier_layout_reads_as_malformed() {
         let mut r = ViewRecord::default();
         r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        // Version 5: no last batch confirmed (the entries right after the count).
+        let mut v5 = r.encode();
+        v5.drain(8..24);
+        v5[0] = 5;
+        assert_eq!(ViewRecord::decode(&v5), Err(DecodeError::Malformed));
         // Version 3: no share; version 4: no time the others' part last grew.
         for (version, fields) in [(3, 16), (4, 8)] {
             let mut old = r.encode();
@@ -691,6 +747,33 @@ mod tests {
         let at = nan.len() - 8 - 4;
         nan[at..at + 4].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
         assert_eq!(ViewRecord::decode(&nan), Err(DecodeError::Malformed));
+    }
+
+    #[test]
+    fn a_record_names_the_last_batch_it_confirmed_and_an_ask_places_a_batch_against_it() {
+        let mut cache = ViewCache::new();
+        let mut index = ViewIndex::default();
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        // No batch confirmed yet: any batch is known not to be in it.
+        assert!(r.confirmed.lacks(7, 1) && r.confirmed.lacks(8, 9));
+        r.confirmed.take(7, 4);
+        assert_eq!(ViewRecord::decode(&r.encode()).unwrap(), r, "round trip");
+        assert!(r.confirmed.lacks(7, 5), "the source's next batch");
+        assert!(!r.confirmed.lacks(7, 4) && !r.confirmed.lacks(7, 2), "that batch and the ones before");
+        assert!(!r.confirmed.lacks(8, 5), "another source's batch cannot be placed");
+        r.confirmed.take(7, 3);
+        assert_eq!(r.confirmed, Confirmed { source: 7, seq: 4 }, "a later one of the same source stays");
+        r.confirmed.take(8, 1);
+        assert_eq!(r.confirmed, Confirmed { source: 8, seq: 1 }, "another source's replaces it");
+        // A worker's copy answers for the record that keeps a fingerprint.
+        index.versions[record_of(33)] = 1;
+        cache.store(record_of(33), r);
+        cache.adopt(index);
+        assert!(cache.lacks(33, 8, 2) && !cache.lacks(33, 8, 1));
+        assert_eq!(cache.confirmed(1, 33, 10), 3, "this proxy's confirmed part");
+        assert_eq!(cache.confirmed(1, 33, 11), 0, "rolled");
+        assert!(cache.lacks(34, 8, 1), "another record: none confirmed");
     }
 
     #[test]

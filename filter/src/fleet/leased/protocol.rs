@@ -3,7 +3,7 @@
 //! per call).
 
 use super::{Ask, Grant};
-use crate::fleet::protocol::{push_decimal, push_hex};
+use crate::fleet::protocol::{push_decimal, push_hex, Carried};
 use crate::ratelimit::window::Counts;
 use serde::Deserialize;
 
@@ -14,19 +14,20 @@ pub const LEASE_PATH: &str = "/v1/lease";
 
 /// The request body of `asks`, from the proxy `holder` (its id, the same on every worker).
 pub fn body(asks: &[Ask], holder: u64) -> Vec<u8> {
-    write(asks, holder, false)
+    write(asks.iter().map(|ask| (ask, None)), holder, false)
 }
 
 /// The request body of the asks of batched rules ([`crate::fleet::batched::ask`]): each entry
 /// `exact`, granted whole (its `want`, taken at once) or not at all.
-pub fn exact_body(asks: &[Ask]) -> Vec<u8> {
-    write(asks, 0, true)
+/// Each names the units of its key in this proxy's batch on its way, if any.
+pub fn exact_body(asks: &[(Ask, Option<Carried>)]) -> Vec<u8> {
+    write(asks.iter().map(|(ask, carried)| (ask, carried.as_ref())), 0, true)
 }
 
-fn write(asks: &[Ask], holder: u64, exact: bool) -> Vec<u8> {
+fn write<'a>(asks: impl ExactSizeIterator<Item = (&'a Ask, Option<&'a Carried>)>, holder: u64, exact: bool) -> Vec<u8> {
     let mut out = Vec::with_capacity(asks.len().saturating_mul(200).saturating_add(32));
     out.extend_from_slice(b"{\"version\":1,\"leases\":[");
-    for (n, ask) in asks.iter().enumerate() {
+    for (n, (ask, carried)) in asks.enumerate() {
         if n > 0 {
             out.push(b',');
         }
@@ -59,6 +60,10 @@ fn write(asks: &[Ask], holder: u64, exact: bool) -> Vec<u8> {
         // Written only when set: a floodgate-sync that does not know it refuses the call.
         if exact {
             out.extend_from_slice(b",\"exact\":true");
+        }
+        // Written only when set: a floodgate-sync that does not know it refuses the call.
+        if let Some(carried) = carried {
+            carried.write(&mut out);
         }
         out.extend_from_slice(b",\"holder\":\"");
         push_hex(&mut out, u128::from(holder), 16);
@@ -99,7 +104,7 @@ pub fn decode(bytes: &[u8], asks: usize) -> Result<Vec<Grant>, String> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
 mod tests {
     use super::*;
     use crate::keys::fleet::FleetKey;
@@ -138,6 +143,16 @@ mod tests {
                  "holder": "feed0000000000ab"}
             ]})
         );
+        // An ask of a batched rule names its proxy's batch on its way, when it carries units.
+        let carried = Carried { source: 0xab, seq: 18_446_744_073_709_551_615, units: 30, longest_window_ms: 3_600_000 };
+        let body = exact_body(&[(ask, Some(carried)), (ask, None)]);
+        let value: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(value["leases"][0]["exact"], true);
+        assert_eq!(
+            value["leases"][0]["carried"],
+            serde_json::json!({"proxy": "00000000000000ab", "seq": 18_446_744_073_709_551_615u64, "units": 30, "longest_window_ms": 3_600_000})
+        );
+        assert!(value["leases"][1].get("carried").is_none());
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The shared-data record of one key's lease in the proxy ([`super::KeyLease`]), which every
+//! The shared-data record of one key's lease in the proxy ([`super::key::KeyLease`]), which every
 //! worker reads and writes with a compare-and-swap.
 //!
 //! Layout, [`LEN`] bytes little-endian ([`crate::primitives::record`]): version (1 byte, then 3
@@ -15,7 +15,8 @@
 //! Invariant: [`decode`] reads exactly what [`encode`] wrote; anything else (another length or
 //! version, a window or limit of 0) is refused, and the next write replaces it with a new lease.
 
-use super::{CallMark, KeyLease, LeaseSpec, WATCHERS};
+use super::key::{CallMark, KeyLease};
+use super::{LeaseSpec, WATCHERS};
 use crate::keys::fleet::FleetKey;
 use crate::primitives::record::{DecodeError, Reader, Writer};
 use crate::primitives::time::UnixMillis;

@@ -1,7 +1,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::indexing_slicing, clippy::panic, clippy::cast_possible_truncation)]
 
 use super::*;
-use crate::primitives::store::MemoryStore;
+use crate::primitives::store::{MemoryStore, SharedStore};
+use crate::primitives::time::UnixMillis;
+use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::num::NonZeroU64;
 use std::rc::Rc;
@@ -68,7 +70,7 @@ impl Worker {
 
     /// Units the proxy holds of `key`, as its record says.
     fn held_of(&self, key: FleetKey) -> u64 {
-        let stored = self.shared.get(&self.book.slot(key)).unwrap();
+        let stored = self.shared.get(&self.book.seat(key)).unwrap();
         stored.and_then(|s| record::decode(&s.value).ok()).filter(|(k, _)| *k == key).map_or(0, |(_, lease)| u64::from(lease.held))
     }
 
@@ -102,8 +104,8 @@ impl FakeStore {
     }
 
     /// `lease.lua`'s give-back of `holder`: at most what it has outstanding in the bucket.
-    fn give_back(&mut self, holder: u64, slot: (FleetKey, u64, u64), value: u64, returned: u32, used: u32) -> u64 {
-        let holders = self.holders.entry(slot).or_default();
+    fn give_back(&mut self, holder: u64, counter: (FleetKey, u64, u64), value: u64, returned: u32, used: u32) -> u64 {
+        let holders = self.holders.entry(counter).or_default();
         let outstanding = holders.get(&holder).copied().unwrap_or(0);
         if outstanding == 0 || returned + used == 0 {
             return value;
@@ -123,11 +125,11 @@ impl FakeStore {
         let mut current = self.get(ask.key, w, b) + u64::from(ask.consumed);
         let mut previous = if b > 0 { self.get(ask.key, w, b - 1) } else { 0 };
         if b > 0 {
-            let slot = (ask.key, w, b - 1);
-            previous = self.give_back(holder, slot, previous, ask.returned_previous, ask.used_previous);
+            let counter = (ask.key, w, b - 1);
+            previous = self.give_back(holder, counter, previous, ask.returned_previous, ask.used_previous);
             previous -= previous.min(u64::from(ask.refunded_previous));
             if ask.grace_ms > 0 && ask.elapsed_ms >= ask.grace_ms && previous > 0 {
-                let stranded: u64 = self.holders.remove(&slot).unwrap_or_default().values().sum();
+                let stranded: u64 = self.holders.remove(&counter).unwrap_or_default().values().sum();
                 previous -= previous.min(stranded);
             }
         }

@@ -13,7 +13,7 @@
 //! a server-sent event stream says nothing about the upstream's capacity, and must not cut its
 //! concurrency limit: a client could otherwise shrink a healthy cluster on purpose.
 //!
-//! Rationale: docs/design.md, section "Cluster selection" (outcomes).
+//! Rationale: docs/design.md, section "Cluster selection" (grades).
 
 use super::limit::Sample;
 use crate::config::StatusMatch;
@@ -68,9 +68,10 @@ pub struct Ending {
     pub latency_ms: Option<u64>,
 }
 
-/// A finished request, as it counts for the cluster.
+/// A finished request's grade: how it counts for the cluster's success rate and its concurrency
+/// limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
+pub enum Grade {
     /// Answered, not with a failure status, within the limit's timeout.
     Success,
     /// Answered successfully, but the response headers came later than the limit's timeout
@@ -84,48 +85,48 @@ pub enum Outcome {
     /// backs off as on a timeout (the fallback cascade's and Netflix's `onDropped`: the cluster
     /// has no room for more).
     Overflow,
-    /// A failure status, a reset, a connection failure, overflow, or no such cluster.
+    /// A failure status, a reset, a connection failure, or no such cluster.
     Failure,
     /// No response (the client left first): not counted.
     Ignored,
 }
 
-impl Outcome {
+impl Grade {
     /// Classifies an ending: timeouts first, then overflows, failures by flag or status, then
     /// slowness.
-    pub fn classify(ending: &Ending, failure_statuses: &[StatusMatch], timeout_ms: u64) -> Outcome {
+    pub fn classify(ending: &Ending, failure_statuses: &[StatusMatch], timeout_ms: u64) -> Grade {
         if ending.flags & flags::TIMEOUT != 0 || ending.status == Some(504) {
-            return Outcome::Timeout;
+            return Grade::Timeout;
         }
         if ending.flags & flags::UPSTREAM_OVERFLOW != 0 {
-            return Outcome::Overflow;
+            return Grade::Overflow;
         }
         if ending.flags & flags::FAILURE != 0 {
-            return Outcome::Failure;
+            return Grade::Failure;
         }
         match ending.status {
-            None => Outcome::Ignored,
-            Some(status) if failure_statuses.iter().any(|m| m.matches(status)) => Outcome::Failure,
-            Some(_) if ending.latency_ms.is_some_and(|ms| ms > timeout_ms) => Outcome::Slow,
-            Some(_) => Outcome::Success,
+            None => Grade::Ignored,
+            Some(status) if failure_statuses.iter().any(|m| m.matches(status)) => Grade::Failure,
+            Some(_) if ending.latency_ms.is_some_and(|ms| ms > timeout_ms) => Grade::Slow,
+            Some(_) => Grade::Success,
         }
     }
 
     /// Whether it enters the cluster's stats, and as a success.
     pub fn tally(self) -> Option<bool> {
         match self {
-            Outcome::Success | Outcome::Slow => Some(true),
-            Outcome::Timeout | Outcome::Overflow | Outcome::Failure => Some(false),
-            Outcome::Ignored => None,
+            Grade::Success | Grade::Slow => Some(true),
+            Grade::Timeout | Grade::Overflow | Grade::Failure => Some(false),
+            Grade::Ignored => None,
         }
     }
 
     /// What it tells the concurrency limit.
     pub fn sample(self) -> Sample {
         match self {
-            Outcome::Success => Sample::Success,
-            Outcome::Slow | Outcome::Timeout | Outcome::Overflow => Sample::Dropped,
-            Outcome::Failure | Outcome::Ignored => Sample::Ignored,
+            Grade::Success => Sample::Success,
+            Grade::Slow | Grade::Timeout | Grade::Overflow => Sample::Dropped,
+            Grade::Failure | Grade::Ignored => Sample::Ignored,
         }
     }
 }
