@@ -962,6 +962,36 @@ fn a_later_refusal_gives_the_leased_units_back() {
     assert_eq!(given_back, 9);
 }
 
+/// The leased stage comes before the rate-limit stage: a request waiting for the store has
+/// counted no local quota, so a request its leased rule ends up refusing never made another one
+/// of the same local key refused meanwhile.
+#[test]
+fn a_request_waiting_for_the_store_holds_no_local_quota() {
+    let mut config = leased(10);
+    config["rate_limits"].as_array_mut().unwrap().push(serde_json::json!({"name": "local", "key": [{"header": "x-user"}], "limit": 1, "window": "1h"}));
+    let host = Host::new(config);
+    let (first, first_stream, step) = host.send(&keyed("k1").with("x-user", "u"));
+    assert_eq!(step, Step::Wait);
+    let first_tokens = send_calls(&host, first);
+    let (second, second_stream, step) = host.send(&keyed("k2").with("x-user", "u"));
+    assert_eq!(step, Step::Wait, "the user's local quota is untouched while the first waits");
+    let second_tokens = send_calls(&host, second);
+    let stage = host.filter.fleet.leased.as_ref().unwrap();
+    // The store has no room for k1: the first is refused, having counted nothing locally.
+    let full = Answer::Ok(br#"{"version":1,"leases":[{"granted":0,"current":10,"previous":0}]}"#.to_vec());
+    let keys = stage.answered(&host.store, &host.metrics, first_tokens[0], full, host.clock.now()).unwrap();
+    let steps = wake(&host, keys, &keyed("k1").with("x-user", "u"));
+    assert_eq!((steps.len(), status(&steps[0].1)), (1, 429));
+    // k2 has room: the second is admitted, the user's one local unit its.
+    let keys = stage.answered(&host.store, &host.metrics, second_tokens[0], grant(3), host.clock.now()).unwrap();
+    assert_eq!(wake(&host, keys, &keyed("k2").with("x-user", "u")), vec![(second, Step::Continue { route: None })]);
+    assert_eq!(host.metric("floodgate.rate_limit.local.rejected"), 0);
+    assert_eq!(host.metric("floodgate.rate_limit.local.allowed"), 1);
+    host.end(first, &first_stream, &OK);
+    host.end(second, &second_stream, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
 #[test]
 fn a_stream_that_ends_while_waiting_leaves_nothing_behind() {
     let host = Host::new(leased(10));
