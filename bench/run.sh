@@ -12,7 +12,8 @@
 # `peers` (not part of `all`) sets floodgate's global scope beside Kuadrant's wasm-shim in front
 # of Limitador, in one run; it needs WASM_SHIM_WASM (the module) and LIMITADOR_BIN
 # (limitador-server), which bench/peers/build.sh builds from their sources, and is skipped with a
-# message without them. Like `global`, it needs Redis and floodgate-sync.
+# message without them (floodgate's configurations alone, e.g. --variants batched,leased, need
+# neither). Like `global`, it needs Redis and floodgate-sync.
 # `fleet` (not part of `all`) runs no Envoy: simulated proxies (the module's code, natively) call
 # two floodgate-sync replicas in front of a local Redis Cluster (3 masters, 3 replicas); options
 # --proxies N,N --workers N --mix hot,users,zipf --consistency batched,leased --seconds S

@@ -139,7 +139,7 @@ fn usage() -> ! {
          The LLM variants of `instructions` (--variants llm-plain,llm-json-1k,...; docs/benchmarks.md) load --llm-wasm,\n\
          by default $FLOODGATE_LLM_WASM, or floodgate-llm.wasm beside the floodgate module.\n\
          Paths default to $ENVOY_BIN, $FLOODGATE_WASM, $NOOP_WASM, $NAIVE_WASM, $REDIS_SERVER, $FLOODGATE_SYNC_BIN,\n\
-         $WASM_SHIM_WASM, $LIMITADOR_BIN (`peers`: bench/peers/build.sh builds them; skipped without them). Use bench/run.sh, which builds them."
+         $WASM_SHIM_WASM, $LIMITADOR_BIN (`peers`: bench/peers/build.sh builds them; without them `peers` runs floodgate's configurations only, named with --variants). Use bench/run.sh, which builds them."
     );
     std::process::exit(2)
 }

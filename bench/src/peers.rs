@@ -192,9 +192,11 @@ struct Probe {
 /// Measurement 7.
 pub async fn run(s: &Settings) {
     println!("## 7. Peers: floodgate's global scope against wasm-shim → Limitador\n");
+    // The peers' builds are needed only when a configuration of theirs is measured.
+    let shims = selected(s).iter().any(|p| matches!(p, Peer::Shim(..)));
     let missing: Vec<String> = [("WASM_SHIM_WASM", &s.wasm_shim_wasm), ("LIMITADOR_BIN", &s.limitador_bin)]
         .iter()
-        .filter(|(_, p)| !p.is_file())
+        .filter(|(_, p)| shims && !p.is_file())
         .map(|(name, p)| format!("`{name}` ({})", if p.as_os_str().is_empty() { "not set".into() } else { format!("no file at {}", p.display()) }))
         .collect();
     if !missing.is_empty() {
@@ -213,8 +215,13 @@ fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg").map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
 }
 
+/// The configurations `--variants` leaves (all without it).
+fn selected(s: &Settings) -> Vec<Peer> {
+    Peer::ALL.into_iter().filter(|p| s.only.as_ref().is_none_or(|only| only.contains(&p.id()))).collect()
+}
+
 async fn run_fallible(s: &Settings) -> Result<(), String> {
-    let peers: Vec<Peer> = Peer::ALL.into_iter().filter(|p| s.only.as_ref().is_none_or(|only| only.contains(&p.id()))).collect();
+    let peers = selected(s);
     if peers.is_empty() {
         return Err("no configuration left by --variants".into());
     }
@@ -382,11 +389,15 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
         s.rounds
     );
     println!("{}\n", t.render());
-    println!(
-        "Modules: floodgate {} ; wasm-shim {} ; limitador-server {}.\n",
-        s.floodgate_wasm.display(),
-        s.wasm_shim_wasm.display(),
-        s.limitador_bin.display()
-    );
+    if peers.iter().any(|p| matches!(p, Peer::Shim(..))) {
+        println!(
+            "Modules: floodgate {} ; wasm-shim {} ; limitador-server {}.\n",
+            s.floodgate_wasm.display(),
+            s.wasm_shim_wasm.display(),
+            s.limitador_bin.display()
+        );
+    } else {
+        println!("Module: floodgate {}.\n", s.floodgate_wasm.display());
+    }
     Ok(())
 }

@@ -4,28 +4,33 @@
 -- node every shard in one script.)
 --
 -- ARGV[1]  the number of groups
--- then per group:    ARGV  seq (its batch's, canonical decimal u64), proxy (its batch's id),
+-- then per group:    ARGV  seq (its batch's, canonical decimal u64), field (its batch's proxy's
+--                          in the dedup hash: the proxy, or <proxy>:<s> on a single node),
 --                          seen_expire_at_ms, counter count
 --                    KEYS  the shard's dedup hash of the part's generation
---                          (<prefix>{s}:seen:<period_ms>:<generation>), the one before
+--                          (<prefix>{s}:seen:<period_ms>:<generation>, or on a single node every
+--                          shard's, <prefix>seen:<period_ms>:<generation>), the one before
 --   then per counter: ARGV delta, refund, expire_at_ms, has_previous (1|0)
 --                     KEYS current key [, previous key when has_previous is 1]
 --
--- Dedup. A shard keeps the last seq it applied of each proxy in hashes (proxy -> seq), one per
+-- Dedup. A shard keeps the last seq it applied of each proxy in hashes (field -> seq), one per
 -- period and generation (layout.rs: a part's generation is that of its counters' latest bucket
 -- start, the same for a retry on any instance; the period covers 2 windows of the part's
--- longest, at least 10 minutes). A call reads its proxies' seqs in their parts' hashes (HMGET,
--- with the field '-' that every hash holds from its creation), and those it does not find
--- there in the generation before (HMGET); it writes the newer seqs (one HSET per hash), and a
--- hash it creates gets '-' and its expiry, the end of the next generation (PEXPIREAT). A seq thus
--- lives one to two periods past its counters' time, and a hash holds the proxies of two periods
--- at most. The dedup costs a call two commands per hash (usually one hash per call: a call
--- holds one shard in a cluster), whatever the number of parts and proxies in it, and rarely two
--- more.
+-- longest, at least 10 minutes). In a cluster each shard has its hashes, the proxy its field;
+-- on a single node every shard shares them, the field <proxy>:<s> (one proxy's field per
+-- shard: the parts of one batch on other shards, with the same seq, are other fields). A call
+-- reads its fields' seqs in their parts' hashes (HMGET, with the field '-' that every hash holds
+-- from its creation), and those it does not find there in the generation before (HMGET); it
+-- writes the newer seqs (one HSET per hash), and a hash it creates gets '-' and its expiry, the
+-- end of the next generation (PEXPIREAT). A seq thus lives one to two periods past its
+-- counters' time, and a hash holds the proxies of two periods at most. The dedup costs a call
+-- two commands per hash (usually one hash per call: a call holds one shard in a cluster, and
+-- every shard shares the hashes on a single node), whatever the number of parts and proxies in
+-- it, and rarely two more.
 --
--- Groups are taken in order. A group is applied only when its seq is newer than its proxy's
--- last seq (absent counts as older); a later group of the same proxy in this call is compared
--- with the newest. Then, over the applied groups,
+-- Groups are taken in order. A group is applied only when its seq is newer than its field's
+-- last seq (absent counts as older); a later group of the same field in this call (the same
+-- proxy's on the same shard) is compared with the newest. Then, over the applied groups,
 -- every counter's deltas are summed and added once (INCRBY, and PEXPIREAT expire_at_ms when
 -- that INCRBY created it: a counter's expiry only depends on its bucket, so an existing counter
 -- has it already); then every counter's give-backs are summed and, if it exists, taken off once
@@ -44,13 +49,13 @@
 
 local groups = tonumber(ARGV[1])
 
--- The dedup: per hash (usually one), its proxies' last seqs, read in one pass.
+-- The dedup: per hash (usually one), its fields' last seqs, read in one pass.
 local hashes, hash_order = {}, {}
 local hash_of = {} -- per group
 do
   local a, k = 2, 1
   for g = 1, groups do
-    local proxy, expire_at = ARGV[a + 1], ARGV[a + 2]
+    local field, expire_at = ARGV[a + 1], ARGV[a + 2]
     local count = tonumber(ARGV[a + 3])
     local key, before = KEYS[k], KEYS[k + 1]
     k = k + 2
@@ -65,35 +70,35 @@ do
     end
     local p = hashes[key]
     if not p then
-      p = {key = key, before = before, expire_at = expire_at, proxies = {'-'}, listed = {}, last = {},
+      p = {key = key, before = before, expire_at = expire_at, fields = {'-'}, listed = {}, last = {},
            written = {}, changed = {}}
       hashes[key] = p
       hash_order[#hash_order + 1] = p
     end
     hash_of[g] = p
-    if not p.listed[proxy] then
-      p.listed[proxy] = true
-      p.proxies[#p.proxies + 1] = proxy
+    if not p.listed[field] then
+      p.listed[field] = true
+      p.fields[#p.fields + 1] = field
     end
   end
 end
 for _, p in ipairs(hash_order) do
-  local found = redis.call('HMGET', p.key, unpack(p.proxies))
+  local found = redis.call('HMGET', p.key, unpack(p.fields))
   p.fresh = not found[1]
   local missing = {}
-  for n = 2, #p.proxies do
-    local proxy = p.proxies[n]
+  for n = 2, #p.fields do
+    local field = p.fields[n]
     if found[n] then
-      p.last[proxy] = found[n]
+      p.last[field] = found[n]
     else
-      missing[#missing + 1] = proxy
+      missing[#missing + 1] = field
     end
   end
   if #missing > 0 and p.before ~= p.key then
     local older = redis.call('HMGET', p.before, unpack(missing))
-    for n, proxy in ipairs(missing) do
+    for n, field in ipairs(missing) do
       if older[n] then
-        p.last[proxy] = older[n]
+        p.last[field] = older[n]
       end
     end
   end
@@ -115,18 +120,18 @@ local function read(key)
   return at
 end
 for g = 1, groups do
-  local seq, proxy = ARGV[a], ARGV[a + 1]
+  local seq, field = ARGV[a], ARGV[a + 1]
   local count = tonumber(ARGV[a + 3])
   a = a + 4
   k = k + 2
   local p = hash_of[g]
-  local last = p.last[proxy]
+  local last = p.last[field]
   local apply = (not last) or newer(seq, last)
   if apply then
-    p.last[proxy] = seq
-    if not p.changed[proxy] then
-      p.changed[proxy] = true
-      p.written[#p.written + 1] = proxy
+    p.last[field] = seq
+    if not p.changed[field] then
+      p.changed[field] = true
+      p.written[#p.written + 1] = field
     end
     out[g] = 1
   else
@@ -166,9 +171,9 @@ for _, p in ipairs(hash_order) do
     if p.fresh then
       pairs_[1], pairs_[2] = '-', '1'
     end
-    for _, proxy in ipairs(p.written) do
-      pairs_[#pairs_ + 1] = proxy
-      pairs_[#pairs_ + 1] = p.last[proxy]
+    for _, field in ipairs(p.written) do
+      pairs_[#pairs_ + 1] = field
+      pairs_[#pairs_ + 1] = p.last[field]
     end
     redis.call('HSET', p.key, unpack(pairs_))
     if p.fresh then

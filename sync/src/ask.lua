@@ -5,7 +5,7 @@
 --
 -- ARGV[1]  the number of asks
 -- then per ask:  ARGV  window_ms, remaining_ms (window_ms - elapsed_ms), limit, want,
---                      expire_at_ms, has_previous (1|0), carried, proxy, seq, hashes
+--                      expire_at_ms, has_previous (1|0), carried, field, seq, hashes
 --                KEYS  the current bucket's counter [, the previous bucket's when has_previous],
 --                      then `hashes` dedup hashes of the shard (apply.lua)
 --
@@ -15,8 +15,9 @@
 --   limit - ceil(previous x remaining / window) - current >= want,
 --
 -- else nothing. `limit` comes lowered by the units of the key the proxy admitted that the
--- store had not confirmed; `carried` of them travel in the proxy's batch `seq` (its source
--- `proxy`). When one of the dedup hashes holds that batch, or a later one, applied (HGET per
+-- store had not confirmed; `carried` of them travel in the proxy's batch `seq` (its source's
+-- `field` in the dedup hashes: the proxy, or <proxy>:<s> on a single node, apply.lua). When one
+-- of the dedup hashes holds that batch, or a later one, applied on the key's shard (HGET per
 -- hash, until found), the counter holds those units already, and they go back to `limit`.
 --
 -- Every distinct counter is read once (MGET); the units granted are added once per counter
@@ -69,11 +70,11 @@ for i = 0, asks - 1 do
     previous = value[KEYS[k]]
     k = k + 1
   end
-  local carried, proxy, seq = tonumber(ARGV[a + 6]), ARGV[a + 7], ARGV[a + 8]
+  local carried, field, seq = tonumber(ARGV[a + 6]), ARGV[a + 7], ARGV[a + 8]
   local applied = false
   for _ = 1, tonumber(ARGV[a + 9]) do
     if carried > 0 and not applied then
-      local last = redis.call('HGET', KEYS[k], proxy)
+      local last = redis.call('HGET', KEYS[k], field)
       applied = last and not newer(seq, last)
     end
     k = k + 1

@@ -4,19 +4,24 @@
 //! - Counter `<prefix>{<s>}:<key>:<window_ms>:<bucket>`, an integer that expires at
 //!   `(bucket + 2) * window_ms + 60000` ms since the epoch: the end of the next window plus a
 //!   minute, so at most about two windows of a key live in Redis.
-//! - Dedup `<prefix>{<s>}:seen:<period_ms>:<generation>`, a hash: per proxy, the last `seq` of
-//!   it applied to shard `s` (see `apply.lua`). A seq must be kept
+//! - Dedup, a hash per period and generation: per proxy and shard, the last `seq` of the proxy
+//!   applied to the shard (see `apply.lua`). In Redis Cluster one hash per shard,
+//!   `<prefix>{<s>}:seen:<period_ms>:<generation>`, its fields the proxies (a script touches one
+//!   slot); on a single node one hash for every shard, `<prefix>seen:<period_ms>:<generation>`,
+//!   its fields `<proxy>:<s>` (so that a call over many shards reads and writes one hash);
+//!   [`Layout::seen_key`] and [`Layout::seen_field`] name them. A seq must be kept
 //!   `max(2 * the longest window of the batch's counters in s, 10 min)` ([`seen_ttl_ms`]); the
 //!   period is the first of 10 min × 2^k that covers it ([`seen_period_ms`]). A batch's part
 //!   goes into the generation of its counters' latest bucket start (so a retry, whichever
 //!   instance takes it, finds the same hash), and is looked up there and in the generation
 //!   before; a generation's hash expires at the end of the next generation, so a seq lives one
-//!   to two periods past its counters' time, and a hash holds the proxies of two periods at
-//!   most.
+//!   to two periods past its counters' time, and a hash holds the proxies (and shards) of two
+//!   periods at most.
 //!
-//! All keys of a shard share the hash tag `{<s>}`: one Redis Cluster slot, so one Lua script can
-//! touch them all atomically. A batch becomes a [`Plan`]: one [`Group`] per shard present, each
-//! with its distinct counters (duplicates of a (key, window_ms, bucket) are summed).
+//! In a cluster all keys of a shard share the hash tag `{<s>}`: one slot, so one Lua script can
+//! touch them all atomically (on a single node one script touches every shard's). A batch
+//! becomes a [`Plan`]: one [`Group`] per shard present, each with its distinct counters
+//! (duplicates of a (key, window_ms, bucket) are summed).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -34,11 +39,14 @@ pub const FLEET_TTL_MS: u64 = 10_000;
 /// The largest expiry Redis accepts (a signed 64-bit count of ms).
 const MAX_REDIS_MS: u64 = i64::MAX as u64;
 
-/// The key layout every instance serving one fleet must share (`--prefix`, `--shards`).
+/// The key layout every instance serving one fleet must share (`--prefix`, `--shards`, and
+/// `--cluster` or not).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Layout {
     prefix: String,
     shards: u32,
+    /// One dedup hash for every shard (a single node), instead of one per shard.
+    node_dedup: bool,
 }
 
 impl Layout {
@@ -48,7 +56,15 @@ impl Layout {
         Layout {
             prefix: prefix.into(),
             shards: shards.max(1),
+            node_dedup: false,
         }
+    }
+
+    /// The layout on a single Redis node: one dedup hash per period and generation for every
+    /// shard, its fields `<proxy>:<shard>` (in a cluster, where a script touches one slot, each
+    /// shard has its own).
+    pub fn single_node(self) -> Layout {
+        Layout { node_dedup: true, ..self }
     }
 
     /// The number of shards.
@@ -81,10 +97,25 @@ impl Layout {
         format!("{}{{fleet}}:{second}", self.prefix)
     }
 
-    /// `<prefix>{<shard>}:seen`: what the shard's dedup hashes are named after
-    /// (`<prefix>{<shard>}:seen:<period_ms>:<generation>`, see `apply.lua`).
+    /// What the dedup hashes holding `shard`'s seqs are named after
+    /// (`<seen_key>:<period_ms>:<generation>`, see `apply.lua`): `<prefix>{<shard>}:seen`, or
+    /// `<prefix>seen` on a single node (every shard's).
     pub fn seen_key(&self, shard: u32) -> String {
-        format!("{}{{{shard}}}:seen", self.prefix)
+        if self.node_dedup {
+            format!("{}seen", self.prefix)
+        } else {
+            format!("{}{{{shard}}}:seen", self.prefix)
+        }
+    }
+
+    /// The field of `proxy`'s last seq on `shard` in the dedup hashes ([`Layout::seen_key`]): the
+    /// proxy, or `<proxy>:<shard>` on a single node.
+    pub fn seen_field(&self, shard: u32, proxy: &str) -> String {
+        if self.node_dedup {
+            format!("{proxy}:{shard}")
+        } else {
+            proxy.to_owned()
+        }
     }
 
     /// The dedup hashes in which a batch's part holding the counter (`key`, `window_ms`, `bucket`)
@@ -167,8 +198,8 @@ pub struct Group {
     pub seen_before_key: String,
     /// When `seen_key` expires: the end of the next generation, in ms since the epoch.
     pub seen_expire_at_ms: u64,
-    /// The batch's proxy.
-    pub proxy: String,
+    /// The batch's proxy's field in the dedup hashes ([`Layout::seen_field`]).
+    pub seen_field: String,
     /// The shard's distinct counters, in order of first appearance in the batch.
     pub counters: Vec<PlannedCounter>,
 }
@@ -250,7 +281,7 @@ pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
             seen_key: format!("{base}:{period}:{generation}"),
             seen_before_key: format!("{base}:{period}:{}", generation.saturating_sub(1)),
             seen_expire_at_ms: generation.saturating_add(2).saturating_mul(period).min(MAX_REDIS_MS),
-            proxy: batch.proxy.as_str().to_owned(),
+            seen_field: layout.seen_field(shard, batch.proxy.as_str()),
             counters,
         });
     }
@@ -342,6 +373,34 @@ mod tests {
         );
         assert_eq!(layout.seen_key(3), "fg:{3}:seen");
         assert_eq!(Layout::new("", 16).seen_key(12), "{12}:seen");
+        assert_eq!(layout.seen_field(3, "0123456789abcdef"), "0123456789abcdef");
+    }
+
+    /// On a single node every shard's seqs are in one hash per period and generation, a field
+    /// per proxy and shard; the asks look them up where the plans put them.
+    #[test]
+    fn a_single_node_keeps_every_shards_seqs_in_one_hash() {
+        let layout = Layout::new("fg:", 16).single_node();
+        assert_eq!(layout.seen_key(3), layout.seen_key(12));
+        assert_eq!(layout.seen_key(3), "fg:seen");
+        assert_eq!(layout.seen_field(3, "0123456789abcdef"), "0123456789abcdef:3");
+        assert_eq!(layout.counter_key(3, &key("00112233445566778899aabbccddeeff"), 1000, 5), "fg:{3}:00112233445566778899aabbccddeeff:1000:5");
+        let body = r#"{"version": 1, "proxy": "0123456789abcdef", "seq": 9, "counters": [
+            {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 60000, "bucket": 100, "delta": 2},
+            {"key": "00000002bbbbbbbbbbbbbbbbbbbbbbbb", "window_ms": 60000, "bucket": 100, "delta": 1},
+            {"key": "00000011cccccccccccccccccccccccc", "window_ms": 3600000, "bucket": 1, "delta": 1}
+        ]}"#;
+        let plan = plan(&layout, &parse_batch(body.as_bytes(), 10).unwrap());
+        let parts: Vec<(&str, &str)> = plan.groups.iter().map(|g| (g.seen_key.as_str(), g.seen_field.as_str())).collect();
+        // Shards 1 and 2 in one hash; shard 1's part has an hour's counter: another period.
+        assert_eq!(
+            parts,
+            [("fg:seen:9600000:0", "0123456789abcdef:1"), ("fg:seen:600000:10", "0123456789abcdef:2")]
+        );
+        let keys = layout.seen_keys_of(&key("00000002bbbbbbbbbbbbbbbbbbbbbbbb"), 60_000, 100, 60_000, 6_010_000);
+        assert_eq!(keys, ["fg:seen:600000:10"]);
+        let keys = layout.seen_keys_of(&key("00000001aaaaaaaaaaaaaaaaaaaaaaaa"), 60_000, 100, 3_600_000, 6_010_000);
+        assert!(keys.contains(&plan.groups[0].seen_key), "{keys:?}");
     }
 
     #[test]
@@ -393,7 +452,7 @@ mod tests {
         assert_eq!(g0.seen_key, "fg:{0}:seen:600000:0");
         assert_eq!(g0.seen_before_key, "fg:{0}:seen:600000:0");
         assert_eq!(g0.seen_expire_at_ms, 1_200_000);
-        assert_eq!(g0.proxy, "0123456789abcdef");
+        assert_eq!(g0.seen_field, "0123456789abcdef");
         assert_eq!(
             g0.counters,
             vec![PlannedCounter {

@@ -85,7 +85,11 @@ pub async fn run(args: Args) -> Result<(), String> {
         .local_addr()
         .map_err(|err| format!("--listen {}: {err}", args.listen))?;
     let app = Arc::new(App {
-        layout: Layout::new(args.prefix.clone(), args.shards),
+        layout: if args.cluster {
+            Layout::new(args.prefix.clone(), args.shards)
+        } else {
+            Layout::new(args.prefix.clone(), args.shards).single_node()
+        },
         store,
         metrics,
         max_counters: usize::try_from(args.max_counters).unwrap_or(usize::MAX),

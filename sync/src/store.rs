@@ -789,7 +789,7 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
         keys.push(&group.seen_key);
         keys.push(&group.seen_before_key);
         args.push(seq.to_string());
-        args.push(group.proxy.clone());
+        args.push(group.seen_field.clone());
         args.push(group.seen_expire_at_ms.to_string());
         args.push(group.counters.len().to_string());
         for counter in &group.counters {
@@ -885,7 +885,7 @@ fn ask_arguments(asks: &[PlannedLease]) -> (Vec<&str>, Vec<String>) {
         }
         match &ask.carried {
             Some(carried) => {
-                args.extend([carried.units.to_string(), carried.proxy.clone(), carried.seq.to_string(), carried.seen_keys.len().to_string()]);
+                args.extend([carried.units.to_string(), carried.seen_field.clone(), carried.seq.to_string(), carried.seen_keys.len().to_string()]);
                 keys.extend(carried.seen_keys.iter().map(String::as_str));
             }
             None => args.extend(["0", "", "0", "0"].map(String::from)),

@@ -170,6 +170,12 @@ fn a_cluster_spreads_shards_and_survives_a_master_failover() {
         100 + 16 + 16 + 1,
         "100 counters, 16 dedup keys, the 16 leased keys' counters and the second's HyperLogLog of proxies"
     );
+    // In a cluster each shard keeps its own dedup hash, on its slot (`fg:{s}:seen:...`).
+    let mut dedup: Vec<String> = live.iter().flat_map(|m| m.keys()).filter(|k| k.contains(":seen:")).collect();
+    dedup.sort();
+    dedup.dedup_by_key(|k| k.split(':').nth(1).map(str::to_owned));
+    assert_eq!(dedup.len(), 16, "{dedup:?}");
+    assert!(dedup.iter().all(|k| k.starts_with("fg:{")), "{dedup:?}");
 
     // Redis commands per batch: one script call per shard present (16), NOSCRIPT paid once.
     let before = evalsha_calls(&live);

@@ -293,6 +293,34 @@ fn an_ask_takes_back_the_units_of_a_batch_the_store_has_applied() {
     assert_eq!(ask(29, Some((4, 30, 3_600_000))), [(29, 100, 0)], "a seq older than the one applied counts as applied");
 }
 
+/// On a single node the dedup hash holds every shard's seqs (a field per proxy and shard): an
+/// ask finds its proxy's batch applied on its key's shard, whatever the batch's other shards,
+/// and not a batch of that proxy applied on another shard only.
+#[test]
+fn an_ask_finds_its_batch_in_the_single_nodes_dedup_hash() {
+    let (redis, sync) = single();
+    let bucket = now_ms() / 60_000;
+    let proxy = "00000000000000aa";
+    let (b, c) = ("00000002bbbbbbbbbbbbbbbbbbbbbbbb", "0000001fcccccccccccccccccccccccc");
+    // Batch 5 carried 30 units of A (shard 1), and units of B and C (shards 2 and 15); batch 6,
+    // B's alone.
+    for (seq, counters) in [(5, vec![(c, 60_000, bucket, 1), (A, 60_000, bucket, 30), (b, 60_000, bucket, 1)]), (6, vec![(b, 60_000, bucket, 1)])] {
+        let applied = post(sync.port, &batch(proxy, seq, &counters));
+        assert_eq!(applied.status, 200, "{}", applied.body);
+    }
+    let hashes: Vec<String> = redis.keys().into_iter().filter(|k| k.contains(":seen:")).collect();
+    assert_eq!(hashes.len(), 1, "{hashes:?}");
+    let ask = |seq: u64| {
+        let mut e = entry(A, bucket, 0, 70, 41);
+        e["exact"] = json!(true);
+        e["at_once"] = json!(41);
+        e["carried"] = json!({"proxy": proxy, "seq": seq, "units": 30, "longest_window_ms": 60_000});
+        grants(&lease_call(sync.port, &[e]))
+    };
+    assert_eq!(ask(6), [(0, 30, 0)], "batch 6 applied on B's shard, not on A's: as sent");
+    assert_eq!(ask(5), [(41, 71, 0)], "batch 5 applied on A's shard: the 30 go back to the limit");
+}
+
 #[test]
 fn refusals_name_the_field_and_touch_nothing() {
     let (redis, sync) = single();

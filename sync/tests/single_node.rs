@@ -30,13 +30,22 @@ fn present() -> u64 {
     now_ms() / 1000
 }
 
-/// The dedup period of windows up to 5 min (`fg:{s}:seen:600000:<generation>`).
+/// The dedup period of windows up to 5 min (`fg:seen:600000:<generation>`: on a single node
+/// one hash per period and generation for every shard, a field `<proxy>:<shard>` each).
 const PERIOD: u64 = 600_000;
 
-/// The dedup hashes of `shard`, sorted (generations of every period).
+/// The dedup hashes holding seqs of `shard` (generations of every period).
 fn seen_hashes(redis: &Redis, shard: u32) -> Vec<String> {
-    let prefix = format!("fg:{{{shard}}}:seen:");
-    redis.keys().into_iter().filter(|k| k.starts_with(&prefix)).collect()
+    let suffix = format!(":{shard}");
+    redis
+        .keys()
+        .into_iter()
+        .filter(|k| k.starts_with("fg:seen:"))
+        .filter(|k| {
+            let fields: Vec<String> = redis::cmd("HKEYS").arg(k).query(&mut redis.conn()).unwrap();
+            fields.iter().any(|f| f.ends_with(&suffix))
+        })
+        .collect()
 }
 
 /// The last seq `shard` keeps of `proxy`: in the newest generation that has it.
@@ -44,14 +53,14 @@ fn last_seq(redis: &Redis, shard: u32, proxy: &str) -> Option<u64> {
     let mut hashes = seen_hashes(redis, shard);
     hashes.sort_by_key(|k| k.rsplit(':').next().and_then(|g| g.parse::<u64>().ok()));
     hashes.iter().rev().find_map(|hash| {
-        redis::cmd("HGET").arg(hash).arg(proxy).query::<Option<u64>>(&mut redis.conn()).unwrap()
+        redis::cmd("HGET").arg(hash).arg(format!("{proxy}:{shard}")).query::<Option<u64>>(&mut redis.conn()).unwrap()
     })
 }
 
 /// Writes `seq` as `proxy`'s last in `shard`, `back` generations of 10 min before the current.
 fn set_seq(redis: &Redis, shard: u32, proxy: &str, seq: &str, back: u64) {
-    let hash = format!("fg:{{{shard}}}:seen:{PERIOD}:{}", now_ms() / PERIOD - back);
-    let _: () = redis::cmd("HSET").arg(&hash).arg(proxy).arg(seq).query(&mut redis.conn()).unwrap();
+    let hash = format!("fg:seen:{PERIOD}:{}", now_ms() / PERIOD - back);
+    let _: () = redis::cmd("HSET").arg(&hash).arg(format!("{proxy}:{shard}")).arg(seq).query(&mut redis.conn()).unwrap();
 }
 
 fn single() -> (Redis, Sync) {
@@ -105,8 +114,9 @@ fn totals_come_in_request_order_and_sum_across_proxies() {
         ),
     );
     assert_eq!(read.totals(), vec![(0, 0), (2, 0), (12, 1), (0, 12)]);
-    // Only counters with a delta exist (C and D were never written), plus a dedup hash per shard
-    // of the present (two if the test straddled the start of a generation).
+    // Only counters with a delta exist (C and D were never written), plus the node's dedup hash
+    // of the present (two if the test straddled the start of a generation), with fields of
+    // shards 1, 2 and 15.
     let mut expected = vec![
         format!("fg:{{1}}:{A}:1000:{}", t + 10),
         format!("fg:{{1}}:{A}:1000:{}", t + 11),
@@ -123,9 +133,9 @@ fn totals_come_in_request_order_and_sum_across_proxies() {
     for shard in [1, 2, 15] {
         let hashes = seen_hashes(&redis, shard);
         assert!((1..=2).contains(&hashes.len()), "{hashes:?}");
-        assert!(hashes.iter().all(|h| h.starts_with(&format!("fg:{{{shard}}}:seen:{PERIOD}:"))), "{hashes:?}");
+        assert!(hashes.iter().all(|h| h.starts_with(&format!("fg:seen:{PERIOD}:"))), "{hashes:?}");
     }
-    assert!(dedup.len() <= 8, "{dedup:?}");
+    assert!(dedup.len() <= 2, "{dedup:?}");
     assert_eq!(last_seq(&redis, 1, P1), Some(2));
     assert_eq!(last_seq(&redis, 1, P2), Some(1));
     assert_eq!(last_seq(&redis, 2, P2), None);
@@ -226,8 +236,8 @@ fn a_shards_dedup_hash_keeps_each_proxys_last_seq_for_one_to_two_periods() {
     assert_eq!(post(sync.port, &batch(P1, 7, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 0)]);
     assert_eq!(post(sync.port, &batch(P1, 6, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 0)]);
     assert_eq!(post(sync.port, &batch(P1, 8, &[(A, 1000, t + 5, 3)])).totals(), vec![(0, 3)]);
-    let current = format!("fg:{{1}}:seen:{PERIOD}:{}", now_ms() / PERIOD);
-    let held: Option<u64> = redis::cmd("HGET").arg(&current).arg(P1).query(&mut redis.conn()).unwrap();
+    let current = format!("fg:seen:{PERIOD}:{}", now_ms() / PERIOD);
+    let held: Option<u64> = redis::cmd("HGET").arg(&current).arg(format!("{P1}:1")).query(&mut redis.conn()).unwrap();
     if held.is_some() {
         // (Unless the generation turned between the batch and this read.)
         assert_eq!(held, Some(8));
@@ -248,7 +258,7 @@ fn a_shards_dedup_hash_keeps_each_proxys_last_seq_for_one_to_two_periods() {
     }
     assert_eq!(redis.get(&format!("fg:{{1}}:{A}:1000:{}", t + 5)), Some(34));
     let generation = now_ms() / PERIOD;
-    let hash = format!("fg:{{1}}:seen:{PERIOD}:{generation}");
+    let hash = format!("fg:seen:{PERIOD}:{generation}");
     let fields: u64 = redis::cmd("HLEN").arg(&hash).query(&mut redis.conn()).unwrap();
     if fields > 0 {
         assert_eq!(redis.pexpiretime(&hash), ((generation + 2) * PERIOD) as i64);
@@ -345,7 +355,7 @@ fn counters_and_dedup_keys_expire_as_specified() {
         let hashes = seen_hashes(&redis, shard);
         let [hash] = hashes.as_slice() else { panic!("{hashes:?}") };
         let generation = latest / period;
-        assert_eq!(hash, &format!("fg:{{{shard}}}:seen:{period}:{generation}"));
+        assert_eq!(hash, &format!("fg:seen:{period}:{generation}"));
         assert_eq!(redis.pexpiretime(hash), ((generation + 2) * period) as i64, "{hash}");
         assert!(redis.pttl(hash) >= period as i64 - 3_600_000 - 10_000, "{hash}");
     }
@@ -912,11 +922,11 @@ fn the_largest_batch_goes_in_script_calls_of_whole_shards() {
     for (i, &(previous, current)) in totals.iter().enumerate() {
         assert_eq!((previous, current), (0, i as u64 % 7));
     }
-    // Counters with delta 0 were not written.
+    // Counters with delta 0 were not written; one dedup hash holds the 16 shards' seqs.
     // (And the second's HyperLogLog of proxies.)
     assert_eq!(
         redis.dbsize(),
-        16 + (0..10_000u64).filter(|i| i % 7 != 0).count() as u64 + 1
+        1 + (0..10_000u64).filter(|i| i % 7 != 0).count() as u64 + 1
     );
     // The first call met NOSCRIPT (a fresh Redis) and went again as EVAL; the others found
     // the script loaded.
@@ -974,13 +984,106 @@ fn batches_arriving_together_merge_into_fewer_calls_and_count_exactly_once() {
     let parts: u64 = (0..40u32).map(|n| if n % 16 == 1 { 1 } else { 2 }).sum();
     assert_eq!((applied, read), (25 * parts, parts));
     assert!(calls < applied + read, "merged: {calls} calls for {} parts", applied + read);
-    // The dedup: the shard of A keeps every proxy's last seq in one hash (or two, in two
-    // generations), and its commands come per call and shard, not per part.
+    // The dedup: the node keeps every proxy's last seq of every shard in one hash (or two, in
+    // two generations), and its commands come per call, not per part nor per shard: an HSET per
+    // call at most, an HMGET per call and one more for the fields a call does not find in the
+    // current generation (in the previous one).
     assert!(seen_hashes(&redis, 1).len() <= 2, "{:?}", seen_hashes(&redis, 1));
     for n in 0..40u64 {
         assert_eq!(last_seq(&redis, 1, &format!("{:016x}", n + 1)), Some(25));
+        assert_eq!(last_seq(&redis, (n % 16) as u32, &format!("{:016x}", n + 1)), Some(25));
     }
     let (hmget, hset) = (redis.command_calls("hmget"), redis.command_calls("hset"));
-    eprintln!("dedup: {hmget} HMGET and {hset} HSET for {} parts", applied + read);
+    eprintln!("dedup: {hmget} HMGET and {hset} HSET for {} parts in {calls} calls", applied + read);
     assert!(hset < applied, "{hset} HSET for {applied} parts applied");
+    assert!(hset <= calls && hmget <= 2 * calls, "{hmget} HMGET and {hset} HSET in {calls} calls");
+}
+
+/// On a single node one dedup hash holds every shard's seqs, a field per proxy and shard: a batch
+/// over several shards is applied whole in one call that reads and writes that hash once; sent
+/// again, to this instance or another one, it only reads; an older seq only reads, on every
+/// shard; and a batch whose parts keep their seqs in two periods' hashes is applied whole too.
+#[test]
+fn a_batch_over_many_shards_is_applied_whole_and_once_with_one_dedup_hash() {
+    let t = present();
+    let (redis, sync) = single();
+    let other = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "500ms"]);
+    let counters = [(A, 1000, t + 5, 1), (B, 1000, t + 5, 2), (C, 1000, t + 5, 3), (D, 1000, t + 5, 4)];
+    assert_eq!(post(sync.port, &batch(P1, 1, &counters)).totals(), vec![(0, 1), (0, 2), (0, 3), (0, 4)]);
+    // The next seq: every shard's part applied (same seq, other fields), one HMGET (every field
+    // found in the current generation) and one HSET.
+    let (hmget, hset) = (redis.command_calls("hmget"), redis.command_calls("hset"));
+    let next = post(sync.port, &batch(P1, 2, &counters));
+    assert_eq!(next.totals(), vec![(0, 2), (0, 4), (0, 6), (0, 8)]);
+    assert_eq!((redis.command_calls("hmget") - hmget, redis.command_calls("hset") - hset), (1, 1));
+    let [hash] = seen_hashes(&redis, 1).try_into().unwrap();
+    let mut fields: Vec<(String, u64)> = redis.hgetall(&hash).into_iter().filter(|(f, _)| f != "-").collect();
+    fields.sort();
+    let expected: Vec<(String, u64)> = [1, 15, 2, 3].iter().map(|s| (format!("{P1}:{s}"), 2)).collect();
+    assert_eq!(fields, expected);
+    // Sent again, here and to another instance (a retry after a lost answer): only read.
+    for port in [sync.port, other.port, sync.port] {
+        assert_eq!(post(port, &batch(P1, 2, &counters)).totals(), vec![(0, 2), (0, 4), (0, 6), (0, 8)]);
+    }
+    // An older seq only reads, on every shard.
+    assert_eq!(post(other.port, &batch(P1, 1, &counters)).totals(), vec![(0, 2), (0, 4), (0, 6), (0, 8)]);
+    // Seq 3 on shard 1 alone; then seq 2 again: its shard 1 part is older than 3, its other
+    // parts were applied: all only read.
+    assert_eq!(post(sync.port, &batch(P1, 3, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 12)]);
+    assert_eq!(post(sync.port, &batch(P1, 2, &counters)).totals(), vec![(0, 12), (0, 4), (0, 6), (0, 8)]);
+    assert_eq!((last_seq(&redis, 1, P1), last_seq(&redis, 2, P1)), (Some(3), Some(2)));
+    // Parts in two periods' hashes (shard 1's with an hour's counter): applied whole, once.
+    let hour = now_ms() / 3_600_000;
+    let spread = batch(P2, 7, &[(A, 3_600_000, hour, 5), (B, 1000, t + 5, 5)]);
+    for port in [sync.port, other.port] {
+        assert_eq!(post(port, &spread).totals(), vec![(0, 5), (0, 9)]);
+    }
+    assert_eq!((last_seq(&redis, 1, P2), last_seq(&redis, 2, P2)), (Some(7), Some(7)));
+    let periods: Vec<String> = redis.keys().into_iter().filter(|k| k.starts_with("fg:seen:9600000:")).collect();
+    assert_eq!(periods.len(), 1, "{periods:?}");
+    let metrics = get(sync.port, "/metrics").body + &get(other.port, "/metrics").body;
+    let parts = |result: &str| {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with(&format!("floodgate_sync_shard_parts_total{{result=\"{result}\"}}")))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .sum::<u64>()
+    };
+    // Applied: 4 + 4 parts, 1, and 2; only read: 3 × 4, 4, 4, and 2.
+    assert_eq!((parts("applied"), parts("deduplicated")), (11, 22));
+}
+
+/// The same part twice in one script call (a batch sent again while its first copy waits in
+/// the lane) counts once: the second copy is compared with the seq the first one just applied,
+/// while the batch's parts on other shards, with the same seq, are applied.
+#[test]
+fn copies_of_a_batch_in_one_call_count_once() {
+    let t = present();
+    let (redis, sync) = single_long_timeout();
+    let port = sync.port;
+    let counters = [(A, 1000, t + 5, 1), (B, 1000, t + 5, 1), (C, 1000, t + 5, 1)];
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(20));
+    let threads: Vec<_> = (0..20)
+        .map(|_| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                barrier.wait();
+                post(port, &batch(P1, 1, &counters)).totals()
+            })
+        })
+        .collect();
+    for thread in threads {
+        assert_eq!(thread.join().unwrap(), vec![(0, 1), (0, 1), (0, 1)]);
+    }
+    for (key, shard) in [(A, 1), (B, 2), (C, 15)] {
+        assert_eq!(redis.get(&format!("fg:{{{shard}}}:{key}:1000:{}", t + 5)), Some(1), "{key}");
+        assert_eq!(last_seq(&redis, shard, P1), Some(1));
+    }
+    let metrics = get(port, "/metrics").body;
+    let calls = metric(&metrics, "floodgate_sync_batch_calls_total");
+    let applied = metric(&metrics, "floodgate_sync_shard_parts_total{result=\"applied\"}");
+    let read = metric(&metrics, "floodgate_sync_shard_parts_total{result=\"deduplicated\"}");
+    assert_eq!((applied, read), (3, 57));
+    // Fewer calls than copies: more than 3 parts in some call, so two copies of a part.
+    assert!(calls < 20, "copies merged into one call: {calls} calls for 20 copies");
 }
