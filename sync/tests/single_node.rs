@@ -58,9 +58,15 @@ fn last_seq(redis: &Redis, shard: u32, proxy: &str) -> Option<u64> {
 }
 
 /// Writes `seq` as `proxy`'s last in `shard`, `back` generations of 10 min before the current.
-fn set_seq(redis: &Redis, shard: u32, proxy: &str, seq: &str, back: u64) {
-    let hash = format!("fg:seen:{PERIOD}:{}", now_ms() / PERIOD - back);
+fn set_seq(redis: &Redis, shard: u32, proxy: &str, seq: &str, at: u64, back: u64) {
+    let hash = format!("fg:seen:{PERIOD}:{}", generation_of(at) - back);
     let _: () = redis::cmd("HSET").arg(&hash).arg(format!("{proxy}:{shard}")).arg(seq).query(&mut redis.conn()).unwrap();
+}
+
+/// The dedup generation of a batch part whose latest bucket starts at second `at` (windows up to
+/// 5 min): the generation is the part's, not the clock's.
+fn generation_of(at: u64) -> u64 {
+    at * 1000 / PERIOD
 }
 
 fn single() -> (Redis, Sync) {
@@ -232,22 +238,19 @@ fn a_shards_dedup_hash_keeps_each_proxys_last_seq_for_one_to_two_periods() {
     let (redis, sync) = single();
     // Proxy 1's seq 7 was applied in the previous generation: a retry of it only reads, an
     // older one too, the next is applied and goes into the current generation.
-    set_seq(&redis, 1, P1, "7", 1);
+    set_seq(&redis, 1, P1, "7", t + 5, 1);
     assert_eq!(post(sync.port, &batch(P1, 7, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 0)]);
     assert_eq!(post(sync.port, &batch(P1, 6, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 0)]);
     assert_eq!(post(sync.port, &batch(P1, 8, &[(A, 1000, t + 5, 3)])).totals(), vec![(0, 3)]);
-    let current = format!("fg:seen:{PERIOD}:{}", now_ms() / PERIOD);
+    let current = format!("fg:seen:{PERIOD}:{}", generation_of(t + 5));
     let held: Option<u64> = redis::cmd("HGET").arg(&current).arg(format!("{P1}:1")).query(&mut redis.conn()).unwrap();
-    if held.is_some() {
-        // (Unless the generation turned between the batch and this read.)
-        assert_eq!(held, Some(8));
-    }
+    assert_eq!(held, Some(8));
     assert_eq!(last_seq(&redis, 1, P1), Some(8));
     // The same batch again counts nothing.
     assert_eq!(post(sync.port, &batch(P1, 8, &[(A, 1000, t + 5, 3)])).totals(), vec![(0, 3)]);
     // Proxy 2's seq 50, two generations back, is past the dedup's life: a lower seq is
     // applied (that hash would have expired; it is not read).
-    set_seq(&redis, 1, P2, "50", 2);
+    set_seq(&redis, 1, P2, "50", t + 5, 2);
     assert_eq!(post(sync.port, &batch(P2, 40, &[(A, 1000, t + 5, 1)])).totals(), vec![(0, 4)]);
     assert_eq!(last_seq(&redis, 1, P2), Some(40));
     // One hash per shard and generation, whatever the number of proxies; it expires at the end
@@ -257,12 +260,11 @@ fn a_shards_dedup_hash_keeps_each_proxys_last_seq_for_one_to_two_periods() {
         assert_eq!(post(sync.port, &batch(&proxy, 1, &[(A, 1000, t + 5, 1)])).status, 200);
     }
     assert_eq!(redis.get(&format!("fg:{{1}}:{A}:1000:{}", t + 5)), Some(34));
-    let generation = now_ms() / PERIOD;
+    let generation = generation_of(t + 5);
     let hash = format!("fg:seen:{PERIOD}:{generation}");
     let fields: u64 = redis::cmd("HLEN").arg(&hash).query(&mut redis.conn()).unwrap();
-    if fields > 0 {
-        assert_eq!(redis.pexpiretime(&hash), ((generation + 2) * PERIOD) as i64);
-    }
+    assert!(fields >= 32, "proxies 1 and 2 and the 30 others, shard 1 each: {fields}");
+    assert_eq!(redis.pexpiretime(&hash), ((generation + 2) * PERIOD) as i64);
     assert!(seen_hashes(&redis, 1).len() <= 4, "{:?}", seen_hashes(&redis, 1));
 }
 
@@ -313,13 +315,13 @@ fn a_batch_applied_in_some_shards_completes_in_the_others_only() {
     // did not. The retry must add shard 2's deltas only.
     let (redis, sync) = single();
     redis.set(&format!("fg:{{1}}:{A}:1000:{}", t + 5), "10");
-    set_seq(&redis, 1, P1, "7", 0);
+    set_seq(&redis, 1, P1, "7", t + 5, 0);
     let retry = batch(P1, 7, &[(A, 1000, t + 5, 10), (B, 1000, t + 5, 20)]);
     assert_eq!(post(sync.port, &retry).totals(), vec![(0, 10), (0, 20)]);
     assert_eq!(post(sync.port, &retry).totals(), vec![(0, 10), (0, 20)]);
     // seq comparisons are exact for every u64, not as doubles: 2^64-1 > 2^64-2.
     let big = u64::MAX;
-    set_seq(&redis, 1, P1, &(big - 1).to_string(), 0);
+    set_seq(&redis, 1, P1, &(big - 1).to_string(), t + 5, 0);
     assert_eq!(
         post(sync.port, &batch(P1, big, &[(A, 1000, t + 5, 1)])).totals(),
         vec![(0, 11)]
