@@ -62,7 +62,7 @@ def positive(desc, default=None, maximum=4294967295):
 schema = {
   "$schema": "https://json-schema.org/draft/2020-12/schema",
   "title": "floodgate configuration",
-  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body, or from the response without estimate, a partition size above the number of clusters, a max_delay above 60s, a queue max_wait above 60s, a queue target above max_wait or an interval below target, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, a response_body cost without path or sum (or path, sum, max_body_bytes with another source), path with sum, estimate.body with estimate.sum, a sum of more than 8 paths in all, estimate with a request source, estimate.max_body_bytes without estimate.body or estimate.sum, estimate.default above estimate.max, default beside estimate, unreported without estimate, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
+  "description": "The JSON configuration of the floodgate proxy-wasm filter (the `configuration` of Envoy's envoy.filters.http.wasm, or `pluginConfig` of an Istio WasmPlugin). Every section is optional: {} does nothing. Reference: docs/configuration.md. The module's parser also refuses, beyond this schema: duplicate rule names, duplicate class names, a default_class that is not one of the classes, concurrency_limit bounds out of order (min_limit <= initial_limit <= max_limit), a global sync_interval outside 10ms..60s or timeout above 60s, consistency leased without scope global or with a cost from the request body, or from the response without estimate, a partition size above the number of clusters, a max_delay above 60s, a queue max_wait above 60s, a queue target above max_wait or an interval below target, a flow hand_size above its queues or a max_queued above 1024 in a class shared by flow, spill_below without when_unavailable spill, a watchdog worker_silence under 3s or max_loop_lag under 100ms, a watchdog path equal to health.path, a response_body cost without path or sum (or path, sum, max_body_bytes with another source), path with sum, estimate.body with estimate.sum, a sum of more than 8 paths in all, estimate with a request source, estimate.max_body_bytes without estimate.body or estimate.sum, estimate.default above estimate.max, default beside estimate, unreported without estimate, and integers written with a fraction or exponent (5.0, 1e3). `floodgate validate FILE` runs that parser.",
   "type": "object",
   "additionalProperties": False,
   "allOf": [
@@ -248,13 +248,18 @@ schema = {
         {"if": {"required": ["queue"], "properties": {"queue": {"type": "object"}}},
          "then": {"required": ["max_active_requests"], "properties": {"max_active_requests": {"type": "integer"}}}},
         {"if": {"required": ["classes"], "properties": {"classes": {"type": "array", "contains": {"type": "object", "required": ["queue"], "properties": {"queue": {"type": "object"}}}}}},
-         "then": {"required": ["queue"], "properties": {"queue": {"type": "object"}}}}
+         "then": {"required": ["queue"], "properties": {"queue": {"type": "object"}}}},
+        {"if": {"required": ["flow"], "properties": {"flow": {"type": "object"}}},
+         "then": {"required": ["queue", "max_active_requests"], "properties": {"queue": {"type": "object"}, "max_active_requests": {"type": "integer"}}}},
+        {"if": {"required": ["classes"], "properties": {"classes": {"type": "array", "contains": {"type": "object", "required": ["flow"], "properties": {"flow": {"type": "object"}}}}}},
+         "then": {"required": ["queue", "max_active_requests"], "properties": {"queue": {"type": "object"}, "max_active_requests": {"type": "integer"}}}}
       ],
       "properties": {
         "max_active_requests": {"description": "Proxy-wide (all workers) limit of requests in flight (null: none; at least one of max_active_requests, max_loop_lag and per_key).", "anyOf": [positive(""), {"type": "null"}], "default": None},
         "max_loop_lag": {"description": "Shed on a worker while its event loop runs timers this late: class c from shed_at(c) * max_loop_lag (null: none; at least one of max_active_requests, max_loop_lag and per_key).", "anyOf": [{"$ref": "#/$defs/duration"}, {"type": "null"}], "default": None},
         "per_key": {"description": "The bulkhead's cap on each key's requests in flight, proxy-wide (null: none).", "anyOf": [{"$ref": "#/$defs/perKey"}, {"type": "null"}], "default": None},
         "queue": {"description": "Load leveling: a request max_active_requests would shed waits for a slot instead, in a bounded queue per class, for a bounded time (null: none, shed at once; needs max_active_requests).", "anyOf": [{"$ref": "#/$defs/queue"}, {"type": "null"}], "default": None},
+        "flow": {"description": "Fair shares between flows in every class without its own flow: the class's slots and queue are shared fairly between the flows its key tells apart, and when the queue is full the request shed is one of the flow holding the most (null: none; needs queue and max_active_requests; the class's max_queued at most 1024).", "anyOf": [{"$ref": "#/$defs/flow"}, {"type": "null"}], "default": None},
         "lag_probe_interval": {"description": "How often each worker probes its event loop's lag, from 10ms to 1s (with max_loop_lag).", "$ref": "#/$defs/duration", "default": "100ms"},
         "priority_header": {"description": "The request header whose value names the priority class.", "$ref": "#/$defs/headerName", "default": "x-floodgate-priority"},
         "classes": {
@@ -295,7 +300,18 @@ schema = {
       "properties": {
         "name": {"description": "The priority header value that selects the class.", "$ref": "#/$defs/name"},
         "shed_at": {"description": "Fraction of max_active_requests (and of max_loop_lag) from which the class is shed, in (0, 1].", "type": "number", "exclusiveMinimum": 0, "maximum": 1},
-        "queue": {"description": "The class's own max_queued and max_wait, overriding load_shedding.queue's (null: the section's; needs load_shedding.queue).", "anyOf": [{"$ref": "#/$defs/classQueue"}, {"type": "null"}], "default": None}
+        "queue": {"description": "The class's own max_queued and max_wait, overriding load_shedding.queue's (null: the section's; needs load_shedding.queue).", "anyOf": [{"$ref": "#/$defs/classQueue"}, {"type": "null"}], "default": None},
+        "flow": {"description": "Fair shares between the class's flows, instead of load_shedding.flow (null: the section's).", "anyOf": [{"$ref": "#/$defs/flow"}, {"type": "null"}], "default": None}
+      }
+    },
+    "flow": {
+      "description": "A flow key and the fair queues flows are dealt to (shuffle sharding, as Kubernetes API Priority and Fairness): a flow asking less than its fair share of the class's slots gets what it asks, the others share the rest, and no slot idles while a request waits.",
+      "type": "object", "additionalProperties": False,
+      "required": ["key"],
+      "properties": {
+        "key": {"description": "The parts of the request that name its flow (a tenant, a client), as a rate limit's key; requests lacking one are one flow.", "type": "array", "minItems": 1, "items": {"$ref": "#/$defs/keyPart"}},
+        "queues": positive("Fair queues of the class; more queues, fewer flows share one. The record is 20 + 32 x queues + 16 x waiting bytes.", 64, 128),
+        "hand_size": positive("Queues dealt to each flow (at most queues); a flow takes the shortest of its hand and keeps to it while it uses it.", 4, 128)
       }
     },
     "queue": {

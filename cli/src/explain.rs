@@ -546,6 +546,18 @@ fn load_shedding(config: &Config, request: &Request, line: &mut impl FnMut(Strin
             "queue: over the in-flight threshold it waits for a slot up to {}ms ({} once the class's queue has stood for {}), behind at most {} others of its class; then shed",
             limits.max_wait_ms, queue.target, queue.interval, limits.max_queued.saturating_sub(1)
         ));
+        if let Some(flow) = shedding.flow_of(class) {
+            let (key, _) = key_values(&flow.key, request);
+            let flow_name = match hash_key(&flow.key, &KeyHasher::new([0; 16]), |source| request.fetch(source)) {
+                Some(_) => format!("flow {key}"),
+                None => format!("no flow key ({key}): one flow with every request without it"),
+            };
+            line(format!(
+                "flows: {flow_name}; the class's slots and queue are shared fairly between flows ({} queues, hands of {}): it waits only while its flow holds its fair share or more, and when the class's queue is full the request shed is the newest of the flow holding the most",
+                flow.queues.get(),
+                flow.hand_size.get()
+            ));
+        }
     }
 }
 
@@ -798,6 +810,16 @@ mod tests {
         let at = |start: &str| text.lines().position(|l| l.starts_with(start)).expect(start);
         let told = [at("  priority class:"), at("  queue:"), at("  per-key cap:"), at("  rate_limits[0]"), at("  cluster selection:")];
         assert!(told.windows(2).all(|w| w[0] < w[1]), "shed, queue, cap, rate limits, selection: {told:?} in {text}");
+    }
+
+    #[test]
+    fn a_class_shared_by_flow_names_the_requests_flow() {
+        let json = r#"{"load_shedding": {"max_active_requests": 4, "queue": {"max_queued": 50, "max_wait": "5s"},
+                        "flow": {"key": [{"header": "x-tenant"}], "queues": 32, "hand_size": 2}}}"#;
+        let text = explained(json, &["--header", "x-tenant:acme"]);
+        assert!(text.contains("  flows: flow header:x-tenant \"acme\"; the class's slots and queue are shared fairly between flows (32 queues, hands of 2)"), "{text}");
+        let text = explained(json, &[]);
+        assert!(text.contains("  flows: no flow key (header:x-tenant (missing)): one flow with every request without it;"), "{text}");
     }
 
     #[test]

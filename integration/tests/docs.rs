@@ -472,6 +472,7 @@ fn every_feature() -> Value {
         "global": {"cluster": "floodgate-sync", "sync_interval": "1s"},
         "load_shedding": {"max_active_requests": 100, "max_loop_lag": "1s",
                           "queue": {"max_queued": 10, "max_wait": "1s"},
+                          "flow": {"key": [{"header": "x-k"}]},
                           "per_key": {"key": [{"header": "x-k"}], "max_active_requests": 5}},
         "cluster_selection": {"route_header": "x-floodgate-cluster", "clusters": ["a", "b"],
                               "partition": {"key": [{"header": "x-k"}], "size": 1}},

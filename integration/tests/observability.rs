@@ -508,9 +508,13 @@ fn expected_series(
         if (pattern.starts_with("global.") && !global) || (pattern.starts_with("lease.") && !leased) {
             continue;
         }
-        // Defined only for a token bucket with `max_delay`, with `load_shedding.queue`, or for a
-        // cost the upstream reports, which none of these configurations has.
-        let queue = [".queued", ".dequeued", ".queue_timeout", ".queue_abandoned", ".queue_length", ".queue_wait_ms"];
+        // Defined only for a token bucket with `max_delay`, with `load_shedding.queue` (and for a
+        // class with a flow key), or for a cost the upstream reports, which none of these
+        // configurations has.
+        let queue = [
+            ".queued", ".dequeued", ".queue_timeout", ".queue_abandoned", ".queue_length", ".queue_wait_ms",
+            ".flows", ".fair_share_ppm", ".flow_wait_ms", ".shed_by_flow",
+        ];
         let reported = [".refunded", ".unreported", ".unreadable", ".unreadable_compressed"];
         if pattern.ends_with(".delayed")
             || pattern.ends_with(".delay_abandoned")
@@ -961,9 +965,10 @@ fn prometheus_scrapes_the_demo_under_load_records_and_alerts() {
         // A cost the upstream reports in a header it never sends: every admission unreported.
         let reported = r#"{"name": "reported", "key": [{"header": "x-tenant"}], "limit": 100000, "window": "1m", "cost": {"from": "response_header", "header": "x-cost"}}"#;
         let text = edit(&text, per_ip, &per_ip.replace("}],", &format!("}}, {global_rule}, {reported}],")));
-        // A short queue: the bursts wait in it, then are shed.
+        // A short queue, shared by API key: the bursts wait in it, then are shed (by flow).
         let shedding = r#""load_shedding": {"max_active_requests": 10}"#;
-        let text = edit(&text, shedding, r#""load_shedding": {"max_active_requests": 10, "queue": {"max_queued": 4, "max_wait": "20ms"}}"#);
+        let queued = r#""load_shedding": {"max_active_requests": 10, "queue": {"max_queued": 4, "max_wait": "20ms"}, "flow": {"key": [{"header": "x-api-key"}]}}"#;
+        let text = edit(&text, shedding, queued);
         let health = r#""health": {"path": "/floodgate/health"}}"#;
         let global = r#""global": {"cluster": "floodgate-sync", "timeout": "250ms"}"#;
         let text = edit(&text, health, &health.replace("}}", &format!("}}, {global}}}")));

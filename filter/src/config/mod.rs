@@ -10,6 +10,7 @@
 
 mod bulkhead;
 mod endpoints;
+mod flows;
 mod global;
 mod grpc;
 mod leveling;
@@ -21,6 +22,7 @@ mod values;
 
 pub use global::{Global, OnStoreFailure, StoreRoute, MAX_GLOBAL_KEYS, MAX_LEASE_TIMEOUT_MS, MAX_SYNC_INTERVAL_MS, MIN_SYNC_INTERVAL_MS, SYNC_PATH};
 pub use grpc::{default_failure_grpc_statuses, Grpc, GrpcStatus};
+pub use flows::{Flow, MAX_FLOW_QUEUED, MAX_FLOW_QUEUES};
 pub use leveling::{ClassLimits, ClassQueue, Queue, QueueOrder, MAX_QUEUED, MAX_QUEUE_WAIT_MS};
 pub use selection::{
     ClusterName, ClusterSelection, ConcurrencyLimit, FloorOn, LimitAlgorithm, StatusMatch, DEFAULT_ROUTE_HEADER,
@@ -390,6 +392,7 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
         ("cluster_selection.partition", selection.and_then(|s| s.get("partition"))),
         ("load_shedding.per_key", top.get("load_shedding").and_then(|s| s.get("per_key"))),
         ("load_shedding.queue", top.get("load_shedding").and_then(|s| s.get("queue"))),
+        ("load_shedding.flow", top.get("load_shedding").and_then(|s| s.get("flow"))),
     ];
     for (path, section) in sections {
         if section.is_some_and(|v| !v.is_object() && !v.is_null()) {
@@ -408,9 +411,11 @@ fn require_objects(document: &serde_json::Value) -> Result<(), ConfigError> {
         }
     }
     if let Some(serde_json::Value::Array(classes)) = top.get("load_shedding").and_then(|s| s.get("classes")) {
-        let queue = |class: &serde_json::Value| class.get("queue").is_some_and(|q| !q.is_object() && !q.is_null());
-        if let Some(index) = classes.iter().position(queue) {
-            return Err(not_object(format!("load_shedding.classes[{index}].queue")));
+        for field in ["queue", "flow"] {
+            let malformed = |class: &serde_json::Value| class.get(field).is_some_and(|q| !q.is_object() && !q.is_null());
+            if let Some(index) = classes.iter().position(malformed) {
+                return Err(not_object(format!("load_shedding.classes[{index}].{field}")));
+            }
         }
     }
     Ok(())
@@ -584,6 +589,16 @@ mod tests {
             (r#"{"load_shedding":{"per_key":{"key":[{"header":"x-k"}],"max_active_requests":2,"capacity":2000000}}}"#, "load_shedding.per_key.capacity: must be at most 1048576, got 2000000"),
             (r#"{"load_shedding":{"per_key":{"key":[{"header":"x-k"}],"max_active_requests":2,"cap":1}}}"#, "load_shedding.per_key.cap: unknown field `cap`"),
             (r#"{"load_shedding":{"per_key":[1]}}"#, "load_shedding.per_key: must be a JSON object"),
+            (r#"{"load_shedding":{"max_active_requests":4,"flow":{"key":[{"header":"x-t"}]}}}"#, "load_shedding.flow: needs load_shedding.queue (flows share the class's slots and its queue; without a queue nothing waits)"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":8,"max_wait":"1s"},"flow":{"key":[]}}}"#, "load_shedding.flow.key: must list at least one key part"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":8,"max_wait":"1s"},"flow":{"key":[{"header":"x-t"}],"queues":200}}}"#, "load_shedding.flow.queues: must be at most 128, got 200"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":8,"max_wait":"1s"},"flow":{"key":[{"header":"x-t"}],"queues":0}}}"#, "load_shedding.flow.queues: must be a positive integer"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":8,"max_wait":"1s"},"classes":[{"name":"normal","shed_at":1.0,"flow":{"key":[{"header":"x-t"}],"queues":4,"hand_size":5}}]}}"#, "load_shedding.classes[0].flow.hand_size: must be at most queues (4), got 5"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":2000,"max_wait":"1s"},"flow":{"key":[{"header":"x-t"}]}}}"#, "load_shedding.queue.max_queued: must be at most 1024 in a class shared by flow, got 2000"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":8,"max_wait":"1s"},"classes":[{"name":"normal","shed_at":1.0,"flow":{"key":[{"header":"x-t"}]},"queue":{"max_queued":1500}}]}}"#, "load_shedding.classes[0].queue.max_queued: must be at most 1024 in a class shared by flow, got 1500"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":8,"max_wait":"1s"},"flow":{"key":[{"header":"x-t"}],"hand":2}}}"#, "load_shedding.flow.hand: unknown field `hand`"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":8,"max_wait":"1s"},"flow":[1]}}"#, "load_shedding.flow: must be a JSON object"),
+            (r#"{"load_shedding":{"max_active_requests":4,"queue":{"max_queued":8,"max_wait":"1s"},"classes":[{"name":"normal","shed_at":1.0,"flow":"x-t"}]}}"#, "load_shedding.classes[0].flow: must be a JSON object"),
             (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[{"header":"x-k"}],"size":3}}}"#, "cluster_selection.partition.size: must be at most the number of clusters (2), got 3"),
             (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[{"header":"x-k"}],"size":0}}}"#, "cluster_selection.partition.size: must be a positive integer"),
             (r#"{"cluster_selection":{"clusters":["a","b"],"partition":{"key":[],"size":1}}}"#, "cluster_selection.partition.key: must list at least one key part"),

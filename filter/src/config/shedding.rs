@@ -5,7 +5,7 @@
 //! and a default class among them.
 
 use super::values::{DurationMs, Fraction, Name, Positive};
-use super::{bulkhead, earlier_duplicate, header_name, leveling, ClassQueue, Config, ConfigError, Mode, PerKey, Queue};
+use super::{bulkhead, earlier_duplicate, flows, header_name, leveling, ClassQueue, Config, ConfigError, Flow, Mode, PerKey, Queue};
 use serde::Deserialize;
 
 /// `load_shedding`: refuse new requests fast when the proxy already has this many in flight, or
@@ -28,6 +28,9 @@ pub struct LoadShedding {
     /// Load leveling: a request the in-flight limit would shed waits for a slot instead.
     #[serde(default)]
     pub queue: Option<Queue>,
+    /// Fair shares between flows, in every class without its own `flow`.
+    #[serde(default)]
+    pub flow: Option<Flow>,
     /// The request header whose value names the priority class.
     #[serde(default = "default_priority_header")]
     pub priority_header: String,
@@ -56,6 +59,9 @@ pub struct PriorityClass {
     /// The class's overrides of `load_shedding.queue`.
     #[serde(default)]
     pub queue: Option<ClassQueue>,
+    /// Fair shares between the class's flows (instead of `load_shedding.flow`).
+    #[serde(default)]
+    pub flow: Option<Flow>,
 }
 
 fn default_lag_probe_interval() -> DurationMs {
@@ -82,6 +88,7 @@ fn default_classes() -> Vec<PriorityClass> {
             name: Name::trusted(name),
             shed_at: Fraction::trusted(shed_at),
             queue: None,
+            flow: None,
         })
         .collect()
 }
@@ -132,7 +139,8 @@ impl Config {
                 format!("\"{}\" is not one of the classes", shedding.default_class),
             ));
         }
-        leveling::validate(shedding)
+        leveling::validate(shedding)?;
+        flows::validate(shedding)
     }
 }
 

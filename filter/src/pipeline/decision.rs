@@ -59,6 +59,8 @@ pub enum By {
     LoopLag,
     /// The per-key in-flight cap (`load_shedding.per_key`).
     PerKey,
+    /// Its flow held the most of its class (`load_shedding.flow`).
+    Flow,
     /// The key's partition (`cluster_selection.partition`).
     Partition,
     /// Cluster selection: no cluster had room.
@@ -160,6 +162,7 @@ impl Decision {
                 By::InFlight => "max_active_requests",
                 By::LoopLag => "max_loop_lag",
                 By::PerKey => "per_key",
+                By::Flow => "flow",
                 By::Partition => "partition",
                 By::Selection => "cluster_selection",
             };

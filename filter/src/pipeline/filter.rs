@@ -162,6 +162,9 @@ pub struct Waits {
     pub(super) queue: Option<QueueStage>,
     /// Estimates in request bodies: the requests waiting for their body.
     pub(super) body_waits: Option<body_wait::BodyWaitStage>,
+    /// Per class shared by flow: the slots its record held beyond the in-flight count at the
+    /// last heartbeat.
+    pub(super) flows_excess: RefCell<Vec<u32>>,
 }
 
 impl Filter {
@@ -223,8 +226,12 @@ impl Filter {
             },
             waits: Waits {
                 delays: DelayStage::new(&config),
-                queue: config.load_shedding.as_ref().and_then(|s| crate::shedding::queue::Leveler::new(s, namespace)).map(QueueStage::new),
+                queue: config.load_shedding.as_ref().and_then(|s| {
+                    let leveler = crate::shedding::queue::Leveler::new(s, namespace)?;
+                    Some(QueueStage::new(leveler, crate::shedding::flows::Flows::new(s, namespace)))
+                }),
                 body_waits,
+                flows_excess: RefCell::default(),
             },
             shadows: Shadows::new(&config),
             decision_names: if config.access_log { decision::Names::new(namespace) } else { decision::Names::default() },
@@ -283,6 +290,7 @@ impl Filter {
         if let Some(shedder) = &self.shedding.shedder {
             let total = shedder.heartbeat(env.store, env.vm, &self.shedding.local, now.mono);
             stats::set(env.metrics, self.stats.shedding.in_flight, u64::from(total));
+            self.flows_heartbeat(env, total);
         }
         if let Some(cap) = &self.shedding.per_key {
             cap.heartbeat(env.store, env.vm, &self.shedding.key_counts, now.mono);
@@ -297,6 +305,24 @@ impl Filter {
             if let Err(err) = dog.heartbeat(env.store, env.vm, &mut self.watchdog_state.borrow_mut(), now.mono, lag_hint, memory) {
                 log::debug!("floodgate: watchdog heartbeat not written: {err}");
             }
+        }
+    }
+
+    /// The classes shared by flow, once a second: slots held beyond the proxy-wide in-flight
+    /// count `in_flight` are forgotten (their worker is gone), and the flows' gauges set.
+    fn flows_heartbeat<H: Host>(&self, env: &Env<'_, H>, in_flight: u32) {
+        let Some(flows) = self.waits.queue.as_ref().and_then(|q| q.flows.as_ref()) else { return };
+        let mut excess = self.waits.flows_excess.borrow_mut();
+        excess.resize(self.stats.flows.len(), 0);
+        for (class, fair) in flows.iter() {
+            if let Some(before) = excess.get_mut(class) {
+                *before = fair.forget_beyond(env.store, in_flight, *before);
+            }
+            let record = fair.read(env.store);
+            let active = u64::try_from(record.flows()).unwrap_or(u64::MAX);
+            let ids = self.stats.flow(class);
+            stats::set(env.metrics, ids.flows, active);
+            stats::set(env.metrics, ids.fair_share_ppm, 1_000_000u64.checked_div(active).unwrap_or(0));
         }
     }
 

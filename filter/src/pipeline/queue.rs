@@ -6,11 +6,19 @@
 //! request; the host then resumes each from its own context ([`super::Waiting::Slot`]). A
 //! stream that ends while it waits leaves the queue ([`super::Stream::end`]).
 //!
+//! In a class shared by flow ([`crate::shedding::flows`]), a request waits in its flow's fair
+//! queue instead of the class's line, and the tick gives a slot the in-flight count has room
+//! for to the waiter the fair queues say it is due to; a waiter another flow's request pushed
+//! out (its flow held the most when the class's queue was full) is shed at the tick.
+//!
 //! Nothing here calls the host.
 
 use super::stats::{self, increment, Stats};
 use super::{Clock, Env, Host, SharedStream, Shedding};
 use crate::primitives::time::MonoMillis;
+use crate::primitives::inflight::Permit;
+use crate::shedding::fair::{Claim, Place, Slot};
+use crate::shedding::flows::{Flows, Share};
 use crate::shedding::queue::{Leveler, LocalWaiters, NoRoom, Ticket};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
@@ -24,6 +32,8 @@ pub const TICK_MS: u64 = 10;
 pub struct Queued {
     /// Its place.
     pub ticket: Ticket,
+    /// In a class shared by flow: its fair queue (the ticket is its ticket there).
+    pub fair_queue: Option<usize>,
     /// When it started to wait.
     pub since: MonoMillis,
     /// When its wait ends.
@@ -43,6 +53,17 @@ pub enum Ready {
     Admitted,
     /// Its time ran out.
     Expired,
+    /// A request of a lighter flow took its place: its flow held the most of its class.
+    Evicted(Share),
+}
+
+/// A slot of a class shared by flow, held by an admitted request until its stream ends.
+#[derive(Debug)]
+pub struct FairSlot {
+    /// Its class.
+    pub class: usize,
+    /// The slot.
+    pub slot: Slot,
 }
 
 /// A parked stream: its context, when its wait ends, its state.
@@ -52,6 +73,8 @@ type Parked = (u32, MonoMillis, SharedStream);
 pub struct QueueStage {
     /// The proxy-wide queue.
     pub leveler: Leveler,
+    /// The fair queues of the classes shared by flow.
+    pub flows: Option<Flows>,
     local: RefCell<LocalWaiters>,
     /// By (class, ticket): the stream and when its wait ends.
     parked: RefCell<HashMap<(usize, u64), Parked>>,
@@ -60,19 +83,28 @@ pub struct QueueStage {
 }
 
 impl QueueStage {
-    /// The stage of `leveler`.
-    pub fn new(leveler: Leveler) -> QueueStage {
-        QueueStage { leveler, local: RefCell::default(), parked: RefCell::default(), deadlines: RefCell::default() }
+    /// The stage of `leveler`, with the fair queues of the classes shared by flow.
+    pub fn new(leveler: Leveler, flows: Option<Flows>) -> QueueStage {
+        QueueStage { leveler, flows, local: RefCell::default(), parked: RefCell::default(), deadlines: RefCell::default() }
     }
 
-    /// Whether a request of `class` must wait behind a waiter even if a slot is free.
+    /// Whether a request of `class` must wait behind a waiter even if a slot is free: one in
+    /// the proxy's line, or in the fair queues of another class ranked at least as high (in
+    /// its own class shared by flow, its fair queue decides).
     pub fn must_wait<H: Host>(&self, env: &Env<'_, H>, class: usize, now: MonoMillis) -> bool {
-        self.leveler.must_wait(env.store, class, now)
+        if self.leveler.must_wait(env.store, class, now) {
+            return true;
+        }
+        let Some(flows) = &self.flows else { return false };
+        let others = self.leveler.ahead(class).iter().filter(|c| **c != class);
+        others.filter_map(|c| flows.class(*c)).any(|fair| fair.read(env.store).waiting() > 0)
     }
 
     /// Requests waiting now, proxy-wide.
     pub fn waiting<H: Host>(&self, env: &Env<'_, H>, now: MonoMillis) -> u32 {
-        self.leveler.waiting(env.store, now)
+        let fair = self.flows.iter().flat_map(Flows::iter).map(|(_, class)| class.read(env.store).waiting());
+        let fair = fair.fold(0u32, |sum, w| sum.saturating_add(u32::try_from(w).unwrap_or(u32::MAX)));
+        self.leveler.waiting(env.store, now).saturating_add(fair)
     }
 
     /// A request of `class` takes a ticket (`Err`: it cannot wait).
@@ -80,7 +112,15 @@ impl QueueStage {
         let ticket = self.leveler.enter(env.store, env.vm, &mut self.local.borrow_mut(), class, now)?;
         increment(env.metrics, stats.class(class).queued);
         stats::add(env.metrics, stats.shedding.queue_length, 1);
-        Ok(Queued { ticket, since: now, until: now.plus_ms(ticket.wait_ms), end_of_stream, body: (0, false), ready: None })
+        Ok(Queued { ticket, fair_queue: None, since: now, until: now.plus_ms(ticket.wait_ms), end_of_stream, body: (0, false), ready: None })
+    }
+
+    /// A request of a class shared by flow waits in fair queue `queue` with `ticket` (its
+    /// ticket there).
+    pub fn enter_fair<H: Host>(&self, stats: &Stats, env: &Env<'_, H>, ticket: Ticket, queue: usize, end_of_stream: bool, now: MonoMillis) -> Queued {
+        increment(env.metrics, stats.class(ticket.class).queued);
+        stats::add(env.metrics, stats.shedding.queue_length, 1);
+        Queued { ticket, fair_queue: Some(queue), since: now, until: now.plus_ms(ticket.wait_ms), end_of_stream, body: (0, false), ready: None }
     }
 
     /// Parks the stream `context` of a request that took `queued`'s ticket.
@@ -100,10 +140,18 @@ impl QueueStage {
         self.parked.borrow().is_empty()
     }
 
-    /// Takes `(class, ticket)` off this VM's queue: the ticket leaves the record and the stream
-    /// is unparked (returned).
-    fn take<H: Host>(&self, stats: &Stats, env: &Env<'_, H>, class: usize, ticket: u64, now: MonoMillis) -> Option<(u32, SharedStream)> {
-        self.leveler.leave(env.store, env.vm, &mut self.local.borrow_mut(), class, ticket, now);
+    /// Takes `(class, ticket)` off this VM's queue: the ticket leaves the record (in a class
+    /// shared by flow, the waiter leaves the fair queue `fair_queue`; `None` when it has left
+    /// it already, admitted or pushed out) and the stream is unparked (returned).
+    fn take<H: Host>(&self, stats: &Stats, env: &Env<'_, H>, class: usize, ticket: u64, fair_queue: Option<usize>, now: MonoMillis) -> Option<(u32, SharedStream)> {
+        match self.flows.as_ref().and_then(|f| f.class(class)) {
+            Some(fair) => {
+                if let Some(queue) = fair_queue {
+                    fair.abandon(env.store, Place { queue, ticket });
+                }
+            }
+            None => self.leveler.leave(env.store, env.vm, &mut self.local.borrow_mut(), class, ticket, now),
+        }
         let (context, until, shared) = self.parked.borrow_mut().remove(&(class, ticket))?;
         self.deadlines.borrow_mut().remove(&(until, class, ticket));
         stats::add(env.metrics, stats.shedding.queue_length, -1);
@@ -114,7 +162,7 @@ impl QueueStage {
     pub fn abandon<H: Host>(&self, stats: &Stats, env: &Env<'_, H>, queued: &Queued) {
         let now = env.clock.now().mono;
         let Ticket { class, ticket, .. } = queued.ticket;
-        if self.take(stats, env, class, ticket, now).is_some() {
+        if self.take(stats, env, class, ticket, queued.fair_queue, now).is_some() {
             increment(env.metrics, stats.class(class).abandoned);
         }
     }
@@ -134,27 +182,97 @@ impl QueueStage {
             std::mem::replace(&mut *deadlines, later).into_iter().collect()
         };
         for (_, class, ticket) in expired {
-            if let Some((context, shared)) = self.take(stats, env, class, ticket, now) {
+            if let Some((context, shared)) = self.take(stats, env, class, ticket, self.fair_queue_of(class, ticket), now) {
                 increment(env.metrics, stats.class(class).timed_out);
-                mark(&shared, Ready::Expired, None);
+                mark(&shared, Ready::Expired, None, None);
                 ready.push((context, shared));
             }
         }
         let Some(shedder) = shedding.shedder.as_ref() else { return ready };
+        self.tick_fair(shedding, stats, env, &mut ready, now);
         loop {
             let next = self.leveler.next_up(env.store, env.vm, &self.local.borrow(), now);
             let Some((class, ticket)) = next else { break };
             let Ok(permit) = shedder.try_acquire(env.store, env.vm, &shedding.local, class, now) else { break };
-            match self.take(stats, env, class, ticket, now) {
+            match self.take(stats, env, class, ticket, None, now) {
                 Some((context, shared)) => {
                     increment(env.metrics, stats.class(class).dequeued);
-                    mark(&shared, Ready::Admitted, Some(permit));
+                    mark(&shared, Ready::Admitted, Some(permit), None);
                     ready.push((context, shared));
                 }
                 None => shedder.release(env.store, env.vm, permit, now),
             }
         }
         ready
+    }
+
+    /// The tick of the classes shared by flow: each of this VM's waiters to which its class's
+    /// fair queues give a free slot takes it, while the in-flight count has room; each one a
+    /// lighter flow's request pushed out is shed.
+    fn tick_fair<H: Host>(&self, shedding: &Shedding, stats: &Stats, env: &Env<'_, H>, ready: &mut Vec<(u32, SharedStream)>, now: MonoMillis) {
+        let (Some(flows), Some(shedder)) = (&self.flows, &shedding.shedder) else { return };
+        for (class, fair) in flows.iter() {
+            let waiters: Vec<Place> = {
+                let parked = self.parked.borrow();
+                let mut waiters: Vec<Place> = parked
+                    .iter()
+                    .filter(|((c, _), _)| *c == class)
+                    .filter_map(|((_, ticket), (_, _, shared))| fair_queue(shared).map(|queue| Place { queue, ticket: *ticket }))
+                    .collect();
+                waiters.sort_unstable_by_key(|p| p.ticket);
+                waiters
+            };
+            if waiters.is_empty() {
+                continue;
+            }
+            let record = fair.read(env.store);
+            for place in waiters {
+                if !record.holds(place) {
+                    let share = fair.share(env.store, place.queue);
+                    self.evicted(stats, env, class, place, share, ready, now);
+                    continue;
+                }
+                if !record.is_due(place) {
+                    continue;
+                }
+                let Ok(permit) = shedder.try_acquire(env.store, env.vm, &shedding.local, class, now) else { return };
+                match fair.claim(env.store, place, now) {
+                    Ok(Claim::Admitted(slot)) => match self.take(stats, env, class, place.ticket, None, now) {
+                        Some((context, shared)) => {
+                            increment(env.metrics, stats.class(class).dequeued);
+                            mark(&shared, Ready::Admitted, Some(permit), Some(FairSlot { class, slot }));
+                            ready.push((context, shared));
+                        }
+                        None => {
+                            fair.release(env.store, &slot, now);
+                            shedder.release(env.store, env.vm, permit, now);
+                        }
+                    },
+                    Ok(Claim::Gone) => {
+                        shedder.release(env.store, env.vm, permit, now);
+                        let share = fair.share(env.store, place.queue);
+                        self.evicted(stats, env, class, place, share, ready, now);
+                    }
+                    Ok(Claim::Waiting) | Err(_) => shedder.release(env.store, env.vm, permit, now),
+                }
+            }
+        }
+    }
+
+    /// The fair queue of this VM's waiter `(class, ticket)`, in a class shared by flow.
+    fn fair_queue_of(&self, class: usize, ticket: u64) -> Option<usize> {
+        self.parked.borrow().get(&(class, ticket)).and_then(|(_, _, shared)| fair_queue(shared))
+    }
+
+    /// A waiter of this VM that its fair queues no longer hold (pushed out, or past `max_wait`
+    /// there) is shed now.
+    #[allow(clippy::too_many_arguments)]
+    fn evicted<H: Host>(&self, stats: &Stats, env: &Env<'_, H>, class: usize, place: Place, share: Share, ready: &mut Vec<(u32, SharedStream)>, now: MonoMillis) {
+        if let Some((context, shared)) = self.take(stats, env, class, place.ticket, None, now) {
+            increment(env.metrics, stats.class(class).timed_out);
+            mark(&shared, Ready::Evicted(share), None, None);
+            ready.push((context, shared));
+        }
     }
 
     /// The configuration is retired: every wait ends now (no tick of it will run again).
@@ -164,9 +282,9 @@ impl QueueStage {
         let keys: Vec<(usize, u64)> = self.parked.borrow().keys().copied().collect();
         let mut ready = Vec::new();
         for (class, ticket) in keys {
-            if let Some((context, shared)) = self.take(stats, env, class, ticket, now) {
+            if let Some((context, shared)) = self.take(stats, env, class, ticket, self.fair_queue_of(class, ticket), now) {
                 increment(env.metrics, stats.class(class).timed_out);
-                mark(&shared, Ready::Expired, None);
+                mark(&shared, Ready::Expired, None, None);
                 ready.push((context, shared));
             }
         }
@@ -179,8 +297,14 @@ impl QueueStage {
     }
 }
 
-/// Marks a parked stream's wait over (with its in-flight permit, when it has a slot).
-fn mark(shared: &SharedStream, ready: Ready, permit: Option<crate::primitives::inflight::Permit>) {
+/// Marks a parked stream's wait over (with its in-flight permit, and in a class shared by flow
+/// its fair slot, when it has a slot).
+fn mark(shared: &SharedStream, ready: Ready, permit: Option<Permit>, slot: Option<FairSlot>) {
     let mut stream = shared.borrow_mut();
-    stream.wait_over(ready, permit);
+    stream.wait_over(ready, permit, slot);
+}
+
+/// The fair queue a parked stream waits in, if its class is shared by flow.
+fn fair_queue(shared: &SharedStream) -> Option<usize> {
+    shared.try_borrow().ok().and_then(|stream| stream.waiting_in_fair_queue())
 }

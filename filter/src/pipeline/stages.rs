@@ -24,7 +24,10 @@ use crate::primitives::time::Now;
 use super::decision::By;
 use super::delay::Delayed;
 use super::leased::Taken;
-use super::queue::{QueueStage, Queued};
+use super::queue::{FairSlot, QueueStage, Queued, Ready};
+use super::stats;
+use crate::shedding::fair::{Arrival, Victim};
+use crate::shedding::flows::FlowClass;
 use super::stats::{increment, Stats};
 
 impl Stream {
@@ -223,12 +226,14 @@ impl Stream {
     /// Load shedding: on this worker's loop lag, then on the proxy-wide in-flight count (taking
     /// a permit); returns the 503 of either. With a queue, a request the in-flight count would
     /// shed, or that finds a waiter ahead of it, waits instead (`queued` set) while its class's
-    /// queue has room.
+    /// queue has room. In a class shared by flow, its flow's fair queue decides
+    /// ([`Stream::shed_fairly`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn shed<H: Host, R: Request + ?Sized>(
         &mut self,
         shedding: &Shedding,
         waits: &Waits,
+        hasher: &KeyHasher,
         stats: &Stats,
         shadows: &Shadows,
         env: &Env<'_, H>,
@@ -257,6 +262,15 @@ impl Stream {
             }
         }
         let shedder = shedding.shedder.as_ref()?;
+        if let Some((stage, fair)) = waits.queue.as_ref().and_then(|q| Some(q).zip(q.flows.as_ref()?.class(class))) {
+            let flow = keys::hash_key(&fair.flow_key, hasher, |source| request.fetch(source)).unwrap_or(0);
+            if !shadow {
+                return self.shed_fairly(shedding, stage, fair, stats, env, class, flow, end_of_stream, now);
+            }
+            if self.would_wait_for_its_flow(fair, stats, env, class, flow, now) {
+                return None;
+            }
+        }
         let queue = waits.queue.as_ref().filter(|_| !shadow);
         if let Some(stage) = queue.filter(|stage| stage.must_wait(env, class, now)) {
             // Waiters come first: it waits behind them.
@@ -275,6 +289,7 @@ impl Stream {
                 if shadow {
                     increment(env.metrics, stats.class(class).shadow_shed);
                     self.decision.shadow(By::InFlight, None);
+                    self.give_back_fair_slot(waits, env, now);
                     return None;
                 }
                 if let Some(stage) = queue.filter(|_| !shed.contention) {
@@ -285,6 +300,106 @@ impl Stream {
                 self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
                 Some(replies::shed(shedder, &shed))
             }
+        }
+    }
+
+    /// Load shedding in a class shared by flow: the request takes a slot the in-flight count
+    /// has room for if its flow's fair queue is due one (no request of a flow holding less
+    /// waits), else waits in that queue; when the class's queue is full, the request shed is
+    /// the newest of the flow holding the most, which may be this one (its `503`) or a waiter
+    /// elsewhere (shed at its worker's next tick).
+    #[allow(clippy::too_many_arguments)]
+    fn shed_fairly<H: Host>(
+        &mut self,
+        shedding: &Shedding,
+        stage: &QueueStage,
+        fair: &FlowClass,
+        stats: &Stats,
+        env: &Env<'_, H>,
+        class: usize,
+        flow: u64,
+        end_of_stream: bool,
+        now: MonoMillis,
+    ) -> Option<Reply> {
+        let shedder = shedding.shedder.as_ref()?;
+        let contended = |this: &mut Stream, shed: crate::shedding::Shed| {
+            increment(env.metrics, stats.shedding.contention);
+            increment(env.metrics, stats.class(class).shed);
+            this.decision.refused(decision::Outcome::Shed, By::InFlight, None);
+            Some(replies::shed(shedder, &shed))
+        };
+        // Waiters of a class ranked above it in the proxy's line come first.
+        let permit = if stage.must_wait(env, class, now) {
+            None
+        } else {
+            match shedder.try_acquire(env.store, env.vm, &shedding.local, class, now) {
+                Ok(permit) => Some(permit),
+                Err(shed) if shed.contention => return contended(self, shed),
+                Err(_) => None,
+            }
+        };
+        let arrived = match fair.arrive(env.store, flow, permit.is_some(), now) {
+            Ok(arrived) => arrived,
+            Err(_) => {
+                if let Some(permit) = permit {
+                    shedder.release(env.store, env.vm, permit, now);
+                }
+                let in_flight = shedder.in_flight(env.store, env.vm, &shedding.local, now);
+                return contended(self, crate::shedding::Shed { in_flight, class, contention: true });
+            }
+        };
+        match arrived.arrival {
+            Arrival::Admitted(slot) => {
+                self.permit = permit;
+                self.fair_slot = Some(FairSlot { class, slot });
+                stats::set(env.metrics, stats.flow(class).flow_wait_ms, 0);
+                None
+            }
+            Arrival::Queued(place) | Arrival::Shed(Victim::Waiter { place, .. }) => {
+                if let Some(permit) = permit {
+                    shedder.release(env.store, env.vm, permit, now);
+                }
+                let ticket = crate::shedding::queue::Ticket { class, ticket: place.ticket, wait_ms: arrived.wait_ms };
+                let queued = stage.enter_fair(stats, env, ticket, place.queue, end_of_stream, now);
+                log::debug!("floodgate: waits for a slot of its flow's queue {place:?}");
+                self.wait = Some(Wait::Slot(queued));
+                None
+            }
+            Arrival::Shed(Victim::Arrival) => {
+                if let Some(permit) = permit {
+                    shedder.release(env.store, env.vm, permit, now);
+                }
+                increment(env.metrics, stats.class(class).shed);
+                increment(env.metrics, stats.flow(class).shed_by_flow);
+                let shed = crate::shedding::Shed { in_flight: shedder.in_flight(env.store, env.vm, &shedding.local, now), class, contention: false };
+                log::debug!("floodgate: shed, its flow holds the most {:?}", arrived.share);
+                self.decision.refused(decision::Outcome::Shed, By::Flow, None);
+                Some(replies::shed_by_flow(shedder, &shed, &arrived.share, None))
+            }
+        }
+    }
+
+    /// In shadow, in a class shared by flow: the request takes a slot of its flow's fair queue
+    /// (held while it holds an in-flight permit, so the class sees its load); returns whether
+    /// it would have waited for its flow instead of going on (counted as a shadow shed).
+    fn would_wait_for_its_flow<H: Host>(&mut self, fair: &FlowClass, stats: &Stats, env: &Env<'_, H>, class: usize, flow: u64, now: MonoMillis) -> bool {
+        let Ok((slot, due, share)) = fair.arrive_in_shadow(env.store, flow, now) else { return false };
+        if due {
+            self.fair_slot = Some(FairSlot { class, slot });
+            return false;
+        }
+        fair.release(env.store, &slot, now);
+        increment(env.metrics, stats.class(class).shadow_shed);
+        log::debug!("floodgate: in shadow, would wait for its flow {share:?}");
+        self.decision.shadow(By::Flow, None);
+        true
+    }
+
+    /// A request that holds a fair slot but no in-flight permit (in shadow, shed) gives it back.
+    fn give_back_fair_slot<H: Host>(&mut self, waits: &Waits, env: &Env<'_, H>, now: MonoMillis) {
+        let Some(held) = self.fair_slot.take() else { return };
+        if let Some(fair) = waits.queue.as_ref().and_then(|q| q.flows.as_ref()).and_then(|f| f.class(held.class)) {
+            fair.release(env.store, &held.slot, now);
         }
     }
 
@@ -323,12 +438,27 @@ impl Stream {
         }
     }
 
-    /// A request's wait for a slot ended without one (`waited_ms` long): the shed `503`.
-    pub(super) fn wait_ended<H: Host>(&mut self, shedding: &Shedding, stats: &Stats, env: &Env<'_, H>, queued: &Queued, waited_ms: u64, now: MonoMillis) -> Option<Reply> {
+    /// A request's wait for a slot ended without one (`waited_ms` long): the shed `503`; in a
+    /// class shared by flow, the one by flow when a lighter flow's request took its place or
+    /// its flow, holding the most, waited CoDel's `target`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn wait_ended<H: Host>(&mut self, shedding: &Shedding, waits: &Waits, stats: &Stats, env: &Env<'_, H>, queued: &Queued, waited_ms: u64, now: MonoMillis) -> Option<Reply> {
         let shedder = shedding.shedder.as_ref()?;
         let class = queued.ticket.class;
         increment(env.metrics, stats.class(class).shed);
         let shed = crate::shedding::Shed { in_flight: shedder.in_flight(env.store, env.vm, &shedding.local, now), class, contention: false };
+        let fair = waits.queue.as_ref().and_then(|q| q.flows.as_ref()).and_then(|f| f.class(class));
+        let by_flow = match (queued.ready, fair, queued.fair_queue) {
+            (Some(Ready::Evicted(share)), _, _) => Some(share),
+            (_, Some(fair), Some(queue)) if queued.ticket.wait_ms < fair.limits().max_wait_ms() => Some(fair.share(env.store, queue)),
+            _ => None,
+        };
+        if let Some(share) = by_flow {
+            increment(env.metrics, stats.flow(class).shed_by_flow);
+            log::debug!("floodgate: shed after waiting {waited_ms} ms, its flow holds the most {share:?}");
+            self.decision.refused(decision::Outcome::Shed, By::Flow, None);
+            return Some(replies::shed_by_flow(shedder, &shed, &share, Some(waited_ms)));
+        }
         log::debug!("floodgate: shed after waiting {waited_ms} ms {shed:?}");
         self.decision.refused(decision::Outcome::Shed, By::InFlight, None);
         Some(replies::shed_after_wait(shedder, &shed, waited_ms))

@@ -29,6 +29,10 @@
 //! | `<prefix>.load_shedding.<class>.queue_abandoned` | counter | of those, whose client went away while they waited |
 //! | `<prefix>.load_shedding.queue_length` | gauge | requests waiting for a slot now, proxy-wide (every worker moves it by its own waiters) |
 //! | `<prefix>.load_shedding.queue_wait_ms` | histogram | how long each waiting request waited, in milliseconds, until admitted or shed |
+//! | `<prefix>.load_shedding.<class>.flows` | gauge | flows active in the class, proxy-wide (its fair queues holding a slot or a waiter), refreshed every second (a class shared by flow: `flow`) |
+//! | `<prefix>.load_shedding.<class>.fair_share_ppm` | gauge | each active flow's fair share of the class's slots, in millionths (1 000 000 ÷ `flows`; 0 while none), refreshed every second (`flow`) |
+//! | `<prefix>.load_shedding.<class>.flow_wait_ms` | histogram | how long each admitted request of the class waited for its slot, in milliseconds (0 when admitted at once) (`flow`) |
+//! | `<prefix>.load_shedding.<class>.shed_by_flow` | counter | requests of the class shed because their flow held the most of it: the class's queue was full, or their wait in a standing queue (`target`) ended; also in `shed` (`flow`) |
 //! | `<prefix>.cluster.<cluster>.selected` | counter | requests routed to the cluster |
 //! | `<prefix>.cluster.<cluster>.success` | counter | of those, answered in time with a non-failure status |
 //! | `<prefix>.cluster.<cluster>.slow` | counter | answered successfully, slower than `concurrency_limit.timeout` |
@@ -251,6 +255,21 @@ metric_ids! {
 }
 
 metric_ids! {
+    /// Metric ids of one priority class shared by flow (`load_shedding.flow`, or the class's
+    /// own): `<prefix>.load_shedding.<class>.<name>`.
+    pub struct FlowStats {
+        /// Gauge: flows active in the class, proxy-wide (fair queues holding a slot or a waiter).
+        flows: Gauge "flows",
+        /// Gauge: each active flow's fair share of the class's slots, in millionths.
+        fair_share_ppm: Gauge "fair_share_ppm",
+        /// Histogram: how long each admitted request of the class waited for its slot, ms.
+        flow_wait_ms: Histogram "flow_wait_ms",
+        /// Requests shed because their flow held the most of the class.
+        shed_by_flow: Counter "shed_by_flow",
+    }
+}
+
+metric_ids! {
     /// Metric ids of load shedding as a whole: `<prefix>.load_shedding.<name>`. The per-key
     /// cap's are defined with the section, cap configured or not (as `shed_by_lag`).
     pub struct SheddingStats(shedding: &LoadShedding) {
@@ -393,6 +412,8 @@ pub struct Stats {
     pub rules: Vec<RuleStats>,
     /// Per priority class, in configuration order.
     pub classes: Vec<ClassStats>,
+    /// Per priority class, in configuration order: its flows', for a class shared by flow.
+    pub flows: Vec<FlowStats>,
     /// Load shedding's, when the section is there.
     pub shedding: SheddingStats,
     /// Per cluster, in configuration order.
@@ -425,6 +446,17 @@ impl Stats {
                 s.classes.iter().map(|c| ClassStats::define_named(metrics, &|name| format!("{prefix}.load_shedding.{}.{name}", c.name), s)).collect();
             (classes, SheddingStats::define_named(metrics, &|name| format!("{prefix}.load_shedding.{name}"), s))
         });
+        let flows = config.load_shedding.as_ref().filter(|s| levels(s)).map_or_else(Vec::new, |s| {
+            let shared = |index: usize| s.flow_of(index).is_some();
+            let define = |(index, class): (usize, &crate::config::PriorityClass)| {
+                if shared(index) {
+                    FlowStats::define_named(metrics, &|name| format!("{prefix}.load_shedding.{}.{name}", class.name))
+                } else {
+                    FlowStats::default()
+                }
+            };
+            s.classes.iter().enumerate().map(define).collect()
+        });
         let (clusters, selection) = config.cluster_selection.as_ref().map_or_else(Default::default, |s| {
             let clusters = s
                 .clusters
@@ -438,7 +470,7 @@ impl Stats {
         } else {
             GlobalStats::default()
         };
-        Stats { rules, classes, shedding, clusters, selection, global }
+        Stats { rules, classes, flows, shedding, clusters, selection, global }
     }
 
     /// The ids of cluster `index` (all absent for an unknown index).
@@ -454,6 +486,11 @@ impl Stats {
     /// The ids of priority class `index` (all absent for an unknown index).
     pub fn class(&self, index: usize) -> ClassStats {
         self.classes.get(index).copied().unwrap_or_default()
+    }
+
+    /// The flows' ids of class `index` (all absent for a class not shared by flow).
+    pub fn flow(&self, index: usize) -> FlowStats {
+        self.flows.get(index).copied().unwrap_or_default()
     }
 }
 
@@ -497,7 +534,7 @@ mod tests {
            "cost":{"from":"request_header","header":"x-units"}},
           {"name":"reported","key":["path"],"limit":9,"window":"1m","cost":{"from":"response_header","header":"x-units"}},
           {"name":"burst","key":["path"],"limit":10,"window":"1s","algorithm":"token_bucket","burst":5,"max_delay":"1s"}],
-        "load_shedding":{"max_active_requests":10,"max_loop_lag":"50ms","queue":{"max_queued":3,"max_wait":"1s"},
+        "load_shedding":{"max_active_requests":10,"max_loop_lag":"50ms","queue":{"max_queued":3,"max_wait":"1s"},"flow":{"key":[{"header":"x-client"}]},
           "classes":[{"name":"high","shed_at":1.0},{"name":"low","shed_at":0.5}],"default_class":"high",
           "per_key":{"key":[{"header":"x-client"}],"max_active_requests":2}},
         "cluster_selection":{"clusters":["a","outbound|80||b"]}}"#;
@@ -544,6 +581,7 @@ mod tests {
          Counter fg.load_shedding.high.queued\n\
          Counter fg.load_shedding.high.shadow_shed\n\
          Counter fg.load_shedding.high.shed\n\
+         Counter fg.load_shedding.high.shed_by_flow\n\
          Counter fg.load_shedding.high.shed_by_lag\n\
          Counter fg.load_shedding.low.dequeued\n\
          Counter fg.load_shedding.low.queue_abandoned\n\
@@ -551,6 +589,7 @@ mod tests {
          Counter fg.load_shedding.low.queued\n\
          Counter fg.load_shedding.low.shadow_shed\n\
          Counter fg.load_shedding.low.shed\n\
+         Counter fg.load_shedding.low.shed_by_flow\n\
          Counter fg.load_shedding.low.shed_by_lag\n\
          Counter fg.load_shedding.per_key.refused\n\
          Counter fg.load_shedding.per_key.shadow_refused\n\
@@ -607,7 +646,11 @@ mod tests {
          Gauge fg.global.view_keys\n\
          Gauge fg.lease.held\n\
          Gauge fg.lease.keys\n\
+         Gauge fg.load_shedding.high.fair_share_ppm\n\
+         Gauge fg.load_shedding.high.flows\n\
          Gauge fg.load_shedding.in_flight\n\
+         Gauge fg.load_shedding.low.fair_share_ppm\n\
+         Gauge fg.load_shedding.low.flows\n\
          Gauge fg.load_shedding.queue_length\n\
          Gauge fg.rate_limit.burst.reserved\n\
          Gauge fg.rate_limit.reported.reserved\n\
@@ -615,7 +658,9 @@ mod tests {
          Gauge fg.rate_limit.units.reserved\n\
          Histogram fg.lease.call_ms\n\
          Histogram fg.lease.wait_ms\n\
+         Histogram fg.load_shedding.high.flow_wait_ms\n\
          Histogram fg.load_shedding.loop_lag_ms\n\
+         Histogram fg.load_shedding.low.flow_wait_ms\n\
          Histogram fg.load_shedding.queue_wait_ms");
         let plain = r#"{"rate_limits":[{"name":"r","key":["path"],"limit":5,"window":"1m"}],
             "load_shedding":{"max_loop_lag":"50ms"}}"#;

@@ -32,6 +32,8 @@ pub struct Stream {
     pub(super) permit: Option<Permit>,
     /// Its unit of its key's cap (`load_shedding.per_key`).
     pub(super) key_permit: Option<KeyPermit>,
+    /// In a class shared by flow: its slot of the class's fair queues.
+    pub(super) fair_slot: Option<super::queue::FairSlot>,
     /// The chosen cluster's permit.
     pub(super) cluster_permit: Option<ClusterPermit>,
     /// The units it took of the leased rules' keys.
@@ -116,7 +118,7 @@ impl Stream {
 
     /// Whether it holds anything a stage gave it (for tests and the host's checks).
     pub fn holds_permits(&self) -> bool {
-        self.permit.is_some() || self.key_permit.is_some() || self.cluster_permit.is_some()
+        self.permit.is_some() || self.key_permit.is_some() || self.cluster_permit.is_some() || self.fair_slot.is_some()
     }
 
     /// The reply, in the request's protocol. A refused request gives its permits back at once:
@@ -399,6 +401,13 @@ impl Stream {
 
     /// Releases the in-flight and per-key permits (each once: taken out of the state).
     pub(super) fn release<H: Host>(&mut self, filter: &Filter, env: &Env<'_, H>, now: MonoMillis) {
+        // The fair slot before the in-flight permit: a class's record never counts fewer slots
+        // than the in-flight count holds for it, which its heartbeat relies on.
+        if let Some(held) = self.fair_slot.take() {
+            if let Some(fair) = filter.waits.queue.as_ref().and_then(|q| q.flows.as_ref()).and_then(|f| f.class(held.class)) {
+                fair.release(env.store, &held.slot, now);
+            }
+        }
         if let (Some(permit), Some(shedder)) = (self.permit.take(), filter.shedding.shedder.as_ref()) {
             shedder.release(env.store, env.vm, permit, now);
         }

@@ -1691,6 +1691,237 @@ fn shedding_in_shadow_never_queues() {
     assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 2);
 }
 
+// ---- fair shares between flows ----
+
+/// One class of `max_active` slots shared by the flow of header `x-key`, queues of one
+/// (each flow its own queue).
+fn fair(max_active: u32, max_queued: u32) -> Host {
+    let classes = serde_json::json!([{"name": "normal", "shed_at": 1.0}]);
+    Host::new(serde_json::json!({"load_shedding": {
+        "max_active_requests": max_active, "classes": classes,
+        "queue": {"max_queued": max_queued, "max_wait": "5s"},
+        "flow": {"key": [{"header": "x-key"}], "queues": 16, "hand_size": 2},
+    }}))
+}
+
+fn fair_record(host: &Host) -> crate::shedding::fair::FairClass {
+    host.filter.waits.queue.as_ref().unwrap().flows.as_ref().unwrap().class(0).unwrap().read(&host.store)
+}
+
+#[test]
+fn a_light_flow_passes_the_heavy_flows_waiters_and_no_slot_idles() {
+    let host = fair(2, 16);
+    let heavy: Vec<(u32, StreamCell, Step)> = (0..6).map(|_| host.send(&keyed("heavy"))).collect();
+    assert_eq!(heavy.iter().map(|(_, _, step)| status(step)).collect::<Vec<_>>(), [0, 0, 1, 1, 1, 1], "2 go, 4 wait");
+    assert!(!heavy[2].1.borrow().holds_permits());
+    let (light, light_stream, step) = host.send(&keyed("light"));
+    assert_eq!(status(&step), 1, "no slot is free");
+    assert_eq!(host.metric("floodgate.load_shedding.normal.queued"), 5);
+    // The first slot freed goes to the light flow, ahead of the heavy flow's older waiters.
+    host.end(heavy[0].0, &heavy[0].1, &OK);
+    host.clock.advance(10);
+    assert_eq!(slot_tick(&host, &keyed("light")), [(light, Step::Continue { route: None })]);
+    assert!(light_stream.borrow().holds_permits());
+    assert_eq!(decision(&light_stream).waited_ms, Some(10));
+    // The next one goes to the heavy flow's oldest waiter: the light flow holds one, as it asks.
+    host.end(heavy[1].0, &heavy[1].1, &OK);
+    host.clock.advance(10);
+    assert_eq!(slot_tick(&host, &keyed("heavy")), [(heavy[2].0, Step::Continue { route: None })]);
+    // A light request that finds the heavy flow holding the rest goes on as soon as its flow
+    // holds fewer: when the light flow's request ends, its next one passes the heavy waiters.
+    host.end(light, &light_stream, &OK);
+    let (again, again_stream, step) = host.send(&keyed("light"));
+    assert_eq!(status(&step), 0, "its flow holds none, the heavy one holds one: due to it at once");
+    assert_eq!(host.in_flight(), 2);
+    host.filter.heartbeat(&host.env());
+    assert_eq!(host.metric("floodgate.load_shedding.normal.flows"), 2);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.fair_share_ppm"), 500_000);
+    for (context, stream) in [(heavy[2].0, &heavy[2].1), (again, &again_stream)] {
+        host.end(context, stream, &OK);
+    }
+    for _ in 0..3 {
+        host.clock.advance(10);
+        for (context, _) in slot_tick(&host, &keyed("heavy")) {
+            let (_, stream, _) = heavy.iter().find(|(c, _, _)| *c == context).unwrap();
+            host.end(context, stream, &OK);
+        }
+    }
+    assert_eq!(host.in_flight(), 0);
+    let record = fair_record(&host);
+    assert_eq!((record.held(), record.waiting()), (0, 0), "every slot and place given back once");
+    assert_eq!(host.metric("floodgate.load_shedding.normal.dequeued"), 5);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shed"), 0);
+}
+
+/// Tenants `(name, requests kept outstanding)` in front of a class of `max_active` slots whose
+/// upstream answers after 1 s, for `run_ms`, one worker, time in steps of 1 ms and the root's
+/// tick every 10 ms: each client sends its next request 1 ms after its last one ended, was
+/// refused or was shed. Returns the requests each tenant got a slot for after the first second.
+fn closed_loop(max_active: u32, tenants: &[(&str, usize)], run_ms: u64) -> Vec<u64> {
+    const TICK: u64 = 10;
+    #[derive(Clone, Copy, PartialEq)]
+    enum Client {
+        Idle(u64),
+        Waiting(u32),
+        Served(u32, u64),
+    }
+    let host = fair(max_active, 64);
+    let mut clients: Vec<(usize, Client)> = tenants.iter().enumerate().flat_map(|(t, (_, n))| (0..*n).map(move |_| (t, Client::Idle(0)))).collect();
+    let mut streams: HashMap<u32, StreamCell> = HashMap::new();
+    let mut served = vec![0u64; tenants.len()];
+    for ms in 0..run_ms {
+        let admitted = |served: &mut Vec<u64>, tenant: usize| {
+            if ms >= 1_000 {
+                served[tenant] += 1;
+            }
+        };
+        if ms % TICK == 0 {
+            let ready: HashMap<u32, Step> = clients
+                .iter()
+                .filter_map(|(t, c)| match c {
+                    Client::Waiting(context) => Some((*context, *t)),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+                .first()
+                .map(|_| slot_tick(&host, &keyed("any")).into_iter().collect())
+                .unwrap_or_default();
+            for (tenant, client) in clients.iter_mut() {
+                let Client::Waiting(context) = *client else { continue };
+                match ready.get(&context) {
+                    Some(Step::Continue { .. }) => {
+                        admitted(&mut served, *tenant);
+                        *client = Client::Served(context, ms + 1_000);
+                    }
+                    Some(_) => {
+                        host.end(context, &streams.remove(&context).unwrap(), &OK);
+                        *client = Client::Idle(ms + 1);
+                    }
+                    None => {}
+                }
+            }
+        }
+        for (tenant, client) in clients.iter_mut() {
+            match *client {
+                Client::Served(context, until) if until <= ms => {
+                    host.end(context, &streams.remove(&context).unwrap(), &OK);
+                    *client = Client::Idle(ms + 1);
+                }
+                Client::Idle(at) if at <= ms => {
+                    let (context, stream, step) = host.send(&keyed(tenants[*tenant].0));
+                    match status(&step) {
+                        0 => {
+                            admitted(&mut served, *tenant);
+                            *client = Client::Served(context, ms + 1_000);
+                            streams.insert(context, stream);
+                        }
+                        1 => {
+                            *client = Client::Waiting(context);
+                            streams.insert(context, stream);
+                        }
+                        _ => {
+                            host.end(context, &stream, &OK);
+                            *client = Client::Idle(ms + 1);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        host.clock.advance(1);
+    }
+    served
+}
+
+#[test]
+fn tenants_that_retry_at_once_get_their_max_min_fair_shares() {
+    let served = closed_loop(6, &[("heavy", 16), ("medium", 4), ("light", 1)], 11_000);
+    let total: u64 = served.iter().sum();
+    println!("6 slots, 10 s: heavy, medium, light served {served:?} of {total}");
+    assert!(total >= 58, "the slots stay busy: {total}");
+    for (got, share) in served.iter().zip([2.5, 2.5, 1.0]) {
+        let expected = share / 6.0 * total as f64;
+        assert!((*got as f64 - expected).abs() <= 0.1 * expected, "{served:?}: {got} for a share of {expected:.1}");
+    }
+}
+
+#[test]
+fn a_full_class_sheds_the_heaviest_flows_newest_waiter_and_says_its_share() {
+    let host = fair(2, 3);
+    let heavy: Vec<(u32, StreamCell, Step)> = (0..5).map(|_| host.send(&keyed("heavy"))).collect();
+    assert_eq!(heavy.iter().map(|(_, _, step)| status(step)).collect::<Vec<_>>(), [0, 0, 1, 1, 1]);
+    // The queue is full: the light arrival waits, the heavy flow's newest waiter is pushed out.
+    let (light, light_stream, step) = host.send(&keyed("light"));
+    assert_eq!(status(&step), 1);
+    host.clock.advance(10);
+    let ended = slot_tick(&host, &keyed("heavy"));
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].0, heavy[4].0, "the newest of the flow holding the most");
+    let Step::Reply(LocalReply::Http(reply)) = &ended[0].1 else { panic!("{:?}", ended[0].1) };
+    assert_eq!(reply.status, 503);
+    let body: serde_json::Value = serde_json::from_str(&reply.body).unwrap();
+    assert_eq!((body["flow_in_flight"].as_u64(), body["flow_waiting"].as_u64(), body["flows"].as_u64()), (Some(2), Some(2), Some(2)));
+    assert_eq!(body["fair_share"].as_f64(), Some(1.0));
+    assert!(body["detail"].as_str().unwrap().contains("this request's flow holds the most"), "{body}");
+    assert_eq!(decision(&heavy[4].1).by, Some(By::Flow));
+    // A heavy arrival now is itself the newest of the flow holding the most: shed at once.
+    let (_, shed, step) = host.send(&keyed("heavy"));
+    assert_eq!(status(&step), 503);
+    assert_eq!(decision(&shed).by, Some(By::Flow));
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shed_by_flow"), 2);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shed"), 2);
+    // The light waiter gets the next slot.
+    host.end(heavy[0].0, &heavy[0].1, &OK);
+    host.clock.advance(10);
+    assert_eq!(slot_tick(&host, &keyed("light")), [(light, Step::Continue { route: None })]);
+    host.end(light, &light_stream, &OK);
+    for (context, stream, _) in &heavy[1..4] {
+        host.end(*context, stream, &Ended { status: None, flags: 0x4000 });
+    }
+    assert_eq!(host.in_flight(), 0);
+    let record = fair_record(&host);
+    assert_eq!((record.held(), record.waiting()), (0, 0));
+}
+
+#[test]
+fn a_request_without_the_flow_key_is_one_flow_and_a_class_without_a_flow_is_as_before() {
+    let classes = serde_json::json!([{"name": "fair", "shed_at": 1.0, "flow": {"key": [{"header": "x-key"}]}}, {"name": "plain", "shed_at": 1.0}]);
+    let host = Host::new(serde_json::json!({"load_shedding": {
+        "max_active_requests": 1, "classes": classes, "default_class": "plain",
+        "queue": {"max_queued": 4, "max_wait": "5s", "order": "fifo"},
+    }}));
+    let flows = host.filter.waits.queue.as_ref().unwrap().flows.as_ref().unwrap();
+    assert!(flows.class(0).is_some() && flows.class(1).is_none());
+    let (first, held, step) = host.send(&TestRequest::get("/").with("x-floodgate-priority", "fair"));
+    assert_eq!(status(&step), 0);
+    assert!(held.borrow().holds_permits());
+    let (plain, plain_stream, step) = host.send(&keyed("k"));
+    assert_eq!(status(&step), 1, "the plain class waits in the proxy's line");
+    host.end(first, &held, &OK);
+    host.clock.advance(10);
+    assert_eq!(slot_tick(&host, &keyed("k")), [(plain, Step::Continue { route: None })]);
+    host.end(plain, &plain_stream, &OK);
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
+fn flows_in_shadow_admit_everything_and_count_what_would_have_waited() {
+    let classes = serde_json::json!([{"name": "normal", "shed_at": 1.0}]);
+    let host = Host::new(serde_json::json!({"load_shedding": {
+        "max_active_requests": 2, "classes": classes, "mode": "shadow",
+        "queue": {"max_queued": 4, "max_wait": "5s"}, "flow": {"key": [{"header": "x-key"}]},
+    }}));
+    let sent: Vec<(u32, StreamCell, Step)> = (0..4).map(|_| host.send(&keyed("heavy"))).collect();
+    assert!(sent.iter().all(|(_, _, step)| status(step) == 0));
+    assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 2);
+    assert_eq!(host.metric("floodgate.load_shedding.normal.queued"), 0);
+    assert_eq!(decision(&sent[3].1).by, Some(By::Flow));
+    for (context, stream, _) in &sent {
+        host.end(*context, stream, &OK);
+    }
+    assert_eq!(fair_record(&host).held(), 0);
+}
+
 // ---- batched global scope: a key not learned asks the store ----
 
 fn batched(limit: u32) -> serde_json::Value {

@@ -180,8 +180,13 @@ impl Stream {
                 self.decision.waited_ms = Some(waited_ms);
                 stats::set(env.metrics, filter.stats.shedding.queue_wait_ms, waited_ms);
                 let reply = match queued.ready {
-                    Some(Ready::Admitted) => None,
-                    _ => self.wait_ended(&filter.shedding, &filter.stats, env, &queued, waited_ms, now.mono),
+                    Some(Ready::Admitted) => {
+                        if queued.fair_queue.is_some() {
+                            stats::set(env.metrics, filter.stats.flow(queued.ticket.class).flow_wait_ms, waited_ms);
+                        }
+                        None
+                    }
+                    _ => self.wait_ended(&filter.shedding, &filter.waits, &filter.stats, env, &queued, waited_ms, now.mono),
                 };
                 Some(Resumed { start: Start::After(Stage::Queue, reply.into()), end_of_stream: queued.end_of_stream, body: Some(queued.body) })
             }
@@ -320,14 +325,25 @@ impl Stream {
         }
     }
 
-    /// A waiting request's wait is over (`ready`; with a slot, its in-flight `permit`): the
-    /// host resumes it next ([`Waiting::Slot`]).
-    pub(crate) fn wait_over(&mut self, ready: Ready, permit: Option<Permit>) {
+    /// A waiting request's wait is over (`ready`; with a slot, its in-flight `permit`, and in
+    /// a class shared by flow its fair `slot`): the host resumes it next ([`Waiting::Slot`]).
+    pub(crate) fn wait_over(&mut self, ready: Ready, permit: Option<Permit>, slot: Option<super::queue::FairSlot>) {
         if let Some(Wait::Slot(queued)) = self.wait.as_mut() {
             queued.ready = Some(ready);
         }
         if permit.is_some() {
             self.permit = permit;
+        }
+        if slot.is_some() {
+            self.fair_slot = slot;
+        }
+    }
+
+    /// The fair queue it waits in, while it waits for a slot of a class shared by flow.
+    pub(crate) fn waiting_in_fair_queue(&self) -> Option<usize> {
+        match &self.wait {
+            Some(Wait::Slot(queued)) if queued.ready.is_none() => queued.fair_queue,
+            _ => None,
         }
     }
 

@@ -318,7 +318,7 @@ impl Stream {
                 let (health, watchdog) = (filter.config.health.as_ref(), filter.watchdog.as_ref());
                 self.endpoints(health, watchdog, &filter.shedding, &filter.selection, &filter.waits, env, request, now.mono).into()
             }
-            Stage::Shed => self.shed(&filter.shedding, &filter.waits, &filter.stats, &filter.shadows, env, request, pass.end_of_stream, now.mono).into(),
+            Stage::Shed => self.shed(&filter.shedding, &filter.waits, &filter.limits.hasher, &filter.stats, &filter.shadows, env, request, pass.end_of_stream, now.mono).into(),
             Stage::Queue => self.queue(),
             Stage::Cap => self.cap(&filter.shedding, &filter.limits.hasher, &filter.stats, &filter.shadows, env, request, now.mono).into(),
             Stage::Leased => {

@@ -30,6 +30,7 @@ use crate::ratelimit::{Cause, Limiter, RuleTable, Standing, Verdict, Violation};
 use crate::shedding::per_key::{CapRefusal, PerKeyCap};
 use crate::selection::{Confinement, Exhausted, Selector};
 use crate::shedding::lag::{LagMonitor, LagShed};
+use crate::shedding::flows::Share;
 use crate::shedding::{Classes, Shed, Shedder};
 use crate::primitives::time::UnixMillis;
 use crate::watchdog::{Liveness, Problem, Watchdog};
@@ -415,6 +416,34 @@ pub fn shed(shedder: &Shedder, shed: &Shed) -> Reply {
 /// none: the shed reply, saying how long it waited.
 pub fn shed_after_wait(shedder: &Shedder, shed: &Shed, waited_ms: u64) -> Reply {
     shed_reply(shedder, shed, Some(waited_ms))
+}
+
+/// The `503` of a request shed because its flow held the most of its class (the class's queue
+/// was full, or its wait in a standing queue ended; `waited_ms` when it waited): the shed reply,
+/// with the flow's share of the class.
+pub fn shed_by_flow(shedder: &Shedder, shed: &Shed, share: &Share, waited_ms: Option<u64>) -> Reply {
+    let class = shedder.classes.get(shed.class);
+    let class_name = class.map_or("", |c| c.name.as_str());
+    let fair_share = (share.fair_share() * 100.0).round() / 100.0;
+    let mut detail = format!(
+        "class \"{class_name}\" is full and this request's flow holds the most of it ({} in flight, {} waiting; a fair share is {fair_share} of its {} slots among {} flows); retry in {} s",
+        share.held, share.waiting, share.slots, share.flows.max(1), shedder.retry_after_secs
+    );
+    if let Some(waited) = waited_ms {
+        detail = format!("waited {waited} ms for a slot; {detail}");
+    }
+    let mut problem = ProblemDetails::unavailable(RefusalKind::Shed, detail, shedder.retry_after_secs)
+        .member("in_flight", shed.in_flight)
+        .member("max_active_requests", shedder.max_active_requests)
+        .member("class", class_name)
+        .member("flow_in_flight", share.held)
+        .member("flow_waiting", share.waiting)
+        .member("flows", share.flows.max(1))
+        .member("fair_share", fair_share);
+    if let Some(waited) = waited_ms {
+        problem = problem.member("waited_ms", waited);
+    }
+    problem.reply()
 }
 
 fn shed_reply(shedder: &Shedder, shed: &Shed, waited_ms: Option<u64>) -> Reply {

@@ -4,16 +4,19 @@
 //! it, and its record in shared data; time is passed in.
 //!
 //! Flows are shuffle-sharded onto `queues` queues: each flow is dealt a stable hand of
-//! `hand_size` of them ([`deal`], from the flow's hash) and a request joins the shortest queue
-//! of its hand (fewest slots held plus requests waiting; the hand's order among equals). The
-//! state is per queue, never per flow, so its size does not grow with the number of flows; two
-//! flows share a queue only where their hands meet, and a heavy flow spreads over its hand only.
+//! `hand_size` of them ([`deal`], from the flow's hash). A request joins the queue of its hand
+//! its flow already uses (holds a slot or waits in), else the shortest queue of its hand (fewest
+//! slots held plus requests waiting; the hand's order among equals), which its flow then uses
+//! while it is not empty. The state is per queue, never per flow (a queue notes only the flow
+//! that took it empty), so its size does not grow with the number of flows; two flows share a
+//! queue only when every queue of a hand is taken, and a heavy flow keeps to one queue, so it
+//! gets one queue's share, not one per queue of its hand.
 //!
 //! - **Admission.** A request for which a slot is free and no waiter is ahead goes on at once,
 //!   holding a [`Slot`] of its queue until [`FairClass::release`] gives it back.
 //! - **Dispatch.** A free slot goes to the head (oldest waiter) of the non-empty queue holding
-//!   the fewest slots; among equals, to the queue granted a slot least recently (round robin),
-//!   then to the oldest head. The record hands no slot to anyone: the waiter a slot is due to
+//!   the fewest slots; among equals, to the queue that gave one back least recently, then to the
+//!   queue granted one least recently (round robin), then to the oldest head. The record hands no slot to anyone: the waiter a slot is due to
 //!   takes it with [`FairClass::claim`] (from whichever worker it waits on); a newcomer goes on
 //!   at once only where this rule, had it been waiting, would pick it.
 //! - **Shedding.** When the class already has `max_queued` waiting, the request shed is the
@@ -29,11 +32,17 @@
 //! get all they ask and the others share the rest equally. Only admission makes a [`Slot`], one
 //! per request, and it is not `Clone`, so what a request gives back is the one slot it got.
 //!
-//! The round robin among equals matters where the counts cannot tell the queues apart: with one
-//! slot, every queue holds none when it frees. Oldest head first would then serve a heavy
-//! flow's standing backlog ahead of a light flow's newcomer: in the simulation of the property
-//! tests, a flow asking exactly its share got up to 6.5% of the class's throughput less than
-//! its share that way, and gets within 0.3% of it with the round robin.
+//! The order among equals matters where the counts cannot tell the queues apart. With one slot,
+//! every queue holds none when it frees: oldest head first would then serve a heavy flow's
+//! standing backlog ahead of a light flow's newcomer (in the simulation of the property tests,
+//! a flow asking exactly its share got up to 6.5% of the class's throughput less than its share
+//! that way, and gets within 0.3% of it with the round robin). With slots that two flows cannot
+//! share evenly (5 between two flows asking more), one holds one more than the other; when it
+//! gives that one back the two hold alike, and the slot goes to the other flow, which gave none
+//! back since: so the extra slot goes round. Granted least recently first instead keeps it where
+//! it is (the flow holding fewer is refilled at each of its own releases, so it is always the one
+//! granted last): tenants keeping 16 and 4 requests outstanding on 5 slots were served 28 to 22
+//! in the pipeline's simulation, and 24 to 26 going round.
 //!
 //! Sources: Kubernetes KEP-1040, "Priority and Fairness for API Server Requests" (API Priority
 //! and Fairness: shuffle-sharded queues within a priority level, each flow's hand, the shortest
@@ -45,11 +54,13 @@
 //! keeps no clock in the record.
 //!
 //! Record layout (little-endian): version `u8`, a zero byte, queue count `u16`, next ticket
-//! `u64`, slots granted so far `u64`; per queue its slots held `u32`, its waiter count `u32` and
-//! the count of slots granted when it was last granted one `u64` (0: never); then the waiters,
-//! queue by queue, oldest first, each its ticket `u64` and since when it waits (monotonic ms)
-//! `u64`. Its size is `20 + 16·queues + 16·waiting` bytes, at most [`MAX_RECORD_LEN`] (18 KB):
-//! 64 queues with 100 waiting take 2.6 KB, however many flows there are.
+//! `u64`, slots granted so far `u64`; per queue its slots held `u32`, its waiter count `u32`,
+//! the count of slots granted when it was last granted one `u64` (0: never), the hash of the
+//! flow that took it empty `u64`, and the count of slots granted when it last gave one back
+//! `u64` (0: never); then the waiters, queue by queue, oldest first, each its
+//! ticket `u64` and since when it waits (monotonic ms) `u64`. Its size is
+//! `20 + 32·queues + 16·waiting` bytes, at most [`MAX_RECORD_LEN`] (20 KB): 64 queues with 100
+//! waiting take 3.7 KB, however many flows there are.
 
 use crate::primitives::hash::deal;
 use crate::primitives::record::{DecodeError, Reader, Writer};
@@ -58,14 +69,14 @@ use std::collections::VecDeque;
 
 const RECORD_VERSION: u8 = 1;
 const HEADER_LEN: usize = 20;
-const QUEUE_LEN: usize = 16;
+const QUEUE_LEN: usize = 32;
 const WAITER_LEN: usize = 16;
 
 /// The most queues of a class.
-pub const MAX_QUEUES: usize = 128;
+pub const MAX_QUEUES: usize = crate::config::MAX_FLOW_QUEUES as usize;
 
 /// The most requests a class holds waiting (`max_queued` is capped to it), which bounds the record.
-pub const MAX_WAITING: usize = 1024;
+pub const MAX_WAITING: usize = crate::config::MAX_FLOW_QUEUED as usize;
 
 /// The longest record: [`MAX_QUEUES`] queues and [`MAX_WAITING`] waiters.
 pub const MAX_RECORD_LEN: usize = HEADER_LEN + QUEUE_LEN * MAX_QUEUES + WAITER_LEN * MAX_WAITING;
@@ -199,6 +210,10 @@ struct Waiter {
 pub struct Queue {
     held: u32,
     last_granted: u64,
+    /// The flow that took it empty (meaningless while it is empty).
+    flow: u64,
+    /// The count of slots granted when it last gave one back (0: never).
+    released: u64,
     waiters: VecDeque<Waiter>,
 }
 
@@ -226,6 +241,16 @@ impl Queue {
     /// The oldest waiter's ticket.
     pub fn head(&self) -> Option<u64> {
         self.waiters.front().map(|w| w.ticket)
+    }
+
+    /// Whether the flow of hash `flow_hash` uses it: it took it empty, and it is not empty.
+    pub fn is_used_by(&self, flow_hash: u64) -> bool {
+        self.load() > 0 && self.flow == flow_hash
+    }
+
+    /// The class's count of slots granted when it last gave one back (0: never).
+    pub fn released(&self) -> u64 {
+        self.released
     }
 
     /// The newest waiter's ticket.
@@ -289,17 +314,66 @@ impl FairClass {
         deck.into_iter().take(self.limits.hand_size).map(usize::from)
     }
 
-    /// A request of the flow of hash `flow_hash` arrives at `now`: it joins the shortest queue of
-    /// its hand and goes on at once if a free slot is due to it, else waits, or, when that makes
-    /// one waiter more than `max_queued`, the newest waiter of the queue holding the most is shed.
+    /// A request of the flow of hash `flow_hash` arrives at `now`: it joins its flow's queue
+    /// ([`FairClass::queue_of`]) and goes on at once if a free slot is due to it, else waits,
+    /// or, when that makes one waiter more than `max_queued`, the newest waiter of the queue
+    /// holding the most is shed.
     pub fn arrive(&mut self, flow_hash: u64, now: MonoMillis) -> Arrival {
+        self.arrive_as(flow_hash, now, true)
+    }
+
+    /// As [`FairClass::arrive`], but the request may not go on now even if a slot is due to it
+    /// (something outside the class, such as the in-flight limit of the whole proxy, has no
+    /// room): it waits, or is shed as there.
+    pub fn arrive_to_wait(&mut self, flow_hash: u64, now: MonoMillis) -> Arrival {
+        self.arrive_as(flow_hash, now, false)
+    }
+
+    /// In shadow: a request of the flow of hash `flow_hash` takes a slot of its flow's queue at
+    /// `now` whatever the class holds (so the class sees its load), and the answer says whether
+    /// it would have gone on at once.
+    pub fn arrive_in_shadow(&mut self, flow_hash: u64, now: MonoMillis) -> (Slot, bool) {
         self.expire(now);
-        let queue = self.hand(flow_hash).min_by_key(|q| self.queues.get(*q).map_or(u64::MAX, Queue::load)).unwrap_or(0);
+        let place = self.join(flow_hash, now);
+        let due = self.is_due(place);
+        (self.take(place), due)
+    }
+
+    /// The queue a request of the flow of hash `flow_hash` joins: the queue of its hand its flow
+    /// uses, else the shortest of its hand (the hand's order among equals).
+    pub fn queue_of(&self, flow_hash: u64) -> usize {
+        let own = self.hand(flow_hash).find(|q| self.queues.get(*q).is_some_and(|queue| queue.is_used_by(flow_hash)));
+        own.or_else(|| self.hand(flow_hash).min_by_key(|q| self.queues.get(*q).map_or(u64::MAX, Queue::load))).unwrap_or(0)
+    }
+
+    /// Queues in use (holding a slot or a waiter): the flows active, as far as the queues tell.
+    pub fn flows(&self) -> usize {
+        self.queues.iter().filter(|q| q.load() > 0).count()
+    }
+
+    /// Whether the class's queue stands: its oldest waiter has waited `interval_ms` by `now`.
+    pub fn standing(&self, interval_ms: u64, now: MonoMillis) -> bool {
+        self.queues.iter().filter_map(|q| q.waiters.front()).any(|w| now.saturating_since(w.since) >= interval_ms)
+    }
+
+    /// Joins the request of the flow of hash `flow_hash` to its flow's queue at `now`.
+    fn join(&mut self, flow_hash: u64, now: MonoMillis) -> Place {
+        let queue = self.queue_of(flow_hash);
         let place = Place { queue, ticket: self.next_ticket };
-        let Some(line) = self.queues.get_mut(queue) else { return Arrival::Shed(Victim::Arrival) };
-        line.waiters.push_back(Waiter { ticket: place.ticket, since: now });
+        if let Some(line) = self.queues.get_mut(queue) {
+            if line.load() == 0 {
+                line.flow = flow_hash;
+            }
+            line.waiters.push_back(Waiter { ticket: place.ticket, since: now });
+        }
         self.next_ticket = self.next_ticket.wrapping_add(1);
-        if self.is_due(place) {
+        place
+    }
+
+    fn arrive_as(&mut self, flow_hash: u64, now: MonoMillis, may_go: bool) -> Arrival {
+        self.expire(now);
+        let place = self.join(flow_hash, now);
+        if may_go && self.is_due(place) {
             return Arrival::Admitted(self.take(place));
         }
         if self.waiting() <= usize::try_from(self.limits.max_queued).unwrap_or(usize::MAX) {
@@ -335,6 +409,7 @@ impl FairClass {
         // A slot of a queue the class no longer has (its queues were reconfigured) is forgotten.
         if let Some(queue) = self.queues.get_mut(slot.queue) {
             queue.held = queue.held.saturating_sub(1);
+            queue.released = self.granted;
         }
         self.expire(now);
         self.dispatch(|_| false)
@@ -373,6 +448,18 @@ impl FairClass {
             .map(|(_, _, index)| index)
     }
 
+    /// Brings the slots held down to `held` at most, from the queues holding the most (slots
+    /// whose requests are known to be gone). Returns how many were forgotten.
+    pub fn forget_beyond(&mut self, held: u32) -> u32 {
+        let mut forgotten = 0u32;
+        while self.held() > held {
+            let Some(queue) = self.queues.iter_mut().max_by_key(|q| q.held) else { break };
+            queue.held = queue.held.saturating_sub(1);
+            forgotten = forgotten.saturating_add(1);
+        }
+        forgotten
+    }
+
     /// Drops the waiters that have waited `max_wait` by `now`. Returns how many.
     pub fn expire(&mut self, now: MonoMillis) -> usize {
         let max_wait_ms = self.limits.max_wait_ms;
@@ -406,9 +493,9 @@ impl FairClass {
                 .iter()
                 .zip(held.iter().zip(&walked).zip(&granted))
                 .enumerate()
-                .filter_map(|(index, (queue, ((held, walked), granted)))| queue.waiters.get(*walked).map(|w| (*held, *granted, w.ticket, index)))
+                .filter_map(|(index, (queue, ((held, walked), granted)))| queue.waiters.get(*walked).map(|w| (*held, queue.released, *granted, w.ticket, index)))
                 .min();
-            let Some((_, _, ticket, queue)) = next else { break };
+            let Some((_, _, _, ticket, queue)) = next else { break };
             if let (Some(held), Some(walked), Some(granted)) = (held.get_mut(queue), walked.get_mut(queue), granted.get_mut(queue)) {
                 *held = held.saturating_add(1);
                 *walked = walked.saturating_add(1);
@@ -452,6 +539,8 @@ impl FairClass {
             out.put_u32(queue.held);
             out.put_u32(u32::try_from(queue.waiters.len()).unwrap_or(u32::MAX));
             out.put_u64(queue.last_granted);
+            out.put_u64(queue.flow);
+            out.put_u64(queue.released);
         }
         for waiter in self.queues.iter().flat_map(|q| &q.waiters) {
             out.put_u64(waiter.ticket);
@@ -476,17 +565,19 @@ impl FairClass {
             let held = reader.u32()?;
             let waiting = usize::try_from(reader.u32()?).map_err(|_| DecodeError::Malformed)?;
             let last_granted = reader.u64()?;
-            if last_granted > granted {
+            let flow = reader.u64()?;
+            let released = reader.u64()?;
+            if last_granted > granted || released > granted {
                 return Err(DecodeError::Malformed);
             }
-            shapes.push((held, waiting, last_granted));
+            shapes.push((held, waiting, last_granted, flow, released));
         }
-        let waiting = shapes.iter().fold(0usize, |sum, (_, w, _)| sum.saturating_add(*w));
+        let waiting = shapes.iter().fold(0usize, |sum, (_, w, _, _, _)| sum.saturating_add(*w));
         if waiting > MAX_WAITING || reader.remaining() != waiting.saturating_mul(WAITER_LEN) {
             return Err(DecodeError::Malformed);
         }
         let mut queues = Vec::with_capacity(count);
-        for (held, waiting, last_granted) in shapes {
+        for (held, waiting, last_granted, flow, released) in shapes {
             let mut waiters = VecDeque::with_capacity(waiting);
             for _ in 0..waiting {
                 let ticket = reader.u64()?;
@@ -497,7 +588,7 @@ impl FairClass {
                 }
                 waiters.push_back(Waiter { ticket, since });
             }
-            queues.push(Queue { held, last_granted, waiters });
+            queues.push(Queue { held, last_granted, flow, released, waiters });
         }
         reader.end()?;
         Ok(FairClass { limits, next_ticket, granted, queues })
@@ -738,7 +829,7 @@ mod tests {
     }
 
     #[test]
-    fn a_flow_is_dealt_a_stable_hand_and_joins_its_shortest_queue() {
+    fn a_flow_is_dealt_a_stable_hand_and_keeps_to_the_queue_it_took_while_it_uses_it() {
         let mut class = class(16, 3, 100, 10);
         for flow in 0..200u64 {
             let hand: Vec<usize> = class.hand(flow).collect();
@@ -748,12 +839,71 @@ mod tests {
             assert_eq!(class.hand(flow).collect::<Vec<_>>(), hand, "stable");
         }
         let hand: Vec<usize> = class.hand(42).collect();
-        let mut joined: Vec<usize> = (0..6).map(|_| admitted(class.arrive(42, T0)).queue()).collect();
-        joined.sort_unstable();
-        let mut twice: Vec<usize> = hand.iter().chain(&hand).copied().collect();
-        twice.sort_unstable();
-        assert_eq!(joined, twice, "each queue of the hand in turn");
+        let mut slots: Vec<Slot> = (0..6).map(|_| admitted(class.arrive(42, T0))).collect();
+        assert!(slots.iter().all(|s| s.queue() == hand[0]), "one queue, the first of its hand");
+        assert_eq!((class.flows(), class.queue_of(42)), (1, hand[0]));
+        // Another flow whose hand starts with that queue takes the shortest other queue of its hand.
+        let other = (0u64..).find(|h| *h != 42 && class.hand(*h).next() == Some(hand[0])).unwrap();
+        let taken = admitted(class.arrive(other, T0)).queue();
+        assert_ne!(taken, hand[0]);
+        assert_eq!(class.queue_of(other), taken);
+        assert_eq!(class.flows(), 2);
+        // Once the first flow's queue is empty, it is anyone's again.
+        for slot in slots.drain(..) {
+            let _ = class.release(&slot, T0);
+        }
+        assert!(!class.queues()[hand[0]].is_used_by(42));
+        assert_eq!(class.queue_of(other), taken, "the other flow keeps its own");
         assert_eq!(FairClass::new(Limits::new(0, 9, 1, 1, 1)).hand(5).collect::<Vec<_>>(), vec![0], "bounds clamp");
+    }
+
+    #[test]
+    fn a_heavy_flow_dealt_several_queues_gets_one_share() {
+        let mut class = class(16, 4, 4, 40);
+        let heavy = 7u64;
+        let light = (0u64..).find(|h| class.hand(*h).all(|q| !class.hand(heavy).any(|own| own == q))).unwrap();
+        let mut heavy_slots: Vec<Slot> = (0..4).map(|_| admitted(class.arrive(heavy, T0))).collect();
+        let heavy_waiters: Vec<Place> = (0..12).map(|_| queued(class.arrive(heavy, T0))).collect();
+        assert!(heavy_waiters.iter().all(|w| w.queue == heavy_waiters[0].queue));
+        let light_waiter = queued(class.arrive(light, T0.plus_ms(1)));
+        assert_eq!(class.release(&heavy_slots.pop().unwrap(), T0.plus_ms(2)), Some(light_waiter));
+    }
+
+    #[test]
+    fn a_request_told_to_wait_waits_even_with_a_slot_due_to_it_and_in_shadow_every_request_takes_one() {
+        let mut class = class(8, 2, 2, 4);
+        let place = queued(class.arrive_to_wait(3, T0));
+        assert!(class.is_due(place));
+        let _slot = claimed(class.claim(place, T0));
+        let (first, due) = class.arrive_in_shadow(3, T0);
+        assert!(due, "a slot was free");
+        let (second, due) = class.arrive_in_shadow(3, T0);
+        assert!(!due, "none was");
+        assert_eq!((class.held(), class.waiting(), class.free()), (3, 0, 0));
+        assert_eq!(class.release(&first, T0), None);
+        assert_eq!(class.release(&second, T0), None);
+        assert_eq!(class.free(), 1);
+    }
+
+    #[test]
+    fn slots_beyond_the_proxy_wide_count_are_forgotten_from_the_queues_holding_most() {
+        let mut class = class(8, 1, 6, 4);
+        let (a, b) = (flow_to(&class, 0), flow_to(&class, 1));
+        let _a: Vec<Slot> = (0..4).map(|_| admitted(class.arrive(a, T0))).collect();
+        let _b = admitted(class.arrive(b, T0));
+        assert_eq!(class.forget_beyond(5), 0);
+        assert_eq!(class.forget_beyond(3), 2);
+        assert_eq!((class.queues()[0].held(), class.queues()[1].held()), (2, 1));
+    }
+
+    #[test]
+    fn a_class_stands_once_its_oldest_waiter_has_waited_the_interval() {
+        let mut class = class(8, 1, 1, 4);
+        let _slot = admitted(class.arrive(1, T0));
+        assert!(!class.standing(100, T0.plus_ms(500)), "no waiter");
+        let _place = queued(class.arrive(1, T0.plus_ms(10)));
+        assert!(!class.standing(100, T0.plus_ms(109)));
+        assert!(class.standing(100, T0.plus_ms(110)));
     }
 
     fn sample() -> FairClass {
@@ -770,7 +920,7 @@ mod tests {
         assert_eq!((class.held(), class.waiting()), (3, 6));
         let bytes = class.encode();
         assert_eq!(bytes.len(), class.encoded_len());
-        assert_eq!(bytes.len(), 20 + 5 * 16 + 6 * 16);
+        assert_eq!(bytes.len(), 20 + 5 * 32 + 6 * 16);
         assert_eq!(FairClass::decode(&bytes, class.limits()), Ok(class.clone()));
         for cut in 0..bytes.len() {
             assert!(FairClass::decode(&bytes[..cut], class.limits()).is_err(), "cut at {cut}");
@@ -796,8 +946,8 @@ mod tests {
             let _ = class.arrive(flow.wrapping_mul(0x2545_f491_4f6c_dd1d), T0);
         }
         assert_eq!((class.held(), class.waiting()), (256, 100));
-        assert_eq!(class.encode().len(), 20 + 64 * 16 + 100 * 16);
-        assert_eq!(MAX_RECORD_LEN, 18_452);
+        assert_eq!(class.encode().len(), 20 + 64 * 32 + 100 * 16);
+        assert_eq!(MAX_RECORD_LEN, 20_500);
         assert_eq!(Limits::new(1, 1, 1, u32::MAX, 1).max_queued(), 1024);
     }
 
@@ -1001,6 +1151,25 @@ mod tests {
                 per_queue[queue].1 += got;
             }
             let (demands, served): (Vec<u64>, Vec<u64>) = per_queue.iter().copied().unzip();
+            check_shares(&served, &demands, max_active)?;
+        }
+
+        #[test]
+        fn flows_dealt_hands_of_several_queues_get_their_max_min_fair_share(
+            max_active in 1u32..7,
+            hand_size in 2usize..6,
+            flows in proptest::collection::vec((any::<u64>(), 0u64..40), 1..6),
+        ) {
+            let limits = Limits::new(64, hand_size, max_active, 32, SERVICE_MS * PERIODS);
+            let probe = FairClass::new(limits);
+            let mut hashes: Vec<u64> = flows.iter().map(|(h, _)| *h).collect();
+            hashes.sort_unstable();
+            hashes.dedup();
+            prop_assume!(hashes.len() == flows.len());
+            // Each flow has a queue of its hand no other flow's hand starts with, so no two need share.
+            prop_assume!(flows.iter().all(|(h, _)| probe.hand(*h).any(|q| flows.iter().all(|(o, _)| o == h || !probe.hand(*o).any(|oq| oq == q)))));
+            let served = serve(limits, &flows, SERVICE_MS, SERVICE_MS * PERIODS)?;
+            let demands: Vec<u64> = flows.iter().map(|(_, d)| *d).collect();
             check_shares(&served, &demands, max_active)?;
         }
 

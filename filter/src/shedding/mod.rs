@@ -21,6 +21,7 @@
 //! Rationale: docs/design.md, section "Load shedding".
 
 pub mod fair;
+pub mod flows;
 pub mod lag;
 pub mod per_key;
 pub mod queue;

@@ -352,6 +352,12 @@ impl Leveler {
         (0..self.classes()).fold(0u32, |sum, class| sum.saturating_add(record.live_count(class, now)))
     }
 
+    /// The classes whose waiters come before or alongside a request of `class` (a threshold at
+    /// least its own), itself included.
+    pub fn ahead(&self, class: usize) -> &[usize] {
+        self.ahead.get(class).map_or(&[], Vec::as_slice)
+    }
+
     /// Whether a request of `class` must wait behind a waiter (of its class, or of a class
     /// whose threshold is at least its own) even if a slot is free.
     pub fn must_wait<S: SharedStore + ?Sized>(&self, store: &S, class: usize, now: MonoMillis) -> bool {

@@ -1,0 +1,190 @@
+//! Fair shares between flows (`load_shedding.flow`), end to end: the built module in a real
+//! Envoy (2 workers) in front of an upstream that answers after 1 s, so `max_active_requests`
+//! requests per second fit. Tenants (the flow key: header `x-tenant`) each keep a number of
+//! requests outstanding on connections of their own, and send the next one as soon as one ends,
+//! whatever its answer, for 10 s: a heavy tenant cannot take a light one's share, and no slot
+//! idles while a request waits. Each test starts its own Envoy.
+
+use std::time::{Duration, Instant};
+
+use floodgate_integration::*;
+
+const SERVICE: Duration = Duration::from_secs(1);
+const RUN: Duration = Duration::from_secs(10);
+
+/// One class (shed at the limit), the queue of the must-hold scenario (64 waiting, 5 s), and the
+/// classes' slots shared by tenant.
+fn fair_config(max_active: u32) -> Value {
+    json!({
+        "load_shedding": {
+            "max_active_requests": max_active,
+            "classes": [{"name": "normal", "shed_at": 1.0}],
+            "default_class": "normal",
+            "queue": {"max_queued": 64, "max_wait": "5s"},
+            "flow": {"key": [{"header": "x-tenant"}]}
+        },
+        "access_log": true
+    })
+}
+
+fn slow_upstream() -> Upstream {
+    Upstream::with_options(UpstreamOptions { delay: Some(SERVICE), count_header: Some("x-tenant".into()), ..UpstreamOptions::default() })
+}
+
+/// What one tenant got: its answers by status, the latency of each `200`, and how many of them
+/// ended within the steady part of the run (from one upstream time after the start to the
+/// run's end, while every tenant kept its requests outstanding).
+#[derive(Debug, Default)]
+struct Got {
+    served: u64,
+    refused: u64,
+    latencies: Vec<Duration>,
+    served_steady: u64,
+}
+
+impl Got {
+    fn median(&self) -> Duration {
+        let mut sorted = self.latencies.clone();
+        sorted.sort();
+        sorted.get(sorted.len() / 2).copied().unwrap_or_default()
+    }
+}
+
+/// Runs `tenants` (name, requests kept outstanding) against `addr` for `run`: each outstanding
+/// request is a task with a connection of its own that sends the next request at once. Returns
+/// each tenant's answers, in order.
+async fn run_tenants(addr: std::net::SocketAddr, tenants: &[(&'static str, usize)], run: Duration) -> Vec<Got> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for (index, (name, outstanding)) in tenants.iter().enumerate() {
+        for _ in 0..*outstanding {
+            let name = *name;
+            tasks.push((
+                index,
+                tokio::spawn(async move {
+                    let mut client = Client::connect(addr).await.expect("connect");
+                    let mut answers = Vec::new();
+                    while started.elapsed() < run {
+                        let sent = Instant::now();
+                        let offset = sent - started;
+                        let response = match client.get("/work", &[("x-tenant", name)]).await {
+                            Ok(response) => response,
+                            Err(_) => {
+                                // The connection closed (a refusal may close it): a new one.
+                                client = Client::connect(addr).await.expect("connect");
+                                continue;
+                            }
+                        };
+                        answers.push((response.status, offset, sent.elapsed()));
+                    }
+                    answers
+                }),
+            ));
+        }
+    }
+    let mut got: Vec<Got> = tenants.iter().map(|_| Got::default()).collect();
+    for (index, task) in tasks {
+        for (status, offset, latency) in task.await.expect("tenant task") {
+            let g = &mut got[index];
+            match status {
+                200 => {
+                    g.served += 1;
+                    g.latencies.push(latency);
+                    let ended = offset + latency;
+                    if ended >= SERVICE && ended <= run {
+                        g.served_steady += 1;
+                    }
+                }
+                503 => g.refused += 1,
+                other => panic!("unexpected status {other}"),
+            }
+        }
+    }
+    got
+}
+
+fn stat(envoy: &Envoy, what: &str) -> u64 {
+    envoy.stat(&format!("{STAT_PREFIX}.load_shedding.{what}")).unwrap_or(0)
+}
+
+/// The class is back to idle: nothing in flight or waiting, no VM failed.
+fn assert_idle(envoy: &Envoy) {
+    let in_flight = envoy.wait_for_stat(&format!("{STAT_PREFIX}.load_shedding.in_flight"), 0, Duration::from_secs(8));
+    let queue = envoy.wait_for_stat(&format!("{STAT_PREFIX}.load_shedding.queue_length"), 0, Duration::from_secs(8));
+    let flows = envoy.wait_for_stat(&format!("{STAT_PREFIX}.load_shedding.normal.flows"), 0, Duration::from_secs(8));
+    assert_eq!((in_flight, queue, flows), (Some(0), Some(0), Some(0)), "{}", envoy.stats_matching(STAT_PREFIX));
+    let failures = wasm_failures(&envoy.log());
+    assert!(failures.is_empty(), "{failures:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_light_tenant_is_never_refused_beside_a_heavy_one_and_the_slots_stay_busy() {
+    let upstream = slow_upstream();
+    let envoy = Envoy::builder(fair_config(4)).upstream(&upstream).with_access_log().start();
+    let got = run_tenants(envoy.addr(), &[("heavy", 16), ("light", 1)], RUN).await;
+    let (heavy, light) = (&got[0], &got[1]);
+    // From one upstream time in to the end of the run, the 4 slots can finish 4 requests per
+    // upstream time.
+    let served = heavy.served_steady + light.served_steady;
+    let capacity = 4.0 * (RUN - SERVICE).as_secs_f64() / SERVICE.as_secs_f64();
+    let utilization = served as f64 / capacity;
+    println!(
+        "max_active 4, upstream {SERVICE:?}, {RUN:?}: light served {} refused {} (median {:?}, slowest {:?}); heavy served {} refused {}; \
+         {served} served from {SERVICE:?} to {RUN:?}: {:.1}% of the capacity; upstream held at most {}; shed_by_flow {}",
+        light.served,
+        light.refused,
+        light.median(),
+        light.latencies.iter().max(),
+        heavy.served,
+        heavy.refused,
+        utilization * 100.0,
+        upstream.most_concurrent(),
+        stat(&envoy, "normal.shed_by_flow"),
+    );
+    assert_eq!(light.refused, 0, "the light tenant is never refused");
+    assert!(light.served >= 8, "it is served about once per upstream time: {}", light.served);
+    assert!(light.median() <= SERVICE + Duration::from_millis(100), "it waits at most one upstream time plus 100 ms in median: {:?}", light.median());
+    assert!(utilization >= 0.95, "the heavy tenant takes the rest: {:.3} of the capacity", utilization);
+    assert_eq!(upstream.most_concurrent(), 4);
+    assert_eq!(upstream.count_for("light"), light.served);
+    assert!(stat(&envoy, "normal.shed_by_flow") <= stat(&envoy, "normal.shed"));
+    // The heavy tenant's refusals name its flow and its share.
+    let logged = envoy.access_log(1);
+    assert!(logged.iter().any(|line| line["by"] == "flow"), "{logged:?}");
+    assert_idle(&envoy);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_tenants_are_served_in_proportion_to_their_max_min_fair_shares() {
+    let upstream = slow_upstream();
+    let envoy = Envoy::start(fair_config(6), &upstream);
+    let tenants = [("heavy", 16), ("medium", 4), ("light", 1)];
+    let got = run_tenants(envoy.addr(), &tenants, RUN).await;
+    // Max-min fair shares of 6 slots among demands of 16, 4 and 1: 2.5, 2.5 and 1; counted from
+    // one upstream time in to the end of the run, while all three keep their requests outstanding.
+    let shares = [2.5, 2.5, 1.0];
+    let total: u64 = got.iter().map(|g| g.served_steady).sum();
+    let report: Vec<String> = tenants
+        .iter()
+        .zip(&got)
+        .zip(shares)
+        .map(|(((name, outstanding), g), share)| {
+            format!(
+                "{name} ({outstanding} outstanding, share {share}): served {} ({} in the steady part: {:.3} of all), refused {}, median {:?}",
+                g.served,
+                g.served_steady,
+                g.served_steady as f64 / total as f64,
+                g.refused,
+                g.median()
+            )
+        })
+        .collect();
+    println!("max_active 6, upstream {SERVICE:?}, {RUN:?}: {}", report.join("; "));
+    for (((name, _), g), share) in tenants.iter().zip(&got).zip(shares) {
+        let expected = share / 6.0;
+        let got_share = g.served_steady as f64 / total as f64;
+        assert!((got_share - expected).abs() <= 0.15 * expected, "{name}: {got_share:.3} of the served, its fair share {expected:.3} (±15%): {report:?}");
+    }
+    assert_eq!(got[2].refused, 0, "the light tenant asks less than its share: never refused");
+    assert_idle(&envoy);
+}
