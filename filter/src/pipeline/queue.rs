@@ -226,16 +226,21 @@ impl QueueStage {
                 continue;
             }
             let record = fair.read(env.store);
+            // Once the in-flight count has no room, the waiters pushed out are still shed.
+            let mut room = true;
             for place in waiters {
                 if !record.holds(place) {
                     let share = fair.share(env.store, place.queue);
                     self.evicted(stats, env, class, place, share, ready, now);
                     continue;
                 }
-                if !record.is_due(place) {
+                if !room || !record.is_due(place) {
                     continue;
                 }
-                let Ok(permit) = shedder.try_acquire(env.store, env.vm, &shedding.local, class, now) else { return };
+                let Ok(permit) = shedder.try_acquire(env.store, env.vm, &shedding.local, class, now) else {
+                    room = false;
+                    continue;
+                };
                 match fair.claim(env.store, place, now) {
                     Ok(Claim::Admitted(slot)) => match self.take(stats, env, class, place.ticket, None, now) {
                         Some((context, shared)) => {

@@ -262,13 +262,9 @@ impl Stream {
             }
         }
         let shedder = shedding.shedder.as_ref()?;
-        if let Some((stage, fair)) = waits.queue.as_ref().and_then(|q| Some(q).zip(q.flows.as_ref()?.class(class))) {
-            let flow = keys::hash_key(&fair.flow_key, hasher, |source| request.fetch(source)).unwrap_or(0);
-            if !shadow {
-                return self.shed_fairly(shedding, stage, fair, stats, env, class, flow, end_of_stream, now);
-            }
-            if self.would_wait_for_its_flow(fair, stats, env, class, flow, now) {
-                return None;
+        if let Some(stage) = waits.queue.as_ref().filter(|q| q.flows.is_some()) {
+            if let Some(decided) = self.shed_by_flow_class(shedding, stage, hasher, stats, env, request, class, shadow, end_of_stream, now) {
+                return decided;
             }
         }
         let queue = waits.queue.as_ref().filter(|_| !shadow);
@@ -301,6 +297,32 @@ impl Stream {
                 Some(replies::shed(shedder, &shed))
             }
         }
+    }
+
+    /// Load shedding with flows: in a class shared by flow, the request's flow decides
+    /// ([`Stream::shed_fairly`]; in shadow, it only counts what it would have done); `None` for
+    /// a class without a flow key, and in shadow once counted, so the in-flight count decides.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
+    fn shed_by_flow_class<H: Host, R: Request + ?Sized>(
+        &mut self,
+        shedding: &Shedding,
+        stage: &QueueStage,
+        hasher: &KeyHasher,
+        stats: &Stats,
+        env: &Env<'_, H>,
+        request: &R,
+        class: usize,
+        shadow: bool,
+        end_of_stream: bool,
+        now: MonoMillis,
+    ) -> Option<Option<Reply>> {
+        let fair = stage.flows.as_ref()?.class(class)?;
+        let flow = keys::hash_key(&fair.flow_key, hasher, |source| request.fetch(source)).unwrap_or(0);
+        if !shadow {
+            return Some(self.shed_fairly(shedding, stage, fair, stats, env, class, flow, end_of_stream, now));
+        }
+        self.would_wait_for_its_flow(fair, stats, env, class, flow, now).then_some(None)
     }
 
     /// Load shedding in a class shared by flow: the request takes a slot the in-flight count

@@ -1884,6 +1884,25 @@ fn a_full_class_sheds_the_heaviest_flows_newest_waiter_and_says_its_share() {
 }
 
 #[test]
+fn a_grpc_call_shed_by_its_flow_gets_unavailable_with_pushback() {
+    let host = fair(1, 1);
+    let grpc = |tenant: &str| keyed(tenant).with("content-type", "application/grpc");
+    let (first, held, step) = host.send(&grpc("heavy"));
+    assert_eq!(status(&step), 0);
+    let (waiter, waiting, step) = host.send(&grpc("heavy"));
+    assert_eq!(status(&step), 1);
+    let (_, shed, step) = host.send(&grpc("heavy"));
+    let Step::Reply(LocalReply::Grpc(reply)) = &step else { panic!("{step:?}") };
+    assert_eq!(status(&step), 1014, "UNAVAILABLE");
+    assert!(reply.message.contains("this request's flow holds the most"), "{}", reply.message);
+    assert_eq!(reply.metadata.first().map(|(name, value)| (*name, value.as_str())), Some(("grpc-retry-pushback-ms", "1000")));
+    assert_eq!(decision(&shed).by, Some(By::Flow));
+    host.end(first, &held, &OK);
+    host.end(waiter, &waiting, &Ended { status: None, flags: 0x4000 });
+    assert_eq!(host.in_flight(), 0);
+}
+
+#[test]
 fn a_request_without_the_flow_key_is_one_flow_and_a_class_without_a_flow_is_as_before() {
     let classes = serde_json::json!([{"name": "fair", "shed_at": 1.0, "flow": {"key": [{"header": "x-key"}]}}, {"name": "plain", "shed_at": 1.0}]);
     let host = Host::new(serde_json::json!({"load_shedding": {
