@@ -205,13 +205,19 @@ async fn one_quota_over_the_fleet(nodes: &[&Redis], sync: &SyncService, label: &
     // exactly what the fleet admitted in this bucket.
     let total_admitted = all.get(&200).copied().unwrap_or(0);
     // Every worker has given its leases back once no worker keeps a key (the gauge is set at
-    // each heartbeat, before the give-backs go); a second more for the last ones to land.
+    // each heartbeat, before the give-backs go); then the last give-backs land (their calls go
+    // through floodgate-sync to Redis: on a busy machine, seconds), so Redis is read until it
+    // holds what the fleet admitted, for 10 s at most.
     let deadline = Instant::now() + Duration::from_secs(15);
     while lease_stat(&envoys, "keys") > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let in_redis = redis_total(nodes);
+    let landed = Instant::now() + Duration::from_secs(10);
+    let mut in_redis = redis_total(nodes);
+    while in_redis != total_admitted && Instant::now() < landed {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        in_redis = redis_total(nodes);
+    }
     println!("{label}: Redis holds {in_redis}, the fleet admitted {total_admitted}; granted {}, returned {}",
         lease_stat(&envoys, "granted"), lease_stat(&envoys, "returned"));
     for e in &envoys {

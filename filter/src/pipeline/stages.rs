@@ -299,9 +299,11 @@ impl Stream {
         }
     }
 
-    /// Load shedding with flows: in a class shared by flow, the request's flow decides
-    /// ([`Stream::shed_fairly`]; in shadow, it only counts what it would have done); `None` for
-    /// a class without a flow key, and in shadow once counted, so the in-flight count decides.
+    /// Load shedding with flows. In a class shared by flow its flow decides, and the answer is
+    /// `Some` of what [`Stream::shed_fairly`] decided; in shadow it is `Some(None)` for a
+    /// request that would have waited for its flow (counted; it goes on holding nothing). `None`
+    /// (the in-flight count decides) in a class without a flow key, and in shadow for a request
+    /// its flow let go (holding its fair slot).
     #[allow(clippy::too_many_arguments)]
     #[inline(never)]
     fn shed_by_flow_class<H: Host, R: Request + ?Sized>(
