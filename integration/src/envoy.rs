@@ -118,6 +118,9 @@ pub fn access_log() -> Value {
                 "by": state("by"),
                 "limit": state("limit"),
                 "remaining": state("remaining"),
+                "flow_in_flight": state("flow_in_flight"),
+                "flow_waiting": state("flow_waiting"),
+                "fair_share": state("fair_share"),
                 "cluster": state("cluster"),
                 "waited_ms": state("waited_ms"),
             }}

@@ -41,9 +41,16 @@ struct Got {
     refused: u64,
     latencies: Vec<Duration>,
     served_steady: u64,
+    /// When each `200` ended, from the run's start.
+    ended: Vec<Duration>,
 }
 
 impl Got {
+    /// How many `200`s ended from `from` to `to`.
+    fn served_between(&self, from: Duration, to: Duration) -> u64 {
+        self.ended.iter().filter(|&&e| e >= from && e < to).count() as u64
+    }
+
     fn median(&self) -> Duration {
         let mut sorted = self.latencies.clone();
         sorted.sort();
@@ -97,6 +104,7 @@ async fn run_tenants_from(addr: std::net::SocketAddr, tenants: &[(&'static str, 
                     g.served += 1;
                     g.latencies.push(latency);
                     let ended = offset + latency;
+                    g.ended.push(ended);
                     if ended >= steady_from && ended <= run {
                         g.served_steady += 1;
                     }
@@ -154,9 +162,17 @@ async fn a_light_tenant_is_never_refused_beside_a_heavy_one_and_the_slots_stay_b
     assert_eq!(upstream.most_concurrent(), 4);
     assert_eq!(upstream.count_for("light"), light.served);
     assert!(stat(&envoy, "normal.shed_by_flow") <= stat(&envoy, "normal.shed"));
-    // The heavy tenant's refusals name its flow and its share.
+    // The heavy tenant's refusals name its flow and its share: it asked more than a fair share.
     let logged = envoy.access_log(1);
-    assert!(logged.iter().any(|line| line["by"] == "flow"), "{logged:?}");
+    let by_flow: Vec<&Value> = logged.iter().filter(|line| line["by"] == "flow").collect();
+    assert!(!by_flow.is_empty(), "{logged:?}");
+    for line in &by_flow {
+        let held: u32 = line["flow_in_flight"].as_str().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+        let waiting: u32 = line["flow_waiting"].as_str().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+        let fair: f64 = line["fair_share"].as_str().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"));
+        assert_eq!(line["status"].to_string().trim_matches('"'), "503", "{line}");
+        assert!(fair > 0.0 && fair <= 4.0 && f64::from(held + waiting) > fair, "shed while asking more than its share: {line}");
+    }
     assert_idle(&envoy);
 }
 
@@ -229,34 +245,52 @@ async fn ten_thousand_flows_leave_memory_flat_and_the_three_tenants_their_shares
     let upstream = slow_upstream();
     let envoy = Envoy::start(fair_config(6), &upstream);
     let addr = envoy.addr();
-    // The three tenants for 18 s; 10 000 other flows pass through in the first seconds.
+    // The three tenants for 18 s; 10 000 other flows pass through from 1 s on, within 9 s, from 40
+    // connections (fewer than the class's queue holds beside the tenants' waiters).
+    let started = Instant::now();
     let tenants = tokio::spawn(async move { run_tenants_from(addr, &[("heavy", 16), ("medium", 4), ("light", 1)], Duration::from_secs(10), Duration::from_secs(18)).await });
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let warm = one_off_flows(addr, 1_000, 96).await;
+    let warm = one_off_flows(addr, 1_000, 40).await;
     let rss_warm = envoy.rss_bytes();
     let flooded = Instant::now();
-    let rest = one_off_flows(addr, 9_000, 96).await;
+    let rest = one_off_flows(addr, 9_000, 40).await;
     let flood_took = flooded.elapsed();
+    let flood_ended = started.elapsed();
     let rss_end = envoy.rss_bytes();
     let got = tenants.await.expect("tenants");
     let mib = |b: u64| b as f64 / (1024.0 * 1024.0);
     println!(
-        "10 000 one-off flows (first 1 000: answered {warm:?}; next 9 000 in {flood_took:?}: answered {rest:?}); Envoy RSS {:.1} MiB after 1 000, {:.1} MiB after 10 000",
+        "10 000 one-off flows (first 1 000: answered {warm:?}; next 9 000 in {flood_took:?}, ended {flood_ended:?} into the run: answered {rest:?}); Envoy RSS {:.1} MiB after 1 000, {:.1} MiB after 10 000",
         mib(rss_warm),
         mib(rss_end)
     );
-    assert!(flood_took < Duration::from_secs(9), "the flood ends before the steady part: {flood_took:?}");
+    assert!(flood_ended < Duration::from_secs(10), "the flood ends before the part measured after it: {flood_ended:?}");
     assert!(rss_end < rss_warm + 8 * 1024 * 1024, "Envoy's RSS grew {:.1} MiB over 9 000 flows", mib(rss_end) - mib(rss_warm));
-    // After the flood, the three tenants are served in proportion to their max-min fair shares.
+    let names = ["heavy", "medium", "light"];
+    // During the flood (from two upstream times in), some 40 one-off flows wait at any moment
+    // (a flow each, given up after 30 ms): a fair share is 6 slots among 43 flows, less than
+    // any of the three tenants asks, so the three are served alike, the light one as much as
+    // the heavy one, and none is refused but for the flows holding the most. A one-off flow,
+    // the lightest there is, is never shed.
+    let during = (2 * SERVICE, flood_ended);
+    let served_during: Vec<u64> = got.iter().map(|g| g.served_between(during.0, during.1)).collect();
+    let refused: Vec<u64> = got.iter().map(|g| g.refused).collect();
+    println!("during the flood ({:?} to {:?}): served {served_during:?} (heavy, medium, light); refused over the run {refused:?}", during.0, during.1);
+    assert_eq!(warm.get(&503).copied().unwrap_or(0) + rest.get(&503).copied().unwrap_or(0), 0, "a one-off flow is never shed");
+    assert_eq!(got[2].refused, 0, "the light tenant is never refused");
+    let most = served_during.iter().copied().max().unwrap_or(0);
+    assert!(most >= 4, "the tenants were served through the flood: {served_during:?}");
+    assert!(served_during.iter().all(|&s| 3 * s >= 2 * most), "the three tenants are served alike during the flood: {served_during:?}");
+    // After the flood, the three are served in proportion to their max-min fair shares.
     let shares = [2.5, 2.5, 1.0];
     let total: u64 = got.iter().map(|g| g.served_steady).sum();
-    let report: Vec<String> = ["heavy", "medium", "light"]
+    let report: Vec<String> = names
         .iter()
         .zip(&got)
         .map(|(name, g)| format!("{name}: served {} ({} from 10 s to 18 s), refused {}", g.served, g.served_steady, g.refused))
         .collect();
     println!("after the flood: {}", report.join("; "));
-    for ((name, g), share) in ["heavy", "medium", "light"].iter().zip(&got).zip(shares) {
+    for ((name, g), share) in names.iter().zip(&got).zip(shares) {
         let expected = share / 6.0;
         let got_share = g.served_steady as f64 / total as f64;
         assert!((got_share - expected).abs() <= 0.15 * expected, "{name}: {got_share:.3} of the served, its fair share {expected:.3} (±15%): {report:?}");

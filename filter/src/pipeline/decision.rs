@@ -1,11 +1,13 @@
 //! What floodgate decided about a request, as Envoy's access log shows it (`access_log`): the
 //! outcome, the mechanism or rule that decided it, the tightest rule's limit and remaining
-//! units, the chosen cluster, and how long it waited (for a slot, for its turn). The host writes [`Decision::fields`] into Envoy filter state
+//! units, for a request shed by its flow the flow's share, the chosen cluster, and how long it
+//! waited (for a slot, for its turn). The host writes [`Decision::fields`] into Envoy filter state
 //! (`wasm.<plugin name>.outcome`, ...) once the request is decided, so that two instances of the
 //! filter in one chain keep their own. No key appears: keys can be secrets.
 
 use super::Filter;
 use crate::ratelimit::Standing;
+use crate::shedding::flows::Share;
 
 /// How a request was decided.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -75,6 +77,10 @@ pub struct Names {
     by: String,
     limit: String,
     remaining: String,
+    flow_in_flight: String,
+    flow_waiting: String,
+    flows: String,
+    fair_share: String,
     cluster: String,
     waited_ms: String,
 }
@@ -88,6 +94,10 @@ impl Names {
             by: name("by"),
             limit: name("limit"),
             remaining: name("remaining"),
+            flow_in_flight: name("flow_in_flight"),
+            flow_waiting: name("flow_waiting"),
+            flows: name("flows"),
+            fair_share: name("fair_share"),
             cluster: name("cluster"),
             waited_ms: name("waited_ms"),
         }
@@ -103,6 +113,8 @@ pub struct Decision {
     pub by: Option<By>,
     /// The tightest rule's standing (the refusing rule's, for a refusal).
     pub standing: Option<(u32, u64)>,
+    /// For a request shed (or, in shadow, held back) by its flow: the flow's share of its class.
+    pub share: Option<Share>,
     /// The chosen cluster (an index in `cluster_selection.clusters`).
     pub cluster: Option<usize>,
     /// How long it waited, ms: for a slot (`load_shedding.queue`), then for its turn (a token
@@ -141,6 +153,20 @@ impl Decision {
         }
     }
 
+    /// Its flow held the most of its class, which stood at `share`: shed (or, in shadow, it
+    /// would have waited for its flow, unless a shadow refusal was named first).
+    pub fn by_flow(&mut self, outcome: Outcome, share: Share) {
+        if outcome == Outcome::ShadowRefused {
+            if self.outcome != Outcome::Admitted {
+                return;
+            }
+            self.shadow(By::Flow, None);
+        } else {
+            self.refused(outcome, By::Flow, None);
+        }
+        self.share = Some(share);
+    }
+
     /// The request was admitted by rules standing at `standings`: the tightest one's limit and
     /// remaining, unless a shadow refusal already named one.
     pub fn admitted<'s>(&mut self, standings: impl IntoIterator<Item = &'s Standing>) {
@@ -171,6 +197,12 @@ impl Decision {
         if let Some((limit, remaining)) = self.standing {
             fields.push((names.limit.as_str(), limit.to_string()));
             fields.push((names.remaining.as_str(), remaining.to_string()));
+        }
+        if let Some(share) = self.share {
+            fields.push((names.flow_in_flight.as_str(), share.held.to_string()));
+            fields.push((names.flow_waiting.as_str(), share.waiting.to_string()));
+            fields.push((names.flows.as_str(), share.flows.max(1).to_string()));
+            fields.push((names.fair_share.as_str(), share.fair_share_rounded().to_string()));
         }
         let cluster = self.cluster.and_then(|c| filter.config.cluster_selection.as_ref()?.clusters.get(c));
         if let Some(cluster) = cluster {

@@ -397,7 +397,7 @@ impl Stream {
                 increment(env.metrics, stats.flow(class).shed_by_flow);
                 let shed = crate::shedding::Shed { in_flight: shedder.in_flight(env.store, env.vm, &shedding.local, now), class, contention: false };
                 log::debug!("floodgate: shed, its flow holds the most {:?}", arrived.share);
-                self.decision.refused(decision::Outcome::Shed, By::Flow, None);
+                self.decision.by_flow(decision::Outcome::Shed, arrived.share);
                 Some(replies::shed_by_flow(shedder, &shed, &arrived.share, None))
             }
         }
@@ -415,7 +415,7 @@ impl Stream {
         fair.release(env.store, &slot, now);
         increment(env.metrics, stats.class(class).shadow_shed);
         log::debug!("floodgate: in shadow, would wait for its flow {share:?}");
-        self.decision.shadow(By::Flow, None);
+        self.decision.by_flow(decision::Outcome::ShadowRefused, share);
         true
     }
 
@@ -480,7 +480,7 @@ impl Stream {
         if let Some(share) = by_flow {
             increment(env.metrics, stats.flow(class).shed_by_flow);
             log::debug!("floodgate: shed after waiting {waited_ms} ms, its flow holds the most {share:?}");
-            self.decision.refused(decision::Outcome::Shed, By::Flow, None);
+            self.decision.by_flow(decision::Outcome::Shed, share);
             return Some(replies::shed_by_flow(shedder, &shed, &share, Some(waited_ms)));
         }
         log::debug!("floodgate: shed after waiting {waited_ms} ms {shed:?}");

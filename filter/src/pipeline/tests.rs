@@ -1701,7 +1701,7 @@ fn fair(max_active: u32, max_queued: u32) -> Host {
         "max_active_requests": max_active, "classes": classes,
         "queue": {"max_queued": max_queued, "max_wait": "5s"},
         "flow": {"key": [{"header": "x-key"}], "queues": 16, "hand_size": 2},
-    }}))
+    }, "access_log": true}))
 }
 
 fn fair_record(host: &Host) -> crate::shedding::fair::FairClass {
@@ -1864,6 +1864,10 @@ fn a_full_class_sheds_the_heaviest_flows_newest_waiter_and_says_its_share() {
     assert_eq!(body["fair_share"].as_f64(), Some(1.0));
     assert!(body["detail"].as_str().unwrap().contains("this request's flow holds the most"), "{body}");
     assert_eq!(decision(&heavy[4].1).by, Some(By::Flow));
+    // The access log names the flow's share as the body does.
+    let fields = decision(&heavy[4].1).fields(&host.filter, &host.filter.decision_names);
+    let field = |name: &str| fields.iter().find(|(n, _)| *n == format!("test.{name}")).map(|(_, v)| v.as_str());
+    assert_eq!([field("by"), field("flow_in_flight"), field("flow_waiting"), field("flows"), field("fair_share")], [Some("flow"), Some("2"), Some("2"), Some("2"), Some("1")]);
     // A heavy arrival now is itself the newest of the flow holding the most: shed at once.
     let (_, shed, step) = host.send(&keyed("heavy"));
     assert_eq!(status(&step), 503);
@@ -1935,6 +1939,9 @@ fn flows_in_shadow_admit_everything_and_count_what_would_have_waited() {
     assert_eq!(host.metric("floodgate.load_shedding.normal.shadow_shed"), 2);
     assert_eq!(host.metric("floodgate.load_shedding.normal.queued"), 0);
     assert_eq!(decision(&sent[3].1).by, Some(By::Flow));
+    assert_eq!(decision(&sent[3].1).outcome, decision::Outcome::ShadowRefused);
+    assert_eq!(decision(&sent[3].1).share.map(|s| (s.held, s.flows, s.slots)), Some((3, 1, 2)), "three held in shadow, the fourth among them");
+    assert_eq!(decision(&sent[0].1).share, None);
     for (context, stream, _) in &sent {
         host.end(*context, stream, &OK);
     }

@@ -424,7 +424,7 @@ pub fn shed_after_wait(shedder: &Shedder, shed: &Shed, waited_ms: u64) -> Reply 
 pub fn shed_by_flow(shedder: &Shedder, shed: &Shed, share: &Share, waited_ms: Option<u64>) -> Reply {
     let class = shedder.classes.get(shed.class);
     let class_name = class.map_or("", |c| c.name.as_str());
-    let fair_share = (share.fair_share() * 100.0).round() / 100.0;
+    let fair_share = share.fair_share_rounded();
     let mut detail = format!(
         "class \"{class_name}\" is full and this request's flow holds the most of it ({} in flight, {} waiting; a fair share is {fair_share} of its {} slots among {} flows); retry in {} s",
         share.held, share.waiting, share.slots, share.flows.max(1), shedder.retry_after_secs

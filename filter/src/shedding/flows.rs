@@ -47,6 +47,11 @@ impl Share {
     pub fn fair_share(&self) -> f64 {
         f64::from(self.slots) / f64::from(self.flows.max(1))
     }
+
+    /// [`Share::fair_share`] to two decimals, as a refusal and the access log show it.
+    pub fn fair_share_rounded(&self) -> f64 {
+        (self.fair_share() * 100.0).round() / 100.0
+    }
 }
 
 /// What became of an arriving request, with its flow's share as the class now stands.
