@@ -75,7 +75,9 @@ scripts/preflight.sh test
 
 # The fuzz targets build on their own toolchain and target directory (nightly, sanitizers; a few
 # minutes of compiling, installing nightly and cargo-fuzz first if missing) while the steps below
-# build and check; the fuzz step waits for that build, then fuzzes.
+# build and check; the fuzz step waits for that build, then fuzzes. For these 10 s per target it
+# is the dev build (fuzz/run.sh --dev: opt-level 1 in many codegen units, the same sanitizer and
+# instrumentation), which compiles in less CPU time than the optimized one that longer runs use.
 # timed LABEL COMMAND...: runs the command and prints, after it, its wall and CPU time (of the
 # command and what it waited for).
 timed() {
@@ -87,7 +89,7 @@ timed() {
 }
 
 fuzz_build_log=$(mktemp)
-timed "the fuzz build" fuzz/run.sh --build-only >"$fuzz_build_log" 2>&1 &
+timed "the fuzz build" fuzz/run.sh --dev --build-only >"$fuzz_build_log" 2>&1 &
 fuzz_build=$!
 
 # The programs the tests run beside the module (Envoy, Redis, grpcio and h2load, the LLM SDKs,
@@ -148,12 +150,33 @@ echo "prometheus: $prometheus"
 results=$(mktemp)
 trap 'rm -f "$results"; step_summary' EXIT
 
-# The other crates' tests in one cargo run (their dependencies built once, with one set of features):
-# the CLI's, the trim step's, what the benchmark tool reads from /proc (it times nothing here), and
-# floodgate-sync's against real redis-server processes (a single node and a local Redis Cluster),
-# and the Envoy harness's restart on a taken port (with a stand-in and with the real Envoy).
-step "unit tests: cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness, and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
-REDIS_SERVER="$redis" ENVOY_BIN="$envoy" cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-sync 2>&1 | tee -a "$results"
+# The other crates' tests: the CLI's, the trim step's, what the benchmark tool reads from /proc (it
+# times nothing here), floodgate-sync's against real redis-server processes (a single node and a
+# local Redis Cluster), the Envoy harness's restart on a taken port (with a stand-in and with the
+# real Envoy), and the integration suite's own unit tests (its src/, no Envoy). These cargo runs
+# and the integration suite's build below name the same packages: cargo settles the features of
+# the dependencies over the packages it is given, so with other packages named the suite's build
+# would compile tokio, hyper, serde and what depends on them once more. The tests of every
+# package named, but the integration suite's files (integration/tests/, which the lanes run):
+# the libraries' and binaries' unit tests, each other test target by name (from cargo metadata),
+# then the doc tests.
+step "unit tests: cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-integration (its src/), and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
+test_packages=(-p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-sync -p floodgate-integration)
+test_names=$(cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+packages = [p for p in json.load(sys.stdin)["packages"] if p["name"] in sys.argv[1:]]
+tests = {p["name"]: [t["name"] for t in p["targets"] if "test" in t["kind"]] for p in packages}
+suite = set(tests.pop("floodgate-integration"))
+for name in sorted(n for names in tests.values() for n in names):
+    if name in suite:
+        sys.exit(f"test.sh: the test {name} is named so in integration/tests/ too: --test {name} would run both")
+    print(name)
+' floodgate-cli floodgate-trim floodgate-bench floodgate-harness floodgate-sync floodgate-integration)
+test_targets=()
+for name in $test_names; do test_targets+=(--test "$name"); done
+((${#test_targets[@]} > 0)) || { echo "test.sh: cargo metadata named no test target" >&2; exit 1; }
+REDIS_SERVER="$redis" ENVOY_BIN="$envoy" cargo test "${test_packages[@]}" --lib --bins "${test_targets[@]}" 2>&1 | tee -a "$results"
+cargo test "${test_packages[@]}" --doc 2>&1 | tee -a "$results"
 
 # The global-scope tests run the floodgate-sync binary that the sync tests above built and ran
 # (target/debug/floodgate-sync; a `cargo build -p floodgate-sync` would build it again without the
@@ -178,7 +201,7 @@ sync_bin="$PWD/target/debug/floodgate-sync"
 # so a lane takes no cargo lock and rebuilds nothing while the other steps build.
 # --show-output: each passing test's printed figures (statuses, counters, timings) follow its
 # name in the log, so a CI log shows what was measured, not only that it passed.
-step "integration tests, built (cargo test -p floodgate-integration --no-run); the waiting lane starts"
+step "integration tests, built (cargo test -p floodgate-integration --no-run, with the packages above); the waiting lane starts"
 waiting_lane=(configs docs rollout reliability observability llm_sdk llm_global secure_store leased rules operator smoke)
 timing_lane=()
 for file in integration/tests/*.rs; do
@@ -189,24 +212,26 @@ for name in "${waiting_lane[@]}"; do
   [[ -f "integration/tests/$name.rs" ]] || { echo "test.sh: no integration test named $name" >&2; exit 1; }
 done
 built=$(mktemp)
-cargo test -p floodgate-integration --no-run 2>&1 | tee "$built"
-# The executables by name: lib (the harness's own tests, src/lib.rs) and each file of tests/.
+# The same packages as the unit tests above (their test executables are fresh, and listed too).
+cargo test "${test_packages[@]}" --no-run 2>&1 | tee "$built"
+# The executables by name: each file of integration/tests/ (the other packages' test targets
+# have other names: see test_targets above).
 declare -A executable=()
 while read -r source path; do
   case "$source" in
-    src/lib.rs) executable[lib]=$PWD/$path ;;
-    tests/*.rs) name=${source#tests/}; executable[${name%.rs}]=$PWD/$path ;;
+    tests/*.rs) name=${source#tests/} name=${name%.rs}
+      if [[ -f "integration/tests/$name.rs" ]]; then executable[$name]=$PWD/$path; fi ;;
   esac
 done < <(sed -nE 's/^ *Executable (unittests )?([^ ]+) \(([^)]+)\)$/\2 \3/p' "$built")
 rm -f "$built"
-for name in lib "${timing_lane[@]}" "${waiting_lane[@]}"; do
+for name in "${timing_lane[@]}" "${waiting_lane[@]}"; do
   [[ -x "${executable[$name]:-}" ]] || { echo "test.sh: cargo test --no-run named no executable for $name" >&2; exit 1; }
 done
 lanes=$(mktemp -d)
-# run_lane LANE ENVOY NAME...: runs each named test binary (a file of integration/tests/, or lib for
-# the harness's own tests), one after the other and each one test at a time, into $lanes/LANE; each
-# binary's wall time goes to $lanes/LANE.times. Every binary runs even after one failed; the
-# status is non-zero if any did. Before the operator's tests it waits for the static builds.
+# run_lane LANE ENVOY NAME...: runs each named test binary (a file of integration/tests/), one
+# after the other and each one test at a time, into $lanes/LANE; each binary's wall time goes to
+# $lanes/LANE.times. Every binary runs even after one failed; the status is non-zero if any did.
+# Before the operator's tests it waits for the static builds.
 run_lane() {
   local lane=$1 envoy_bin=$2 name started took status=0
   shift 2
@@ -225,10 +250,10 @@ run_lane() {
   return "$status"
 }
 echo "timing lane: ${timing_lane[*]}"
-echo "waiting lane: lib ${waiting_lane[*]}, then smoke on Envoy 1.36"
+echo "waiting lane: ${waiting_lane[*]}, then smoke on Envoy 1.36"
 (
   status=0
-  run_lane waiting "$envoy" lib "${waiting_lane[@]}" || status=$?
+  run_lane waiting "$envoy" "${waiting_lane[@]}" || status=$?
   if ((status == 0)); then
     echo "==> the smoke suite on Envoy 1.36 ($envoy_oldest)" >>"$lanes/waiting"
     echo "==> on Envoy 1.36:" >>"$lanes/waiting.times"
@@ -250,16 +275,16 @@ cargo clippy -p floodgate --lib --target wasm32-wasip1 -- -D warnings
 step "unit tests: cargo test -p floodgate"
 cargo test -p floodgate 2>&1 | tee -a "$results"
 
-step "fuzz: every target for 10 s (fuzz/run.sh, once its build, started after the preflight, is done)"
+step "fuzz: every target for 10 s (fuzz/run.sh --dev, once its build, started after the preflight, is done)"
 fuzz_build_status=0
 wait "$fuzz_build" || fuzz_build_status=$?
 cat "$fuzz_build_log"
 rm -f "$fuzz_build_log"
 if ((fuzz_build_status != 0)); then
-  echo "fuzz/run.sh --build-only failed (exit $fuzz_build_status)" >&2
+  echo "fuzz/run.sh --dev --build-only failed (exit $fuzz_build_status)" >&2
   exit 1
 fi
-fuzz/run.sh 10
+fuzz/run.sh --dev 10
 
 step "integration tests: the module in a real Envoy (the timing lane; the waiting lane, started $(((SECONDS - waiting_started) / 60)) min before, alongside), and the smoke suite on Envoy 1.36"
 timing_status=0 waiting_status=0

@@ -2,9 +2,13 @@
 # Fuzzes floodgate: runs every cargo-fuzz target (libFuzzer, AddressSanitizer, overflow checks)
 # for a bounded time and prints the executions of each.
 #
-#   fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...]     (default 25 s, every target)
-#   fuzz/run.sh --build-only                           (installs and builds, fuzzes nothing)
+#   fuzz/run.sh [--dev] [SECONDS_PER_TARGET] [TARGET...]     (default 25 s, every target)
+#   fuzz/run.sh [--dev] --build-only                           (installs and builds, fuzzes nothing)
 #
+# --dev builds the targets with the fuzz crate's dev profile (`cargo fuzz build --dev`, its own
+# build directory; opt-level 1 in many codegen units, fuzz/Cargo.toml): less compile time than the
+# optimized build (opt-level 3, one codegen unit per crate), fewer executions per second; for a
+# short run (test.sh's). The same sanitizer and instrumentation either way.
 # Installs what it needs: the nightly toolchain (rustup) and cargo-fuzz (crates.io) when missing.
 # Inputs: fuzz/seeds/<target>/ and fuzz/regressions/<target>/ (committed, read only), plus the
 # growing corpus fuzz/corpus/<target>/ (git-ignored; delete it to start over). A failing input
@@ -16,13 +20,17 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 fuzz_dir=fuzz
 build_only=
-if [[ "${1:-}" == --build-only ]]; then
-  build_only=1
+build=()
+while [[ "${1:-}" == --build-only || "${1:-}" == --dev ]]; do
+  case "$1" in
+    --build-only) build_only=1 ;;
+    --dev) build=(--dev) ;;
+  esac
   shift
-fi
+done
 secs=${1:-25}
 shift || true
-[[ "$secs" =~ ^[0-9]+$ && "$secs" -gt 0 ]] || { echo "usage: fuzz/run.sh [SECONDS_PER_TARGET] [TARGET...] | --build-only" >&2; exit 2; }
+[[ "$secs" =~ ^[0-9]+$ && "$secs" -gt 0 ]] || { echo "usage: fuzz/run.sh [--dev] [SECONDS_PER_TARGET] [TARGET...] | [--dev] --build-only" >&2; exit 2; }
 
 if ! rustup toolchain list | grep -q '^nightly'; then
   echo "fuzz/run.sh: installing the nightly toolchain" >&2
@@ -42,8 +50,8 @@ else
 fi
 [[ ${#targets[@]} -gt 0 ]] || { echo "fuzz/run.sh: no fuzz targets" >&2; exit 1; }
 
-echo "==> building ${#targets[@]} fuzz targets (cargo +nightly fuzz build)"
-cargo +nightly fuzz build --fuzz-dir "$fuzz_dir"
+echo "==> building ${#targets[@]} fuzz targets (cargo +nightly fuzz build ${build[*]})"
+cargo +nightly fuzz build "${build[@]}" --fuzz-dir "$fuzz_dir"
 [[ -z "$build_only" ]] || exit 0
 
 logs=$(mktemp -d)
@@ -55,7 +63,7 @@ fuzz_one() {
   local t=$1 status=0
   local extra=()
   [[ -f "$fuzz_dir/dicts/$t.dict" ]] && extra+=("-dict=$fuzz_dir/dicts/$t.dict")
-  cargo +nightly fuzz run --fuzz-dir "$fuzz_dir" "$t" \
+  cargo +nightly fuzz run "${build[@]}" --fuzz-dir "$fuzz_dir" "$t" \
     "$fuzz_dir/corpus/$t" "$fuzz_dir/seeds/$t" "$fuzz_dir/regressions/$t" -- \
     -max_total_time="$secs" -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 \
     -close_fd_mask=1 "${extra[@]}" >"$logs/$t.log" 2>&1 || status=$?
