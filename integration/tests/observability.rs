@@ -482,6 +482,7 @@ fn prometheus_series(page: &str) -> BTreeMap<(String, String), (String, String)>
 /// table, the one place the metrics are declared), for `prefix` and the given rules, classes
 /// and clusters (as metric-safe names), and the global scope's if `global`: (name, labels) →
 /// type, with or without the stats_tags.
+#[allow(clippy::too_many_arguments)]
 fn expected_series(
     prefix: &str,
     rules: &[&str],
@@ -490,6 +491,7 @@ fn expected_series(
     global: bool,
     leased: bool,
     tagged: bool,
+    flow_classes: Option<&[&str]>,
 ) -> BTreeMap<(String, String), String> {
     let table = read(&workspace_root().join("filter/src/pipeline/stats.rs"));
     let mut expected = BTreeMap::new();
@@ -508,30 +510,33 @@ fn expected_series(
         if (pattern.starts_with("global.") && !global) || (pattern.starts_with("lease.") && !leased) {
             continue;
         }
-        // Defined only for a token bucket with `max_delay`, with `load_shedding.queue` (and for a
-        // class with a flow key), or for a cost the upstream reports, which none of these
-        // configurations has.
-        let queue = [
-            ".queued", ".dequeued", ".queue_timeout", ".queue_abandoned", ".queue_length", ".queue_wait_ms",
-            ".flows", ".fair_share_ppm", ".flow_wait_ms", ".shed_by_flow",
-        ];
+        // Defined only for a token bucket with `max_delay`, or for a cost the upstream reports,
+        // which none of these configurations has; with `load_shedding.queue` (`flow_classes`
+        // `Some`), and for a class with a flow key (those it names).
+        let queue = [".queued", ".dequeued", ".queue_timeout", ".queue_abandoned", ".queue_length", ".queue_wait_ms"];
+        let flow = [".flows", ".fair_share_ppm", ".flow_wait_ms", ".shed_by_flow"];
         let reported = [".refunded", ".unreported", ".unreadable", ".unreadable_compressed"];
         if pattern.ends_with(".delayed")
             || pattern.ends_with(".delay_abandoned")
-            || queue.iter().chain(&reported).any(|q| pattern.ends_with(q))
+            || reported.iter().any(|q| pattern.ends_with(q))
+            || (flow_classes.is_none() && queue.iter().any(|q| pattern.ends_with(q)))
         {
             continue;
         }
+        let is_flow = flow.iter().any(|f| pattern.ends_with(f));
+        let classes = if is_flow { flow_classes.unwrap_or_default() } else { classes };
         let placeholders = [("<rule>", "rule", rules), ("<class>", "class", classes), ("<cluster>", "upstream_cluster", clusters)];
         let mut matched = false;
         for (placeholder, label, values) in placeholders {
             if let Some((before, after)) = pattern.split_once(placeholder) {
                 matched = true;
+                // A histogram is checked by its name_count series.
+                let count = if kind == "histogram" { "_count" } else { "" };
                 for value in values {
                     let key = if tagged {
-                        (flat(&format!("{before}{}", after.trim_start_matches('.'))), format!("{{{label}=\"{value}\"}}"))
+                        (format!("{}{count}", flat(&format!("{before}{}", after.trim_start_matches('.')))), format!("{{{label}=\"{value}\"}}"))
                     } else {
-                        (flat(&format!("{before}{value}{after}")), "{}".to_owned())
+                        (format!("{}{count}", flat(&format!("{before}{value}{after}"))), "{}".to_owned())
                     };
                     expected.insert(key, kind.clone());
                 }
@@ -620,7 +625,7 @@ fn stats_tags_give_one_metric_with_a_label_per_rule_class_and_cluster() {
         }
         let page = envoy.admin_get("/stats/prometheus");
         let (rules, classes, clusters) = (["per-api-key", "logins", "per-ip"], ["critical", "normal", "low"], ["zone-a", "zone-b", "zone-c"]);
-        let expected = expected_series("floodgate", &rules, &classes, &clusters, false, false, tagged);
+        let expected = expected_series("floodgate", &rules, &classes, &clusters, false, false, tagged, None);
         let series = prometheus_series(&page);
         let floodgate: BTreeMap<_, _> = series
             .iter()
@@ -660,8 +665,8 @@ fn stats_tags_give_one_metric_with_a_label_per_rule_class_and_cluster() {
 /// custom_bootstrap.json to Envoy with `--config-yaml`, merged into a bootstrap that has its
 /// own stats_config (use_all_default_tags false, its own tags, a stats_matcher that keeps
 /// `wasm*` stats). Here an Istio-like bootstrap of that shape, with awkward names (a stat_prefix
-/// other than floodgate, dots in a rule and a class, an Istio cluster name with `|`), and a
-/// global rule: every metric of stats.rs comes out with its label, and the bootstrap's own tag
+/// other than floodgate, dots in a rule and a class, an Istio cluster name with `|`), a global
+/// rule, and the queue with a class shared by flow (its per-class histogram among them): every metric of stats.rs comes out with its label, and the bootstrap's own tag
 /// and matcher still work.
 #[test]
 fn the_istio_bootstrap_override_labels_awkward_names_too() {
@@ -679,7 +684,8 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
             {"name": "fleet", "key": [{"header": "x-tenant"}], "limit": 100, "window": "1m", "scope": "global"},
             {"name": "paid", "key": [{"header": "x-tenant"}], "limit": 100, "window": "1m", "scope": "global", "consistency": "leased"}
         ],
-        "load_shedding": {"max_active_requests": 10, "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "batch.low", "shed_at": 0.5}], "default_class": "batch.low"},
+        "load_shedding": {"max_active_requests": 10, "classes": [{"name": "critical", "shed_at": 1.0}, {"name": "batch.low", "shed_at": 0.5, "flow": {"key": [{"header": "x-tenant"}]}}], "default_class": "batch.low",
+                          "queue": {"max_queued": 16, "max_wait": "1s"}},
         "cluster_selection": {"clusters": ["zone-a", istio_cluster]},
         "global": {"cluster": "floodgate-sync"}
     });
@@ -725,6 +731,7 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
         true,
         true,
         true,
+        Some(&["batch.low"]),
     );
     for ((name, labels), kind) in &expected {
         let found = series.get(&(name.clone(), labels.clone()));
@@ -736,7 +743,7 @@ fn the_istio_bootstrap_override_labels_awkward_names_too() {
         .map(|(key, _)| key)
         .collect();
     assert_eq!(edge.len(), expected.len(), "edge_ series beyond stats.rs's: {edge:?}");
-    for line in ["edge_rate_limit_rejected{rule=\"tenant.v2\"}", "edge_load_shedding_shed{class=\"batch.low\"}",
+    for line in ["edge_rate_limit_rejected{rule=\"tenant.v2\"}", "edge_load_shedding_shed{class=\"batch.low\"}", "edge_load_shedding_flow_wait_ms_count{class=\"batch.low\"}",
                  "edge_cluster_selected{upstream_cluster=\"outbound_80__reviews.shop.svc.cluster.local\"}"] {
         println!("{}", page.lines().find(|l| l.starts_with(line)).unwrap_or_else(|| panic!("{line}:\n{page}")));
     }

@@ -315,10 +315,10 @@ impl Filter {
         let mut excess = self.waits.flows_excess.borrow_mut();
         excess.resize(self.stats.flows.len(), 0);
         for (class, fair) in flows.iter() {
-            if let Some(before) = excess.get_mut(class) {
-                *before = fair.forget_beyond(env.store, in_flight, *before);
-            }
             let record = fair.read(env.store);
+            if let Some(before) = excess.get_mut(class) {
+                *before = fair.forget_beyond(env.store, &record, in_flight, *before);
+            }
             let active = u64::try_from(record.flows()).unwrap_or(u64::MAX);
             let ids = self.stats.flow(class);
             stats::set(env.metrics, ids.flows, active);

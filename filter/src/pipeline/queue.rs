@@ -18,7 +18,7 @@ use super::{Clock, Env, Host, SharedStream, Shedding};
 use crate::primitives::time::MonoMillis;
 use crate::primitives::inflight::Permit;
 use crate::shedding::fair::{Claim, Place, Slot};
-use crate::shedding::flows::{Flows, Share};
+use crate::shedding::flows::{share_of, Flows, Share};
 use crate::shedding::queue::{Leveler, LocalWaiters, NoRoom, Ticket};
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
@@ -230,7 +230,7 @@ impl QueueStage {
             let mut room = true;
             for place in waiters {
                 if !record.holds(place) {
-                    let share = fair.share(env.store, place.queue);
+                    let share = share_of(&record, place.queue);
                     self.evicted(stats, env, class, place, share, ready, now);
                     continue;
                 }

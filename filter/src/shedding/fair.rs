@@ -536,15 +536,10 @@ impl FairClass {
         out.put_u64(self.next_ticket);
         out.put_u64(self.granted);
         for queue in &self.queues {
-            out.put_u32(queue.held);
-            out.put_u32(u32::try_from(queue.waiters.len()).unwrap_or(u32::MAX));
-            out.put_u64(queue.last_granted);
-            out.put_u64(queue.flow);
-            out.put_u64(queue.released);
+            out.put(&queue.entry());
         }
         for waiter in self.queues.iter().flat_map(|q| &q.waiters) {
-            out.put_u64(waiter.ticket);
-            out.put_u64(waiter.since.0);
+            out.put(&join::<8, 2, WAITER_LEN>([waiter.ticket.to_le_bytes(), waiter.since.0.to_le_bytes()]));
         }
         out
     }
@@ -552,7 +547,8 @@ impl FairClass {
     /// Reads a record of a class of `limits`, refusing anything malformed or of another number
     /// of queues (the caller then starts from [`FairClass::new`]).
     pub fn decode(bytes: &[u8], limits: Limits) -> Result<FairClass, DecodeError> {
-        let mut reader = Reader::new(bytes);
+        let (header, rest) = bytes.split_first_chunk::<HEADER_LEN>().ok_or(DecodeError::Malformed)?;
+        let mut reader = Reader::new(header);
         let [version, zero, low, high] = reader.array::<4>()?;
         let count = usize::from(u16::from_le_bytes([low, high]));
         if version != RECORD_VERSION || zero != 0 || count != limits.queues {
@@ -560,39 +556,64 @@ impl FairClass {
         }
         let next_ticket = reader.u64()?;
         let granted = reader.u64()?;
-        let mut shapes = Vec::with_capacity(count);
-        for _ in 0..count {
-            let held = reader.u32()?;
-            let waiting = usize::try_from(reader.u32()?).map_err(|_| DecodeError::Malformed)?;
-            let last_granted = reader.u64()?;
-            let flow = reader.u64()?;
-            let released = reader.u64()?;
-            if last_granted > granted || released > granted {
-                return Err(DecodeError::Malformed);
-            }
-            shapes.push((held, waiting, last_granted, flow, released));
-        }
-        let waiting = shapes.iter().fold(0usize, |sum, (_, w, _, _, _)| sum.saturating_add(*w));
-        if waiting > MAX_WAITING || reader.remaining() != waiting.saturating_mul(WAITER_LEN) {
+        let (table, mut tail) = rest.split_at_checked(QUEUE_LEN.saturating_mul(count)).ok_or(DecodeError::Malformed)?;
+        let entries = table.chunks_exact(QUEUE_LEN).filter_map(|entry| entry.first_chunk::<QUEUE_LEN>());
+        let waiting = entries.clone().fold(0usize, |sum, entry| sum.saturating_add(usize::try_from(u32::from_le_bytes(part(entry, 4))).unwrap_or(usize::MAX)));
+        if waiting > MAX_WAITING || tail.len() != waiting.saturating_mul(WAITER_LEN) {
             return Err(DecodeError::Malformed);
         }
         let mut queues = Vec::with_capacity(count);
-        for (held, waiting, last_granted, flow, released) in shapes {
-            let mut waiters = VecDeque::with_capacity(waiting);
-            for _ in 0..waiting {
-                let ticket = reader.u64()?;
-                let since = MonoMillis(reader.u64()?);
+        for entry in entries {
+            let held = u32::from_le_bytes(part(entry, 0));
+            let waiters = usize::try_from(u32::from_le_bytes(part(entry, 4))).unwrap_or(usize::MAX);
+            let last_granted = u64::from_le_bytes(part(entry, 8));
+            let flow = u64::from_le_bytes(part(entry, 16));
+            let released = u64::from_le_bytes(part(entry, 24));
+            if last_granted > granted || released > granted {
+                return Err(DecodeError::Malformed);
+            }
+            let mut queue = Queue { held, last_granted, flow, released, waiters: VecDeque::with_capacity(waiters) };
+            for _ in 0..waiters {
+                let (waiter, rest) = tail.split_first_chunk::<WAITER_LEN>().ok_or(DecodeError::Malformed)?;
+                tail = rest;
+                let ticket = u64::from_le_bytes(part(waiter, 0));
+                let since = MonoMillis(u64::from_le_bytes(part(waiter, 8)));
                 // Oldest first, every ticket issued: anything else no writer makes.
-                if ticket >= next_ticket || waiters.back().is_some_and(|w: &Waiter| w.ticket >= ticket) {
+                if ticket >= next_ticket || queue.waiters.back().is_some_and(|w: &Waiter| w.ticket >= ticket) {
                     return Err(DecodeError::Malformed);
                 }
-                waiters.push_back(Waiter { ticket, since });
+                queue.waiters.push_back(Waiter { ticket, since });
             }
-            queues.push(Queue { held, last_granted, flow, released, waiters });
+            queues.push(queue);
         }
-        reader.end()?;
+        if queues.len() != count || !tail.is_empty() {
+            return Err(DecodeError::Malformed);
+        }
         Ok(FairClass { limits, next_ticket, granted, queues })
     }
+}
+
+impl Queue {
+    /// Its entry in the record.
+    fn entry(&self) -> [u8; QUEUE_LEN] {
+        let waiting = u32::try_from(self.waiters.len()).unwrap_or(u32::MAX);
+        let counts = join([self.held.to_le_bytes(), waiting.to_le_bytes()]);
+        join([counts, self.last_granted.to_le_bytes(), self.flow.to_le_bytes(), self.released.to_le_bytes()])
+    }
+}
+
+/// The `N` bytes of `entry` from `at` (an entry's fixed layout: every field is within it).
+fn part<const L: usize, const N: usize>(entry: &[u8; L], at: usize) -> [u8; N] {
+    entry.get(at..).and_then(|rest| rest.first_chunk::<N>()).copied().unwrap_or([0; N])
+}
+
+/// `M` arrays of `N` bytes, one after the other.
+fn join<const N: usize, const M: usize, const L: usize>(parts: [[u8; N]; M]) -> [u8; L] {
+    let mut out = [0u8; L];
+    for (chunk, part) in out.chunks_exact_mut(N).zip(parts) {
+        chunk.copy_from_slice(&part);
+    }
+    out
 }
 
 #[cfg(test)]

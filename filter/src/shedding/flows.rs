@@ -197,9 +197,9 @@ impl FlowClass {
     /// the last heartbeat found. Slots held beyond it at two heartbeats in a row were never
     /// given back (their worker is gone): forgets as many as both found, so they do not hold
     /// the class's capacity for ever, while a release between its two writes on another worker
-    /// is left alone. Returns the excess found now.
-    pub fn forget_beyond<S: SharedStore + ?Sized>(&self, store: &S, in_flight: u32, excess_before: u32) -> u32 {
-        let excess = self.read(store).held().saturating_sub(in_flight);
+    /// is left alone. `record` is the record as just read. Returns the excess found now.
+    pub fn forget_beyond<S: SharedStore + ?Sized>(&self, store: &S, record: &FairClass, in_flight: u32, excess_before: u32) -> u32 {
+        let excess = record.held().saturating_sub(in_flight);
         let lost = excess.min(excess_before);
         if lost > 0 {
             // Never below the in-flight count: another worker's heartbeat may have forgotten
@@ -215,7 +215,8 @@ impl FlowClass {
     }
 }
 
-fn share_of(class: &FairClass, queue: usize) -> Share {
+/// The share of the flow of the queue at `queue` in `class`.
+pub fn share_of(class: &FairClass, queue: usize) -> Share {
     let (held, waiting) = class.queues().get(queue).map_or((0, 0), |q| (q.held(), u32::try_from(q.waiting()).unwrap_or(u32::MAX)));
     Share {
         held,
