@@ -184,25 +184,28 @@ cargo test "${test_packages[@]}" --doc 2>&1 | tee -a "$results"
 sync_bin="$PWD/target/debug/floodgate-sync"
 [[ -x "$sync_bin" ]] || { echo "test.sh: cargo test -p floodgate-sync built no $sync_bin" >&2; exit 1; }
 
-# The integration suite runs in two lanes, each one test at a time: the timing and load tests in
-# one, and in the other the tests that mostly wait on something slower than the CPU (containers
-# starting, Envoy refusing or reloading a configuration, SDKs retrying, a Redis restart,
-# promtool) and whose bounds hold on a busy machine. Every test binary is in exactly one lane:
-# the second lane's are named below, the first takes the rest (the demo's walkthrough among them:
-# cluster selection learns a failing zone within a few requests of a tight loop; and the token
-# quotas' bodies: a 3 MiB request body must go on before Envoy's 1 MiB buffer fills). The waiting
-# lane starts as soon as the suite is built and runs while the lints, the filter's unit tests and
-# the fuzzing go on (the operator's tests, whose compose test needs the static build, run last); the
-# timing lane starts once those steps are done, so only the waiting lane runs beside it. A lane
-# runs every binary even after one fails, so its log shows every failure. The waiting lane then
-# runs the smoke suite (integration/tests/smoke.rs) on the oldest supported minor, Envoy 1.36 (the
-# lanes run it, with everything else, on the newest: docs/operations.md, "Compatibility").
+# The integration suite runs in two lanes, each one test at a time. The waiting tests, named
+# below, mostly wait on something slower than the CPU (containers starting, Envoy refusing or
+# reloading a configuration, SDKs retrying, a Redis restart, promtool) and their bounds hold on a
+# busy machine; the timing and load tests are the rest (the demo's walkthrough among them: cluster
+# selection learns a failing zone within a few requests of a tight loop; and the token quotas'
+# bodies: a 3 MiB request body must go on before Envoy's 1 MiB buffer fills). The waiting lane
+# starts as soon as the suite is built and runs the waiting tests while the lints, the filter's
+# unit tests and the fuzzing go on (the operator's tests, whose compose test needs the static
+# build, run last), then the smoke suite (integration/tests/smoke.rs) on the oldest supported
+# minor, Envoy 1.36 (the lanes run it, with everything else, on the newest: docs/operations.md,
+# "Compatibility"). The timing tests wait in one queue, the longest first (as last measured; a test
+# not in timing_order first of all): the timing lane starts on it once those steps are done, and
+# the waiting lane, done with its own, takes from it too (never before those steps are done, so a
+# timing test never runs beside a build, only beside one other test), so the two lanes end
+# together. A lane runs every binary even after one fails, so its log shows every failure.
 # Each lane runs the test binaries cargo built, directly (from integration/, as cargo test would),
 # so a lane takes no cargo lock and rebuilds nothing while the other steps build.
 # --show-output: each passing test's printed figures (statuses, counters, timings) follow its
 # name in the log, so a CI log shows what was measured, not only that it passed.
 step "integration tests, built (cargo test -p floodgate-integration --no-run, with the packages above); the waiting lane starts"
 waiting_lane=(configs docs rollout reliability observability llm_sdk llm_global secure_store leased rules operator smoke)
+timing_order=(watchdog global rate_limit cluster_selection grpc flows bulkhead load_shedding soak llm flood leveling token_bucket demo)
 timing_lane=()
 for file in integration/tests/*.rs; do
   name=$(basename "$file" .rs)
@@ -249,8 +252,35 @@ run_lane() {
   done
   return "$status"
 }
-echo "timing lane: ${timing_lane[*]}"
-echo "waiting lane: ${waiting_lane[*]}, then smoke on Envoy 1.36"
+# The queue of the timing tests: a file per test, named in the order they are taken; a lane takes
+# one by renaming it (a rename happens once, so no test runs twice).
+queue=$lanes/queue
+mkdir "$queue"
+queued=0
+enqueue() { printf -v entry '%03d-%s' "$queued" "$1"; : >"$queue/$entry"; queued=$((queued + 1)); }
+for name in "${timing_lane[@]}"; do
+  if [[ " ${timing_order[*]} " != *" $name "* ]]; then enqueue "$name"; fi
+done
+for name in "${timing_order[@]}"; do
+  if [[ " ${timing_lane[*]} " == *" $name "* ]]; then enqueue "$name"; fi
+done
+((queued == ${#timing_lane[@]})) || { echo "test.sh: the queue has $queued timing tests of ${#timing_lane[@]}" >&2; exit 1; }
+# run_queue LANE: runs the timing tests left in the queue, one after the other, in LANE.
+run_queue() {
+  local lane=$1 entry taken status=0
+  while :; do
+    taken=
+    for entry in "$queue"/[0-9]*; do
+      [[ -e "$entry" ]] || break
+      if mv "$entry" "$queue/taken-${entry##*/}" 2>/dev/null; then taken=${entry##*/}; break; fi
+    done
+    [[ -n "$taken" ]] || break
+    run_lane "$lane" "$envoy" "${taken#*-}" || status=1
+  done
+  return "$status"
+}
+echo "timing tests, longest first: $(cd "$queue" && ls | sed 's/^[0-9]*-//' | tr '\n' ' ')"
+echo "waiting lane: ${waiting_lane[*]}, then smoke on Envoy 1.36, then timing tests"
 (
   status=0
   run_lane waiting "$envoy" "${waiting_lane[@]}" || status=$?
@@ -259,6 +289,13 @@ echo "waiting lane: ${waiting_lane[*]}, then smoke on Envoy 1.36"
     echo "==> on Envoy 1.36:" >>"$lanes/waiting.times"
     run_lane waiting "$envoy_oldest" smoke || status=$?
   fi
+  # Timing tests only once the timing lane has started (this script stopped before: none).
+  while [[ ! -f "$lanes/timing-started" ]]; do
+    kill -0 $$ 2>/dev/null || exit "$status"
+    sleep 1
+  done
+  echo "==> timing tests:" >>"$lanes/waiting.times"
+  run_queue waiting || status=$?
   exit "$status"
 ) &
 waiting_pid=$!
@@ -286,9 +323,10 @@ if ((fuzz_build_status != 0)); then
 fi
 fuzz/run.sh --dev 10
 
-step "integration tests: the module in a real Envoy (the timing lane; the waiting lane, started $(((SECONDS - waiting_started) / 60)) min before, alongside), and the smoke suite on Envoy 1.36"
+step "integration tests: the module in a real Envoy (the timing lane; the waiting lane, started $(((SECONDS - waiting_started) / 60)) min before, alongside, then taking timing tests too), and the smoke suite on Envoy 1.36"
 timing_status=0 waiting_status=0
-run_lane timing "$envoy" "${timing_lane[@]}" || timing_status=$?
+: >"$lanes/timing-started"
+run_queue timing || timing_status=$?
 wait "$waiting_pid" || waiting_status=$?
 for lane in timing waiting; do
   printf '\n==> integration tests, %s lane\n' "$lane"

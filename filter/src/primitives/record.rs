@@ -1,6 +1,7 @@
 //! The byte codec of every record the filter keeps in shared data: fields little-endian, in
 //! layout order, read by a [`Reader`] that fails with [`DecodeError`] where the bytes end early
-//! and written by a [`Writer`] (a `Vec`, or a [`Fill`] over a buffer of fixed length). Each
+//! and written by a [`Writer`] (a `Vec`, or a [`Fill`] over a buffer of fixed length); a
+//! fixed-size entry is read with [`field`] and built with [`entry`] in one piece. Each
 //! record's layout, version and checks are its own module's; this one only moves the bytes, so
 //! a field is read exactly as it was written.
 
@@ -90,6 +91,21 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The `N` bytes of a fixed-size entry from `at` (a field of its layout; zeros past its end,
+/// which a layout within the entry never reaches).
+pub fn field<const L: usize, const N: usize>(entry: &[u8; L], at: usize) -> [u8; N] {
+    entry.get(at..).and_then(|rest| rest.first_chunk::<N>()).copied().unwrap_or([0; N])
+}
+
+/// A fixed-size entry of `M` fields of `N` bytes, in order (the first `L` bytes of them).
+pub fn entry<const N: usize, const M: usize, const L: usize>(fields: [[u8; N]; M]) -> [u8; L] {
+    let mut out = [0u8; L];
+    for (chunk, field) in out.chunks_exact_mut(N).zip(fields) {
+        chunk.copy_from_slice(&field);
+    }
+    out
+}
+
 /// Writes a record's fields in order.
 pub trait Writer {
     /// Appends `bytes`.
@@ -152,6 +168,15 @@ impl Writer for Fill<'_> {
 #[allow(clippy::indexing_slicing)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_fixed_size_entry_is_its_fields_in_order() {
+        let built: [u8; 12] = entry([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]);
+        assert_eq!(built, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+        assert_eq!(field::<12, 4>(&built, 4), [5, 6, 7, 8]);
+        assert_eq!(u64::from_le_bytes(field(&built, 4)), u64::from_le_bytes([5, 6, 7, 8, 9, 10, 11, 12]));
+        assert_eq!(field::<12, 4>(&built, 10), [0; 4], "past the end: zeros");
+    }
 
     #[test]
     fn fields_read_back_as_written_and_truncation_is_malformed() {

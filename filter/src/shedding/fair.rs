@@ -63,7 +63,7 @@
 //! waiting take 3.7 KB, however many flows there are.
 
 use crate::primitives::hash::deal;
-use crate::primitives::record::{DecodeError, Reader, Writer};
+use crate::primitives::record::{entry, field, DecodeError, Reader, Writer};
 use crate::primitives::time::MonoMillis;
 use std::collections::VecDeque;
 
@@ -539,7 +539,7 @@ impl FairClass {
             out.put(&queue.entry());
         }
         for waiter in self.queues.iter().flat_map(|q| &q.waiters) {
-            out.put(&join::<8, 2, WAITER_LEN>([waiter.ticket.to_le_bytes(), waiter.since.0.to_le_bytes()]));
+            out.put(&entry::<8, 2, WAITER_LEN>([waiter.ticket.to_le_bytes(), waiter.since.0.to_le_bytes()]));
         }
         out
     }
@@ -558,17 +558,17 @@ impl FairClass {
         let granted = reader.u64()?;
         let (table, mut tail) = rest.split_at_checked(QUEUE_LEN.saturating_mul(count)).ok_or(DecodeError::Malformed)?;
         let entries = table.chunks_exact(QUEUE_LEN).filter_map(|entry| entry.first_chunk::<QUEUE_LEN>());
-        let waiting = entries.clone().fold(0usize, |sum, entry| sum.saturating_add(usize::try_from(u32::from_le_bytes(part(entry, 4))).unwrap_or(usize::MAX)));
+        let waiting = entries.clone().fold(0usize, |sum, entry| sum.saturating_add(usize::try_from(u32::from_le_bytes(field(entry, 4))).unwrap_or(usize::MAX)));
         if waiting > MAX_WAITING || tail.len() != waiting.saturating_mul(WAITER_LEN) {
             return Err(DecodeError::Malformed);
         }
         let mut queues = Vec::with_capacity(count);
         for entry in entries {
-            let held = u32::from_le_bytes(part(entry, 0));
-            let waiters = usize::try_from(u32::from_le_bytes(part(entry, 4))).unwrap_or(usize::MAX);
-            let last_granted = u64::from_le_bytes(part(entry, 8));
-            let flow = u64::from_le_bytes(part(entry, 16));
-            let released = u64::from_le_bytes(part(entry, 24));
+            let held = u32::from_le_bytes(field(entry, 0));
+            let waiters = usize::try_from(u32::from_le_bytes(field(entry, 4))).unwrap_or(usize::MAX);
+            let last_granted = u64::from_le_bytes(field(entry, 8));
+            let flow = u64::from_le_bytes(field(entry, 16));
+            let released = u64::from_le_bytes(field(entry, 24));
             if last_granted > granted || released > granted {
                 return Err(DecodeError::Malformed);
             }
@@ -576,8 +576,8 @@ impl FairClass {
             for _ in 0..waiters {
                 let (waiter, rest) = tail.split_first_chunk::<WAITER_LEN>().ok_or(DecodeError::Malformed)?;
                 tail = rest;
-                let ticket = u64::from_le_bytes(part(waiter, 0));
-                let since = MonoMillis(u64::from_le_bytes(part(waiter, 8)));
+                let ticket = u64::from_le_bytes(field(waiter, 0));
+                let since = MonoMillis(u64::from_le_bytes(field(waiter, 8)));
                 // Oldest first, every ticket issued: anything else no writer makes.
                 if ticket >= next_ticket || queue.waiters.back().is_some_and(|w: &Waiter| w.ticket >= ticket) {
                     return Err(DecodeError::Malformed);
@@ -597,23 +597,9 @@ impl Queue {
     /// Its entry in the record.
     fn entry(&self) -> [u8; QUEUE_LEN] {
         let waiting = u32::try_from(self.waiters.len()).unwrap_or(u32::MAX);
-        let counts = join([self.held.to_le_bytes(), waiting.to_le_bytes()]);
-        join([counts, self.last_granted.to_le_bytes(), self.flow.to_le_bytes(), self.released.to_le_bytes()])
+        let counts = entry([self.held.to_le_bytes(), waiting.to_le_bytes()]);
+        entry([counts, self.last_granted.to_le_bytes(), self.flow.to_le_bytes(), self.released.to_le_bytes()])
     }
-}
-
-/// The `N` bytes of `entry` from `at` (an entry's fixed layout: every field is within it).
-fn part<const L: usize, const N: usize>(entry: &[u8; L], at: usize) -> [u8; N] {
-    entry.get(at..).and_then(|rest| rest.first_chunk::<N>()).copied().unwrap_or([0; N])
-}
-
-/// `M` arrays of `N` bytes, one after the other.
-fn join<const N: usize, const M: usize, const L: usize>(parts: [[u8; N]; M]) -> [u8; L] {
-    let mut out = [0u8; L];
-    for (chunk, part) in out.chunks_exact_mut(N).zip(parts) {
-        chunk.copy_from_slice(&part);
-    }
-    out
 }
 
 #[cfg(test)]
