@@ -74,10 +74,11 @@ step "preflight: what this machine needs (scripts/preflight.sh test)"
 scripts/preflight.sh test
 
 # The fuzz targets build on their own toolchain and target directory (nightly, sanitizers; a few
-# minutes of compiling, installing nightly and cargo-fuzz first if missing) while the steps below
-# build and check; the fuzz step waits for that build, then fuzzes. For these 10 s per target it
-# is the dev build (fuzz/run.sh --dev: opt-level 1 in many codegen units, the same sanitizer and
-# instrumentation), which compiles in less CPU time than the optimized one that longer runs use.
+# minutes of compiling, installing nightly and cargo-fuzz first if missing), then each is fuzzed
+# for 10 s, while the steps below build and check; the fuzz step, before the timing tests, waits
+# for it and shows its log. For these 10 s per target it is the dev build (fuzz/run.sh --dev:
+# opt-level 1 in many codegen units, the same sanitizer and instrumentation), which compiles in
+# less CPU time than the optimized one that longer runs use.
 # timed LABEL COMMAND...: runs the command and prints, after it, its wall and CPU time (of the
 # command and what it waited for).
 timed() {
@@ -88,9 +89,9 @@ timed() {
   return "$status"
 }
 
-fuzz_build_log=$(mktemp)
-timed "the fuzz build" fuzz/run.sh --dev --build-only >"$fuzz_build_log" 2>&1 &
-fuzz_build=$!
+fuzz_log=$(mktemp)
+timed "the fuzz build and run" fuzz/run.sh --dev 10 >"$fuzz_log" 2>&1 &
+fuzz_job=$!
 
 # The programs the tests run beside the module (Envoy, Redis, grpcio and h2load, the LLM SDKs,
 # Prometheus) are fetched in one background job, one script after the other (several install into
@@ -150,8 +151,9 @@ echo "prometheus: $prometheus"
 results=$(mktemp)
 trap 'rm -f "$results"; step_summary' EXIT
 
-# The other crates' tests: the CLI's, the trim step's, what the benchmark tool reads from /proc (it
-# times nothing here), floodgate-sync's against real redis-server processes (a single node and a
+# The crates' tests: the filter's (its pure core and pipeline, natively, and the fuzz
+# regressions), the CLI's, the trim step's, what the benchmark tool reads from /proc (it times
+# nothing here), floodgate-sync's against real redis-server processes (a single node and a
 # local Redis Cluster), the Envoy harness's restart on a taken port (with a stand-in and with the
 # real Envoy), and the integration suite's own unit tests (its src/, no Envoy). These cargo runs
 # and the integration suite's build below name the same packages: cargo settles the features of
@@ -160,8 +162,8 @@ trap 'rm -f "$results"; step_summary' EXIT
 # package named, but the integration suite's files (integration/tests/, which the lanes run):
 # the libraries' and binaries' unit tests, each other test target by name (from cargo metadata),
 # then the doc tests.
-step "unit tests: cargo test -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-integration (its src/), and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
-test_packages=(-p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-sync -p floodgate-integration)
+step "unit tests: cargo test -p floodgate -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-integration (its src/), and floodgate-sync's tests against real redis-server processes (-p floodgate-sync)"
+test_packages=(-p floodgate -p floodgate-cli -p floodgate-trim -p floodgate-bench -p floodgate-harness -p floodgate-sync -p floodgate-integration)
 test_names=$(cargo metadata --no-deps --format-version 1 | python3 -c '
 import json, sys
 packages = [p for p in json.load(sys.stdin)["packages"] if p["name"] in sys.argv[1:]]
@@ -171,7 +173,7 @@ for name in sorted(n for names in tests.values() for n in names):
     if name in suite:
         sys.exit(f"test.sh: the test {name} is named so in integration/tests/ too: --test {name} would run both")
     print(name)
-' floodgate-cli floodgate-trim floodgate-bench floodgate-harness floodgate-sync floodgate-integration)
+' floodgate floodgate-cli floodgate-trim floodgate-bench floodgate-harness floodgate-sync floodgate-integration)
 test_targets=()
 for name in $test_names; do test_targets+=(--test "$name"); done
 ((${#test_targets[@]} > 0)) || { echo "test.sh: cargo metadata named no test target" >&2; exit 1; }
@@ -190,8 +192,8 @@ sync_bin="$PWD/target/debug/floodgate-sync"
 # busy machine; the timing and load tests are the rest (the demo's walkthrough among them: cluster
 # selection learns a failing zone within a few requests of a tight loop; and the token quotas'
 # bodies: a 3 MiB request body must go on before Envoy's 1 MiB buffer fills). The waiting lane
-# starts as soon as the suite is built and runs the waiting tests while the lints, the filter's
-# unit tests and the fuzzing go on (the operator's tests, whose compose test needs the static
+# starts as soon as the suite is built and runs the waiting tests while the lints and the
+# fuzzing go on (the operator's tests, whose compose test needs the static
 # build, run last), then the smoke suite (integration/tests/smoke.rs) on the oldest supported
 # minor, Envoy 1.36 (the lanes run it, with everything else, on the newest: docs/operations.md,
 # "Compatibility"). The timing tests wait in one queue, the longest first (as last measured; a test
@@ -309,19 +311,15 @@ cargo clippy --workspace --all-targets -- -D warnings
 step "clippy: floodgate, wasm32-wasip1"
 cargo clippy -p floodgate --lib --target wasm32-wasip1 -- -D warnings
 
-step "unit tests: cargo test -p floodgate"
-cargo test -p floodgate 2>&1 | tee -a "$results"
-
-step "fuzz: every target for 10 s (fuzz/run.sh --dev, once its build, started after the preflight, is done)"
-fuzz_build_status=0
-wait "$fuzz_build" || fuzz_build_status=$?
-cat "$fuzz_build_log"
-rm -f "$fuzz_build_log"
-if ((fuzz_build_status != 0)); then
-  echo "fuzz/run.sh --dev --build-only failed (exit $fuzz_build_status)" >&2
+step "fuzz: every target for 10 s (fuzz/run.sh --dev 10, started after the preflight)"
+fuzz_status=0
+wait "$fuzz_job" || fuzz_status=$?
+cat "$fuzz_log"
+rm -f "$fuzz_log"
+if ((fuzz_status != 0)); then
+  echo "fuzz/run.sh --dev 10 failed (exit $fuzz_status)" >&2
   exit 1
 fi
-fuzz/run.sh --dev 10
 
 step "integration tests: the module in a real Envoy (the timing lane; the waiting lane, started $(((SECONDS - waiting_started) / 60)) min before, alongside, then taking timing tests too), and the smoke suite on Envoy 1.36"
 timing_status=0 waiting_status=0
