@@ -186,32 +186,27 @@ cargo test "${test_packages[@]}" --doc 2>&1 | tee -a "$results"
 sync_bin="$PWD/target/debug/floodgate-sync"
 [[ -x "$sync_bin" ]] || { echo "test.sh: cargo test -p floodgate-sync built no $sync_bin" >&2; exit 1; }
 
-# The integration suite runs in lanes, each one test at a time. The waiting tests, named below,
-# mostly wait on something slower than the CPU (containers starting, Envoy refusing or reloading a
-# configuration, SDKs retrying, a Redis restart, promtool) and their bounds hold on a busy
-# machine; the timing and load tests are the rest (the demo's walkthrough among them: cluster
+# The integration suite runs in two lanes, each one test at a time. The waiting tests, named
+# below, mostly wait on something slower than the CPU (containers starting, Envoy refusing or
+# reloading a configuration, SDKs retrying, a Redis restart, promtool) and their bounds hold on a
+# busy machine; the timing and load tests are the rest (the demo's walkthrough among them: cluster
 # selection learns a failing zone within a few requests of a tight loop; and the token quotas'
-# bodies: a 3 MiB request body must go on before Envoy's 1 MiB buffer fills). Two waiting lanes
-# start as soon as the suite is built and share the waiting tests (waiting_b the shorter share,
-# so that it ends about when the lints do) while the lints go on; the second ends with the operator's tests (whose
-# compose test needs the static build) and the smoke suite (integration/tests/smoke.rs) on the
-# oldest supported minor, Envoy 1.36 (the lanes run it, with everything else, on the newest:
-# docs/operations.md, "Compatibility"). The timing tests wait in one queue, the longest first (as
-# last measured; a test not in timing_order first of all): the timing lane starts on it once the
-# lints and the fuzzing are done, and the first waiting lane, done with its own, takes from it
-# too (never before, so a timing test never runs beside a build, only beside one other test), so
-# the lanes end together. A lane runs every binary even after one fails, so its log shows every
-# failure.
+# bodies: a 3 MiB request body must go on before Envoy's 1 MiB buffer fills). The waiting lane
+# starts as soon as the suite is built and runs the waiting tests while the lints and the
+# fuzzing go on (the operator's tests, whose compose test needs the static
+# build, run last), then the smoke suite (integration/tests/smoke.rs) on the oldest supported
+# minor, Envoy 1.36 (the lanes run it, with everything else, on the newest: docs/operations.md,
+# "Compatibility"). The timing tests wait in one queue, the longest first (as last measured; a test
+# not in timing_order first of all): the timing lane starts on it once those steps are done, and
+# the waiting lane, done with its own, takes from it too (never before those steps are done, so a
+# timing test never runs beside a build, only beside one other test), so the two lanes end
+# together. A lane runs every binary even after one fails, so its log shows every failure.
 # Each lane runs the test binaries cargo built, directly (from integration/, as cargo test would),
 # so a lane takes no cargo lock and rebuilds nothing while the other steps build.
 # --show-output: each passing test's printed figures (statuses, counters, timings) follow its
 # name in the log, so a CI log shows what was measured, not only that it passed.
 step "integration tests, built (cargo test -p floodgate-integration --no-run, with the packages above); the waiting lane starts"
 waiting_lane=(configs docs rollout reliability observability llm_sdk llm_global secure_store leased rules operator smoke)
-waiting_a=(observability leased configs llm_sdk llm_global docs rules)
-waiting_b=(reliability secure_store rollout operator smoke)
-[[ "$(printf '%s\n' "${waiting_a[@]}" "${waiting_b[@]}" | sort)" == "$(printf '%s\n' "${waiting_lane[@]}" | sort)" ]] ||
-  { echo "test.sh: waiting_a and waiting_b are not the waiting tests" >&2; exit 1; }
 timing_order=(watchdog global rate_limit cluster_selection grpc flows bulkhead load_shedding soak llm flood leveling token_bucket demo)
 timing_lane=()
 for file in integration/tests/*.rs; do
@@ -287,21 +282,15 @@ run_queue() {
   return "$status"
 }
 echo "timing tests, longest first: $(cd "$queue" && ls | sed 's/^[0-9]*-//' | tr '\n' ' ')"
-echo "waiting lanes: ${waiting_a[*]}, then timing tests; ${waiting_b[*]}, then smoke on Envoy 1.36"
+echo "waiting lane: ${waiting_lane[*]}, then smoke on Envoy 1.36, then timing tests"
 (
   status=0
-  run_lane waiting2 "$envoy" "${waiting_b[@]}" || status=$?
+  run_lane waiting "$envoy" "${waiting_lane[@]}" || status=$?
   if ((status == 0)); then
-    echo "==> the smoke suite on Envoy 1.36 ($envoy_oldest)" >>"$lanes/waiting2"
-    echo "==> on Envoy 1.36:" >>"$lanes/waiting2.times"
-    run_lane waiting2 "$envoy_oldest" smoke || status=$?
+    echo "==> the smoke suite on Envoy 1.36 ($envoy_oldest)" >>"$lanes/waiting"
+    echo "==> on Envoy 1.36:" >>"$lanes/waiting.times"
+    run_lane waiting "$envoy_oldest" smoke || status=$?
   fi
-  exit "$status"
-) &
-waiting2_pid=$!
-(
-  status=0
-  run_lane waiting "$envoy" "${waiting_a[@]}" || status=$?
   # Timing tests only once the timing lane has started (this script stopped before: none).
   while [[ ! -f "$lanes/timing-started" ]]; do
     kill -0 $$ 2>/dev/null || exit "$status"
@@ -332,24 +321,23 @@ if ((fuzz_status != 0)); then
   exit 1
 fi
 
-step "integration tests: the module in a real Envoy (the timing lane; the two waiting lanes, started $(((SECONDS - waiting_started) / 60)) min before, alongside, the first then taking timing tests too), and the smoke suite on Envoy 1.36"
-timing_status=0 waiting_status=0 waiting2_status=0
+step "integration tests: the module in a real Envoy (the timing lane; the waiting lane, started $(((SECONDS - waiting_started) / 60)) min before, alongside, then taking timing tests too), and the smoke suite on Envoy 1.36"
+timing_status=0 waiting_status=0
 : >"$lanes/timing-started"
 run_queue timing || timing_status=$?
 wait "$waiting_pid" || waiting_status=$?
-wait "$waiting2_pid" || waiting2_status=$?
-for lane in timing waiting waiting2; do
+for lane in timing waiting; do
   printf '\n==> integration tests, %s lane\n' "$lane"
   tee -a "$results" <"$lanes/$lane"
 done
-for lane in timing waiting waiting2; do
+for lane in timing waiting; do
   printf '\n==> the %s lane: the wall time of each test binary\n' "$lane"
   cat "$lanes/$lane.times"
   awk -F'[: ]+' '/^ *[0-9]+:/ { s += $2 * 60 + $3 } END { printf "%4d:%02d  in all\n", s / 60, s % 60 }' "$lanes/$lane.times"
 done
 rm -rf "$lanes"
-if ((timing_status != 0 || waiting_status != 0 || waiting2_status != 0)); then
-  echo "integration tests failed (timing lane: exit $timing_status, waiting lanes: exit $waiting_status and $waiting2_status)" >&2
+if ((timing_status != 0 || waiting_status != 0)); then
+  echo "integration tests failed (timing lane: exit $timing_status, waiting lane: exit $waiting_status)" >&2
   exit 1
 fi
 
