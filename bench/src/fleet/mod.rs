@@ -384,7 +384,7 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
         ]);
     }
     println!("### What the fleet admitted against the limit\n\n{}\n", t.render());
-    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls (lease.failures)", "call p50 / p99 / max ms", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 / max ms", "decided without the store", "lease holders per key (max; keys read)", "send lateness max ms"]);
+    let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls (lease.failures)", "call p50 / p99 / max ms", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 / max ms", "added p99, all requests, ms", "decided without the store", "lease holders per key (max; keys read)", "send lateness max ms"]);
     for r in results {
         let sum = r.tally.summary();
         let calls: u64 = r.calls.sent.iter().sum();
@@ -408,6 +408,7 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
             per_k(r.spent.tool_cpu_ns as f64 / 1e6, r.requests),
             format!("{} (asks {}, lease waits {})", count(sum.waits.0 as u64), r.asked, r.lease_waits),
             format!("{:.1} / {:.1} / {:.0}", sum.waits.1, sum.waits.2, sum.waits.3),
+            format!("{:.1}", sum.added_p99),
             count(u64::try_from(r.without_store).unwrap_or(0)),
             if r.holders.is_empty() { "-".into() } else { format!("{} ({})", r.holders.iter().max().unwrap_or(&0), r.holders.len()) },
             format!("{:.0}", r.lateness_ms),

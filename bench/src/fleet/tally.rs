@@ -50,6 +50,9 @@ pub struct Summary {
     pub fullest: [f64; 3],
     /// Waits: how many, p50, p99 and max in ms.
     pub waits: (usize, f64, f64, f64),
+    /// The p99 of the latency the store added over every request decided (0 for those that did
+    /// not wait), ms.
+    pub added_p99: f64,
 }
 
 impl Tally {
@@ -158,7 +161,24 @@ impl Tally {
         waits.sort_unstable();
         let ms: Vec<f64> = waits.iter().map(|&us| us as f64 / 1000.0).collect();
         s.waits = (ms.len(), quantile(&ms, 0.5), quantile(&ms, 0.99), ms.last().copied().unwrap_or(0.0));
+        s.added_p99 = added_quantile(&ms, self.admitted.saturating_add(self.refused), 0.99);
         s
+    }
+}
+
+/// The `q` quantile (nearest rank) of the added latency over `decided` requests, of which those
+/// that waited waited `waits` ms (sorted) and the others nothing.
+pub fn added_quantile(waits: &[f64], decided: u64, q: f64) -> f64 {
+    let decided = usize::try_from(decided).unwrap_or(usize::MAX).max(waits.len());
+    if decided == 0 {
+        return 0.0;
+    }
+    let rank = ((q * decided as f64).ceil() as usize).clamp(1, decided);
+    let zeros = decided - waits.len();
+    if rank <= zeros {
+        0.0
+    } else {
+        waits[rank - zeros - 1]
     }
 }
 
@@ -246,6 +266,14 @@ mod tests {
         assert_eq!(s.keys, 4);
         assert_eq!(s.fullest, [0.5, 1.0, 1.0]);
         assert_eq!(s.waits, (4, 2.0, 50.0, 50.0));
+        // 10 decided, 4 of them waited: the p99 over all is the longest wait.
+        assert_eq!(s.added_p99, 50.0);
+        // Over 1 000 requests of which the same 4 waited, 990 added nothing; the 991st to the
+        // 996th nothing either; the 997th to the 1 000th the waits.
+        assert_eq!(added_quantile(&[1.0, 2.0, 3.0, 50.0], 1_000, 0.99), 0.0);
+        assert_eq!(added_quantile(&[1.0, 2.0, 3.0, 50.0], 1_000, 0.997), 1.0);
+        assert_eq!(added_quantile(&[1.0, 2.0, 3.0, 50.0], 1_000, 1.0), 50.0);
+        assert_eq!(added_quantile(&[], 0, 0.99), 0.0);
     }
 
     #[test]

@@ -347,7 +347,8 @@ impl LeasedStage {
                         sends.extend(call);
                         break 'rules Admission::Wait(lp.key, units);
                     }
-                    Take::Refused { refusal, counts } => {
+                    Take::Refused { refusal, counts, refill } => {
+                        sends.extend(refill);
                         let rule = lp.probe.rule;
                         let standing = standing(limiter, lp, counts, now.wall);
                         if shadows.rule(rule) {

@@ -216,7 +216,7 @@ impl LeaseBook {
             }
             Ok(None) | Err(_) => {
                 log::warn!("floodgate: the lease record of a key could not be updated in shared data");
-                (Take::Refused { refusal: Refusal::StoreDown, counts: Counts::default() }, true)
+                (Take::Refused { refusal: Refusal::StoreDown, counts: Counts::default(), refill: None }, true)
             }
         };
         if let (Take::Wait { .. }, Some(entry)) = (take, self.followed.get_mut(&key)) {

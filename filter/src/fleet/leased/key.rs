@@ -6,11 +6,11 @@
 //!
 //! Invariants: the module doc of [`super`].
 
-use super::{grace_ms, Ask, Grant, LeaseSpec, Refusal, Take, Terms, Waited, HOLD_MAX_MS, HORIZON_GAPS, IDLE_PERIODS, RETRY_AFTER_FAILURE_MS, WATCHERS};
+use super::{grace_ms, Ask, Grant, LeaseSpec, Refusal, Take, Terms, Waited, HOLD_MAX_MS, HORIZON_GAPS, IDLE_PERIODS, RATIONED_MIN_UNITS, RETRY_AFTER_FAILURE_MS, WATCHERS};
 use crate::keys::fleet::FleetKey;
 use crate::config::OnStoreFailure;
 use crate::primitives::time::UnixMillis;
-use crate::ratelimit::window::Counts;
+use crate::ratelimit::window::{Counts, Window};
 
 /// The call of a key that is on its way, as its record names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,6 +70,14 @@ pub(super) struct KeyLease {
     /// When the last grant of at least one unit came, and its size.
     pub(super) last_grant: Option<(UnixMillis, u32)>,
     pub(super) last_used: UnixMillis,
+    /// Units the proxy took of the key in `bucket` and in the bucket before (its share of the
+    /// window, [`KeyLease::rationed`]).
+    pub(super) taken: u32,
+    pub(super) taken_previous: u32,
+    /// When the store's last answer left the window no room (the key's window is at its limit,
+    /// its room shared out a unit or a few at a time as it frees); `None` once an answer in the
+    /// bucket leaves room for four such asks.
+    pub(super) rationed_at: Option<UnixMillis>,
 }
 
 
@@ -101,6 +109,9 @@ impl KeyLease {
             rate_per_ks: 0,
             last_grant: None,
             last_used: now,
+            taken: 0,
+            taken_previous: 0,
+            rationed_at: None,
         }
     }
 
@@ -118,6 +129,8 @@ impl KeyLease {
         self.returned_previous = if next { self.returned } else { 0 };
         self.refunded_previous = if next { self.refunded } else { 0 };
         self.unreported_previous = if next { self.unreported } else { 0 };
+        self.taken_previous = if next { self.taken } else { 0 };
+        self.taken = 0;
         self.returned = 0;
         self.refunded = 0;
         self.unreported = 0;
@@ -144,6 +157,20 @@ impl KeyLease {
     /// Whether a call of the key is on its way and not past its timeout.
     pub(super) fn calling(&self, now: UnixMillis) -> bool {
         self.call.is_some_and(|c| now < c.deadline)
+    }
+
+    /// Whether the key is rationed ([`KeyLease::rationed_at`], in this bucket or the one
+    /// before: a window later the sliding estimate no longer holds any of what made it so) on
+    /// a proxy that took at least [`RATIONED_MIN_UNITS`] of its units over the sliding window.
+    /// A rationed key's requests never wait for the store: those the lease cannot cover are
+    /// refused at once, and the proxy asks for its next units in the background, whose answer
+    /// says whether the key is still rationed.
+    pub(super) fn rationed(&self, now: UnixMillis) -> bool {
+        let window = self.spec.window;
+        let phase = window.phase(now);
+        let mine = if phase.bucket_index == self.bucket { Counts { previous: self.taken_previous, current: self.taken } } else { Counts::default() };
+        window.estimate(mine, phase.elapsed_ms) >= f64::from(RATIONED_MIN_UNITS)
+            && self.rationed_at.is_some_and(|at| window.phase(at).bucket_index.saturating_add(1) >= window.phase(now).bucket_index)
     }
 
     /// The mean gap between the key's requests, ms, once its rate is known.
@@ -293,6 +320,7 @@ impl KeyLease {
     pub(super) fn untake(&mut self, cost: u32) {
         self.held = self.held.saturating_add(cost);
         self.used = self.used.saturating_sub(cost);
+        self.taken = self.taken.saturating_sub(cost);
         let back = self.unreported.min(cost);
         self.unreported = self.unreported.saturating_sub(back);
         self.prereported = self.prereported.saturating_add(cost.saturating_sub(back));
@@ -300,6 +328,7 @@ impl KeyLease {
 
     pub(super) fn admit(&mut self, cost: u32, now: UnixMillis) {
         self.used = self.used.saturating_add(cost);
+        self.taken = self.taken.saturating_add(cost);
         self.last_used = now;
     }
 
@@ -362,7 +391,21 @@ impl KeyLease {
             // (requests of many units would otherwise stay refused while their units sit
             // split over leases none of which covers one).
             self.release_held();
-            return (Take::Refused { refusal: Refusal::OverLimit, counts: known }, false);
+            return (Take::Refused { refusal: Refusal::OverLimit, counts: known, refill: None }, false);
+        }
+        let needed = cost.saturating_sub(self.held);
+        if self.rationed(now) {
+            // The fleet's proxies share the window's room a unit or a few at a time: a request
+            // that waited for a call would mostly wait to be refused. It is refused at once, and
+            // the proxy asks for the units of one request like it in the background (no more:
+            // units held wait for the key's next request, and the fleet's other proxies could
+            // have used them meanwhile), if the last counts leave room for them (they are a
+            // floor: other proxies only add to them), or once they are a period old (units
+            // given back may have made room).
+            let ask = !fresh || spec.window.admits(known, elapsed_ms, needed, spec.limit);
+            let refill = (ask && !self.calling(now)).then(|| self.ask(key, needed, 0, id, terms.call_timeout_ms, now, terms));
+            let counts = full(spec.window, known, elapsed_ms, spec.limit);
+            return (Take::Refused { refusal: Refusal::OverLimit, counts, refill }, false);
         }
         if self.calling(now) {
             if self.call.is_some_and(|c| c.owner != terms.caller) {
@@ -390,13 +433,13 @@ impl KeyLease {
             return Take::Admitted { counts: known, held: self.held, refill: None };
         }
         match policy {
-            OnStoreFailure::Refuse => Take::Refused { refusal: Refusal::StoreDown, counts: known },
+            OnStoreFailure::Refuse => Take::Refused { refusal: Refusal::StoreDown, counts: known, refill: None },
             OnStoreFailure::LastState if spec.window.admits(known, elapsed_ms, cost, spec.limit) => {
                 self.consumed = self.consumed.saturating_add(cost);
                 self.admit(cost, now);
                 Take::Admitted { counts: self.known(), held: self.held, refill: None }
             }
-            OnStoreFailure::LastState => Take::Refused { refusal: Refusal::OverLimit, counts: known },
+            OnStoreFailure::LastState => Take::Refused { refusal: Refusal::OverLimit, counts: known, refill: None },
         }
     }
 
@@ -432,6 +475,19 @@ impl KeyLease {
         if grant.granted > 0 {
             self.last_grant = Some((now, grant.granted));
         }
+        // Rationed from an answer that left the window no room at all, until one leaves room
+        // for four such asks (the store would grant them whole); in between, a rationed key
+        // stays so. (A grant short of a large ask while room is left is the quarter-of-the-room
+        // rule: the requests waiting for it get the rest from the next calls.)
+        let phase = self.spec.window.phase(now);
+        if ask.want > 0 && ask.bucket == phase.bucket_index {
+            let room = self.spec.window.remaining(grant.counts, phase.elapsed_ms, self.spec.limit);
+            if room == 0 || (self.rationed_at.is_some() && room < u64::from(ask.want).saturating_mul(4)) {
+                self.rationed_at = Some(now);
+            } else {
+                self.rationed_at = None;
+            }
+        }
         if ask.bucket == self.bucket {
             self.held = self.held.saturating_add(grant.granted);
             self.prereported = self.prereported.saturating_add(grant.granted.min(ask.at_once));
@@ -446,6 +502,13 @@ impl KeyLease {
         }
         watchers
     }
+}
+
+/// `counts` with the current bucket filled to the limit: a rationed refusal's counts, so that its
+/// `RateLimit` fields say no unit is left and `Retry-After` when the window frees one.
+fn full(window: Window, counts: Counts, elapsed_ms: u64, limit: std::num::NonZeroU32) -> Counts {
+    let room = u32::try_from(window.remaining(counts, elapsed_ms, limit)).unwrap_or(u32::MAX);
+    counts.plus(room)
 }
 
 pub(super) fn recently(at: Option<UnixMillis>, now: UnixMillis, within_ms: u64) -> bool {

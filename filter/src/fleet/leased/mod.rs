@@ -11,7 +11,9 @@
 //! [`HOLD_MAX_MS`] at most, `KeyLease::want` in `key`), and is refilled in the background below half of
 //! that (a slow key's, once empty). An unused lease goes back after two periods, or that horizon if longer. A call asks for
 //! the units of every request of the proxy waiting for the key (the record counts them), which
-//! take them at once.
+//! take them at once. At the limit (the key *rationed*, `KeyLease::rationed`), a proxy that takes
+//! a share of the key ([`RATIONED_MIN_UNITS`]) refuses at once what its lease cannot cover, and
+//! asks in the background for the units of its next request.
 //!
 //! Invariants: the store grants only what the key's sliding window has room for (at most a quarter
 //! of the room, at least one unit while there is any), so the units held or used across the fleet
@@ -52,6 +54,13 @@ pub const IDLE_PERIODS: u64 = 2;
 pub const HORIZON_GAPS: u64 = 4;
 /// ...over this long at most, and is kept that long unused.
 pub const HOLD_MAX_MS: u64 = 10_000;
+/// A rationed key (its window at its limit) has its requests refused at once, rather than
+/// waiting for the store, only on a proxy that took at least this many of its units over the
+/// sliding window. The unit such a proxy asks for in the background waits in its lease for the
+/// key's next request there: a proxy with `n` units a window holds one about half the time, so
+/// the fleet's leases hold about `1 / (2n)` of the window idle, a sixteenth at most with `n` ≥ 8.
+/// A proxy that sees the key less often waits for its units.
+pub const RATIONED_MIN_UNITS: u32 = 8;
 /// Seats (records of leases) per key the book may follow: two keys share a record only when
 /// their ids fall in one seat (about one key in eight when the book is full).
 pub const SEATS_PER_KEY: u64 = 4;
@@ -152,6 +161,8 @@ pub enum Take {
         refusal: Refusal,
         /// The fleet's counts as last known.
         counts: Counts,
+        /// A call to send in the background (a rationed key's next units).
+        refill: Option<Ask>,
     },
 }
 

@@ -7,10 +7,11 @@
 //! `unreported_previous`, `prereported`, `refunded`, `refunded_previous` (u32 each), the view's
 //! previous and current counts (u32 each), its bucket (u64) and time, the call on its way (id
 //! u64, 0 for none, its sender's id and its deadline), the workers to tell of its answer
-//! ([`super::WATCHERS`] u64 ids, 0 for none), the units waiting (u32) and when they were counted, the
-//! last failure's time, `used` (u32), `rate_since`, the
-//! rate (u64, units per 1000 s), the last grant's time and size (u32), and `last_used`. A time is
-//! a u64 of ms since the epoch, [`NONE`] for none.
+//! ([`super::WATCHERS`] u64 ids, 0 for none), the units waiting (u32) and when they were
+//! counted, the last failure's time, `used` (u32), `rate_since`, the rate (u64, units per
+//! 1000 s), the last grant's time and size (u32), `last_used`, the units taken in the bucket
+//! and in the bucket before (u32 each), and when the key was last found rationed. A time is a
+//! u64 of ms since the epoch, [`NONE`] for none.
 //!
 //! Invariant: [`decode`] reads exactly what [`encode`] wrote; anything else (another length or
 //! version, a window or limit of 0) is refused, and the next write replaces it with a new lease.
@@ -24,9 +25,9 @@ use crate::ratelimit::window::{Counts, Window};
 use std::num::{NonZeroU32, NonZeroU64};
 
 /// The layout's version.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// The record's length.
-pub const LEN: usize = 4 + 16 + 8 + 4 + 8 + 9 * 4 + 2 * 4 + 8 + 8 + 8 + 8 + 8 + 8 * WATCHERS + 4 + 8 + 8 + 4 + 8 + 8 + 8 + 4 + 8;
+pub const LEN: usize = 4 + 16 + 8 + 4 + 8 + 9 * 4 + 2 * 4 + 8 + 8 + 8 + 8 + 8 + 8 * WATCHERS + 4 + 8 + 8 + 4 + 8 + 8 + 8 + 4 + 8 + 4 + 4 + 8;
 /// A time that is not set.
 pub const NONE: u64 = u64::MAX;
 
@@ -79,6 +80,9 @@ pub fn encode(key: FleetKey, lease: &KeyLease) -> Vec<u8> {
     out.put_u64(time(lease.last_grant.map(|(at, _)| at)));
     out.put_u32(lease.last_grant.map_or(0, |(_, units)| units));
     out.put_u64(lease.last_used.0);
+    out.put_u32(lease.taken);
+    out.put_u32(lease.taken_previous);
+    out.put_u64(time(lease.rationed_at));
     out
 }
 
@@ -119,6 +123,9 @@ pub fn decode(bytes: &[u8]) -> Result<(FleetKey, KeyLease), DecodeError> {
     let grant_at = read_time(&mut r)?;
     let grant = r.u32()?;
     let last_used = UnixMillis(r.u64()?);
+    let taken = r.u32()?;
+    let taken_previous = r.u32()?;
+    let rationed_at = read_time(&mut r)?;
     r.end()?;
     let lease = KeyLease {
         spec: LeaseSpec { window, limit },
@@ -145,6 +152,9 @@ pub fn decode(bytes: &[u8]) -> Result<(FleetKey, KeyLease), DecodeError> {
         rate_per_ks,
         last_grant: grant_at.map(|at| (at, grant)),
         last_used,
+        taken,
+        taken_previous,
+        rationed_at,
     };
     Ok((key, lease))
 }
@@ -168,6 +178,9 @@ mod tests {
         lease.rate_per_ks = 123_456;
         lease.waiting = 3;
         lease.last_grant = Some((UnixMillis(1_700_000_000_050), 12));
+        lease.rationed_at = Some(UnixMillis(1_700_000_000_060));
+        lease.taken = 31;
+        lease.taken_previous = 45;
         let bytes = encode(FleetKey(u128::MAX - 5), &lease);
         assert_eq!(bytes.len(), LEN);
         assert_eq!(decode(&bytes).unwrap(), (FleetKey(u128::MAX - 5), lease));

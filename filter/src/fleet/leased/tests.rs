@@ -276,7 +276,7 @@ fn a_full_window_refuses_without_asking_again_within_a_period() {
                             book.answered(&ask, Some(store.serve(&ask)), now);
                         }
                     }
-                    Take::Refused { refusal, counts } => {
+                    Take::Refused { refusal, counts, .. } => {
                         assert_eq!((refusal, counts), (Refusal::OverLimit, Counts { previous: 0, current: 3 }));
                     }
                     other => panic!("{other:?}"),
@@ -288,7 +288,8 @@ fn a_full_window_refuses_without_asking_again_within_a_period() {
     }
     assert_eq!(admitted, 3);
     assert_eq!(calls, 3, "three grants of one unit (a quarter of a small room), then no call while the view is a period old at most");
-    // A period later it asks again (the window may have room by then).
+    // A period later it asks again (the window may have room by then). The proxy took too few
+    // units for the key to be rationed on it: the request waits for the call.
     assert!(matches!(book.take(KEY, s, 1, false, now.plus_ms(PERIOD_MS)), Take::Wait { call: Some(_) }));
 }
 
@@ -377,8 +378,11 @@ fn a_store_failure_decides_on_the_last_state_and_reports_it_later() {
                 assert_eq!(grant, Grant { granted: 0, counts: Counts { previous: 0, current: 10 } });
                 book.answered(&ask, Some(grant), back);
                 assert!(matches!(book.take(key, s, 1, true, back), Take::Refused { refusal: Refusal::OverLimit, .. }));
-                // Nothing reported twice.
-                let ask = wait_call(book.take(key, s, 1, false, back.plus_ms(PERIOD_MS))).unwrap();
+                // Nothing reported twice (the key is rationed: its next call goes in the
+                // background, the request refused at once).
+                let Take::Refused { refill: Some(ask), .. } = book.take(key, s, 1, false, back.plus_ms(PERIOD_MS)) else {
+                    panic!("refused, with a call in the background");
+                };
                 assert_eq!(ask.consumed, 0);
             }
             OnStoreFailure::Refuse => {
@@ -475,7 +479,13 @@ fn three_proxies_of_two_workers_never_admit_more_than_the_limit_in_any_bucket() 
                             calls.push_back((t + next() % 6, worker, ask));
                         }
                     }
-                    Take::Refused { .. } => refused += 1,
+                    Take::Refused { refill, .. } => {
+                        refused += 1;
+                        if let Some(ask) = refill {
+                            sent += 1;
+                            calls.push_back((t + next() % 6, worker, ask));
+                        }
+                    }
                 }
             }
         }
@@ -506,7 +516,13 @@ fn three_proxies_of_two_workers_never_admit_more_than_the_limit_in_any_bucket() 
                         calls.push_back((t + next() % 6, worker, ask));
                     }
                 }
-                Take::Refused { .. } => refused += 1,
+                Take::Refused { refill, .. } => {
+                    refused += 1;
+                    if let Some(ask) = refill {
+                        sent += 1;
+                        calls.push_back((t + next() % 6, worker, ask));
+                    }
+                }
             }
         }
         calls.make_contiguous().sort_by_key(|(at, ..)| *at);
@@ -675,7 +691,7 @@ fn a_lease_of_one_unit_holds_nothing_between_requests() {
         let again = wait_call(book.take(KEY, s, 1, true, now)).expect("the second request asks for its unit");
         assert_eq!(again.want, 1);
         book.answered(&again, Some(store.serve(&again)), now);
-        assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, refill: None, .. }));
+        assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, .. }));
         assert_eq!(book.held(), 0);
     }
     assert_eq!(store.get(KEY, 60_000, 1000), 600);
@@ -693,7 +709,7 @@ fn a_key_seen_once_asks_for_one_unit_and_nothing_ahead() {
         let ask = wait_call(book.take(KEY, s, 1, false, now)).expect("a cold key's request asks");
         assert_eq!(ask.want, 1);
         book.answered(&ask, Some(store.serve(&ask)), now);
-        assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, refill: None, .. }));
+        assert!(matches!(book.take(KEY, s, 1, true, now), Take::Admitted { held: 0, .. }));
     }
     assert_eq!(store.get(KEY, 3_600_000, 1000), 5);
 }
@@ -856,4 +872,115 @@ fn the_units_a_proxy_holds_count_for_its_request_not_against_it() {
     }
     assert!(matches!(take, Take::Admitted { held: 0, .. }), "admitted: {take:?}");
     assert_eq!(store.get(KEY, 60_000, 1000), 100, "the window is used to its limit");
+}
+
+#[test]
+fn a_rationed_key_refuses_at_once_and_asks_for_its_next_request_in_the_background() {
+    let mut store = FakeStore::default();
+    let s = spec(10_000, 1_000);
+    let mut book = book();
+    // A request every 10 ms for a second, the store answering at once: the proxy admits about a
+    // hundred units a second, far more than `RATIONED_MIN_UNITS` per window.
+    let start = UnixMillis(10_000 * 1000 + 1_000);
+    let serve = |book: &mut Worker, store: &mut FakeStore, take: Take, now: UnixMillis| -> Take {
+        match take {
+            Take::Wait { call: Some(ask) } => {
+                book.answered(&ask, Some(store.serve(&ask)), now);
+                let take = book.take(KEY, s, 1, true, now);
+                refilled(book, store, take, now)
+            }
+            other => refilled(book, store, other, now),
+        }
+    };
+    for i in 0..100 {
+        let now = start.plus_ms(10 * i);
+        let take = book.take(KEY, s, 1, false, now);
+        let served = serve(&mut book, &mut store, take, now);
+        assert!(matches!(served, Take::Admitted { .. }), "request {i}: {served:?}");
+    }
+    // Other proxies take the rest of the window: the next call finds no room.
+    let mut now = start.plus_ms(1_000);
+    store.counters.insert((KEY, 10_000, 1000), 1_000);
+    loop {
+        let take = book.take(KEY, s, 1, false, now);
+        match serve(&mut book, &mut store, take, now) {
+            Take::Admitted { .. } => now = now.plus_ms(10),
+            Take::Refused { refusal: Refusal::OverLimit, .. } => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    // From now on no request waits. Within a period, on the fresh counts: refused, no call.
+    assert!(matches!(book.take(KEY, s, 1, false, now.plus_ms(10)), Take::Refused { refill: None, .. }));
+    // Three units given back elsewhere: once the counts are a period old, a request is still
+    // refused at once, with the `RateLimit` counts of a full window, while one unit is asked
+    // for in the background...
+    store.counters.insert((KEY, 10_000, 1000), 997);
+    let later = now.plus_ms(PERIOD_MS + 10);
+    let Take::Refused { refusal: Refusal::OverLimit, counts, refill: Some(next) } = book.take(KEY, s, 1, false, later) else {
+        panic!("refused at once, the next unit asked for");
+    };
+    assert!(!s.window.admits(counts, 2_000, 1, s.limit), "no room shown: {counts:?}");
+    assert_eq!((next.want, next.at_once), (1, 0), "one request's units, none taken at once");
+    // ...once (one call on its way at a time).
+    assert!(matches!(book.take(KEY, s, 1, false, later), Take::Refused { refill: None, .. }));
+    let grant = store.serve(&next);
+    assert_eq!(grant.granted, 1);
+    book.answered(&next, Some(grant), later.plus_ms(1));
+    // The next request takes it without waiting. While other proxies take nearly every unit
+    // the window frees, the proxy's requests are admitted from what its calls in the background
+    // bring, or refused at once: none waits.
+    let mut now = later.plus_ms(5);
+    let (mut admitted, mut refused, mut asks) = (0, 0, 0);
+    for _ in 0..50 {
+        let take = match book.take(KEY, s, 1, false, now) {
+            Take::Admitted { refill, .. } => {
+                admitted += 1;
+                refill
+            }
+            Take::Refused { refusal: Refusal::OverLimit, refill, .. } => {
+                refused += 1;
+                refill
+            }
+            other => panic!("a rationed key's request waits: {other:?}"),
+        };
+        if let Some(ask) = take {
+            // The window has two units free at every other call of the proxy, none at the others.
+            asks += 1;
+            store.counters.insert((KEY, 10_000, 1000), if asks % 2 == 0 { 998 } else { 1_000 });
+            book.answered(&ask, Some(store.serve(&ask)), now.plus_ms(1));
+        }
+        now = now.plus_ms(10);
+    }
+    assert!(admitted >= 4 && refused >= 20, "{admitted} admitted, {refused} refused");
+    // Units given back elsewhere leave room for four such asks: the next background call's
+    // answer says so, and the key is no longer rationed: a lease miss waits for its call again.
+    store.counters.insert((KEY, 10_000, 1000), 900);
+    let stale = now.plus_ms(PERIOD_MS + 10);
+    let ask = match book.take(KEY, s, 1, false, stale) {
+        Take::Refused { refill: Some(ask), .. } | Take::Admitted { refill: Some(ask), .. } => ask,
+        other => panic!("a call in the background: {other:?}"),
+    };
+    book.answered(&ask, Some(store.serve(&ask)), stale);
+    while let Take::Admitted { .. } = book.take(KEY, s, 1, false, stale) {}
+    assert!(matches!(book.take(KEY, s, 1, false, stale), Take::Wait { .. }), "not rationed: it waits");
+}
+
+#[test]
+fn a_key_a_proxy_sees_rarely_waits_for_the_store_even_when_rationed() {
+    // One request a second on a window at its limit: the proxy admits too few units per window
+    // for a unit asked ahead to be worth holding; its requests wait for their calls.
+    let mut store = FakeStore::default();
+    let s = spec(10_000, 100);
+    let start = UnixMillis(10_000 * 1000 + 5_000);
+    store.counters.insert((KEY, 10_000, 999), 100);
+    store.counters.insert((KEY, 10_000, 1000), 50);
+    let mut book = book();
+    for i in 0..5 {
+        // Other proxies take what the window frees meanwhile.
+        store.counters.insert((KEY, 10_000, 1000), 50 + 10 * i);
+        let now = start.plus_ms(1_000 * i);
+        let ask = wait_call(book.take(KEY, s, 1, false, now)).expect("a request waits for its call");
+        book.answered(&ask, Some(store.serve(&ask)), now);
+        assert!(matches!(book.take(KEY, s, 1, true, now), Take::Refused { refusal: Refusal::OverLimit, refill: None, .. }));
+    }
 }
