@@ -158,6 +158,8 @@ struct Run {
     envoy_ns: u64,
     /// The limiter service's (floodgate-sync or Limitador, and Redis), ns.
     service_ns: u64,
+    /// Of which redis-server's, ns.
+    redis_ns: u64,
     /// Redis's counters over the run.
     redis: RedisCounts,
     /// CPU used by other processes of the machine meanwhile, in CPUs.
@@ -184,6 +186,7 @@ impl Run {
 struct Probe {
     envoys: u64,
     service: u64,
+    redis_cpu: u64,
     own: u64,
     machine: u64,
     redis: RedisCounts,
@@ -286,6 +289,7 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
             let take = || Probe {
                 envoys: pids.iter().map(|&p| cpu_ns_of(p)).sum(),
                 service: service_pids.iter().map(|&p| cpu_ns_of(p)).sum(),
+                redis_cpu: redis.pid().map_or(0, cpu_ns_of),
                 own: cpu_ns_of(std::process::id()),
                 machine: machine_busy_ns(),
                 redis: redis.counts().unwrap_or_default(),
@@ -298,12 +302,15 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
             let (a, b) = (shared.before, shared.after);
             let envoy_ns = b.envoys.saturating_sub(a.envoys);
             let service_ns = b.service.saturating_sub(a.service);
+            // Redis counts as the service's only where the service uses it (not in proxy scope).
+            let redis_ns = if service_pids.is_empty() { 0 } else { b.redis_cpu.saturating_sub(a.redis_cpu) };
             let others = b.machine.saturating_sub(a.machine) as f64 - (envoy_ns + service_ns + b.own.saturating_sub(a.own)) as f64;
             let run = Run {
                 sent: shared.sent,
                 hot_admitted: shared.hot_admitted,
                 envoy_ns,
                 service_ns,
+                redis_ns,
                 redis: b.redis.since(a.redis),
                 others_busy: (others / 1e9 / seconds).max(0.0),
             };
@@ -346,6 +353,7 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
         "latency p99",
         "Envoy CPU µs/req",
         "limiter service CPU µs/req",
+        "of which Redis µs/req",
         "total CPU µs/req",
         &format!("total × {} (median; range)", peers[base].name()),
         "Redis calls / request (scripts; all commands)",
@@ -363,6 +371,7 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
             format!("{:.2} ms", med(rs, &|r| latency_ms(&r.sent, 0.99))),
             format!("{:.1}", med(rs, &|r| r.per_request(r.envoy_ns) / 1000.0)),
             format!("{:.1} ({})", med(rs, &|r| r.per_request(r.service_ns) / 1000.0), peer.service()),
+            format!("{:.1}", med(rs, &|r| r.per_request(r.redis_ns) / 1000.0)),
             format!("{:.1}", med(rs, &|r| r.total_per_request() / 1000.0)),
             if i == base { "1.000".into() } else { spread(&ratios, 3) },
             format!(
@@ -382,7 +391,7 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
          `sync_interval` 100 ms. wasm-shim: one action calling Limitador (Envoy's rate limit service, gRPC, `failureMode: deny`, timeout 1 s) with the descriptor \
          `api_key` = `x-api-key`; Limitador: `max_value` `L`, `seconds: 3600`, variable `descriptors[0].api_key`, started afresh for each run: one for the three proxies, or one per proxy (each Envoy calling its own, all on the one Redis). {} rounds, each configuration \
          once per round in a rotated order; medians over rounds. Latency: admitted requests, from when each was due. CPU: the three Envoys' time, and the limiter \
-         service's (its process and redis-server), over the requests sent; the ratio is taken within each round. \"others busy\": CPUs used meanwhile by the rest of \
+         service's (its process and redis-server; redis-server's alone beside it), over the requests sent; the ratio is taken within each round. \"others busy\": CPUs used meanwhile by the rest of \
          the machine. Load average before and after: {load_before} / {load_after}.\n",
         PROXIES,
         s.cpus.saturating_sub(1),
