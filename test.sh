@@ -206,14 +206,14 @@ sync_bin="$PWD/target/debug/floodgate-sync"
 # --show-output: each passing test's printed figures (statuses, counters, timings) follow its
 # name in the log, so a CI log shows what was measured, not only that it passed.
 step "integration tests, built (cargo test -p floodgate-integration --no-run, with the packages above); the waiting lane starts"
-waiting_lane=(configs docs rollout reliability observability llm_sdk llm_global secure_store leased rules operator smoke)
+waiting_tests=(configs docs rollout reliability observability llm_sdk llm_global secure_store leased rules operator smoke)
 timing_order=(watchdog global rate_limit cluster_selection grpc flows bulkhead load_shedding soak llm flood leveling token_bucket demo)
-timing_lane=()
+timing_tests=()
 for file in integration/tests/*.rs; do
   name=$(basename "$file" .rs)
-  [[ " ${waiting_lane[*]} " == *" $name "* ]] || timing_lane+=("$name")
+  [[ " ${waiting_tests[*]} " == *" $name "* ]] || timing_tests+=("$name")
 done
-for name in "${waiting_lane[@]}"; do
+for name in "${waiting_tests[@]}"; do
   [[ -f "integration/tests/$name.rs" ]] || { echo "test.sh: no integration test named $name" >&2; exit 1; }
 done
 built=$(mktemp)
@@ -229,7 +229,7 @@ while read -r source path; do
   esac
 done < <(sed -nE 's/^ *Executable (unittests )?([^ ]+) \(([^)]+)\)$/\2 \3/p' "$built")
 rm -f "$built"
-for name in "${timing_lane[@]}" "${waiting_lane[@]}"; do
+for name in "${timing_tests[@]}" "${waiting_tests[@]}"; do
   [[ -x "${executable[$name]:-}" ]] || { echo "test.sh: cargo test --no-run named no executable for $name" >&2; exit 1; }
 done
 lanes=$(mktemp -d)
@@ -260,13 +260,13 @@ queue=$lanes/queue
 mkdir "$queue"
 queued=0
 enqueue() { printf -v entry '%03d-%s' "$queued" "$1"; : >"$queue/$entry"; queued=$((queued + 1)); }
-for name in "${timing_lane[@]}"; do
+for name in "${timing_tests[@]}"; do
   if [[ " ${timing_order[*]} " != *" $name "* ]]; then enqueue "$name"; fi
 done
 for name in "${timing_order[@]}"; do
-  if [[ " ${timing_lane[*]} " == *" $name "* ]]; then enqueue "$name"; fi
+  if [[ " ${timing_tests[*]} " == *" $name "* ]]; then enqueue "$name"; fi
 done
-((queued == ${#timing_lane[@]})) || { echo "test.sh: the queue has $queued timing tests of ${#timing_lane[@]}" >&2; exit 1; }
+((queued == ${#timing_tests[@]})) || { echo "test.sh: the queue has $queued timing tests of ${#timing_tests[@]}" >&2; exit 1; }
 # run_queue LANE: runs the timing tests left in the queue, one after the other, in LANE.
 run_queue() {
   local lane=$1 entry taken status=0
@@ -282,10 +282,10 @@ run_queue() {
   return "$status"
 }
 echo "timing tests, longest first: $(cd "$queue" && ls | sed 's/^[0-9]*-//' | tr '\n' ' ')"
-echo "waiting lane: ${waiting_lane[*]}, then smoke on Envoy 1.36, then timing tests"
+echo "waiting lane: ${waiting_tests[*]}, then smoke on Envoy 1.36, then timing tests"
 (
   status=0
-  run_lane waiting "$envoy" "${waiting_lane[@]}" || status=$?
+  run_lane waiting "$envoy" "${waiting_tests[@]}" || status=$?
   if ((status == 0)); then
     echo "==> the smoke suite on Envoy 1.36 ($envoy_oldest)" >>"$lanes/waiting"
     echo "==> on Envoy 1.36:" >>"$lanes/waiting.times"
