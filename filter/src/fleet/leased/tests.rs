@@ -167,6 +167,15 @@ fn refilled(book: &mut Worker, store: &mut FakeStore, take: Take, now: UnixMilli
     take
 }
 
+/// The call a take sends, whatever its outcome: a refill, the call it waits on, a rationed
+/// refusal's background call.
+fn outgoing(take: Take) -> Option<Ask> {
+    match take {
+        Take::Admitted { refill, .. } | Take::Refused { refill, .. } => refill,
+        Take::Wait { call } => call,
+    }
+}
+
 fn wait_call(take: Take) -> Option<Ask> {
     match take {
         Take::Wait { call } => call,
@@ -464,28 +473,15 @@ fn three_proxies_of_two_workers_never_admit_more_than_the_limit_in_any_bucket() 
         for worker in 0..6 {
             let queue = std::mem::take(&mut waiting[worker]);
             for since in queue {
-                match books[worker].take(KEY, s, 1, true, now) {
-                    Take::Admitted { refill, .. } => {
-                        *admitted.entry(bucket).or_default() += 1;
-                        if let Some(ask) = refill {
-                            sent += 1;
-                            calls.push_back((t + next() % 6, worker, ask));
-                        }
-                    }
-                    Take::Wait { call } => {
-                        waiting[worker].push_back(since);
-                        if let Some(ask) = call {
-                            sent += 1;
-                            calls.push_back((t + next() % 6, worker, ask));
-                        }
-                    }
-                    Take::Refused { refill, .. } => {
-                        refused += 1;
-                        if let Some(ask) = refill {
-                            sent += 1;
-                            calls.push_back((t + next() % 6, worker, ask));
-                        }
-                    }
+                let take = books[worker].take(KEY, s, 1, true, now);
+                if let Some(ask) = outgoing(take) {
+                    sent += 1;
+                    calls.push_back((t + next() % 6, worker, ask));
+                }
+                match take {
+                    Take::Admitted { .. } => *admitted.entry(bucket).or_default() += 1,
+                    Take::Wait { .. } => waiting[worker].push_back(since),
+                    Take::Refused { .. } => refused += 1,
                 }
             }
         }
@@ -500,29 +496,18 @@ fn three_proxies_of_two_workers_never_admit_more_than_the_limit_in_any_bucket() 
         for _ in 0..2 {
             let worker = (next() % 6) as usize;
             requests += 1;
-            match books[worker].take(KEY, s, 1, false, now) {
-                Take::Admitted { refill, .. } => {
-                    *admitted.entry(bucket).or_default() += 1;
-                    if let Some(ask) = refill {
-                        sent += 1;
-                        calls.push_back((t + next() % 6, worker, ask));
-                    }
-                }
-                Take::Wait { call } => {
+            let take = books[worker].take(KEY, s, 1, false, now);
+            if let Some(ask) = outgoing(take) {
+                sent += 1;
+                calls.push_back((t + next() % 6, worker, ask));
+            }
+            match take {
+                Take::Admitted { .. } => *admitted.entry(bucket).or_default() += 1,
+                Take::Wait { .. } => {
                     waits += 1;
                     waiting[worker].push_back(t);
-                    if let Some(ask) = call {
-                        sent += 1;
-                        calls.push_back((t + next() % 6, worker, ask));
-                    }
                 }
-                Take::Refused { refill, .. } => {
-                    refused += 1;
-                    if let Some(ask) = refill {
-                        sent += 1;
-                        calls.push_back((t + next() % 6, worker, ask));
-                    }
-                }
+                Take::Refused { .. } => refused += 1,
             }
         }
         calls.make_contiguous().sort_by_key(|(at, ..)| *at);
