@@ -170,7 +170,7 @@ impl KeyLease {
         let phase = window.phase(now);
         let mine = if phase.bucket_index == self.bucket { Counts { previous: self.taken_previous, current: self.taken } } else { Counts::default() };
         window.estimate(mine, phase.elapsed_ms) >= f64::from(RATIONED_MIN_UNITS)
-            && self.rationed_at.is_some_and(|at| window.phase(at).bucket_index.saturating_add(1) >= window.phase(now).bucket_index)
+            && self.rationed_at.is_some_and(|at| window.phase(at).bucket_index.saturating_add(1) >= phase.bucket_index)
     }
 
     /// The mean gap between the key's requests, ms, once its rate is known.
@@ -402,8 +402,8 @@ impl KeyLease {
             // have used them meanwhile), if the last counts leave room for them (they are a
             // floor: other proxies only add to them), or once they are a period old (units
             // given back may have made room).
-            let ask = !fresh || spec.window.admits(known, elapsed_ms, needed, spec.limit);
-            let refill = (ask && !self.calling(now)).then(|| self.ask(key, needed, 0, id, terms.call_timeout_ms, now, terms));
+            let worth_asking = !fresh || spec.window.admits(known, elapsed_ms, needed, spec.limit);
+            let refill = (worth_asking && !self.calling(now)).then(|| self.ask(key, needed, 0, id, terms.call_timeout_ms, now, terms));
             let counts = full(spec.window, known, elapsed_ms, spec.limit);
             return (Take::Refused { refusal: Refusal::OverLimit, counts, refill }, false);
         }
