@@ -311,9 +311,14 @@ impl LeaseBook {
             // A grant of another window's counters (the rule's window changed since) is an
             // orphan.
             let ours = lease.spec.window.length_ms() == ask.window_ms;
-            ours.then(|| lease.answered(ask, grant, now))
+            ours.then(|| (lease.answered(ask, grant, now), lease.spec))
         });
-        if let Ok(Some(Some(watchers))) = result {
+        if let Ok(Some(Some((watchers, spec)))) = result {
+            if grant.is_none() && ask.used.saturating_add(ask.used_previous) > 0 {
+                // The units it reported go again (`KeyLease::report_again`), at the next
+                // heartbeat at the latest.
+                self.follow(store, ask.key, spec, now);
+            }
             self.notify(ask.key, watchers);
             return;
         }

@@ -289,6 +289,22 @@ impl KeyLease {
         self.owes().then(|| self.give_back(key, now, terms))
     }
 
+    /// The units a failed call reported as used go with the next call again: the store may not
+    /// have seen the report, and what it believes a holder still has outstanding comes off the
+    /// counter once the bucket's grace passed, used units too, had the holder died. Reported
+    /// twice, they only lower what the store believes outstanding (the holder's give-backs are
+    /// then taken up to that only): the safe side. Give-backs are not sent again: the store may
+    /// have taken them already.
+    fn report_again(&mut self, ask: &Ask, now: UnixMillis) {
+        self.roll(now);
+        if ask.bucket == self.bucket {
+            self.unreported = self.unreported.saturating_add(ask.used);
+            self.unreported_previous = self.unreported_previous.saturating_add(ask.used_previous);
+        } else if ask.bucket.saturating_add(1) == self.bucket {
+            self.unreported_previous = self.unreported_previous.saturating_add(ask.used);
+        }
+    }
+
     /// Whether there is anything to give back or report.
     pub(super) fn owes(&self) -> bool {
         self.settles() || self.consumed > 0 || self.unreported > 0
@@ -468,6 +484,7 @@ impl KeyLease {
             if ask.want > 0 && (standing || !self.calling(now)) {
                 self.failed_at = Some(now);
             }
+            self.report_again(ask, now);
             return watchers;
         };
         self.failed_at = None;

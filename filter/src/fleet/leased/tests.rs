@@ -176,6 +176,16 @@ fn outgoing(take: Take) -> Option<Ask> {
     }
 }
 
+/// `book` (of `holder`) takes a lease of 100 units of `KEY` at `at`, its first unit to the
+/// request that waited for it, and 29 more for requests.
+fn lease_100_use_30(book: &mut Worker, store: &mut FakeStore, holder: u64, s: LeaseSpec, at: UnixMillis) {
+    let ask = Ask { want: 100, ..wait_call(book.take(KEY, s, 1, false, at)).unwrap() };
+    book.answered(&ask, Some(store.serve_as(holder, &ask)), at);
+    for _ in 0..30 {
+        assert!(matches!(book.take(KEY, s, 1, true, at), Take::Admitted { refill: None, .. }));
+    }
+}
+
 fn wait_call(take: Take) -> Option<Ask> {
     match take {
         Take::Wait { call } => call,
@@ -715,12 +725,7 @@ fn a_dead_proxys_units_come_back_after_its_bucket_and_the_grace() {
     let t0 = UnixMillis(window_ms * 700 + 100);
     // Both take a lease of 100 units and use 30 of it; the live one reports them with a call.
     for (holder, book) in [(1u64, &mut live), (2, &mut dead)] {
-        let ask = wait_call(book.take(KEY, s, 1, false, t0)).unwrap();
-        let ask = Ask { want: 100, ..ask };
-        book.answered(&ask, Some(store.serve_as(holder, &ask)), t0);
-        for _ in 0..30 {
-            assert!(matches!(book.take(KEY, s, 1, true, t0), Take::Admitted { refill: None, .. }));
-        }
+        lease_100_use_30(book, &mut store, holder, s, t0);
     }
     assert_eq!(store.get(KEY, window_ms, 700), 200);
     // The live proxy settles at the next bucket's first tick: 70 back, 30 reported used.
@@ -751,6 +756,36 @@ fn a_dead_proxys_units_come_back_after_its_bucket_and_the_grace() {
     // A settlement arriving after that takes nothing more off.
     let late = Ask { want: 0, returned: 0, returned_previous: 70, used: 0, used_previous: 29, ..ask };
     assert_eq!(store.serve_as(2, &late).counts.previous, 31);
+}
+
+/// A settlement that fails: the units it reported used go with the next call again, so that
+/// once the grace passed the store takes back only the unused ones (the give-backs of the
+/// failed call are not sent again: the store may have taken them).
+#[test]
+fn a_failed_settlement_reports_its_used_units_again() {
+    let (window_ms, limit) = (1_000, 1_000);
+    let s = spec(window_ms, limit);
+    let grace = grace_ms(window_ms, LEASE_TIMEOUT_MS);
+    let mut store = FakeStore::default();
+    let mut live = book();
+    let t0 = UnixMillis(window_ms * 700 + 100);
+    lease_100_use_30(&mut live, &mut store, 1, s, t0);
+    // The settlement at the next bucket's first tick fails.
+    let t1 = UnixMillis(window_ms * 701 + 5);
+    let settle = live.heartbeat(t1);
+    assert_eq!((settle.len(), settle[0].returned_previous, settle[0].used_previous), (1, 70, 29));
+    live.answered(&settle[0], None, t1);
+    // The next heartbeat reports the 29 again, without the 70.
+    let again = live.heartbeat(t1.plus_ms(1_000 / 10));
+    assert_eq!(again.len(), 1);
+    assert_eq!((again[0].returned_previous, again[0].used_previous), (0, 29));
+    live.answered(&again[0], Some(store.serve_as(1, &again[0])), t1.plus_ms(100));
+    // Past the grace, what the store still believed outstanding comes back: the 70 unused,
+    // not the 29 used (the first unit went to the waiting request, counted at once).
+    let t2 = UnixMillis(window_ms * 701 + grace);
+    let ask = wait_call(live.take(KEY, s, 1, false, t2)).unwrap();
+    assert_eq!(ask.elapsed_ms, grace);
+    assert_eq!(store.serve_as(1, &ask).counts.previous, 30, "the units used stay counted");
 }
 
 #[test]
