@@ -17,7 +17,8 @@
 # `fleet` (not part of `all`) runs no Envoy: simulated proxies (the module's code, natively) call
 # two floodgate-sync replicas in front of a local Redis Cluster (3 masters, 3 replicas); options
 # --proxies N,N --workers N --mix hot,users,zipf --consistency batched,leased --seconds S
-# --rate R --events restart,failover,sync-restart. Each run is bounded (--seconds, default 20).
+# --rate R --events restart,failover,sync-restart,steady --on-store-failure last_state|refuse
+# --replica-acks N (floodgate-sync's). Each run is bounded (--seconds, default 20).
 # `fleet --envoys` builds the module and gets Envoy too: each configuration runs through real
 # Envoys of one worker and through as many simulated proxies of one worker, the same schedule,
 # side by side (the cross-check of the simulation; --rate defaults to 400 there). ENVOY_BIN=path

@@ -133,7 +133,7 @@ fn usage() -> ! {
          \x20      [--envoy PATH] [--wasm PATH] [--llm-wasm PATH] [--noop-wasm PATH] [--naive-wasm PATH] [--redis-server PATH] [--sync PATH]\n\
          \x20      [--wasm-shim PATH] [--limitador PATH]\n\
          \x20      [--extra-wasm PATH [--extra-config STRING]]...\n\
-         \x20      fleet: [--proxies N,N] [--workers N] [--mix hot,users,zipf] [--consistency batched,leased] [--rate REQ_PER_S] [--events restart,failover,sync-restart] [--on-store-failure last_state|refuse] [--envoys]\n\
+         \x20      fleet: [--proxies N,N] [--workers N] [--mix hot,users,zipf] [--consistency batched,leased] [--rate REQ_PER_S] [--events restart,failover,sync-restart,steady] [--on-store-failure last_state|refuse] [--replica-acks N] [--envoys]\n\
          fleet --envoys runs each configuration through real Envoys of one worker (--envoy, --wasm) and through the simulated proxies, side by side.\n\
          --extra-wasm adds another module to `cpu` and `instructions` as variant ext1, ext2, ... with the --extra-config after it, and to global part (f) as one more `leased` row.\n\
          The LLM variants of `instructions` (--variants llm-plain,llm-json-1k,...; docs/benchmarks.md) load --llm-wasm,\n\
@@ -179,6 +179,7 @@ fn main() {
             "--rate" => s.fleet.rate = Some(value().parse().ok().filter(|r: &f64| *r > 0.0).unwrap_or_else(|| usage())),
             "--events" => s.fleet.events = value().split(',').map(str::to_string).collect(),
             "--envoys" => s.fleet.envoys = true,
+            "--replica-acks" => s.fleet.replica_acks = value().parse().ok().filter(|n| *n <= 16).unwrap_or_else(|| usage()),
             "--on-store-failure" => s.fleet.on_store_failure = Some(value()).filter(|v| v == "last_state" || v == "refuse").unwrap_or_else(|| usage()),
             "--warmup" => s.warmup = value().parse().unwrap_or_else(|_| usage()),
             "--connections" => s.connections = value().parse().unwrap_or_else(|_| usage()),

@@ -73,6 +73,15 @@ pub struct Args {
     #[arg(long, env = "FLOODGATE_SYNC_ASK_PACE", default_value = "10ms", value_parser = parse_duration)]
     pub ask_pace: Duration,
 
+    /// Answer a lease (the leased rules' POST /v1/lease) only once this many replicas have its
+    /// writes (Redis WAIT, in the script's round trip, within half of --redis-timeout; fewer is
+    /// a 503). Redis replicates asynchronously: without it, a master that fails over loses the
+    /// units it granted last, and the fleet grants them again. 0: answered as soon as the master
+    /// ran the script. At most the replicas each master has.
+    #[arg(long, env = "FLOODGATE_SYNC_REPLICA_ACKS", default_value_t = 0,
+          value_parser = clap::value_parser!(u32).range(0..=16))]
+    pub replica_acks: u32,
+
     /// With rediss:// URLs: the CA certificates (PEM) that Redis's certificate must chain to,
     /// instead of the built-in public roots (Mozilla's, through webpki-roots).
     #[arg(long, env = "FLOODGATE_SYNC_REDIS_CA")]

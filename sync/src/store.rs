@@ -27,6 +27,13 @@
 //! Scripts go as EVALSHA; on NOSCRIPT (a restarted or promoted node) the same call goes again as
 //! EVAL with the source. Everything a batch does is bounded by `--redis-timeout`.
 //!
+//! **Acknowledged leases.** With `--replica-acks N` a lease call (`lease.lua`, the leased
+//! rules') sends `WAIT N` in the script's round trip, on the same connection, and is answered
+//! only once N replicas have its writes: Redis replicates asynchronously, so a master that fails
+//! over loses the writes its replicas had not received, and units it had granted would be
+//! granted again. A call that fewer replicas acknowledged within half of `--redis-timeout`
+//! fails (503): its units stay counted where they were written, and nobody uses them.
+//!
 //! `rediss://` URLs connect over TLS (rustls): the server's certificate is checked against
 //! `--redis-ca` when given, else against the built-in public roots, and its name against the
 //! URL's host; `--redis-cert`/`--redis-key` answer servers that ask for a client certificate.
@@ -77,6 +84,9 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// The least time between two calls of one asks' lane (`--ask-pace`, [`DEFAULT_ASK_PACE`]).
     pub ask_pace: Duration,
+    /// `--replica-acks`: the replicas that must have a lease call's writes before it is
+    /// answered (0: none, answered once the master ran the script).
+    pub replica_acks: u32,
     /// Certificates for `rediss://` URLs.
     pub tls: StoreTls,
 }
@@ -254,6 +264,8 @@ impl ErrorLog {
 pub struct Store {
     calls: Calls,
     lease_script: Script,
+    /// `--replica-acks`.
+    replica_acks: u32,
     /// The shard parts of batches waiting for their script call.
     batches: Lanes<BatchPart>,
     /// The asks of batched rules waiting for theirs.
@@ -375,6 +387,7 @@ impl Store {
                 errors,
             },
             lease_script: Script::new(LEASE_SOURCE),
+            replica_acks: config.replica_acks,
             batches: Arc::default(),
             asks: Arc::default(),
         })
@@ -540,7 +553,8 @@ impl Store {
     /// requests (`ask.lua`, module doc, "Merging"). One failure fails the whole: grants already
     /// counted stay counted, and give-backs already made stay made. Never retried (in a cluster,
     /// by a client of its own that does not retry): a script that timed out may have run, and
-    /// running it again would grant or give back twice.
+    /// running it again would grant or give back twice. With `--replica-acks`, a lease call is
+    /// answered once that many replicas have its writes (module doc, "Acknowledged leases").
     pub async fn lease(&self, planned: &[PlannedLease]) -> Result<Vec<Grant>, StoreError> {
         let work = async {
             let calls = planned.iter().map(|lease| async move {
@@ -552,7 +566,8 @@ impl Store {
                 }
                 let (keys, argv) = (lease.keys(), lease.argv());
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                parse_grant(self.calls.eval(false, &self.lease_script, LEASE_SOURCE, &keys, &argv).await?)
+                let call = self.calls.eval(false, &self.lease_script, LEASE_SOURCE, &keys, &argv, self.replica_acks);
+                parse_grant(call.await?)
             });
             join_all(calls).await.into_iter().collect()
         };
@@ -627,7 +642,11 @@ fn classify(timeout: Duration, err: RedisError) -> StoreError {
     }
 }
 
-/// Runs `script` as EVALSHA, and again as EVAL with its `source` on NOSCRIPT.
+/// Runs `script` as EVALSHA, and again as EVAL with its `source` on NOSCRIPT. With `acks` > 0,
+/// `WAIT acks` follows the script in the same round trip (a pipeline goes to the script's node
+/// in a cluster: `WAIT` has no key), bounded by half of `timeout`; fewer replicas than `acks`
+/// acknowledging is an error (module doc, "Acknowledged leases").
+#[allow(clippy::too_many_arguments)]
 async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
     conn: &mut C,
     script: &Script,
@@ -636,6 +655,7 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
     args: &[A],
     metrics: &Metrics,
     timeout: Duration,
+    acks: u32,
 ) -> Result<Value, StoreError> {
     let classify = |err| classify(timeout, err);
     let call = |command: &str, script: &str| {
@@ -647,17 +667,28 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
             .arg(args);
         call
     };
+    let wait_ms = u64::try_from(timeout.as_millis() / 2).unwrap_or(u64::MAX).max(1);
+    // The script's answer, and the replicas that acknowledged its writes (`acks` when not asked).
+    let mut run = async |call: Cmd| -> Result<(Value, u32), RedisError> {
+        if acks == 0 {
+            return Ok((call.query_async::<Value>(conn).await?, 0));
+        }
+        let mut pipe = redis::pipe();
+        pipe.add_command(call).cmd("WAIT").arg(acks).arg(wait_ms);
+        pipe.query_async(conn).await
+    };
     metrics.redis_round_trip();
-    match call("EVALSHA", script.get_hash()).query_async::<Value>(conn).await {
+    let (value, acked) = match run(call("EVALSHA", script.get_hash())).await {
         Err(err) if err.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
             metrics.redis_round_trip();
-            call("EVAL", source)
-                .query_async::<Value>(conn)
-                .await
-                .map_err(classify)
+            run(call("EVAL", source)).await.map_err(classify)?
         }
-        other => other.map_err(classify),
+        other => other.map_err(classify)?,
+    };
+    if acked < acks {
+        return Err(StoreError::Redis(format!("the writes acknowledged by {acked} of {acks} replicas within {wait_ms} ms (--replica-acks)")));
     }
+    Ok(value)
 }
 
 /// Serves lane `id` of `lanes` until it is empty: takes the work waiting (whole units up to
@@ -703,16 +734,17 @@ async fn run_lane<W: LaneWork>(calls: Calls, lanes: Lanes<W>, id: u32) {
 
 impl Calls {
     /// A script call on the lane's connection: the retrying one for batches (their dedup makes a
-    /// retry safe), the one that does not retry for asks (a grant must not be counted twice).
-    async fn eval(&self, retry: bool, script: &Script, source: &str, keys: &[&str], args: &[String]) -> Result<Value, StoreError> {
+    /// retry safe), the one that does not retry for asks and leases (a grant must not be counted
+    /// twice); answered once `acks` replicas have its writes (0: at once).
+    async fn eval(&self, retry: bool, script: &Script, source: &str, keys: &[&str], args: &[String], acks: u32) -> Result<Value, StoreError> {
         match &self.backend {
             Backend::Single(manager) => {
                 let mut conn = manager.clone();
-                eval(&mut conn, script, source, keys, args, &self.metrics, self.timeout).await
+                eval(&mut conn, script, source, keys, args, &self.metrics, self.timeout, acks).await
             }
             Backend::Cluster { retrying, once } => {
                 let mut conn = connected(if retry { retrying } else { once })?;
-                eval(&mut conn, script, source, keys, args, &self.metrics, self.timeout).await
+                eval(&mut conn, script, source, keys, args, &self.metrics, self.timeout, acks).await
             }
         }
     }
@@ -733,7 +765,7 @@ impl LaneWork for BatchPart {
     async fn call(calls: &Calls, parts: &[BatchPart]) -> Result<Vec<GroupOutcome>, StoreError> {
         let groups: Vec<(u64, &Group)> = parts.iter().map(|part| (part.seq, &part.group)).collect();
         let (keys, args) = script_arguments(&groups);
-        let reply = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args).await?;
+        let reply = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args, 0).await?;
         let outcomes = parse_reply(reply, &groups)?;
         calls.metrics.batch_call();
         Ok(outcomes)
@@ -754,7 +786,7 @@ impl LaneWork for PlannedLease {
 
     async fn call(calls: &Calls, asks: &[PlannedLease]) -> Result<Vec<Grant>, StoreError> {
         let (keys, args) = ask_arguments(asks);
-        let reply = calls.eval(false, &calls.ask_script, ASK_SOURCE, &keys, &args).await?;
+        let reply = calls.eval(false, &calls.ask_script, ASK_SOURCE, &keys, &args, 0).await?;
         parse_grants(reply, asks.len())
     }
 }
@@ -1096,6 +1128,7 @@ mod tests {
             cluster: urls.len() > 1,
             timeout: Duration::from_secs(1),
             ask_pace: DEFAULT_ASK_PACE,
+            replica_acks: 0,
             tls: StoreTls {
                 ca: ca.then(|| b"pem".to_vec()),
                 client: None,

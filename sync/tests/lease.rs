@@ -513,3 +513,41 @@ fn the_holders_endpoint_shows_each_proxy_s_units_and_expiry_behind_the_token() {
     assert_eq!(bad.status, 400);
     assert!(bad.body.contains("key: expected 32 lowercase hex"), "{}", bad.body);
 }
+
+/// `--replica-acks 1`: a lease is answered once a replica has its writes (WAIT, in the script's
+/// round trip), so a master that fails over cannot have granted units its replica never saw.
+/// A replica that hangs makes the call fail (503, naming the flag) where a service without the
+/// flag answers; once it wakes, the grant is on the replica as the answer arrives. The first
+/// call finds no script cached (NOSCRIPT, then EVAL with its WAIT).
+#[test]
+fn with_replica_acks_a_lease_is_answered_once_a_replica_has_its_writes() {
+    let ports = free_ports(2, false);
+    let master = Redis::start(ports[0], false);
+    let replica = Redis::start_with(ports[1], &["--replicaof".into(), "127.0.0.1".into(), ports[0].to_string()], &[]);
+    wait_until("the replica in sync", Duration::from_secs(10), || {
+        replica.cli(&["INFO", "replication"]).is_ok_and(|info| info.contains("master_link_status:up"))
+    });
+    let acked = Sync::start(&["--redis", &master.url(), "--redis-timeout", "400ms", "--replica-acks", "1"]);
+    let plain = Sync::start(&["--redis", &master.url(), "--redis-timeout", "400ms"]);
+    let bucket = now_ms() / 60_000;
+    let counter = format!("fg:{{1}}:{A}:60000:{bucket}");
+    let ask = |want: u64| [entry(A, bucket, 0, 1000, want)];
+
+    master.cli(&["SCRIPT", "FLUSH"]).unwrap();
+    assert_eq!(grants(&lease_call(acked.port, &ask(10)))[0].0, 10);
+    assert_eq!(replica.get(&counter), Some(10), "the grant is on the replica as it is answered");
+
+    replica.signal("-STOP");
+    let started = std::time::Instant::now();
+    let refused = lease_call(acked.port, &ask(5));
+    let took = started.elapsed();
+    assert_eq!(refused.status, 503, "{}", refused.body);
+    assert!(took < Duration::from_millis(1500), "answered within --redis-timeout: {took:?}");
+    assert_eq!(grants(&lease_call(plain.port, &ask(5)))[0].0, 5, "without the flag, the master's answer is enough");
+    replica.signal("-CONT");
+
+    assert_eq!(grants(&lease_call(acked.port, &ask(5)))[0], (5, 25, 0), "the unacknowledged units stay counted");
+    assert_eq!(replica.get(&counter), Some(25));
+    let log = acked.log();
+    assert!(log.contains("acknowledged by 0 of 1 replicas"), "{log}");
+}

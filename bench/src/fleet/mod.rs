@@ -51,7 +51,7 @@ pub struct FleetOptions {
     pub seconds: f64,
     /// Fleet-wide requests per second (default: each mix's own).
     pub rate: Option<f64>,
-    /// Fleet events, one run each: `restart`, `failover`, `sync-restart`.
+    /// Fleet events, one run each: `restart`, `failover`, `sync-restart`, `steady` (none).
     pub events: Vec<String>,
     /// Each configuration through real Envoys too, side by side with the simulated proxies.
     pub envoys: bool,
@@ -59,6 +59,8 @@ pub struct FleetOptions {
     pub idle_vms: usize,
     /// `global.on_store_failure` of the leased runs.
     pub on_store_failure: String,
+    /// `floodgate-sync --replica-acks` of the replicas.
+    pub replica_acks: u32,
 }
 
 impl Default for FleetOptions {
@@ -74,6 +76,7 @@ impl Default for FleetOptions {
             envoys: false,
             idle_vms: 0,
             on_store_failure: "last_state".into(),
+            replica_acks: 0,
         }
     }
 }
@@ -97,6 +100,7 @@ impl Event {
             "restart" => Some(Event::Restart),
             "failover" => Some(Event::Failover),
             "sync-restart" => Some(Event::SyncRestart),
+            "steady" => Some(Event::Steady),
             _ => None,
         }
     }
@@ -151,8 +155,8 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
     } else {
         o.events.iter().map(|e| Event::parse(e).ok_or(format!("unknown event {e:?}"))).collect::<Result<_, _>>()?
     };
-    crate::progress!("start a Redis Cluster (3 masters, 3 replicas) and 2 floodgate-sync replicas");
-    let stack = Arc::new(Mutex::new(Stack::start(&s.redis_server, &s.sync_bin)?));
+    crate::progress!("start a Redis Cluster (3 masters, 3 replicas) and 2 floodgate-sync replicas (--replica-acks {})", o.replica_acks);
+    let stack = Arc::new(Mutex::new(Stack::start(&s.redis_server, &s.sync_bin, o.replica_acks)?));
     if o.envoys {
         return crosscheck(s, &stack, &mixes).await;
     }

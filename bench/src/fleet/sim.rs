@@ -128,8 +128,6 @@ impl StreamEnd for Ended {
 struct Paused {
     key: u32,
     arrived: Instant,
-    /// The wall clock then (ms): the window bucket its units are asked in.
-    wall: u64,
     /// The stream's state as the host context holds it (shared with the stage that parked it).
     _cell: StreamCell,
 }
@@ -346,7 +344,7 @@ impl Fleet {
         let step = pipeline::request_headers(&filter, &env, &mut cell, context, &SimRequest { key: &name }, true, &mut worker.rng);
         match step {
             Step::Wait => {
-                worker.paused.insert(context, Paused { key, arrived: Instant::now(), wall: now.wall.0, _cell: cell });
+                worker.paused.insert(context, Paused { key, arrived: Instant::now(), _cell: cell });
             }
             step => {
                 let status = status_of(&step);
@@ -571,7 +569,7 @@ impl Fleet {
                 }
                 step => {
                     let status = status_of(&step);
-                    record(&mut self.tally, paused.key, status, paused.wall, Some(paused.arrived.elapsed()));
+                    record(&mut self.tally, paused.key, status, now.wall.0, Some(paused.arrived.elapsed()));
                     let mut stream = shared.borrow_mut();
                     if stream.needs_end() {
                         stream.end(&filter, &env, context, &Ended(status));
@@ -670,8 +668,10 @@ fn status_of(step: &Step) -> u16 {
     }
 }
 
-/// A decision into the tally, in the bucket of `wall_ms`: when the request came (a request that
-/// waited is counted in the bucket its units were asked in).
+/// A decision into the tally at `wall_ms`: when it was made. A request that waited takes its
+/// units when it is resumed, from a lease the store may have granted well after the request
+/// came (a call that failed, another asked later): its admission weighs in the sliding window
+/// from then, as in the store.
 fn record(tally: &mut Tally, key: u32, status: u16, wall_ms: u64, waited: Option<Duration>) {
     match status {
         200 => tally.admit(key, wall_ms),

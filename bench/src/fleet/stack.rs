@@ -62,12 +62,14 @@ pub struct Spent {
 }
 
 impl Stack {
-    /// Starts the cluster and the replicas (`--cluster`, every node a seed).
-    pub fn start(redis: &Path, sync: &Path) -> Result<Stack, String> {
+    /// Starts the cluster and the replicas (`--cluster`, every node a seed, `--replica-acks`
+    /// `replica_acks`).
+    pub fn start(redis: &Path, sync: &Path, replica_acks: u32) -> Result<Stack, String> {
         let cluster = RedisCluster::start(redis, MASTERS, 1)?;
         let seeds = cluster.urls().join(",");
+        let acks = replica_acks.to_string();
         let syncs = (0..SYNC_REPLICAS)
-            .map(|_| Sync::start_with(sync, &["--cluster", "--redis", &seeds, "--redis-timeout", "500ms"]))
+            .map(|_| Sync::start_with(sync, &["--cluster", "--redis", &seeds, "--redis-timeout", "500ms", "--replica-acks", &acks]))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Stack { cluster, syncs })
     }
