@@ -280,7 +280,7 @@ impl Metrics {
         );
         counter(
             "floodgate_sync_redis_round_trips_total",
-            "Commands sent to Redis (EVALSHA, EVAL after NOSCRIPT, PING of /readyz, the fleet size's pipeline).",
+            "Commands sent to Redis (EVALSHA, EVAL after NOSCRIPT, each with its WAIT in one round trip under --replica-acks, PING of /readyz, the fleet size's pipeline).",
             get(&self.redis_round_trips),
         );
         let _ = writeln!(

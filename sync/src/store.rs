@@ -668,7 +668,7 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
         call
     };
     let wait_ms = u64::try_from(timeout.as_millis() / 2).unwrap_or(u64::MAX).max(1);
-    // The script's answer, and the replicas that acknowledged its writes (`acks` when not asked).
+    // The script's answer, and the replicas that acknowledged its writes (0 when not asked).
     let mut run = async |call: Cmd| -> Result<(Value, u32), RedisError> {
         if acks == 0 {
             return Ok((call.query_async::<Value>(conn).await?, 0));
