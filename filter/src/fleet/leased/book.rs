@@ -311,12 +311,15 @@ impl LeaseBook {
             // A grant of another window's counters (the rule's window changed since) is an
             // orphan.
             let ours = lease.spec.window.length_ms() == ask.window_ms;
-            ours.then(|| (lease.answered(ask, grant, now), lease.spec))
+            ours.then(|| {
+                let watchers = lease.answered(ask, grant, now);
+                (watchers, lease.spec, lease.owes())
+            })
         });
-        if let Ok(Some(Some((watchers, spec)))) = result {
-            if grant.is_none() && ask.used.saturating_add(ask.used_previous) > 0 {
-                // The units it reported go again (`KeyLease::report_again`), at the next
-                // heartbeat at the latest.
+        if let Ok(Some(Some((watchers, spec, owes)))) = result {
+            if grant.is_none() && owes {
+                // What the failed call carried and the lease still owes (the units it reported:
+                // `KeyLease::report_again`) goes again, at the next heartbeat at the latest.
                 self.follow(store, ask.key, spec, now);
             }
             self.notify(ask.key, watchers);
