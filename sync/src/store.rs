@@ -16,6 +16,11 @@
 //! in it, so the Redis commands of an instance's batches are bounded by its lanes, not by the
 //! proxies. A lone batch on an idle lane goes at once, as its own call; a batch waits at most
 //! [`LANE_PACE`] besides the call before it.
+//! A counter a part only reads (no delta, no give-back: a proxy refreshing its view of a key)
+//! stays out of the script: a plain `MGET` pipelined after the script, in its round trip, reads
+//! those, so they see the script's writes too. In Redis a script pays for every key and argument
+//! it is handed, several times what a native read costs, and many of a fleet's counters are
+//! reads.
 //! The parts waiting are the only state, in memory for one call's time at most; a part whose
 //! call fails is answered with the error, and its proxy retries it (the dedup hashes keep the
 //! retry exactly once).
@@ -55,7 +60,7 @@ use tokio::sync::{oneshot, watch};
 use tracing::{info, warn};
 
 use crate::holders::{BucketHolders, Holder};
-use crate::layout::{Group, Plan};
+use crate::layout::{Group, Plan, PlannedCounter};
 use crate::lease::{holders_key, Grant, PlannedLease};
 use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::Totals;
@@ -566,8 +571,8 @@ impl Store {
                 }
                 let (keys, argv) = (lease.keys(), lease.argv());
                 let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
-                let call = self.calls.eval(false, &self.lease_script, LEASE_SOURCE, &keys, &argv, self.replica_acks);
-                parse_grant(call.await?)
+                let call = self.calls.eval(false, &self.lease_script, LEASE_SOURCE, &keys, &argv, &[], self.replica_acks);
+                parse_grant(call.await?.0)
             });
             join_all(calls).await.into_iter().collect()
         };
@@ -642,10 +647,12 @@ fn classify(timeout: Duration, err: RedisError) -> StoreError {
     }
 }
 
-/// Runs `script` as EVALSHA, and again as EVAL with its `source` on NOSCRIPT. With `acks` > 0,
-/// `WAIT acks` follows the script in the same round trip (a pipeline goes to the script's node
-/// in a cluster: `WAIT` has no key), bounded by half of `timeout`; fewer replicas than `acks`
-/// acknowledging is an error (module doc, "Acknowledged leases").
+/// Runs `script` as EVALSHA, and again as EVAL with its `source` on NOSCRIPT; returns its answer
+/// and the values of `read`. With `read` not empty, an `MGET` of them follows the script in the
+/// same round trip (module doc, "Merging": every key of a call is on the script's slot). With
+/// `acks` > 0, `WAIT acks` follows them (a pipeline goes to the script's node in a cluster:
+/// `WAIT` has no key), bounded by half of `timeout`; fewer replicas than `acks` acknowledging is
+/// an error (module doc, "Acknowledged leases").
 #[allow(clippy::too_many_arguments)]
 async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
     conn: &mut C,
@@ -653,10 +660,11 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
     source: &str,
     keys: &[K],
     args: &[A],
+    read: &[&str],
     metrics: &Metrics,
     timeout: Duration,
     acks: u32,
-) -> Result<Value, StoreError> {
+) -> Result<(Value, Vec<Value>), StoreError> {
     let classify = |err| classify(timeout, err);
     let call = |command: &str, script: &str| {
         let mut call = Cmd::new();
@@ -668,17 +676,33 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
         call
     };
     let wait_ms = u64::try_from(timeout.as_millis() / 2).unwrap_or(u64::MAX).max(1);
-    // The script's answer, and the replicas that acknowledged its writes (0 when not asked).
-    let mut run = async |call: Cmd| -> Result<(Value, u32), RedisError> {
-        if acks == 0 {
-            return Ok((call.query_async::<Value>(conn).await?, 0));
+    // The script's answer, the values read, and the replicas that acknowledged its writes (0
+    // when not asked).
+    let mut run = async |call: Cmd| -> Result<(Value, Vec<Value>, u32), RedisError> {
+        if acks == 0 && read.is_empty() {
+            return Ok((call.query_async::<Value>(conn).await?, Vec::new(), 0));
         }
         let mut pipe = redis::pipe();
-        pipe.add_command(call).cmd("WAIT").arg(acks).arg(wait_ms);
-        pipe.query_async(conn).await
+        pipe.add_command(call);
+        if !read.is_empty() {
+            pipe.cmd("MGET").arg(read);
+        }
+        if acks > 0 {
+            pipe.cmd("WAIT").arg(acks).arg(wait_ms);
+        }
+        let mut answers: VecDeque<Value> = pipe.query_async::<Vec<Value>>(conn).await?.into();
+        let short = || RedisError::from((redis::ErrorKind::UnexpectedReturnType, "a short pipeline answer"));
+        let value = answers.pop_front().ok_or_else(short)?;
+        let values = if read.is_empty() {
+            Vec::new()
+        } else {
+            redis::from_redis_value(answers.pop_front().ok_or_else(short)?)?
+        };
+        let acked = if acks > 0 { redis::from_redis_value(answers.pop_front().ok_or_else(short)?)? } else { 0 };
+        Ok((value, values, acked))
     };
     metrics.redis_round_trip();
-    let (value, acked) = match run(call("EVALSHA", script.get_hash())).await {
+    let (value, values, acked) = match run(call("EVALSHA", script.get_hash())).await {
         Err(err) if err.kind() == redis::ErrorKind::Server(ServerErrorKind::NoScript) => {
             metrics.redis_round_trip();
             run(call("EVAL", source)).await.map_err(classify)?
@@ -688,7 +712,7 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
     if acked < acks {
         return Err(StoreError::Redis(format!("the writes acknowledged by {acked} of {acks} replicas within {wait_ms} ms (--replica-acks)")));
     }
-    Ok(value)
+    Ok((value, values))
 }
 
 /// Serves lane `id` of `lanes` until it is empty: takes the work waiting (whole units up to
@@ -733,18 +757,20 @@ async fn run_lane<W: LaneWork>(calls: Calls, lanes: Lanes<W>, id: u32) {
 }
 
 impl Calls {
-    /// A script call on the lane's connection: the retrying one for batches (their dedup makes a
-    /// retry safe), the one that does not retry for asks and leases (a grant must not be counted
-    /// twice); answered once `acks` replicas have its writes (0: at once).
-    async fn eval(&self, retry: bool, script: &Script, source: &str, keys: &[&str], args: &[String], acks: u32) -> Result<Value, StoreError> {
+    /// A script call on the lane's connection, and the values of `read` after it in the same
+    /// round trip: the retrying connection for batches (their dedup makes a retry safe), the one
+    /// that does not retry for asks and leases (a grant must not be counted twice); answered once
+    /// `acks` replicas have its writes (0: at once).
+    #[allow(clippy::too_many_arguments)]
+    async fn eval(&self, retry: bool, script: &Script, source: &str, keys: &[&str], args: &[String], read: &[&str], acks: u32) -> Result<(Value, Vec<Value>), StoreError> {
         match &self.backend {
             Backend::Single(manager) => {
                 let mut conn = manager.clone();
-                eval(&mut conn, script, source, keys, args, &self.metrics, self.timeout, acks).await
+                eval(&mut conn, script, source, keys, args, read, &self.metrics, self.timeout, acks).await
             }
             Backend::Cluster { retrying, once } => {
                 let mut conn = connected(if retry { retrying } else { once })?;
-                eval(&mut conn, script, source, keys, args, &self.metrics, self.timeout, acks).await
+                eval(&mut conn, script, source, keys, args, read, &self.metrics, self.timeout, acks).await
             }
         }
     }
@@ -765,8 +791,10 @@ impl LaneWork for BatchPart {
     async fn call(calls: &Calls, parts: &[BatchPart]) -> Result<Vec<GroupOutcome>, StoreError> {
         let groups: Vec<(u64, &Group)> = parts.iter().map(|part| (part.seq, &part.group)).collect();
         let (keys, args) = script_arguments(&groups);
-        let reply = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args, 0).await?;
-        let outcomes = parse_reply(reply, &groups)?;
+        // The counters only read go after the script, so that they see its writes (module doc,
+        // "Merging").
+        let (reply, reads) = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args, &read_keys(&groups), 0).await?;
+        let outcomes = parse_reply(reply, reads, &groups)?;
         calls.metrics.batch_call();
         Ok(outcomes)
     }
@@ -786,7 +814,7 @@ impl LaneWork for PlannedLease {
 
     async fn call(calls: &Calls, asks: &[PlannedLease]) -> Result<Vec<Grant>, StoreError> {
         let (keys, args) = ask_arguments(asks);
-        let reply = calls.eval(false, &calls.ask_script, ASK_SOURCE, &keys, &args, 0).await?;
+        let (reply, _) = calls.eval(false, &calls.ask_script, ASK_SOURCE, &keys, &args, &[], 0).await?;
         parse_grants(reply, asks.len())
     }
 }
@@ -806,9 +834,27 @@ fn to_take(sizes: impl Iterator<Item = usize>, max: usize) -> usize {
     taken
 }
 
-/// The script's KEYS and ARGV for `groups`, each with its batch's seq (see `apply.lua`).
+/// Whether the script is handed `counter`: it adds to it or gives back; the others are only
+/// read ([`read_keys`]).
+fn changes(counter: &PlannedCounter) -> bool {
+    counter.delta > 0 || counter.refund > 0
+}
+
+/// The keys of the counters `groups` only read ([`changes`]), in order: each one's current key,
+/// then its previous one if it has one.
+fn read_keys<'a>(groups: &[(u64, &'a Group)]) -> Vec<&'a str> {
+    let mut keys = Vec::new();
+    for counter in groups.iter().flat_map(|(_, group)| &group.counters).filter(|c| !changes(c)) {
+        keys.push(counter.current_key.as_str());
+        keys.extend(counter.previous_key.as_deref());
+    }
+    keys
+}
+
+/// The script's KEYS and ARGV for `groups`, each with its batch's seq (see `apply.lua`): the
+/// counters each group changes ([`changes`]).
 fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<String>) {
-    let counters: usize = groups.iter().map(|(_, group)| group.counters.len()).sum();
+    let counters: usize = groups.iter().map(|(_, group)| group.counters.iter().filter(|c| changes(c)).count()).sum();
     let mut keys: Vec<&str> =
         Vec::with_capacity(groups.len().saturating_mul(2).saturating_add(counters.saturating_mul(2)));
     let mut args: Vec<String> = Vec::with_capacity(
@@ -823,8 +869,8 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
         args.push(seq.to_string());
         args.push(group.seen_field.clone());
         args.push(group.seen_expire_at_ms.to_string());
-        args.push(group.counters.len().to_string());
-        for counter in &group.counters {
+        args.push(group.counters.iter().filter(|c| changes(c)).count().to_string());
+        for counter in group.counters.iter().filter(|c| changes(c)) {
             keys.push(&counter.current_key);
             args.push(counter.delta.to_string());
             args.push(counter.refund.to_string());
@@ -841,14 +887,16 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
     (keys, args)
 }
 
-/// `{applied_1 .. applied_g, current_1, previous_1, ...}` into each group's outcome.
-fn parse_reply(reply: Value, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcome>, StoreError> {
+/// The script's `{applied_1 .. applied_g, current_1, previous_1, ...}` (the counters it was
+/// handed) and the values of [`read_keys`] into each group's outcome, its counters' totals in
+/// the group's order.
+fn parse_reply(reply: Value, reads: Vec<Value>, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcome>, StoreError> {
     let Value::Array(items) = reply else {
         return Err(StoreError::Reply(format!(
             "expected an array, got {reply:?}"
         )));
     };
-    let counters: usize = groups.iter().map(|(_, group)| group.counters.len()).sum();
+    let counters: usize = groups.iter().map(|(_, group)| group.counters.iter().filter(|c| changes(c)).count()).sum();
     let expected = groups.len().saturating_add(counters.saturating_mul(2));
     if items.len() != expected {
         return Err(StoreError::Reply(format!(
@@ -866,9 +914,16 @@ fn parse_reply(reply: Value, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcom
         };
         outcomes.push(GroupOutcome { applied, totals: Vec::new() });
     }
+    let mut reads = reads.into_iter();
     for ((_, group), outcome) in groups.iter().zip(&mut outcomes) {
-        for _ in &group.counters {
-            let (Some(current), Some(previous)) = (items.next(), items.next()) else {
+        for counter in &group.counters {
+            let (current, previous) = if changes(counter) {
+                (items.next(), items.next())
+            } else {
+                let current = reads.next();
+                (current, if counter.previous_key.is_some() { reads.next() } else { Some(Value::Nil) })
+            };
+            let (Some(current), Some(previous)) = (current, previous) else {
                 return Err(StoreError::Reply("a short reply".into()));
             };
             outcome.totals.push(Totals {
@@ -876,6 +931,9 @@ fn parse_reply(reply: Value, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcom
                 previous: total(previous)?,
             });
         }
+    }
+    if reads.next().is_some() {
+        return Err(StoreError::Reply("more values read than counters read".into()));
     }
     Ok(outcomes)
 }
@@ -1035,16 +1093,17 @@ mod tests {
     }
 
     #[test]
-    fn script_arguments_follow_the_scripts_layout() {
+    fn script_arguments_follow_the_scripts_layout_and_reads_stay_out_of_it() {
         let plan = two_shard_plan();
         let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
         let (keys, args) = script_arguments(&groups);
+        // Shard 0's counter is only read (delta 0): its group goes to the script for its dedup,
+        // with no counter; the counter is read after it.
         assert_eq!(
             keys,
             vec![
                 "fg:{0}:seen:600000:0",
                 "fg:{0}:seen:600000:0",
-                "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0",
                 "fg:{1}:seen:600000:0",
                 "fg:{1}:seen:600000:0",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
@@ -1054,10 +1113,11 @@ mod tests {
         assert_eq!(
             args,
             vec![
-                "2", "5", "0123456789abcdef", "1200000", "1", "0", "0", "62000", "0",
+                "2", "5", "0123456789abcdef", "1200000", "0",
                 "5", "0123456789abcdef", "1200000", "1", "3", "2", "69000", "1"
             ]
         );
+        assert_eq!(read_keys(&groups), vec!["fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0"]);
     }
 
     #[test]
@@ -1067,30 +1127,29 @@ mod tests {
         let reply = Value::Array(vec![
             Value::Int(1),
             Value::Int(0),
-            Value::Nil,
-            Value::Nil,
             Value::BulkString(b"12".to_vec()),
             Value::BulkString(b"40".to_vec()),
         ]);
-        let outcomes = parse_reply(reply, &groups).unwrap();
+        let reads = || vec![Value::BulkString(b"3".to_vec())];
+        let outcomes = parse_reply(reply.clone(), reads(), &groups).unwrap();
         assert_eq!(
             outcomes,
             vec![
-                GroupOutcome { applied: true, totals: vec![Totals { current: 0, previous: 0 }] },
+                GroupOutcome { applied: true, totals: vec![Totals { current: 3, previous: 0 }] },
                 GroupOutcome { applied: false, totals: vec![Totals { current: 12, previous: 40 }] },
             ]
         );
         let short = Value::Array(vec![Value::Int(1)]);
-        assert!(parse_reply(short, &groups).is_err());
+        assert!(parse_reply(short, reads(), &groups).is_err());
+        assert!(parse_reply(reply.clone(), Vec::new(), &groups).is_err());
+        assert!(parse_reply(reply, vec![Value::Nil, Value::Nil], &groups).is_err());
         let garbage = Value::Array(vec![
             Value::Int(1),
             Value::Int(1),
             Value::BulkString(b"x".to_vec()),
             Value::Nil,
-            Value::Nil,
-            Value::Nil,
         ]);
-        assert!(parse_reply(garbage, &groups).is_err());
+        assert!(parse_reply(garbage, reads(), &groups).is_err());
     }
 
     #[test]
