@@ -840,6 +840,11 @@ fn changes(counter: &PlannedCounter) -> bool {
     counter.delta > 0 || counter.refund > 0
 }
 
+/// The counters of `group` the script is handed ([`changes`]), in the group's order.
+fn changed(group: &Group) -> impl Iterator<Item = &PlannedCounter> {
+    group.counters.iter().filter(|c| changes(c))
+}
+
 /// The keys of the counters `groups` only read ([`changes`]), in order: each one's current key,
 /// then its previous one if it has one.
 fn read_keys<'a>(groups: &[(u64, &'a Group)]) -> Vec<&'a str> {
@@ -854,7 +859,7 @@ fn read_keys<'a>(groups: &[(u64, &'a Group)]) -> Vec<&'a str> {
 /// The script's KEYS and ARGV for `groups`, each with its batch's seq (see `apply.lua`): the
 /// counters each group changes ([`changes`]).
 fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<String>) {
-    let counters: usize = groups.iter().map(|(_, group)| group.counters.iter().filter(|c| changes(c)).count()).sum();
+    let counters: usize = groups.iter().map(|(_, group)| changed(group).count()).sum();
     let mut keys: Vec<&str> =
         Vec::with_capacity(groups.len().saturating_mul(2).saturating_add(counters.saturating_mul(2)));
     let mut args: Vec<String> = Vec::with_capacity(
@@ -869,8 +874,8 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
         args.push(seq.to_string());
         args.push(group.seen_field.clone());
         args.push(group.seen_expire_at_ms.to_string());
-        args.push(group.counters.iter().filter(|c| changes(c)).count().to_string());
-        for counter in group.counters.iter().filter(|c| changes(c)) {
+        args.push(changed(group).count().to_string());
+        for counter in changed(group) {
             keys.push(&counter.current_key);
             args.push(counter.delta.to_string());
             args.push(counter.refund.to_string());
@@ -896,7 +901,7 @@ fn parse_reply(reply: Value, reads: Vec<Value>, groups: &[(u64, &Group)]) -> Res
             "expected an array, got {reply:?}"
         )));
     };
-    let counters: usize = groups.iter().map(|(_, group)| group.counters.iter().filter(|c| changes(c)).count()).sum();
+    let counters: usize = groups.iter().map(|(_, group)| changed(group).count()).sum();
     let expected = groups.len().saturating_add(counters.saturating_mul(2));
     if items.len() != expected {
         return Err(StoreError::Reply(format!(
