@@ -521,7 +521,10 @@ impl Store {
                         .await
                         .map_err(|err| self.classify(err))?;
                 }
-                Backend::Cluster { retrying, .. } => {
+                Backend::Cluster { retrying, once } => {
+                    // Ready once both connections are: leases and asks go on the one that does
+                    // not retry, which connects on its own.
+                    connected(once)?;
                     let mut conn = connected(retrying)?;
                     self.calls.metrics.redis_round_trip();
                     conn.route_command(
