@@ -156,8 +156,15 @@ async fn a_light_tenant_is_never_refused_beside_a_heavy_one_and_the_slots_stay_b
         stat(&envoy, "normal.shed_by_flow"),
     );
     assert_eq!(light.refused, 0, "the light tenant is never refused");
-    assert!(light.served >= 8, "it is served about once per upstream time: {}", light.served);
-    assert!(light.median() <= SERVICE + Duration::from_millis(100), "it waits at most one upstream time plus 100 ms in median: {:?}", light.median());
+    // Its next request comes a moment after its answer, when the slot it freed may have gone to
+    // a heavy request already waiting (the slots stay busy, and with an upstream time that never
+    // varies they all free within a few milliseconds): then it waits for the next slot to free,
+    // one upstream time. On a quiet machine most of its requests take a slot at once (median
+    // about 1.0 s, 9 served); on a busy one its next request comes later and waits more often
+    // (median up to 2 s, 7 served), so the bounds are on each wait, not on the median.
+    let slowest = light.latencies.iter().max().copied().unwrap_or_default();
+    assert!(slowest <= 2 * SERVICE + Duration::from_millis(500), "it waits at most one upstream time for a slot: slowest {slowest:?}");
+    assert!(light.served >= 4, "it is served once per one or two upstream times: {}", light.served);
     assert!(utilization >= 0.95, "the heavy tenant takes the rest: {:.3} of the capacity", utilization);
     assert_eq!(upstream.most_concurrent(), 4);
     assert_eq!(upstream.count_for("light"), light.served);
