@@ -295,9 +295,11 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
                 redis: redis.counts().unwrap_or_default(),
             };
             let by_name_before = redis.calls_by_name().unwrap_or_default();
+            let usec_before = redis.usec_by_name().unwrap_or_default();
             let started = Instant::now();
             let shared = shared_traffic(&fleet.addrs(), traffic, take).await;
             let by_name = redis.calls_by_name().unwrap_or_default();
+            let usec = redis.usec_by_name().unwrap_or_default();
             let seconds = started.elapsed().as_secs_f64().max(1e-9);
             let (a, b) = (shared.before, shared.after);
             let envoy_ns = b.envoys.saturating_sub(a.envoys);
@@ -336,6 +338,14 @@ async fn run_fallible(s: &Settings) -> Result<(), String> {
             let listed: Vec<String> =
                 per_request.iter().map(|(n, name)| format!("{name} {:.3}", *n as f64 / run.sent.len().max(1) as f64)).collect();
             progress!("  Redis commands per request by name (those inside scripts included): {}", listed.join(", "));
+            let mut time: Vec<(u64, &String)> =
+                usec.iter().map(|(name, us)| (us.saturating_sub(usec_before.get(name).copied().unwrap_or(0)), name)).filter(|(n, _)| *n > 0).collect();
+            time.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+            let listed: Vec<String> = time.iter().map(|(us, name)| format!("{name} {:.2}", *us as f64 / run.sent.len().max(1) as f64)).collect();
+            progress!(
+                "  Redis time per request by name, µs (INFO commandstats; a script's includes the commands it calls; the CPU above also has the event loop and the network): {}",
+                listed.join(", ")
+            );
             runs[i].push(run);
         }
     }

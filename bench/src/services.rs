@@ -131,14 +131,24 @@ impl RedisCounts {
 
 /// Calls per command of an `INFO commandstats` answer (`INFO` and `PING` left out).
 pub fn calls_by_name(info: &str) -> BTreeMap<String, u64> {
+    field_by_name(info, "calls")
+}
+
+/// One field (`calls`, `usec`) per command of an `INFO commandstats` answer (`INFO` and `PING`
+/// left out).
+fn field_by_name(info: &str, field: &str) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     for line in info.lines() {
         let Some((name, fields)) = line.strip_prefix("cmdstat_").and_then(|l| l.split_once(':')) else { continue };
         if name == "info" || name == "ping" {
             continue;
         }
-        let calls = fields.split(',').find_map(|f| f.strip_prefix("calls=")).and_then(|c| c.trim().parse().ok()).unwrap_or(0);
-        out.insert(name.to_owned(), calls);
+        let value = fields
+            .split(',')
+            .find_map(|f| f.strip_prefix(field).and_then(|rest| rest.strip_prefix('=')))
+            .and_then(|c| c.trim().parse().ok())
+            .unwrap_or(0);
+        out.insert(name.to_owned(), value);
     }
     out
 }
@@ -262,6 +272,12 @@ impl Redis {
     /// Calls per command so far (`INFO commandstats`, `INFO` and `PING` left out).
     pub fn calls_by_name(&self) -> Result<BTreeMap<String, u64>, String> {
         Ok(calls_by_name(&self.command("INFO commandstats")?))
+    }
+
+    /// Time spent per command so far, in µs (`INFO commandstats`' `usec`: a script's includes
+    /// the commands it calls, which count under their own names too).
+    pub fn usec_by_name(&self) -> Result<BTreeMap<String, u64>, String> {
+        Ok(field_by_name(&self.command("INFO commandstats")?, "usec"))
     }
 
     fn log_tail(&self) -> String {
@@ -475,5 +491,21 @@ impl Limitador {
     /// Its pid.
     pub fn pid(&self) -> u32 {
         self.process.pid
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commandstats_give_calls_and_time_by_name() {
+        let info = "# Commandstats\r\n\
+            cmdstat_evalsha:calls=59,usec=8909,usec_per_call=151.00,rejected_calls=0,failed_calls=0\r\n\
+            cmdstat_incrby:calls=649,usec=454,usec_per_call=0.70,rejected_calls=0,failed_calls=0\r\n\
+            cmdstat_info:calls=3,usec=90,usec_per_call=30.00,rejected_calls=0,failed_calls=0\r\n";
+        assert_eq!(calls_by_name(info), BTreeMap::from([("evalsha".to_owned(), 59), ("incrby".to_owned(), 649)]));
+        // `usec=` is not taken for `usec_per_call=`, nor the other way round.
+        assert_eq!(field_by_name(info, "usec"), BTreeMap::from([("evalsha".to_owned(), 8909), ("incrby".to_owned(), 454)]));
     }
 }

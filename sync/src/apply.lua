@@ -10,8 +10,8 @@
 --                    KEYS  the shard's dedup hash of the part's generation
 --                          (<prefix>{s}:seen:<period_ms>:<generation>, or on a single node every
 --                          shard's, <prefix>seen:<period_ms>:<generation>), the one before
---   then per counter: ARGV delta, refund, expire_at_ms, has_previous (1|0)
---                     KEYS current key [, previous key when has_previous is 1]
+--   then per counter: ARGV delta, refund, expire_at_ms
+--                     KEYS its current key
 --
 -- Dedup. A shard keeps the last seq it applied of each proxy in hashes (field -> seq), one per
 -- period and generation (layout.rs: a part's generation is that of its counters' latest bucket
@@ -36,12 +36,10 @@
 -- has it already); then every counter's give-backs are summed and, if it exists, taken off once
 -- (DECRBY min(refund, its value): never below 0, never created; a give-back of a counter that
 -- expired or was never written has nothing to give back to, and DECRBY keeps the expiry).
--- Last, each distinct counter is read once (MGET), so every group sees the totals after the
--- whole call, a counter whose previous bucket is in the same call included.
+-- The script reads no total: the caller reads the counters' current and previous buckets with
+-- a plain MGET pipelined after it, which sees its writes (store.rs, "Merging").
 --
--- Returns {applied_1 .. applied_groups, then per group per counter current, previous}: applied
--- is 1 or 0; totals are the keys' values (bulk strings), or nil when absent (false: bucket 0 has
--- no previous).
+-- Returns {applied_1 .. applied_groups}: 1 or 0.
 
 -- Sums go back to Redis as integers (string.format %d: a double prints as 1e+15 otherwise).
 
@@ -58,16 +56,8 @@ do
     local field, expire_at = ARGV[a + 1], ARGV[a + 2]
     local count = tonumber(ARGV[a + 3])
     local key, before = KEYS[k], KEYS[k + 1]
-    k = k + 2
-    a = a + 4
-    for _ = 1, count do
-      if ARGV[a + 3] == '1' then
-        k = k + 2
-      else
-        k = k + 1
-      end
-      a = a + 4
-    end
+    k = k + 2 + count
+    a = a + 4 + 3 * count
     local p = hashes[key]
     if not p then
       p = {key = key, before = before, expire_at = expire_at, fields = {'-'}, listed = {}, last = {},
@@ -108,17 +98,6 @@ local k, a = 1, 2
 local out = {}
 local order = {} -- counters with a change, in order of first appearance
 local deltas, refunds, expiries = {}, {}, {}
-local reads, read_at = {}, {} -- distinct keys to read, and each key's index in reads
-local where = {} -- per total to return: its index in reads, or false
-local function read(key)
-  local at = read_at[key]
-  if not at then
-    reads[#reads + 1] = key
-    at = #reads
-    read_at[key] = at
-  end
-  return at
-end
 for g = 1, groups do
   local seq, field = ARGV[a], ARGV[a + 1]
   local count = tonumber(ARGV[a + 3])
@@ -134,33 +113,22 @@ for g = 1, groups do
       p.written[#p.written + 1] = field
     end
     out[g] = 1
-  else
-    out[g] = 0
-  end
-  for _ = 1, count do
-    local current = KEYS[k]
-    k = k + 1
-    local delta = tonumber(ARGV[a])
-    local refund = tonumber(ARGV[a + 1])
-    local expire_at_ms = ARGV[a + 2]
-    local has_previous = ARGV[a + 3] == '1'
-    a = a + 4
-    if apply and (delta > 0 or refund > 0) then
+    for _ = 1, count do
+      local current = KEYS[k]
       if not deltas[current] then
         order[#order + 1] = current
         deltas[current], refunds[current] = 0, 0
-        expiries[current] = expire_at_ms
+        expiries[current] = ARGV[a + 2]
       end
-      deltas[current] = deltas[current] + delta
-      refunds[current] = refunds[current] + refund
-    end
-    where[#where + 1] = read(current)
-    if has_previous then
-      where[#where + 1] = read(KEYS[k])
+      deltas[current] = deltas[current] + tonumber(ARGV[a])
+      refunds[current] = refunds[current] + tonumber(ARGV[a + 1])
       k = k + 1
-    else
-      where[#where + 1] = false
+      a = a + 3
     end
+  else
+    out[g] = 0
+    k = k + count
+    a = a + 3 * count
   end
 end
 
@@ -201,23 +169,4 @@ for _, current in ipairs(order) do
   end
 end
 
--- MGET in chunks: unpack() is limited to a few thousand values.
-local values = {}
-local from = 1
-while from <= #reads do
-  local to = math.min(from + 999, #reads)
-  local chunk = redis.call('MGET', unpack(reads, from, to))
-  for n = 1, to - from + 1 do
-    values[from + n - 1] = chunk[n]
-  end
-  from = to + 1
-end
-for i = 1, #where do
-  local at = where[i]
-  if at then
-    out[groups + i] = values[at]
-  else
-    out[groups + i] = false
-  end
-end
 return out

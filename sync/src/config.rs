@@ -67,6 +67,14 @@ pub struct Args {
     #[arg(long, env = "FLOODGATE_SYNC_REDIS_TIMEOUT", default_value = "1s", value_parser = parse_duration)]
     pub redis_timeout: Duration,
 
+    /// The least time between two script calls of one lane's batches (one lane on a single node,
+    /// one per shard in a cluster): the batches that arrive meanwhile, from any proxies, go in
+    /// the next call, their shared counters added once. Longer merges more batches per call
+    /// (fewer Redis commands and less Redis CPU per request), shorter brings the fleet's counts
+    /// back to the proxies sooner. 0ms: a call as soon as the one before returned. E.g. 25ms.
+    #[arg(long, env = "FLOODGATE_SYNC_BATCH_PACE", default_value = "25ms", value_parser = parse_duration)]
+    pub batch_pace: Duration,
+
     /// The least time between two script calls of one shard's asks (the synchronous asks of
     /// batched rules' requests, merged): longer merges more asks per call (fewer Redis commands),
     /// shorter makes an ask wait less. 0ms: a call as soon as the one before returned. E.g. 10ms.
@@ -229,6 +237,7 @@ mod tests {
         assert_eq!(args.max_body_bytes, 1_048_576);
         assert_eq!(args.redis_timeout, Duration::from_secs(1));
         assert_eq!(args.ask_pace, Duration::from_millis(10));
+        assert_eq!(args.batch_pace, Duration::from_millis(25));
         assert!(args.tokens.is_empty() && args.token_file.is_none());
         assert!(args.redis_ca.is_none() && args.redis_cert.is_none());
     }

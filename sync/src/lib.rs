@@ -73,6 +73,7 @@ pub async fn run(args: Args) -> Result<(), String> {
             urls: args.redis.clone(),
             cluster: args.cluster,
             timeout: args.redis_timeout,
+            batch_pace: args.batch_pace,
             ask_pace: args.ask_pace,
             replica_acks: args.replica_acks,
             tls: tls.clone(),

@@ -10,17 +10,19 @@
 //! **Merging.** A batch's shard parts wait in a lane (one on a single node, one per shard in a
 //! cluster); a lane has at most one script call in flight, and each call takes every part
 //! waiting (whole parts up to 1 000 counters), from whichever proxies, and a lane starts a call
-//! at most every [`LANE_PACE`] (25 ms). An instance that receives batches faster than that (or
+//! at most every `--batch-pace` ([`DEFAULT_BATCH_PACE`]). An instance that receives batches faster than that (or
 //! than Redis answers them) therefore sends fewer, larger calls: the counters the merged parts
 //! share are added once, and read once, and a call's dedup costs the same whatever the proxies
 //! in it, so the Redis commands of an instance's batches are bounded by its lanes, not by the
 //! proxies. A lone batch on an idle lane goes at once, as its own call; a batch waits at most
-//! [`LANE_PACE`] besides the call before it.
-//! A counter a part only reads (no delta, no give-back: a proxy refreshing its view of a key)
-//! stays out of the script: a plain `MGET` pipelined after the script, in its round trip, reads
-//! those, so they see the script's writes too. In Redis a script pays for every key and argument
-//! it is handed, several times what a native read costs, and many of a fleet's counters are
-//! reads.
+//! `--batch-pace` besides the call before it.
+//! The script only writes: it is handed the counters a part changes (a delta or a give-back;
+//! not those a proxy only refreshes its view of), and returns which groups it applied. A plain
+//! `MGET` pipelined after it, in its round trip and on its connection, reads every counter's
+//! current and previous buckets, so the totals each proxy learns include the call's writes (and
+//! any that reached Redis between the two). In Redis a script pays for every key and argument
+//! it is handed and for every value it reads and returns, several times what a native read
+//! costs.
 //! The parts waiting are the only state, in memory for one call's time at most; a part whose
 //! call fails is answered with the error, and its proxy retries it (the dedup hashes keep the
 //! retry exactly once).
@@ -71,11 +73,12 @@ const ASK_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("seq.l
 
 /// The most counters one script call takes on a single node, unless one shard has more.
 const MAX_SCRIPT_COUNTERS: usize = 1000;
-/// A batches' lane starts a script call at most this often: the parts that arrive meanwhile wait
-/// and go together in the next call (a lone part on an idle lane goes at once).
-pub const LANE_PACE: Duration = Duration::from_millis(25);
+/// A batches' lane starts a script call at most this often by default (`--batch-pace`): the
+/// parts that arrive meanwhile wait and go together in the next call (a lone part on an idle
+/// lane goes at once).
+pub const DEFAULT_BATCH_PACE: Duration = Duration::from_millis(25);
 /// An asks' lane starts a script call at most this often by default (`--ask-pace`): shorter
-/// than [`LANE_PACE`], since a request waits for its ask's answer.
+/// than [`DEFAULT_BATCH_PACE`], since a request waits for its ask's answer.
 pub const DEFAULT_ASK_PACE: Duration = Duration::from_millis(10);
 
 /// How to reach Redis.
@@ -87,6 +90,9 @@ pub struct StoreConfig {
     pub cluster: bool,
     /// The bound on everything one request asks of Redis (connecting included).
     pub timeout: Duration,
+    /// The least time between two calls of one batches' lane (`--batch-pace`,
+    /// [`DEFAULT_BATCH_PACE`]).
+    pub batch_pace: Duration,
     /// The least time between two calls of one asks' lane (`--ask-pace`, [`DEFAULT_ASK_PACE`]).
     pub ask_pace: Duration,
     /// `--replica-acks`: the replicas that must have a lease call's writes before it is
@@ -284,6 +290,7 @@ struct Calls {
     script: Script,
     ask_script: Script,
     timeout: Duration,
+    batch_pace: Duration,
     ask_pace: Duration,
     metrics: Arc<Metrics>,
     errors: Arc<ErrorLog>,
@@ -387,6 +394,7 @@ impl Store {
                 script: Script::new(SCRIPT_SOURCE),
                 ask_script: Script::new(ASK_SOURCE),
                 timeout: config.timeout,
+                batch_pace: config.batch_pace,
                 ask_pace: config.ask_pace,
                 metrics,
                 errors,
@@ -783,8 +791,8 @@ impl LaneWork for BatchPart {
     type Outcome = GroupOutcome;
     const WHAT: &'static str = "batch";
 
-    fn pace(_: &Calls) -> Duration {
-        LANE_PACE
+    fn pace(calls: &Calls) -> Duration {
+        calls.batch_pace
     }
 
     fn size(&self) -> usize {
@@ -794,7 +802,7 @@ impl LaneWork for BatchPart {
     async fn call(calls: &Calls, parts: &[BatchPart]) -> Result<Vec<GroupOutcome>, StoreError> {
         let groups: Vec<(u64, &Group)> = parts.iter().map(|part| (part.seq, &part.group)).collect();
         let (keys, args) = script_arguments(&groups);
-        // The counters only read go after the script, so that they see its writes (module doc,
+        // The totals are read after the script, so that they see its writes (module doc,
         // "Merging").
         let (reply, reads) = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args, &read_keys(&groups), 0).await?;
         let outcomes = parse_reply(reply, reads, &groups)?;
@@ -837,8 +845,8 @@ fn to_take(sizes: impl Iterator<Item = usize>, max: usize) -> usize {
     taken
 }
 
-/// Whether the script is handed `counter`: it adds to it or gives back; the others are only
-/// read ([`read_keys`]).
+/// Whether the script is handed `counter`: it adds to it or gives back. Every counter, handed
+/// or not, is read after the script ([`read_keys`]).
 fn changes(counter: &PlannedCounter) -> bool {
     counter.delta > 0 || counter.refund > 0
 }
@@ -848,11 +856,11 @@ fn changed(group: &Group) -> impl Iterator<Item = &PlannedCounter> {
     group.counters.iter().filter(|c| changes(c))
 }
 
-/// The keys of the counters `groups` only read ([`changes`]), in order: each one's current key,
-/// then its previous one if it has one.
+/// The keys every counter of `groups` is read at after the script, in order: each one's current
+/// key, then its previous one if it has one.
 fn read_keys<'a>(groups: &[(u64, &'a Group)]) -> Vec<&'a str> {
     let mut keys = Vec::new();
-    for counter in groups.iter().flat_map(|(_, group)| &group.counters).filter(|c| !changes(c)) {
+    for counter in groups.iter().flat_map(|(_, group)| &group.counters) {
         keys.push(counter.current_key.as_str());
         keys.extend(counter.previous_key.as_deref());
     }
@@ -863,12 +871,11 @@ fn read_keys<'a>(groups: &[(u64, &'a Group)]) -> Vec<&'a str> {
 /// counters each group changes ([`changes`]).
 fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<String>) {
     let counters: usize = groups.iter().map(|(_, group)| changed(group).count()).sum();
-    let mut keys: Vec<&str> =
-        Vec::with_capacity(groups.len().saturating_mul(2).saturating_add(counters.saturating_mul(2)));
+    let mut keys: Vec<&str> = Vec::with_capacity(groups.len().saturating_mul(2).saturating_add(counters));
     let mut args: Vec<String> = Vec::with_capacity(
         1usize
             .saturating_add(groups.len().saturating_mul(4))
-            .saturating_add(counters.saturating_mul(4)),
+            .saturating_add(counters.saturating_mul(3)),
     );
     args.push(groups.len().to_string());
     for (seq, group) in groups {
@@ -883,65 +890,50 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
             args.push(counter.delta.to_string());
             args.push(counter.refund.to_string());
             args.push(counter.expire_at_ms.to_string());
-            match &counter.previous_key {
-                Some(previous) => {
-                    keys.push(previous);
-                    args.push("1".into());
-                }
-                None => args.push("0".into()),
-            }
         }
     }
     (keys, args)
 }
 
-/// The script's `{applied_1 .. applied_g, current_1, previous_1, ...}` (the counters it was
-/// handed) and the values of [`read_keys`] into each group's outcome, its counters' totals in
-/// the group's order.
+/// The script's `{applied_1 .. applied_g}` and the values of [`read_keys`] into each group's
+/// outcome, its counters' totals in the group's order.
 fn parse_reply(reply: Value, reads: Vec<Value>, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcome>, StoreError> {
     let Value::Array(items) = reply else {
         return Err(StoreError::Reply(format!(
             "expected an array, got {reply:?}"
         )));
     };
-    let counters: usize = groups.iter().map(|(_, group)| changed(group).count()).sum();
-    let expected = groups.len().saturating_add(counters.saturating_mul(2));
-    if items.len() != expected {
+    if items.len() != groups.len() {
         return Err(StoreError::Reply(format!(
-            "expected {expected} values, got {}",
+            "expected {} flags, got {}",
+            groups.len(),
             items.len()
         )));
     }
-    let mut items = items.into_iter();
+    let mut reads = reads.into_iter();
     let mut outcomes = Vec::with_capacity(groups.len());
-    for item in items.by_ref().take(groups.len()) {
+    for (item, (_, group)) in items.into_iter().zip(groups) {
         let applied = match item {
             Value::Int(1) => true,
             Value::Int(0) => false,
             other => return Err(StoreError::Reply(format!("applied flag {other:?}"))),
         };
-        outcomes.push(GroupOutcome { applied, totals: Vec::new() });
-    }
-    let mut reads = reads.into_iter();
-    for ((_, group), outcome) in groups.iter().zip(&mut outcomes) {
+        let mut totals = Vec::with_capacity(group.counters.len());
         for counter in &group.counters {
-            let (current, previous) = if changes(counter) {
-                (items.next(), items.next())
-            } else {
-                let current = reads.next();
-                (current, if counter.previous_key.is_some() { reads.next() } else { Some(Value::Nil) })
-            };
+            let current = reads.next();
+            let previous = if counter.previous_key.is_some() { reads.next() } else { Some(Value::Nil) };
             let (Some(current), Some(previous)) = (current, previous) else {
-                return Err(StoreError::Reply("a short reply".into()));
+                return Err(StoreError::Reply("fewer values read than counters".into()));
             };
-            outcome.totals.push(Totals {
+            totals.push(Totals {
                 current: total(current)?,
                 previous: total(previous)?,
             });
         }
+        outcomes.push(GroupOutcome { applied, totals });
     }
     if reads.next().is_some() {
-        return Err(StoreError::Reply("more values read than counters read".into()));
+        return Err(StoreError::Reply("more values read than counters".into()));
     }
     Ok(outcomes)
 }
@@ -1106,7 +1098,7 @@ mod tests {
         let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
         let (keys, args) = script_arguments(&groups);
         // Shard 0's counter is only read (delta 0): its group goes to the script for its dedup,
-        // with no counter; the counter is read after it.
+        // with no counter. Every counter is read after the script, its previous bucket too.
         assert_eq!(
             keys,
             vec![
@@ -1115,30 +1107,31 @@ mod tests {
                 "fg:{1}:seen:600000:0",
                 "fg:{1}:seen:600000:0",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
-                "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:6",
             ]
         );
         assert_eq!(
             args,
             vec![
                 "2", "5", "0123456789abcdef", "1200000", "0",
-                "5", "0123456789abcdef", "1200000", "1", "3", "2", "69000", "1"
+                "5", "0123456789abcdef", "1200000", "1", "3", "2", "69000"
             ]
         );
-        assert_eq!(read_keys(&groups), vec!["fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0"]);
+        assert_eq!(
+            read_keys(&groups),
+            vec![
+                "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0",
+                "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
+                "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:6",
+            ]
+        );
     }
 
     #[test]
     fn replies_parse_into_totals_and_flags() {
         let plan = two_shard_plan();
         let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
-        let reply = Value::Array(vec![
-            Value::Int(1),
-            Value::Int(0),
-            Value::BulkString(b"12".to_vec()),
-            Value::BulkString(b"40".to_vec()),
-        ]);
-        let reads = || vec![Value::BulkString(b"3".to_vec())];
+        let reply = Value::Array(vec![Value::Int(1), Value::Int(0)]);
+        let reads = || vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"12".to_vec()), Value::BulkString(b"40".to_vec())];
         let outcomes = parse_reply(reply.clone(), reads(), &groups).unwrap();
         assert_eq!(
             outcomes,
@@ -1150,14 +1143,13 @@ mod tests {
         let short = Value::Array(vec![Value::Int(1)]);
         assert!(parse_reply(short, reads(), &groups).is_err());
         assert!(parse_reply(reply.clone(), Vec::new(), &groups).is_err());
-        assert!(parse_reply(reply, vec![Value::Nil, Value::Nil], &groups).is_err());
-        let garbage = Value::Array(vec![
-            Value::Int(1),
-            Value::Int(1),
-            Value::BulkString(b"x".to_vec()),
-            Value::Nil,
-        ]);
-        assert!(parse_reply(garbage, reads(), &groups).is_err());
+        assert!(parse_reply(reply.clone(), reads()[..2].to_vec(), &groups).is_err());
+        let mut more = reads();
+        more.push(Value::Nil);
+        assert!(parse_reply(reply.clone(), more, &groups).is_err());
+        let garbage = vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"x".to_vec()), Value::Nil];
+        assert!(parse_reply(reply, garbage, &groups).is_err());
+        assert!(parse_reply(Value::Array(vec![Value::Int(1), Value::Int(2)]), reads(), &groups).is_err());
     }
 
     #[test]
@@ -1194,6 +1186,7 @@ mod tests {
             urls: urls.iter().map(|u| u.to_string()).collect(),
             cluster: urls.len() > 1,
             timeout: Duration::from_secs(1),
+            batch_pace: DEFAULT_BATCH_PACE,
             ask_pace: DEFAULT_ASK_PACE,
             replica_acks: 0,
             tls: StoreTls {
