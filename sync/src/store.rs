@@ -804,8 +804,9 @@ impl LaneWork for BatchPart {
         let (keys, args) = script_arguments(&groups);
         // The totals are read after the script, so that they see its writes (module doc,
         // "Merging").
-        let (reply, reads) = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args, &read_keys(&groups), 0).await?;
-        let outcomes = parse_reply(reply, reads, &groups)?;
+        let reads = reads(&groups);
+        let (reply, values) = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args, &reads.keys, 0).await?;
+        let outcomes = parse_reply(reply, values, &reads, &groups)?;
         calls.metrics.batch_call();
         Ok(outcomes)
     }
@@ -846,7 +847,7 @@ fn to_take(sizes: impl Iterator<Item = usize>, max: usize) -> usize {
 }
 
 /// Whether the script is handed `counter`: it adds to it or gives back. Every counter, handed
-/// or not, is read after the script ([`read_keys`]).
+/// or not, is read after the script ([`reads`]).
 fn changes(counter: &PlannedCounter) -> bool {
     counter.delta > 0 || counter.refund > 0
 }
@@ -856,15 +857,31 @@ fn changed(group: &Group) -> impl Iterator<Item = &PlannedCounter> {
     group.counters.iter().filter(|c| changes(c))
 }
 
-/// The keys every counter of `groups` is read at after the script, in order: each one's current
-/// key, then its previous one if it has one.
-fn read_keys<'a>(groups: &[(u64, &'a Group)]) -> Vec<&'a str> {
+/// What the `MGET` after the script reads: each distinct key once, and where each counter of the
+/// groups (in order) finds its current and previous totals among them.
+struct Reads<'a> {
+    keys: Vec<&'a str>,
+    at: Vec<(usize, Option<usize>)>,
+}
+
+/// The keys every counter of `groups` is read at after the script (its current bucket's, and its
+/// previous one's if it has one), each distinct key once: the parts a call merges share their hot
+/// counters.
+fn reads<'a>(groups: &[(u64, &'a Group)]) -> Reads<'a> {
     let mut keys = Vec::new();
-    for counter in groups.iter().flat_map(|(_, group)| &group.counters) {
-        keys.push(counter.current_key.as_str());
-        keys.extend(counter.previous_key.as_deref());
-    }
-    keys
+    let mut index: HashMap<&'a str, usize> = HashMap::new();
+    let mut place = |key: &'a str| {
+        *index.entry(key).or_insert_with(|| {
+            keys.push(key);
+            keys.len().saturating_sub(1)
+        })
+    };
+    let at = groups
+        .iter()
+        .flat_map(|(_, group)| &group.counters)
+        .map(|counter| (place(counter.current_key.as_str()), counter.previous_key.as_deref().map(&mut place)))
+        .collect();
+    Reads { keys, at }
 }
 
 /// The script's KEYS and ARGV for `groups`, each with its batch's seq (see `apply.lua`): the
@@ -895,9 +912,9 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
     (keys, args)
 }
 
-/// The script's `{applied_1 .. applied_g}` and the values of [`read_keys`] into each group's
-/// outcome, its counters' totals in the group's order.
-fn parse_reply(reply: Value, reads: Vec<Value>, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcome>, StoreError> {
+/// The script's `{applied_1 .. applied_g}` and the values the `MGET` after it read ([`reads`])
+/// into each group's outcome, its counters' totals in the group's order.
+fn parse_reply(reply: Value, values: Vec<Value>, reads: &Reads, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcome>, StoreError> {
     let Value::Array(items) = reply else {
         return Err(StoreError::Reply(format!(
             "expected an array, got {reply:?}"
@@ -910,7 +927,12 @@ fn parse_reply(reply: Value, reads: Vec<Value>, groups: &[(u64, &Group)]) -> Res
             items.len()
         )));
     }
-    let mut reads = reads.into_iter();
+    if values.len() != reads.keys.len() {
+        return Err(StoreError::Reply(format!("{} keys read, {} values", reads.keys.len(), values.len())));
+    }
+    let values: Vec<u64> = values.into_iter().map(total).collect::<Result<_, _>>()?;
+    let value = |at: usize| values.get(at).copied().ok_or_else(|| StoreError::Reply("a read out of range".into()));
+    let mut at = reads.at.iter();
     let mut outcomes = Vec::with_capacity(groups.len());
     for (item, (_, group)) in items.into_iter().zip(groups) {
         let applied = match item {
@@ -919,21 +941,14 @@ fn parse_reply(reply: Value, reads: Vec<Value>, groups: &[(u64, &Group)]) -> Res
             other => return Err(StoreError::Reply(format!("applied flag {other:?}"))),
         };
         let mut totals = Vec::with_capacity(group.counters.len());
-        for counter in &group.counters {
-            let current = reads.next();
-            let previous = if counter.previous_key.is_some() { reads.next() } else { Some(Value::Nil) };
-            let (Some(current), Some(previous)) = (current, previous) else {
-                return Err(StoreError::Reply("fewer values read than counters".into()));
-            };
+        for _ in &group.counters {
+            let &(current, previous) = at.next().ok_or_else(|| StoreError::Reply("fewer reads than counters".into()))?;
             totals.push(Totals {
-                current: total(current)?,
-                previous: total(previous)?,
+                current: value(current)?,
+                previous: previous.map(value).transpose()?.unwrap_or(0),
             });
         }
         outcomes.push(GroupOutcome { applied, totals });
-    }
-    if reads.next().is_some() {
-        return Err(StoreError::Reply("more values read than counters".into()));
     }
     Ok(outcomes)
 }
@@ -1116,23 +1131,31 @@ mod tests {
                 "5", "0123456789abcdef", "1200000", "1", "3", "2", "69000"
             ]
         );
+        let reads = reads(&groups);
         assert_eq!(
-            read_keys(&groups),
+            reads.keys,
             vec![
                 "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:6",
             ]
         );
+        assert_eq!(reads.at, vec![(0, None), (1, Some(2))]);
+        // Two copies of the plan in one call (two proxies' parts merged): each key read once.
+        let twice: Vec<(u64, &Group)> = groups.iter().chain(&groups).copied().collect();
+        let merged = super::reads(&twice);
+        assert_eq!(merged.keys, reads.keys);
+        assert_eq!(merged.at, vec![(0, None), (1, Some(2)), (0, None), (1, Some(2))]);
     }
 
     #[test]
     fn replies_parse_into_totals_and_flags() {
         let plan = two_shard_plan();
         let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
+        let reads = reads(&groups);
         let reply = Value::Array(vec![Value::Int(1), Value::Int(0)]);
-        let reads = || vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"12".to_vec()), Value::BulkString(b"40".to_vec())];
-        let outcomes = parse_reply(reply.clone(), reads(), &groups).unwrap();
+        let values = || vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"12".to_vec()), Value::BulkString(b"40".to_vec())];
+        let outcomes = parse_reply(reply.clone(), values(), &reads, &groups).unwrap();
         assert_eq!(
             outcomes,
             vec![
@@ -1141,15 +1164,21 @@ mod tests {
             ]
         );
         let short = Value::Array(vec![Value::Int(1)]);
-        assert!(parse_reply(short, reads(), &groups).is_err());
-        assert!(parse_reply(reply.clone(), Vec::new(), &groups).is_err());
-        assert!(parse_reply(reply.clone(), reads()[..2].to_vec(), &groups).is_err());
-        let mut more = reads();
+        assert!(parse_reply(short, values(), &reads, &groups).is_err());
+        assert!(parse_reply(reply.clone(), Vec::new(), &reads, &groups).is_err());
+        assert!(parse_reply(reply.clone(), values()[..2].to_vec(), &reads, &groups).is_err());
+        let mut more = values();
         more.push(Value::Nil);
-        assert!(parse_reply(reply.clone(), more, &groups).is_err());
+        assert!(parse_reply(reply.clone(), more, &reads, &groups).is_err());
         let garbage = vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"x".to_vec()), Value::Nil];
-        assert!(parse_reply(reply, garbage, &groups).is_err());
-        assert!(parse_reply(Value::Array(vec![Value::Int(1), Value::Int(2)]), reads(), &groups).is_err());
+        assert!(parse_reply(reply.clone(), garbage, &reads, &groups).is_err());
+        assert!(parse_reply(Value::Array(vec![Value::Int(1), Value::Int(2)]), values(), &reads, &groups).is_err());
+        // A merged call: both copies take their totals from the one read of each key.
+        let twice: Vec<(u64, &Group)> = groups.iter().chain(&groups).copied().collect();
+        let four = Value::Array(vec![Value::Int(1), Value::Int(0), Value::Int(0), Value::Int(0)]);
+        let merged = parse_reply(four, values(), &super::reads(&twice), &twice).unwrap();
+        assert_eq!(merged[2].totals, outcomes[0].totals);
+        assert_eq!(merged[3].totals, outcomes[1].totals);
     }
 
     #[test]
