@@ -333,6 +333,16 @@ impl SyncService {
         service
     }
 
+    /// The value of one series of its `/metrics` (`name{labels}`), which it must have.
+    pub fn metric(&self, series: &str) -> u64 {
+        let (_, text) = crate::http_get_blocking(self.addr, "/metrics").expect("/metrics");
+        text.lines()
+            .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+            .unwrap_or_else(|| panic!("no {series} in\n{text}"))
+            .parse()
+            .expect("a number")
+    }
+
     fn spawn(&mut self) {
         let log = std::fs::File::options().create(true).append(true).open(&self.log).expect("log");
         let child = Command::new(sync_binary())

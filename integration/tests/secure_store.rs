@@ -63,15 +63,6 @@ fn stat_sum(envoys: &[&Envoy], name: &str) -> u64 {
 }
 
 /// A series of floodgate-sync's `/metrics`.
-fn sync_metric(sync: &SyncService, series: &str) -> u64 {
-    let (_, text) = http_get_blocking(sync.addr, "/metrics").expect("/metrics");
-    text.lines()
-        .find_map(|line| line.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no {series} in\n{text}"))
-        .parse()
-        .expect("a number")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_with_a_missing_or_wrong_token_change_nothing_in_redis_and_are_counted() {
     wait_for_window_phase(WINDOW, Duration::from_secs(1), WINDOW - Duration::from_secs(120));
@@ -90,8 +81,8 @@ async fn calls_with_a_missing_or_wrong_token_change_nothing_in_redis_and_are_cou
         }
     }
     tokio::time::sleep(Duration::from_millis(500)).await; // a few more batches refused
-    let unauthorized = sync_metric(&sync, "floodgate_sync_errors_total{status=\"401\",kind=\"unauthorized\"}");
-    let forbidden = sync_metric(&sync, "floodgate_sync_errors_total{status=\"403\",kind=\"forbidden\"}");
+    let unauthorized = sync.metric("floodgate_sync_errors_total{status=\"401\",kind=\"unauthorized\"}");
+    let forbidden = sync.metric("floodgate_sync_errors_total{status=\"403\",kind=\"forbidden\"}");
     let keys = store_keys(&redis);
     let failures = |envoy: &Envoy| (stat_sum(&[envoy], "global.failures"), stat_sum(&[envoy], "lease.failures"), stat_sum(&[envoy], "global.confirmed"));
     println!(
@@ -102,8 +93,8 @@ async fn calls_with_a_missing_or_wrong_token_change_nothing_in_redis_and_are_cou
     );
     assert_eq!(statuses.keys().copied().collect::<Vec<_>>(), vec![200], "every request decided without the store, none failed");
     assert!(keys.is_empty(), "nothing written to Redis: {keys:?}");
-    assert_eq!(sync_metric(&sync, "floodgate_sync_batches_received_total"), 0);
-    assert_eq!(sync_metric(&sync, "floodgate_sync_leases_received_total"), 0);
+    assert_eq!(sync.metric("floodgate_sync_batches_received_total"), 0);
+    assert_eq!(sync.metric("floodgate_sync_leases_received_total"), 0);
     for (envoy, refused) in [(&missing, unauthorized), (&wrong, forbidden)] {
         let (batches, leases, confirmed) = failures(envoy);
         assert!(batches > 0 && leases > 0, "the proxy counts its refused calls: {batches} batches, {leases} leases");

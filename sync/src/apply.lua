@@ -1,11 +1,13 @@
--- floodgate-sync: applies shard parts (groups) of proxies' batches, atomically: the groups of
--- every batch an instance received while its previous call for the same shards ran, merged.
--- (In Redis Cluster one script per shard, where a script may only touch one slot; on a single
--- node every shard in one script.)
+-- floodgate-sync: applies parts (groups) of proxies' batches, atomically: the groups of every
+-- batch an instance received while its previous call for the same shards ran, merged. (In Redis
+-- Cluster one script per shard, where a script may only touch one slot, and a batch's part per
+-- shard; on a single node every shard in one script, and a batch in one part unless it is
+-- larger than a call: layout.rs.) It is handed the groups that change a counter only.
 --
 -- ARGV[1]  the number of groups
 -- then per group:    ARGV  seq (its batch's, canonical decimal u64), field (its batch's proxy's
---                          in the dedup hash: the proxy, or <proxy>:<s> on a single node),
+--                          in the dedup hash: the proxy, or <proxy>:<s> for a shard part on a
+--                          single node),
 --                          seen_expire_at_ms, counter count
 --                    KEYS  the shard's dedup hash of the part's generation
 --                          (<prefix>{s}:seen:<period_ms>:<generation>, or on a single node every
@@ -17,8 +19,10 @@
 -- period and generation (layout.rs: a part's generation is that of its counters' latest bucket
 -- start, the same for a retry on any instance; the period covers 2 windows of the part's
 -- longest, at least 10 minutes). In a cluster each shard has its hashes, the proxy its field;
--- on a single node every shard shares them, the field <proxy>:<s> (one proxy's field per
--- shard: the parts of one batch on other shards, with the same seq, are other fields). A call
+-- on a single node every shard shares them, the field the proxy for a whole batch, <proxy>:<s>
+-- for a batch in shard parts (one proxy's field per shard: the parts of one batch on other
+-- shards, with the same seq, are other fields). A batch is always laid out the same way, so a
+-- retry compares its seq under the field it went under. A call
 -- reads its fields' seqs in their parts' hashes (HMGET, with the field '-' that every hash holds
 -- from its creation), and those it does not find there in the generation before (HMGET); it
 -- writes the newer seqs (one HSET per hash), and a hash it creates gets '-' and its expiry, the

@@ -5,7 +5,8 @@
 --
 -- ARGV[1]  the number of asks
 -- then per ask:  ARGV  window_ms, remaining_ms (window_ms - elapsed_ms), limit, want,
---                      expire_at_ms, has_previous (1|0), carried, field, seq, hashes
+--                      expire_at_ms, has_previous (1|0), carried, field, seq, hashes,
+--                      part_field
 --                KEYS  the current bucket's counter [, the previous bucket's when has_previous],
 --                      then `hashes` dedup hashes of the shard (apply.lua)
 --
@@ -15,14 +16,15 @@
 --   limit - ceil(previous x remaining / window) - current >= want,
 --
 -- else nothing. `limit` comes lowered by the units of the key the proxy admitted that the
--- store had not confirmed; `carried` of them travel in the proxy's batch `seq` (its source's
--- `field` in the dedup hashes: the proxy, or <proxy>:<s> on a single node, apply.lua). When one
--- of the dedup hashes holds that batch, or a later one, applied on the key's shard (HGET per
+-- store had not confirmed; `carried` of them travel in the proxy's batch `seq` (in the dedup
+-- hashes under its source's `field`, the proxy, or on a single node, for a batch laid out in
+-- shard parts, under `part_field`, <proxy>:<s>; '' when there is none: apply.lua). When one of
+-- the dedup hashes holds that batch, or a later one, applied on the key's shard (HMGET per
 -- hash, until found), the counter holds those units already, and they go back to `limit`.
 --
 -- Every distinct counter is read once (MGET); the units granted are added once per counter
 -- (INCRBY, and PEXPIREAT expire_at_ms when that INCRBY created it). A call thus costs an MGET
--- and an INCRBY per counter granted, whatever the asks in it, and an HGET or two per ask that
+-- and an INCRBY per counter granted, whatever the asks in it, and an HMGET or two per ask that
 -- names a batch on its way.
 --
 -- Returns {granted, current, previous} per ask: current is its counter after its own grant (and
@@ -37,7 +39,7 @@ local distinct, seen = {}, {}
 do
   local k = 1
   for i = 0, asks - 1 do
-    local a = 2 + i * 10
+    local a = 2 + i * 11
     local counters = ARGV[a + 5] == '1' and 2 or 1
     for c = k, k + counters - 1 do
       if not seen[KEYS[c]] then
@@ -58,7 +60,7 @@ local added, expiry, order = {}, {}, {}
 local answer = {}
 local k = 1
 for i = 0, asks - 1 do
-  local a = 2 + i * 10
+  local a = 2 + i * 11
   local window = tonumber(ARGV[a])
   local remaining = tonumber(ARGV[a + 1])
   local limit = tonumber(ARGV[a + 2])
@@ -70,12 +72,17 @@ for i = 0, asks - 1 do
     previous = value[KEYS[k]]
     k = k + 1
   end
-  local carried, field, seq = tonumber(ARGV[a + 6]), ARGV[a + 7], ARGV[a + 8]
+  local carried, seq = tonumber(ARGV[a + 6]), ARGV[a + 8]
+  local fields = {ARGV[a + 7]}
+  if ARGV[a + 10] ~= '' then
+    fields[2] = ARGV[a + 10]
+  end
   local applied = false
   for _ = 1, tonumber(ARGV[a + 9]) do
     if carried > 0 and not applied then
-      local last = redis.call('HGET', KEYS[k], field)
-      applied = last and not newer(seq, last)
+      for _, last in ipairs(redis.call('HMGET', KEYS[k], unpack(fields))) do
+        applied = applied or (last and not newer(seq, last))
+      end
     end
     k = k + 1
   end

@@ -72,13 +72,20 @@ pub struct Args {
     /// the next call, their shared counters added once. Longer merges more batches per call
     /// (fewer Redis commands and less Redis CPU per request), shorter brings the fleet's counts
     /// back to the proxies sooner. 0ms: a call as soon as the one before returned. E.g. 25ms.
-    #[arg(long, env = "FLOODGATE_SYNC_BATCH_PACE", default_value = "25ms", value_parser = parse_duration)]
+    #[arg(long, env = "FLOODGATE_SYNC_BATCH_PACE", default_value = "25ms", value_parser = parse_wait)]
     pub batch_pace: Duration,
+
+    /// How long a batch that finds its lane idle waits for others before its script call (at
+    /// most `--batch-pace`): the proxies send their batches at the same moments (each on the
+    /// start of a slot of its `sync_interval` on the wall clock), so the batches of a fleet
+    /// arrive within a few milliseconds of each other and go in one call. 0ms: at once. E.g. 5ms.
+    #[arg(long, env = "FLOODGATE_SYNC_BATCH_GATHER", default_value = "5ms", value_parser = parse_wait)]
+    pub batch_gather: Duration,
 
     /// The least time between two script calls of one shard's asks (the synchronous asks of
     /// batched rules' requests, merged): longer merges more asks per call (fewer Redis commands),
     /// shorter makes an ask wait less. 0ms: a call as soon as the one before returned. E.g. 10ms.
-    #[arg(long, env = "FLOODGATE_SYNC_ASK_PACE", default_value = "10ms", value_parser = parse_duration)]
+    #[arg(long, env = "FLOODGATE_SYNC_ASK_PACE", default_value = "10ms", value_parser = parse_wait)]
     pub ask_pace: Duration,
 
     /// Answer a lease (the leased rules' POST /v1/lease) only once this many replicas have its
@@ -203,6 +210,14 @@ pub fn parse_duration(text: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(seconds))
 }
 
+/// A wait that may be none: `0ms` (or `0s`, `0m`), or a duration as [`parse_duration`] takes it.
+pub fn parse_wait(text: &str) -> Result<Duration, String> {
+    match text.trim() {
+        "0ms" | "0s" | "0m" => Ok(Duration::ZERO),
+        other => parse_duration(other).map_err(|err| format!("{err} (or 0ms)")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(
@@ -223,6 +238,12 @@ mod tests {
         for bad in ["1", "s", "0s", "-1s", "2h", "1 s", "1.2.3s", "61m"] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
+        // The paces and the gather may be none.
+        assert_eq!(parse_wait("0ms").unwrap(), Duration::ZERO);
+        assert_eq!(parse_wait("25ms").unwrap(), Duration::from_millis(25));
+        assert!(parse_wait("0").unwrap_err().contains("or 0ms"));
+        let args = Args::try_parse_from(["floodgate-sync", "--batch-pace", "0ms", "--batch-gather", "0s", "--ask-pace", "0ms"]).unwrap();
+        assert_eq!((args.batch_pace, args.batch_gather, args.ask_pace), (Duration::ZERO, Duration::ZERO, Duration::ZERO));
     }
 
     #[test]
@@ -238,6 +259,7 @@ mod tests {
         assert_eq!(args.redis_timeout, Duration::from_secs(1));
         assert_eq!(args.ask_pace, Duration::from_millis(10));
         assert_eq!(args.batch_pace, Duration::from_millis(25));
+        assert_eq!(args.batch_gather, Duration::from_millis(5));
         assert!(args.tokens.is_empty() && args.token_file.is_none());
         assert!(args.redis_ca.is_none() && args.redis_cert.is_none());
     }

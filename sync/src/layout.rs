@@ -7,8 +7,9 @@
 //! - Dedup, a hash per period and generation: per proxy and shard, the last `seq` of the proxy
 //!   applied to the shard (see `apply.lua`). In Redis Cluster one hash per shard,
 //!   `<prefix>{<s>}:seen:<period_ms>:<generation>`, its fields the proxies (a script touches one
-//!   slot); on a single node one hash for every shard, `<prefix>seen:<period_ms>:<generation>`,
-//!   its fields `<proxy>:<s>` (so that a call over many shards reads and writes one hash);
+//!   slot); on a single node one hash for every shard, `<prefix>seen:<period_ms>:<generation>`
+//!   (so that a call over many shards reads and writes one hash), its fields the proxies for
+//!   batches that go whole and `<proxy>:<s>` for those that go in shard parts (below);
 //!   [`Layout::seen_key`] and [`Layout::seen_field`] name them. A seq must be kept
 //!   `max(2 * the longest window of the batch's counters in s, 10 min)` ([`seen_ttl_ms`]); the
 //!   period is the first of 10 min × 2^k that covers it ([`seen_period_ms`]). A batch's part
@@ -20,13 +21,20 @@
 //!
 //! In a cluster all keys of a shard share the hash tag `{<s>}`: one slot, so one Lua script can
 //! touch them all atomically (on a single node one script touches every shard's). A batch
-//! becomes a [`Plan`]: one [`Group`] per shard present, each with its distinct counters
-//! (duplicates of a (key, window_ms, bucket) are summed).
+//! becomes a [`Plan`] of [`Group`]s (parts), each with its distinct counters (duplicates of a
+//! (key, window_ms, bucket) are summed): in a cluster one per shard present; on a single node
+//! one for the whole batch, its dedup field the proxy, unless the batch has more than
+//! [`MAX_SCRIPT_COUNTERS`] distinct counters, which go in shard parts as in a cluster (so that
+//! no script call holds Redis long). A batch is always laid out the same way, so its retry
+//! finds its seq where it went.
 
 use std::collections::{BTreeMap, HashMap};
 
 use crate::protocol::{Batch, CounterKey};
 
+/// The most counters one script call takes, unless one part has more; on a single node, the most
+/// a batch has to go as one part.
+pub const MAX_SCRIPT_COUNTERS: usize = 1000;
 /// The slack after a counter's last useful moment before Redis drops it, in ms.
 pub const EXPIRY_SLACK_MS: u64 = 60_000;
 /// The shortest life of a dedup key, in ms (10 minutes).
@@ -108,8 +116,9 @@ impl Layout {
         }
     }
 
-    /// The field of `proxy`'s last seq on `shard` in the dedup hashes ([`Layout::seen_key`]): the
-    /// proxy, or `<proxy>:<shard>` on a single node.
+    /// The field of `proxy`'s last seq on `shard` in the dedup hashes ([`Layout::seen_key`]) for a
+    /// batch laid out in shard parts: the proxy, or `<proxy>:<shard>` on a single node. (A whole
+    /// batch's, on a single node, is the proxy.)
     pub fn seen_field(&self, shard: u32, proxy: &str) -> String {
         if self.node_dedup {
             format!("{proxy}:{shard}")
@@ -185,10 +194,11 @@ pub struct PlannedCounter {
     pub expire_at_ms: u64,
 }
 
-/// A shard's part of a batch: applied atomically by one script.
+/// A part of a batch (a shard's, or a whole batch's on a single node): applied atomically by one
+/// script.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Group {
-    /// The shard.
+    /// The shard (0 for a whole batch on a single node: its lane is the node's one).
     pub shard: u32,
     /// The dedup hash that keeps the batch's seq: `<seen_key>:<period>:<generation>`
     /// ([`Layout::seen_key`], [`seen_period_ms`]; the generation of the latest bucket start of the
@@ -200,7 +210,8 @@ pub struct Group {
     pub seen_expire_at_ms: u64,
     /// The batch's proxy's field in the dedup hashes ([`Layout::seen_field`]).
     pub seen_field: String,
-    /// The shard's distinct counters, in order of first appearance in the batch.
+    /// The part's distinct counters, in order of first appearance in the batch (a whole batch's: by
+    /// shard, then in that order).
     pub counters: Vec<PlannedCounter>,
 }
 
@@ -209,7 +220,7 @@ pub struct Group {
 pub struct Plan {
     /// The batch's `seq`.
     pub seq: u64,
-    /// One group per shard present in the batch, in shard order.
+    /// Its parts: one per shard present, in shard order, or one for the whole batch (module doc).
     pub groups: Vec<Group>,
     /// For each request counter, the index of its distinct counter in the flattened groups
     /// (group 0's counters first, then group 1's, ...).
@@ -223,8 +234,44 @@ impl Plan {
     }
 }
 
-/// Lays a validated batch out on shards.
+/// Lays a validated batch out: in shard parts, or whole on a single node (module doc).
 pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
+    let plan = plan_shards(layout, batch);
+    if !layout.node_dedup || plan.groups.is_empty() || plan.distinct() > MAX_SCRIPT_COUNTERS {
+        return plan;
+    }
+    // The flattened order stays: the whole part's counters are the shard parts' in turn.
+    let (mut max_window, mut latest) = (0u64, 0u64);
+    for counter in &batch.counters {
+        max_window = max_window.max(counter.window_ms);
+        latest = latest.max(counter.bucket.saturating_mul(counter.window_ms));
+    }
+    let counters = plan.groups.into_iter().flat_map(|group| group.counters).collect();
+    let whole = part(layout.seen_key(0), batch.proxy.as_str().to_owned(), max_window, latest, counters);
+    Plan {
+        seq: plan.seq,
+        groups: vec![Group { shard: 0, ..whole }],
+        index: plan.index,
+    }
+}
+
+/// A part of a batch with its dedup hashes: the period of its longest window, the generation of
+/// its latest bucket start.
+fn part(seen_base: String, seen_field: String, max_window: u64, latest: u64, counters: Vec<PlannedCounter>) -> Group {
+    let period = seen_period_ms(max_window);
+    let generation = latest.checked_div(period).unwrap_or(0);
+    Group {
+        shard: 0,
+        seen_key: format!("{seen_base}:{period}:{generation}"),
+        seen_before_key: format!("{seen_base}:{period}:{}", generation.saturating_sub(1)),
+        seen_expire_at_ms: generation.saturating_add(2).saturating_mul(period).min(MAX_REDIS_MS),
+        seen_field,
+        counters,
+    }
+}
+
+/// Lays a validated batch out in shard parts.
+fn plan_shards(layout: &Layout, batch: &Batch) -> Plan {
     // shard -> (max window, latest bucket start, distinct counters); (key, window, bucket) ->
     // (shard, position).
     let mut shards: BTreeMap<u32, (u64, u64, Vec<PlannedCounter>)> = BTreeMap::new();
@@ -273,17 +320,8 @@ pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
     for (shard, (max_window, latest, counters)) in shards {
         offsets.insert(shard, next);
         next = next.saturating_add(counters.len());
-        let period = seen_period_ms(max_window);
-        let generation = latest.checked_div(period).unwrap_or(0);
-        let base = layout.seen_key(shard);
-        groups.push(Group {
-            shard,
-            seen_key: format!("{base}:{period}:{generation}"),
-            seen_before_key: format!("{base}:{period}:{}", generation.saturating_sub(1)),
-            seen_expire_at_ms: generation.saturating_add(2).saturating_mul(period).min(MAX_REDIS_MS),
-            seen_field: layout.seen_field(shard, batch.proxy.as_str()),
-            counters,
-        });
+        let group = part(layout.seen_key(shard), layout.seen_field(shard, batch.proxy.as_str()), max_window, latest, counters);
+        groups.push(Group { shard, ..group });
     }
     let index = located
         .into_iter()
@@ -390,17 +428,38 @@ mod tests {
             {"key": "00000002bbbbbbbbbbbbbbbbbbbbbbbb", "window_ms": 60000, "bucket": 100, "delta": 1},
             {"key": "00000011cccccccccccccccccccccccc", "window_ms": 3600000, "bucket": 1, "delta": 1}
         ]}"#;
-        let plan = plan(&layout, &parse_batch(body.as_bytes(), 10).unwrap());
-        let parts: Vec<(&str, &str)> = plan.groups.iter().map(|g| (g.seen_key.as_str(), g.seen_field.as_str())).collect();
-        // Shards 1 and 2 in one hash; shard 1's part has an hour's counter: another period.
+        let batch = parse_batch(body.as_bytes(), 10).unwrap();
+        let whole = plan(&layout, &batch);
+        let parts: Vec<(&str, &str)> = whole.groups.iter().map(|g| (g.seen_key.as_str(), g.seen_field.as_str())).collect();
+        // One part, its field the proxy: the period of its longest window (an hour's), the
+        // generation of its latest bucket start (100 minutes).
+        assert_eq!(parts, [("fg:seen:9600000:0", "0123456789abcdef")]);
+        // The same counters in the same order as in shard parts: the request order maps alike.
+        let sharded = plan_shards(&layout, &batch);
+        assert_eq!(sharded.groups.len(), 2);
+        let flat: Vec<&PlannedCounter> = sharded.groups.iter().flat_map(|g| &g.counters).collect();
+        assert_eq!(whole.groups[0].counters.iter().collect::<Vec<_>>(), flat);
+        assert_eq!(whole.index, sharded.index);
+        // An ask of any of its keys looks in the hash the part went to.
+        for (k, window, bucket) in [("00000002bbbbbbbbbbbbbbbbbbbbbbbb", 60_000, 100), ("00000011cccccccccccccccccccccccc", 3_600_000, 1)] {
+            let keys = layout.seen_keys_of(&key(k), window, bucket, 3_600_000, 6_010_000);
+            assert!(keys.contains(&whole.groups[0].seen_key), "{keys:?}");
+        }
+        // A batch larger than a call goes in shard parts, fields `<proxy>:<s>`, all in one hash.
+        let counters: Vec<String> = (0..=MAX_SCRIPT_COUNTERS)
+            .map(|n| format!(r#"{{"key": "{:08x}{n:024x}", "window_ms": 60000, "bucket": 100, "delta": 1}}"#, n % 3))
+            .collect();
+        let body = format!(r#"{{"version": 1, "proxy": "0123456789abcdef", "seq": 9, "counters": [{}]}}"#, counters.join(","));
+        let large = plan(&layout, &parse_batch(body.as_bytes(), 2000).unwrap());
+        let parts: Vec<(u32, &str, &str)> = large.groups.iter().map(|g| (g.shard, g.seen_key.as_str(), g.seen_field.as_str())).collect();
         assert_eq!(
             parts,
-            [("fg:seen:9600000:0", "0123456789abcdef:1"), ("fg:seen:600000:10", "0123456789abcdef:2")]
+            [
+                (0, "fg:seen:600000:10", "0123456789abcdef:0"),
+                (1, "fg:seen:600000:10", "0123456789abcdef:1"),
+                (2, "fg:seen:600000:10", "0123456789abcdef:2")
+            ]
         );
-        let keys = layout.seen_keys_of(&key("00000002bbbbbbbbbbbbbbbbbbbbbbbb"), 60_000, 100, 60_000, 6_010_000);
-        assert_eq!(keys, ["fg:seen:600000:10"]);
-        let keys = layout.seen_keys_of(&key("00000001aaaaaaaaaaaaaaaaaaaaaaaa"), 60_000, 100, 3_600_000, 6_010_000);
-        assert!(keys.contains(&plan.groups[0].seen_key), "{keys:?}");
     }
 
     #[test]

@@ -194,8 +194,9 @@ pub struct PlannedLease {
 /// [`Carried`] laid out for `ask.lua`: the dedup hashes where the batch's seq would be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlannedCarried {
-    /// The batch's source's field in the dedup hashes ([`Layout::seen_field`]).
-    pub seen_field: String,
+    /// The batch's source's fields in the dedup hashes: its whole batch's (the proxy), and its
+    /// shard part's ([`Layout::seen_field`]) when that is another (on a single node).
+    pub seen_fields: [String; 2],
     /// The batch's seq.
     pub seq: u64,
     /// The key's units in it.
@@ -306,7 +307,7 @@ pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
         refunded: [entry.refunded, entry.refunded_previous],
         exact: entry.exact,
         carried: entry.carried.as_ref().map(|c| PlannedCarried {
-            seen_field: layout.seen_field(shard, c.proxy.as_str()),
+            seen_fields: [c.proxy.as_str().to_owned(), layout.seen_field(shard, c.proxy.as_str())],
             seq: c.seq,
             units: c.units,
             seen_keys: layout.seen_keys_of(

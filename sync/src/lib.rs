@@ -74,6 +74,7 @@ pub async fn run(args: Args) -> Result<(), String> {
             cluster: args.cluster,
             timeout: args.redis_timeout,
             batch_pace: args.batch_pace,
+            batch_gather: args.batch_gather,
             ask_pace: args.ask_pace,
             replica_acks: args.replica_acks,
             tls: tls.clone(),

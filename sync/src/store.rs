@@ -7,15 +7,18 @@
 //!   script call per shard present in the batch (a shard is one slot), all at once. The client is
 //!   built in the background, so the service starts (and answers 503) while the cluster is down.
 //!
-//! **Merging.** A batch's shard parts wait in a lane (one on a single node, one per shard in a
-//! cluster); a lane has at most one script call in flight, and each call takes every part
-//! waiting (whole parts up to 1 000 counters), from whichever proxies, and a lane starts a call
-//! at most every `--batch-pace` ([`DEFAULT_BATCH_PACE`]). An instance that receives batches faster than that (or
-//! than Redis answers them) therefore sends fewer, larger calls: the counters the merged parts
-//! share are added once, and read once, and a call's dedup costs the same whatever the proxies
-//! in it, so the Redis commands of an instance's batches are bounded by its lanes, not by the
-//! proxies. A lone batch on an idle lane goes at once, as its own call; a batch waits at most
-//! `--batch-pace` besides the call before it.
+//! **Merging.** A batch's parts (the whole batch on a single node, a part per shard in a
+//! cluster: `layout`) wait in a lane (one on a single node, one per shard in a cluster); a lane
+//! has at most one script call in flight, and each call takes every part waiting (whole parts up
+//! to 1 000 counters), from whichever proxies, and a lane starts a call at most every
+//! `--batch-pace` ([`DEFAULT_BATCH_PACE`]). An instance that receives batches faster than that
+//! (or than Redis answers them) therefore sends fewer, larger calls: the counters the merged
+//! parts share are added once, and read once, and a call's dedup costs the same whatever the
+//! proxies in it, so the Redis commands of an instance's batches are bounded by its lanes, not
+//! by the proxies. The proxies send on a shared grid of the wall clock (each ticks on the
+//! starts of its `sync_interval`'s slots), so a fleet's batches arrive together: a batch that
+//! finds its lane idle waits `--batch-gather` ([`DEFAULT_BATCH_GATHER`]) for the others, and a
+//! batch waits at most that, or `--batch-pace`, besides the call before it.
 //! The script only writes: it is handed the counters a part changes (a delta or a give-back;
 //! not those a proxy only refreshes its view of), and returns which groups it applied. A plain
 //! `MGET` pipelined after it, in its round trip and on its connection, reads every counter's
@@ -62,7 +65,7 @@ use tokio::sync::{oneshot, watch};
 use tracing::{info, warn};
 
 use crate::holders::{BucketHolders, Holder};
-use crate::layout::{Group, Plan, PlannedCounter};
+use crate::layout::{Group, Plan, PlannedCounter, MAX_SCRIPT_COUNTERS};
 use crate::lease::{holders_key, Grant, PlannedLease};
 use crate::metrics::{ErrorKind, Metrics};
 use crate::protocol::Totals;
@@ -71,12 +74,13 @@ const SCRIPT_SOURCE: &str = concat!(include_str!("seq.lua"), include_str!("apply
 const LEASE_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("lease.lua"));
 const ASK_SOURCE: &str = concat!(include_str!("window.lua"), include_str!("seq.lua"), include_str!("ask.lua"));
 
-/// The most counters one script call takes on a single node, unless one shard has more.
-const MAX_SCRIPT_COUNTERS: usize = 1000;
 /// A batches' lane starts a script call at most this often by default (`--batch-pace`): the
 /// parts that arrive meanwhile wait and go together in the next call (a lone part on an idle
 /// lane goes at once).
 pub const DEFAULT_BATCH_PACE: Duration = Duration::from_millis(25);
+/// How long a batch that finds its lane idle waits for others by default (`--batch-gather`): the
+/// proxies send on the same grid, so a fleet's batches arrive together.
+pub const DEFAULT_BATCH_GATHER: Duration = Duration::from_millis(5);
 /// An asks' lane starts a script call at most this often by default (`--ask-pace`): shorter
 /// than [`DEFAULT_BATCH_PACE`], since a request waits for its ask's answer.
 pub const DEFAULT_ASK_PACE: Duration = Duration::from_millis(10);
@@ -93,6 +97,9 @@ pub struct StoreConfig {
     /// The least time between two calls of one batches' lane (`--batch-pace`,
     /// [`DEFAULT_BATCH_PACE`]).
     pub batch_pace: Duration,
+    /// How long a batch that finds its lane idle waits for others (`--batch-gather`, at most
+    /// `batch_pace`; [`DEFAULT_BATCH_GATHER`]).
+    pub batch_gather: Duration,
     /// The least time between two calls of one asks' lane (`--ask-pace`, [`DEFAULT_ASK_PACE`]).
     pub ask_pace: Duration,
     /// `--replica-acks`: the replicas that must have a lease call's writes before it is
@@ -291,6 +298,7 @@ struct Calls {
     ask_script: Script,
     timeout: Duration,
     batch_pace: Duration,
+    batch_gather: Duration,
     ask_pace: Duration,
     metrics: Arc<Metrics>,
     errors: Arc<ErrorLog>,
@@ -305,6 +313,8 @@ trait LaneWork: Sized + Send + 'static {
     const WHAT: &'static str;
     /// The least time between the starts of two calls of one lane.
     fn pace(calls: &Calls) -> Duration;
+    /// How long the first unit on an idle lane waits for others before the lane's first call.
+    fn gather(calls: &Calls) -> Duration;
     /// Its size toward [`MAX_SCRIPT_COUNTERS`] per call.
     fn size(&self) -> usize;
     /// One script call over `work` (all on one slot in a cluster), an outcome per unit.
@@ -395,6 +405,7 @@ impl Store {
                 ask_script: Script::new(ASK_SOURCE),
                 timeout: config.timeout,
                 batch_pace: config.batch_pace,
+                batch_gather: config.batch_gather.min(config.batch_pace),
                 ask_pace: config.ask_pace,
                 metrics,
                 errors,
@@ -726,11 +737,16 @@ async fn eval<C: ConnectionLike, K: redis::ToRedisArgs, A: redis::ToRedisArgs>(
     Ok((value, values))
 }
 
-/// Serves lane `id` of `lanes` until it is empty: takes the work waiting (whole units up to
-/// [`MAX_SCRIPT_COUNTERS`], at least one), runs it in one script call, answers each unit; then
-/// the work that came meanwhile, at most one call per [`LaneWork::pace`].
+/// Serves lane `id` of `lanes` until it is empty: after [`LaneWork::gather`], takes the work
+/// waiting (whole units up to [`MAX_SCRIPT_COUNTERS`], at least one), runs it in one script call,
+/// answers each unit; then the work that came meanwhile, at most one call per
+/// [`LaneWork::pace`].
 async fn run_lane<W: LaneWork>(calls: Calls, lanes: Lanes<W>, id: u32) {
     let mut started: Option<Instant> = None;
+    let gather = W::gather(&calls);
+    if !gather.is_zero() {
+        tokio::time::sleep(gather).await;
+    }
     loop {
         // At most one call per pace: the work arriving meanwhile merges into the next.
         if let Some(rest) = started.and_then(|at| W::pace(&calls).checked_sub(at.elapsed())) {
@@ -787,6 +803,20 @@ impl Calls {
     }
 }
 
+impl Calls {
+    /// The values of `keys` (`MGET`, on the retrying connection: a read is safe to repeat).
+    async fn read(&self, keys: &[&str]) -> Result<Vec<Value>, StoreError> {
+        let mut get = Cmd::new();
+        get.arg("MGET").arg(keys);
+        self.metrics.redis_round_trip();
+        let values = match &self.backend {
+            Backend::Single(manager) => get.query_async::<Vec<Value>>(&mut manager.clone()).await,
+            Backend::Cluster { retrying, .. } => get.query_async::<Vec<Value>>(&mut connected(retrying)?).await,
+        };
+        values.map_err(|err| classify(self.timeout, err))
+    }
+}
+
 impl LaneWork for BatchPart {
     type Outcome = GroupOutcome;
     const WHAT: &'static str = "batch";
@@ -795,16 +825,25 @@ impl LaneWork for BatchPart {
         calls.batch_pace
     }
 
+    fn gather(calls: &Calls) -> Duration {
+        calls.batch_gather
+    }
+
     fn size(&self) -> usize {
         self.group.counters.len()
     }
 
     async fn call(calls: &Calls, parts: &[BatchPart]) -> Result<Vec<GroupOutcome>, StoreError> {
         let groups: Vec<(u64, &Group)> = parts.iter().map(|part| (part.seq, &part.group)).collect();
+        let reads = reads(&groups);
+        // Parts that change nothing (a proxy's refreshes) only read: no script, no dedup.
+        if !groups.iter().any(|(_, group)| handed(group)) {
+            let values = calls.read(&reads.keys).await?;
+            return parse_reply(Value::Array(Vec::new()), values, &reads, &groups);
+        }
         let (keys, args) = script_arguments(&groups);
         // The totals are read after the script, so that they see its writes (module doc,
         // "Merging").
-        let reads = reads(&groups);
         let (reply, values) = calls.eval(true, &calls.script, SCRIPT_SOURCE, &keys, &args, &reads.keys, 0).await?;
         let outcomes = parse_reply(reply, values, &reads, &groups)?;
         calls.metrics.batch_call();
@@ -818,6 +857,11 @@ impl LaneWork for PlannedLease {
 
     fn pace(calls: &Calls) -> Duration {
         calls.ask_pace
+    }
+
+    /// A request waits for its ask: none.
+    fn gather(_: &Calls) -> Duration {
+        Duration::ZERO
     }
 
     fn size(&self) -> usize {
@@ -857,6 +901,12 @@ fn changed(group: &Group) -> impl Iterator<Item = &PlannedCounter> {
     group.counters.iter().filter(|c| changes(c))
 }
 
+/// Whether the script is handed `group`: it changes a counter. One that does not only reads,
+/// and has nothing to keep exactly once.
+fn handed(group: &Group) -> bool {
+    changed(group).next().is_some()
+}
+
 /// What the `MGET` after the script reads: each distinct key once, and where each counter of the
 /// groups (in order) finds its current and previous totals among them.
 struct Reads<'a> {
@@ -884,9 +934,10 @@ fn reads<'a>(groups: &[(u64, &'a Group)]) -> Reads<'a> {
     Reads { keys, at }
 }
 
-/// The script's KEYS and ARGV for `groups`, each with its batch's seq (see `apply.lua`): the
-/// counters each group changes ([`changes`]).
+/// The script's KEYS and ARGV for the groups of `groups` it is handed ([`handed`]), each with
+/// its batch's seq (see `apply.lua`): the counters each group changes ([`changes`]).
 fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<String>) {
+    let groups: Vec<(u64, &Group)> = groups.iter().copied().filter(|(_, group)| handed(group)).collect();
     let counters: usize = groups.iter().map(|(_, group)| changed(group).count()).sum();
     let mut keys: Vec<&str> = Vec::with_capacity(groups.len().saturating_mul(2).saturating_add(counters));
     let mut args: Vec<String> = Vec::with_capacity(
@@ -895,7 +946,7 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
             .saturating_add(counters.saturating_mul(3)),
     );
     args.push(groups.len().to_string());
-    for (seq, group) in groups {
+    for (seq, group) in &groups {
         keys.push(&group.seen_key);
         keys.push(&group.seen_before_key);
         args.push(seq.to_string());
@@ -912,18 +963,19 @@ fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<Strin
     (keys, args)
 }
 
-/// The script's `{applied_1 .. applied_g}` and the values the `MGET` after it read ([`reads`])
-/// into each group's outcome, its counters' totals in the group's order.
+/// The script's `{applied_1 .. applied_g}` (one per group it was handed: those that change a
+/// counter) and the values the `MGET` after it read ([`reads`]) into each group's outcome, its
+/// counters' totals in the group's order; a group that changes nothing counts as applied.
 fn parse_reply(reply: Value, values: Vec<Value>, reads: &Reads, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcome>, StoreError> {
     let Value::Array(items) = reply else {
         return Err(StoreError::Reply(format!(
             "expected an array, got {reply:?}"
         )));
     };
-    if items.len() != groups.len() {
+    let expected = groups.iter().filter(|(_, group)| handed(group)).count();
+    if items.len() != expected {
         return Err(StoreError::Reply(format!(
-            "expected {} flags, got {}",
-            groups.len(),
+            "expected {expected} flags, got {}",
             items.len()
         )));
     }
@@ -933,12 +985,14 @@ fn parse_reply(reply: Value, values: Vec<Value>, reads: &Reads, groups: &[(u64, 
     let values: Vec<u64> = values.into_iter().map(total).collect::<Result<_, _>>()?;
     let value = |at: usize| values.get(at).copied().ok_or_else(|| StoreError::Reply("a read out of range".into()));
     let mut at = reads.at.iter();
+    let mut flags = items.into_iter();
     let mut outcomes = Vec::with_capacity(groups.len());
-    for (item, (_, group)) in items.into_iter().zip(groups) {
-        let applied = match item {
-            Value::Int(1) => true,
-            Value::Int(0) => false,
-            other => return Err(StoreError::Reply(format!("applied flag {other:?}"))),
+    for (_, group) in groups {
+        let applied = match handed(group).then(|| flags.next()) {
+            None => true,
+            Some(Some(Value::Int(1))) => true,
+            Some(Some(Value::Int(0))) => false,
+            Some(other) => return Err(StoreError::Reply(format!("applied flag {other:?}"))),
         };
         let mut totals = Vec::with_capacity(group.counters.len());
         for _ in &group.counters {
@@ -975,7 +1029,7 @@ fn parse_grant(reply: Value) -> Result<Grant, StoreError> {
 /// The script's KEYS and ARGV for `asks` (see `ask.lua`).
 fn ask_arguments(asks: &[PlannedLease]) -> (Vec<&str>, Vec<String>) {
     let mut keys: Vec<&str> = Vec::with_capacity(asks.len().saturating_mul(2));
-    let mut args: Vec<String> = Vec::with_capacity(asks.len().saturating_mul(10).saturating_add(1));
+    let mut args: Vec<String> = Vec::with_capacity(asks.len().saturating_mul(11).saturating_add(1));
     args.push(asks.len().to_string());
     for ask in asks {
         keys.push(&ask.current_key);
@@ -990,10 +1044,12 @@ fn ask_arguments(asks: &[PlannedLease]) -> (Vec<&str>, Vec<String>) {
         }
         match &ask.carried {
             Some(carried) => {
-                args.extend([carried.units.to_string(), carried.seen_field.clone(), carried.seq.to_string(), carried.seen_keys.len().to_string()]);
+                let [whole, part] = &carried.seen_fields;
+                let part = if part == whole { "" } else { part.as_str() };
+                args.extend([carried.units.to_string(), whole.clone(), carried.seq.to_string(), carried.seen_keys.len().to_string(), part.to_owned()]);
                 keys.extend(carried.seen_keys.iter().map(String::as_str));
             }
-            None => args.extend(["0", "", "0", "0"].map(String::from)),
+            None => args.extend(["0", "", "0", "0", ""].map(String::from)),
         }
     }
     (keys, args)
@@ -1112,13 +1168,11 @@ mod tests {
         let plan = two_shard_plan();
         let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
         let (keys, args) = script_arguments(&groups);
-        // Shard 0's counter is only read (delta 0): its group goes to the script for its dedup,
-        // with no counter. Every counter is read after the script, its previous bucket too.
+        // Shard 0's counter is only read (delta 0): its group does not go to the script (nothing
+        // to keep exactly once). Every counter is read after the script, its previous bucket too.
         assert_eq!(
             keys,
             vec![
-                "fg:{0}:seen:600000:0",
-                "fg:{0}:seen:600000:0",
                 "fg:{1}:seen:600000:0",
                 "fg:{1}:seen:600000:0",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
@@ -1127,8 +1181,7 @@ mod tests {
         assert_eq!(
             args,
             vec![
-                "2", "5", "0123456789abcdef", "1200000", "0",
-                "5", "0123456789abcdef", "1200000", "1", "3", "2", "69000"
+                "1", "5", "0123456789abcdef", "1200000", "1", "3", "2", "69000"
             ]
         );
         let reads = reads(&groups);
@@ -1153,7 +1206,9 @@ mod tests {
         let plan = two_shard_plan();
         let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
         let reads = reads(&groups);
-        let reply = Value::Array(vec![Value::Int(1), Value::Int(0)]);
+        // One flag: shard 0's group only reads, so it was not handed to the script and counts as
+        // applied.
+        let reply = Value::Array(vec![Value::Int(0)]);
         let values = || vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"12".to_vec()), Value::BulkString(b"40".to_vec())];
         let outcomes = parse_reply(reply.clone(), values(), &reads, &groups).unwrap();
         assert_eq!(
@@ -1163,7 +1218,7 @@ mod tests {
                 GroupOutcome { applied: false, totals: vec![Totals { current: 12, previous: 40 }] },
             ]
         );
-        let short = Value::Array(vec![Value::Int(1)]);
+        let short = Value::Array(Vec::new());
         assert!(parse_reply(short, values(), &reads, &groups).is_err());
         assert!(parse_reply(reply.clone(), Vec::new(), &reads, &groups).is_err());
         assert!(parse_reply(reply.clone(), values()[..2].to_vec(), &reads, &groups).is_err());
@@ -1172,13 +1227,16 @@ mod tests {
         assert!(parse_reply(reply.clone(), more, &reads, &groups).is_err());
         let garbage = vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"x".to_vec()), Value::Nil];
         assert!(parse_reply(reply.clone(), garbage, &reads, &groups).is_err());
-        assert!(parse_reply(Value::Array(vec![Value::Int(1), Value::Int(2)]), values(), &reads, &groups).is_err());
+        assert!(parse_reply(Value::Array(vec![Value::Int(0), Value::Int(1)]), values(), &reads, &groups).is_err());
+        assert!(parse_reply(Value::Array(vec![Value::Int(2)]), values(), &reads, &groups).is_err());
         // A merged call: both copies take their totals from the one read of each key.
         let twice: Vec<(u64, &Group)> = groups.iter().chain(&groups).copied().collect();
-        let four = Value::Array(vec![Value::Int(1), Value::Int(0), Value::Int(0), Value::Int(0)]);
-        let merged = parse_reply(four, values(), &super::reads(&twice), &twice).unwrap();
+        let flags = Value::Array(vec![Value::Int(0), Value::Int(1)]);
+        let merged = parse_reply(flags, values(), &super::reads(&twice), &twice).unwrap();
         assert_eq!(merged[2].totals, outcomes[0].totals);
         assert_eq!(merged[3].totals, outcomes[1].totals);
+        let applied: Vec<bool> = merged.iter().map(|m| m.applied).collect();
+        assert_eq!(applied, [true, false, true, true]);
     }
 
     #[test]
@@ -1216,6 +1274,7 @@ mod tests {
             cluster: urls.len() > 1,
             timeout: Duration::from_secs(1),
             batch_pace: DEFAULT_BATCH_PACE,
+            batch_gather: DEFAULT_BATCH_GATHER,
             ask_pace: DEFAULT_ASK_PACE,
             replica_acks: 0,
             tls: StoreTls {

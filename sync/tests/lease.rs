@@ -293,32 +293,38 @@ fn an_ask_takes_back_the_units_of_a_batch_the_store_has_applied() {
     assert_eq!(ask(29, Some((4, 30, 3_600_000))), [(29, 100, 0)], "a seq older than the one applied counts as applied");
 }
 
-/// On a single node the dedup hash holds every shard's seqs (a field per proxy and shard): an
-/// ask finds its proxy's batch applied on its key's shard, whatever the batch's other shards,
-/// and not a batch of that proxy applied on another shard only.
+/// On a single node a batch goes whole, its seq under the proxy's field, whatever shards it spans:
+/// an ask finds its proxy's batch applied there; and a batch too large for one call goes in
+/// shard parts, its seq under `<proxy>:<shard>`, where an ask of a key of that shard finds it.
 #[test]
 fn an_ask_finds_its_batch_in_the_single_nodes_dedup_hash() {
     let (redis, sync) = single();
     let bucket = now_ms() / 60_000;
     let proxy = "00000000000000aa";
     let (b, c) = ("00000002bbbbbbbbbbbbbbbbbbbbbbbb", "0000001fcccccccccccccccccccccccc");
-    // Batch 5 carried 30 units of A (shard 1), and units of B and C (shards 2 and 15); batch 6,
-    // B's alone.
-    for (seq, counters) in [(5, vec![(c, 60_000, bucket, 1), (A, 60_000, bucket, 30), (b, 60_000, bucket, 1)]), (6, vec![(b, 60_000, bucket, 1)])] {
-        let applied = post(sync.port, &batch(proxy, seq, &counters));
-        assert_eq!(applied.status, 200, "{}", applied.body);
-    }
+    // Batch 5 carried 30 units of A (shard 1), and units of B and C (shards 2 and 15).
+    let applied = post(sync.port, &batch(proxy, 5, &[(c, 60_000, bucket, 1), (A, 60_000, bucket, 30), (b, 60_000, bucket, 1)]));
+    assert_eq!(applied.status, 200, "{}", applied.body);
     let hashes: Vec<String> = redis.keys().into_iter().filter(|k| k.contains(":seen:")).collect();
     assert_eq!(hashes.len(), 1, "{hashes:?}");
-    let ask = |seq: u64| {
-        let mut e = entry(A, bucket, 0, 70, 41);
+    let ask = |seq: u64, units: u64, limit: u64, want: u64| {
+        let mut e = entry(A, bucket, 0, limit, want);
         e["exact"] = json!(true);
-        e["at_once"] = json!(41);
-        e["carried"] = json!({"proxy": proxy, "seq": seq, "units": 30, "longest_window_ms": 60_000});
+        e["at_once"] = json!(want);
+        e["carried"] = json!({"proxy": proxy, "seq": seq, "units": units, "longest_window_ms": 60_000});
         grants(&lease_call(sync.port, &[e]))
     };
-    assert_eq!(ask(6), [(0, 30, 0)], "batch 6 applied on B's shard, not on A's: as sent");
-    assert_eq!(ask(5), [(41, 71, 0)], "batch 5 applied on A's shard: the 30 go back to the limit");
+    // The proxy's 30 units, not confirmed to it: the limit of 100 comes as 70.
+    assert_eq!(ask(7, 30, 70, 41), [(0, 30, 0)], "batch 7 is not applied: as sent");
+    assert_eq!(ask(5, 30, 70, 41), [(41, 71, 0)], "batch 5 applied: the 30 go back to the limit");
+    // Batch 8: 10 more units of A and a thousand reads of shard 3, in shard parts.
+    let mut counters = vec![(A, 60_000, bucket, 10)];
+    let reads: Vec<String> = (0..1000).map(|n| key_in_shard(3, n)).collect();
+    counters.extend(reads.iter().map(|k| (k.as_str(), 60_000, bucket, 0)));
+    let large = post(sync.port, &batch(proxy, 8, &counters));
+    assert_eq!(large.status, 200, "{}", large.body);
+    // A holds 81; the proxy's 10 units come off the limit (90): room 19 once they go back.
+    assert_eq!(ask(8, 10, 90, 19), [(19, 100, 0)], "batch 8 applied on A's shard's part");
 }
 
 #[test]

@@ -31,36 +31,34 @@ fn present() -> u64 {
 }
 
 /// The dedup period of windows up to 5 min (`fg:seen:600000:<generation>`: on a single node
-/// one hash per period and generation for every shard, a field `<proxy>:<shard>` each).
+/// one hash per period and generation for every shard, a field per proxy, `<proxy>:<shard>` for
+/// a batch too large to go whole).
 const PERIOD: u64 = 600_000;
 
-/// The dedup hashes holding seqs of `shard` (generations of every period).
-fn seen_hashes(redis: &Redis, shard: u32) -> Vec<String> {
-    let suffix = format!(":{shard}");
+/// The dedup hashes that hold `field` (generations of every period).
+fn seen_hashes(redis: &Redis, field: &str) -> Vec<String> {
     redis
         .keys()
         .into_iter()
         .filter(|k| k.starts_with("fg:seen:"))
-        .filter(|k| {
-            let fields: Vec<String> = redis::cmd("HKEYS").arg(k).query(&mut redis.conn()).unwrap();
-            fields.iter().any(|f| f.ends_with(&suffix))
-        })
+        .filter(|k| redis::cmd("HEXISTS").arg(k).arg(field).query::<bool>(&mut redis.conn()).unwrap())
         .collect()
 }
 
-/// The last seq `shard` keeps of `proxy`: in the newest generation that has it.
-fn last_seq(redis: &Redis, shard: u32, proxy: &str) -> Option<u64> {
-    let mut hashes = seen_hashes(redis, shard);
+/// The last seq kept under `field` (a proxy, or `<proxy>:<shard>`): in the newest generation
+/// that has it.
+fn last_seq(redis: &Redis, field: &str) -> Option<u64> {
+    let mut hashes = seen_hashes(redis, field);
     hashes.sort_by_key(|k| k.rsplit(':').next().and_then(|g| g.parse::<u64>().ok()));
     hashes.iter().rev().find_map(|hash| {
-        redis::cmd("HGET").arg(hash).arg(format!("{proxy}:{shard}")).query::<Option<u64>>(&mut redis.conn()).unwrap()
+        redis::cmd("HGET").arg(hash).arg(field).query::<Option<u64>>(&mut redis.conn()).unwrap()
     })
 }
 
-/// Writes `seq` as `proxy`'s last in `shard`, `back` generations of 10 min before the current.
-fn set_seq(redis: &Redis, shard: u32, proxy: &str, seq: &str, at: u64, back: u64) {
+/// Writes `seq` as the last under `field`, `back` generations of 10 min before the current.
+fn set_seq(redis: &Redis, field: &str, seq: &str, at: u64, back: u64) {
     let hash = format!("fg:seen:{PERIOD}:{}", generation_of(at) - back);
-    let _: () = redis::cmd("HSET").arg(&hash).arg(format!("{proxy}:{shard}")).arg(seq).query(&mut redis.conn()).unwrap();
+    let _: () = redis::cmd("HSET").arg(&hash).arg(field).arg(seq).query(&mut redis.conn()).unwrap();
 }
 
 /// The dedup generation of a batch part whose latest bucket starts at second `at` (windows up to
@@ -105,7 +103,8 @@ fn totals_come_in_request_order_and_sum_across_proxies() {
         &batch(P2, 1, &[(A, 1000, t + 11, 1), (A, 1000, t + 10, 5)]),
     );
     assert_eq!(second.totals(), vec![(12, 1), (0, 12)]);
-    // Proxy 1 reads everything (delta 0, next seq).
+    // Proxy 1 reads everything (delta 0, next seq): no script, only a read.
+    let scripts = redis.command_calls("evalsha") + redis.command_calls("eval");
     let read = post(
         sync.port,
         &batch(
@@ -120,6 +119,7 @@ fn totals_come_in_request_order_and_sum_across_proxies() {
         ),
     );
     assert_eq!(read.totals(), vec![(0, 0), (2, 0), (12, 1), (0, 12)]);
+    assert_eq!(redis.command_calls("evalsha") + redis.command_calls("eval"), scripts);
     // Only counters with a delta exist (C and D were never written), plus the node's dedup hash
     // of the present (two if the test straddled the start of a generation), with fields of
     // shards 1, 2 and 15.
@@ -134,21 +134,22 @@ fn totals_come_in_request_order_and_sum_across_proxies() {
     let (dedup, keys): (Vec<String>, Vec<String>) = rest.into_iter().partition(|k| k.contains(":seen:"));
     assert_eq!(keys, expected);
     assert!(!fleet.is_empty() && fleet.len() <= 3, "{fleet:?}");
-    // (Shard 3's part holds bucket 0 alone: its generation ended long ago, and its hash with it.)
-    assert_eq!(seen_hashes(&redis, 3), Vec::<String>::new());
-    for shard in [1, 2, 15] {
-        let hashes = seen_hashes(&redis, shard);
-        assert!((1..=2).contains(&hashes.len()), "{hashes:?}");
-        assert!(hashes.iter().all(|h| h.starts_with(&format!("fg:seen:{PERIOD}:"))), "{hashes:?}");
+    // One dedup hash of the present (two if the test straddled the start of a generation) holds
+    // every shard's seqs: a batch goes whole, its field the proxy. A batch that only reads keeps
+    // no seq (it has nothing to keep exactly once).
+    assert!((1..=2).contains(&dedup.len()), "{dedup:?}");
+    assert!(dedup.iter().all(|h| h.starts_with(&format!("fg:seen:{PERIOD}:"))), "{dedup:?}");
+    for hash in &dedup {
+        let mut fields: Vec<String> = redis::cmd("HKEYS").arg(hash).query(&mut redis.conn()).unwrap();
+        fields.sort();
+        assert!(fields.iter().all(|f| ["-", P1, P2].contains(&f.as_str())), "{fields:?}");
     }
-    assert!(dedup.len() <= 2, "{dedup:?}");
-    assert_eq!(last_seq(&redis, 1, P1), Some(2));
-    assert_eq!(last_seq(&redis, 1, P2), Some(1));
-    assert_eq!(last_seq(&redis, 2, P2), None);
+    assert_eq!(last_seq(&redis, P1), Some(1));
+    assert_eq!(last_seq(&redis, P2), Some(1));
     // An empty batch is fine and touches no counter.
     let empty = post(sync.port, &batch(P1, 3, &[]));
     assert_eq!(empty.totals(), vec![]);
-    assert_eq!(last_seq(&redis, 1, P1), Some(2));
+    assert_eq!(last_seq(&redis, P1), Some(1));
 }
 
 /// Every sync answer gives the fleet size: the distinct proxies that sent a batch in the last 3
@@ -229,32 +230,32 @@ fn a_retried_batch_counts_once_and_an_older_seq_only_reads() {
     );
 }
 
-/// A shard keeps each proxy's last seq in a hash per generation of 10 minutes, read in the current
-/// generation and then the previous one: a retry is found in either, an older seq only reads, and
-/// a seq two generations back (its hash expired by then) is forgotten.
+/// The node keeps each proxy's last seq in a hash per generation of 10 minutes, read in the
+/// current generation and then the previous one: a retry is found in either, an older seq only
+/// reads, and a seq two generations back (its hash expired by then) is forgotten.
 #[test]
-fn a_shards_dedup_hash_keeps_each_proxys_last_seq_for_one_to_two_periods() {
+fn the_dedup_hash_keeps_each_proxys_last_seq_for_one_to_two_periods() {
     let t = present();
     let (redis, sync) = single();
     // Proxy 1's seq 7 was applied in the previous generation: a retry of it only reads, an
     // older one too, the next is applied and goes into the current generation.
-    set_seq(&redis, 1, P1, "7", t + 5, 1);
+    set_seq(&redis, P1, "7", t + 5, 1);
     assert_eq!(post(sync.port, &batch(P1, 7, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 0)]);
     assert_eq!(post(sync.port, &batch(P1, 6, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 0)]);
     assert_eq!(post(sync.port, &batch(P1, 8, &[(A, 1000, t + 5, 3)])).totals(), vec![(0, 3)]);
     let current = format!("fg:seen:{PERIOD}:{}", generation_of(t + 5));
-    let held: Option<u64> = redis::cmd("HGET").arg(&current).arg(format!("{P1}:1")).query(&mut redis.conn()).unwrap();
+    let held: Option<u64> = redis::cmd("HGET").arg(&current).arg(P1).query(&mut redis.conn()).unwrap();
     assert_eq!(held, Some(8));
-    assert_eq!(last_seq(&redis, 1, P1), Some(8));
+    assert_eq!(last_seq(&redis, P1), Some(8));
     // The same batch again counts nothing.
     assert_eq!(post(sync.port, &batch(P1, 8, &[(A, 1000, t + 5, 3)])).totals(), vec![(0, 3)]);
     // Proxy 2's seq 50, two generations back, is past the dedup's life: a lower seq is
     // applied (that hash would have expired; it is not read).
-    set_seq(&redis, 1, P2, "50", t + 5, 2);
+    set_seq(&redis, P2, "50", t + 5, 2);
     assert_eq!(post(sync.port, &batch(P2, 40, &[(A, 1000, t + 5, 1)])).totals(), vec![(0, 4)]);
-    assert_eq!(last_seq(&redis, 1, P2), Some(40));
-    // One hash per shard and generation, whatever the number of proxies; it expires at the end
-    // of the next generation.
+    assert_eq!(last_seq(&redis, P2), Some(40));
+    // One hash per generation, whatever the number of proxies; it expires at the end of the next
+    // generation.
     for n in 0..30u64 {
         let proxy = format!("{:016x}", n + 100);
         assert_eq!(post(sync.port, &batch(&proxy, 1, &[(A, 1000, t + 5, 1)])).status, 200);
@@ -263,9 +264,9 @@ fn a_shards_dedup_hash_keeps_each_proxys_last_seq_for_one_to_two_periods() {
     let generation = generation_of(t + 5);
     let hash = format!("fg:seen:{PERIOD}:{generation}");
     let fields: u64 = redis::cmd("HLEN").arg(&hash).query(&mut redis.conn()).unwrap();
-    assert!(fields >= 32, "proxies 1 and 2 and the 30 others, shard 1 each: {fields}");
+    assert!(fields >= 32, "proxies 1 and 2 and the 30 others: {fields}");
     assert_eq!(redis.pexpiretime(&hash), ((generation + 2) * PERIOD) as i64);
-    assert!(seen_hashes(&redis, 1).len() <= 4, "{:?}", seen_hashes(&redis, 1));
+    assert!(redis.keys().iter().filter(|k| k.starts_with("fg:seen:")).count() <= 3, "{:?}", redis.keys());
 }
 
 #[test]
@@ -311,17 +312,25 @@ fn refunds_give_back_once_never_below_zero_and_create_nothing() {
 #[test]
 fn a_batch_applied_in_some_shards_completes_in_the_others_only() {
     let t = present();
-    // What a cluster does when one shard's node fails mid-batch: shard 1 took seq 7, shard 2
-    // did not. The retry must add shard 2's deltas only.
+    // A batch larger than a call goes in shard parts, one script call after the other, each
+    // part's seq under `<proxy>:<shard>`. When the call of one failed, the retry must add the
+    // others' deltas only: here shard 1's part took seq 7, shard 2's did not (a thousand reads
+    // on shard 3 make the batch that large).
     let (redis, sync) = single();
     redis.set(&format!("fg:{{1}}:{A}:1000:{}", t + 5), "10");
-    set_seq(&redis, 1, P1, "7", t + 5, 0);
-    let retry = batch(P1, 7, &[(A, 1000, t + 5, 10), (B, 1000, t + 5, 20)]);
-    assert_eq!(post(sync.port, &retry).totals(), vec![(0, 10), (0, 20)]);
-    assert_eq!(post(sync.port, &retry).totals(), vec![(0, 10), (0, 20)]);
+    set_seq(&redis, &format!("{P1}:1"), "7", t + 5, 0);
+    let reads: Vec<String> = (0..1000).map(|n| key_in_shard(3, n)).collect();
+    let mut counters = vec![(A, 1000, t + 5, 10), (B, 1000, t + 5, 20)];
+    counters.extend(reads.iter().map(|k| (k.as_str(), 1000, t + 5, 0)));
+    let retry = batch(P1, 7, &counters);
+    for _ in 0..2 {
+        assert_eq!(post(sync.port, &retry).totals()[..2], [(0, 10), (0, 20)]);
+    }
+    assert_eq!(last_seq(&redis, &format!("{P1}:2")), Some(7));
+    assert_eq!(last_seq(&redis, P1), None);
     // seq comparisons are exact for every u64, not as doubles: 2^64-1 > 2^64-2.
     let big = u64::MAX;
-    set_seq(&redis, 1, P1, &(big - 1).to_string(), t + 5, 0);
+    set_seq(&redis, P1, &(big - 1).to_string(), t + 5, 0);
     assert_eq!(
         post(sync.port, &batch(P1, big, &[(A, 1000, t + 5, 1)])).totals(),
         vec![(0, 11)]
@@ -330,7 +339,7 @@ fn a_batch_applied_in_some_shards_completes_in_the_others_only() {
         post(sync.port, &batch(P1, big, &[(A, 1000, t + 5, 1)])).totals(),
         vec![(0, 11)]
     );
-    assert_eq!(last_seq(&redis, 1, P1), Some(big));
+    assert_eq!(last_seq(&redis, P1), Some(big));
 }
 
 #[test]
@@ -349,18 +358,17 @@ fn counters_and_dedup_keys_expire_as_specified() {
     let a2 = format!("fg:{{1}}:{A}:{w2}:{b2}");
     assert_eq!(redis.pexpiretime(&a1), ((b1 + 2) * w1 + 60_000) as i64);
     assert_eq!(redis.pexpiretime(&a2), ((b2 + 2) * w2 + 60_000) as i64);
-    // Dedup hashes: the period covers max(2 * the longest window of the shard's counters,
+    // Dedup hashes: the period covers max(2 * the longest window of the part's counters,
     // 600000) (10 min × 2^k: 9 600 000 for an hour); the generation is the one of the part's
     // latest bucket start, and its hash expires at the end of the next generation, so a seq
     // lives one to two periods past its counters' time.
-    for (shard, period, latest) in [(1u32, 9_600_000u64, (b1 * w1).max(b2 * w2)), (2, PERIOD, b1 * w1)] {
-        let hashes = seen_hashes(&redis, shard);
-        let [hash] = hashes.as_slice() else { panic!("{hashes:?}") };
-        let generation = latest / period;
-        assert_eq!(hash, &format!("fg:seen:{period}:{generation}"));
-        assert_eq!(redis.pexpiretime(hash), ((generation + 2) * period) as i64, "{hash}");
-        assert!(redis.pttl(hash) >= period as i64 - 3_600_000 - 10_000, "{hash}");
-    }
+    let (period, latest) = (9_600_000u64, (b1 * w1).max(b2 * w2));
+    let hashes = seen_hashes(&redis, P1);
+    let [hash] = hashes.as_slice() else { panic!("{hashes:?}") };
+    let generation = latest / period;
+    assert_eq!(hash, &format!("fg:seen:{period}:{generation}"));
+    assert_eq!(redis.pexpiretime(hash), ((generation + 2) * period) as i64, "{hash}");
+    assert!(redis.pttl(hash) >= period as i64 - 3_600_000 - 10_000, "{hash}");
     // A read (delta 0) of an existing counter leaves its expiry alone; an increment sets it to
     // the same instant again.
     post(sync.port, &batch(P1, 2, &[(A, w1, b1, 0), (A, w1, b1, 2)])).totals();
@@ -948,7 +956,7 @@ fn single_long_timeout() -> (Redis, Sync) {
 /// Batches that arrive while the previous script call runs go together in the next one:
 /// 40 proxies at once, each sending 25 batches (and each retrying one), all with one shared
 /// counter and one of their own: every batch counts exactly once, in fewer script calls than
-/// shard parts.
+/// batches.
 #[test]
 fn batches_arriving_together_merge_into_fewer_calls_and_count_exactly_once() {
     let t = present();
@@ -981,19 +989,17 @@ fn batches_arriving_together_merge_into_fewer_calls_and_count_exactly_once() {
     let calls = metric(&metrics, "floodgate_sync_batch_calls_total");
     let applied = metric(&metrics, "floodgate_sync_shard_parts_total{result=\"applied\"}");
     let read = metric(&metrics, "floodgate_sync_shard_parts_total{result=\"deduplicated\"}");
-    eprintln!("{applied} shard parts applied and {read} only read in {calls} script calls");
-    // A batch is 2 shard parts, or 1 for the proxies whose own counter is in A's shard.
-    let parts: u64 = (0..40u32).map(|n| if n % 16 == 1 { 1 } else { 2 }).sum();
-    assert_eq!((applied, read), (25 * parts, parts));
+    eprintln!("{applied} batches' parts applied and {read} only read in {calls} script calls");
+    // A batch goes whole, one part over its two shards.
+    assert_eq!((applied, read), (25 * 40, 40));
     assert!(calls < applied + read, "merged: {calls} calls for {} parts", applied + read);
-    // The dedup: the node keeps every proxy's last seq of every shard in one hash (or two, in
-    // two generations), and its commands come per call, not per part nor per shard: an HSET per
-    // call at most, an HMGET per call and one more for the fields a call does not find in the
-    // current generation (in the previous one).
-    assert!(seen_hashes(&redis, 1).len() <= 2, "{:?}", seen_hashes(&redis, 1));
+    // The dedup: the node keeps every proxy's last seq in one hash (or two, in two generations),
+    // and its commands come per call, not per part: an HSET per call at most, an HMGET per call
+    // and one more for the fields a call does not find in the current generation (in the
+    // previous one).
+    assert!(seen_hashes(&redis, "0000000000000001").len() <= 2, "{:?}", redis.keys());
     for n in 0..40u64 {
-        assert_eq!(last_seq(&redis, 1, &format!("{:016x}", n + 1)), Some(25));
-        assert_eq!(last_seq(&redis, (n % 16) as u32, &format!("{:016x}", n + 1)), Some(25));
+        assert_eq!(last_seq(&redis, &format!("{:016x}", n + 1)), Some(25));
     }
     let (hmget, hset) = (redis.command_calls("hmget"), redis.command_calls("hset"));
     eprintln!("dedup: {hmget} HMGET and {hset} HSET for {} parts in {calls} calls", applied + read);
@@ -1001,10 +1007,11 @@ fn batches_arriving_together_merge_into_fewer_calls_and_count_exactly_once() {
     assert!(hset <= calls && hmget <= 2 * calls, "{hmget} HMGET and {hset} HSET in {calls} calls");
 }
 
-/// On a single node one dedup hash holds every shard's seqs, a field per proxy and shard: a batch
-/// over several shards is applied whole in one call that reads and writes that hash once; sent
-/// again, to this instance or another one, it only reads; an older seq only reads, on every
-/// shard; and a batch whose parts keep their seqs in two periods' hashes is applied whole too.
+/// On a single node one dedup hash holds every shard's seqs: a batch over several shards goes
+/// whole, as one part whose field is the proxy, in one call that reads and writes that hash
+/// once; sent again, to this instance or another one, it only reads; an older seq only reads, on
+/// every shard; and a batch with an hour's counter and a second's goes whole in the hour's
+/// period.
 #[test]
 fn a_batch_over_many_shards_is_applied_whole_and_once_with_one_dedup_hash() {
     let t = present();
@@ -1012,35 +1019,32 @@ fn a_batch_over_many_shards_is_applied_whole_and_once_with_one_dedup_hash() {
     let other = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "500ms"]);
     let counters = [(A, 1000, t + 5, 1), (B, 1000, t + 5, 2), (C, 1000, t + 5, 3), (D, 1000, t + 5, 4)];
     assert_eq!(post(sync.port, &batch(P1, 1, &counters)).totals(), vec![(0, 1), (0, 2), (0, 3), (0, 4)]);
-    // The next seq: every shard's part applied (same seq, other fields), one HMGET (every field
-    // found in the current generation) and one HSET.
+    // The next seq: applied whole, one HMGET (its field found in the current generation) and one
+    // HSET.
     let (hmget, hset) = (redis.command_calls("hmget"), redis.command_calls("hset"));
     let next = post(sync.port, &batch(P1, 2, &counters));
     assert_eq!(next.totals(), vec![(0, 2), (0, 4), (0, 6), (0, 8)]);
     assert_eq!((redis.command_calls("hmget") - hmget, redis.command_calls("hset") - hset), (1, 1));
-    let [hash] = seen_hashes(&redis, 1).try_into().unwrap();
-    let mut fields: Vec<(String, u64)> = redis.hgetall(&hash).into_iter().filter(|(f, _)| f != "-").collect();
-    fields.sort();
-    let expected: Vec<(String, u64)> = [1, 15, 2, 3].iter().map(|s| (format!("{P1}:{s}"), 2)).collect();
-    assert_eq!(fields, expected);
+    let [hash] = seen_hashes(&redis, P1).try_into().unwrap();
+    let fields: Vec<(String, u64)> = redis.hgetall(&hash).into_iter().filter(|(f, _)| f != "-").collect();
+    assert_eq!(fields, [(P1.to_owned(), 2)]);
     // Sent again, here and to another instance (a retry after a lost answer): only read.
     for port in [sync.port, other.port, sync.port] {
         assert_eq!(post(port, &batch(P1, 2, &counters)).totals(), vec![(0, 2), (0, 4), (0, 6), (0, 8)]);
     }
     // An older seq only reads, on every shard.
     assert_eq!(post(other.port, &batch(P1, 1, &counters)).totals(), vec![(0, 2), (0, 4), (0, 6), (0, 8)]);
-    // Seq 3 on shard 1 alone; then seq 2 again: its shard 1 part is older than 3, its other
-    // parts were applied: all only read.
+    // Seq 3 on shard 1 alone; then seq 2 again: older than 3, only read.
     assert_eq!(post(sync.port, &batch(P1, 3, &[(A, 1000, t + 5, 10)])).totals(), vec![(0, 12)]);
     assert_eq!(post(sync.port, &batch(P1, 2, &counters)).totals(), vec![(0, 12), (0, 4), (0, 6), (0, 8)]);
-    assert_eq!((last_seq(&redis, 1, P1), last_seq(&redis, 2, P1)), (Some(3), Some(2)));
-    // Parts in two periods' hashes (shard 1's with an hour's counter): applied whole, once.
+    assert_eq!(last_seq(&redis, P1), Some(3));
+    // An hour's counter and a second's: applied whole, once, in the hour's period.
     let hour = now_ms() / 3_600_000;
     let spread = batch(P2, 7, &[(A, 3_600_000, hour, 5), (B, 1000, t + 5, 5)]);
     for port in [sync.port, other.port] {
         assert_eq!(post(port, &spread).totals(), vec![(0, 5), (0, 9)]);
     }
-    assert_eq!((last_seq(&redis, 1, P2), last_seq(&redis, 2, P2)), (Some(7), Some(7)));
+    assert_eq!(last_seq(&redis, P2), Some(7));
     let periods: Vec<String> = redis.keys().into_iter().filter(|k| k.starts_with("fg:seen:9600000:")).collect();
     assert_eq!(periods.len(), 1, "{periods:?}");
     let metrics = get(sync.port, "/metrics").body + &get(other.port, "/metrics").body;
@@ -1051,13 +1055,48 @@ fn a_batch_over_many_shards_is_applied_whole_and_once_with_one_dedup_hash() {
             .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
             .sum::<u64>()
     };
-    // Applied: 4 + 4 parts, 1, and 2; only read: 3 × 4, 4, 4, and 2.
-    assert_eq!((parts("applied"), parts("deduplicated")), (11, 22));
+    // Applied: seqs 1, 2 and 3 and the spread one; only read: seq 2 three times, seq 1, seq 2
+    // again, and the spread one again.
+    assert_eq!((parts("applied"), parts("deduplicated")), (4, 6));
+}
+
+/// A batch that finds its lane idle waits `--batch-gather` for the others: the batches of
+/// proxies that send at the same moment (as the fleet does, on its shared grid) go in one call.
+#[test]
+fn batches_sent_together_are_gathered_into_one_call() {
+    let t = present();
+    let redis = Redis::start(free_ports(1, false)[0], false);
+    let sync = Sync::start(&["--redis", &redis.url(), "--redis-timeout", "10s", "--batch-pace", "300ms", "--batch-gather", "300ms"]);
+    // Load the script first (the first call meets NOSCRIPT).
+    assert_eq!(post(sync.port, &batch(P2, 1, &[(B, 1000, t + 5, 1)])).status, 200);
+    std::thread::sleep(Duration::from_millis(500)); // past its pace: the lane is idle again
+    let port = sync.port;
+    let barrier = std::sync::Arc::new(std::sync::Barrier::new(8));
+    let threads: Vec<_> = (0..8u64)
+        .map(|n| {
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                let proxy = format!("{:016x}", n + 1);
+                barrier.wait();
+                // Within 140 ms of each other, as a fleet's batches come within a few ms.
+                std::thread::sleep(Duration::from_millis(20 * n));
+                let started = Instant::now();
+                let answer = post(port, &batch(&proxy, 1, &[(A, 1000, t + 5, 1)]));
+                (answer.status, started.elapsed())
+            })
+        })
+        .collect();
+    let answers: Vec<(u16, Duration)> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert!(answers.iter().all(|(status, _)| *status == 200), "{answers:?}");
+    assert_eq!(redis.get(&format!("fg:{{1}}:{A}:1000:{}", t + 5)), Some(8));
+    let metrics = get(port, "/metrics").body;
+    assert_eq!(metric(&metrics, "floodgate_sync_batch_calls_total"), 2, "the first batch's call, then the 8 in one");
+    // The first waited the gather.
+    assert!(answers.iter().any(|(_, waited)| *waited >= Duration::from_millis(250)), "{answers:?}");
 }
 
 /// The same part twice in one script call (a batch sent again while its first copy waits in
-/// the lane) counts once: the second copy is compared with the seq the first one just applied,
-/// while the batch's parts on other shards, with the same seq, are applied.
+/// the lane) counts once: the second copy is compared with the seq the first one just applied.
 #[test]
 fn copies_of_a_batch_in_one_call_count_once() {
     let t = present();
@@ -1079,13 +1118,13 @@ fn copies_of_a_batch_in_one_call_count_once() {
     }
     for (key, shard) in [(A, 1), (B, 2), (C, 15)] {
         assert_eq!(redis.get(&format!("fg:{{{shard}}}:{key}:1000:{}", t + 5)), Some(1), "{key}");
-        assert_eq!(last_seq(&redis, shard, P1), Some(1));
     }
+    assert_eq!(last_seq(&redis, P1), Some(1));
     let metrics = get(port, "/metrics").body;
     let calls = metric(&metrics, "floodgate_sync_batch_calls_total");
     let applied = metric(&metrics, "floodgate_sync_shard_parts_total{result=\"applied\"}");
     let read = metric(&metrics, "floodgate_sync_shard_parts_total{result=\"deduplicated\"}");
-    assert_eq!((applied, read), (3, 57));
-    // Fewer calls than copies: more than 3 parts in some call, so two copies of a part.
+    assert_eq!((applied, read), (1, 19));
+    // Fewer calls than copies: two copies of the part in some call.
     assert!(calls < 20, "copies merged into one call: {calls} calls for 20 copies");
 }

@@ -323,7 +323,14 @@ impl Fleet {
                 continue;
             }
             self.tick(p, w);
-            self.ticks.push(Reverse((at.max(now.saturating_sub(self.tick_ms)) + self.tick_ms, p, generation, w)));
+            // The period the tick sets, as the host shell does: on the fleet's grid when the sync
+            // drives the tick.
+            let aligned = self.proxies.get(p).and_then(|proxy| proxy.workers.get(w)).and_then(|worker| Schedule::tick_period(&worker.filter, self.now().wall));
+            let next = match aligned {
+                Some(period) => now + period,
+                None => at.max(now.saturating_sub(self.tick_ms)) + self.tick_ms,
+            };
+            self.ticks.push(Reverse((next, p, generation, w)));
         }
     }
 
@@ -367,7 +374,7 @@ impl Fleet {
         let worker = &mut proxy.workers[w];
         let filter = Rc::clone(&worker.filter);
         let env = Env::<Sim> { store: &proxy.store, metrics: &self.metrics, clock: &clock, vm: worker.vm };
-        let due = worker.schedule.due(&filter, now.mono);
+        let due = worker.schedule.due(&filter, now);
         if due.lag_probe {
             filter.probe_lag(&env);
         }

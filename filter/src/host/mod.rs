@@ -249,7 +249,7 @@ impl RootContext for FilterRoot {
         let clock = CallbackClock::default();
         let env = env(&clock);
         let now = clock.now();
-        let due = self.schedule.due(&filter, now.mono);
+        let due = self.schedule.due(&filter, now);
         if due.lag_probe {
             filter.probe_lag(&env);
         }
@@ -289,6 +289,11 @@ impl RootContext for FilterRoot {
             filter.heartbeat(&env);
         }
         send_calls(&filter, self.id, &clock);
+        // The next tick on the fleet's grid (Envoy arms the timer with the period as it stands
+        // when this callback returns).
+        if let Some(period) = Schedule::tick_period(&filter, now.wall) {
+            let _ = hostcalls::set_tick_period(Duration::from_millis(period));
+        }
     }
 
     /// Another worker put keys in this worker's wake queue: a call they wait on ended.

@@ -12,7 +12,7 @@ use crate::config::Config;
 use crate::fleet::batched::{GlobalScope, VmNode};
 use crate::keys::KeyHasher;
 use crate::primitives::inflight::{LocalCount, HEARTBEAT_MS};
-use crate::primitives::time::MonoMillis;
+use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::ratelimit::Limiter;
 use crate::ratelimit::reserve::Reserves;
 use crate::ratelimit::rules::Rules;
@@ -566,13 +566,19 @@ impl Shadows {
     }
 }
 
-/// When the root's periodic work is due: the heartbeat every second, the global scope's sync
-/// every `sync_interval`, the lag probe every `lag_probe_interval`, whatever the tick period
-/// (the fastest of them).
+/// When the root's periodic work is due: the heartbeat every second, the lag probe every
+/// `lag_probe_interval`, whatever the tick period (the fastest of them); and the global scope's
+/// sync once per slot of `sync_interval` on the wall clock, a grid every proxy shares.
+///
+/// The grid lines up the fleet: when the sync drives the tick, [`Schedule::tick_period`] sets each
+/// tick on the next slot's start, so every proxy's batch leaves at about the same moment, and
+/// floodgate-sync, which merges the batches that arrive together, makes one store call of them
+/// rather than one per proxy (docs/global.md, "The store's load").
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Schedule {
     last_heartbeat: Option<MonoMillis>,
-    last_sync: Option<MonoMillis>,
+    /// The slot (`wall / sync_interval`) of the last sync.
+    last_sync: Option<u64>,
     last_lag_probe: Option<MonoMillis>,
 }
 
@@ -589,18 +595,37 @@ pub struct Due {
 
 impl Schedule {
     /// What is due at `now` for `filter` (and marks it done).
-    pub fn due(&mut self, filter: &Filter, now: MonoMillis) -> Due {
+    pub fn due(&mut self, filter: &Filter, now: Now) -> Due {
         let take = |last: &mut Option<MonoMillis>, every_ms: u64| {
             // A tick a few milliseconds early still counts: the timer's period is the interval.
-            let due = last.is_none_or(|at| now.saturating_since(at).saturating_add(5) >= every_ms || at > now);
+            let due = last.is_none_or(|at| now.mono.saturating_since(at).saturating_add(5) >= every_ms || at > now.mono);
             if due {
-                *last = Some(now);
+                *last = Some(now.mono);
             }
             due
         };
         let lag_probe = filter.shedding.lag.as_ref().is_some_and(|lag| take(&mut self.last_lag_probe, lag.borrow().probe_ms()));
-        let sync = filter.fleet.global.as_ref().is_some_and(|g| take(&mut self.last_sync, g.interval_ms));
+        // A slot not synced yet (a wall clock that went back too: due rather than never).
+        let sync = filter.fleet.global.as_ref().is_some_and(|g| {
+            let slot = now.wall.0.checked_div(g.interval_ms).unwrap_or(0);
+            let due = self.last_sync != Some(slot);
+            self.last_sync = Some(slot);
+            due
+        });
         let heartbeat = take(&mut self.last_heartbeat, HEARTBEAT_MS);
         Due { lag_probe, sync, heartbeat }
+    }
+
+    /// The root's tick period to set at a tick at `now`, when the sync drives the tick (its period
+    /// is `sync_interval`): the time to the start of the next slot of the grid, 1 ms to one
+    /// interval (a timer fires a little late, never early, so each tick lands just inside a new
+    /// slot). `None` when another period drives the tick, which then meets each slot within one
+    /// of its periods.
+    pub fn tick_period(filter: &Filter, now: UnixMillis) -> Option<u64> {
+        let interval = filter.fleet.global.as_ref()?.interval_ms;
+        if filter.tick_ms() != Some(interval) {
+            return None;
+        }
+        Some(interval.saturating_sub(now.0.checked_rem(interval).unwrap_or(0)))
     }
 }

@@ -9,7 +9,7 @@ use super::stats::{MetricKind, Metrics};
 use super::*;
 use crate::fleet::batched::VmNode;
 use crate::primitives::inflight::LocalCount;
-use crate::primitives::time::{MonoMillis, UnixMillis};
+use crate::primitives::time::{MonoMillis, Now, UnixMillis};
 use crate::shedding::per_key::LocalKeys;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -2130,7 +2130,7 @@ fn each_periodic_task_is_due_at_its_own_interval_whatever_the_tick() {
         "global": {"cluster": "floodgate-sync", "sync_interval": "250ms"},
     }));
     let mut schedule = Schedule::default();
-    let due = |schedule: &mut Schedule, at: u64| schedule.due(&host.filter, MonoMillis(at));
+    let due = |schedule: &mut Schedule, at: u64| schedule.due(&host.filter, Now { wall: UnixMillis(at), mono: MonoMillis(at) });
     let all = Due { lag_probe: true, sync: true, heartbeat: true };
     assert_eq!(due(&mut schedule, 10_000), all, "everything at the first tick");
     // Ticks every 50 ms (the fastest period would be the lag probe's; a timer may be early).
@@ -2141,9 +2141,10 @@ fn each_periodic_task_is_due_at_its_own_interval_whatever_the_tick() {
         seen.1 += u32::from(d.sync);
         seen.2 += u32::from(d.heartbeat);
     }
-    // 2 s after the first tick: a probe every 100 ms, a sync every 250 ms, a heartbeat every
-    // second.
+    // 2 s after the first tick: a probe every 100 ms, a sync in each slot of 250 ms of the wall
+    // clock, a heartbeat every second. The lag probe drives the tick: no period to set.
     assert_eq!(seen, (20, 8, 2));
+    assert_eq!(Schedule::tick_period(&host.filter, UnixMillis(10_010)), None);
     // A tick 4 ms early still counts; 6 ms early does not.
     let mut schedule = Schedule::default();
     due(&mut schedule, 0);
@@ -2159,8 +2160,46 @@ fn each_periodic_task_is_due_at_its_own_interval_whatever_the_tick() {
 fn without_lag_probe_or_global_scope_only_the_heartbeat_is_due() {
     let host = Host::new(serde_json::json!({"rate_limits": [rule(5)]}));
     let mut schedule = Schedule::default();
-    let first = schedule.due(&host.filter, MonoMillis(1_000));
+    let at = |ms: u64| Now { wall: UnixMillis(ms), mono: MonoMillis(ms) };
+    let first = schedule.due(&host.filter, at(1_000));
     assert_eq!(first, Due { lag_probe: false, sync: false, heartbeat: true });
-    assert_eq!(schedule.due(&host.filter, MonoMillis(1_500)), Due::default());
-    assert!(schedule.due(&host.filter, MonoMillis(2_000)).heartbeat);
+    assert_eq!(schedule.due(&host.filter, at(1_500)), Due::default());
+    assert!(schedule.due(&host.filter, at(2_000)).heartbeat);
+    assert_eq!(Schedule::tick_period(&host.filter, UnixMillis(1_010)), None);
+}
+
+/// When the sync drives the tick, each tick sets the next on the start of the wall clock's next
+/// slot: proxies that started at any phase tick, and send their batches, at the same moments
+/// after their first tick, one sync per slot even with a timer that fires late or jitters.
+#[test]
+fn the_sync_s_ticks_line_up_on_the_wall_clock_s_slots() {
+    let host = Host::new(serde_json::json!({
+        "rate_limits": [{"name": "r", "key": [{"header": "x-key"}], "limit": 10, "window": "1h",
+                         "scope": "global", "consistency": "batched"}],
+        "global": {"cluster": "floodgate-sync", "sync_interval": "100ms"},
+    }));
+    assert_eq!(host.filter.tick_ms(), Some(100));
+    for start in [1_000_000u64, 1_000_037, 1_000_099] {
+        let mut schedule = Schedule::default();
+        let (mut wall, mut mono) = (start, 5_000u64);
+        let mut syncs = Vec::new();
+        for n in 0..50u64 {
+            if schedule.due(&host.filter, Now { wall: UnixMillis(wall), mono: MonoMillis(mono) }).sync {
+                syncs.push(wall);
+            }
+            let period = Schedule::tick_period(&host.filter, UnixMillis(wall)).unwrap();
+            assert!((1..=100).contains(&period), "{period}");
+            // The timer fires 0 to 4 ms late.
+            let late = n * 7 % 5;
+            wall += period + late;
+            mono += period + late;
+        }
+        // Every tick after the first falls within 4 ms of a slot's start, and syncs.
+        assert_eq!(syncs.len(), 50, "{start}");
+        assert!(syncs[1..].iter().all(|at| at % 100 <= 4), "{syncs:?}");
+        assert_eq!(syncs[1] / 100, start / 100 + 1);
+    }
+    // On a slot's start, a whole interval; just before it, a millisecond.
+    assert_eq!(Schedule::tick_period(&host.filter, UnixMillis(2_000)), Some(100));
+    assert_eq!(Schedule::tick_period(&host.filter, UnixMillis(2_099)), Some(1));
 }
