@@ -250,7 +250,7 @@ pub fn plan(layout: &Layout, batch: &Batch) -> Plan {
     let whole = part(layout.seen_key(0), batch.proxy.as_str().to_owned(), max_window, latest, counters);
     Plan {
         seq: plan.seq,
-        groups: vec![Group { shard: 0, ..whole }],
+        groups: vec![whole],
         index: plan.index,
     }
 }

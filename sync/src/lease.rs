@@ -194,9 +194,11 @@ pub struct PlannedLease {
 /// [`Carried`] laid out for `ask.lua`: the dedup hashes where the batch's seq would be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PlannedCarried {
-    /// The batch's source's fields in the dedup hashes: its whole batch's (the proxy), and its
-    /// shard part's ([`Layout::seen_field`]) when that is another (on a single node).
-    pub seen_fields: [String; 2],
+    /// The batch's source's field in the dedup hashes for a whole batch: the proxy.
+    pub seen_field: String,
+    /// Its field for a batch laid out in shard parts, when that is another
+    /// ([`Layout::seen_field`]: `<proxy>:<s>` on a single node).
+    pub part_field: Option<String>,
     /// The batch's seq.
     pub seq: u64,
     /// The key's units in it.
@@ -307,7 +309,8 @@ pub fn plan_lease(layout: &Layout, entry: &LeaseEntry) -> PlannedLease {
         refunded: [entry.refunded, entry.refunded_previous],
         exact: entry.exact,
         carried: entry.carried.as_ref().map(|c| PlannedCarried {
-            seen_fields: [c.proxy.as_str().to_owned(), layout.seen_field(shard, c.proxy.as_str())],
+            seen_field: c.proxy.as_str().to_owned(),
+            part_field: Some(layout.seen_field(shard, c.proxy.as_str())).filter(|field| field != c.proxy.as_str()),
             seq: c.seq,
             units: c.units,
             seen_keys: layout.seen_keys_of(

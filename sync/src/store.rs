@@ -801,9 +801,7 @@ impl Calls {
             }
         }
     }
-}
 
-impl Calls {
     /// The values of `keys` (`MGET`, on the retrying connection: a read is safe to repeat).
     async fn read(&self, keys: &[&str]) -> Result<Vec<Value>, StoreError> {
         let mut get = Cmd::new();
@@ -1044,9 +1042,13 @@ fn ask_arguments(asks: &[PlannedLease]) -> (Vec<&str>, Vec<String>) {
         }
         match &ask.carried {
             Some(carried) => {
-                let [whole, part] = &carried.seen_fields;
-                let part = if part == whole { "" } else { part.as_str() };
-                args.extend([carried.units.to_string(), whole.clone(), carried.seq.to_string(), carried.seen_keys.len().to_string(), part.to_owned()]);
+                args.extend([
+                    carried.units.to_string(),
+                    carried.seen_field.clone(),
+                    carried.seq.to_string(),
+                    carried.seen_keys.len().to_string(),
+                    carried.part_field.clone().unwrap_or_default(),
+                ]);
                 keys.extend(carried.seen_keys.iter().map(String::as_str));
             }
             None => args.extend(["0", "", "0", "0", ""].map(String::from)),
