@@ -77,6 +77,15 @@ pub struct RateLimitRule {
     pub max_delay: Option<DurationMs>,
 }
 
+impl RateLimitRule {
+    /// Every limit the rule may apply: `limit`, its tiers' and its overrides'.
+    pub fn limits(&self) -> impl Iterator<Item = std::num::NonZeroU32> + '_ {
+        std::iter::once(self.limit.get())
+            .chain(self.tiers.iter().flat_map(|t| t.limits.values().map(|l| l.get())))
+            .chain(self.overrides.iter().map(|o| o.limit.get()))
+    }
+}
+
 /// How a rule counts ([`crate::ratelimit::window`], [`crate::ratelimit::bucket`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]

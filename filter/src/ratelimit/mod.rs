@@ -715,11 +715,7 @@ fn bucket_standing(table: &RuleTable, probe: &Probe, tat: u64, now: UnixMillis, 
 /// of its smallest limit (whole milliseconds, at least one), its levels compared in the
 /// emission interval of its largest.
 fn bucket_spec(rule: &crate::config::RateLimitRule, window: Window, burst: NonZeroU32) -> BucketSpec {
-    let limits = || {
-        std::iter::once(rule.limit.get())
-            .chain(rule.tiers.iter().flat_map(|t| t.limits.values().map(|l| l.get())))
-            .chain(rule.overrides.iter().map(|o| o.limit.get()))
-    };
+    let limits = || rule.limits();
     let max_delay_ms = rule.max_delay.map_or(0, |d| d.get().get());
     let slowest = Bucket::new(window, limits().min().unwrap_or(NonZeroU32::MIN), burst, max_delay_ms);
     let fastest = Bucket::new(window, limits().max().unwrap_or(NonZeroU32::MIN), burst, max_delay_ms);

@@ -33,7 +33,7 @@ use crate::primitives::time::UnixMillis;
 use crate::fleet::Answer;
 use leadership::{Failure, Flusher};
 use outbox::{Delta, Deltas, OUTBOXES, OUTBOX_CAPACITY};
-use view::{record_of, ViewCache, ViewIndex, ViewRecord, REFRESH_AFTER_INTERVALS, REFRESH_PER_BATCH, VIEW_RECORDS};
+use view::{record_of, Due, ViewCache, ViewIndex, ViewRecord, REFRESH_AFTER_INTERVALS, REFRESH_FAR_AFTER_MS, REFRESH_PER_BATCH, VIEW_RECORDS};
 
 /// Deltas a worker keeps in memory at most while its outbox is full.
 pub const MAX_VM_DELTAS: usize = 4096;
@@ -66,6 +66,9 @@ pub struct GlobalRule {
     pub id: u64,
     /// The window.
     pub window_ms: u64,
+    /// The least of the limits the rule may apply (its tiers' and overrides' included): what
+    /// tells a key near its limit from one far under it ([`view::ViewCache::refreshes`]).
+    pub least_limit: u32,
 }
 
 /// The global scope of one configuration, shared by reference.
@@ -155,6 +158,7 @@ impl GlobalScope {
                 (r.scope == Scope::Global && r.consistency == Consistency::Batched).then(|| GlobalRule {
                     id: rule_id(r.name.as_str()),
                     window_ms: r.window.get().get(),
+                    least_limit: r.limits().min().map_or(1, std::num::NonZeroU32::get),
                 })
             })
             .collect();
@@ -178,6 +182,11 @@ impl GlobalScope {
             index_key: format!("{base}/view"),
             view_keys: (0..VIEW_RECORDS).map(|i| format!("{base}/view/{i}")).collect(),
         })
+    }
+
+    /// The least limit of the rule of id `id`, if it is in global scope.
+    fn least_limit_of(&self, id: u64) -> Option<u32> {
+        self.rules.iter().flatten().find(|r| r.id == id).map(|r| r.least_limit)
     }
 
     /// Rule `rule`'s global side, if it is in global scope.
@@ -299,8 +308,10 @@ impl GlobalScope {
                     return None;
                 }
                 fresh = true;
-                let older = UnixMillis(now.0.saturating_sub(self.interval_ms.saturating_mul(REFRESH_AFTER_INTERVALS)));
-                merged.absorb(refresh_cache.refreshes(now, older, REFRESH_PER_BATCH));
+                let before = |ms: u64| UnixMillis(now.0.saturating_sub(ms));
+                let near = REFRESH_AFTER_INTERVALS.saturating_mul(self.interval_ms);
+                let due = Due { near: before(near), far: before(near.max(REFRESH_FAR_AFTER_MS)) };
+                merged.absorb(refresh_cache.refreshes(now, due, REFRESH_PER_BATCH, |rule| self.least_limit_of(rule)));
                 // Possibly empty: a proxy calls in at least once a second, so the store counts
                 // it in the fleet size.
                 Some(merged.take())

@@ -13,7 +13,11 @@
 //! not after it. A proxy's part counts at least a quarter of its requests, refused ones included
 //! ([`DEMAND_WEIGHT`]), so a proxy that loses a race for a saturated key keeps its share. A key the
 //! proxy stops sending is still refreshed: each batch reads up to [`REFRESH_PER_BATCH`] keys synced
-//! longest ago (and not for [`REFRESH_AFTER_INTERVALS`] intervals).
+//! longest ago, a key near its rule's least limit (its fleet total at least half of it) once it
+//! was not synced for [`REFRESH_AFTER_INTERVALS`] intervals, a key far under it once it was not
+//! for [`REFRESH_FAR_AFTER_MS`] (until then a proxy that admits it again decides on its units
+//! since, spread over the fleet: [`super::ask::spread`]). Every key is thus re-read at least once
+//! a second; only a key whose staleness could cost its limit more often.
 //!
 //! Each record also names the last batch whose totals it took ([`Confirmed`]): an ask finds
 //! there whether the batch on its way ([`super::in_flight`]) is in the view it read.
@@ -45,8 +49,21 @@ use crate::primitives::record::{DecodeError, Reader, Writer};
 pub const VIEW_RECORDS: usize = 4;
 /// Keys a batch re-reads at most besides its deltas.
 pub const REFRESH_PER_BATCH: usize = 128;
-/// A key is re-read once it was not synced for this many intervals.
+/// A key near its limit is re-read once it was not synced for this many intervals.
 pub const REFRESH_AFTER_INTERVALS: u64 = 5;
+/// A key far under its limit (its fleet total under half the rule's least limit) is re-read
+/// once it was not synced for this long (ms), or [`REFRESH_AFTER_INTERVALS`] if longer.
+pub const REFRESH_FAR_AFTER_MS: u64 = 1_000;
+
+/// Which keys a batch re-reads: those near their limit not synced since `near`, the others not
+/// synced since `far`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Due {
+    /// Keys near their limit synced before this are due.
+    pub near: UnixMillis,
+    /// Every key synced before this is due.
+    pub far: UnixMillis,
+}
 /// A key's projections count for this many intervals after the last sync that found the other
 /// proxies' part grown, and no longer.
 pub const HOLD_INTERVALS: u64 = 3;
@@ -562,17 +579,23 @@ impl ViewCache {
     }
 
     /// Reads (0-delta deltas) of up to `max` keys to refresh, the longest unsynced first: those
-    /// not synced since `older_than` whose bucket is still weighed at `now`.
-    pub fn refreshes(&self, now: UnixMillis, older_than: UnixMillis, max: usize) -> Vec<Delta> {
-        let mut due: Vec<&ViewEntry> = self
+    /// whose bucket is still weighed at `now` and that `due` names, a key being near its limit
+    /// when its fleet total (both buckets, as last read) is at least half of `least_limit` of its
+    /// rule (`None`: a rule no longer in global scope, never near).
+    pub fn refreshes(&self, now: UnixMillis, due: Due, max: usize, least_limit: impl Fn(u64) -> Option<u32>) -> Vec<Delta> {
+        let near = |e: &ViewEntry| {
+            let total = e.total.rolled(e.bucket, now.0.checked_div(e.window_ms).unwrap_or(e.bucket));
+            least_limit(e.rule).is_some_and(|l| u64::from(total.previous).saturating_add(u64::from(total.current)).saturating_mul(2) >= u64::from(l))
+        };
+        let mut picked: Vec<&ViewEntry> = self
             .records
             .iter()
             .flat_map(|r| r.entries.values())
-            .filter(|e| e.synced < older_than)
+            .filter(|e| e.synced < due.far || (e.synced < due.near && near(e)))
             .filter(|e| e.bucket.saturating_add(1) >= now.0.checked_div(e.window_ms).unwrap_or(0))
             .collect();
-        due.sort_by_key(|e| e.synced);
-        due.into_iter()
+        picked.sort_by_key(|e| e.synced);
+        picked.into_iter()
             .take(max)
             .map(|e| Delta {
                 rule: e.rule,
@@ -596,6 +619,31 @@ mod tests {
 
     fn delta(bucket: u64, n: u32) -> Delta {
         Delta { rule: 1, fingerprint: 33, key: FleetKey(5), window_ms: 1000, bucket, delta: n, requests: n, refund: 0 }
+    }
+
+    #[test]
+    fn a_key_near_its_limit_is_re_read_sooner_than_one_far_under_it() {
+        const HOUR: u64 = 3_600_000;
+        let synced = UnixMillis(10 * HOUR + 1_000);
+        let key = |rule: u64, fingerprint: u64| Delta { rule, fingerprint, window_ms: HOUR, ..delta(10, 1) };
+        let mut cache = ViewCache::new();
+        // Rule 1's least limit is 100: half of it is near; rule 2 is no longer in global scope.
+        for (rule, fingerprint, totals) in [(1, 4, Totals { previous: 20, current: 30 }), (1, 5, Totals { previous: 0, current: 49 }), (2, 6, Totals { previous: 0, current: 90 })] {
+            cache.records[record_of(fingerprint)].apply(&key(rule, fingerprint), totals, synced, 8);
+        }
+        let least_limit = |rule: u64| (rule == 1).then_some(100);
+        let due_at = |now: UnixMillis| {
+            let due = Due { near: UnixMillis(now.0 - 5 * 100), far: UnixMillis(now.0 - 1_000) };
+            let mut keys: Vec<u64> = cache.refreshes(now, due, 128, least_limit).iter().map(|d| d.fingerprint).collect();
+            keys.sort_unstable();
+            keys
+        };
+        assert_eq!(due_at(synced.plus_ms(500)), Vec::<u64>::new(), "nothing is due within 5 intervals");
+        assert_eq!(due_at(synced.plus_ms(501)), vec![4], "the key at half its limit, after 5 intervals");
+        assert_eq!(due_at(synced.plus_ms(1_000)), vec![4]);
+        assert_eq!(due_at(synced.plus_ms(1_001)), vec![4, 5, 6], "every key after a second");
+        // A refresh names the key's current bucket.
+        assert!(cache.refreshes(UnixMillis(11 * HOUR), Due { near: UnixMillis(11 * HOUR), far: UnixMillis(11 * HOUR) }, 128, least_limit).iter().all(|d| d.bucket == 11 && d.delta == 0));
     }
 
     #[test]
