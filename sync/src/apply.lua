@@ -2,17 +2,19 @@
 -- batch an instance received while its previous call for the same shards ran, merged. (In Redis
 -- Cluster one script per shard, where a script may only touch one slot, and a batch's part per
 -- shard; on a single node every shard in one script, and a batch in one part unless it is
--- larger than a call: layout.rs.) It is handed the groups that change a counter only.
+-- larger than a call: layout.rs.) It is handed the groups that change a counter only, and of
+-- them the counters they change.
 --
 -- ARGV[1]  the number of groups
 -- then per group:    ARGV  seq (its batch's, canonical decimal u64), field (its batch's proxy's
 --                          in the dedup hash: the proxy, or <proxy>:<s> for a shard part on a
 --                          single node),
---                          seen_expire_at_ms, counter count
+--                          seen_expire_at_ms, counter count, expire_at_ms (its counters')
 --                    KEYS  the shard's dedup hash of the part's generation
 --                          (<prefix>{s}:seen:<period_ms>:<generation>, or on a single node every
 --                          shard's, <prefix>seen:<period_ms>:<generation>), the one before
---   then per counter: ARGV delta, refund, expire_at_ms
+--   then per counter: ARGV its change: the delta (decimal), or delta:refund:expire_at_ms when
+--                          it gives units back or expires at another time than the group says
 --                     KEYS its current key
 --
 -- Dedup. A shard keeps the last seq it applied of each proxy in hashes (field -> seq), one per
@@ -37,13 +39,19 @@
 -- proxy's on the same shard) is compared with the newest. Then, over the applied groups,
 -- every counter's deltas are summed and added once (INCRBY, and PEXPIREAT expire_at_ms when
 -- that INCRBY created it: a counter's expiry only depends on its bucket, so an existing counter
--- has it already); then every counter's give-backs are summed and, if it exists, taken off once
+-- has it already); then its give-backs are summed and, if it exists, taken off once
 -- (DECRBY min(refund, its value): never below 0, never created; a give-back of a counter that
 -- expired or was never written has nothing to give back to, and DECRBY keeps the expiry).
--- The script reads no total: the caller reads the counters' current and previous buckets with
--- a plain MGET pipelined after it, which sees its writes (store.rs, "Merging").
+-- A counter's value after the call is what its last write answered; a counter no applied group
+-- changed is read (GET: only a part sent again). The counters' previous buckets, and the ones
+-- a call only reads, the caller reads with a plain MGET pipelined after it, which sees its
+-- writes (store.rs, "Merging").
 --
--- Returns {applied_1 .. applied_groups}: 1 or 0.
+-- Every key and argument handed and every value returned costs Redis more than a native
+-- command's: a counter comes with one argument, and its one delta goes to INCRBY as handed.
+--
+-- Returns {applied_1 .. applied_groups, value_1 .. value_n}: 1 or 0 per group, then the value
+-- of each distinct counter key handed, in the order of its first appearance.
 
 -- Sums go back to Redis as integers (string.format %d: a double prints as 1e+15 otherwise).
 
@@ -61,7 +69,7 @@ do
     local count = tonumber(ARGV[a + 3])
     local key, before = KEYS[k], KEYS[k + 1]
     k = k + 2 + count
-    a = a + 4 + 3 * count
+    a = a + 5 + count
     local p = hashes[key]
     if not p then
       p = {key = key, before = before, expire_at = expire_at, fields = {'-'}, listed = {}, last = {},
@@ -100,12 +108,13 @@ end
 
 local k, a = 1, 2
 local out = {}
-local order = {} -- counters with a change, in order of first appearance
-local deltas, refunds, expiries = {}, {}, {}
+local order = {} -- the keys handed, each once, in order of first appearance
+local adds, texts = {}, {} -- per key: the units to add, and their text when one counter adds them
+local refunds, expiries = {}, {} -- per key: the units to give back, and its expiry
 for g = 1, groups do
-  local seq, field = ARGV[a], ARGV[a + 1]
+  local seq, field, expire_at = ARGV[a], ARGV[a + 1], ARGV[a + 4]
   local count = tonumber(ARGV[a + 3])
-  a = a + 4
+  a = a + 5
   k = k + 2
   local p = hash_of[g]
   local last = p.last[field]
@@ -116,23 +125,33 @@ for g = 1, groups do
       p.changed[field] = true
       p.written[#p.written + 1] = field
     end
-    out[g] = 1
-    for _ = 1, count do
-      local current = KEYS[k]
-      if not deltas[current] then
-        order[#order + 1] = current
-        deltas[current], refunds[current] = 0, 0
-        expiries[current] = ARGV[a + 2]
-      end
-      deltas[current] = deltas[current] + tonumber(ARGV[a])
-      refunds[current] = refunds[current] + tonumber(ARGV[a + 1])
-      k = k + 1
-      a = a + 3
+  end
+  out[g] = apply and 1 or 0
+  for _ = 1, count do
+    local current, text = KEYS[k], ARGV[a]
+    local units, refund, expiry = tonumber(text), 0, expire_at
+    if not units then
+      text, refund, expiry = string.match(text, '^(%d+):(%d+):(%d+)$')
+      units, refund = tonumber(text), tonumber(refund)
     end
-  else
-    out[g] = 0
-    k = k + count
-    a = a + 3 * count
+    local add = adds[current]
+    if not add then
+      order[#order + 1] = current
+      expiries[current] = expiry
+      add = 0
+    end
+    if apply then
+      if units > 0 then
+        texts[current] = add == 0 and text or nil
+        add = add + units
+      end
+      if refund > 0 then
+        refunds[current] = (refunds[current] or 0) + refund
+      end
+    end
+    adds[current] = add
+    k = k + 1
+    a = a + 1
   end
 end
 
@@ -155,22 +174,25 @@ for _, p in ipairs(hash_order) do
 end
 
 for _, current in ipairs(order) do
-  local delta = deltas[current]
-  if delta > 0 then
-    if redis.call('INCRBY', current, string.format('%d', delta)) == delta then
+  local add, value = adds[current], nil
+  if add > 0 then
+    value = redis.call('INCRBY', current, texts[current] or string.format('%d', add))
+    if value == add then
       redis.call('PEXPIREAT', current, expiries[current])
+      -- (A bucket long past expires at once: its value is then 0.)
+      value = tonumber(redis.call('GET', current) or '0')
     end
   end
-end
-for _, current in ipairs(order) do
   local refund = refunds[current]
-  if refund > 0 then
-    local value = tonumber(redis.call('GET', current) or '0')
+  if refund then
+    value = value or tonumber(redis.call('GET', current) or '0')
     local back = math.min(refund, value)
     if back > 0 then
-      redis.call('DECRBY', current, string.format('%d', back))
+      value = redis.call('DECRBY', current, string.format('%d', back))
     end
   end
+  -- (GET answers false for a counter that does not exist: a nil reply, 0 for the caller.)
+  out[#out + 1] = value or redis.call('GET', current)
 end
 
 return out

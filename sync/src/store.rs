@@ -19,12 +19,13 @@
 //! starts of its `sync_interval`'s slots), so a fleet's batches arrive together: a batch that
 //! finds its lane idle waits `--batch-gather` ([`DEFAULT_BATCH_GATHER`]) for the others, and a
 //! batch waits at most that, or `--batch-pace`, besides the call before it.
-//! The script only writes: it is handed the counters a part changes (a delta or a give-back;
-//! not those a proxy only refreshes its view of), and returns which groups it applied. A plain
-//! `MGET` pipelined after it, in its round trip and on its connection, reads every counter's
-//! current and previous buckets, so the totals each proxy learns include the call's writes (and
-//! any that reached Redis between the two). In Redis a script pays for every key and argument
-//! it is handed and for every value it reads and returns, several times what a native read
+//! The script reads nothing it does not write: it is handed the counters a part changes (a
+//! delta or a give-back, one argument each; not those a proxy only refreshes its view of), and
+//! returns which groups it applied and the value its write left in each counter. A plain `MGET`
+//! pipelined after it, in its round trip and on its connection, reads the rest: the previous
+//! buckets, and the counters a call only reads, so the totals each proxy learns include the
+//! call's writes (and any that reached Redis between the two). In Redis a script pays for every
+//! key and argument it is handed and for every value it reads, several times what a native read
 //! costs.
 //! The parts waiting are the only state, in memory for one call's time at most; a part whose
 //! call fails is answered with the error, and its proxy retries it (the dedup hashes keep the
@@ -888,8 +889,9 @@ fn to_take(sizes: impl Iterator<Item = usize>, max: usize) -> usize {
     taken
 }
 
-/// Whether the script is handed `counter`: it adds to it or gives back. Every counter, handed
-/// or not, is read after the script ([`reads`]).
+/// Whether the script is handed `counter`: it adds to it or gives back. The script answers the
+/// value of each counter it is handed; the others, and every previous bucket, are read after it
+/// ([`reads`]).
 fn changes(counter: &PlannedCounter) -> bool {
     counter.delta > 0 || counter.refund > 0
 }
@@ -905,17 +907,32 @@ fn handed(group: &Group) -> bool {
     changed(group).next().is_some()
 }
 
-/// What the `MGET` after the script reads: each distinct key once, and where each counter of the
-/// groups (in order) finds its current and previous totals among them.
-struct Reads<'a> {
-    keys: Vec<&'a str>,
-    at: Vec<(usize, Option<usize>)>,
+/// Where a counter's total comes from: the script's answer (the n-th distinct key it was
+/// handed) or the `MGET` after it (the n-th key read).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    Answered(usize),
+    Read(usize),
 }
 
-/// The keys every counter of `groups` is read at after the script (its current bucket's, and its
-/// previous one's if it has one), each distinct key once: the parts a call merges share their hot
-/// counters.
+/// Where each counter of the groups (in order) finds its current and previous totals: the keys
+/// the script answers for (each distinct key handed once, in order of first appearance, as
+/// `apply.lua` lists them) and those the `MGET` after it reads (each distinct key once).
+struct Reads<'a> {
+    keys: Vec<&'a str>,
+    answered: usize,
+    at: Vec<(Source, Option<usize>)>,
+}
+
+/// The totals of every counter of `groups`: its current bucket's from the script's answer when
+/// the script is handed it, else, and its previous bucket's, from the `MGET` after the script,
+/// each distinct key once: the parts a call merges share their hot counters.
 fn reads<'a>(groups: &[(u64, &'a Group)]) -> Reads<'a> {
+    let mut answered: HashMap<&'a str, usize> = HashMap::new();
+    for counter in groups.iter().flat_map(|(_, group)| changed(group)) {
+        let next = answered.len();
+        answered.entry(counter.current_key.as_str()).or_insert(next);
+    }
     let mut keys = Vec::new();
     let mut index: HashMap<&'a str, usize> = HashMap::new();
     let mut place = |key: &'a str| {
@@ -927,61 +944,83 @@ fn reads<'a>(groups: &[(u64, &'a Group)]) -> Reads<'a> {
     let at = groups
         .iter()
         .flat_map(|(_, group)| &group.counters)
-        .map(|counter| (place(counter.current_key.as_str()), counter.previous_key.as_deref().map(&mut place)))
+        .map(|counter| {
+            let current = counter.current_key.as_str();
+            let source = match answered.get(current) {
+                Some(&n) => Source::Answered(n),
+                None => Source::Read(place(current)),
+            };
+            (source, counter.previous_key.as_deref().map(&mut place))
+        })
         .collect();
-    Reads { keys, at }
+    Reads { keys, answered: answered.len(), at }
 }
 
 /// The script's KEYS and ARGV for the groups of `groups` it is handed ([`handed`]), each with
-/// its batch's seq (see `apply.lua`): the counters each group changes ([`changes`]).
+/// its batch's seq (see `apply.lua`): the counters each group changes ([`changes`]), each as
+/// one argument, its delta, unless it gives units back or expires at another time than the
+/// group's first counter.
 fn script_arguments<'a>(groups: &[(u64, &'a Group)]) -> (Vec<&'a str>, Vec<String>) {
     let groups: Vec<(u64, &Group)> = groups.iter().copied().filter(|(_, group)| handed(group)).collect();
     let counters: usize = groups.iter().map(|(_, group)| changed(group).count()).sum();
     let mut keys: Vec<&str> = Vec::with_capacity(groups.len().saturating_mul(2).saturating_add(counters));
     let mut args: Vec<String> = Vec::with_capacity(
         1usize
-            .saturating_add(groups.len().saturating_mul(4))
-            .saturating_add(counters.saturating_mul(3)),
+            .saturating_add(groups.len().saturating_mul(5))
+            .saturating_add(counters),
     );
     args.push(groups.len().to_string());
     for (seq, group) in &groups {
+        let expire_at_ms = changed(group).next().map_or(0, |c| c.expire_at_ms);
         keys.push(&group.seen_key);
         keys.push(&group.seen_before_key);
         args.push(seq.to_string());
         args.push(group.seen_field.clone());
         args.push(group.seen_expire_at_ms.to_string());
         args.push(changed(group).count().to_string());
+        args.push(expire_at_ms.to_string());
         for counter in changed(group) {
             keys.push(&counter.current_key);
-            args.push(counter.delta.to_string());
-            args.push(counter.refund.to_string());
-            args.push(counter.expire_at_ms.to_string());
+            args.push(if counter.refund == 0 && counter.expire_at_ms == expire_at_ms {
+                counter.delta.to_string()
+            } else {
+                format!("{}:{}:{}", counter.delta, counter.refund, counter.expire_at_ms)
+            });
         }
     }
     (keys, args)
 }
 
-/// The script's `{applied_1 .. applied_g}` (one per group it was handed: those that change a
-/// counter) and the values the `MGET` after it read ([`reads`]) into each group's outcome, its
-/// counters' totals in the group's order; a group that changes nothing counts as applied.
+/// The script's `{applied_1 .. applied_g, value_1 .. value_n}` (a flag per group it was handed:
+/// those that change a counter; then the value of each distinct key it was handed) and the
+/// values the `MGET` after it read ([`reads`]) into each group's outcome, its counters' totals in
+/// the group's order; a group that changes nothing counts as applied. A call with no group
+/// handed has no script: its `reply` is an empty array.
 fn parse_reply(reply: Value, values: Vec<Value>, reads: &Reads, groups: &[(u64, &Group)]) -> Result<Vec<GroupOutcome>, StoreError> {
-    let Value::Array(items) = reply else {
+    let Value::Array(mut items) = reply else {
         return Err(StoreError::Reply(format!(
             "expected an array, got {reply:?}"
         )));
     };
-    let expected = groups.iter().filter(|(_, group)| handed(group)).count();
-    if items.len() != expected {
+    let flags = groups.iter().filter(|(_, group)| handed(group)).count();
+    if items.len() != flags.saturating_add(reads.answered) {
         return Err(StoreError::Reply(format!(
-            "expected {expected} flags, got {}",
+            "expected {flags} flags and {} values, got {} items",
+            reads.answered,
             items.len()
         )));
     }
     if values.len() != reads.keys.len() {
         return Err(StoreError::Reply(format!("{} keys read, {} values", reads.keys.len(), values.len())));
     }
+    let answered: Vec<u64> = items.split_off(flags).into_iter().map(total).collect::<Result<_, _>>()?;
     let values: Vec<u64> = values.into_iter().map(total).collect::<Result<_, _>>()?;
-    let value = |at: usize| values.get(at).copied().ok_or_else(|| StoreError::Reply("a read out of range".into()));
+    let out_of_range = || StoreError::Reply("a total out of range".into());
+    let read = |at: usize| values.get(at).copied().ok_or_else(out_of_range);
+    let value = |source: Source| match source {
+        Source::Answered(at) => answered.get(at).copied().ok_or_else(out_of_range),
+        Source::Read(at) => read(at),
+    };
     let mut at = reads.at.iter();
     let mut flags = items.into_iter();
     let mut outcomes = Vec::with_capacity(groups.len());
@@ -997,7 +1036,7 @@ fn parse_reply(reply: Value, values: Vec<Value>, reads: &Reads, groups: &[(u64, 
             let &(current, previous) = at.next().ok_or_else(|| StoreError::Reply("fewer reads than counters".into()))?;
             totals.push(Totals {
                 current: value(current)?,
-                previous: previous.map(value).transpose()?.unwrap_or(0),
+                previous: previous.map(read).transpose()?.unwrap_or(0),
             });
         }
         outcomes.push(GroupOutcome { applied, totals });
@@ -1171,7 +1210,8 @@ mod tests {
         let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
         let (keys, args) = script_arguments(&groups);
         // Shard 0's counter is only read (delta 0): its group does not go to the script (nothing
-        // to keep exactly once). Every counter is read after the script, its previous bucket too.
+        // to keep exactly once). The counter shard 1's group changes gives units back: its
+        // argument is the long form.
         assert_eq!(
             keys,
             vec![
@@ -1180,27 +1220,39 @@ mod tests {
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
             ]
         );
-        assert_eq!(
-            args,
-            vec![
-                "1", "5", "0123456789abcdef", "1200000", "1", "3", "2", "69000"
-            ]
-        );
+        assert_eq!(args, vec!["1", "5", "0123456789abcdef", "1200000", "1", "69000", "3:2:69000"]);
+        // The script answers for the counter it changes; the other and every previous bucket
+        // are read after it.
         let reads = reads(&groups);
         assert_eq!(
             reads.keys,
             vec![
                 "fg:{0}:00000000bbbbbbbbbbbbbbbbbbbbbbbb:1000:0",
-                "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:7",
                 "fg:{1}:00000001aaaaaaaaaaaaaaaaaaaaaaaa:1000:6",
             ]
         );
-        assert_eq!(reads.at, vec![(0, None), (1, Some(2))]);
-        // Two copies of the plan in one call (two proxies' parts merged): each key read once.
+        assert_eq!(reads.answered, 1);
+        assert_eq!(reads.at, vec![(Source::Read(0), None), (Source::Answered(0), Some(1))]);
+        // Two copies of the plan in one call (two proxies' parts merged): each key answered or
+        // read once.
         let twice: Vec<(u64, &Group)> = groups.iter().chain(&groups).copied().collect();
         let merged = super::reads(&twice);
-        assert_eq!(merged.keys, reads.keys);
-        assert_eq!(merged.at, vec![(0, None), (1, Some(2)), (0, None), (1, Some(2))]);
+        assert_eq!((merged.keys.clone(), merged.answered), (reads.keys.clone(), 1));
+        assert_eq!(merged.at, [reads.at.clone(), reads.at.clone()].concat());
+    }
+
+    #[test]
+    fn a_counter_with_only_a_delta_is_one_argument_and_another_expiry_is_spelled_out() {
+        let body = r#"{"version": 1, "proxy": "0123456789abcdef", "seq": 9, "counters": [
+            {"key": "00000001aaaaaaaaaaaaaaaaaaaaaaaa", "window_ms": 1000, "bucket": 7, "delta": 3},
+            {"key": "00000001bbbbbbbbbbbbbbbbbbbbbbbb", "window_ms": 1000, "bucket": 7, "delta": 4},
+            {"key": "00000001cccccccccccccccccccccccc", "window_ms": 60000, "bucket": 7, "delta": 5}
+        ]}"#;
+        let plan = plan(&Layout::new("fg:", 16).single_node(), &parse_batch(body.as_bytes(), 10).unwrap());
+        let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
+        let (keys, args) = script_arguments(&groups);
+        assert_eq!(keys.len(), 2 + 3);
+        assert_eq!(args, vec!["1", "9", "0123456789abcdef", &plan.groups[0].seen_expire_at_ms.to_string(), "3", "69000", "3", "4", "5:0:600000"]);
     }
 
     #[test]
@@ -1209,9 +1261,9 @@ mod tests {
         let groups: Vec<(u64, &Group)> = plan.groups.iter().map(|g| (plan.seq, g)).collect();
         let reads = reads(&groups);
         // One flag: shard 0's group only reads, so it was not handed to the script and counts as
-        // applied.
-        let reply = Value::Array(vec![Value::Int(0)]);
-        let values = || vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"12".to_vec()), Value::BulkString(b"40".to_vec())];
+        // applied; then the value of the one counter the script was handed.
+        let reply = Value::Array(vec![Value::Int(0), Value::Int(12)]);
+        let values = || vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"40".to_vec())];
         let outcomes = parse_reply(reply.clone(), values(), &reads, &groups).unwrap();
         assert_eq!(
             outcomes,
@@ -1220,20 +1272,25 @@ mod tests {
                 GroupOutcome { applied: false, totals: vec![Totals { current: 12, previous: 40 }] },
             ]
         );
-        let short = Value::Array(Vec::new());
+        // A counter that does not exist (a nil answer) is at 0.
+        let nil = parse_reply(Value::Array(vec![Value::Int(1), Value::Nil]), values(), &reads, &groups).unwrap();
+        assert_eq!(nil[1].totals, vec![Totals { current: 0, previous: 40 }]);
+        let short = Value::Array(vec![Value::Int(0)]);
         assert!(parse_reply(short, values(), &reads, &groups).is_err());
         assert!(parse_reply(reply.clone(), Vec::new(), &reads, &groups).is_err());
-        assert!(parse_reply(reply.clone(), values()[..2].to_vec(), &reads, &groups).is_err());
+        assert!(parse_reply(reply.clone(), values()[..1].to_vec(), &reads, &groups).is_err());
         let mut more = values();
         more.push(Value::Nil);
         assert!(parse_reply(reply.clone(), more, &reads, &groups).is_err());
-        let garbage = vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"x".to_vec()), Value::Nil];
+        let garbage = vec![Value::BulkString(b"3".to_vec()), Value::BulkString(b"x".to_vec())];
         assert!(parse_reply(reply.clone(), garbage, &reads, &groups).is_err());
-        assert!(parse_reply(Value::Array(vec![Value::Int(0), Value::Int(1)]), values(), &reads, &groups).is_err());
-        assert!(parse_reply(Value::Array(vec![Value::Int(2)]), values(), &reads, &groups).is_err());
-        // A merged call: both copies take their totals from the one read of each key.
+        let not_a_number = Value::Array(vec![Value::Int(0), Value::BulkString(b"x".to_vec())]);
+        assert!(parse_reply(not_a_number, values(), &reads, &groups).is_err());
+        assert!(parse_reply(Value::Array(vec![Value::Int(0), Value::Int(1), Value::Int(12)]), values(), &reads, &groups).is_err());
+        assert!(parse_reply(Value::Array(vec![Value::Int(2), Value::Int(12)]), values(), &reads, &groups).is_err());
+        // A merged call: both copies take their totals from the one answer or read of each key.
         let twice: Vec<(u64, &Group)> = groups.iter().chain(&groups).copied().collect();
-        let flags = Value::Array(vec![Value::Int(0), Value::Int(1)]);
+        let flags = Value::Array(vec![Value::Int(0), Value::Int(1), Value::Int(12)]);
         let merged = parse_reply(flags, values(), &super::reads(&twice), &twice).unwrap();
         assert_eq!(merged[2].totals, outcomes[0].totals);
         assert_eq!(merged[3].totals, outcomes[1].totals);
