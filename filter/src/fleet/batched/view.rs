@@ -15,19 +15,24 @@
 //! proxy stops sending is still refreshed: each batch reads up to [`REFRESH_PER_BATCH`] keys synced
 //! longest ago, a key near its rule's least limit (its fleet total at least half of it) once it
 //! was not synced for [`REFRESH_AFTER_INTERVALS`] intervals, a key far under it once it was not
-//! for [`REFRESH_FAR_AFTER_MS`] (until then a proxy that admits it again decides on its units
-//! since, spread over the fleet: [`super::ask::spread`]). Every key is thus re-read at least once
-//! a second; only a key whose staleness could cost its limit more often.
+//! for [`REFRESH_FAR_AFTER_MS`], and only while the proxy still sends it: until
+//! [`REFRESH_WHILE_USED_MS`] after a sync last carried its own requests of the key. Every key the
+//! proxy uses is thus re-read at least once a second, one whose staleness could cost its limit
+//! more often; a key it no longer sees is not re-read until it sees it again, and is then
+//! decided on its units since, spread over the fleet ([`super::ask::spread`]), until its next
+//! batch brings the key's counts back.
 //!
 //! Each record also names the last batch whose totals it took ([`Confirmed`]): an ask finds
 //! there whether the batch on its way ([`super::in_flight`]) is in the view it read.
 //!
-//! Record layout (little-endian, version 6; a record of another version reads as empty): version
+//! Record layout (little-endian, version 7; a record of another version reads as empty): version
 //! `u8`, 3 zero bytes, count `u32`, the last batch confirmed in it (its source `u64` and seq `u64`,
 //! 0 and 0 for none), then per entry the rule id `u64`, the fingerprint `u64`, the
 //! fleet key `u128`, the window (ms) `u64`, the bucket `u64`, total previous and current `u32`,
 //! applied previous and current `u32`, when it was last synced (ms) `u64`, the remote rate's units
-//! and milliseconds `u32`, and the share's local and remote averages (`f32` bits, finite). Index
+//! and milliseconds `u32`, the share's local and remote averages (`f32` bits, finite), when a sync
+//! last found the others' part grown (ms) `u64`, and when one last carried this proxy's own
+//! requests or units of the key (ms) `u64`. Index
 //! (version 3): version `u8`, 7 zero bytes, last success (ms, 0 for never) `u64`, then
 //! [`VIEW_RECORDS`] versions `u64`.
 //!
@@ -54,6 +59,9 @@ pub const REFRESH_AFTER_INTERVALS: u64 = 5;
 /// A key far under its limit (its fleet total under half the rule's least limit) is re-read
 /// once it was not synced for this long (ms), or [`REFRESH_AFTER_INTERVALS`] if longer.
 pub const REFRESH_FAR_AFTER_MS: u64 = 1_000;
+/// A key is re-read only until this long (ms) after a sync last carried this proxy's own
+/// requests or units of it.
+pub const REFRESH_WHILE_USED_MS: u64 = 10_000;
 
 /// Which keys a batch re-reads: those near their limit not synced since `near`, the others not
 /// synced since `far`.
@@ -67,9 +75,9 @@ pub struct Due {
 /// A key's projections count for this many intervals after the last sync that found the other
 /// proxies' part grown, and no longer.
 pub const HOLD_INTERVALS: u64 = 3;
-const RECORD_VERSION: u8 = 6;
+const RECORD_VERSION: u8 = 7;
 const INDEX_VERSION: u8 = 3;
-const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8 + 4 + 4 + 4 + 4 + 8;
+const ENTRY_LEN: usize = 8 + 8 + 16 + 8 + 8 + 4 * 4 + 8 + 4 + 4 + 4 + 4 + 8 + 8;
 const INDEX_LEN: usize = 16 + 8 * VIEW_RECORDS;
 const HEADER_LEN: usize = 8 + 8 + 8;
 
@@ -98,6 +106,8 @@ pub struct ViewEntry {
     pub share: Share,
     /// When a sync last found the other proxies' part grown (0: never).
     pub grew_at: UnixMillis,
+    /// When a sync last carried this proxy's own requests or units of the key (0: never).
+    pub used: UnixMillis,
 }
 
 /// A key's recent traffic here and elsewhere: exponentially weighted moving averages, per sync,
@@ -275,6 +285,9 @@ impl ViewEntry {
             None => {}
         }
         self.synced = now;
+        if delta.requests > 0 || delta.delta > 0 || delta.refund > 0 {
+            self.used = now;
+        }
     }
 }
 
@@ -348,6 +361,7 @@ impl ViewRecord {
                 rate: RemoteRate { grew_units: reader.u32()?, over_ms: reader.u32()? },
                 share: Share { local: f32::from_bits(reader.u32()?), remote: f32::from_bits(reader.u32()?) },
                 grew_at: UnixMillis(reader.u64()?),
+                used: UnixMillis(reader.u64()?),
             };
             if !entry.share.local.is_finite() || !entry.share.remote.is_finite() {
                 return Err(DecodeError::Malformed);
@@ -382,6 +396,7 @@ impl ViewRecord {
             out.put_u32(e.share.local.to_bits());
             out.put_u32(e.share.remote.to_bits());
             out.put_u64(e.grew_at.0);
+            out.put_u64(e.used.0);
         }
         out
     }
@@ -579,9 +594,10 @@ impl ViewCache {
     }
 
     /// Reads (0-delta deltas) of up to `max` keys to refresh, the longest unsynced first: those
-    /// whose bucket is still weighed at `now` and that `due` names, a key being near its limit
-    /// when its fleet total (both buckets, as last read) is at least half of `least_limit` of its
-    /// rule (`None`: a rule no longer in global scope, never near).
+    /// whose bucket is still weighed at `now`, that the proxy used within
+    /// [`REFRESH_WHILE_USED_MS`], and that `due` names, a key being near its limit when its fleet
+    /// total (both buckets, as last read) is at least half of `least_limit` of its rule (`None`:
+    /// a rule no longer in global scope, never near).
     pub fn refreshes(&self, now: UnixMillis, due: Due, max: usize, least_limit: impl Fn(u64) -> Option<u32>) -> Vec<Delta> {
         let near = |e: &ViewEntry| {
             let total = e.total.rolled(e.bucket, now.0.checked_div(e.window_ms).unwrap_or(e.bucket));
@@ -591,6 +607,7 @@ impl ViewCache {
             .records
             .iter()
             .flat_map(|r| r.entries.values())
+            .filter(|e| now.saturating_since(e.used) <= REFRESH_WHILE_USED_MS)
             .filter(|e| e.synced < due.far || (e.synced < due.near && near(e)))
             .filter(|e| e.bucket.saturating_add(1) >= now.0.checked_div(e.window_ms).unwrap_or(0))
             .collect();
@@ -632,18 +649,27 @@ mod tests {
             cache.records[record_of(fingerprint)].apply(&key(rule, fingerprint), totals, synced, 8);
         }
         let least_limit = |rule: u64| (rule == 1).then_some(100);
-        let due_at = |now: UnixMillis| {
+        let due_at = |cache: &ViewCache, now: UnixMillis| {
             let due = Due { near: UnixMillis(now.0 - 5 * 100), far: UnixMillis(now.0 - 1_000) };
             let mut keys: Vec<u64> = cache.refreshes(now, due, 128, least_limit).iter().map(|d| d.fingerprint).collect();
             keys.sort_unstable();
             keys
         };
-        assert_eq!(due_at(synced.plus_ms(500)), Vec::<u64>::new(), "nothing is due within 5 intervals");
-        assert_eq!(due_at(synced.plus_ms(501)), vec![4], "the key at half its limit, after 5 intervals");
-        assert_eq!(due_at(synced.plus_ms(1_000)), vec![4]);
-        assert_eq!(due_at(synced.plus_ms(1_001)), vec![4, 5, 6], "every key after a second");
+        assert_eq!(due_at(&cache, synced.plus_ms(500)), Vec::<u64>::new(), "nothing is due within 5 intervals");
+        assert_eq!(due_at(&cache, synced.plus_ms(501)), vec![4], "the key at half its limit, after 5 intervals");
+        assert_eq!(due_at(&cache, synced.plus_ms(1_000)), vec![4]);
+        assert_eq!(due_at(&cache, synced.plus_ms(1_001)), vec![4, 5, 6], "every key after a second");
+        // A refresh (no request of its own) does not make a key used: 10 s after a sync last
+        // carried this proxy's requests of it, it is no longer re-read.
+        let read = Delta { delta: 0, requests: 0, ..key(1, 4) };
+        cache.records[record_of(4)].apply(&read, Totals { previous: 20, current: 40 }, synced.plus_ms(1_500), 8);
+        assert_eq!(due_at(&cache, synced.plus_ms(10_000)), vec![4, 5, 6]);
+        assert_eq!(due_at(&cache, synced.plus_ms(10_001)), Vec::<u64>::new(), "no key used within 10 s");
         // A refresh names the key's current bucket.
-        assert!(cache.refreshes(UnixMillis(11 * HOUR), Due { near: UnixMillis(11 * HOUR), far: UnixMillis(11 * HOUR) }, 128, least_limit).iter().all(|d| d.bucket == 11 && d.delta == 0));
+        cache.records[record_of(4)].apply(&key(1, 4), Totals { previous: 20, current: 41 }, UnixMillis(11 * HOUR - 5_000), 8);
+        let now = UnixMillis(11 * HOUR);
+        let refreshed = cache.refreshes(now, Due { near: now, far: now }, 128, least_limit);
+        assert_eq!(refreshed.iter().map(|d| (d.fingerprint, d.bucket, d.delta)).collect::<Vec<_>>(), vec![(4, 11, 0)]);
     }
 
     #[test]
@@ -780,8 +806,9 @@ mod tests {
         v5.drain(8..24);
         v5[0] = 5;
         assert_eq!(ViewRecord::decode(&v5), Err(DecodeError::Malformed));
-        // Version 3: no share; version 4: no time the others' part last grew.
-        for (version, fields) in [(3, 16), (4, 8)] {
+        // Version 3: no share; version 4: no time the others' part last grew; version 6: no
+        // time of the proxy's own last requests.
+        for (version, fields) in [(3, 24), (4, 16), (6, 8)] {
             let mut old = r.encode();
             old.truncate(old.len() - fields);
             old[0] = version;
@@ -792,7 +819,7 @@ mod tests {
         }
         // A share that is not a finite number.
         let mut nan = r.encode();
-        let at = nan.len() - 8 - 4;
+        let at = nan.len() - 16 - 4;
         nan[at..at + 4].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
         assert_eq!(ViewRecord::decode(&nan), Err(DecodeError::Malformed));
     }
@@ -881,6 +908,7 @@ mod tests {
                 rate: RemoteRate { grew_units, over_ms },
                 share: Share { local: f32::from(u16::try_from(grew_units % 60_000).unwrap()), remote: f32::from(u16::try_from(over_ms % 60_000).unwrap()) },
                 grew_at: UnixMillis(synced),
+                used: UnixMillis(synced.rotate_left(7)),
             },
         )
     }
@@ -948,6 +976,7 @@ mod tests {
                 rate: RemoteRate { grew_units: if quiet_for > 0 { 0 } else { grew_units }, over_ms },
                 share: Share { local: f32::from(share.0), remote: f32::from(share.1) },
                 grew_at: UnixMillis(synced.0 - quiet_for),
+                used: synced,
             };
             let local = Counts { previous, current };
             let limit = std::num::NonZeroU32::new(limit).unwrap();
