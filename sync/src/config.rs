@@ -84,8 +84,8 @@ pub struct Args {
 
     /// The least time between two script calls of one shard's asks (the synchronous asks of
     /// batched rules' requests, merged): longer merges more asks per call (fewer Redis commands),
-    /// shorter makes an ask wait less. 0ms: a call as soon as the one before returned. E.g. 10ms.
-    #[arg(long, env = "FLOODGATE_SYNC_ASK_PACE", default_value = "10ms", value_parser = parse_wait)]
+    /// shorter makes an ask wait less. 0ms: a call as soon as the one before returned. E.g. 20ms.
+    #[arg(long, env = "FLOODGATE_SYNC_ASK_PACE", default_value = "20ms", value_parser = parse_wait)]
     pub ask_pace: Duration,
 
     /// Answer a lease (the leased rules' POST /v1/lease) only once this many replicas have its
@@ -257,7 +257,8 @@ mod tests {
         assert_eq!(args.max_counters, 10_000);
         assert_eq!(args.max_body_bytes, 1_048_576);
         assert_eq!(args.redis_timeout, Duration::from_secs(1));
-        assert_eq!(args.ask_pace, Duration::from_millis(10));
+        assert_eq!(args.ask_pace, Duration::from_millis(20));
+        assert_eq!(args.ask_pace, crate::store::DEFAULT_ASK_PACE);
         assert_eq!(args.batch_pace, Duration::from_millis(25));
         assert_eq!(args.batch_gather, Duration::from_millis(5));
         assert!(args.tokens.is_empty() && args.token_file.is_none());

@@ -83,8 +83,10 @@ pub const DEFAULT_BATCH_PACE: Duration = Duration::from_millis(25);
 /// proxies send on the same grid, so a fleet's batches arrive together.
 pub const DEFAULT_BATCH_GATHER: Duration = Duration::from_millis(5);
 /// An asks' lane starts a script call at most this often by default (`--ask-pace`): shorter
-/// than [`DEFAULT_BATCH_PACE`], since a request waits for its ask's answer.
-pub const DEFAULT_ASK_PACE: Duration = Duration::from_millis(10);
+/// than [`DEFAULT_BATCH_PACE`], since a request waits for its ask's answer, and long enough that
+/// the asks of a large fleet, which grow with its proxies, share their calls (docs/global.md,
+/// "At mesh scale").
+pub const DEFAULT_ASK_PACE: Duration = Duration::from_millis(20);
 
 /// How to reach Redis.
 #[derive(Debug, Clone)]
