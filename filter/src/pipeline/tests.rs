@@ -59,6 +59,11 @@ impl TestMetrics {
 /// A clock the test moves.
 struct TestClock(Cell<Now>);
 
+/// A moment `ms` milliseconds from both clocks' zero.
+fn both_at(ms: u64) -> Now {
+    Now { wall: UnixMillis(ms), mono: MonoMillis(ms) }
+}
+
 impl Clock for TestClock {
     fn now(&self) -> Now {
         self.0.get()
@@ -67,7 +72,7 @@ impl Clock for TestClock {
 
 impl TestClock {
     fn at(ms: u64) -> TestClock {
-        TestClock(Cell::new(Now { wall: UnixMillis(ms), mono: MonoMillis(ms) }))
+        TestClock(Cell::new(both_at(ms)))
     }
     fn advance(&self, ms: u64) {
         let now = self.0.get();
@@ -2130,7 +2135,7 @@ fn each_periodic_task_is_due_at_its_own_interval_whatever_the_tick() {
         "global": {"cluster": "floodgate-sync", "sync_interval": "250ms"},
     }));
     let mut schedule = Schedule::default();
-    let due = |schedule: &mut Schedule, at: u64| schedule.due(&host.filter, Now { wall: UnixMillis(at), mono: MonoMillis(at) });
+    let due = |schedule: &mut Schedule, at: u64| schedule.due(&host.filter, both_at(at));
     let all = Due { lag_probe: true, sync: true, heartbeat: true };
     assert_eq!(due(&mut schedule, 10_000), all, "everything at the first tick");
     // Ticks every 50 ms (the fastest period would be the lag probe's; a timer may be early).
@@ -2160,11 +2165,10 @@ fn each_periodic_task_is_due_at_its_own_interval_whatever_the_tick() {
 fn without_lag_probe_or_global_scope_only_the_heartbeat_is_due() {
     let host = Host::new(serde_json::json!({"rate_limits": [rule(5)]}));
     let mut schedule = Schedule::default();
-    let at = |ms: u64| Now { wall: UnixMillis(ms), mono: MonoMillis(ms) };
-    let first = schedule.due(&host.filter, at(1_000));
+    let first = schedule.due(&host.filter, both_at(1_000));
     assert_eq!(first, Due { lag_probe: false, sync: false, heartbeat: true });
-    assert_eq!(schedule.due(&host.filter, at(1_500)), Due::default());
-    assert!(schedule.due(&host.filter, at(2_000)).heartbeat);
+    assert_eq!(schedule.due(&host.filter, both_at(1_500)), Due::default());
+    assert!(schedule.due(&host.filter, both_at(2_000)).heartbeat);
     assert_eq!(Schedule::tick_period(&host.filter, UnixMillis(1_010)), None);
 }
 

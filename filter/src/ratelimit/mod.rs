@@ -715,10 +715,9 @@ fn bucket_standing(table: &RuleTable, probe: &Probe, tat: u64, now: UnixMillis, 
 /// of its smallest limit (whole milliseconds, at least one), its levels compared in the
 /// emission interval of its largest.
 fn bucket_spec(rule: &crate::config::RateLimitRule, window: Window, burst: NonZeroU32) -> BucketSpec {
-    let limits = || rule.limits();
     let max_delay_ms = rule.max_delay.map_or(0, |d| d.get().get());
-    let slowest = Bucket::new(window, limits().min().unwrap_or(NonZeroU32::MIN), burst, max_delay_ms);
-    let fastest = Bucket::new(window, limits().max().unwrap_or(NonZeroU32::MIN), burst, max_delay_ms);
+    let slowest = Bucket::new(window, rule.limits().min().unwrap_or(NonZeroU32::MIN), burst, max_delay_ms);
+    let fastest = Bucket::new(window, rule.limits().max().unwrap_or(NonZeroU32::MIN), burst, max_delay_ms);
     let period_ms = slowest.horizon_us().div_ceil(1000);
     BucketSpec {
         burst,
