@@ -388,6 +388,13 @@ fn print_tables(s: &Settings, results: &[RunResult]) {
         ]);
     }
     println!("### What the fleet admitted against the limit\n\n{}\n", t.render());
+    let over: Vec<String> = results
+        .iter()
+        .flat_map(|r| r.tally.overshoots(1.01).into_iter().map(move |line| format!("- {} proxies, {}, {}: {line}", r.proxies, r.consistency, r.mix.kind.name())))
+        .collect();
+    if !over.is_empty() {
+        println!("Windows more than 1 % over their limit:\n\n{}\n", over.join("\n"));
+    }
     let mut t = Table::new(&["proxies", "consistency", "mix", "event", "store calls /1k (batch, ask, lease)", "failed calls (lease.failures)", "call p50 / p99 / max ms", "Redis cmds /1k", "HTTP bytes /1k", "Redis bytes /1k", "Redis CPU ms /1k", "sync CPU ms /1k", "tool CPU ms /1k", "waited", "wait p50 / p99 / max ms", "added p99, all requests, ms", "decided without the store", "lease holders per key (max; keys read)", "send lateness max ms"]);
     for r in results {
         let sum = r.tally.summary();

@@ -9,7 +9,7 @@
 //! decided. Everything runs on one thread, as each Envoy worker does.
 
 use super::calls::{Call, Conn, Done, Kind};
-use super::tally::Tally;
+use super::tally::{Admission, Tally};
 use floodgate::config::{Config, SYNC_PATH};
 use floodgate::fleet::batched::VmNode;
 use floodgate::fleet::leased::protocol::LEASE_PATH;
@@ -355,7 +355,8 @@ impl Fleet {
             }
             step => {
                 let status = status_of(&step);
-                record(&mut self.tally, key, status, now.wall.0, None);
+                let leads = filter.fleet().node().is_some_and(|n| n.borrow().leading);
+                record(&mut self.tally, Origin { proxy: p, leads }, key, status, now.wall.0, None);
                 let mut stream = cell.borrow_mut();
                 if stream.needs_end() {
                     stream.end(&filter, &env, context, &Ended(status));
@@ -576,7 +577,8 @@ impl Fleet {
                 }
                 step => {
                     let status = status_of(&step);
-                    record(&mut self.tally, paused.key, status, now.wall.0, Some(paused.arrived.elapsed()));
+                    let leads = filter.fleet().node().is_some_and(|n| n.borrow().leading);
+                    record(&mut self.tally, Origin { proxy: p, leads }, paused.key, status, now.wall.0, Some(paused.arrived.elapsed()));
                     let mut stream = shared.borrow_mut();
                     if stream.needs_end() {
                         stream.end(&filter, &env, context, &Ended(status));
@@ -675,13 +677,20 @@ fn status_of(step: &Step) -> u16 {
     }
 }
 
+/// Where a decision was made: the proxy, and whether its VM leads the proxy's batches.
+#[derive(Clone, Copy)]
+struct Origin {
+    proxy: usize,
+    leads: bool,
+}
+
 /// A decision into the tally at `wall_ms`: when it was made. A request that waited takes its
 /// units when it is resumed, from a lease the store may have granted well after the request
 /// came (a call that failed, another asked later): its admission weighs in the sliding window
 /// from then, as in the store.
-fn record(tally: &mut Tally, key: u32, status: u16, wall_ms: u64, waited: Option<Duration>) {
+fn record(tally: &mut Tally, origin: Origin, key: u32, status: u16, wall_ms: u64, waited: Option<Duration>) {
     match status {
-        200 => tally.admit(key, wall_ms),
+        200 => tally.admit_from(key, wall_ms, Admission { proxy: origin.proxy, leads: origin.leads, waited: waited.is_some() }),
         _ => {
             tally.refuse(key, wall_ms);
         }

@@ -30,6 +30,23 @@ pub struct Tally {
     pub largest_room: u64,
     /// How long each request that waited (an ask, a lease) waited, µs.
     waits_us: Vec<u64>,
+    /// Each admission with where it came from and when (ms into its bucket), per key and
+    /// bucket, when the caller said ([`Tally::admit_from`]): what [`Tally::overshoots`] reads.
+    trail: HashMap<(u32, u64), Vec<Timed>>,
+}
+
+/// An admission and when it came, ms into its bucket.
+type Timed = (u64, Admission);
+
+/// Where one admission came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Admission {
+    /// The proxy that admitted it.
+    pub proxy: usize,
+    /// Whether the VM that admitted it led its proxy's batches.
+    pub leads: bool,
+    /// Whether the request waited for the store (an ask, a lease) before it was admitted.
+    pub waited: bool,
 }
 
 /// The summary of a run's decisions.
@@ -67,6 +84,7 @@ impl Tally {
             refused_with_room: 0,
             largest_room: 0,
             waits_us: Vec::new(),
+            trail: HashMap::new(),
         }
     }
 
@@ -89,6 +107,49 @@ impl Tally {
         *k.buckets.entry(wall_ms / self.window_ms).or_default() += 1;
         k.peak = k.peak.max(estimate);
         self.admitted += 1;
+    }
+
+    /// A request of `key` admitted at `wall_ms` by `proxy`, after waiting for the store or not:
+    /// [`Tally::admit`], and the admission in the trail [`Tally::overshoots`] reads.
+    pub fn admit_from(&mut self, key: u32, wall_ms: u64, admission: Admission) {
+        self.admit(key, wall_ms);
+        self.trail.entry((key, wall_ms / self.window_ms)).or_default().push((wall_ms % self.window_ms, admission));
+    }
+
+    /// The windows that admitted more than `at_least` × the limit, fullest first, each told in a
+    /// line: the admissions past the limit (those that a limiter with a perfect view of the
+    /// fleet would have refused), how many of them waited for the store, from how many proxies,
+    /// how many on a VM leading its proxy's batches, and when in the window; and when the window
+    /// reached its limit. Only for admissions counted with [`Tally::admit_from`].
+    pub fn overshoots(&self, at_least: f64) -> Vec<String> {
+        let limit = self.limit as usize;
+        let mut over: Vec<(&(u32, u64), &Vec<Timed>)> =
+            self.trail.iter().filter(|(_, a)| a.len() as f64 > at_least * limit as f64 && a.len() > limit).collect();
+        over.sort_by(|a, b| b.1.len().cmp(&a.1.len()).then(a.0.cmp(b.0)));
+        over.iter()
+            .map(|((key, bucket), admissions)| {
+                let mut by_time = admissions.to_vec();
+                by_time.sort_by_key(|(offset_ms, _)| *offset_ms);
+                let past = &by_time[limit..];
+                let waited = past.iter().filter(|(_, a)| a.waited).count();
+                let leading = past.iter().filter(|(_, a)| a.leads).count();
+                let mut proxies: Vec<usize> = past.iter().map(|(_, a)| a.proxy).collect();
+                proxies.sort_unstable();
+                proxies.dedup();
+                let tenths = past.iter().fold([0usize; 10], |mut t, (offset_ms, _)| {
+                    t[usize::try_from(offset_ms * 10 / self.window_ms).unwrap_or(9).min(9)] += 1;
+                    t
+                });
+                format!(
+                    "key {key}, bucket {bucket}: {} admitted ({:.3} × L); the limit reached {} ms into the window; {} past it, {waited} of them waited for the store, from {} proxies, {leading} on a VM leading its proxy's batches, per tenth of the window {tenths:?}",
+                    admissions.len(),
+                    admissions.len() as f64 / limit.max(1) as f64,
+                    by_time[limit - 1].0,
+                    past.len(),
+                    proxies.len(),
+                )
+            })
+            .collect()
     }
 
     /// A request of `key` refused at `wall_ms`: whether the fleet had room for it.
@@ -287,6 +348,27 @@ mod tests {
         let w = t.per_window(1000);
         assert_eq!(w.into_iter().collect::<Vec<_>>(), vec![((1, 0), 2), ((1, 1), 1), ((2, 2), 1)], "a key only refused has no window");
         assert_eq!(t.window_ms(), 10_000);
+    }
+
+    #[test]
+    fn an_overshoot_names_the_admissions_past_the_limit() {
+        let mut t = Tally::new(4, 10_000);
+        let from = |proxy: usize, leads: bool, waited: bool| Admission { proxy, leads, waited };
+        for proxy in [0, 1, 2, 3] {
+            t.admit_from(1, at(1_000 * proxy as u64), from(proxy, false, false));
+        }
+        assert!(t.overshoots(1.0).is_empty(), "at the limit exactly");
+        t.admit_from(1, at(9_600), from(6, true, false));
+        t.admit_from(1, at(9_500), from(5, false, true));
+        t.admit_from(1, at(8_000), from(5, true, false));
+        t.admit_from(2, at(9_600), from(6, false, false));
+        let lines = t.overshoots(1.01);
+        assert_eq!(lines.len(), 1);
+        assert_eq!(
+            lines[0],
+            "key 1, bucket 1000: 7 admitted (1.750 × L); the limit reached 3000 ms into the window; 3 past it, 1 of them waited for the store, from 2 proxies, 2 on a VM leading its proxy's batches, per tenth of the window [0, 0, 0, 0, 0, 0, 0, 0, 1, 2]"
+        );
+        assert!(t.overshoots(1.8).is_empty());
     }
 
     #[test]
