@@ -16,8 +16,10 @@
 //! the store already: it is never sent in a batch, nor is a read of the key (the answer gave its
 //! totals).
 //!
-//! Invariants: a hot key's requests never ask (its view holds it and its projection admits, or
-//! its counts as synced are within 1 % of the limit); a request asks at most once; a refused
+//! Invariants: a request its projection admits never asks, nor one whose key's counts as synced
+//! are within 1 % of the limit (a key each proxy admits many units of per interval thus never
+//! asks; one spread so thin that each proxy sees it every interval or two does, near its limit);
+//! a request asks at most once; a refused
 //! ask's answer counts nothing; with `P` unknown (no answer yet) or 1, a proxy decides a key it has
 //! not learned on its own counts.
 //!
