@@ -355,8 +355,7 @@ impl Fleet {
             }
             step => {
                 let status = status_of(&step);
-                let leads = filter.fleet().node().is_some_and(|n| n.borrow().leading);
-                record(&mut self.tally, Origin { proxy: p, leads }, key, status, now.wall.0, None);
+                record(&mut self.tally, &filter, p, key, status, now.wall.0, None);
                 let mut stream = cell.borrow_mut();
                 if stream.needs_end() {
                     stream.end(&filter, &env, context, &Ended(status));
@@ -577,8 +576,7 @@ impl Fleet {
                 }
                 step => {
                     let status = status_of(&step);
-                    let leads = filter.fleet().node().is_some_and(|n| n.borrow().leading);
-                    record(&mut self.tally, Origin { proxy: p, leads }, paused.key, status, now.wall.0, Some(paused.arrived.elapsed()));
+                    record(&mut self.tally, &filter, p, paused.key, status, now.wall.0, Some(paused.arrived.elapsed()));
                     let mut stream = shared.borrow_mut();
                     if stream.needs_end() {
                         stream.end(&filter, &env, context, &Ended(status));
@@ -677,20 +675,16 @@ fn status_of(step: &Step) -> u16 {
     }
 }
 
-/// Where a decision was made: the proxy, and whether its VM leads the proxy's batches.
-#[derive(Clone, Copy)]
-struct Origin {
-    proxy: usize,
-    leads: bool,
-}
-
-/// A decision into the tally at `wall_ms`: when it was made. A request that waited takes its
+/// A decision of `filter` (a VM of proxy `proxy`) into the tally at `wall_ms`: when it was made. A request that waited takes its
 /// units when it is resumed, from a lease the store may have granted well after the request
 /// came (a call that failed, another asked later): its admission weighs in the sliding window
 /// from then, as in the store.
-fn record(tally: &mut Tally, origin: Origin, key: u32, status: u16, wall_ms: u64, waited: Option<Duration>) {
+fn record(tally: &mut Tally, filter: &Filter, proxy: usize, key: u32, status: u16, wall_ms: u64, waited: Option<Duration>) {
     match status {
-        200 => tally.admit_from(key, wall_ms, Admission { proxy: origin.proxy, leads: origin.leads, waited: waited.is_some() }),
+        200 => {
+            let leads = filter.fleet().node().is_some_and(|n| n.borrow().leading);
+            tally.admit_from(key, wall_ms, Admission { proxy, leads, waited: waited.is_some() });
+        }
         _ => {
             tally.refuse(key, wall_ms);
         }
