@@ -19,29 +19,32 @@
 //! Invariants: a request its projection admits never asks, nor one whose key's counts as synced
 //! are within 1 % of the limit (a key each proxy admits many units of per interval thus never
 //! asks; one spread so thin that each proxy sees it every interval or two does, near its limit);
-//! a request asks at most once; a refused
-//! ask's answer counts nothing; with `P` unknown (no answer yet) or 1, a proxy decides a key it has
-//! not learned on its own counts.
+//! a key at its limit by that test keeps the view's projections counting
+//! ([`GlobalScope::at_limit`], [`super::view::ViewEntry::contended_at`]); a request asks at most
+//! once; a refused ask's answer counts nothing; with `P` unknown (no answer yet) or 1, a proxy
+//! decides a key it has not learned on its own counts.
 //!
 //! Rationale: docs/global.md, "A key a proxy has not learned".
 
 use super::{bucket_of, in_flight, GlobalRule, GlobalScope, VmNode};
 use crate::fleet::batched::outbox::Delta;
 use crate::fleet::batched::protocol::Totals;
+use crate::fleet::batched::view::ViewEntry;
 use crate::fleet::leased::{Ask, Grant};
 use crate::fleet::protocol::Carried;
 use crate::keys::fleet::FleetKey;
 use crate::primitives::store::SharedStore;
 use crate::primitives::time::UnixMillis;
 use crate::ratelimit::remote::Remote;
-use crate::ratelimit::window::Window;
+use crate::ratelimit::window::{Counts, Window};
 use crate::ratelimit::Probe;
 use std::num::{NonZeroU32, NonZeroU64};
 
 /// The largest fleet size a projection takes (the others' units per own unit fit 16 bits).
 pub const MAX_PROXIES: u32 = 1 << 16;
 /// A request that the projection refuses asks the store while the counts as synced leave room
-/// for it and this fraction of the limit more (1 / 100).
+/// for it and this fraction of the limit more (1 / 100); a key with less room than that
+/// fraction is at its limit ([`GlobalScope::at_limit`]).
 pub const ROOM_DIVISOR: u32 = 100;
 
 /// What the other proxies add to the counts of a key this proxy has not learned, in a fleet of
@@ -80,6 +83,16 @@ pub fn spread(remote: Remote, synced: UnixMillis, proxies: u32, now: UnixMillis,
         return remote;
     }
     Remote { per_local_q16: floor.per_local_q16, projected_until: remote.projected_until.max(floor.projected_until), ..remote }
+}
+
+/// Whether `totals` of a key in a window of `window_ms` leave room at `now`, under `limit`, for
+/// `cost` or 1 % of the limit ([`ROOM_DIVISOR`]), whichever is more (at least one unit), and
+/// `pending` units more.
+fn has_room(window_ms: u64, totals: Counts, cost: u32, pending: u32, limit: NonZeroU32, now: UnixMillis) -> bool {
+    let Some(window_ms) = NonZeroU64::new(window_ms) else { return false };
+    let window = Window::new(window_ms);
+    let need = cost.max(limit.get() / ROOM_DIVISOR).max(1).saturating_add(pending);
+    window.fits(totals.plus(need), window.phase(now).elapsed_ms, limit)
 }
 
 /// One request's ask of one key: what to send, and what to learn from its answer.
@@ -123,16 +136,19 @@ impl GlobalScope {
         if probe.cost == 0 || probe.cost.saturating_add(pending) > limit.get() {
             return false;
         }
-        let Some(window_ms) = NonZeroU64::new(rule.window_ms) else { return false };
-        let window = Window::new(window_ms);
         match node.cache.totals(rule.id, probe.key_hash, bucket_of(now, rule.window_ms)) {
             None => node.proxies > 1,
-            Some(totals) => {
-                // Room for the request, and more than 1 % of the limit.
-                let need = probe.cost.max(limit.get() / ROOM_DIVISOR).max(1).saturating_add(pending);
-                window.fits(totals.plus(need), window.phase(now).elapsed_ms, limit)
-            }
+            // Room for the request, and more than 1 % of the limit.
+            Some(totals) => has_room(rule.window_ms, totals, probe.cost, pending, limit, now),
         }
+    }
+
+    /// Whether `entry`'s key, its fleet count as it reads at `now`, is at its rule's least limit:
+    /// within 1 % of it, where a refused request does not ask.
+    pub fn at_limit(&self, entry: &ViewEntry, now: UnixMillis) -> bool {
+        let Some(limit) = self.least_limit_of(entry.rule).and_then(NonZeroU32::new) else { return false };
+        let totals = entry.total.rolled(entry.bucket, bucket_of(now, entry.window_ms));
+        !has_room(entry.window_ms, totals, 0, 0, limit, now)
     }
 
     /// The ask of `probe`'s key for its cost under `limit`, at `now`, with `pending` units of

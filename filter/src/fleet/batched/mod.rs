@@ -464,7 +464,7 @@ impl GlobalScope {
     ) -> Result<ViewRecord, StoreError> {
         update(store, key, |current| {
             let mut record = current.and_then(|s| ViewRecord::decode(&s.value).ok()).unwrap_or_default();
-            record.apply_batch(list, now, self.view_capacity);
+            record.apply_batch(list, now, self.view_capacity, |entry| self.at_limit(entry, now));
             if let Some((source, seq)) = batch {
                 record.confirmed.take(source, seq);
             }

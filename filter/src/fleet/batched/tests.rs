@@ -682,6 +682,62 @@ fn a_stopped_remote_costs_a_few_early_refusals_and_the_fleet_still_reaches_its_l
     assert!((limit - 1..=limit).contains(&admitted), "the rest of the quota was admitted: {admitted}");
 }
 
+/// A hundred proxies share a key at twice its limit (500 req/s over a 10 s window of 2 500, each
+/// request to the next proxy in turn, each proxy ticking on its own phase, asking the store as
+/// the pipeline does). The key's traffic starts 50 ms before a window, so the next one opens on
+/// a previous bucket of 25: the fleet reaches its limit about 5 s in, and from then on that
+/// bucket's decay frees a unit every 400 ms while every proxy refuses and no proxy's part
+/// grows. The projections still count at every sync that finds the key at its limit, so a
+/// unit freed goes to the proxies by their shares (none of them: each needs room for its unit
+/// and the others' share of it), not to each of them: the window ends at its limit or a few
+/// units short, and nothing is refused while the fleet's admissions leave more than 1 % of
+/// the limit. (Projections that stop three intervals after the last growth end it 1.027 to
+/// 1.030 × over.)
+#[test]
+fn the_room_a_full_window_frees_goes_to_the_proxies_by_their_shares() {
+    let (limit, proxies, rate_per_s, window_ms) = (2_500u32, 100u64, 500u64, 10_000u64);
+    for seed in 1..=4u64 {
+        let config = config(limit, "10s");
+        let mut fleet: Vec<Proxy> = (0..proxies).map(|i| Proxy::new(&config, 1, i + 1)).collect();
+        let mut noise = Noise(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut sync = FakeSync::default();
+        let phases: Vec<u64> = (0..proxies).map(|_| noise.next() % 100).collect();
+        let start = (T0 / window_ms + 1) * window_ms - 50;
+        let mut per_bucket: HashMap<u64, u64> = HashMap::new();
+        let (mut n, mut full_at, mut refused_with_room) = (0u64, None, 0u32);
+        for ms in 0..10_050u64 {
+            let now = UnixMillis(start + ms);
+            while n * 1000 / rate_per_s <= ms {
+                let p = usize::try_from(n % proxies).unwrap();
+                n += 1;
+                let bucket = now.0 / window_ms;
+                if fleet[p].request_asking(0, "hot", limit, &mut sync, now).0 {
+                    *per_bucket.entry(bucket).or_default() += 1;
+                    continue;
+                }
+                full_at.get_or_insert(ms - 50);
+                let admitted = |b: u64| per_bucket.get(&b).copied().unwrap_or(0);
+                let weighed = (admitted(bucket - 1) * (window_ms - now.0 % window_ms)).div_ceil(window_ms);
+                let room = u64::from(limit).saturating_sub(weighed + admitted(bucket));
+                refused_with_room += u32::from(room > u64::from(limit / 100));
+            }
+            for (p, proxy) in fleet.iter_mut().enumerate() {
+                if ms % 100 == phases[p] {
+                    proxy.tick(now);
+                }
+                if ms % 100 == (phases[p] + 3) % 100 {
+                    proxy.deliver(&mut sync, now);
+                }
+            }
+        }
+        let window = per_bucket[&((start + 50) / window_ms)];
+        println!("seed {seed}: the previous bucket {}, the window's first refusal {full_at:?} ms in, admitted {window}", per_bucket[&(start / window_ms)]);
+        assert!(full_at.is_some_and(|at| (4_500..5_500).contains(&at)), "{full_at:?}");
+        assert!((u64::from(limit) * 99 / 100..=u64::from(limit)).contains(&window), "seed {seed}: {window}");
+        assert_eq!(refused_with_room, 0, "seed {seed}");
+    }
+}
+
 /// Proxy A admits 40 + 40 units of a 100-unit quota while proxy B's first sync of the key
 /// (its request of one unit) reaches the store before A's batch: B's next sync, a second later
 /// (B has nothing new to send: a refresh), finds the others' part grown by 80 against nothing of

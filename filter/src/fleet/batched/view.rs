@@ -9,8 +9,8 @@
 //! Invariants: `remote = total − applied`, never below zero. The two projections (one interval of
 //! the others' growth, and their traffic since in proportion to this proxy's:
 //! [`ViewEntry::shared_at`]) count until [`ViewEntry::projected_until`], [`HOLD_INTERVALS`]
-//! intervals after the last sync that found the others' part grown ([`ViewEntry::grew_at`]), and
-//! not after it. A proxy's part counts at least a quarter of its requests, refused ones included
+//! intervals after the last sync that found the others' part grown or the key at its limit
+//! ([`ViewEntry::contended_at`]), and not after it. A proxy's part counts at least a quarter of its requests, refused ones included
 //! ([`DEMAND_WEIGHT`]), so a proxy that loses a race for a saturated key keeps its share. A key the
 //! proxy stops sending is still refreshed: each batch reads up to [`REFRESH_PER_BATCH`] keys synced
 //! longest ago, a key near its rule's least limit (its fleet total at least half of it) once it
@@ -31,8 +31,8 @@
 //! fleet key `u128`, the window (ms) `u64`, the bucket `u64`, total previous and current `u32`,
 //! applied previous and current `u32`, when it was last synced (ms) `u64`, the remote rate's units
 //! and milliseconds `u32`, the share's local and remote averages (`f32` bits, finite), when a sync
-//! last found the others' part grown (ms) `u64`, and when one last carried this proxy's own
-//! requests or units of the key (ms) `u64`. Index
+//! last found the others' part grown or the key at its limit (ms) `u64`, and when one last
+//! carried this proxy's own requests or units of the key (ms) `u64`. Index
 //! (version 3): version `u8`, 7 zero bytes, last success (ms, 0 for never) `u64`, then
 //! [`VIEW_RECORDS`] versions `u64`.
 //!
@@ -104,8 +104,10 @@ pub struct ViewEntry {
     pub rate: RemoteRate,
     /// How the key's growth splits between this proxy and the others, over the recent syncs.
     pub share: Share,
-    /// When a sync last found the other proxies' part grown (0: never).
-    pub grew_at: UnixMillis,
+    /// When a sync last found the other proxies' part grown, or the key at its limit (its fleet
+    /// count within 1 % of it, where every proxy refuses and nothing grows: the projections count
+    /// on, so the room the window's decay frees is not offered to every proxy at once) (0: never).
+    pub contended_at: UnixMillis,
     /// When a sync last carried this proxy's own requests or units of the key (0: never).
     pub used: UnixMillis,
 }
@@ -191,10 +193,11 @@ impl ViewEntry {
     }
 
     /// The last millisecond the key's projections count if no sync finds the other proxies'
-    /// part grown again: [`HOLD_INTERVALS`] after the last sync that did (`None`: none did).
+    /// part grown or the key at its limit again: [`HOLD_INTERVALS`] after the last sync that did
+    /// (`None`: none did).
     pub fn projected_until(&self, interval_ms: u64) -> Option<UnixMillis> {
         let hold_ms = interval_ms.saturating_mul(HOLD_INTERVALS).saturating_sub(1);
-        (self.grew_at > UnixMillis(0)).then(|| self.grew_at.plus_ms(hold_ms))
+        (self.contended_at > UnixMillis(0)).then(|| self.contended_at.plus_ms(hold_ms))
     }
 
     /// What the other proxies add to this proxy's counts of the key in bucket `bucket` at `now`
@@ -224,7 +227,7 @@ impl ViewEntry {
     /// Takes the sample of the remote rate between the sync of `before` (this entry as it was)
     /// and this one, at `now`. A first sync, a clock that went back and a second delta of the
     /// same batch keep the rate as it was.
-    fn learn_rate(&mut self, before: Option<&ViewEntry>, demand: u32, now: UnixMillis) {
+    fn learn_rate(&mut self, before: Option<&ViewEntry>, demand: u32, at_limit: bool, now: UnixMillis) {
         let Some(before) = before else { return };
         if now <= before.synced {
             return;
@@ -236,8 +239,8 @@ impl ViewEntry {
                 let grew_units = growth(before.remote_at(self.bucket), self.remote_at(self.bucket));
                 let grew_here = growth(before.applied.rolled(before.bucket, self.bucket), self.applied);
                 self.rate = RemoteRate { grew_units, over_ms };
-                if grew_units > 0 {
-                    self.grew_at = now;
+                if grew_units > 0 || at_limit {
+                    self.contended_at = now;
                 }
                 // Nothing admitted elsewhere while this proxy refused some of its own: every
                 // proxy is at the limit, and the ratio stays (the room held back is not offered
@@ -360,7 +363,7 @@ impl ViewRecord {
                 synced: UnixMillis(reader.u64()?),
                 rate: RemoteRate { grew_units: reader.u32()?, over_ms: reader.u32()? },
                 share: Share { local: f32::from_bits(reader.u32()?), remote: f32::from_bits(reader.u32()?) },
-                grew_at: UnixMillis(reader.u64()?),
+                contended_at: UnixMillis(reader.u64()?),
                 used: UnixMillis(reader.u64()?),
             };
             if !entry.share.local.is_finite() || !entry.share.remote.is_finite() {
@@ -395,7 +398,7 @@ impl ViewRecord {
             out.put_u32(e.rate.over_ms);
             out.put_u32(e.share.local.to_bits());
             out.put_u32(e.share.remote.to_bits());
-            out.put_u64(e.grew_at.0);
+            out.put_u64(e.contended_at.0);
             out.put_u64(e.used.0);
         }
         out
@@ -405,12 +408,14 @@ impl ViewRecord {
     /// synced longest ago goes first): a batch of one ([`Self::apply_batch`]), for the tests.
     #[cfg(test)]
     pub fn apply(&mut self, delta: &Delta, totals: Totals, now: UnixMillis, capacity: usize) {
-        self.apply_batch(&[(*delta, totals)], now, capacity);
+        self.apply_batch(&[(*delta, totals)], now, capacity, |_| false);
     }
 
     /// Takes in one batch's confirmed deltas of this record and their totals (in bucket order),
-    /// then each key's sample of the remote rate since its sync before this one.
-    pub fn apply_batch(&mut self, list: &[(Delta, Totals)], now: UnixMillis, capacity: usize) {
+    /// then each key's sample of the remote rate since its sync before this one; `at_limit`
+    /// tells whether a key's fleet count, as it now reads, is at its limit
+    /// ([`ViewEntry::contended_at`]).
+    pub fn apply_batch(&mut self, list: &[(Delta, Totals)], now: UnixMillis, capacity: usize, at_limit: impl Fn(&ViewEntry) -> bool) {
         let mut before: MixMap<(u64, u64), (Option<ViewEntry>, u32)> = MixMap::default();
         for (delta, totals) in list {
             let id = (delta.rule, delta.fingerprint);
@@ -420,7 +425,8 @@ impl ViewRecord {
         }
         for (id, (was, demand)) in before {
             if let Some(entry) = self.entries.get_mut(&id) {
-                entry.learn_rate(was.as_ref(), demand, now);
+                let at_limit = at_limit(entry);
+                entry.learn_rate(was.as_ref(), demand, at_limit, now);
             }
         }
     }
@@ -772,6 +778,25 @@ mod tests {
     }
 
     #[test]
+    fn a_sync_that_finds_the_key_at_its_limit_keeps_the_projections_counting() {
+        let at_limit = |limit: u32| move |e: &ViewEntry| e.total.current >= limit;
+        let mut r = ViewRecord::default();
+        r.apply(&delta(10, 10), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
+        r.apply(&delta(10, 10), Totals { previous: 0, current: 40 }, UnixMillis(1_100), 8);
+        let until = r.entries[&(1, 33)].projected_until(100);
+        assert_eq!(until, Some(UnixMillis(1_399)));
+        // Nothing grew anywhere, the key under its limit: the projections end as they were.
+        r.apply_batch(&[(Delta { requests: 5, ..delta(10, 0) }, Totals { previous: 0, current: 40 })], UnixMillis(1_200), 8, at_limit(41));
+        assert_eq!(r.entries[&(1, 33)].projected_until(100), until);
+        // Nothing grew, the key at its limit (every proxy refusing): they count on.
+        r.apply_batch(&[(Delta { requests: 5, ..delta(10, 0) }, Totals { previous: 0, current: 40 })], UnixMillis(1_300), 8, at_limit(40));
+        let e = r.entries[&(1, 33)];
+        assert_eq!(e.projected_until(100), Some(UnixMillis(1_599)));
+        assert_eq!(e.shared_at(10, UnixMillis(1_500), 100).per_local_q16, 2 << 16, "the share, as learned");
+        assert_eq!(e.shared_at(10, UnixMillis(1_500), 100).unseen, 0, "no growth to project");
+    }
+
+    #[test]
     fn the_rate_spans_one_bucket_roll_but_not_two_nor_a_few_milliseconds() {
         let mut r = ViewRecord::default();
         r.apply(&delta(10, 3), Totals { previous: 0, current: 10 }, UnixMillis(1_000), 8);
@@ -793,6 +818,7 @@ mod tests {
             &[(delta(10, 1), Totals { previous: 0, current: 20 }), (delta(11, 1), Totals { previous: 20, current: 6 })],
             UnixMillis(1_100),
             8,
+            |_| false,
         );
         assert_eq!(r.entries[&(1, 33)].rate, RemoteRate { grew_units: 9 + 5, over_ms: 100 });
     }
@@ -907,7 +933,7 @@ mod tests {
                 synced: UnixMillis(synced),
                 rate: RemoteRate { grew_units, over_ms },
                 share: Share { local: f32::from(u16::try_from(grew_units % 60_000).unwrap()), remote: f32::from(u16::try_from(over_ms % 60_000).unwrap()) },
-                grew_at: UnixMillis(synced),
+                contended_at: UnixMillis(synced),
                 used: UnixMillis(synced.rotate_left(7)),
             },
         )
@@ -975,7 +1001,7 @@ mod tests {
                 synced,
                 rate: RemoteRate { grew_units: if quiet_for > 0 { 0 } else { grew_units }, over_ms },
                 share: Share { local: f32::from(share.0), remote: f32::from(share.1) },
-                grew_at: UnixMillis(synced.0 - quiet_for),
+                contended_at: UnixMillis(synced.0 - quiet_for),
                 used: synced,
             };
             let local = Counts { previous, current };
