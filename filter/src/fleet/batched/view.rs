@@ -10,8 +10,9 @@
 //! the others' growth, and their traffic since in proportion to this proxy's:
 //! [`ViewEntry::shared_at`]) count until [`ViewEntry::projected_until`], [`HOLD_INTERVALS`]
 //! intervals after the last sync that found the others' part grown or the key at its limit
-//! ([`ViewEntry::contended_at`]), and not after it. A proxy's part counts at least a quarter of its requests, refused ones included
-//! ([`DEMAND_WEIGHT`]), so a proxy that loses a race for a saturated key keeps its share. A key the
+//! ([`ViewEntry::contended_at`]), and not after it. A proxy's part counts at least a quarter of
+//! its requests, refused ones included ([`DEMAND_WEIGHT`]), so a proxy that loses a race for a
+//! saturated key keeps its share. A key the
 //! proxy stops sending is still refreshed: each batch reads up to [`REFRESH_PER_BATCH`] keys synced
 //! longest ago, a key near its rule's least limit (its fleet total at least half of it) once it
 //! was not synced for [`REFRESH_AFTER_INTERVALS`] intervals, a key far under it once it was not
@@ -225,8 +226,9 @@ impl ViewEntry {
     }
 
     /// Takes the sample of the remote rate between the sync of `before` (this entry as it was)
-    /// and this one, at `now`. A first sync, a clock that went back and a second delta of the
-    /// same batch keep the rate as it was.
+    /// and this one, at `now`, and renews the projections' hold ([`Self::contended_at`]) when
+    /// the others' part grew or the key is `at_limit`. A first sync, a clock that went back and
+    /// a second delta of the same batch keep the rate and the hold as they were.
     fn learn_rate(&mut self, before: Option<&ViewEntry>, demand: u32, at_limit: bool, now: UnixMillis) {
         let Some(before) = before else { return };
         if now <= before.synced {
