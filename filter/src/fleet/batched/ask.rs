@@ -147,8 +147,7 @@ impl GlobalScope {
     /// within 1 % of it, where a refused request does not ask.
     pub fn at_limit(&self, entry: &ViewEntry, now: UnixMillis) -> bool {
         let Some(limit) = self.least_limit_of(entry.rule).and_then(NonZeroU32::new) else { return false };
-        let totals = entry.total.rolled(entry.bucket, bucket_of(now, entry.window_ms));
-        !has_room(entry.window_ms, totals, 0, 0, limit, now)
+        !has_room(entry.window_ms, entry.total_at(bucket_of(now, entry.window_ms)), 0, 0, limit, now)
     }
 
     /// The ask of `probe`'s key for its cost under `limit`, at `now`, with `pending` units of

@@ -696,6 +696,7 @@ fn a_stopped_remote_costs_a_few_early_refusals_and_the_fleet_still_reaches_its_l
 #[test]
 fn the_room_a_full_window_frees_goes_to_the_proxies_by_their_shares() {
     let (limit, proxies, rate_per_s, window_ms) = (2_500u32, 100u64, 500u64, 10_000u64);
+    let window = crate::ratelimit::window::Window::new(std::num::NonZeroU64::new(window_ms).unwrap());
     for seed in 1..=4u64 {
         let config = config(limit, "10s");
         let mut fleet: Vec<Proxy> = (0..proxies).map(|i| Proxy::new(&config, 1, i + 1)).collect();
@@ -716,9 +717,9 @@ fn the_room_a_full_window_frees_goes_to_the_proxies_by_their_shares() {
                     continue;
                 }
                 full_at.get_or_insert(ms - 50);
-                let admitted = |b: u64| per_bucket.get(&b).copied().unwrap_or(0);
-                let weighed = (admitted(bucket - 1) * (window_ms - now.0 % window_ms)).div_ceil(window_ms);
-                let room = u64::from(limit).saturating_sub(weighed + admitted(bucket));
+                let admitted = |b: u64| u32::try_from(per_bucket.get(&b).copied().unwrap_or(0)).unwrap();
+                let counts = crate::ratelimit::window::Counts { previous: admitted(bucket - 1), current: admitted(bucket) };
+                let room = window.remaining(counts, window.phase(now).elapsed_ms, std::num::NonZeroU32::new(limit).unwrap());
                 refused_with_room += u32::from(room > u64::from(limit / 100));
             }
             for (p, proxy) in fleet.iter_mut().enumerate() {

@@ -184,6 +184,11 @@ fn clamp(value: u64) -> u32 {
 }
 
 impl ViewEntry {
+    /// The fleet's totals, as seen from window bucket `bucket`.
+    pub fn total_at(&self, bucket: u64) -> Counts {
+        self.total.rolled(self.bucket, bucket)
+    }
+
     /// What the other proxies admitted, as seen from window bucket `bucket`.
     pub fn remote_at(&self, bucket: u64) -> Counts {
         let remote = Counts {
@@ -584,7 +589,7 @@ impl ViewCache {
     /// The fleet's counts of a key as the store last gave them, as seen from `bucket` (`None`:
     /// never told of).
     pub fn totals(&self, rule: u64, fingerprint: u64, bucket: u64) -> Option<Counts> {
-        self.entry(rule, fingerprint).map(|e| e.total.rolled(e.bucket, bucket))
+        self.entry(rule, fingerprint).map(|e| e.total_at(bucket))
     }
 
     /// [`Self::shared`] and when the key was last synced; `None` for a key never told of.
@@ -608,7 +613,7 @@ impl ViewCache {
     /// a rule no longer in global scope, never near).
     pub fn refreshes(&self, now: UnixMillis, due: Due, max: usize, least_limit: impl Fn(u64) -> Option<u32>) -> Vec<Delta> {
         let near = |e: &ViewEntry| {
-            let total = e.total.rolled(e.bucket, now.0.checked_div(e.window_ms).unwrap_or(e.bucket));
+            let total = e.total_at(now.0.checked_div(e.window_ms).unwrap_or(e.bucket));
             least_limit(e.rule).is_some_and(|l| u64::from(total.previous).saturating_add(u64::from(total.current)).saturating_mul(2) >= u64::from(l))
         };
         let mut picked: Vec<&ViewEntry> = self
